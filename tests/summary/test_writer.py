@@ -284,7 +284,9 @@ def test_flush_from_several_threads(tmp_path):
     assert seen == {k: 50 for k in range(4)}
 
 
-def test_first_event_flushed_at_once_then_every_flush_secs(tmp_path, fake_clock, monkeypatch):
+def test_first_event_flushed_at_once_then_batched_and_flushed_every_flush_secs(
+    tmp_path, fake_clock, monkeypatch
+):
     written, synced = threading.Event(), threading.Event()
     fsyncs = []
     real_write, real_fsync = event_file_mod._write_all, event_file_mod._fsync
@@ -310,14 +312,20 @@ def test_first_event_flushed_at_once_then_every_flush_secs(tmp_path, fake_clock,
         fake_clock.timed_wait_started.clear()
         fake_clock.advance(5)
         w.add_scalar("x", 2.0, 2)
+        # Later events wait up to write_delay_secs for more to share their write.
+        assert fake_clock.timed_wait_started.wait(10)
+        assert fake_clock.timed_waits[-1] == pytest.approx(SummaryWriter.write_delay_secs)
+        assert not written.is_set()
+        fake_clock.timed_wait_started.clear()
+        fake_clock.advance(SummaryWriter.write_delay_secs)
         assert written.wait(10)
         # The writer goes idle until the flush deadline: 60 s after the first flush.
         assert fake_clock.timed_wait_started.wait(10)
-        assert fake_clock.timed_waits[-1] == pytest.approx(55.0)
+        assert fake_clock.timed_waits[-1] == pytest.approx(55.0 - SummaryWriter.write_delay_secs)
         assert len(fsyncs) == 1
         fake_clock.advance(56)
         assert synced.wait(10)
-        assert fsyncs == [1000.0, 1061.0]
+        assert fsyncs == [1000.0, 1061.0 + SummaryWriter.write_delay_secs]
     finally:
         w.close()
 

@@ -6,9 +6,10 @@ Layout (data flows down)::
     ops.py           TF 1's summary ops: callables in the default graph's collections
     writer.py        SummaryWriter / FileWriter: argument checks, enqueue only
     snapshot.py      copies of enqueued values, no host/device synchronisation
-    queue_items.py   queued items -> serialized Events (writer thread; metadata once per tag)
-    scalar_event.py  hand-written wire encoding of scalar Events (the add_scalar fast path)
-    event_file.py    the thread owning one events file: naming, batches, flushes, errors
+    queue_items.py   queued items -> framed records (writer thread; metadata once per tag)
+    scalar_batch.py  runs of scalar events encoded and framed at once with numpy
+    scalar_event.py  hand-written wire encoding of one scalar Event (short runs)
+    event_file.py    the thread owning one events file: bounded queue, batches, flushes
     records.py       TFRecord framing with masked CRC-32C
     reader.py        summary_iterator
     writer_cache.py  one shared writer per log directory
@@ -26,6 +27,7 @@ from tensorboard.compat.proto.histogram_pb2 import HistogramProto
 from tensorboard.compat.proto.summary_pb2 import Summary
 
 from torchsupervisor.summary.encoders import audio_pb, histogram_pb, image_pb, scalar_pb, text_pb
+from torchsupervisor.summary.event_file import WriterCounters
 from torchsupervisor.summary.ops import (
     SummaryOp,
     audio,
@@ -51,6 +53,7 @@ __all__ = [
     "SummaryOp",
     "SummaryWriter",
     "SummaryWriterCache",
+    "WriterCounters",
     "audio",
     "audio_pb",
     "histogram",

@@ -1,18 +1,28 @@
 """The background thread that owns one events file: queue, batches, naming, flushes, errors.
 
 A ``SummaryWriter`` has one ``EventFileWriter`` per open (``reopen()`` starts a new one, hence
-a new file). Callers ``put`` opaque items in its queue; its thread takes everything pending in
-one batch, has the writer's ``BatchEncoder`` turn it into serialized ``Event``s, frames them as
-TFRecords (``records.py``) and writes the batch with one write call::
+a new file). Callers append items to its queue (a ``collections.deque``: no lock on the fast
+path); its thread takes everything pending as one batch, has the writer's ``BatchEncoder`` turn
+it into framed records (``queue_items.py``, ``records.py``) and writes the batch with one write
+call::
 
-    caller: put(item) -> (lock, append to deque, wake the thread) -> return
-    thread: take all pending -> encode -> frame -> write -> fsync every flush_secs
+    caller: put(item) -> (room? append; thread asleep? wake it) -> return
+    thread: take all pending -> encode + frame -> write -> fsync every flush_secs
+
+The queue is bounded: at most ``max_queue`` items wait for the thread (plus, at most, one per
+producer thread racing for the last slot). When it is full the policy decides: ``"block"``
+(TF's behaviour) makes the caller wait until the thread has taken the pending items;
+``"drop"`` discards the new item. Both are counted (``WriterCounters``) and reported (a
+warning for drops at once and then at most every ``DROP_REPORT_SECS``; a summary at close).
 
 Files are named ``<logdir>/events.out.tfevents.<10-digit seconds>.<hostname><suffix>`` (created
 exclusively, at the first event; a taken name moves to the next second) and start with an
-``Event(file_version="brain.Event:2")`` record, written with the first batch. A failed create,
-write or fsync is logged; the batch is lost and the next batch opens a new file (TF's
-re-initialization). Writers still open at interpreter exit are drained and closed.
+``Event(file_version="brain.Event:2")`` record, written with the first batch and flushed at
+once. Then the file is fsynced when ``flush_secs`` have passed since the last flush, when
+``flush()`` or ``request_flush()`` asks (markers in the queue, so they cover exactly the items
+added before them), and at close. A failed create, write or fsync is logged; the batch is lost
+and the next batch opens a new file (TF's re-initialization). Writers still open at interpreter
+exit are drained and closed.
 
 All file-system calls go through ``_open_exclusive``, ``_write_all``, ``_fsync`` and
 ``_close``, the seam where tests inject faults.
@@ -24,10 +34,12 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import errno
 import logging
 import os
 import socket
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -38,15 +50,42 @@ from tensorboard.compat.proto import event_pb2
 from torchsupervisor.clock import Clock
 from torchsupervisor.summary import records
 
-__all__ = ["FILE_VERSION", "BatchEncoder", "EventFileWriter"]
+__all__ = [
+    "BLOCK",
+    "DROP",
+    "DROP_REPORT_SECS",
+    "FILE_VERSION",
+    "WRITE_BATCH",
+    "WRITE_DELAY_SECS",
+    "BatchEncoder",
+    "EventFileWriter",
+    "WriterCounters",
+]
 
 logger = logging.getLogger("torchsupervisor")
 
 FILE_VERSION = "brain.Event:2"
 """The ``file_version`` of the first record of every events file."""
 
+BLOCK = "block"
+"""Full-queue policy: the caller waits until the writer thread takes the pending events."""
+
+DROP = "drop"
+"""Full-queue policy: the new event is discarded (counted, and reported in the log)."""
+
+DROP_REPORT_SECS = 60.0
+"""After the first warning about dropped events, at most one more per this many seconds."""
+
+WRITE_DELAY_SECS = 0.25
+"""How long pending events may wait for more to share their write (a new file's first batch
+and anything a flush, close or ``write_batch`` pending events ask for are written at once)."""
+
+WRITE_BATCH = 4096
+"""Pending events that make the thread write at once (or half of ``max_queue`` if smaller)."""
+
 _HOSTNAME: str | None = None
 _MAX_NAME_PROBES = 100_000
+_UNBOUNDED = sys.maxsize
 
 
 def _hostname() -> str:
@@ -85,15 +124,31 @@ def _close(fd: int) -> None:
     os.close(fd)
 
 
+def _lower_priority(niceness: int) -> None:
+    """Give the calling thread the CPU priority ``niceness`` (Linux: threads are tasks)."""
+    if niceness <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except OSError as e:
+        logger.debug("Could not lower the summary writer's priority: %s", e)
+
+
 # --------------------------------------------------------------------------------------------
 # The writer thread and its queue.
 
 
 class BatchEncoder(Protocol):
-    """What an ``EventFileWriter`` needs to turn its queued items into records' payloads."""
+    """What an ``EventFileWriter`` needs to turn its queued items into records."""
 
-    def encode_batch(self, batch: Sequence[Any]) -> list[bytes]:
-        """Return the serialized ``Event``s of ``batch`` (items that fail are dropped)."""
+    errors: int
+
+    def queued_bytes(self, item: Any) -> int:
+        """Return the ``nbytes`` that ``put`` counted for ``item``."""
+        ...
+
+    def encode_batch(self, batch: Sequence[Any]) -> tuple[list[Any], int]:
+        """Return the framed records of ``batch`` (bytes-like chunks) and how many events."""
         ...
 
     def forget_batch(self) -> None:
@@ -101,24 +156,82 @@ class BatchEncoder(Protocol):
         ...
 
 
+@dataclasses.dataclass(frozen=True)
+class WriterCounters:
+    """What a summary writer has done so far (cumulative over ``reopen()``).
+
+    Attributes:
+        events_written: Events written to an events file.
+        events_pending: Events waiting for the writer thread.
+        events_dropped: Events discarded because the queue was full (``on_full="drop"``).
+        events_lost: Events that could not be encoded or written (each failure is logged).
+        blocked_calls: ``add_*`` calls that waited for room in a full queue (``"block"``).
+        blocked_secs: Seconds those calls waited in total.
+        bytes_written: Bytes written to events files, first records included.
+        batches: Write calls (one per batch of events).
+        flushes: fsyncs of an events file.
+
+    Thread safety: immutable.
+
+    TF name: none (TF's writers count nothing).
+    """
+
+    events_written: int = 0
+    events_pending: int = 0
+    events_dropped: int = 0
+    events_lost: int = 0
+    blocked_calls: int = 0
+    blocked_secs: float = 0.0
+    bytes_written: int = 0
+    batches: int = 0
+    flushes: int = 0
+
+    def __add__(self, other: WriterCounters) -> WriterCounters:
+        return WriterCounters(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self))
+        )
+
+
+class _Flush:
+    """A queue marker: flush the file once everything before it is written."""
+
+    __slots__ = ("done",)
+
+    def __init__(self, wait: bool) -> None:
+        self.done = threading.Event() if wait else None
+
+
 class EventFileWriter:
     """The queue and the thread writing one events file (one per open/reopen of a writer).
-
-    The file is created at the first batch. The thread flushes (fsyncs) the file at its first
-    batch, then when ``flush_secs`` have passed since the last flush, when ``flush()`` asks,
-    and at close.
 
     Args:
         logdir: The directory of the file (created again if it disappeared).
         suffix: Appended to the file name.
-        max_queue: The number of items that may wait before ``put`` blocks; 0 or less means
+        max_queue: The number of items that may wait for the thread; 0 or less means
             unbounded.
-        flush_secs: Seconds between two flushes of the file.
+        flush_secs: Seconds between two flushes (fsync) of the file.
         clock: For the file name's seconds, the first record's wall time and the flush timer.
-        encoder: Turns batches of items into serialized ``Event``s.
+        encoder: Turns batches of items into framed records.
+        on_full: ``BLOCK`` or ``DROP`` (see the module docstring).
+        max_bytes: The bytes of tensor copies and protos (``put``'s ``nbytes``) that may wait
+            for the thread; the queue is full when one more item would exceed it (one item is
+            always accepted into an empty queue). 0 or less means no byte bound.
+        niceness: CPU priority of the thread as a ``nice`` value (Linux; 0: the caller's).
+        write_delay_secs: How long pending items may wait for more before they are written.
 
-    Thread safety: ``put``, ``flush`` and ``request_close`` may be called from any thread;
-    ``SummaryWriter.add_scalar`` inlines ``put``'s fast path, under ``lock``.
+    Attributes:
+        queue: The pending items (callers append; only the thread takes).
+        batch_at: Pending items that make the thread write without waiting for more:
+            ``min(max_queue // 2, WRITE_BATCH)``, at least 1.
+        wake_at: ``len(queue)`` below which a caller may append without further checks:
+            ``batch_at``; once ``put`` has told the thread to write, ``max_queue`` (until the
+            thread takes the items); -1 once closed. From there on, ``put`` applies the
+            full-queue policy.
+        idle: True while the thread sleeps with nothing pending; a caller that appended an
+            item then calls ``wake()``.
+
+    Thread safety: ``put``, ``flush``, ``request_flush``, ``request_close`` and ``counters``
+    may be called from any thread; ``SummaryWriter.add_scalar`` inlines ``put``'s fast path.
 
     TF name: ``EventFileWriter`` with its ``EventsWriter``.
     """
@@ -131,31 +244,49 @@ class EventFileWriter:
         flush_secs: float,
         clock: Clock,
         encoder: BatchEncoder,
+        *,
+        on_full: str = BLOCK,
+        max_bytes: int = 0,
+        niceness: int = 0,
+        write_delay_secs: float = WRITE_DELAY_SECS,
     ) -> None:
         self.logdir = logdir
         self.suffix = suffix
-        self.max_queue = max_queue
+        self.max_queue = max_queue if max_queue > 0 else _UNBOUNDED
         self.flush_secs = flush_secs
         self.clock = clock
         self.encoder = encoder
+        self.on_full = on_full
+        self.max_bytes = max(0, max_bytes)
+        self.niceness = niceness
+        self.write_delay_secs = write_delay_secs
+        self.queue: collections.deque[Any] = collections.deque()
+        self.batch_at = max(1, min(self.max_queue // 2, WRITE_BATCH))
+        self.wake_at = self.batch_at
+        self.idle = False
+        self.urgent = False  # write what is pending without waiting for more
         self.lock = threading.Lock()
         self.not_full = threading.Condition(self.lock)
-        self.done = threading.Condition(self.lock)
-        self.wake = threading.Event()
-        self.pending: collections.deque[tuple[Any, ...]] = collections.deque()
-        # State below is guarded by ``lock``.
+        self.wake_event = threading.Event()
+        # Guarded by ``lock``.
         self.closed = False  # no more items accepted
         self.exited = False  # the thread has finished (normally or not)
-        self.idle = False  # the thread waits for ``wake``
         self.blocked_producers = 0
-        self.enqueued = 0  # items ever accepted
-        self.processed = 0  # items the thread has written (or dropped)
-        self.flushed = 0  # items covered by the last flush
-        self.flush_target = 0  # a flush() waits until ``flushed`` reaches this
-        # State below is touched only by the thread.
+        self.pending_bytes = 0  # the ``nbytes`` of the queued items
+        self.dropped = 0
+        self.blocked_calls = 0
+        self.blocked_secs = 0.0
+        self._next_drop_report = float("-inf")
+        # Written by the thread only.
+        self.written = 0
+        self.lost = 0
+        self.bytes_written = 0
+        self.batches = 0
+        self.flushes = 0
         self.fd: int | None = None
         self.path: str | None = None
         self.header = b""  # the file_version record, until it is written
+        self._batch: list[Any] = []  # the items being written
         self.unflushed = False
         self.next_flush = float("-inf")
         self.thread = threading.Thread(
@@ -169,44 +300,112 @@ class EventFileWriter:
 
     # -- caller side -------------------------------------------------------------------------
 
-    def put(self, item: tuple[Any, ...]) -> bool:
-        """Enqueue ``item``; block while ``max_queue`` items are pending. False if closed.
+    def wake(self) -> None:
+        """Wake the thread if it sleeps (after an append that found it ``idle``)."""
+        self.idle = False
+        self.wake_event.set()
 
-        ``SummaryWriter.add_scalar`` inlines the non-blocking case; keep the two in step.
+    def put(self, item: Any, nbytes: int = 0) -> bool:
+        """Enqueue ``item``, applying the full-queue policy. False if closed.
+
+        Args:
+            item: The item.
+            nbytes: The memory it holds (tensor copies, protos), counted against
+                ``max_bytes``; 0 for a scalar.
+
+        ``SummaryWriter.add_scalar`` inlines the case where the queue has room; keep the two
+        in step.
         """
+        queue = self.queue
+        if not nbytes and len(queue) < self.wake_at:
+            queue.append(item)
+            if self.idle:
+                self.wake()
+            return True
         with self.lock:
             if self.closed:
                 return False
-            if 0 < self.max_queue <= len(self.pending) and (
-                threading.get_ident() != self.thread.ident
-            ):
-                self.blocked_producers += 1
-                try:
-                    while len(self.pending) >= self.max_queue and not self.closed:
-                        self.not_full.wait()
-                finally:
-                    self.blocked_producers -= 1
+            if self._full(nbytes) and threading.get_ident() != self.thread.ident:
+                if self.on_full == DROP:
+                    self._drop()
+                    return True
+                self._wait_for_room(nbytes)
                 if self.closed:
                     return False
-            self.pending.append(item)
-            self.enqueued += 1
-            if self.idle:
-                self.idle = False
-                self.wake.set()
+            queue.append(item)
+            self.pending_bytes += nbytes
+            write_now = len(queue) >= self.batch_at or (
+                self.max_bytes and 2 * self.pending_bytes >= self.max_bytes
+            )
+            if write_now:
+                # The thread is told once; callers append on the fast path until it is full.
+                self.wake_at = self.max_queue
+        if write_now:
+            self.urgent = True
+            self.wake()
+        elif self.idle:
+            self.wake()
+        return True
+
+    def _full(self, nbytes: int) -> bool:
+        """Whether an item of ``nbytes`` must wait (caller holds ``lock``)."""
+        if len(self.queue) >= self.max_queue:
             return True
+        return bool(
+            self.max_bytes and self.pending_bytes and self.pending_bytes + nbytes > self.max_bytes
+        )
+
+    def _drop(self) -> None:
+        """Count a dropped item and report it (caller holds ``lock``)."""
+        self.dropped += 1
+        now = self.clock.monotonic()
+        if now >= self._next_drop_report:
+            self._next_drop_report = now + DROP_REPORT_SECS
+            logger.warning(
+                "The summary queue of %s is full (max_queue=%d, max_queue_bytes=%d): dropping "
+                "events (on_full='drop'); %d dropped so far",
+                self.logdir,
+                self.max_queue if self.max_queue != _UNBOUNDED else 0,
+                self.max_bytes,
+                self.dropped,
+            )
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Block until the thread takes the pending items (caller holds ``lock``)."""
+        start = self.clock.monotonic()
+        self.blocked_calls += 1
+        self.blocked_producers += 1  # before checking the length: the thread reads it after
+        try:
+            while self._full(nbytes) and not self.closed:
+                self.urgent = True
+                self.wake()
+                self.not_full.wait()
+        finally:
+            self.blocked_producers -= 1
+            self.blocked_secs += self.clock.monotonic() - start
 
     def flush(self) -> None:
-        """Wait until every item accepted so far is written and flushed."""
+        """Wait until every item added so far is written and the file flushed."""
+        if threading.get_ident() == self.thread.ident:
+            return
+        marker = _Flush(wait=True)
         with self.lock:
-            target = self.enqueued
-            if self.flushed >= target or self.exited:
+            if self.exited:
                 return
-            self.flush_target = max(self.flush_target, target)
-            if self.idle:
-                self.idle = False
-                self.wake.set()
-            while self.flushed < target and not self.exited:
-                self.done.wait()
+            self.queue.append(marker)  # markers do not count against max_queue
+        self.urgent = True
+        self.wake()
+        assert marker.done is not None
+        marker.done.wait()
+
+    def request_flush(self) -> None:
+        """Ask for a flush once every item added so far is written; do not wait for it."""
+        with self.lock:
+            if self.exited:
+                return
+            self.queue.append(_Flush(wait=False))
+        self.urgent = True
+        self.wake()
 
     def request_close(self) -> bool:
         """Stop accepting items and tell the thread to finish; False if already closed."""
@@ -214,14 +413,30 @@ class EventFileWriter:
             if self.closed:
                 return False
             self.closed = True
+            self.wake_at = -1
             self.not_full.notify_all()
-            self.idle = False
-            self.wake.set()
-            return True
+        self.wake()
+        return True
+
+    def counters(self) -> WriterCounters:
+        """Return the counters of this file's thread (a consistent-enough snapshot)."""
+        with self.lock:
+            return WriterCounters(
+                events_written=self.written,
+                events_pending=sum(1 for item in list(self.queue) if type(item) is not _Flush),
+                events_dropped=self.dropped,
+                events_lost=self.lost + self.encoder.errors,
+                blocked_calls=self.blocked_calls,
+                blocked_secs=self.blocked_secs,
+                bytes_written=self.bytes_written,
+                batches=self.batches,
+                flushes=self.flushes,
+            )
 
     # -- writer thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        _lower_priority(self.niceness)
         try:
             self._loop()
         except BaseException:  # a bug: never leave callers blocked behind a dead thread
@@ -231,86 +446,129 @@ class EventFileWriter:
             with self.lock:
                 self.closed = True
                 self.exited = True
-                self.flushed = self.processed
+                self.wake_at = -1
+                leftover = self._batch + list(self.queue)  # the batch a failure interrupted
+                self.queue.clear()
                 self.not_full.notify_all()
-                self.done.notify_all()
+            for item in leftover:
+                if type(item) is _Flush and item.done is not None:
+                    item.done.set()
 
     def _loop(self) -> None:
+        queue = self.queue
         while True:
-            with self.lock:
-                batch = self.pending
-                if batch:
-                    self.pending = collections.deque()
-                    if self.blocked_producers:
-                        self.not_full.notify_all()
-                stopping = self.closed
-                flush_requested = self.flush_target > self.flushed
-                idle = not batch and not stopping and not flush_requested
-                if idle:
-                    self.idle = True
-                    self.wake.clear()
-            if idle:
-                self._wait_idle()
+            if not queue:
+                if self.closed:
+                    return
+                self._sleep_until_woken()
                 continue
-            if batch:
-                self._write_batch(batch)
+            if self.fd is not None and not self._write_now():
+                self._collect()
+            self.urgent = False
             with self.lock:
-                self.processed += len(batch)
-                done = self.processed
-            if stopping or flush_requested or self._flush_due():
-                self._flush(done)
-            if stopping:
+                if not self.closed:
+                    self.wake_at = self.batch_at
+            n = len(queue)
+            popleft = queue.popleft
+            self._batch = batch = [popleft() for _ in range(n)]
+            if self.pending_bytes:
+                freed = sum(self.encoder.queued_bytes(item) for item in batch)
+                with self.lock:
+                    self.pending_bytes -= freed
+                    self.not_full.notify_all()
+            elif self.blocked_producers:
+                with self.lock:
+                    self.not_full.notify_all()
+            self._process(batch)
+            self._batch = []
+            if self._flush_due():
+                self._flush_file()
+
+    def _write_now(self) -> bool:
+        return self.urgent or self.closed or len(self.queue) >= self.batch_at
+
+    def _sleep_until_woken(self) -> None:
+        """Nothing pending: sleep until an item arrives (or the flush timer fires)."""
+        self.wake_event.clear()
+        self.idle = True
+        if self.queue or self.closed:  # appended before ``idle`` was visible
+            self.idle = False
+            return
+        timeout = None
+        if self.unflushed:
+            timeout = max(0.0, self.next_flush - self.clock.monotonic())
+        self.clock.wait(self.wake_event, timeout)
+        self.idle = False
+        if self._flush_due():
+            self._flush_file()
+
+    def _collect(self) -> None:
+        """Let items accumulate for up to ``write_delay_secs`` (one write for many events).
+
+        Returns early when ``batch_at`` items are pending, when a flush or close is asked for,
+        and when the flush timer is due.
+        """
+        now = self.clock.monotonic()
+        deadline = now + self.write_delay_secs
+        if self.unflushed:
+            deadline = min(deadline, self.next_flush)
+        while True:
+            self.wake_event.clear()
+            if self._write_now():
                 return
+            remaining = deadline - self.clock.monotonic()
+            if remaining <= 0:
+                return
+            self.clock.wait(self.wake_event, remaining)
+
+    def _process(self, batch: list[Any]) -> None:
+        """Write the items of ``batch``; at each flush marker, flush what came before it."""
+        start = 0
+        for index in [i for i, item in enumerate(batch) if type(item) is _Flush]:
+            if index > start:
+                self._write_batch(batch[start:index])
+            start = index + 1
+            self._flush_file()
+            marker = batch[index]
+            if marker.done is not None:
+                marker.done.set()
+        if start < len(batch):
+            self._write_batch(batch[start:] if start else batch)
 
     def _flush_due(self) -> bool:
         return self.unflushed and self.clock.monotonic() >= self.next_flush
 
-    def _wait_idle(self) -> None:
-        timeout = None
-        if self.unflushed:
-            timeout = max(0.0, self.next_flush - self.clock.monotonic())
-        self.clock.wait(self.wake, timeout)
-        with self.lock:
-            self.idle = False
-            done = self.processed
-        if self._flush_due():
-            self._flush(done)
-
-    def _flush(self, done: int) -> None:
-        """Flush the file, then release the ``flush()`` callers waiting for ``done`` items."""
-        self._flush_file()
-        with self.lock:
-            if done > self.flushed:
-                self.flushed = done
-            self.done.notify_all()
-
-    def _write_batch(self, batch: collections.deque[tuple[Any, ...]]) -> None:
-        payloads = self.encoder.encode_batch(batch)
-        if not payloads:
+    def _write_batch(self, batch: list[Any]) -> None:
+        chunks, count = self.encoder.encode_batch(batch)
+        if not chunks:
             return
         if self.fd is None and not self._open_file():
-            logger.error("%d events for %s are lost", len(payloads), self.logdir)
+            logger.error("%d events for %s are lost", count, self.logdir)
+            self.lost += count
             self.encoder.forget_batch()
             return
-        encode_record = records.encode_record
-        frames = [encode_record(payload) for payload in payloads]
         if self.header:
             # A new file: its first record goes out in the same write as the first batch.
-            frames.insert(0, self.header)
+            chunks.insert(0, self.header)
+        data = b"".join(chunks)
         try:
-            _write_all(self.fd, b"".join(frames))
+            _write_all(self.fd, data)
         except OSError as e:
             logger.error(
                 "Failed to write %d events to %s: %s. The next event opens a new file.",
-                len(frames),
+                count,
                 self.path,
                 e,
             )
+            self.lost += count
             self._abandon_file()
             self.encoder.forget_batch()
             return
+        self.written += count
+        self.bytes_written += len(data)
+        self.batches += 1
         self.header = b""
-        self.unflushed = True
+        self.unflushed = True  # a new file's next_flush is -inf: its first batch is flushed
 
     def _open_file(self) -> bool:
         """Create a new events file; True on success (failures are logged)."""
@@ -350,6 +608,7 @@ class EventFileWriter:
             logger.error("Failed to flush %s: %s. The next event opens a new file.", self.path, e)
             self._abandon_file()
             return
+        self.flushes += 1
         self.unflushed = False
         self.next_flush = self.clock.monotonic() + self.flush_secs
 

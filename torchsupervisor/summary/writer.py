@@ -34,16 +34,23 @@ from torchsupervisor.summary.encoders.audio import sample_rate_value
 from torchsupervisor.summary.encoders.histogram import check_bins
 from torchsupervisor.summary.encoders.image import image_layout
 from torchsupervisor.summary.encoders.text import string_array
-from torchsupervisor.summary.event_file import EventFileWriter
+from torchsupervisor.summary.event_file import (
+    BLOCK,
+    DROP,
+    WRITE_DELAY_SECS,
+    EventFileWriter,
+    WriterCounters,
+)
 from torchsupervisor.summary.queue_items import (
     AUDIO,
     HISTOGRAM,
     IMAGE,
     RAW_EVENT,
-    SCALAR,
     SUMMARY_EVENT,
     TEXT,
+    Item,
     ItemEncoder,
+    queued_bytes,
 )
 from torchsupervisor.summary.snapshot import (
     snapshot_array,
@@ -52,7 +59,10 @@ from torchsupervisor.summary.snapshot import (
     snapshot_step,
 )
 
-__all__ = ["FileWriter", "SummaryWriter"]
+__all__ = ["DEFAULT_MAX_QUEUE_BYTES", "FileWriter", "SummaryWriter"]
+
+DEFAULT_MAX_QUEUE_BYTES = 64 << 20
+"""The default bound on the memory that queued histograms, images, ... may hold (64 MiB)."""
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -87,15 +97,31 @@ class SummaryWriter:
     files (which TensorBoard reads them in) stays their creation order; the first record
     (``file_version="brain.Event:2"``) carries the same whole second as the name.
 
-    Every ``add_*`` method only enqueues: the queue holds at most ``max_queue`` events, and a
-    caller that finds it full blocks until the writer thread takes the pending events (TF's
-    semantics). The writer thread encodes and writes them, in the order they were added, with
-    one write call per batch; the file is fsync'ed at the first event and then when
-    ``flush_secs`` have passed since the last flush (data is handed to the operating system at
-    every batch, so TensorBoard sees it before that). A write error is logged with the file
-    name; the events of that batch are lost and the next event opens a new file (as TF's
-    re-initialization). Encoding errors (e.g. a NaN in a histogram) are logged and the event is
-    dropped, since they are found on the writer thread.
+    Every ``add_*`` method only enqueues: it checks its arguments, copies the value without
+    synchronizing with its device (a Python float, or a tensor copy that the writer thread
+    reads later) and appends it to a queue. A writer thread takes everything pending at once,
+    converts tensors to numbers, encodes the events (runs of scalars with numpy, see
+    ``scalar_batch.py``), frames them with a C CRC-32C and writes the batch with one write
+    call, in the order the events were added. The file is fsync'ed at its first batch, then
+    when ``flush_secs`` have passed since the last flush, at ``flush()`` and
+    ``request_flush()`` (the Supervisor asks at every checkpoint commit) and at ``close()``.
+    Events are handed to the operating system within ``write_delay_secs`` (0.25 s) of being
+    added, so TensorBoard sees them at its next reload, and a killed process (even by
+    ``SIGKILL``) loses only the events still in the queue.
+
+    The queue is bounded: at most ``max_queue`` events wait for the writer thread, holding at
+    most ``max_queue_bytes`` of tensor copies and protos. When it is full, ``on_full``
+    decides: ``"block"`` (TF's behaviour, the default) makes the caller wait until the writer
+    thread has taken the pending events; ``"drop"`` discards the new event.
+    Both are counted (``counters()``: ``blocked_calls``, ``blocked_secs``, ``events_dropped``)
+    and reported in the log: a warning at the first drop and then at most once a minute, and a
+    summary when the file is closed. With TF's default ``max_queue=10``, a loop adding many
+    values per step blocks often; a long-running writer should allow thousands
+    (``max_queue=16384`` costs about 2 MB of scalars; ``max_queue_bytes`` bounds the rest).
+
+    A write error is logged with the file name; the events of that batch are lost and the next
+    event opens a new file (as TF's re-initialization). Encoding errors (e.g. a NaN in a
+    histogram) are logged and the event is dropped, since they are found on the writer thread.
 
     After ``close()``, ``add_*`` calls are no-ops that log TF's warning; ``reopen()`` starts
     again with a new file. ``with SummaryWriter(...) as w:`` closes on exit. Writers still open
@@ -106,15 +132,25 @@ class SummaryWriter:
         graph: Ignored. Accepted so that TF code (``FileWriter(logdir, sess.graph)``) runs;
             eager PyTorch has no graph, so no graph or meta-graph event is written. Likewise
             ``add_graph``, ``add_meta_graph`` and ``add_run_metadata`` have no counterpart.
-        max_queue: The number of events that may wait for the writer thread before callers
-            block; 0 or less means unbounded.
+        max_queue: The number of events that may wait for the writer thread (one more per
+            producer thread racing for the last place); 0 or less means unbounded.
         flush_secs: Seconds between two flushes (fsync) of the file.
         filename_suffix: Appended to the file name (``None`` means nothing).
-        clock: The clock for wall times, file names and the flush timer; ``None`` means the
-            real clock.
+        on_full: What an ``add_*`` call does when the queue is full: ``"block"`` (wait for
+            room) or ``"drop"`` (discard the event).
+        max_queue_bytes: The memory that pending histograms, images, audio, text and protos
+            may hold (their tensor copies: device memory for a tensor left on its device);
+            the queue is also full when an event would exceed it (an event larger than it is
+            accepted alone). Scalars are bounded by ``max_queue`` only. 0 or less: no bound.
+        clock: The clock for wall times, file names, the flush timer and the blocked-time
+            counter; ``None`` means the real clock.
+
+    Raises:
+        ValueError: ``on_full`` is neither ``"block"`` nor ``"drop"``.
 
     Thread safety: every method may be called from any thread. Events added by one thread are
-    written in the order they were added.
+    written in the order they were added. Events added while another thread runs ``close()``
+    may be written or lost (as in TF).
 
     Distributed: not rank-aware; create it on one process (the Supervisor does so on the chief
     only). Writers of several processes may share a log directory: file names never collide
@@ -127,6 +163,16 @@ class SummaryWriter:
     close_timeout_secs: float = 120.0
     """How long ``close()`` waits for the writer thread to finish writing."""
 
+    write_delay_secs: float = WRITE_DELAY_SECS
+    """How long pending events may wait for more before the writer thread writes them together
+    (at most; ``max_queue // 2`` or 4096 pending events, a flush and a close write at once, and a
+    new file's first events are written and flushed at once)."""
+
+    thread_niceness: int = 0
+    """CPU priority (``nice``) of the writer thread, on Linux; 0: the same as the caller's.
+    Measured in ``benchmarks/summaries.py`` (``docs/performance.md``): unlike the checkpoint
+    writer, it must not be lowered, since it holds the GIL the training thread needs."""
+
     def __init__(
         self,
         logdir: str | os.PathLike[str],
@@ -135,18 +181,27 @@ class SummaryWriter:
         flush_secs: float = 120,
         filename_suffix: str | None = None,
         *,
+        on_full: str = BLOCK,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
         clock: Clock | None = None,
     ) -> None:
         del graph  # no graphs in eager PyTorch (see the class docstring)
+        if on_full not in (BLOCK, DROP):
+            raise ValueError(f"on_full must be 'block' or 'drop', got {on_full!r}")
         self._logdir = os.fspath(logdir)
         os.makedirs(self._logdir, exist_ok=True)
         self._max_queue = int(max_queue)
         self._flush_secs = float(flush_secs)
         self._suffix = filename_suffix or ""
+        self._on_full = on_full
+        self._max_queue_bytes = int(max_queue_bytes)
         self._clock = REAL_CLOCK if clock is None else clock
+        self._now = self._clock.time
         self._seen_tags: set[str] = set()
         self._state_lock = threading.Lock()
-        self._holder = [self._new_worker()]
+        self._past = WriterCounters()  # counters of the files closed before a reopen()
+        self._holder = [self._new_worker()]  # the finalizer's reference (not to self)
+        self._worker = self._holder[0]  # the same, one lookup less for add_scalar
         self._finalizer = weakref.finalize(self, _stop_current, self._holder)
 
     def _new_worker(self) -> EventFileWriter:
@@ -157,6 +212,10 @@ class SummaryWriter:
             self._flush_secs,
             self._clock,
             ItemEncoder(self._logdir, self._seen_tags),
+            on_full=self._on_full,
+            max_bytes=self._max_queue_bytes,
+            niceness=self.thread_niceness,
+            write_delay_secs=self.write_delay_secs,
         )
         worker.start()
         return worker
@@ -174,8 +233,8 @@ class SummaryWriter:
         """
         return self._logdir
 
-    def _put(self, item: tuple[Any, ...]) -> None:
-        if not self._holder[0].put(item):
+    def _put(self, item: Any) -> None:
+        if not self._holder[0].put(item, queued_bytes(item)):
             logger.warning(_CLOSED_WARNING)
 
     def _wall_time(self, walltime: float | None) -> float:
@@ -198,7 +257,7 @@ class SummaryWriter:
             raise TypeError(f"event must be an event_pb2.Event, got {type(event).__name__}")
         copy = event_pb2.Event()
         copy.CopyFrom(event)
-        self._put((RAW_EVENT, copy, None))
+        self._put(Item((RAW_EVENT, copy, None)))
 
     def add_summary(self, summary: summary_pb2.Summary | bytes, global_step: Any = None) -> None:
         """Enqueue a ``Summary`` as an event with the current wall time.
@@ -234,7 +293,7 @@ class SummaryWriter:
                 f"{type(summary).__name__}"
             )
         event = event_pb2.Event(wall_time=self._clock.time(), summary=parsed)
-        self._put((SUMMARY_EVENT, event, snapshot_step(global_step)))
+        self._put(Item((SUMMARY_EVENT, event, snapshot_step(global_step))))
 
     def add_session_log(self, session_log: event_pb2.SessionLog, global_step: Any = None) -> None:
         """Enqueue a ``SessionLog`` (START, STOP, CHECKPOINT) as an event.
@@ -259,7 +318,7 @@ class SummaryWriter:
                 f"session_log must be an event_pb2.SessionLog, got {type(session_log).__name__}"
             )
         event = event_pb2.Event(wall_time=self._clock.time(), session_log=session_log)
-        self._put((RAW_EVENT, event, snapshot_step(global_step)))
+        self._put(Item((RAW_EVENT, event, snapshot_step(global_step))))
 
     def flush(self) -> None:
         """Block until every event added before this call is written and flushed to disk.
@@ -272,11 +331,43 @@ class SummaryWriter:
         """
         self._holder[0].flush()
 
+    def request_flush(self) -> None:
+        """Ask for the events added so far to be written and flushed to disk; do not wait.
+
+        The writer thread writes and fsyncs the file as soon as it has written every event
+        added before this call. The Supervisor's checkpoint service calls it at each
+        checkpoint commit, so that the summaries describing the steps up to a checkpoint are
+        on disk with it. A no-op on a closed writer.
+
+        Thread safety: may be called from any thread (it never blocks, not even on a full
+        queue).
+
+        TF name: none.
+        """
+        self._holder[0].request_flush()
+
+    def counters(self) -> WriterCounters:
+        """Return what this writer has done so far (since it was created, over reopens).
+
+        Returns:
+            A ``WriterCounters``: events written, pending, dropped (``on_full="drop"``) and
+            lost (encoding or write errors), calls that blocked on a full queue and for how
+            long, bytes written, write calls and fsyncs.
+
+        Thread safety: may be called from any thread; the values are read without stopping
+            the writer thread, so they may be a few events apart from each other.
+
+        TF name: none.
+        """
+        with self._state_lock:
+            return self._past + self._holder[0].counters()
+
     def close(self) -> None:
         """Write every pending event, flush and close the file, and stop the writer thread.
 
         Idempotent. Waits at most ``close_timeout_secs`` for the thread (a warning is logged if
-        it is still writing then).
+        it is still writing then). Logs a warning if events were dropped for a full queue, and
+        (at INFO) how often callers waited for room in it.
 
         Thread safety: may be called from any thread.
 
@@ -284,7 +375,7 @@ class SummaryWriter:
         """
         with self._state_lock:
             worker = self._holder[0]
-            worker.request_close()
+            first = worker.request_close()
         if worker.thread is threading.current_thread():
             return
         worker.thread.join(self.close_timeout_secs)
@@ -294,6 +385,27 @@ class SummaryWriter:
                 "pending may be lost",
                 self._logdir,
                 self.close_timeout_secs,
+            )
+        elif first:
+            self._report(worker.counters())
+
+    def _report(self, counters: WriterCounters) -> None:
+        if counters.events_dropped:
+            logger.warning(
+                "%d summary events for %s were dropped because the queue was full "
+                "(max_queue=%d, on_full='drop')",
+                counters.events_dropped,
+                self._logdir,
+                self._max_queue,
+            )
+        if counters.blocked_calls:
+            logger.info(
+                "Summary calls for %s waited %d times (%.3f s in total) for room in the full "
+                "queue (max_queue=%d)",
+                self._logdir,
+                counters.blocked_calls,
+                counters.blocked_secs,
+                self._max_queue,
             )
 
     def reopen(self) -> None:
@@ -307,7 +419,8 @@ class SummaryWriter:
         """
         with self._state_lock:
             if self._holder[0].closed:
-                self._holder[0] = self._new_worker()
+                self._past = self._past + self._holder[0].counters()
+                self._holder[0] = self._worker = self._new_worker()
 
     def __enter__(self) -> SummaryWriter:
         return self
@@ -325,6 +438,10 @@ class SummaryWriter:
         walltime: float | None = None,
     ) -> None:
         """Enqueue one scalar; no host/device synchronisation on the calling thread.
+
+        This is the hot path (about half a microsecond with a float and an int step, see
+        ``docs/performance.md``): no proto is built here, the value is appended to the queue
+        as a tuple.
 
         Args:
             tag: The tag (used as is).
@@ -344,30 +461,27 @@ class SummaryWriter:
         """
         if type(tag) is not str:
             _check_tag(tag)
-        value = scalar_value if type(scalar_value) is float else snapshot_scalar(tag, scalar_value)
-        step = global_step
-        if step is not None and type(step) is not int:
-            step = snapshot_step(step)
+        if type(scalar_value) is not float:
+            scalar_value = snapshot_scalar(tag, scalar_value)
+        if global_step is None:
+            global_step = 0  # the proto omits step 0: the same bytes as no step
+        elif type(global_step) is not int:
+            global_step = snapshot_step(global_step)
         item = (
-            SCALAR,
-            self._clock.time() if walltime is None else float(walltime),
-            step,
+            self._now() if walltime is None else float(walltime),
+            global_step,
             tag,
-            value,
+            scalar_value,
         )
         # Inlined fast path of EventFileWriter.put (called on every training step).
-        worker = self._holder[0]
-        with worker.lock:
-            if not worker.closed and (
-                worker.max_queue <= 0 or len(worker.pending) < worker.max_queue
-            ):
-                worker.pending.append(item)
-                worker.enqueued += 1
-                if worker.idle:
-                    worker.idle = False
-                    worker.wake.set()
-                return
-        self._put(item)
+        worker = self._worker
+        queue = worker.queue
+        if len(queue) < worker.wake_at:
+            queue.append(item)
+            if worker.idle:
+                worker.wake()
+        elif not worker.put(item):
+            logger.warning(_CLOSED_WARNING)
 
     def add_histogram(
         self,
@@ -402,13 +516,15 @@ class SummaryWriter:
         """
         _check_tag(tag)
         check_bins(bins)
-        item = (
-            HISTOGRAM,
-            self._wall_time(walltime),
-            snapshot_step(global_step),
-            tag,
-            snapshot_array(values),
-            snapshot_bins(bins),
+        item = Item(
+            (
+                HISTOGRAM,
+                self._wall_time(walltime),
+                snapshot_step(global_step),
+                tag,
+                snapshot_array(values),
+                snapshot_bins(bins),
+            )
         )
         self._put(item)
 
@@ -442,13 +558,15 @@ class SummaryWriter:
         """
         _check_tag(tag)
         image_layout(_shape_of(img_tensor), dataformats)
-        item = (
-            IMAGE,
-            self._wall_time(walltime),
-            snapshot_step(global_step),
-            tag,
-            snapshot_array(img_tensor),
-            dataformats,
+        item = Item(
+            (
+                IMAGE,
+                self._wall_time(walltime),
+                snapshot_step(global_step),
+                tag,
+                snapshot_array(img_tensor),
+                dataformats,
+            )
         )
         self._put(item)
 
@@ -483,13 +601,15 @@ class SummaryWriter:
         if not (len(shape) == 1 or (len(shape) == 2 and shape[0] == 1)):
             raise ValueError(f"snd_tensor must have shape [L] or [1, L], got {list(shape)}")
         rate = sample_rate_value(sample_rate)
-        item = (
-            AUDIO,
-            self._wall_time(walltime),
-            snapshot_step(global_step),
-            tag,
-            snapshot_array(snd_tensor),
-            rate,
+        item = Item(
+            (
+                AUDIO,
+                self._wall_time(walltime),
+                snapshot_step(global_step),
+                tag,
+                snapshot_array(snd_tensor),
+                rate,
+            )
         )
         self._put(item)
 
@@ -520,7 +640,7 @@ class SummaryWriter:
         text = string_array(tag, text_string)
         if text is text_string:
             text = text.copy()
-        item = (TEXT, self._wall_time(walltime), snapshot_step(global_step), tag, text, None)
+        item = Item((TEXT, self._wall_time(walltime), snapshot_step(global_step), tag, text, None))
         self._put(item)
 
 

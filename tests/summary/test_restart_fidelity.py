@@ -1,0 +1,169 @@
+"""After a SIGKILL and a resume, TensorBoard shows one continuous series per tag.
+
+A supervised run writes summaries past its last checkpoint and is killed (SIGKILL, no final
+checkpoint, no STOP). The resumed run restores the checkpoint, writes ``START`` at the restored
+step, and writes those steps again. TensorBoard must show each step once, with the resumed
+run's values from the checkpoint on: checked with TensorBoard's ``EventAccumulator`` and with a
+real ``tensorboard`` server queried over its HTTP data API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+
+from torchsupervisor import CheckpointReader, summary_iterator
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "restart_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHECKPOINT_STEP, KILLED_AT, LAST_STEP = 20, 30, 40
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _worker(logdir: str, run_id: int, checkpoint_step: int, last_step: int, *extra: str):
+    cmd = [sys.executable, WORKER, logdir, str(run_id), str(checkpoint_step), str(last_step)]
+    return [*cmd, *extra]
+
+
+def _expected(tag_steps: list[int]) -> list[tuple[int, float]]:
+    """Run 1's values before the checkpoint, run 2's from the checkpoint on."""
+    return [(s, float((1 if s < CHECKPOINT_STEP else 2) * 1000 + s)) for s in tag_steps]
+
+
+LOSS_STEPS = list(range(LAST_STEP))
+EVAL_STEPS = list(range(0, LAST_STEP + 1, 5))
+
+
+@pytest.fixture(scope="module")
+def resumed_logdir(tmp_path_factory) -> str:
+    logdir = str(tmp_path_factory.mktemp("restart") / "run")
+    killed = subprocess.Popen(
+        _worker(logdir, 1, CHECKPOINT_STEP, KILLED_AT, "--hang"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    try:
+        assert killed.stdout.readline().strip() == "START 0"
+        assert killed.stdout.readline().strip() == "READY"
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.communicate(timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    steps = sorted(
+        CheckpointReader(os.path.join(logdir, n[: -len(".index")])).global_step
+        for n in os.listdir(logdir)
+        if n.endswith(".index")
+    )
+    assert steps == [0, CHECKPOINT_STEP]  # nothing was saved past the checkpoint
+    (crashed,) = [n for n in os.listdir(logdir) if "tfevents" in n]
+    stale = [
+        e.step
+        for e in summary_iterator(os.path.join(logdir, crashed))
+        for v in e.summary.value
+        if v.tag == "loss" and e.step >= CHECKPOINT_STEP
+    ]
+    assert stale == list(range(CHECKPOINT_STEP, KILLED_AT))  # summaries past the checkpoint
+
+    resumed = subprocess.run(
+        _worker(logdir, 2, -1, LAST_STEP),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.splitlines()[0] == f"START {CHECKPOINT_STEP}"
+    assert len([n for n in os.listdir(logdir) if "tfevents" in n]) == 2
+    return logdir
+
+
+def test_event_accumulator_shows_one_continuous_series(resumed_logdir):
+    acc = event_accumulator.EventAccumulator(resumed_logdir, size_guidance={"scalars": 0})
+    acc.Reload()
+    loss = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert loss == _expected(LOSS_STEPS)
+    evals = [(e.step, e.value) for e in acc.Scalars("eval")]
+    assert evals == _expected(EVAL_STEPS)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read().decode("utf-8"))
+
+
+@pytest.mark.timeout(300)
+def test_tensorboard_server_shows_one_continuous_series(resumed_logdir, tmp_path):
+    port = _free_port()
+    log = open(tmp_path / "tensorboard.log", "w")  # noqa: SIM115  (closed in the finally)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            resumed_logdir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--reload_interval",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=_env(),
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def series(tag: str) -> list[tuple[int, float]]:
+        query = urllib.parse.urlencode({"run": ".", "tag": tag})
+        points = _get_json(f"{base}/data/plugin/scalars/scalars?{query}")
+        return [(int(step), float(value)) for _, step, value in points]
+
+    try:
+        deadline = time.monotonic() + 240
+        loss = evals = None
+        while time.monotonic() < deadline:
+            assert server.poll() is None, (tmp_path / "tensorboard.log").read_text()
+            try:
+                if "." in _get_json(f"{base}/data/runs"):
+                    loss, evals = series("loss"), series("eval")
+                    if len(loss) >= len(LOSS_STEPS) and len(evals) >= len(EVAL_STEPS):
+                        break
+            except (urllib.error.URLError, ConnectionError, OSError, ValueError):
+                pass  # not listening, or not loaded yet
+            time.sleep(0.5)
+        assert loss == _expected(LOSS_STEPS)
+        assert evals == _expected(EVAL_STEPS)
+        steps = [step for step, _ in loss]
+        assert len(steps) == len(set(steps))  # no duplicate step
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(30)
+        log.close()
