@@ -1,0 +1,89 @@
+"""The ``torchsupervisor`` command: the demo, and looking inside a log directory without code.
+
+Commands (one module each):
+    demo     train a model under a Supervisor: digits CNN or charlm (``demo.py``)
+    ls       the checkpoints of a logdir, checked byte by byte (``ls.py``)
+    inspect  a checkpoint's tensors and values (``inspect_checkpoint.py``)
+    verify   exit status 0 only if the checkpoint a restart would use is valid (``verify.py``)
+    events   the summaries of a logdir as TensorBoard shows them; CSV, plots (``events.py``)
+    export   a checkpoint's tensors as a .safetensors file (``export.py``)
+
+``python -m torchsupervisor`` and the ``torchsupervisor`` console script both call ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from types import ModuleType
+
+__all__ = ["build_parser", "main"]
+
+_COMMANDS = ("ls", "inspect", "verify", "events", "export")
+
+
+def _module(command: str) -> ModuleType:
+    from torchsupervisor.cli import events, export, inspect_checkpoint, ls, verify
+
+    return {
+        "ls": ls,
+        "inspect": inspect_checkpoint,
+        "verify": verify,
+        "events": events,
+        "export": export,
+    }[command]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of the ``torchsupervisor`` command."""
+    from torchsupervisor.cli import demo
+
+    parser = argparse.ArgumentParser(
+        prog="torchsupervisor",
+        description="TensorFlow 1's training Supervisor for PyTorch: run the demo, or look "
+        "inside a log directory (checkpoints and summaries) without writing code.",
+        epilog="Run 'torchsupervisor COMMAND --help' for the options of a command.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.add_parser("demo", help=demo.HELP, add_help=False)
+    for name in _COMMANDS:
+        module = _module(name)
+        sub = commands.add_parser(
+            name,
+            help=module.HELP,
+            description=(module.__doc__ or "").replace("``", ""),
+            epilog=getattr(module, "EPILOG", None),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit status.
+
+    Exit status: 0 on success, 1 when the command fails (a missing or damaged file, or
+    ``verify`` finding the checkpoint a restart would use damaged), 2 for a usage error.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "demo":
+        from torchsupervisor.cli import demo
+
+        return demo.main(argv[1:])
+    parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return 2
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from torchsupervisor import errors
+
+    try:
+        return _module(args.command).run(args)
+    except (errors.OpError, OSError, ValueError, ImportError) as e:
+        message = getattr(e, "message", None) or str(e)
+        print(f"torchsupervisor {args.command}: error: {message}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. `torchsupervisor events --csv ... | head`
+        return 0

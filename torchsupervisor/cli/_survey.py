@@ -1,0 +1,267 @@
+"""What a log directory holds: its checkpoints, their integrity, and which one a restart uses.
+
+``survey`` composes the library's own parts, so that the answers are those of a real restart:
+``recovery.restore_candidates`` gives the order in which ``SessionManager`` tries checkpoints,
+and ``CheckpointReader.verify`` checks every byte of each; the first valid candidate is the
+one a restart restores. Why a checkpoint is still on disk follows the ``Saver``'s retention:
+the state file lists the checkpoints ``max_to_keep`` tracks; a committed checkpoint it does not
+list was either preserved by ``keep_checkpoint_every_n_hours`` (older than the newest listed
+one) or committed after the last state-file update (a crash in between; a restart tries it
+first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Iterator
+
+from torchsupervisor.checkpoint.format import Manifest
+from torchsupervisor.checkpoint.management import find_incomplete_checkpoints
+from torchsupervisor.checkpoint.reader import CheckpointReader
+from torchsupervisor.checkpoint.recovery import restore_candidates, scan_checkpoints
+from torchsupervisor.checkpoint.references import referenced_data_files
+from torchsupervisor.checkpoint.state_file import get_checkpoint_state, state_file_path
+from torchsupervisor.checkpoint.storage import is_temporary_name
+from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
+
+__all__ = ["CheckpointInfo", "Survey", "check", "restart_order", "survey"]
+
+VALID = "valid"
+CORRUPT = "corrupt"
+UNCHECKED = "unchecked"
+
+KEPT_MAX_TO_KEEP = "max_to_keep"
+KEPT_EVERY_N_HOURS = "every_n_hours"
+KEPT_NEWER_THAN_STATE = "not yet in state file"
+KEPT_NO_STATE_FILE = "no state file"
+
+
+@dataclasses.dataclass
+class CheckpointInfo:
+    """One committed checkpoint (a ``<prefix>.index`` file) of a log directory.
+
+    Attributes:
+        prefix: The checkpoint prefix.
+        step: The global step in its manifest (None if unreadable or not recorded).
+        wall_time: When it was saved, in seconds since the epoch (None if unreadable).
+        size_bytes: Bytes of its index and of every data file it reads (shards shared with
+            other checkpoints included).
+        own_bytes: Bytes of the files named after it (what deleting it frees, at most).
+        status: ``"valid"``, ``"corrupt"`` or ``"unchecked"`` (verification skipped).
+        error: What is wrong, for a corrupt checkpoint.
+        kept_by: Why it is still on disk (see the module docstring).
+        candidate: Its position in the order a restart tries checkpoints (0 first).
+        elsewhere: It is in another directory (named by the state file with an absolute path).
+    """
+
+    prefix: str
+    step: int | None = None
+    wall_time: float | None = None
+    size_bytes: int = 0
+    own_bytes: int = 0
+    status: str = UNCHECKED
+    error: str | None = None
+    kept_by: str = ""
+    candidate: int | None = None
+    elsewhere: bool = False
+
+    @property
+    def name(self) -> str:
+        """The prefix's base name (its full path when it is in another directory)."""
+        return self.prefix if self.elsewhere else os.path.basename(self.prefix)
+
+
+@dataclasses.dataclass
+class Survey:
+    """The checkpoints of a log directory and what a restart would do with them.
+
+    Attributes:
+        logdir: The directory.
+        checkpoints: Committed checkpoints, newest first (by step, then time).
+        restore: The checkpoint a restart restores (the first valid candidate), or None.
+        first_candidate: The checkpoint a restart tries first, or None if there is none.
+        state_file: The state file's path if it exists and could be read, else None.
+        state_file_error: Why the state file was ignored, if it was.
+        incomplete: Prefixes with data files but no index (an interrupted save), ignored by a
+            restart and removed at the next start (unless a checkpoint uses their data).
+        shared_data: Prefixes without index whose data files newer checkpoints still read.
+        temporaries: Left-over temporary files of an interrupted write.
+    """
+
+    logdir: str
+    checkpoints: list[CheckpointInfo]
+    restore: CheckpointInfo | None
+    first_candidate: CheckpointInfo | None
+    state_file: str | None
+    state_file_error: str | None
+    incomplete: list[str]
+    shared_data: list[str]
+    temporaries: list[str]
+
+
+@contextlib.contextmanager
+def _quiet_library() -> Iterator[None]:
+    library = logging.getLogger("torchsupervisor")
+    previous = library.level
+    library.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        library.setLevel(previous)
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _sizes(prefix: str, manifest: Manifest | None) -> tuple[int, int]:
+    directory = os.path.dirname(prefix)
+    base = os.path.basename(prefix)
+    index = _file_size(prefix + ".index")
+    own = index
+    total = index
+    if manifest is None:
+        return total, own
+    for shard in manifest.shards:
+        size = _file_size(os.path.join(directory, shard.file))
+        total += size
+        if shard.file.startswith(base + ".data-"):
+            own += size
+    return total, own
+
+
+def _check(info: CheckpointInfo, verify: bool) -> Manifest | None:
+    try:
+        reader = CheckpointReader(info.prefix)
+    except (NotFoundError, CorruptCheckpointError) as e:
+        info.status, info.error = CORRUPT, str(e)
+        return None
+    manifest = reader.manifest
+    info.step = manifest.global_step
+    info.wall_time = manifest.wall_time
+    if verify:
+        try:
+            reader.verify()
+        except CorruptCheckpointError as e:
+            info.status, info.error = CORRUPT, str(e)
+        except OSError as e:
+            info.status, info.error = CORRUPT, f"cannot be read: {e}"
+        else:
+            info.status = VALID
+    return manifest
+
+
+def check(prefix: str, *, verify: bool = True) -> CheckpointInfo:
+    """Read one checkpoint's manifest and (with ``verify``) check every byte of it.
+
+    Returns:
+        Its ``CheckpointInfo`` (``kept_by`` and ``candidate`` are not filled in).
+    """
+    info = CheckpointInfo(prefix)
+    manifest = _check(info, verify)
+    info.size_bytes, info.own_bytes = _sizes(prefix, manifest)
+    return info
+
+
+def restart_order(logdir: str) -> list[str]:
+    """Return the prefixes a restart tries, in order (``recovery.restore_candidates``)."""
+    with _quiet_library():
+        return restore_candidates(logdir)
+
+
+def survey(logdir: str, *, verify: bool = True) -> Survey:
+    """Describe the checkpoints of ``logdir``.
+
+    Args:
+        logdir: A log directory (as given to the Supervisor or ``Saver.save``).
+        verify: Check every byte of every checkpoint (else only the manifests are read and
+            ``restore`` is the first candidate whose manifest reads).
+
+    Returns:
+        A ``Survey``.
+
+    Raises:
+        NotFoundError: ``logdir`` is not a directory.
+    """
+    if not os.path.isdir(logdir):
+        raise NotFoundError(f"{logdir} is not a directory")
+    state_file_error = None
+    state = None
+    with _quiet_library():  # the survey reports what the library would log
+        try:
+            state = get_checkpoint_state(logdir)
+        except ValueError as e:
+            state_file_error = str(e)
+        candidates = restore_candidates(logdir)
+    path = state_file_path(logdir)
+    if state is None and state_file_error is None and os.path.exists(path):
+        state_file_error = "it cannot be read or parsed"
+    listed: set[str] = set()
+    head = None
+    if state is not None:
+        listed = {_key(p) for p in state.all_model_checkpoint_paths}
+        listed.add(_key(state.model_checkpoint_path))
+        head = _key(state.model_checkpoint_path)
+
+    infos = [CheckpointInfo(prefix) for prefix in scan_checkpoints(logdir)]
+    by_path = {_key(i.prefix): i for i in infos}
+    for prefix in candidates:  # a state file may name checkpoints in another directory
+        if _key(prefix) not in by_path:
+            info = CheckpointInfo(prefix, elsewhere=True)
+            infos.append(info)
+            by_path[_key(prefix)] = info
+    for info in infos:
+        manifest = _check(info, verify)
+        info.size_bytes, info.own_bytes = _sizes(info.prefix, manifest)
+    head_info = by_path.get(head) if head else None
+    for info in infos:
+        if state is None:
+            info.kept_by = KEPT_NO_STATE_FILE
+        elif _key(info.prefix) in listed:
+            info.kept_by = KEPT_MAX_TO_KEEP
+        elif head_info is not None and _newer(info, head_info):
+            info.kept_by = KEPT_NEWER_THAN_STATE
+        else:
+            info.kept_by = KEPT_EVERY_N_HOURS
+    order = [by_path.get(_key(p)) for p in candidates]
+    for position, info in enumerate(i for i in order if i is not None):
+        info.candidate = position
+    tried = sorted((i for i in infos if i.candidate is not None), key=lambda i: i.candidate)
+    usable = (VALID,) if verify else (UNCHECKED,)
+    restore = next((i for i in tried if i.status in usable), None)
+
+    needed = referenced_data_files(logdir)
+    incomplete, shared = [], []
+    for prefix in find_incomplete_checkpoints(logdir):
+        base = os.path.basename(prefix) + ".data-"
+        (shared if any(n.startswith(base) for n in needed) else incomplete).append(prefix)
+    temporaries = sorted(
+        os.path.join(logdir, n) for n in os.listdir(logdir) if is_temporary_name(n)
+    )
+    return Survey(
+        logdir=logdir,
+        checkpoints=infos,
+        restore=restore,
+        first_candidate=tried[0] if tried else None,
+        state_file=path if state is not None else None,
+        state_file_error=state_file_error,
+        incomplete=incomplete,
+        shared_data=shared,
+        temporaries=temporaries,
+    )
+
+
+def _key(prefix: str) -> str:
+    return os.path.realpath(prefix)
+
+
+def _newer(info: CheckpointInfo, head: CheckpointInfo) -> bool:
+    step = -1 if info.step is None else info.step
+    head_step = -1 if head.step is None else head.step
+    return (step, info.wall_time or 0.0) > (head_step, head.wall_time or 0.0)

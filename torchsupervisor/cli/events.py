@@ -1,0 +1,310 @@
+"""``torchsupervisor events LOGDIR``: the summaries of a log directory, as TensorBoard shows them.
+
+Every directory under LOGDIR holding events files is a run (LOGDIR itself is the run ``.``),
+read with TensorBoard's own ``EventAccumulator``: points that a restart made stale (written
+after the checkpoint the run resumed from) are purged at its ``START`` event exactly as in
+TensorBoard. For each run: its events files, its sessions (``START``/``STOP`` events: one per
+start or restart, with the step it started at) and checkpoints, then one line per tag: kind,
+number of points, first and last step, last value (scalars) and when it was written.
+
+``--csv`` prints every scalar point instead (``run,tag,step,wall_time,value``);
+``--plot FILE.png`` draws the scalar series, one panel per tag (needs matplotlib:
+``pip install 'torchsupervisor[plot]'``). ``--tag PATTERN`` (repeatable, shell-style
+wildcards) keeps the matching tags only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import fnmatch
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorboard.compat.proto.event_pb2 import SessionLog
+
+from torchsupervisor.cli._format import local_time, print_table, short_value
+from torchsupervisor.errors import DataLossError, NotFoundError
+from torchsupervisor.summary.reader import summary_iterator
+
+__all__ = ["HELP", "add_arguments", "read_runs", "run"]
+
+HELP = "list the summaries of a logdir (tags, last values, steps); --csv, --plot out.png"
+
+EPILOG = """examples:
+  torchsupervisor events runs/exp
+  torchsupervisor events runs/exp --csv > scalars.csv
+  torchsupervisor events runs/exp --tag 'train/*' --plot curves.png
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``events`` to ``parser``."""
+    parser.add_argument("logdir", metavar="LOGDIR", help="the log directory (may hold runs)")
+    parser.add_argument(
+        "--csv", action="store_true", help="print every scalar point as CSV on stdout"
+    )
+    parser.add_argument(
+        "--plot", metavar="FILE", help="draw the scalar series into this PNG (needs matplotlib)"
+    )
+    parser.add_argument(
+        "--tag",
+        metavar="PATTERN",
+        action="append",
+        help="only tags matching this shell-style pattern (repeatable)",
+    )
+
+
+@dataclass
+class Series:
+    """One tag of one run, after TensorBoard's purge of stale points."""
+
+    tag: str
+    kind: str
+    steps: list[int] = field(default_factory=list)
+    wall_times: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)  # scalars only
+    last: str = "-"  # the last value, for the listing
+
+
+@dataclass
+class Run:
+    """The summaries of one run directory."""
+
+    name: str
+    path: str
+    files: list[str]
+    series: list[Series]
+    sessions: list[tuple[int, int, float]]  # (status, step, wall time) of START/STOP events
+    checkpoints: list[int]  # steps of the CHECKPOINT events
+    damaged: list[str]  # files whose reading stopped at a damaged record
+
+
+def _run_dirs(logdir: str) -> list[str]:
+    found = []
+    for root, dirs, files in os.walk(logdir):
+        dirs.sort()
+        if any("tfevents" in name for name in files):
+            found.append(root)
+    return found
+
+
+def _session_logs(paths: list[str], damaged: list[str]) -> tuple[list, list[int]]:
+    sessions, checkpoints = [], []
+    for path in paths:
+        try:
+            for event in summary_iterator(path):
+                if not event.HasField("session_log"):
+                    continue
+                status = event.session_log.status
+                if status in (SessionLog.START, SessionLog.STOP):
+                    sessions.append((status, event.step, event.wall_time))
+                elif status == SessionLog.CHECKPOINT:
+                    checkpoints.append(event.step)
+        except DataLossError:
+            damaged.append(path)  # TensorBoard too stops at a damaged or truncated record
+    return sessions, checkpoints
+
+
+def _keep(tag: str, patterns: list[str] | None) -> bool:
+    return not patterns or any(fnmatch.fnmatchcase(tag, p) for p in patterns)
+
+
+def _scalar_tensor(event: Any) -> float | None:
+    from tensorboard.util import tensor_util
+
+    try:
+        array = tensor_util.make_ndarray(event.tensor_proto)
+    except Exception:
+        return None
+    if array.size != 1 or array.dtype.kind not in "biuf":
+        return None
+    return float(array.reshape(()))
+
+
+def read_run(path: str, name: str, patterns: list[str] | None = None) -> Run:
+    """Read one run directory with TensorBoard's ``EventAccumulator``."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(
+        path,
+        size_guidance={
+            ea.SCALARS: 0,
+            ea.HISTOGRAMS: 0,
+            ea.COMPRESSED_HISTOGRAMS: 1,
+            ea.IMAGES: 0,
+            ea.AUDIO: 0,
+            ea.TENSORS: 0,
+        },
+    )
+    acc.Reload()
+    tags = acc.Tags()
+    series: list[Series] = []
+    for tag in tags.get(ea.SCALARS, []):
+        if _keep(tag, patterns):
+            points = acc.Scalars(tag)
+            s = Series(tag, "scalar")
+            s.steps = [p.step for p in points]
+            s.wall_times = [p.wall_time for p in points]
+            s.values = [p.value for p in points]
+            series.append(s)
+    for tag in tags.get(ea.TENSORS, []):
+        if not _keep(tag, patterns):
+            continue
+        points = acc.Tensors(tag)
+        plugin = acc.SummaryMetadata(tag).plugin_data.plugin_name or "tensor"
+        values = [_scalar_tensor(p) for p in points]
+        if plugin == "scalars" and all(v is not None for v in values):
+            s = Series(tag, "scalar", values=[float(v) for v in values])
+        else:
+            s = Series(tag, plugin)
+        s.steps = [p.step for p in points]
+        s.wall_times = [p.wall_time for p in points]
+        series.append(s)
+    for key, kind, read in (
+        (ea.HISTOGRAMS, "histogram", acc.Histograms),
+        (ea.IMAGES, "image", acc.Images),
+        (ea.AUDIO, "audio", acc.Audio),
+    ):
+        for tag in tags.get(key, []):
+            if not _keep(tag, patterns):
+                continue
+            points = read(tag)
+            s = Series(tag, kind, [p.step for p in points], [p.wall_time for p in points])
+            if points and kind == "histogram":
+                h = points[-1].histogram_value
+                mean = h.sum / h.num if h.num else 0.0
+                s.last = f"n={h.num:g} mean={mean:.4g}"
+            elif points and kind == "image":
+                s.last = f"{points[-1].width}x{points[-1].height}"
+            series.append(s)
+    for s in series:
+        if s.kind == "scalar" and s.values:
+            s.last = short_value(s.values[-1])
+    series.sort(key=lambda s: s.tag)
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if "tfevents" in n)
+    damaged: list[str] = []
+    sessions, checkpoints = _session_logs(files, damaged)
+    return Run(name, path, files, series, sessions, checkpoints, damaged)
+
+
+def read_runs(logdir: str, patterns: list[str] | None = None) -> list[Run]:
+    """Read every run under ``logdir``.
+
+    Raises:
+        NotFoundError: ``logdir`` is not a directory or holds no events file.
+    """
+    if not os.path.isdir(logdir):
+        raise NotFoundError(f"{logdir} is not a directory")
+    dirs = _run_dirs(logdir)
+    if not dirs:
+        raise NotFoundError(f"No events files in {logdir}")
+    return [read_run(d, os.path.relpath(d, logdir), patterns) for d in dirs]
+
+
+def print_runs(runs: list[Run]) -> None:
+    """Print the listing of ``torchsupervisor events``."""
+    for i, run_ in enumerate(runs):
+        if i:
+            print()
+        starts = [step for status, step, _ in run_.sessions if status == SessionLog.START]
+        stops = sum(1 for status, _, _ in run_.sessions if status == SessionLog.STOP)
+        print(f"Run {run_.name} ({run_.path}): {len(run_.files)} events file(s)")
+        if starts:
+            steps = ", ".join(str(s) for s in starts)
+            print(f"  sessions: {len(starts)} start(s) at step {steps}; {stops} clean stop(s)")
+        if run_.checkpoints:
+            print(
+                f"  checkpoints: {len(run_.checkpoints)}, the last at step {run_.checkpoints[-1]}"
+            )
+        for path in run_.damaged:
+            print(f"  {os.path.basename(path)}: reading stopped at a damaged or truncated record")
+        rows = [
+            [
+                s.tag,
+                s.kind,
+                str(len(s.steps)),
+                str(s.steps[0]) if s.steps else "-",
+                str(s.steps[-1]) if s.steps else "-",
+                s.last,
+                local_time(s.wall_times[-1]) if s.wall_times else "-",
+            ]
+            for s in run_.series
+        ]
+        if rows:
+            print_table(
+                ["TAG", "KIND", "POINTS", "FIRST STEP", "LAST STEP", "LAST VALUE", "WRITTEN"],
+                rows,
+                (2, 3, 4),
+            )
+        else:
+            print("  (no summaries)")
+
+
+def write_csv(runs: list[Run], out: Any) -> int:
+    """Write every scalar point as ``run,tag,step,wall_time,value``; return the row count."""
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["run", "tag", "step", "wall_time", "value"])
+    rows = 0
+    for run_ in runs:
+        for s in run_.series:
+            if s.kind != "scalar":
+                continue
+            for step, wall, value in zip(s.steps, s.wall_times, s.values):
+                writer.writerow([run_.name, s.tag, step, repr(wall), repr(value)])
+                rows += 1
+    return rows
+
+
+def plot(runs: list[Run], path: str) -> int:
+    """Draw every scalar tag in its own panel (one line per run); return the panel count.
+
+    Raises:
+        ImportError: matplotlib is not installed (with how to install it).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError(
+            "--plot needs matplotlib: pip install 'torchsupervisor[plot]' (or matplotlib)"
+        ) from e
+    tags = sorted({s.tag for r in runs for s in r.series if s.kind == "scalar" and s.steps})
+    if not tags:
+        raise NotFoundError("No scalar series to plot")
+    columns = min(3, len(tags))
+    rows = (len(tags) + columns - 1) // columns
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.2 * rows), squeeze=False)
+    for ax, tag in zip(axes.flat, tags):
+        for run_ in runs:
+            for s in run_.series:
+                if s.tag == tag and s.kind == "scalar":
+                    ax.plot(s.steps, s.values, label=run_.name, linewidth=1.2)
+        ax.set_title(tag)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        if len(runs) > 1:
+            ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(tags) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return len(tags)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``torchsupervisor events``; returns the exit status."""
+    runs = read_runs(args.logdir, args.tag)
+    if args.csv:
+        write_csv(runs, sys.stdout)
+    if args.plot:
+        panels = plot(runs, args.plot)
+        print(f"Wrote {args.plot} ({panels} scalar series)", file=sys.stderr)
+    if not args.csv and not args.plot:
+        print_runs(runs)
+    return 0

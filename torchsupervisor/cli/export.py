@@ -1,0 +1,77 @@
+"""``torchsupervisor export PREFIX OUT.safetensors``: a checkpoint's tensors as plain weights.
+
+Reads every tensor of the checkpoint (checking each one's CRC-32C) and writes them with
+safetensors' own writer, so that any tool that reads safetensors (``safetensors.safe_open``,
+Hugging Face ``from_pretrained``, ``candle``, ...) can load them. Tensor names are the state
+paths (``model/fc1.weight``, ``optimizer/state/0/exp_avg``); ``--only model`` keeps the tensors
+under ``model/`` and strips that part, which gives the names of ``model.state_dict()``. The
+file's metadata records the source checkpoint and its global step.
+
+PREFIX may also be a log directory: its newest checkpoint is exported. An existing OUT is
+replaced only with ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from torchsupervisor.checkpoint.reader import CheckpointReader
+from torchsupervisor.cli._format import human_bytes
+from torchsupervisor.cli.inspect_checkpoint import _resolve
+from torchsupervisor.errors import AlreadyExistsError, InvalidArgumentError
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "write a checkpoint's tensors to a .safetensors file (plain weights for other tools)"
+
+EPILOG = """examples:
+  torchsupervisor export runs/exp/model.ckpt-300 weights.safetensors
+  torchsupervisor export runs/exp model.safetensors --only model   # model.state_dict() names
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``export`` to ``parser``."""
+    parser.add_argument(
+        "prefix", metavar="PREFIX", help="a checkpoint prefix, or a log directory (its newest)"
+    )
+    parser.add_argument("out", metavar="OUT", help="the .safetensors file to write")
+    parser.add_argument(
+        "--only",
+        metavar="NAME",
+        help="keep the tensors under this state entry (e.g. 'model') and strip 'NAME/'",
+    )
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``torchsupervisor export``; returns the exit status."""
+    try:
+        import safetensors.torch
+    except ImportError as e:
+        raise ImportError("export needs the safetensors package: pip install safetensors") from e
+
+    prefix, _ = _resolve(args.prefix)
+    if os.path.exists(args.out) and not args.force:
+        raise AlreadyExistsError(f"{args.out} exists; pass --force to replace it")
+    reader = CheckpointReader(prefix)
+    tensors = reader.read_tensors()
+    if args.only:
+        head = args.only.rstrip("/") + "/"
+        tensors = {k[len(head) :]: v for k, v in tensors.items() if k.startswith(head)}
+        if not tensors:
+            roots = sorted({k.split("/", 1)[0] for k in reader.manifest.tensors})
+            raise InvalidArgumentError(
+                f"--only {args.only}: no tensor under '{head}' in {prefix}; the state "
+                f"entries with tensors are: {', '.join(roots)}",
+            )
+    metadata = {"format": "pt", "source": os.path.abspath(prefix)}
+    if reader.global_step is not None:
+        metadata["global_step"] = str(reader.global_step)
+    tmp = args.out + ".tmp-export"
+    safetensors.torch.save_file(tensors, tmp, metadata=metadata)
+    os.replace(tmp, args.out)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"Wrote {len(tensors)} tensors ({human_bytes(total)}) from {prefix} to {args.out}")
+    return 0

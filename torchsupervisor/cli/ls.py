@@ -1,0 +1,132 @@
+"""``torchsupervisor ls LOGDIR``: the checkpoints of a log directory, checked byte by byte.
+
+For every committed checkpoint (a ``<prefix>.index`` file): its global step, when it was
+saved, its size, whether every byte matches its checksums (``valid`` or ``CORRUPT``), why it
+is still on disk, and which one a restart would restore: the first valid checkpoint in the
+order ``SessionManager`` tries them (the same code runs here).
+
+Why a checkpoint is kept:
+    max_to_keep            listed in the state file: one of the newest ``max_to_keep``
+    every_n_hours          committed but no longer listed: preserved by
+                           ``keep_checkpoint_every_n_hours``
+    not yet in state file  newer than the state file's newest entry: the program stopped
+                           between the commit and the state-file update (a restart tries it
+                           first)
+    no state file          the state file is missing or unreadable (a restart scans the
+                           directory, newest first)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+from torchsupervisor.cli._format import human_bytes, local_time, print_table
+from torchsupervisor.cli._survey import CORRUPT, Survey, survey
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "list the checkpoints of a logdir: step, time, size, valid/corrupt, which one a restart uses"
+
+EPILOG = """examples:
+  torchsupervisor ls runs/exp
+  torchsupervisor ls runs/exp --no-verify     # read the manifests only (fast)
+  torchsupervisor ls runs/exp --json > checkpoints.json
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``ls`` to ``parser``."""
+    parser.add_argument("logdir", metavar="LOGDIR", help="the log directory (the Supervisor's)")
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="do not read the data: skip the byte-by-byte check (status 'unchecked')",
+    )
+    parser.add_argument("--json", action="store_true", help="print the listing as JSON")
+
+
+def _note(info, found: Survey) -> str:
+    if found.restore is info:
+        return "<- a restart restores this"
+    if info.candidate is not None and (
+        found.restore is None or info.candidate < (found.restore.candidate or 0)
+    ):
+        return "skipped by a restart" if info.status == CORRUPT else ""
+    return ""
+
+
+def print_survey(found: Survey) -> None:
+    """Print ``found`` as the table of ``torchsupervisor ls``."""
+    where = found.state_file or "no state file"
+    print(f"Checkpoints in {found.logdir} (state file: {where})")
+    if found.state_file_error:
+        print(f"  The state file is ignored: {found.state_file_error}")
+    rows = []
+    for info in found.checkpoints:
+        size = human_bytes(info.size_bytes)
+        if info.own_bytes != info.size_bytes:
+            size += f" ({human_bytes(info.own_bytes)} own)"
+        rows.append(
+            [
+                "-" if info.step is None else str(info.step),
+                local_time(info.wall_time),
+                size,
+                info.status.upper() if info.status == CORRUPT else info.status,
+                info.kept_by,
+                info.name,
+                _note(info, found),
+            ]
+        )
+    if rows:
+        print_table(["STEP", "SAVED", "SIZE", "STATUS", "KEPT BY", "CHECKPOINT", ""], rows, (0,))
+    else:
+        print("  (no committed checkpoint)")
+    for info in found.checkpoints:
+        if info.error:
+            print(f"{info.name}: {info.error}")
+    for prefix in found.incomplete:
+        print(
+            f"{os.path.basename(prefix)}: incomplete (data files but no index: an interrupted "
+            "save); a restart ignores it and removes it"
+        )
+    for prefix in found.shared_data:
+        print(
+            f"{os.path.basename(prefix)}: deleted, but its data files are kept for newer "
+            "checkpoints that reuse them"
+        )
+    for path in found.temporaries:
+        print(
+            f"{os.path.basename(path)}: temporary file of an interrupted write (removed at start)"
+        )
+    print(restart_summary(found))
+
+
+def restart_summary(found: Survey) -> str:
+    """One sentence: what a restart from this directory would do."""
+    if found.restore is not None:
+        step = found.restore.step
+        text = f"A restart restores {found.restore.name}"
+        text += f" (step {step})." if step is not None else "."
+        first = found.first_candidate
+        if first is not None and first is not found.restore:
+            text += f" It skips {first.name}, which is {first.status}."
+        return text
+    if found.checkpoints:
+        return "No valid checkpoint: a restart fails with DataLossError (nothing is restorable)."
+    return "No checkpoint: a restart starts from scratch."
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``torchsupervisor ls``; returns the exit status (0, or 1 for a missing logdir)."""
+    found = survey(args.logdir, verify=not args.no_verify)
+    if args.json:
+        out = dataclasses.asdict(found)
+        out["restore"] = found.restore.prefix if found.restore else None
+        out["first_candidate"] = found.first_candidate.prefix if found.first_candidate else None
+        print(json.dumps(out, indent=1))
+    else:
+        print_survey(found)
+    return 0
