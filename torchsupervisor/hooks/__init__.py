@@ -1,0 +1,51 @@
+"""Hooks of ``MonitoredSession``: the base class and its values, and the standard hooks.
+
+Layout (one hook family per module)::
+
+    session_run_hook.py  SessionRunHook, SessionRunArgs, SessionRunContext, SessionRunValues
+    stop_at_step.py      StopAtStepHook
+    checkpoint_saver.py  CheckpointSaverHook, CheckpointSaverListener
+    step_counter.py      StepCounterHook
+    summary_saver.py     SummarySaverHook
+    logging_hooks.py     NanTensorHook, NanLossDuringTrainingError, LoggingTensorHook
+    others.py            GlobalStepWaiterHook, FinalOpsHook, FeedFnHook
+
+TF names: ``tf.compat.v1.train.SessionRunHook`` and the hooks of ``basic_session_run_hooks``.
+"""
+
+from __future__ import annotations
+
+from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook, CheckpointSaverListener
+from torchsupervisor.hooks.logging_hooks import (
+    LoggingTensorHook,
+    NanLossDuringTrainingError,
+    NanTensorHook,
+)
+from torchsupervisor.hooks.others import FeedFnHook, FinalOpsHook, GlobalStepWaiterHook
+from torchsupervisor.hooks.session_run_hook import (
+    SessionRunArgs,
+    SessionRunContext,
+    SessionRunHook,
+    SessionRunValues,
+)
+from torchsupervisor.hooks.step_counter import StepCounterHook
+from torchsupervisor.hooks.stop_at_step import StopAtStepHook
+from torchsupervisor.hooks.summary_saver import SummarySaverHook
+
+__all__ = [
+    "CheckpointSaverHook",
+    "CheckpointSaverListener",
+    "FeedFnHook",
+    "FinalOpsHook",
+    "GlobalStepWaiterHook",
+    "LoggingTensorHook",
+    "NanLossDuringTrainingError",
+    "NanTensorHook",
+    "SessionRunArgs",
+    "SessionRunContext",
+    "SessionRunHook",
+    "SessionRunValues",
+    "StepCounterHook",
+    "StopAtStepHook",
+    "SummarySaverHook",
+]

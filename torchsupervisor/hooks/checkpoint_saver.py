@@ -1,0 +1,306 @@
+"""``CheckpointSaverHook``: checkpoint at session creation, every N steps or seconds, and at end.
+
+Checkpoints keep the library's guarantees (SPEC section 4):
+
+* The snapshot is taken in ``after_run``, on the training thread between two steps, so a
+  checkpoint is always the state of one step.
+* It is written in the background (``Saver.save_async``): the step waits only for the copy to
+  host memory. At most one save is in flight: a save that becomes due while the previous one
+  is still being written is not queued and does not block; it is taken at the first due run
+  that finds no save in flight.
+* The ``SessionLog.CHECKPOINT`` event is written once the checkpoint is committed.
+* ``end()`` waits for the save in flight and saves the last step synchronously.
+
+Difference from TF, whose save is synchronous: ``CheckpointSaverListener.after_save`` is called
+once the save is committed, on the training thread, at the hook's next call after the commit
+(``after_run`` of a later run, or ``end()``), so that a listener returning True can still
+request a stop. ``before_save`` is called just before the snapshot, as in TF.
+
+TF names: ``tf.compat.v1.train.CheckpointSaverHook``, ``CheckpointSaverListener``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
+
+from torchsupervisor.clock import Clock
+from torchsupervisor.global_step import read_step
+from torchsupervisor.hooks._global_step import require_global_step, session_global_step
+from torchsupervisor.hooks.session_run_hook import (
+    SessionRunContext,
+    SessionRunHook,
+    SessionRunValues,
+)
+from torchsupervisor.registry import GraphKeys, get_collection
+from torchsupervisor.summary.writer_cache import SummaryWriterCache
+from torchsupervisor.timers import SecondOrStepTimer
+
+__all__ = ["CheckpointSaverHook", "CheckpointSaverListener"]
+
+logger = logging.getLogger("torchsupervisor")
+
+
+class CheckpointSaverListener:
+    """Code to run around the checkpoints of a ``CheckpointSaverHook``; all no-ops by default.
+
+    Call order: ``begin()`` (in the hook's ``begin``); per checkpoint ``before_save`` (on the
+    training thread, just before the snapshot) then ``after_save`` (on the training thread,
+    once the checkpoint is committed: at the hook's next call, see the module docstring);
+    ``end()`` after the final checkpoint.
+
+    Thread safety: every method is called on the training thread.
+
+    TF name: ``tf.compat.v1.train.CheckpointSaverListener``.
+    """
+
+    def begin(self) -> None:
+        """Prepare before the session is created."""
+
+    def before_save(self, session: Any, global_step_value: int) -> None:
+        """Act just before the snapshot of the checkpoint at ``global_step_value``."""
+
+    def after_save(self, session: Any, global_step_value: int) -> bool | None:
+        """Act once the checkpoint at ``global_step_value`` is committed.
+
+        Returns:
+            True to request that training stops.
+        """
+
+    def end(self, session: Any, global_step_value: int) -> None:
+        """Act at the end, after the final checkpoint at ``global_step_value``."""
+
+
+class CheckpointSaverHook(SessionRunHook):
+    """Save checkpoints at session creation, every N steps or seconds, and at the end.
+
+    Schedule (as TF): a checkpoint at the step of each new session (step 0 for a fresh run),
+    then at the first step whose timer is due, then at the last step in ``end()`` if it was not
+    saved; with ``save_steps=2`` and one step per run: 0, 2, 4, ... Used in a bare hooked
+    session (no ``after_create_session``), the first run saves: 1, 3, 5, ... A session restored
+    from this directory's checkpoint of its current step does not write it again (a
+    deliberate difference: TF rewrote the same checkpoint).
+
+    Args:
+        checkpoint_dir: Directory of the checkpoints (created if missing); its shared writer
+            (``SummaryWriterCache``) receives the CHECKPOINT events.
+        save_secs: Seconds between two checkpoints (monotonic clock); None: use ``save_steps``.
+        save_steps: Steps between two checkpoints; None: use ``save_secs``.
+        saver: The ``Saver``; None: ``scaffold.saver``, else the single saver of the
+            ``SAVERS`` collection.
+        checkpoint_basename: File name prefix: checkpoints are ``<dir>/<basename>-<step>``.
+        scaffold: A ``Scaffold`` whose saver to use.
+        listeners: ``CheckpointSaverListener``s, called in order.
+        save_graph_def: Accepted for TF compatibility; there is no graph to write.
+        stop_on_checkpoint_error: By default a background save that fails is logged and
+            reported in the event file, and training continues (the next due run tries again;
+            older checkpoints are untouched). With True, the error is raised on the training
+            thread at the hook's next call.
+        clock: Time source; None means the real clock.
+
+    Raises:
+        ValueError: ``"You cannot provide both saver and scaffold."``; the timer's errors.
+        RuntimeError: From ``begin()``, ``"Global step should be created to use
+            CheckpointSaverHook."``; at the first save, TF's texts when the ``SAVERS``
+            collection has no saver or more than one.
+        CheckpointSaveError: From ``end()`` when the final save fails; from ``after_run`` with
+            ``stop_on_checkpoint_error`` when a background save failed.
+
+    Thread safety: used on the training thread; the commit callback (CHECKPOINT event) runs on
+    the saver's writer thread.
+
+    TF name: ``tf.compat.v1.train.CheckpointSaverHook``.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        save_secs: float | None = None,
+        save_steps: int | None = None,
+        saver: Any = None,
+        checkpoint_basename: str = "model.ckpt",
+        scaffold: Any = None,
+        listeners: Iterable[CheckpointSaverListener] | None = None,
+        save_graph_def: bool = True,
+        *,
+        stop_on_checkpoint_error: bool = False,
+        clock: Clock | None = None,
+    ) -> None:
+        if saver is not None and scaffold is not None:
+            raise ValueError("You cannot provide both saver and scaffold.")
+        del save_graph_def  # No graph in eager PyTorch.
+        logger.info("Create CheckpointSaverHook.")
+        self._saver = saver
+        self._checkpoint_dir = os.fspath(checkpoint_dir)
+        self._save_path = os.path.join(self._checkpoint_dir, checkpoint_basename)
+        self._scaffold = scaffold
+        self._timer = SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
+        self._listeners = list(listeners or [])
+        self._stop_on_checkpoint_error = stop_on_checkpoint_error
+        self._summary_writer: Any = None
+        self._global_step: Any = None
+        # (future, step, session, done) of the save being written, until the training thread
+        # sees it; ``done`` is set once the commit callback (CHECKPOINT event) has run.
+        self._pending: tuple[concurrent.futures.Future, int, Any, threading.Event] | None = None
+        self._last_saved_step: int | None = None
+        self._listener_stop = False
+
+    @property
+    def save_path(self) -> str:
+        """The checkpoint prefix without step, ``<checkpoint_dir>/<basename>``."""
+        return self._save_path
+
+    def begin(self) -> None:
+        """Find the writer and the global step; call the listeners' ``begin``."""
+        self._summary_writer = SummaryWriterCache.get(self._checkpoint_dir)
+        self._global_step = require_global_step("CheckpointSaverHook")
+        for listener in self._listeners:
+            listener.begin()
+
+    def after_create_session(self, session: Any, coord: Any) -> None:
+        """Save a checkpoint at the step of the new session (unless it was just restored)."""
+        del coord
+        self._global_step = session_global_step(session, self._global_step)
+        step = read_step(self._global_step)
+        self._wait_for_pending()
+        restored = getattr(session, "restored_checkpoint", None)
+        if restored is not None and os.path.abspath(restored) == os.path.abspath(
+            f"{self._save_path}-{step}"
+        ):
+            self._last_saved_step = step
+        else:
+            self._save_async(session, step)
+        self._timer.update_last_triggered_step(step)
+
+    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        """Save when the timer is due and no save is in flight."""
+        del run_values
+        if self._pending is not None:
+            self._poll()
+        step = read_step(self._global_step)
+        if self._timer.should_trigger_for_step(step) and not self._in_flight():
+            self._timer.update_last_triggered_step(step)
+            self._save_async(run_context.session, step)
+        if self._listener_stop:
+            run_context.request_stop()
+
+    def end(self, session: Any) -> None:
+        """Wait for the save in flight, save the last step if needed, end the listeners."""
+        self._wait_for_pending()
+        last_step = read_step(self._global_step)
+        if last_step != self._last_saved_step:
+            self._save_sync(session, last_step)
+        for listener in self._listeners:
+            listener.end(session, last_step)
+        self._get_saver().close()  # No idle writer thread outlives the session.
+        if self._summary_writer is not None:
+            self._summary_writer.flush()
+
+    # ------------------------------------------------------------------------------ saving
+
+    def _get_saver(self) -> Any:
+        if self._saver is not None:
+            return self._saver
+        if self._scaffold is not None:
+            self._saver = self._scaffold.saver
+            return self._saver
+        savers = get_collection(GraphKeys.SAVERS)
+        if not savers:
+            raise RuntimeError(
+                "No items in collection savers. Please add a saver to the collection or "
+                "provide a saver or scaffold."
+            )
+        if len(savers) > 1:
+            raise RuntimeError(
+                "More than one item in collection savers. Please indicate which one to use by "
+                "passing it to the constructor."
+            )
+        self._saver = savers[0]
+        return self._saver
+
+    def _in_flight(self) -> bool:
+        return self._pending is not None or self._get_saver().in_flight
+
+    def _save_async(self, session: Any, step: int) -> None:
+        saver = self._get_saver()
+        logger.info("Saving checkpoints for %d into %s.", step, self._save_path)
+        for listener in self._listeners:
+            listener.before_save(session, step)
+        future = saver.save_async(session, self._save_path, global_step=step)
+        done = threading.Event()
+        self._pending = (future, step, session, done)
+        future.add_done_callback(functools.partial(self._on_done, step, done))
+
+    def _on_done(self, step: int, done: threading.Event, future: concurrent.futures.Future) -> None:
+        """On the writer thread: write the CHECKPOINT event, or report the failure."""
+        try:
+            error = future.exception()
+            if error is None:
+                if future.result() is not None:  # None: an empty state saved nothing.
+                    self._write_checkpoint_event(step)
+                return
+            logger.error("Checkpoint at step %s failed: %s", step, error)
+            if self._summary_writer is not None:
+                event = Event(
+                    step=step,
+                    log_message=LogMessage(
+                        level=LogMessage.ERROR,
+                        message=f"Checkpoint at step {step} failed: {error}",
+                    ),
+                )
+                self._summary_writer.add_event(event)
+        finally:
+            done.set()
+
+    def _write_checkpoint_event(self, step: int) -> None:
+        if self._summary_writer is not None:
+            self._summary_writer.add_session_log(
+                SessionLog(status=SessionLog.CHECKPOINT, checkpoint_path=self._save_path), step
+            )
+
+    def _poll(self) -> None:
+        """On the training thread: finish a committed save (listeners, errors)."""
+        pending = self._pending
+        if pending is None or not pending[0].done():
+            return
+        pending[3].wait()  # The commit callback is running or has run: a short wait.
+        self._pending = None
+        future, step, session, _ = pending
+        error = future.exception()
+        if error is not None:
+            if self._stop_on_checkpoint_error:
+                raise error
+            return
+        self._last_saved_step = step
+        self._after_save(session, step)
+
+    def _wait_for_pending(self) -> None:
+        if self._pending is not None:
+            self._pending[0].exception()  # Waits for the save.
+            self._poll()
+
+    def _after_save(self, session: Any, step: int) -> None:
+        for listener in self._listeners:
+            if listener.after_save(session, step):
+                logger.info(
+                    "A CheckpointSaverListener requested that training be stopped. listener: %s",
+                    listener,
+                )
+                self._listener_stop = True
+
+    def _save_sync(self, session: Any, step: int) -> None:
+        saver = self._get_saver()
+        logger.info("Saving checkpoints for %d into %s.", step, self._save_path)
+        for listener in self._listeners:
+            listener.before_save(session, step)
+        if saver.save(session, self._save_path, global_step=step) is not None:
+            self._write_checkpoint_event(step)
+        self._last_saved_step = step
+        self._after_save(session, step)

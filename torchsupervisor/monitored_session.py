@@ -1,0 +1,537 @@
+"""``MonitoredSession`` and ``MonitoredTrainingSession``: a session with hooks and recovery.
+
+The successor of the Supervisor in TF 1. Typical use::
+
+    with MonitoredTrainingSession(checkpoint_dir="runs/exp",
+                                  state={"model": model, "optimizer": opt, "global_step": step},
+                                  hooks=[StopAtStepHook(last_step=10_000),
+                                         NanTensorHook("loss")]) as sess:
+        while not sess.should_stop():
+            sess.run(train_step)          # train_step returns {"loss": loss}
+
+What a ``MonitoredSession`` does, in order:
+
+1. ``begin()`` of every hook.
+2. Create the session (``session_creator.create_session()``: restore the newest valid
+   checkpoint, or initialize), a new ``Coordinator`` for it, start the queue runners of the
+   ``QUEUE_RUNNERS`` collection, then ``after_create_session(session, coord)`` of every hook.
+3. ``run(fetches, feed_dict)``: every hook's ``before_run``, the run (the caller's fetches,
+   then the hooks'), every hook's ``after_run``; the caller's results are returned. An
+   ``AbortedError`` or ``UnavailableError`` closes the session, creates a new one (step 2
+   without ``begin``: the newest checkpoint is restored) and retries the same run.
+4. ``close()`` or leaving the ``with`` block normally, or by ``OutOfRangeError`` or
+   ``StopIteration`` (end of input; suppressed): ``end(session)`` of every hook (the final
+   checkpoint), then stop the coordinator, join its threads, close the session. Leaving by
+   any other exception skips ``end()``; the exception propagates (or one raised by a thread,
+   which replaces it).
+
+Where it differs from TF: there is no graph to finalize (``graph`` is the collections registry);
+``request_stop()`` is added as the seam for stop requests from outside the loop (a signal).
+
+TF names: ``tf.compat.v1.train.MonitoredSession``, ``SingularMonitoredSession``,
+``MonitoredTrainingSession``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from torchsupervisor.clock import Clock
+from torchsupervisor.coordinator import Coordinator
+from torchsupervisor.errors import OutOfRangeError
+from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook
+from torchsupervisor.hooks.session_run_hook import SessionRunHook
+from torchsupervisor.hooks.step_counter import StepCounterHook
+from torchsupervisor.hooks.summary_saver import SummarySaverHook
+from torchsupervisor.registry import Graph, GraphKeys, get_default_graph
+from torchsupervisor.scaffold import Scaffold
+from torchsupervisor.session import Session
+from torchsupervisor.session_creators import (
+    ChiefSessionCreator,
+    SessionCreator,
+    WorkerSessionCreator,
+)
+from torchsupervisor.wrapped_sessions import (
+    StepContext,
+    _CoordinatedSession,
+    _HookedSession,
+    _RecoverableSession,
+)
+
+__all__ = [
+    "USE_DEFAULT",
+    "MonitoredSession",
+    "MonitoredTrainingSession",
+    "SingularMonitoredSession",
+    "StepContext",
+]
+
+logger = logging.getLogger("torchsupervisor")
+
+USE_DEFAULT = object()
+"""Marks an argument of ``MonitoredTrainingSession`` left to its default."""
+
+_STEP_FN_ERROR = (
+    "`step_fn` may either have one `step_context` argument, or `self` and `step_context` "
+    "arguments if it's an instance method. Got {} instead."
+)
+
+
+class _CoordinatedSessionCreator:
+    """Creates a session, its coordinator and queue-runner threads, and informs the hooks."""
+
+    def __init__(
+        self,
+        session_creator: SessionCreator,
+        hooks: list[SessionRunHook],
+        stop_grace_period_secs: float,
+        graph: Graph,
+    ) -> None:
+        self._session_creator = session_creator
+        self._hooks = hooks
+        self._stop_grace_period_secs = stop_grace_period_secs
+        self._graph = graph
+        self.tf_sess: Session | None = None
+        self.coord: Coordinator | None = None
+
+    def create_session(self) -> _CoordinatedSession:
+        sess = self._session_creator.create_session()
+        coord = Coordinator(clean_stop_exception_types=[])
+        try:
+            for runner in self._graph.get_collection(GraphKeys.QUEUE_RUNNERS):
+                runner.create_threads(sess, coord=coord, daemon=True, start=True)
+            for hook in self._hooks:
+                hook.after_create_session(sess, coord)
+        except BaseException:
+            coord.request_stop()
+            try:
+                coord.join(
+                    stop_grace_period_secs=self._stop_grace_period_secs, ignore_live_threads=True
+                )
+            except Exception:
+                pass
+            sess.close()
+            raise
+        self.tf_sess, self.coord = sess, coord
+        return _CoordinatedSession(
+            _HookedSession(sess, self._hooks), coord, self._stop_grace_period_secs
+        )
+
+
+def _step_fn_params(step_fn: Callable[..., Any]) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(step_fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+class _MonitoredSession:
+    """The common part of ``MonitoredSession`` and ``SingularMonitoredSession``."""
+
+    StepContext = StepContext  # TF's ``MonitoredSession.StepContext``.
+
+    def __init__(
+        self,
+        session_creator: SessionCreator | None,
+        hooks: Iterable[SessionRunHook] | None,
+        should_recover: bool,
+        stop_grace_period_secs: float = 120,
+    ) -> None:
+        self._graph = get_default_graph()
+        self._hooks = list(hooks or [])
+        self._stop_requested = False
+        self._checked_step_fn: Any = None
+        for hook in self._hooks:
+            hook.begin()
+        self._coordinated_creator = _CoordinatedSessionCreator(
+            session_creator or ChiefSessionCreator(),
+            self._hooks,
+            stop_grace_period_secs,
+            self._graph,
+        )
+        if should_recover:
+            self._sess: Any = _RecoverableSession(self._coordinated_creator)
+        else:
+            self._sess = self._coordinated_creator.create_session()
+
+    @property
+    def graph(self) -> Graph | None:
+        """The collections registry the session was created with (None once closed).
+
+        TF name: ``MonitoredSession.graph``.
+        """
+        return None if self._sess is None else self._graph
+
+    def run(
+        self,
+        fetches: Any,
+        feed_dict: Mapping[str, Any] | None = None,
+        options: Any = None,
+        run_metadata: Any = None,
+    ) -> Any:
+        """Run fetches with the hooks, recovering from preemption errors.
+
+        Args:
+            fetches: As ``Session.run``: a callable (the training step), a tensor, a
+                ``GlobalStep``, or nested lists/tuples/dicts of them.
+            feed_dict: Keyword arguments for the fetched callables.
+            options: Accepted for TF compatibility (no counterpart); passed to the hooks.
+            run_metadata: Accepted for TF compatibility; passed to the hooks.
+
+        Returns:
+            The values of ``fetches``, shaped like them.
+
+        Raises:
+            RuntimeError: ``"Run called even after should_stop requested."`` after a hook
+                requested a stop; ``"Same tensor is fed by two hooks. Conflict(s): [...]"`` or
+                ``"Same tensor is fed by a SessionRunHook and user. Conflict(s): [...]"``;
+                ``"Attempted to use a closed Session."`` after ``close()``.
+            Exception: Whatever the fetches or the hooks raise (an ``AbortedError`` or
+                ``UnavailableError`` only from a ``SingularMonitoredSession``).
+
+        TF name: ``MonitoredSession.run``.
+        """
+        sess = self._sess
+        if sess is None:
+            raise RuntimeError("Attempted to use a closed Session.")
+        return sess.run(fetches, feed_dict=feed_dict, options=options, run_metadata=run_metadata)
+
+    def run_step_fn(self, step_fn: Callable[[StepContext], Any]) -> Any:
+        """Run ``step_fn(step_context)``: it may run the raw session and the hooked one.
+
+        ``step_context.session`` runs without hooks; ``step_context.run_with_hooks(...)`` runs
+        like ``run``; ``step_context.request_stop()`` raises ``StopIteration``. On a preemption
+        error the whole ``step_fn`` is run again on a new session (``MonitoredSession`` only).
+
+        Args:
+            step_fn: A function of one argument, or a method of one argument after ``self``.
+
+        Returns:
+            What ``step_fn`` returns.
+
+        Raises:
+            ValueError: For a ``step_fn`` of another arity (TF's text; the argument's name is
+                not checked).
+            StopIteration: From ``step_context.request_stop()``.
+
+        TF name: ``MonitoredSession.run_step_fn``.
+        """
+        key = getattr(step_fn, "__func__", step_fn)
+        if key is not self._checked_step_fn:
+            params = _step_fn_params(step_fn)
+            positional = (
+                inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            )
+            if len(params) != 1 or params[0].kind not in positional:
+                raise ValueError(_STEP_FN_ERROR.format(tuple(p.name for p in params)))
+            self._checked_step_fn = key
+        sess = self._sess
+        if sess is None:
+            raise RuntimeError("Attempted to use a closed Session.")
+        return sess.run_step_fn(step_fn, self._coordinated_creator.tf_sess, None)
+
+    def should_stop(self) -> bool:
+        """Return True when training should stop (a hook, a thread, or ``request_stop()``).
+
+        A preemption error reported by a thread makes a ``MonitoredSession`` create a new
+        session here (and return False); another error returns True (``close()`` raises it).
+
+        TF name: ``MonitoredSession.should_stop``.
+        """
+        if self._stop_requested:
+            return True
+        sess = self._sess
+        return sess is None or sess.should_stop()
+
+    def request_stop(self) -> None:
+        """Make ``should_stop()`` return True from now on; the session stays usable.
+
+        The seam for stop requests from outside the training loop (a signal handler, another
+        thread): the loop then ends normally, and leaving the ``with`` block runs the hooks'
+        ``end()`` (the final checkpoint). Not in TF.
+
+        Thread safety: may be called from any thread or a signal handler (sets a flag).
+        """
+        self._stop_requested = True
+
+    def close(self) -> None:
+        """Run the hooks' ``end()``, then stop the threads and close the session.
+
+        Raises:
+            RuntimeError: ``'Session is already closed.'`` when called twice.
+            Exception: An error a thread reported to the coordinator, or one of a hook's
+                ``end()``.
+
+        TF name: ``MonitoredSession.close``.
+        """
+        self._close_internal(None)
+
+    def _close_internal(self, exception_type: type[BaseException] | None) -> None:
+        try:
+            if exception_type is None:
+                for hook in self._hooks:
+                    hook.end(self._coordinated_creator.tf_sess)
+        finally:
+            try:
+                if self._sess is None:
+                    raise RuntimeError("Session is already closed.")
+                self._sess.close()
+            finally:
+                self._sess = None
+                self._coordinated_creator.tf_sess = None
+                self._coordinated_creator.coord = None
+
+    def _tf_sess(self) -> Session | None:
+        return self._coordinated_creator.tf_sess
+
+    def __enter__(self) -> _MonitoredSession:
+        return self
+
+    def __exit__(self, exception_type: Any, exception_value: Any, traceback: Any) -> bool:
+        if exception_type in (OutOfRangeError, StopIteration):
+            exception_type = None
+        self._close_internal(exception_type)
+        return exception_type is None
+
+
+class MonitoredSession(_MonitoredSession):
+    """A session that runs hooks, and recovers from ``AbortedError``/``UnavailableError``.
+
+    See the module docstring for the order of what it does.
+
+    Args:
+        session_creator: Creates the sessions; None: ``ChiefSessionCreator()``.
+        hooks: ``SessionRunHook``s, called in order.
+        stop_grace_period_secs: Seconds the session's threads get to stop at ``close()``.
+
+    Raises:
+        Exception: What session creation or a hook's ``begin``/``after_create_session``
+            raises.
+
+    Thread safety: use from one (training) thread; ``request_stop`` from any thread.
+
+    TF name: ``tf.compat.v1.train.MonitoredSession``.
+    """
+
+    def __init__(
+        self,
+        session_creator: SessionCreator | None = None,
+        hooks: Iterable[SessionRunHook] | None = None,
+        stop_grace_period_secs: float = 120,
+    ) -> None:
+        super().__init__(
+            session_creator,
+            hooks,
+            should_recover=True,
+            stop_grace_period_secs=stop_grace_period_secs,
+        )
+
+
+class SingularMonitoredSession(_MonitoredSession):
+    """A chief ``MonitoredSession`` without recovery that exposes its raw session.
+
+    Args:
+        hooks: ``SessionRunHook``s, called in order.
+        scaffold: The ``Scaffold``; None: a default one.
+        master: ``""`` for an in-process session.
+        config: Passed to the session.
+        checkpoint_dir: Directory to restore the newest valid checkpoint from.
+        stop_grace_period_secs: Seconds the session's threads get to stop at ``close()``.
+        checkpoint_filename_with_path: A specific checkpoint prefix to restore instead.
+        state: The training state (a mapping of names to stateful objects).
+        device: Where the init op materializes meta-device modules.
+        clock: Time source for waits.
+
+    Thread safety: use from one (training) thread.
+
+    TF name: ``tf.compat.v1.train.SingularMonitoredSession``.
+    """
+
+    def __init__(
+        self,
+        hooks: Iterable[SessionRunHook] | None = None,
+        scaffold: Scaffold | None = None,
+        master: str = "",
+        config: Any = None,
+        checkpoint_dir: str | None = None,
+        stop_grace_period_secs: float = 120,
+        checkpoint_filename_with_path: str | None = None,
+        *,
+        state: Mapping[str, Any] | None = None,
+        device: Any = None,
+        clock: Clock | None = None,
+    ) -> None:
+        session_creator = ChiefSessionCreator(
+            scaffold=scaffold,
+            master=master,
+            config=config,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_filename_with_path=checkpoint_filename_with_path,
+            state=state,
+            device=device,
+            clock=clock,
+        )
+        super().__init__(
+            session_creator,
+            hooks,
+            should_recover=False,
+            stop_grace_period_secs=stop_grace_period_secs,
+        )
+
+    def raw_session(self) -> Session | None:
+        """Return the session without hooks (None once closed).
+
+        TF name: ``SingularMonitoredSession.raw_session``.
+        """
+        return self._tf_sess()
+
+
+def MonitoredTrainingSession(
+    master: str = "",
+    is_chief: bool = True,
+    checkpoint_dir: str | None = None,
+    scaffold: Scaffold | None = None,
+    hooks: Iterable[SessionRunHook] | None = None,
+    chief_only_hooks: Iterable[SessionRunHook] | None = None,
+    save_checkpoint_secs: Any = USE_DEFAULT,
+    save_summaries_steps: Any = USE_DEFAULT,
+    save_summaries_secs: Any = USE_DEFAULT,
+    config: Any = None,
+    stop_grace_period_secs: float = 120,
+    log_step_count_steps: int | None = 100,
+    max_wait_secs: float = 7200,
+    save_checkpoint_steps: Any = USE_DEFAULT,
+    summary_dir: str | None = None,
+    save_graph_def: bool = True,
+    *,
+    state: Mapping[str, Any] | None = None,
+    device: Any = None,
+    clock: Clock | None = None,
+) -> MonitoredSession:
+    """Create a ``MonitoredSession`` for training, with the standard hooks on the chief.
+
+    The chief restores the newest valid checkpoint of ``checkpoint_dir`` (or initializes) and
+    runs, in this order: ``chief_only_hooks``; if ``summary_dir`` (default ``checkpoint_dir``)
+    is set, ``StepCounterHook(every_n_steps=log_step_count_steps)`` when that is > 0 and
+    ``SummarySaverHook`` when summaries are enabled; ``CheckpointSaverHook`` when
+    ``checkpoint_dir`` is set and checkpoints are enabled; then ``hooks``. A non-chief waits
+    for a ready state and runs ``hooks`` only.
+
+    Args:
+        master: ``""`` for an in-process session.
+        is_chief: The chief initializes/restores and saves; others wait.
+        checkpoint_dir: Directory to restore from and save checkpoints to.
+        scaffold: The ``Scaffold``; None: a default one.
+        hooks: Hooks of every replica, after the standard ones.
+        chief_only_hooks: Hooks of the chief only, before the standard ones.
+        save_checkpoint_secs: Seconds between checkpoints; when neither this nor
+            ``save_checkpoint_steps`` is given: 600. 0 or None (with no steps): none.
+        save_summaries_steps: Steps between summaries; when neither this nor
+            ``save_summaries_secs`` is given: 100. 0 or None (with no secs): none.
+        save_summaries_secs: Seconds between summaries.
+        config: Passed to the session.
+        stop_grace_period_secs: Seconds the threads get to stop at ``close()``.
+        log_step_count_steps: Steps between ``global_step/sec`` summaries (0 or None: none).
+        max_wait_secs: The longest wait of a non-chief for a ready state, in seconds.
+        save_checkpoint_steps: Steps between checkpoints.
+        summary_dir: Directory of the summaries; None: ``checkpoint_dir``.
+        save_graph_def: Accepted for TF compatibility; there is no graph to write.
+        state: The training state (a mapping of names to stateful objects: modules,
+            optimizers, a ``GlobalStep``, ...), as ``Supervisor(state=...)``.
+        device: Where the init op materializes meta-device modules.
+        clock: Time source of the standard hooks' timers and of waits.
+
+    Returns:
+        A ``MonitoredSession`` (recovering from preemption errors).
+
+    Raises:
+        ValueError: If ``state`` differs from a state the scaffold already has.
+
+    Thread safety: use the session from one (training) thread.
+
+    TF name: ``tf.compat.v1.train.MonitoredTrainingSession``.
+    """
+    del save_graph_def
+    if save_summaries_steps is USE_DEFAULT and save_summaries_secs is USE_DEFAULT:
+        save_summaries_steps, save_summaries_secs = 100, None
+    elif save_summaries_steps is USE_DEFAULT:
+        save_summaries_steps = None
+    elif save_summaries_secs is USE_DEFAULT:
+        save_summaries_secs = None
+    if save_checkpoint_steps is USE_DEFAULT and save_checkpoint_secs is USE_DEFAULT:
+        save_checkpoint_steps, save_checkpoint_secs = None, 600
+    elif save_checkpoint_secs is USE_DEFAULT:
+        save_checkpoint_secs = None
+    elif save_checkpoint_steps is USE_DEFAULT:
+        save_checkpoint_steps = None
+
+    scaffold = scaffold or Scaffold(clock=clock)
+    if not is_chief:
+        worker_creator = WorkerSessionCreator(
+            scaffold=scaffold,
+            master=master,
+            config=config,
+            max_wait_secs=max_wait_secs,
+            state=state,
+            device=device,
+            clock=clock,
+        )
+        return MonitoredSession(
+            session_creator=worker_creator,
+            hooks=list(hooks or []),
+            stop_grace_period_secs=stop_grace_period_secs,
+        )
+
+    all_hooks: list[SessionRunHook] = list(chief_only_hooks or [])
+    session_creator = ChiefSessionCreator(
+        scaffold=scaffold,
+        master=master,
+        config=config,
+        checkpoint_dir=checkpoint_dir,
+        state=state,
+        device=device,
+        clock=clock,
+    )
+    summary_dir = summary_dir or checkpoint_dir
+    if summary_dir:
+        if log_step_count_steps and log_step_count_steps > 0:
+            all_hooks.append(
+                StepCounterHook(
+                    output_dir=summary_dir, every_n_steps=log_step_count_steps, clock=clock
+                )
+            )
+        if (save_summaries_steps and save_summaries_steps > 0) or (
+            save_summaries_secs and save_summaries_secs > 0
+        ):
+            all_hooks.append(
+                SummarySaverHook(
+                    scaffold=scaffold,
+                    save_steps=save_summaries_steps,
+                    save_secs=save_summaries_secs,
+                    output_dir=summary_dir,
+                    clock=clock,
+                )
+            )
+    if checkpoint_dir and (
+        (save_checkpoint_secs and save_checkpoint_secs > 0)
+        or (save_checkpoint_steps and save_checkpoint_steps > 0)
+    ):
+        all_hooks.append(
+            CheckpointSaverHook(
+                checkpoint_dir,
+                save_steps=save_checkpoint_steps,
+                save_secs=save_checkpoint_secs,
+                scaffold=scaffold,
+                clock=clock,
+            )
+        )
+    all_hooks.extend(hooks or [])
+    return MonitoredSession(
+        session_creator=session_creator,
+        hooks=all_hooks,
+        stop_grace_period_secs=stop_grace_period_secs,
+    )

@@ -1,0 +1,731 @@
+"""Input queues fed by threads: ``FIFOQueue``, ``QueueRunner``, and a queue over any iterable.
+
+TF 1 read its input through queues: threads run *enqueue ops* that fill a queue, the training
+step dequeues from it, and the end of the input closes the queue, so that the step's dequeue
+raises ``OutOfRangeError``: the normal end of training (``Supervisor.managed_session`` and
+``MonitoredSession`` treat it as a clean stop). A ``QueueRunner`` owns the threads of one queue:
+with a ``Coordinator`` it stops them with the training and reports their errors to it.
+
+Here the "ops" are callables (taking the session, or nothing), and a queue holds any Python
+objects (tensors are kept as they are: no copy). ``queue_from_iterable`` turns any iterable,
+such as a ``torch.utils.data.DataLoader``, into a queue filled by runner threads::
+
+    batches = queue_from_iterable(loader, capacity=8)   # its runner joins QUEUE_RUNNERS
+    with sv.managed_session() as sess:                   # starts the collected runners
+        while not sv.should_stop():
+            sess.run(lambda: train_step(*batches.dequeue()))
+    # the end of the loader ends the loop through OutOfRangeError: a clean stop
+
+A queue is a Python object, not a resource of a session: when a runner that closed its queue
+(end of input, or a stop) starts threads again for a new session (a ``MonitoredSession``
+recovering from an ``AbortedError``, a new ``managed_session``), it reopens the queue; its
+buffered elements are kept.
+
+Graph-only parts have no counterpart: ``QueueRunner.to_proto``/``from_proto`` and
+``queue_runner_def`` (no protos), ``dtypes``/``shapes`` checks (elements are Python objects).
+
+TF names: ``tf.queue.FIFOQueue``, ``tf.compat.v1.train.QueueRunner``, ``add_queue_runner``,
+``start_queue_runners``; ``queue_from_iterable`` plays the part of TF's input producers.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from torchsupervisor.clock import REAL_CLOCK, Clock
+from torchsupervisor.coordinator import Coordinator
+from torchsupervisor.errors import CancelledError, DeadlineExceededError, OutOfRangeError
+from torchsupervisor.registry import GraphKeys, get_default_graph
+
+__all__ = [
+    "FIFOQueue",
+    "QueueRunner",
+    "add_queue_runner",
+    "queue_from_iterable",
+    "start_queue_runners",
+]
+
+logger = logging.getLogger("torchsupervisor")
+
+_TIMEOUT_TEXT = "Timed out waiting for notification"
+
+
+def _collate(elements: list[Any]) -> Any:
+    """Batch elements: tensors are stacked; tuples and dicts per component; others listed."""
+    first = elements[0]
+    if all(isinstance(e, torch.Tensor) for e in elements):
+        return torch.stack(elements)
+    if isinstance(first, tuple) and all(
+        isinstance(e, tuple) and len(e) == len(first) for e in elements
+    ):
+        return tuple(_collate(list(column)) for column in zip(*elements))
+    if isinstance(first, Mapping) and all(isinstance(e, Mapping) for e in elements):
+        return {key: _collate([e[key] for e in elements]) for key in first}
+    return list(elements)
+
+
+class FIFOQueue:
+    """A bounded first-in first-out queue of Python objects that can be closed.
+
+    ``enqueue`` blocks while the queue is full, ``dequeue`` while it is empty. After
+    ``close()``, new enqueues fail with ``CancelledError`` while enqueues already waiting for
+    room still complete (unless ``cancel_pending_enqueues``), and dequeues drain what is left,
+    then fail with ``OutOfRangeError``: the signal that the input is exhausted.
+
+    Args:
+        capacity: The most elements the queue holds (> 0).
+        dtypes: Accepted for TF's signature; a list or tuple gives the number of components of
+            an element (what ``enqueue_many`` splits along); types are not checked.
+        shapes: Accepted for TF's signature; not checked.
+        names: Component names: elements are then dicts with these keys (for
+            ``enqueue_many``); None: unnamed.
+        shared_name: Accepted for TF's signature; unused.
+        name: The queue's name (in messages and thread names).
+        clock: Time source for ``timeout_secs``; None means the real clock.
+
+    Raises:
+        ValueError: If ``capacity`` is not a positive integer.
+
+    Thread safety: every method may be called from any thread.
+
+    TF name: ``tf.queue.FIFOQueue`` (``tf.FIFOQueue``).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        dtypes: Any = None,
+        shapes: Any = None,
+        names: Sequence[str] | None = None,
+        shared_name: str | None = None,
+        name: str = "fifo_queue",
+        *,
+        clock: Clock | None = None,
+    ) -> None:
+        del shapes, shared_name
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
+        self._capacity = capacity
+        self._num_components = len(dtypes) if isinstance(dtypes, (list, tuple)) else 1
+        self._names = list(names) if names is not None else None
+        self._name = name
+        self._clock = clock or REAL_CLOCK
+        self._lock = threading.Lock()
+        self._not_empty = threading.Condition(self._lock)
+        self._not_full = threading.Condition(self._lock)
+        self._items: collections.deque[Any] = collections.deque()
+        self._closed = False
+        self._cancelled = False
+
+    @property
+    def name(self) -> str:
+        """The queue's name."""
+        return self._name
+
+    @property
+    def capacity(self) -> int:
+        """The most elements the queue holds."""
+        return self._capacity
+
+    @property
+    def names(self) -> list[str] | None:
+        """The component names, or None."""
+        return self._names
+
+    def __repr__(self) -> str:
+        return f"FIFOQueue(name={self._name!r}, capacity={self._capacity})"
+
+    def _deadline(self, timeout_secs: float | None) -> float | None:
+        return None if timeout_secs is None else self._clock.monotonic() + timeout_secs
+
+    def _wait(self, condition: threading.Condition, deadline: float | None) -> None:
+        if deadline is None:
+            condition.wait()
+            return
+        remaining = deadline - self._clock.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceededError(_TIMEOUT_TEXT)
+        condition.wait(remaining)
+
+    def _closed_error(self) -> CancelledError:
+        return CancelledError(f"FIFOQueue '{self._name}' is closed.")
+
+    def enqueue(self, vals: Any, *, timeout_secs: float | None = None) -> None:
+        """Add one element, waiting while the queue is full.
+
+        Args:
+            vals: The element (any object; a tuple of components, or a dict of named ones,
+                by convention).
+            timeout_secs: The longest wait for room, in seconds; None waits as long as needed.
+
+        Raises:
+            CancelledError: ``"FIFOQueue '<name>' is closed."`` if the queue is closed;
+                ``"Enqueue operation was cancelled"`` if it is closed with
+                ``cancel_pending_enqueues`` while waiting.
+            DeadlineExceededError: If ``timeout_secs`` passed without room.
+
+        TF name: ``QueueBase.enqueue``.
+        """
+        deadline = self._deadline(timeout_secs)
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            self._put(vals, deadline)
+
+    def _put(self, vals: Any, deadline: float | None) -> None:
+        while len(self._items) >= self._capacity:
+            if self._cancelled:
+                raise CancelledError("Enqueue operation was cancelled")
+            self._wait(self._not_full, deadline)
+        if self._cancelled:
+            raise CancelledError("Enqueue operation was cancelled")
+        self._items.append(vals)
+        self._not_empty.notify()
+
+    def enqueue_many(self, vals: Any, *, timeout_secs: float | None = None) -> None:
+        """Add several elements, in order, waiting for room as needed.
+
+        Args:
+            vals: The elements: an iterable of them (a tensor is split along its first
+                dimension); for a queue of several components (``dtypes``), a tuple of
+                components of equal first dimension, zipped into tuples; for a queue with
+                ``names``, a dict of such components, zipped into dicts.
+            timeout_secs: The longest wait for room for each element; None: no limit.
+
+        Raises:
+            CancelledError, DeadlineExceededError: As ``enqueue`` (elements added before the
+                error stay in the queue).
+
+        TF name: ``QueueBase.enqueue_many``.
+        """
+        elements = self._split(vals)
+        deadline = self._deadline(timeout_secs)
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            for element in elements:
+                self._put(element, deadline)
+
+    def _split(self, vals: Any) -> list[Any]:
+        if self._names is not None and isinstance(vals, Mapping):
+            keys = self._names
+            return [dict(zip(keys, row)) for row in zip(*(vals[k] for k in keys))]
+        if self._num_components > 1 and isinstance(vals, (tuple, list)):
+            if len(vals) != self._num_components:
+                raise ValueError(
+                    f"enqueue_many on queue '{self._name}' expects {self._num_components} "
+                    f"components, got {len(vals)}"
+                )
+            return [tuple(row) for row in zip(*vals)]
+        return list(vals)
+
+    def _take(self, n: int, deadline: float | None, up_to: bool) -> list[Any]:
+        with self._lock:
+            while len(self._items) < n and not self._closed:
+                self._wait(self._not_empty, deadline)
+            size = len(self._items)
+            if size < n and not (up_to and size > 0):
+                raise OutOfRangeError(
+                    f"FIFOQueue '{self._name}' is closed and has insufficient elements "
+                    f"(requested {n}, current size {size})"
+                )
+            taken = [self._items.popleft() for _ in range(min(n, size))]
+            self._not_full.notify(len(taken))
+            return taken
+
+    def dequeue(self, *, timeout_secs: float | None = None) -> Any:
+        """Remove and return the oldest element, waiting while the queue is empty.
+
+        Args:
+            timeout_secs: The longest wait, in seconds; None waits as long as needed.
+
+        Returns:
+            The element, as it was enqueued.
+
+        Raises:
+            OutOfRangeError: ``"FIFOQueue '<name>' is closed and has insufficient elements
+                (requested 1, current size 0)"`` once the queue is closed and drained.
+            DeadlineExceededError: If ``timeout_secs`` passed first.
+
+        TF name: ``QueueBase.dequeue``.
+        """
+        return self._take(1, self._deadline(timeout_secs), up_to=False)[0]
+
+    def dequeue_many(self, n: int, *, timeout_secs: float | None = None) -> Any:
+        """Remove ``n`` elements at once and return them batched.
+
+        Args:
+            n: How many elements.
+            timeout_secs: The longest wait, in seconds; None waits as long as needed.
+
+        Returns:
+            The batch: stacked tensors for tensor elements (tuples and dicts batched per
+            component), else a list.
+
+        Raises:
+            OutOfRangeError: If the queue is closed with fewer than ``n`` elements left.
+            DeadlineExceededError: If ``timeout_secs`` passed first.
+
+        TF name: ``QueueBase.dequeue_many``.
+        """
+        return _collate(self._take(n, self._deadline(timeout_secs), up_to=False))
+
+    def dequeue_up_to(self, n: int, *, timeout_secs: float | None = None) -> Any:
+        """Like ``dequeue_many``, but a closed queue gives what is left (at least one).
+
+        Raises:
+            OutOfRangeError: If the queue is closed and empty.
+            DeadlineExceededError: If ``timeout_secs`` passed first.
+
+        TF name: ``QueueBase.dequeue_up_to``.
+        """
+        return _collate(self._take(n, self._deadline(timeout_secs), up_to=True))
+
+    def close(self, cancel_pending_enqueues: bool = False, name: str | None = None) -> None:
+        """Close the queue now (idempotent).
+
+        Args:
+            cancel_pending_enqueues: Also fail the enqueues waiting for room
+                (``CancelledError``) instead of letting them complete.
+            name: Accepted for TF's signature; unused.
+
+        TF name: ``QueueBase.close`` (which returns an op; this closes at once).
+        """
+        del name
+        with self._lock:
+            self._closed = True
+            if cancel_pending_enqueues:
+                self._cancelled = True
+            self._not_empty.notify_all()
+            self._not_full.notify_all()
+
+    def _reopen(self) -> None:
+        """Accept enqueues again (a runner restarting for a new session); elements are kept."""
+        with self._lock:
+            self._closed = False
+            self._cancelled = False
+
+    def size(self) -> int:
+        """Return the number of elements in the queue.
+
+        TF name: ``QueueBase.size``.
+        """
+        with self._lock:
+            return len(self._items)
+
+    def is_closed(self) -> bool:
+        """Return True once the queue is closed.
+
+        TF name: ``QueueBase.is_closed``.
+        """
+        return self._closed
+
+
+def _bind_session(op: Callable[..., Any], sess: Any) -> Callable[[], Any]:
+    """Return ``op`` as a zero-argument callable: ``op(sess)`` if it takes the session."""
+    try:
+        params = list(inspect.signature(op).parameters.values())
+    except (TypeError, ValueError):
+        return op
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    takes_session = any(
+        p.kind in positional and p.default is inspect.Parameter.empty for p in params
+    ) or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    return functools.partial(op, sess) if takes_session else op
+
+
+def _op_name(op: Any) -> str:
+    return getattr(op, "name", None) or getattr(op, "__name__", None) or type(op).__name__
+
+
+class QueueRunner:
+    """Runs the enqueue ops of a queue in threads, one thread per op.
+
+    Each thread calls its enqueue op again and again (``op(sess)`` if it takes the session,
+    else ``op()``) until the coordinator stops, or until the op raises one of
+    ``queue_closed_exception_types`` (its input is exhausted or its queue closed): then the
+    thread ends, and the last thread to end runs ``close_op`` (remaining elements can still be
+    dequeued; after them ``dequeue`` raises ``OutOfRangeError``). Any other exception ends the
+    thread and is reported to the coordinator (which stops training and re-raises it from
+    ``join()``), or, without a coordinator, logged, kept in ``exceptions_raised`` and re-raised
+    in the thread. With a coordinator, one more thread waits for the stop request and then runs
+    ``cancel_op`` (closes the queue, failing the enqueues waiting for room), so that no runner
+    thread stays blocked.
+
+    Args:
+        queue: The queue the ops fill (its ``close`` gives the default close and cancel ops).
+        enqueue_ops: Callables, one thread each (the same one several times gives parallel
+            threads).
+        close_op: Run by the last thread at the end of input; None: ``queue.close()``.
+        cancel_op: Run at a stop request; None: ``queue.close(cancel_pending_enqueues=True)``.
+        queue_closed_exception_types: Exception types that mean "this op is done"; None means
+            ``(OutOfRangeError,)``. ``(OutOfRangeError, CancelledError)`` suits ops that dequeue
+            from another queue.
+        queue_runner_def: Not supported (no protos); must be None.
+        import_scope: Not supported; must be None.
+
+    Raises:
+        ValueError: ``"Must provide queue and enqueue_ops."``.
+        TypeError: If ``queue_closed_exception_types`` is not a tuple of exception classes.
+        UnimplementedError: For ``queue_runner_def`` or ``import_scope``.
+
+    Thread safety: ``create_threads`` and the properties may be called from any thread.
+
+    TF name: ``tf.compat.v1.train.QueueRunner``.
+    """
+
+    def __init__(
+        self,
+        queue: Any = None,
+        enqueue_ops: Sequence[Callable[..., Any]] | None = None,
+        close_op: Callable[..., Any] | None = None,
+        cancel_op: Callable[..., Any] | None = None,
+        queue_closed_exception_types: tuple[type[BaseException], ...] | None = None,
+        queue_runner_def: Any = None,
+        import_scope: str | None = None,
+    ) -> None:
+        if queue_runner_def is not None or import_scope is not None:
+            from torchsupervisor.errors import UnimplementedError
+
+            raise UnimplementedError(
+                "queue_runner_def/import_scope: QueueRunner protos have no counterpart; build "
+                "the runner from a queue and enqueue ops"
+            )
+        if queue is None or not enqueue_ops:
+            raise ValueError("Must provide queue and enqueue_ops.")
+        if queue_closed_exception_types is None:
+            queue_closed_exception_types = (OutOfRangeError,)
+        elif not isinstance(queue_closed_exception_types, tuple) or not all(
+            isinstance(t, type) and issubclass(t, BaseException)
+            for t in queue_closed_exception_types
+        ):
+            raise TypeError(
+                "queue_closed_exception_types, when provided, must be a tuple of exception "
+                f"types, but saw: {queue_closed_exception_types!r}"
+            )
+        self._queue = queue
+        self._enqueue_ops = list(enqueue_ops)
+        self._close_op = close_op if close_op is not None else queue.close
+        self._cancel_op = (
+            cancel_op
+            if cancel_op is not None
+            else functools.partial(queue.close, cancel_pending_enqueues=True)
+        )
+        self._queue_closed_exception_types = queue_closed_exception_types
+        self._lock = threading.Lock()
+        self._runs: dict[Any, int] = {}  # session -> threads still running for it
+        self._exceptions_raised: list[BaseException] = []
+        self._closed_queue = False
+
+    @property
+    def queue(self) -> Any:
+        """The queue."""
+        return self._queue
+
+    @property
+    def enqueue_ops(self) -> list[Callable[..., Any]]:
+        """The enqueue ops (one thread each)."""
+        return list(self._enqueue_ops)
+
+    @property
+    def close_op(self) -> Callable[..., Any]:
+        """The op closing the queue at the end of input."""
+        return self._close_op
+
+    @property
+    def cancel_op(self) -> Callable[..., Any]:
+        """The op closing the queue and cancelling pending enqueues at a stop."""
+        return self._cancel_op
+
+    @property
+    def queue_closed_exception_types(self) -> tuple[type[BaseException], ...]:
+        """The exception types that end a thread quietly."""
+        return self._queue_closed_exception_types
+
+    @property
+    def name(self) -> str:
+        """The name of the queue.
+
+        TF name: ``QueueRunner.name``.
+        """
+        return getattr(self._queue, "name", type(self._queue).__name__)
+
+    @property
+    def exceptions_raised(self) -> list[BaseException]:
+        """Exceptions raised by the threads created without a coordinator.
+
+        With a coordinator, exceptions go to it and are not kept here.
+
+        TF name: ``QueueRunner.exceptions_raised``.
+        """
+        with self._lock:
+            return list(self._exceptions_raised)
+
+    def create_threads(
+        self,
+        sess: Any,
+        coord: Coordinator | None = None,
+        daemon: bool = False,
+        start: bool = False,
+    ) -> list[threading.Thread]:
+        """Create (and optionally start) the threads running the enqueue ops for ``sess``.
+
+        If threads created for ``sess`` are still running, none are created. When this runner
+        closed its queue earlier and none of its threads runs any more, the queue is reopened.
+
+        Args:
+            sess: Passed to enqueue, close and cancel ops that take an argument (may be None).
+            coord: Stops the threads and receives their exceptions; the threads register with
+                it (so ``coord.join()`` waits for them). None: exceptions are kept in
+                ``exceptions_raised``.
+            daemon: Make the threads daemons.
+            start: Start the threads (else the caller starts them).
+
+        Returns:
+            The threads: one per enqueue op, plus, with ``coord``, one that runs ``cancel_op``
+            when a stop is requested.
+
+        TF name: ``QueueRunner.create_threads``.
+        """
+        with self._lock:
+            if self._runs.get(sess, 0) > 0:
+                return []
+            reopen = self._closed_queue and not any(self._runs.values())
+            self._closed_queue = False
+            self._runs[sess] = len(self._enqueue_ops)
+            self._exceptions_raised = []
+        if reopen and hasattr(self._queue, "_reopen"):
+            logger.info("Reopening queue '%s' for a new session", self.name)
+            self._queue._reopen()
+        threads = [
+            threading.Thread(
+                target=self._run,
+                args=(sess, op, coord),
+                name=f"QueueRunnerThread-{self.name}-{_op_name(op)}",
+            )
+            for op in self._enqueue_ops
+        ]
+        if coord is not None:
+            threads.append(
+                threading.Thread(
+                    target=self._close_on_stop,
+                    args=(sess, coord),
+                    name=f"QueueRunnerThread-{self.name}-{_op_name(self._cancel_op)}",
+                )
+            )
+        for thread in threads:
+            if coord is not None:
+                coord.register_thread(thread)
+            thread.daemon = daemon
+            if start:
+                thread.start()
+        return threads
+
+    def _thread_done(self, sess: Any) -> bool:
+        """Count one thread of ``sess`` as ended; True if it was the last one."""
+        with self._lock:
+            left = self._runs.get(sess, 1) - 1
+            if left > 0:
+                self._runs[sess] = left
+                return False
+            self._runs.pop(sess, None)
+            return True
+
+    def _run_close(self, op: Callable[..., Any], sess: Any) -> None:
+        try:
+            _bind_session(op, sess)()
+        except Exception as e:
+            logger.debug("Ignored exception while closing queue '%s': %s", self.name, e)
+        with self._lock:
+            self._closed_queue = True
+
+    def _run(self, sess: Any, op: Callable[..., Any], coord: Coordinator | None) -> None:
+        counted = False
+        try:
+            enqueue = _bind_session(op, sess)
+            closed_types = self._queue_closed_exception_types
+            while coord is None or not coord.should_stop():
+                try:
+                    enqueue()
+                except closed_types:
+                    counted = True
+                    if self._thread_done(sess):
+                        self._run_close(self._close_op, sess)
+                    return
+        except Exception as e:
+            if coord is not None:
+                coord.request_stop(e)
+            else:
+                logger.error("Exception in QueueRunner: %s", e)
+                with self._lock:
+                    self._exceptions_raised.append(e)
+                raise
+        finally:
+            if not counted:
+                self._thread_done(sess)
+
+    def _close_on_stop(self, sess: Any, coord: Coordinator) -> None:
+        coord.wait_for_stop()
+        self._run_close(self._cancel_op, sess)
+
+
+def add_queue_runner(qr: QueueRunner, collection: str = GraphKeys.QUEUE_RUNNERS) -> None:
+    """Add a ``QueueRunner`` to a collection of the default graph.
+
+    ``start_queue_runners``, ``Supervisor`` sessions and ``MonitoredSession`` start the
+    runners of the ``QUEUE_RUNNERS`` collection.
+
+    Args:
+        qr: The runner.
+        collection: The collection key.
+
+    TF name: ``tf.compat.v1.train.add_queue_runner``.
+    """
+    get_default_graph().add_to_collection(collection, qr)
+
+
+def start_queue_runners(
+    sess: Any = None,
+    coord: Coordinator | None = None,
+    daemon: bool = True,
+    start: bool = True,
+    collection: str = GraphKeys.QUEUE_RUNNERS,
+) -> list[threading.Thread]:
+    """Create and start the threads of every runner in a collection of the default graph.
+
+    Args:
+        sess: The session passed to the ops (may be None).
+        coord: The ``Coordinator`` the threads report to and stop with; None: none.
+        daemon: Make the threads daemons.
+        start: Start the threads.
+        collection: The collection key.
+
+    Returns:
+        All the threads created.
+
+    TF name: ``tf.compat.v1.train.start_queue_runners``.
+    """
+    threads: list[threading.Thread] = []
+    for runner in get_default_graph().get_collection(collection):
+        threads.extend(runner.create_threads(sess, coord=coord, daemon=daemon, start=start))
+    return threads
+
+
+class _IterableFeeder:
+    """The enqueue op of ``queue_from_iterable``: the next element of the iterable, enqueued.
+
+    ``next()`` is serialized by a lock (iterators, ``DataLoader`` ones included, are not
+    thread-safe); ``map_fn`` and the enqueue run outside it. An element whose enqueue was
+    cancelled (a stop) is kept and enqueued first when the runner restarts, so nothing is lost.
+    """
+
+    def __init__(
+        self,
+        iterable: Iterable[Any],
+        queue: FIFOQueue,
+        num_epochs: int | None,
+        map_fn: Callable[[Any], Any] | None,
+    ) -> None:
+        self._iterable = iterable
+        self._queue = queue
+        self._num_epochs = num_epochs
+        self._map_fn = map_fn
+        self._lock = threading.Lock()
+        self._iterator: Any = None
+        self._epoch = 0
+        self._yielded = 0
+        self._carry: collections.deque[Any] = collections.deque()
+        self.__name__ = f"feed_{queue.name}"
+
+    def _next(self) -> tuple[Any, bool]:
+        with self._lock:
+            if self._carry:
+                return self._carry.popleft(), True
+            while True:
+                if self._iterator is None:
+                    if self._num_epochs is not None and self._epoch >= self._num_epochs:
+                        raise OutOfRangeError(
+                            f"The input of queue '{self._queue.name}' is exhausted "
+                            f"({self._num_epochs} epoch(s))"
+                        )
+                    self._iterator = iter(self._iterable)
+                    self._epoch += 1
+                    self._yielded = 0
+                try:
+                    item = next(self._iterator)
+                except StopIteration:
+                    self._iterator = None
+                    if self._yielded == 0:
+                        self._num_epochs = self._epoch  # Exhausted for good.
+                    continue
+                self._yielded += 1
+                return item, False
+
+    def __call__(self) -> None:
+        item, ready = self._next()
+        if not ready and self._map_fn is not None:
+            item = self._map_fn(item)
+        try:
+            self._queue.enqueue(item)
+        except CancelledError:
+            with self._lock:
+                self._carry.append(item)
+            raise
+
+
+def queue_from_iterable(
+    iterable: Iterable[Any],
+    *,
+    capacity: int = 32,
+    num_threads: int = 1,
+    num_epochs: int | None = 1,
+    map_fn: Callable[[Any], Any] | None = None,
+    name: str = "input_queue",
+    collection: str = GraphKeys.QUEUE_RUNNERS,
+) -> FIFOQueue:
+    """Return a queue filled from ``iterable`` by runner threads; its end ends training.
+
+    A ``QueueRunner`` with ``num_threads`` threads is added to ``collection`` (started by
+    ``start_queue_runners``, ``Supervisor`` sessions and ``MonitoredSession``). After
+    ``num_epochs`` passes over the iterable, the queue is closed: the training step's
+    ``dequeue()`` returns the elements left, then raises ``OutOfRangeError``, which ends
+    ``managed_session``/``MonitoredSession`` cleanly (hooks' ``end()`` and the final checkpoint
+    run).
+
+    Args:
+        iterable: Any iterable, e.g. a ``DataLoader`` (iterated again each epoch; a one-shot
+            iterator gives one epoch).
+        capacity: The most elements buffered in the queue.
+        num_threads: Threads feeding the queue. ``next()`` on the iterable is serialized, so
+            more than one thread helps only with ``map_fn`` work that releases the GIL; with
+            several threads elements may be enqueued out of order.
+        num_epochs: Passes over the iterable; None: forever (an epoch that yields nothing
+            ends the input).
+        map_fn: Applied to each element in the feeding thread before it is enqueued.
+        name: The queue's name.
+        collection: The collection key the runner is added to.
+
+    Returns:
+        The ``FIFOQueue``.
+
+    Raises:
+        ValueError: If ``num_threads`` < 1 or ``num_epochs`` < 1.
+
+    TF name: none; it plays the part of ``tf.compat.v1.train.input_producer`` and friends.
+    """
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+    if num_epochs is not None and num_epochs < 1:
+        raise ValueError(f"num_epochs must be None or at least 1, got {num_epochs}")
+    queue = FIFOQueue(capacity, name=name)
+    feeder = _IterableFeeder(iterable, queue, num_epochs, map_fn)
+    add_queue_runner(QueueRunner(queue, [feeder] * num_threads), collection)
+    return queue

@@ -1,0 +1,235 @@
+"""Session creators: how a ``MonitoredSession`` gets a session that is ready to train.
+
+* ``ChiefSessionCreator`` restores the newest valid checkpoint of ``checkpoint_dir`` (or a
+  given one), else runs the scaffold's ``init_op`` and ``init_fn``; then the local init op and
+  the ready check (``SessionManager.prepare_session``). Its first session also removes what a
+  crash left in ``checkpoint_dir`` (temporary files, checkpoints without an index), as the
+  Supervisor does.
+* ``WorkerSessionCreator`` waits until the state is ready (``SessionManager.wait_for_session``).
+
+Both take the state the way the Supervisor does (``state=``), or from the scaffold.
+
+TF names: ``tf.compat.v1.train.SessionCreator``, ``ChiefSessionCreator``,
+``WorkerSessionCreator``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from torchsupervisor.checkpoint.management import (
+    clean_stale_temporaries,
+    find_incomplete_checkpoints,
+    remove_checkpoint,
+)
+from torchsupervisor.clock import Clock
+from torchsupervisor.registry import get_default_graph
+from torchsupervisor.scaffold import Scaffold, prepare_state, same_state
+from torchsupervisor.session import Session
+from torchsupervisor.session_manager import SessionManager
+
+__all__ = ["ChiefSessionCreator", "SessionCreator", "WorkerSessionCreator"]
+
+logger = logging.getLogger("torchsupervisor")
+
+
+class SessionCreator:
+    """A factory of sessions; subclasses implement ``create_session``.
+
+    TF name: ``tf.compat.v1.train.SessionCreator``.
+    """
+
+    def create_session(self) -> Session:
+        """Create and return a ready session.
+
+        Raises:
+            NotImplementedError: In this base class.
+        """
+        raise NotImplementedError("SessionCreator subclasses implement create_session()")
+
+
+def _resolve_state(scaffold: Scaffold, state: Mapping[str, Any] | None) -> dict[str, Any]:
+    if state is None:
+        return scaffold.state if scaffold.state is not None else prepare_state(None)
+    if scaffold.state is not None and not same_state(scaffold.state, state):
+        raise ValueError(
+            "state: the scaffold already has a different state; pass the state to the "
+            "Scaffold or to the session creator, not two different ones"
+        )
+    return prepare_state(state)
+
+
+def _clean_checkpoint_dir(directory: str) -> None:
+    """Remove what a crash left: temporary files and checkpoints that were never committed."""
+    if not os.path.isdir(directory):
+        return
+    clean_stale_temporaries(directory)
+    for prefix in find_incomplete_checkpoints(directory):
+        logger.warning(
+            "Removing incomplete checkpoint %s (no index: the save did not finish)", prefix
+        )
+        try:
+            remove_checkpoint(prefix)
+        except OSError as e:
+            logger.warning("Could not remove %s: %s", prefix, e)
+
+
+class _ScaffoldedCreator(SessionCreator):
+    def __init__(
+        self,
+        scaffold: Scaffold | None,
+        master: str,
+        config: Any,
+        state: Mapping[str, Any] | None,
+        device: Any,
+        clock: Clock | None,
+    ) -> None:
+        self._scaffold = scaffold or Scaffold(clock=clock)
+        self._master = master
+        self._config = config
+        self._state = _resolve_state(self._scaffold, state)
+        self._device = device
+        self._clock = clock
+        self._session_manager: SessionManager | None = None
+
+    @property
+    def scaffold(self) -> Scaffold:
+        """The scaffold (finalized by ``create_session``)."""
+        return self._scaffold
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The state of the sessions this creator makes."""
+        return self._state
+
+    def _get_session_manager(self) -> SessionManager:
+        if self._session_manager is None:
+            scaffold = self._scaffold
+            self._session_manager = SessionManager(
+                local_init_op=scaffold.local_init_op,
+                local_init_feed_dict=scaffold.local_init_feed_dict,
+                ready_op=scaffold.ready_op,
+                ready_for_local_init_op=scaffold.ready_for_local_init_op,
+                graph=get_default_graph(),
+                state=self._state,
+                device=self._device,
+                clock=self._clock,
+            )
+        return self._session_manager
+
+
+class ChiefSessionCreator(_ScaffoldedCreator):
+    """Create sessions for the chief: restore the newest valid checkpoint, or initialize.
+
+    Args:
+        scaffold: The ``Scaffold`` (finalized at the first ``create_session``); None: a
+            default one.
+        master: ``""`` for an in-process session.
+        config: Passed to the session.
+        checkpoint_dir: Directory to restore the newest valid checkpoint from; None: no
+            restore from a directory.
+        checkpoint_filename_with_path: A specific checkpoint prefix to restore instead.
+        state: The training state (a mapping of names to stateful objects); None: the
+            scaffold's state, or only the global step of the ``GLOBAL_STEP`` collection.
+        device: Where the init op materializes meta-device modules.
+        clock: Time source for waits.
+
+    Raises:
+        ValueError: If ``state`` differs from a state the scaffold already has.
+
+    TF name: ``tf.compat.v1.train.ChiefSessionCreator``.
+    """
+
+    def __init__(
+        self,
+        scaffold: Scaffold | None = None,
+        master: str = "",
+        config: Any = None,
+        checkpoint_dir: str | None = None,
+        checkpoint_filename_with_path: str | None = None,
+        *,
+        state: Mapping[str, Any] | None = None,
+        device: Any = None,
+        clock: Clock | None = None,
+    ) -> None:
+        super().__init__(scaffold, master, config, state, device, clock)
+        self._checkpoint_dir = checkpoint_dir
+        self._checkpoint_filename_with_path = checkpoint_filename_with_path
+        self._cleaned = False
+
+    def create_session(self) -> Session:
+        """Create a session whose state is restored or initialized and ready.
+
+        Returns:
+            The session; ``session.restored_checkpoint`` names the checkpoint restored.
+
+        Raises:
+            RuntimeError: When the state cannot be made ready (``SessionManager``'s texts).
+            ValueError: If both checkpoint locations are given.
+            DataLossError: If ``checkpoint_dir`` has checkpoints and none is valid.
+
+        TF name: ``ChiefSessionCreator.create_session``.
+        """
+        self._scaffold.finalize()
+        if self._checkpoint_dir and not self._cleaned:
+            _clean_checkpoint_dir(self._checkpoint_dir)
+            self._cleaned = True
+        return self._get_session_manager().prepare_session(
+            self._master,
+            saver=self._scaffold.saver,
+            checkpoint_dir=self._checkpoint_dir,
+            checkpoint_filename_with_path=self._checkpoint_filename_with_path,
+            config=self._config,
+            init_op=self._scaffold.init_op,
+            init_feed_dict=self._scaffold.init_feed_dict,
+            init_fn=self._scaffold.init_fn,
+        )
+
+
+class WorkerSessionCreator(_ScaffoldedCreator):
+    """Create sessions for a non-chief: wait until the state is ready.
+
+    Args:
+        scaffold: The ``Scaffold``; None: a default one.
+        master: ``""`` for an in-process session.
+        config: Passed to the session.
+        max_wait_secs: The longest wait for a ready state, in seconds.
+        state: The training state; None: the scaffold's.
+        device: Passed to the session.
+        clock: Time source for waits.
+
+    Raises:
+        ValueError: If ``state`` differs from a state the scaffold already has.
+
+    TF name: ``tf.compat.v1.train.WorkerSessionCreator``.
+    """
+
+    def __init__(
+        self,
+        scaffold: Scaffold | None = None,
+        master: str = "",
+        config: Any = None,
+        max_wait_secs: float = 30 * 60,
+        *,
+        state: Mapping[str, Any] | None = None,
+        device: Any = None,
+        clock: Clock | None = None,
+    ) -> None:
+        super().__init__(scaffold, master, config, state, device, clock)
+        self._max_wait_secs = max_wait_secs
+
+    def create_session(self) -> Session:
+        """Wait for a session whose state is ready.
+
+        Raises:
+            DeadlineExceededError: ``"Session was not ready after waiting %d secs."``.
+
+        TF name: ``WorkerSessionCreator.create_session``.
+        """
+        self._scaffold.finalize()
+        return self._get_session_manager().wait_for_session(
+            self._master, config=self._config, max_wait_secs=self._max_wait_secs
+        )
