@@ -1,0 +1,163 @@
+"""Adagrad dual averaging, for sparse linear models, with TF 1's semantics.
+
+TF name: ``tf.compat.v1.train.AdagradDAOptimizer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from torchsupervisor.errors import InvalidArgumentError
+from torchsupervisor.global_step import GlobalStep, read_step
+
+__all__ = ["AdagradDAOptimizer"]
+
+
+def _check(group: dict[str, Any]) -> None:
+    value = group["initial_gradient_squared_accumulator_value"]
+    if value <= 0.0:
+        raise ValueError(f"initial_gradient_squared_accumulator_value must be positive: {value}")
+    for key in ("l1_regularization_strength", "l2_regularization_strength"):
+        if group[key] < 0.0:
+            raise InvalidArgumentError(f"{key} {group[key]:f} needs to be positive or zero")
+
+
+class AdagradDAOptimizer(torch.optim.Optimizer):
+    """Adagrad dual averaging: the weights are a closed form of the accumulated gradients.
+
+    For a parameter ``w`` with gradient ``g``, accumulators ``G`` (starts at 0) and ``H``
+    (starts at ``initial_gradient_squared_accumulator_value``), learning rate ``lr`` and
+    ``t = global_step + 1`` (the step read before this update, as TF's ``global_step + 1``)::
+
+        G += g
+        H += g * g
+        G' = sign(G) * max(|G| - l1 * t, 0)        if l1 > 0 else G
+        w = -lr * G' / (l2 * t * lr + sqrt(H))
+
+    The weights do not depend on their previous values: a coordinate whose gradient is 0 for
+    a while is updated as if it had been updated every step (the regularization of features
+    unseen in a batch). The step is usually bound to this optimizer (``global_step.bind(opt)``)
+    so that it counts its updates; it is read in ``step()`` before the increment.
+
+    Args:
+        params: The parameters or parameter groups (a group may override ``lr`` and the
+            options below under the same names).
+        learning_rate: The learning rate (stored as each group's ``"lr"``).
+        global_step: The training step: a ``GlobalStep`` or an integer scalar tensor, read at
+            every ``step()``.
+        initial_gradient_squared_accumulator_value: Start value of ``H``; must be positive.
+        l1_regularization_strength: ``l1`` >= 0.
+        l2_regularization_strength: ``l2`` >= 0.
+        use_locking: Accepted for TF's signature; no effect.
+        name: A name for logs; the state keys are always ``"gradient_accumulator"`` and
+            ``"gradient_squared_accumulator"``.
+
+    Raises:
+        ValueError: ``"initial_gradient_squared_accumulator_value must be positive: <value>"``
+            (TF's text), or if ``global_step`` is None.
+        TypeError: If ``global_step`` is not a ``GlobalStep`` or an integer scalar tensor.
+        InvalidArgumentError: ``"l1_regularization_strength ... needs to be positive or
+            zero"`` (or ``l2_``): documented by TF, checked here.
+
+    ``step()`` raises ``RuntimeError`` for sparse gradients; parameters without a gradient are
+    skipped. The accumulators are in ``state_dict()``; the global step is saved where it lives
+    (the state's ``GlobalStep``).
+    Parameters may have any shape, a floating dtype and any device; the update is computed
+    elementwise in the parameter's dtype, and state tensors have the parameter's shape, dtype
+    and device.
+
+    Thread safety: like any ``torch.optim`` optimizer, use from one thread.
+
+    TF name: ``tf.compat.v1.train.AdagradDAOptimizer``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        learning_rate: float,
+        global_step: Any,
+        initial_gradient_squared_accumulator_value: float = 0.1,
+        l1_regularization_strength: float = 0.0,
+        l2_regularization_strength: float = 0.0,
+        use_locking: bool = False,
+        name: str = "AdagradDA",
+    ) -> None:
+        del use_locking
+        defaults = {
+            "lr": learning_rate,
+            "initial_gradient_squared_accumulator_value": (
+                initial_gradient_squared_accumulator_value
+            ),
+            "l1_regularization_strength": l1_regularization_strength,
+            "l2_regularization_strength": l2_regularization_strength,
+        }
+        _check(defaults)
+        if global_step is None:
+            raise ValueError("AdagradDAOptimizer needs global_step (a GlobalStep or a tensor)")
+        if not isinstance(global_step, GlobalStep | torch.Tensor):
+            raise TypeError(
+                "global_step must be a GlobalStep or an integer scalar tensor, got "
+                f"{type(global_step).__name__}: {global_step!r}"
+            )
+        read_step(global_step)  # TypeError for a tensor that is not an integer scalar.
+        self.global_step = global_step
+        self.name = name
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group (its options are checked as the constructor's)."""
+        if isinstance(param_group, dict):
+            _check({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Apply one AdagradDA update to every parameter with a gradient.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            RuntimeError: For a sparse gradient.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = float(read_step(self.global_step) + 1)
+        for group in self.param_groups:
+            lr = float(group["lr"])
+            l1 = float(group["l1_regularization_strength"])
+            l2 = float(group["l2_regularization_strength"])
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError("AdagradDAOptimizer does not support sparse gradients")
+                state = self.state[param]
+                if not state:
+                    state["gradient_accumulator"] = torch.zeros_like(
+                        param, memory_format=torch.preserve_format
+                    )
+                    state["gradient_squared_accumulator"] = torch.full_like(
+                        param,
+                        group["initial_gradient_squared_accumulator_value"],
+                        memory_format=torch.preserve_format,
+                    )
+                sums = state["gradient_accumulator"]
+                squares = state["gradient_squared_accumulator"]
+                sums.add_(grad)
+                squares.addcmul_(grad, grad)
+                if l1 > 0.0:
+                    numerator = torch.sign(sums) * torch.clamp_min(sums.abs() - l1 * t, 0.0)
+                else:
+                    numerator = sums
+                param.copy_(-lr * numerator / (l2 * t * lr + squares.sqrt()))
+        return loss
