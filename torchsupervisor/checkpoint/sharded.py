@@ -1,0 +1,715 @@
+"""Sharded checkpoints: every rank writes its own part of the state, in parallel.
+
+A model sharded between ranks (FSDP2's ``fully_shard``, or any state holding ``DTensor`` s)
+cannot be checkpointed by one rank without first gathering the whole state to it. Instead,
+``save_sharded`` is called by every rank of the process group at the same step:
+
+1. each rank collects its state (``state_dict()`` of each entry: DTensors for FSDP2 models);
+2. ``torch.distributed.checkpoint`` plans the save: which rank writes which chunk (a DTensor's
+   local shard; a replicated tensor once, by the least loaded rank);
+3. every rank copies its chunks into a host buffer and writes its own safetensors shard
+   ``P.data-<i>-of-<N>`` with per-chunk CRC-32C, under the commit protocol (temporary name,
+   fsync, rename, fsync of the directory);
+4. once every rank has succeeded, the coordinator (rank 0 of the group) writes ``P.index``
+   last (the commit point: the manifest of ``format.py`` with the chunk layout of
+   ``sharded_metadata.py``; non-tensor values come from the coordinator's state), then the
+   ``checkpoint`` state file.
+
+A failure on any rank (disk full, a value that cannot be saved without pickle) reaches every
+rank as an error; nothing is committed and each rank removes its temporary and shard files.
+
+``load_sharded`` (again on every rank) reads the manifest, lets DCP plan which chunks each rank
+needs for its local shards, reads only those, verifies each chunk's CRC-32C, and loads the
+values into the live objects. The world size may differ from the one that saved (resharding):
+a checkpoint of 2 ranks restores on 1 or 4, and one written by ``Saver`` (every tensor whole)
+restores into a sharded model. A corrupt chunk raises ``CorruptCheckpointError`` naming the
+file on every rank (the rank that found it, and the others with a copy of its error).
+
+``ShardedCheckpointReader`` reads such a checkpoint in one process, without a process group
+(inspection, conversion to an unsharded model). Nothing is ever pickled to disk.
+
+TF name: none; TF 1 wrote sharded checkpoints from the parameter servers
+(``Saver(sharded=True)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import sys
+import warnings
+from collections.abc import Collection, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchsupervisor.checkpoint.format import ManifestError, decode_tree, encode_tree
+from torchsupervisor.checkpoint.reader import CheckpointReader
+from torchsupervisor.checkpoint.sharded_metadata import ShardedManifest
+from torchsupervisor.checkpoint.snapshot import Stager
+from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
+from torchsupervisor.clock import REAL_CLOCK, Clock
+from torchsupervisor.errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnknownError,
+)
+from torchsupervisor.global_step import read_step
+from torchsupervisor.state import TensorRef, find_subtree, is_materialized, load_state
+
+__all__ = [
+    "ShardedCheckpointReader",
+    "ShardedOptimizerState",
+    "flatten_sharded_state",
+    "is_sharded",
+    "load_sharded",
+    "save_sharded",
+]
+
+logger = logging.getLogger("torchsupervisor")
+
+
+def _dtensor_class() -> type | None:
+    """The DTensor class if it was imported (no DTensor can exist otherwise), else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+# ------------------------------------------------------------------------------ the state
+
+
+class ShardedOptimizerState:
+    """The state of an optimizer of a sharded model, keyed by parameter names.
+
+    ``optimizer.state_dict()`` keys its state by parameter position, and loading it needs an
+    optimizer whose state already exists with the same sharding. This adapter uses
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` /
+    ``set_optimizer_state_dict`` instead: the state is keyed by parameter names, its tensors
+    are DTensors sharded like the parameters (so they reshard on restore), and a fresh
+    optimizer gets its state created before it is loaded. Put it in the state next to the
+    model: ``{"model": model, "optimizer": ShardedOptimizerState(model, optimizer)}``.
+
+    Args:
+        model: The (FSDP2-sharded, or plain) model whose parameters the optimizer updates.
+        optimizer: The optimizer.
+        options: ``torch.distributed.checkpoint.state_dict.StateDictOptions``; None: the
+            defaults (sharded state, not offloaded to the CPU).
+
+    Thread safety: like the optimizer itself (the training thread).
+    Distributed: ``state_dict`` and ``load_state_dict`` may run collectives for some
+    wrappings (FSDP1); call them on every rank.
+
+    TF name: none (the optimizer's slot variables were ordinary variables in TF).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, options: Any = None
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the optimizer's state keyed by parameter names (creating it if empty)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state returned by ``state_dict`` (possibly of another world size)."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, dict(state_dict), options=self.options)
+
+
+def is_sharded(state: Mapping[str, Any]) -> bool:
+    """Return True if the state holds a ``DTensor`` (and so needs ``save_sharded``).
+
+    Cheap: modules are checked through their parameters and buffers, without collecting their
+    state dicts; other entries through their state dicts. False at once when DTensors were
+    never imported.
+
+    Args:
+        state: Mapping of names to stateful objects (a session's state, a saver's var_list).
+    """
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return False
+    from torchsupervisor.state import iter_state_tensors
+
+    for name, value in state.items():
+        if isinstance(value, ShardedOptimizerState):
+            value = value.model
+        if isinstance(value, torch.nn.Module):
+            tensors = itertools.chain(value.parameters(), value.buffers())
+            if any(isinstance(t, dtensor) for t in tensors):
+                return True
+            continue
+        if any(isinstance(t, dtensor) for _, t in iter_state_tensors({name: value})):
+            return True
+    return False
+
+
+_PLAIN = (str, int, float, bool, type(None), bytes, torch.dtype, torch.device)
+
+
+def flatten_sharded_state(
+    state: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Split the state into a skeleton and a flat table of tensors, DTensors included.
+
+    The same as ``state.flatten_state`` (same names, same skeleton, same errors), except that
+    ``DTensor`` leaves are accepted and kept as they are (detached): each rank holds only its
+    local shard of them.
+
+    Args:
+        state: Mapping of names (str) to stateful objects, tensors, arrays or values.
+
+    Returns:
+        ``(skeleton, tensors)``: the skeleton with ``TensorRef`` leaves, and ``{name: tensor}``.
+
+    Raises:
+        TypeError: For a leaf that cannot be saved without pickle, or a bad dict key.
+        ValueError: For a tensor that cannot be saved (uninitialized, sparse, quantized, or a
+            tensor subclass other than DTensor).
+    """
+    dtensor = _dtensor_class()
+    tensors: dict[str, torch.Tensor] = {}
+
+    def add(path: str, tensor: torch.Tensor, ndarray: bool) -> TensorRef:
+        name, k = path, 0
+        while name in tensors:
+            k += 1
+            name = f"{path}#{k}"
+        tensors[name] = tensor
+        return TensorRef(name, ndarray)
+
+    def walk(obj: Any, path: str) -> Any:
+        if dtensor is not None and isinstance(obj, dtensor):
+            _check_tensor(obj.to_local(), path)
+            return add(path, obj.detach(), False)
+        if isinstance(obj, torch.Tensor):
+            _check_tensor(obj, path)
+            return add(path, obj.detach(), False)
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.kind not in "biufc":
+                raise TypeError(
+                    f"Cannot save {path!r}: numpy arrays of dtype {obj.dtype} need pickle"
+                )
+            return add(path, torch.from_numpy(np.ascontiguousarray(obj)), True)
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, torch.Size):
+            return tuple(int(d) for d in obj)
+        if isinstance(obj, _PLAIN):
+            return obj
+        if isinstance(obj, Mapping):
+            out = {}
+            for key, value in obj.items():
+                if not isinstance(key, (str, int, float, bool, type(None))):
+                    raise TypeError(
+                        f"Cannot save {path!r}: dict key {key!r} has type {type(key).__name__}; "
+                        "keys must be str, int, float, bool or None"
+                    )
+                out[key] = walk(value, f"{path}/{key}")
+            return out
+        if isinstance(obj, list):
+            return [walk(value, f"{path}/{i}") for i, value in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return tuple(walk(value, f"{path}/{i}") for i, value in enumerate(obj))
+        state_dict = getattr(obj, "state_dict", None)
+        if callable(state_dict):
+            return walk(state_dict(), path)
+        raise TypeError(
+            f"Cannot save {path!r}: objects of type "
+            f"{type(obj).__module__}.{type(obj).__qualname__} have no state_dict() and are not "
+            "tensors, arrays, containers or plain values (checkpoints never use pickle)"
+        )
+
+    skeleton = {}
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise TypeError(f"State names must be str, got {type(key).__name__}: {key!r}")
+        skeleton[key] = walk(value, key)
+    return skeleton, tensors
+
+
+def _check_tensor(tensor: torch.Tensor, path: str) -> None:
+    if not is_materialized(tensor):
+        raise ValueError(f"Cannot save {path!r}: it is not initialized (meta device or lazy)")
+    if tensor.layout is not torch.strided:
+        raise ValueError(f"Cannot save {path!r}: layout {tensor.layout} is not supported")
+    if tensor.is_quantized:
+        raise ValueError(f"Cannot save {path!r}: quantized tensors are not supported")
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        raise ValueError(
+            f"Cannot save {path!r}: tensor subclass {type(tensor).__name__} is not supported"
+        )
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+@contextlib.contextmanager
+def _dcp_call(process_group: Any) -> Iterator[bool]:
+    """Yield DCP's ``no_dist`` (no process group initialized), silencing its warning then."""
+    dist = torch.distributed
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    if process_group is not None and no_dist:
+        raise ValueError("process_group was given but torch.distributed is not initialized")
+    if not no_dist:
+        yield False
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield True
+
+
+def _agreed_error(error: BaseException, own: BaseException | None) -> BaseException:
+    """The error to raise on this rank for a failed DCP step (``CheckpointException``).
+
+    This rank's own exception if it failed; else a copy of the exception of the lowest
+    failing rank, with the DCP error (every rank's traceback) as its cause.
+    """
+    if own is not None:
+        return own
+    failures = getattr(error, "failures", {}) or {}
+    if not failures:
+        return CheckpointError(f"A checkpoint step failed on another rank: {error}")
+    rank = min(failures)
+    exc = failures[rank][0]
+    if not isinstance(exc, Exception):
+        exc = UnknownError(f"Rank {rank} failed: {exc!r}")
+    exc.add_note(f"(raised on rank {rank} of the process group)")
+    exc.__cause__ = error
+    return exc
+
+
+def save_sharded(
+    state: Mapping[str, Any],
+    prefix: str,
+    *,
+    global_step: Any = None,
+    process_group: Any = None,
+    write_state: bool = True,
+    latest_filename: str | None = None,
+    fs: FileSystem | None = None,
+    clock: Clock | None = None,
+    stager: Stager | None = None,
+) -> ShardedManifest:
+    """Save the state as checkpoint ``prefix``, every rank writing its own shard in parallel.
+
+    Call it on every rank of the process group with the same prefix and a state of the same
+    structure. Without an initialized process group it saves the state of this process alone
+    (one shard).
+
+    Args:
+        state: Mapping of names to stateful objects: an FSDP2 model (its state dict holds
+            DTensors), a ``ShardedOptimizerState``, tensors, values, ... Non-tensor values
+            are taken from the coordinator's state.
+        prefix: The checkpoint prefix, e.g. ``logdir/model.ckpt-100``; its directory must
+            exist and be shared by all ranks.
+        global_step: Recorded in the manifest (int, ``GlobalStep`` or integer tensor); None:
+            no step.
+        process_group: The group of the ranks that save; None: the default group.
+        write_state: After the commit, make the coordinator record ``prefix`` as the newest
+            checkpoint in the state file (appended to its list; deleting old checkpoints is
+            left to the caller, e.g. a ``Saver``).
+        latest_filename: The state file's name; None means ``"checkpoint"``.
+        fs: The file-system seam (tests inject faults here); None: the local file system.
+        clock: Time source of the manifest's wall time; None: the real clock.
+        stager: Staging buffers to reuse between saves of the same state; None: new ones.
+
+    Returns:
+        The committed manifest (on every rank).
+
+    Raises:
+        TypeError: For a value that cannot be saved without pickle (on every rank; nothing
+            is written).
+        ValueError: For a missing directory or a tensor that cannot be saved (ditto).
+        CheckpointSaveError: If writing fails on any rank (disk full, permission denied):
+            raised on every rank; nothing is committed and every rank has removed its files.
+            Also when the checkpoint was committed but the state file could not be updated.
+
+    Thread safety: call from one thread per rank (the training thread).
+    Distributed: a collective; every rank of ``process_group`` must call it.
+
+    TF name: none (``Saver(sharded=True).save`` for TF's parameter servers).
+    """
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from torchsupervisor.checkpoint.sharded_storage import ShardedStorageWriter
+
+    fs = fs or LOCAL_FS
+    clock = clock or REAL_CLOCK
+    found: BaseException | None = None
+    tensors: dict[str, torch.Tensor] = {}
+    tree: Any = None
+    step = None
+    try:
+        step = None if global_step is None else read_step(global_step)
+        skeleton, tensors = flatten_sharded_state(state)
+        tree = encode_tree(skeleton)
+    except (TypeError, ValueError) as e:
+        found, tensors = e, {}
+    writer = ShardedStorageWriter(
+        prefix,
+        tree=tree,
+        global_step=step,
+        wall_time=clock.time(),
+        write_state=write_state,
+        latest_filename=latest_filename,
+        fs=fs,
+        stager=stager,
+        error=found,
+    )
+    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    failure: BaseException | None = None
+    try:
+        with _dcp_call(process_group) as no_dist:
+            metadata = dcp_save(
+                tensors,
+                storage_writer=writer,
+                planner=planner,
+                process_group=process_group,
+                no_dist=no_dist,
+            )
+    except CheckpointException as e:
+        failure = _agreed_error(e, writer.error)
+    except BaseException:
+        # A collective failed (a rank died, a timeout). Only the coordinator knows whether it
+        # committed; the other ranks leave their shard to the clean-up at the next start.
+        if writer.is_coordinator and not writer.committed:
+            writer.roll_back()
+        else:
+            logger.warning("Sharded save of %s was interrupted; files left to clean up", prefix)
+        raise
+    if failure is not None:
+        writer.roll_back()
+        raise failure
+    outcome = metadata.storage_data
+    manifest = ShardedManifest.from_bytes(outcome.manifest)
+    if outcome.state_file_error is not None:
+        raise CheckpointSaveError(
+            f"Checkpoint {prefix} was committed but the state file could not be updated (a "
+            f"restart still finds it by scanning the directory): {outcome.state_file_error}",
+            path=prefix,
+        )
+    return manifest
+
+
+def load_sharded(
+    state: Mapping[str, Any],
+    prefix: str,
+    *,
+    process_group: Any = None,
+    allow_missing: Collection[str] = (),
+    fs: FileSystem | None = None,
+) -> ShardedManifest:
+    """Restore the state from checkpoint ``prefix``, each rank reading only what it needs.
+
+    Call it on every rank of the process group. Any world size can restore any checkpoint
+    of this format: one written by ``save_sharded`` with another number of ranks (the
+    chunks are resharded), or by ``Saver``. Every chunk read is verified against its
+    CRC-32C; values are loaded into the live objects only after every rank has read its
+    part without error. Without an initialized process group it restores this process.
+
+    Args:
+        state: Mapping of names to stateful objects, as given to ``save_sharded``. An entry
+            name may be a ``/`` path into the checkpoint (see ``state.find_subtree``).
+        prefix: The checkpoint prefix.
+        process_group: The group of the ranks that restore; None: the default group.
+        allow_missing: Names of state entries that the checkpoint may lack (they keep their
+            value, with a warning).
+        fs: The file-system seam; None: the local file system.
+
+    Returns:
+        The checkpoint's manifest (its ``global_step``, ...).
+
+    Raises:
+        NotFoundError: If ``prefix.index`` does not exist, or an entry of the state is not in
+            the checkpoint (raised on every rank).
+        CorruptCheckpointError: If the manifest or a chunk is damaged, naming the file (on
+            every rank); the live state is then unchanged.
+        InvalidArgumentError: If a value does not fit its object (another shape, a module's
+            missing keys).
+
+    Thread safety: call from one thread per rank.
+    Distributed: a collective; every rank of ``process_group`` must call it.
+
+    TF name: none (``Saver.restore`` of a sharded TF checkpoint).
+    """
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from torchsupervisor.checkpoint.sharded_storage import ShardedStorageReader
+
+    fs = fs or LOCAL_FS
+    found: BaseException | None = None
+    manifest: ShardedManifest | None = None
+    targets: dict[str, torch.Tensor] = {}
+    try:
+        manifest = ShardedCheckpointReader(prefix, fs=fs).manifest
+        targets = _targets(state, manifest, prefix)
+    except (CheckpointError, NotFoundError, InvalidArgumentError, TypeError, ValueError) as e:
+        found, targets = e, {}
+    reader = ShardedStorageReader(prefix, manifest, fs=fs, error=found)
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    failure: BaseException | None = None
+    try:
+        with _dcp_call(process_group) as no_dist:
+            dcp_load(
+                targets,
+                storage_reader=reader,
+                planner=planner,
+                process_group=process_group,
+                no_dist=no_dist,
+            )
+    except CheckpointException as e:
+        failure = _agreed_error(e, reader.error)
+    if failure is not None:
+        raise failure
+    assert manifest is not None
+    error: BaseException | None = None
+    try:
+        _load_into(state, manifest, targets, prefix, allow_missing, process_group)
+    except Exception as e:
+        error = e
+    _agree(error, process_group, no_dist)
+    return manifest
+
+
+def _targets(
+    state: Mapping[str, Any], manifest: ShardedManifest, prefix: str
+) -> dict[str, torch.Tensor]:
+    """Fresh tensors to read the needed checkpoint tensors into, sharded like the live ones."""
+    try:
+        template = decode_tree(manifest.tree, lambda name, ndarray: TensorRef(name, ndarray))
+    except ManifestError as e:
+        index = prefix + ".index"
+        raise CorruptCheckpointError(
+            f"Checkpoint index {index} is corrupt: {e}", path=index, reason=str(e)
+        ) from None
+    if not isinstance(template, Mapping):
+        raise CorruptCheckpointError(
+            f"Checkpoint index {prefix}.index is corrupt: its tree is not a mapping",
+            path=prefix + ".index",
+            reason="bad tree",
+        )
+    needed: set[str] = set()
+    for name in state:
+        try:
+            _collect_refs(find_subtree(template, name), needed)
+        except KeyError:
+            continue  # Reported by load_state (NotFoundError) once every rank has read.
+    _, live = flatten_sharded_state(state)
+    specs = manifest.tensor_specs()
+    targets: dict[str, torch.Tensor] = {}
+    for name in sorted(needed):
+        if name not in specs:
+            raise CorruptCheckpointError(
+                f"Checkpoint index {prefix}.index is corrupt: the tree names an unknown tensor "
+                f"{name!r}",
+                path=prefix + ".index",
+                reason="unknown tensor",
+            )
+        dtype, shape = specs[name]
+        current = live.get(name)
+        if current is None:
+            targets[name] = torch.empty(shape, dtype=dtype)
+            continue
+        if tuple(current.shape) != shape:
+            raise InvalidArgumentError(
+                f"Shape of {name!r} in the state {tuple(current.shape)} does not match the "
+                f"checkpoint {prefix}: {shape}"
+            )
+        targets[name] = torch.empty_like(current)
+    return targets
+
+
+def _collect_refs(node: Any, out: set[str]) -> None:
+    if isinstance(node, TensorRef):
+        out.add(node.name)
+    elif isinstance(node, Mapping):
+        for value in node.values():
+            _collect_refs(value, out)
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            _collect_refs(value, out)
+
+
+def _load_into(
+    state: Mapping[str, Any],
+    manifest: ShardedManifest,
+    targets: dict[str, torch.Tensor],
+    prefix: str,
+    allow_missing: Collection[str],
+    process_group: Any,
+) -> None:
+    def leaf(name: str, ndarray: bool) -> Any:
+        tensor = targets.get(name)
+        if tensor is not None and ndarray:
+            return tensor.numpy()
+        return tensor  # None for the tensors of entries that are not restored.
+
+    tree = decode_tree(manifest.tree, leaf)
+    world_size = _world_size(process_group)
+    if manifest.world_size != world_size:
+        logger.info(
+            "Resharding checkpoint %s written by %d ranks onto %d",
+            prefix,
+            manifest.world_size,
+            world_size,
+        )
+
+    def missing(name: str) -> None:
+        if name not in allow_missing:
+            raise NotFoundError(f"Key {name} not found in checkpoint {prefix}")
+        logger.warning("Checkpoint %s has no %r entry; it keeps its current value", prefix, name)
+
+    load_state(state, tree, source=prefix, on_missing=missing)
+
+
+def _world_size(process_group: Any) -> int:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(process_group)
+    return 1
+
+
+_REBUILD: dict[str, Any] = {
+    "CorruptCheckpointError": lambda m, p, r: CorruptCheckpointError(m, path=p, reason=r),
+    "CheckpointSaveError": lambda m, p, r: CheckpointSaveError(m, path=p),
+    "NotFoundError": lambda m, p, r: NotFoundError(m),
+    "InvalidArgumentError": lambda m, p, r: InvalidArgumentError(m),
+    "TypeError": lambda m, p, r: TypeError(m),
+    "ValueError": lambda m, p, r: ValueError(m),
+}
+
+
+def _agree(error: BaseException | None, process_group: Any, no_dist: bool) -> None:
+    """Raise on every rank if any rank failed: its own error, or a copy of the first one."""
+    if no_dist:
+        if error is not None:
+            raise error
+        return
+    summary = None
+    if error is not None:
+        summary = (
+            type(error).__name__,
+            str(error),
+            getattr(error, "path", None),
+            getattr(error, "reason", ""),
+        )
+    gathered: list[Any] = [None] * torch.distributed.get_world_size(process_group)
+    torch.distributed.all_gather_object(gathered, summary, group=process_group)
+    if error is not None:
+        raise error
+    for rank, item in enumerate(gathered):
+        if item is not None:
+            kind, message, path, reason = item
+            build = _REBUILD.get(kind)
+            copy = build(message, path, reason) if build else UnknownError(f"{kind}: {message}")
+            copy.add_note(f"(raised on rank {rank} of the process group)")
+            raise copy
+
+
+# ------------------------------------------------------------------------------ reading
+
+
+class ShardedCheckpointReader(CheckpointReader):
+    """Read a sharded checkpoint in one process: tensors are assembled from their chunks.
+
+    The tensor names are those of the state (``model/fc1.weight``), with their global shapes;
+    the chunk entries (``model/fc1.weight[0:4,0:16]``) are also readable by name. Every chunk
+    read is verified against its CRC-32C. Works on any checkpoint of our format (one written by
+    ``Saver`` has no chunks).
+
+    Args:
+        prefix: The checkpoint prefix.
+        fs: The file-system seam.
+
+    Raises:
+        NotFoundError: If ``prefix.index`` does not exist.
+        CorruptCheckpointError: If the manifest or its chunk layout is damaged.
+
+    Thread safety: read-only; each call opens its own files.
+
+    TF name: ``tf.train.NewCheckpointReader`` (on a sharded checkpoint).
+    """
+
+    def __init__(self, prefix: str, *, fs: FileSystem = LOCAL_FS) -> None:
+        super().__init__(prefix, fs=fs)
+        index = prefix + ".index"
+        try:
+            with fs.open_for_read(index) as f:
+                data = f.read()
+            self._sharded = ShardedManifest.from_bytes(data)
+        except FileNotFoundError:
+            raise NotFoundError(
+                "Unsuccessful TensorSliceReader constructor: Failed to find any matching files "
+                f"for {prefix}"
+            ) from None
+        except ManifestError as e:
+            raise CorruptCheckpointError(
+                f"Checkpoint index {index} is corrupt: {e}", path=index, reason=str(e)
+            ) from None
+
+    @property
+    def manifest(self) -> ShardedManifest:
+        """The parsed manifest, with its chunk layout."""
+        return self._sharded
+
+    def get_variable_to_shape_map(self) -> dict[str, list[int]]:
+        """Return ``{tensor name: global shape}`` of the tensors of the state."""
+        return {name: list(shape) for name, (_, shape) in self._sharded.tensor_specs().items()}
+
+    def get_variable_to_dtype_map(self) -> dict[str, torch.dtype]:
+        """Return ``{tensor name: dtype}`` of the tensors of the state."""
+        return {name: dtype for name, (dtype, _) in self._sharded.tensor_specs().items()}
+
+    def has_tensor(self, name: str) -> bool:
+        """Return True for a tensor of the state or a chunk entry called ``name``."""
+        return name in self._sharded.sharded_tensors or super().has_tensor(name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """Read one tensor (on the CPU), assembled from its chunks, each one verified.
+
+        Raises:
+            NotFoundError: ``"Key <name> not found in checkpoint"``.
+            CorruptCheckpointError: If a chunk is missing or fails its checksum.
+        """
+        sharded = self._sharded.sharded_tensors.get(name)
+        if sharded is None:
+            return super().get_tensor(name)
+        out = torch.empty(sharded.shape, dtype=sharded.dtype)
+        for chunk in sharded.chunks:
+            out[_slices(chunk.offsets, chunk.sizes)] = super().get_tensor(chunk.entry)
+        return out
+
+    def read_tensors(self) -> dict[str, torch.Tensor]:
+        """Read every tensor of the state (chunks assembled), verifying each chunk.
+
+        Raises:
+            CorruptCheckpointError: As ``CheckpointReader.read_tensors``.
+        """
+        stored = super().read_tensors()
+        out = {name: t for name, t in stored.items() if name not in self._sharded.chunk_entries()}
+        for name, sharded in self._sharded.sharded_tensors.items():
+            tensor = torch.empty(sharded.shape, dtype=sharded.dtype)
+            for chunk in sharded.chunks:
+                tensor[_slices(chunk.offsets, chunk.sizes)] = stored[chunk.entry]
+            out[name] = tensor
+        return out
+
+
+def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))

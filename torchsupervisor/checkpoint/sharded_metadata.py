@@ -1,0 +1,268 @@
+"""The JSON form of a sharded checkpoint's layout: which chunks make up each tensor.
+
+A sharded checkpoint (``sharded.save_sharded``) is a checkpoint of the usual format
+(``format.py``) in which every rank wrote its own safetensors shard. A tensor that was split
+between ranks (a ``DTensor`` of an FSDP2 model, say) is stored as several *chunks*, each one a
+tensor of its own in a shard, named after the tensor and the slice it holds::
+
+    model/fc1.weight[0:4,0:16]      rows 0-3 (rank 0's part)
+    model/fc1.weight[4:7,0:16]      rows 4-6 (rank 1's part)
+
+A tensor stored in one piece that covers it whole keeps its plain name
+(``optimizer/state/fc1.weight/step``), exactly as in an unsharded checkpoint. Every chunk is an
+entry of the manifest's ``tensors`` table (shard, dtype, shape, byte range, CRC-32C), so any
+``CheckpointReader`` lists and verifies them. The manifest (``P.index``) carries one more
+field, covered by its checksum, that says how chunks make up the tensors the state tree names::
+
+    "sharded_tensors": {
+      "model/fc1.weight": {"dtype": "F32", "shape": [7, 16], "chunks": [
+        {"offsets": [0, 0], "sizes": [4, 16], "entry": "model/fc1.weight[0:4,0:16]"},
+        {"offsets": [4, 0], "sizes": [3, 16], "entry": "model/fc1.weight[4:7,0:16]"}]}}
+
+This is all that ``torch.distributed.checkpoint`` needs to plan a load with another world size
+(each tensor's global shape and dtype, and the global offsets and sizes of its chunks); the
+planner's own metadata file (a pickle) is never written. A checkpoint without the field (one
+written by ``Saver``) is the special case where every tensor is one whole chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+import torch
+
+from torchsupervisor.checkpoint.format import (
+    Manifest,
+    ManifestError,
+    _canonical,
+    dtype_from_code,
+    dtype_to_code,
+)
+
+__all__ = [
+    "SHARDED_TENSORS_KEY",
+    "ChunkEntry",
+    "ShardedManifest",
+    "ShardedTensorEntry",
+    "chunk_entry_name",
+]
+
+SHARDED_TENSORS_KEY = "sharded_tensors"
+
+
+def chunk_entry_name(
+    name: str, offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int], whole: bool
+) -> str:
+    """Return the name under which a chunk of tensor ``name`` is stored.
+
+    Args:
+        name: The tensor's name in the state (``model/fc1.weight``).
+        offsets: Where the chunk starts in the tensor, per dimension.
+        sizes: The chunk's size per dimension.
+        shape: The tensor's (global) shape.
+        whole: True when the tensor is stored as this one chunk only; with offsets all 0 and
+            sizes equal to the shape, the chunk then keeps the tensor's own name.
+
+    Returns:
+        ``name`` for a whole tensor, else ``name[o0:e0,o1:e1,...]`` (Python slice notation,
+        ``e = o + size``; a 0-d tensor is always whole).
+    """
+    if whole and all(o == 0 for o in offsets) and tuple(sizes) == tuple(shape):
+        return name
+    return f"{name}[{','.join(f'{o}:{o + s}' for o, s in zip(offsets, sizes))}]"
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    """One stored piece of a tensor.
+
+    Attributes:
+        offsets: Where the chunk starts in the tensor, per dimension.
+        sizes: The chunk's size per dimension.
+        entry: The name of the manifest's ``tensors`` entry that holds its bytes.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    entry: str
+
+
+@dataclass(frozen=True)
+class ShardedTensorEntry:
+    """A tensor stored in several chunks (or in one that does not carry its name).
+
+    Attributes:
+        dtype: The tensor's dtype (every chunk has it).
+        shape: The tensor's global shape.
+        chunks: Its chunks; together they cover it exactly once.
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkEntry, ...]
+
+
+@dataclass(frozen=True)
+class ShardedManifest(Manifest):
+    """A manifest with the chunk layout of the tensors that were stored in pieces.
+
+    Attributes:
+        sharded_tensors: ``{tensor name: ShardedTensorEntry}`` for every tensor stored in
+            chunks; a tensor stored whole is an ordinary ``tensors`` entry and is not listed.
+    """
+
+    sharded_tensors: dict[str, ShardedTensorEntry] = field(default_factory=dict)
+
+    def chunk_entries(self) -> set[str]:
+        """Return the names of the ``tensors`` entries that are chunks of a bigger tensor."""
+        return {c.entry for t in self.sharded_tensors.values() for c in t.chunks}
+
+    def tensor_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Return ``{tensor name: (dtype, global shape)}`` of the tensors the tree names.
+
+        These are the whole tensors of the ``tensors`` table and the tensors stored in chunks;
+        the chunk entries themselves are not listed.
+        """
+        chunks = self.chunk_entries()
+        out = {name: (e.dtype, e.shape) for name, e in self.tensors.items() if name not in chunks}
+        out.update({name: (t.dtype, t.shape) for name, t in self.sharded_tensors.items()})
+        return out
+
+    def chunks_of(self, name: str) -> tuple[ChunkEntry, ...]:
+        """Return the chunks of tensor ``name`` (one covering it all for a whole tensor).
+
+        Raises:
+            KeyError: If there is no tensor ``name``.
+        """
+        sharded = self.sharded_tensors.get(name)
+        if sharded is not None:
+            return sharded.chunks
+        entry = self.tensors[name]
+        return (ChunkEntry((0,) * len(entry.shape), entry.shape, name),)
+
+    def to_bytes(self) -> bytes:
+        """Serialize to the JSON text of ``P.index``, the chunk layout included in its CRC."""
+        body = json.loads(super().to_bytes().decode("utf-8"))
+        body.pop("manifest_crc32c")
+        if self.sharded_tensors:
+            tree = body.pop("tree")
+            body[SHARDED_TENSORS_KEY] = {
+                name: {
+                    "dtype": dtype_to_code(t.dtype),
+                    "shape": list(t.shape),
+                    "chunks": [
+                        {"offsets": list(c.offsets), "sizes": list(c.sizes), "entry": c.entry}
+                        for c in t.chunks
+                    ],
+                }
+                for name, t in self.sharded_tensors.items()
+            }
+            body["tree"] = tree
+        body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
+        return _pretty(body).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ShardedManifest:
+        """Parse and validate the bytes of ``P.index``, with or without a chunk layout.
+
+        Raises:
+            ManifestError: If the text is not a valid manifest, its checksum does not match,
+                or its chunk layout is inconsistent (a chunk outside its tensor, chunks that do
+                not add up to the tensor, a chunk entry missing or of another dtype or shape).
+        """
+        base = Manifest.from_bytes(data)
+        body = json.loads(data.decode("utf-8"))  # Valid: checked by Manifest.from_bytes.
+        raw = body.get(SHARDED_TENSORS_KEY, {})
+        sharded = _parse_sharded(raw, base)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Manifest)}
+        return cls(**fields, sharded_tensors=sharded)
+
+
+def _parse_sharded(raw: Any, base: Manifest) -> dict[str, ShardedTensorEntry]:
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{SHARDED_TENSORS_KEY} is not an object")
+    out: dict[str, ShardedTensorEntry] = {}
+    used: set[str] = set()
+    try:
+        for name, spec in raw.items():
+            if name in base.tensors:
+                raise ManifestError(f"tensor {name!r} is both stored whole and in chunks")
+            dtype = dtype_from_code(spec["dtype"])
+            shape = _dims(spec["shape"])
+            chunks = []
+            volume = 0
+            for c in spec["chunks"]:
+                chunk = ChunkEntry(_dims(c["offsets"]), _dims(c["sizes"]), c["entry"])
+                _check_chunk(name, dtype, shape, chunk, base, used)
+                used.add(chunk.entry)
+                volume += math.prod(chunk.sizes)
+                chunks.append(chunk)
+            if not chunks or volume != math.prod(shape):
+                raise ManifestError(f"the chunks of tensor {name!r} do not cover it exactly")
+            out[name] = ShardedTensorEntry(dtype, shape, tuple(chunks))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ManifestError(
+            f"malformed {SHARDED_TENSORS_KEY} field ({type(e).__name__}: {e})"
+        ) from None
+    return out
+
+
+def _dims(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
+    ):
+        raise ManifestError(f"expected a list of non-negative integers, got {value!r:.80}")
+    return tuple(value)
+
+
+def _check_chunk(
+    name: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    chunk: ChunkEntry,
+    base: Manifest,
+    used: set[str],
+) -> None:
+    if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
+        raise ManifestError(f"a chunk of tensor {name!r} has the wrong number of dimensions")
+    if any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, shape)):
+        raise ManifestError(f"a chunk of tensor {name!r} lies outside its shape {list(shape)}")
+    entry = base.tensors.get(chunk.entry) if isinstance(chunk.entry, str) else None
+    if entry is None:
+        raise ManifestError(f"a chunk of tensor {name!r} names an unknown entry {chunk.entry!r}")
+    if chunk.entry in used:
+        raise ManifestError(f"entry {chunk.entry!r} is used by two chunks")
+    if entry.dtype != dtype or entry.shape != chunk.sizes:
+        raise ManifestError(
+            f"entry {chunk.entry!r} ({entry.dtype}, {list(entry.shape)}) does not match its "
+            f"chunk of tensor {name!r} ({dtype}, {list(chunk.sizes)})"
+        )
+
+
+_EXPANDED = ("shards", "tensors", SHARDED_TENSORS_KEY)
+
+
+def _pretty(body: dict[str, Any]) -> str:
+    """One line per top-level field, per shard, per tensor and per sharded tensor."""
+
+    def dump(value: Any) -> str:
+        return json.dumps(value, allow_nan=False)
+
+    lines = []
+    for key, value in body.items():
+        if key in _EXPANDED and value:
+            if isinstance(value, dict):
+                items = [f"  {dump(k)}: {dump(v)}" for k, v in value.items()]
+                lines.append(f" {dump(key)}: {{\n" + ",\n".join(items) + "\n }")
+            else:
+                items = [f"  {dump(v)}" for v in value]
+                lines.append(f" {dump(key)}: [\n" + ",\n".join(items) + "\n ]")
+        else:
+            lines.append(f" {dump(key)}: {dump(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"

@@ -1,0 +1,717 @@
+"""``torch.distributed.checkpoint`` storage plugins that write and read our checkpoint format.
+
+DCP is the planning engine of sharded checkpoints: its planners decide which rank writes which
+chunk of which tensor (replicated tensors once), and which chunks each rank must read to fill
+its local shards when the world size changed. These two classes are the *storage* half: they
+decide how and where the bytes go, and they do it in our format and under our commit protocol
+(``format.py``, ``commit.py``) instead of DCP's (which pickles its metadata):
+
+* ``ShardedStorageWriter``: every rank stages its chunks in a host buffer, computes their
+  CRC-32C, and writes its own safetensors shard ``P.data-<i>-of-<N>`` (temporary name, fsync,
+  rename, fsync of the directory); then the coordinator writes the manifest ``P.index`` last:
+  the commit point. It also updates the ``checkpoint`` state file.
+* ``ShardedStorageReader``: rebuilds DCP's metadata from the manifest's JSON, then every rank
+  reads the chunks that overlap its local shards, each one verified against its CRC-32C.
+
+Errors raised in any of these calls reach DCP, which reports them to every rank (a
+``CheckpointException`` after the step's collective), so no rank waits for a failed one;
+``sharded.py`` turns them back into our errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from torchsupervisor._version import __version__
+from torchsupervisor.checkpoint.format import (
+    ShardEntry,
+    TensorEntry,
+    data_filename,
+    decode_tree,
+    shard_checksum,
+)
+from torchsupervisor.checkpoint.references import referenced_data_files
+from torchsupervisor.checkpoint.sharded_metadata import (
+    ChunkEntry,
+    ShardedManifest,
+    ShardedTensorEntry,
+    chunk_entry_name,
+)
+from torchsupervisor.checkpoint.snapshot import Stager
+from torchsupervisor.checkpoint.state_file import (
+    get_checkpoint_state,
+    update_checkpoint_state_internal,
+)
+from torchsupervisor.checkpoint.storage import (
+    LOCAL_FS,
+    FileSystem,
+    temporary_name,
+    write_all,
+    write_file_atomically,
+)
+from torchsupervisor.errors import CheckpointSaveError, CorruptCheckpointError
+
+__all__ = ["SaveOutcome", "ShardedStorageReader", "ShardedStorageWriter", "to_dcp_metadata"]
+
+logger = logging.getLogger("torchsupervisor")
+
+_DATA_RE = re.compile(r"\.data-\d{5}-of-\d{5}")
+_DIRECT_MIN_BYTES = 1 << 20  # Smaller shards gain nothing from O_DIRECT.
+
+_ChunkKey = tuple[str, tuple[int, ...]]
+
+
+def _key(index: MetadataIndex) -> _ChunkKey:
+    return index.fqn, tuple(index.offset or ())
+
+
+@dataclass(frozen=True)
+class _Assignment:
+    """What the coordinator tells a rank to write (a SavePlan's ``storage_data``).
+
+    Attributes:
+        file_index: The index ``i`` of the rank's shard ``P.data-<i>-of-<N>``; None when the
+            rank has nothing to write.
+        num_files: ``N``, the number of ranks that write a shard.
+        names: The entry name of every chunk of the rank's plan, by ``(fqn, offsets)``.
+    """
+
+    file_index: int | None
+    num_files: int
+    names: dict[_ChunkKey, str]
+
+
+@dataclass(frozen=True)
+class _StoredChunk:
+    """Where one chunk was written (a WriteResult's ``storage_data``, sent to the coordinator)."""
+
+    shard: ShardEntry
+    name: str
+    entry: TensorEntry
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    """What the coordinator committed; DCP broadcasts it to every rank (``storage_data``).
+
+    Attributes:
+        manifest: The bytes of ``P.index``.
+        state_file_error: Why the state file could not be updated after the commit, or None.
+    """
+
+    manifest: bytes
+    state_file_error: str | None = None
+
+
+class _RememberErrors:
+    """Keeps the exception a call raised on this rank (DCP hands other ranks only a copy)."""
+
+    error: BaseException | None = None
+
+    @contextlib.contextmanager
+    def _remembering(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException as e:
+            if self.error is None:
+                self.error = e
+            raise
+
+
+class ShardedStorageWriter(StorageWriter, _RememberErrors):
+    """Write a ``torch.distributed.checkpoint.save`` as a checkpoint of our format.
+
+    DCP calls, in this order:
+
+    1. (all ranks) ``set_up_storage_writer``;
+    2. (all ranks) ``prepare_local_plan``: raise the error found before the save, if any;
+       check the directory; refuse values that are not tensors (DCP would pickle them);
+    3. (coordinator) ``prepare_global_plan``: name every chunk, give a shard file to each
+       rank that has something to write, and remove an older ``P.index`` of the same prefix
+       (from then on the old ``P`` counts as incomplete);
+    4. (all ranks) ``write_data``: copy the chunks into a host buffer, compute their CRC-32C,
+       write the shard to a temporary name, fsync, rename, fsync the directory;
+    5. (coordinator, only if every rank succeeded) ``finish``: write ``P.index`` (the commit
+       point), then the state file; the outcome goes back to every rank in the metadata.
+
+    Args:
+        prefix: The checkpoint prefix (``logdir/model.ckpt-100``); its directory must exist
+            and be shared by all ranks.
+        tree: The encoded state tree for the manifest (used on the coordinator).
+        global_step: Recorded in the manifest; None when there is no step.
+        wall_time: The time of the snapshot in seconds since the epoch.
+        write_state: Make the coordinator record the checkpoint in the state file.
+        latest_filename: The state file's name; None means ``"checkpoint"``.
+        fs: The file-system seam.
+        stager: Staging buffers reused between saves; None: new buffers.
+        error: An error this rank found before the save (raised in step 2 so that every rank
+            learns of it).
+
+    Attributes:
+        is_coordinator: True on the rank that writes the manifest (once DCP has set it up).
+        committed: True once this rank (the coordinator) has written ``P.index``.
+        error: The exception this rank raised, if any.
+
+    Thread safety: one save per instance, on one thread.
+    Distributed: every rank of the group makes its own instance for the same prefix.
+    """
+
+    def __init__(
+        self,
+        prefix: str,
+        *,
+        tree: Any,
+        global_step: int | None,
+        wall_time: float,
+        write_state: bool = True,
+        latest_filename: str | None = None,
+        fs: FileSystem = LOCAL_FS,
+        stager: Stager | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        self._prefix = prefix
+        self._dir = os.path.dirname(prefix)
+        self._tree = tree
+        self._step = global_step
+        self._wall_time = wall_time
+        self._write_state = write_state
+        self._latest_filename = latest_filename
+        self._fs = fs
+        self._stager = stager or Stager()
+        self._pending = error
+        self._rank = 0
+        self.is_coordinator = False
+        self._world_size = 1
+        self._num_files = 0
+        self._temps: list[str] = []
+        self._written: list[str] = []
+        self.committed = False
+        self.error = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Do nothing: the prefix is given to the constructor."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Return False: this writer is never picked automatically from a checkpoint id."""
+        return False
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Record this rank's role and rank (DCP passes ``rank=``)."""
+        self.is_coordinator = is_coordinator
+        self._rank = int(kwargs.get("rank", 0))
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Check the plan of this rank before anything is written.
+
+        Raises:
+            The error given to the constructor; ``ValueError`` if the directory is missing;
+            ``TypeError`` for an entry that is not a tensor.
+        """
+        with self._remembering():
+            if self._pending is not None:
+                raise self._pending
+            if self._dir and not self._fs.exists(self._dir):
+                raise ValueError(f"Parent directory of {self._prefix} doesn't exist, can't save.")
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    raise TypeError(
+                        f"Cannot save {item.index.fqn!r}: only tensors go to the shards "
+                        "(checkpoints never use pickle)"
+                    )
+            return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Name every chunk, assign shard files, and retire an older ``P.index``.
+
+        Raises:
+            ValueError: If a chunk's name is the name of another tensor, or the data files of
+                ``P`` are still referenced by other checkpoints.
+            OSError: If the older index cannot be removed.
+        """
+        with self._remembering():
+            self._world_size = len(plans)
+            counts: dict[str, int] = {}
+            for plan in plans:
+                for item in plan.items:
+                    counts[item.index.fqn] = counts.get(item.index.fqn, 0) + 1
+            writers = [rank for rank, plan in enumerate(plans) if plan.items]
+            self._num_files = len(writers)
+            taken: set[str] = set()
+            out = []
+            for rank, plan in enumerate(plans):
+                names: dict[_ChunkKey, str] = {}
+                for item in plan.items:
+                    fqn, data = item.index.fqn, item.tensor_data
+                    assert data is not None  # Tensor items always carry it.
+                    name = chunk_entry_name(
+                        fqn, data.chunk.offsets, data.chunk.sizes, data.size, counts[fqn] == 1
+                    )
+                    if name in taken or (name != fqn and name in counts):
+                        raise ValueError(
+                            f"Cannot save {fqn!r}: its chunk name {name!r} is already used by "
+                            "another tensor of the state"
+                        )
+                    taken.add(name)
+                    names[_key(item.index)] = name
+                index = writers.index(rank) if plan.items else None
+                assignment = _Assignment(index, self._num_files, names)
+                out.append(dataclasses.replace(plan, storage_data=assignment))
+            self._retire_previous()
+            return out
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's shard: stage, checksum, temporary name, fsync, rename, fsync dir.
+
+        Raises:
+            CheckpointSaveError: If writing fails (its ``OSError`` is the cause); this rank's
+                temporary and shard files have been removed.
+            TypeError: For an entry that is not a tensor.
+        """
+        with self._remembering():
+            assignment = plan.storage_data
+            results: list[WriteResult] = []
+            if isinstance(assignment, _Assignment) and assignment.file_index is not None:
+                results = self._write_shard(plan, planner, assignment)
+            future: Future[list[WriteResult]] = Future()
+            future.set_result(results)
+            return future
+
+    def _write_shard(
+        self, plan: SavePlan, planner: SavePlanner, assignment: _Assignment
+    ) -> list[WriteResult]:
+        tensors: dict[str, torch.Tensor] = {}
+        indexes: dict[str, MetadataIndex] = {}
+        for item in plan.items:
+            name = assignment.names[_key(item.index)]
+            data = planner.resolve_data(item)
+            if not isinstance(data, torch.Tensor):
+                raise TypeError(f"Cannot save {item.index.fqn!r}: it is not a tensor")
+            tensors[name] = data.detach()
+            indexes[name] = item.index
+        assert assignment.file_index is not None
+        final = data_filename(self._prefix, assignment.file_index, assignment.num_files)
+        snapshot = self._stager.stage(None, tensors, step=None, wall_time=self._wall_time)
+        try:
+            layout = snapshot.layout.shards[0]
+            entries = [
+                (
+                    name,
+                    dataclasses.replace(
+                        entry,
+                        shard=assignment.file_index,
+                        crc32c=crc32c.crc32c(snapshot.tensor_view(0, entry)),
+                    ),
+                )
+                for name, entry in layout.entries
+            ]
+            shard = ShardEntry(
+                file=os.path.basename(final),
+                size_bytes=layout.size_bytes,
+                data_offset=layout.data_offset,
+                crc32c=shard_checksum(layout.header, [e.crc32c for _, e in entries]),
+            )
+            self._persist(final, snapshot.shard_view(0))
+        finally:
+            self._stager.release(snapshot)
+        return [
+            WriteResult(
+                index=indexes[name],
+                size_in_bytes=entry.nbytes,
+                storage_data=_StoredChunk(shard, name, entry),
+            )
+            for name, entry in entries
+        ]
+
+    def _persist(self, final: str, view: memoryview) -> None:
+        fs = self._fs
+        tmp = temporary_name(final)
+        try:
+            fd = fs.open_for_write(tmp, direct=len(view) >= _DIRECT_MIN_BYTES)
+            self._temps.append(tmp)
+            try:
+                write_all(fs, fd, view)
+                fs.fsync(fd)
+            finally:
+                fs.close(fd)
+            fs.rename(tmp, final)
+            self._temps.remove(tmp)
+            self._written.append(final)
+            fs.fsync_dir(self._dir)
+        except OSError as e:
+            self.roll_back()
+            raise CheckpointSaveError(
+                f"Saving checkpoint {self._prefix} failed on rank {self._rank}: {e}", path=final
+            ) from e
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit: write ``P.index`` last, then the state file (coordinator only).
+
+        The outcome (the manifest's bytes, and a state-file error if any) is stored in
+        ``metadata.storage_data``, which DCP broadcasts to every rank.
+
+        Raises:
+            CheckpointSaveError: If the index cannot be written (nothing is committed).
+            ValueError: If the ranks' states differ (the coordinator's tree names a tensor that
+                no rank wrote).
+        """
+        with self._remembering():
+            manifest = self._manifest(metadata, results)
+            data = manifest.to_bytes()
+            index = self._prefix + ".index"
+            try:
+                write_file_atomically(index, [data], self._fs)
+            except OSError as e:
+                self._unpublish(index)
+                raise CheckpointSaveError(
+                    f"Saving checkpoint {self._prefix} failed: {e}", path=index
+                ) from e
+            self.committed = True
+        metadata.storage_data = SaveOutcome(data, self._after_commit())
+
+    def _unpublish(self, index: str) -> None:
+        """After a failed index write: if the rename happened anyway, take the index back."""
+        try:
+            if self._fs.exists(index):
+                self._fs.remove(index)
+        except OSError as e:
+            logger.warning("Could not remove %s of a failed save: %s", index, e)
+
+    def _manifest(self, metadata: Metadata, results: list[list[WriteResult]]) -> ShardedManifest:
+        shards: dict[int, ShardEntry] = {}
+        tensors: dict[str, TensorEntry] = {}
+        names: dict[_ChunkKey, str] = {}
+        for result in (r for rank_results in results for r in rank_results):
+            stored = result.storage_data
+            if not isinstance(stored, _StoredChunk):
+                raise TypeError(f"unexpected write result for {result.index.fqn!r}")
+            shards[stored.entry.shard] = stored.shard
+            tensors[stored.name] = stored.entry
+            names[_key(result.index)] = stored.name
+        if sorted(shards) != list(range(self._num_files)):
+            raise ValueError(f"expected {self._num_files} shards, got results for {sorted(shards)}")
+        sharded: dict[str, ShardedTensorEntry] = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                raise TypeError(f"Cannot save {fqn!r}: it is not a tensor")
+            chunks = tuple(
+                ChunkEntry(tuple(c.offsets), tuple(c.sizes), names[(fqn, tuple(c.offsets))])
+                for c in md.chunks
+            )
+            if len(chunks) != 1 or chunks[0].entry != fqn:
+                sharded[fqn] = ShardedTensorEntry(md.properties.dtype, tuple(md.size), chunks)
+        referenced: set[str] = set()
+        decode_tree(self._tree, lambda name, _: referenced.add(name))
+        unknown = sorted(referenced - set(metadata.state_dict_metadata))
+        if unknown:
+            raise ValueError(
+                f"The state of rank {self._rank} names tensors that no rank saved: {unknown} "
+                "(every rank must save the same state structure)"
+            )
+        return ShardedManifest(
+            global_step=self._step,
+            wall_time=self._wall_time,
+            tree=self._tree,
+            tensors=dict(sorted(tensors.items())),
+            shards=tuple(shards[i] for i in range(self._num_files)),
+            library_version=__version__,
+            torch_version=torch.__version__,
+            world_size=self._world_size,
+            sharded_tensors=dict(sorted(sharded.items())),
+        )
+
+    def _retire_previous(self) -> None:
+        """Before any rank writes: refuse shared data files, then remove an older index."""
+        existing = self._same_prefix_shards()
+        if existing:
+            used = referenced_data_files(self._dir, exclude=[self._prefix], fs=self._fs)
+            clash = sorted(os.path.basename(p) for p in existing if os.path.basename(p) in used)
+            if clash:
+                raise ValueError(
+                    f"cannot overwrite {self._prefix}: its data files {clash} still hold tensors "
+                    "of newer incremental checkpoints"
+                )
+        index = self._prefix + ".index"
+        if self._fs.exists(index):
+            logger.info("Overwriting checkpoint %s", self._prefix)
+            self._fs.remove(index)
+            self._fs.fsync_dir(self._dir)
+
+    def _same_prefix_shards(self) -> list[str]:
+        base = os.path.basename(self._prefix)
+        try:
+            names = self._fs.listdir(self._dir or ".")
+        except OSError:
+            return []
+        return [
+            os.path.join(self._dir, name)
+            for name in names
+            if name.startswith(base) and _DATA_RE.fullmatch(name[len(base) :])
+        ]
+
+    def _after_commit(self) -> str | None:
+        """Remove stale shards and update the state file; never raises (it is committed)."""
+        keep = {data_filename(self._prefix, i, self._num_files) for i in range(self._num_files)}
+        for path in self._same_prefix_shards():
+            if path not in keep:
+                try:
+                    self._fs.remove(path)
+                except OSError as e:
+                    logger.warning("Could not remove stale shard %s: %s", path, e)
+        if not self._write_state:
+            return None
+        try:
+            try:
+                state = get_checkpoint_state(self._dir, self._latest_filename)
+            except ValueError:
+                state = None
+            own = os.path.normpath(self._prefix)
+            paths = [] if state is None else list(state.all_model_checkpoint_paths)
+            paths = [p for p in paths if os.path.normpath(p) != own] + [self._prefix]
+            update_checkpoint_state_internal(
+                save_dir=self._dir,
+                model_checkpoint_path=self._prefix,
+                all_model_checkpoint_paths=paths,
+                latest_filename=self._latest_filename,
+                fs=self._fs,
+            )
+        except Exception as e:  # Reported to every rank through the outcome.
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def roll_back(self) -> None:
+        """Remove this rank's temporary and shard files, unless the checkpoint is committed."""
+        if self.committed:
+            return
+        for path in self._temps + self._written:
+            try:
+                self._fs.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                logger.warning("Could not remove %s of a failed save: %s", path, e)
+        self._temps.clear()
+        self._written.clear()
+
+
+def to_dcp_metadata(manifest: ShardedManifest) -> Metadata:
+    """Return DCP's ``Metadata`` for a manifest: every tensor's dtype, shape and chunks."""
+    state: dict[str, Any] = {}
+    for name, (dtype, shape) in manifest.tensor_specs().items():
+        state[name] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(shape),
+            chunks=[
+                ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
+                for c in manifest.chunks_of(name)
+            ],
+        )
+    return Metadata(state_dict_metadata=state)
+
+
+class ShardedStorageReader(StorageReader, _RememberErrors):
+    """Read a checkpoint of our format for ``torch.distributed.checkpoint.load``.
+
+    DCP calls, in this order:
+
+    1. (all ranks) ``read_metadata``: raise the error found before the load, if any; else
+       DCP's metadata rebuilt from the manifest's JSON;
+    2. (all ranks) ``set_up_storage_reader``;
+    3. (all ranks) ``prepare_local_plan`` and (coordinator) ``prepare_global_plan``: unchanged;
+    4. (all ranks) ``read_data``: read each chunk the plan needs once, verify its CRC-32C,
+       and copy the parts that overlap the local destinations into them.
+
+    Args:
+        prefix: The checkpoint prefix.
+        manifest: Its parsed manifest (None only together with ``error``).
+        fs: The file-system seam.
+        error: An error this rank found before the load (raised in step 1 so that every rank
+            learns of it).
+
+    Attributes:
+        error: The exception this rank raised, if any.
+
+    Thread safety: one load per instance, on one thread.
+    Distributed: every rank of the group makes its own instance for the same prefix.
+    """
+
+    def __init__(
+        self,
+        prefix: str,
+        manifest: ShardedManifest | None,
+        *,
+        fs: FileSystem = LOCAL_FS,
+        error: BaseException | None = None,
+    ) -> None:
+        self._prefix = prefix
+        self._dir = os.path.dirname(prefix)
+        self._manifest = manifest
+        self._fs = fs
+        self._pending = error
+        self.error = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Do nothing: the prefix is given to the constructor."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Return False: this reader is never picked automatically from a checkpoint id."""
+        return False
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Return DCP's metadata of the checkpoint, or raise this rank's earlier error."""
+        with self._remembering():
+            if self._pending is not None:
+                raise self._pending
+            assert self._manifest is not None
+            return to_dcp_metadata(self._manifest)
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        """Nothing to set up."""
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Return ``plan`` unchanged."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Return ``plans`` unchanged."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read the chunks ``plan`` needs, shard by shard, verifying each one's CRC-32C.
+
+        Raises:
+            CorruptCheckpointError: Naming the shard file, for a missing or truncated file or
+                a chunk whose bytes do not match its checksum.
+        """
+        with self._remembering():
+            assert self._manifest is not None
+            entry_of = {
+                (name, c.offsets): c.entry
+                for name in self._manifest.tensor_specs()
+                for c in self._manifest.chunks_of(name)
+            }
+            wanted: dict[str, list[Any]] = {}
+            for item in plan.items:
+                if item.type != LoadItemType.TENSOR:
+                    raise TypeError(f"{item.dest_index.fqn!r} is not a tensor in {self._prefix}")
+                wanted.setdefault(entry_of[_key(item.storage_index)], []).append(item)
+            by_shard: dict[int, list[str]] = {}
+            for name in wanted:
+                by_shard.setdefault(self._manifest.tensors[name].shard, []).append(name)
+            for shard_index, names in sorted(by_shard.items()):
+                names.sort(key=lambda n: self._manifest.tensors[n].begin)
+                with self._open_shard(shard_index) as f:
+                    for name in names:
+                        self._load_chunk(f.fileno(), shard_index, name, wanted[name], planner)
+            future: Future[None] = Future()
+            future.set_result(None)
+            return future
+
+    def _shard_path(self, shard_index: int) -> str:
+        assert self._manifest is not None
+        return os.path.join(self._dir, self._manifest.shards[shard_index].file)
+
+    def _open_shard(self, shard_index: int) -> Any:
+        assert self._manifest is not None
+        path = self._shard_path(shard_index)
+        expected = self._manifest.shards[shard_index].size_bytes
+        try:
+            f = self._fs.open_for_read(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"Checkpoint shard {path} is missing", path=path, reason="missing file"
+            ) from None
+        except OSError as e:
+            raise CorruptCheckpointError(
+                f"Checkpoint shard {path} cannot be read: {e}", path=path, reason="unreadable"
+            ) from e
+        size = os.fstat(f.fileno()).st_size
+        if size != expected:
+            f.close()
+            what = "is truncated" if size < expected else "is too long"
+            raise CorruptCheckpointError(
+                f"Checkpoint shard {path} {what}: {size} bytes, expected {expected}",
+                path=path,
+                reason="truncated" if size < expected else "wrong size",
+            )
+        return f
+
+    def _load_chunk(
+        self, fd: int, shard_index: int, name: str, items: list[Any], planner: LoadPlanner
+    ) -> None:
+        assert self._manifest is not None
+        entry = self._manifest.tensors[name]
+        offset = self._manifest.shards[shard_index].data_offset + entry.begin
+        path = self._shard_path(shard_index)
+        # Read straight into the destination when it wants the whole chunk as it is stored.
+        direct = None
+        if len(items) == 1 and tuple(items[0].lengths) == entry.shape:
+            target = planner.resolve_tensor(items[0]).detach()
+            if (
+                target.dtype == entry.dtype
+                and target.device.type == "cpu"
+                and target.is_contiguous()
+                and type(target) is torch.Tensor
+            ):
+                direct = target
+        chunk = direct if direct is not None else torch.empty(entry.shape, dtype=entry.dtype)
+        raw = chunk.reshape(-1).view(torch.uint8) if chunk.numel() else None
+        crc = 0
+        if raw is not None:
+            view = memoryview(raw.numpy())
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if not n:
+                    raise CorruptCheckpointError(
+                        f"Checkpoint shard {path} is truncated", path=path, reason="truncated"
+                    )
+                done += n
+            crc = crc32c.crc32c(view)
+        if crc != entry.crc32c:
+            raise CorruptCheckpointError(
+                f"Checkpoint shard {path} is corrupt: checksum mismatch (damaged chunk: {name})",
+                path=path,
+                reason="checksum mismatch",
+            )
+        if direct is not None:
+            planner.commit_tensor(items[0], direct)
+            return
+        for item in items:
+            source = chunk[
+                tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+            ]
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(source)
+            planner.commit_tensor(item, target)
