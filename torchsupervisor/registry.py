@@ -176,7 +176,14 @@ def add_to_collection(name: str, value: Any) -> None:
 
 
 def add_to_collections(names: str | Iterable[str], value: Any) -> None:
-    """Add ``value`` to each named collection of the default graph."""
+    """Add ``value`` to each named collection of the default graph.
+
+    Args:
+        names: One collection name (a string) or an iterable of names; duplicates count once.
+        value: Any object.
+
+    TF name: ``tf.add_to_collections``.
+    """
     get_default_graph().add_to_collections(names, value)
 
 
@@ -186,12 +193,20 @@ def get_collection(name: str, scope: str | None = None) -> list[Any]:
 
 
 def get_collection_ref(name: str) -> list[Any]:
-    """Return the live list of collection ``name`` of the default graph."""
+    """Return the live list of collection ``name`` of the default graph.
+
+    Changing the returned list changes the collection; it is created empty when missing.
+
+    TF name: ``tf.get_collection_ref``.
+    """
     return get_default_graph().get_collection_ref(name)
 
 
 def clear_collection(name: str) -> None:
-    """Clear collection ``name`` of the default graph."""
+    """Clear collection ``name`` of the default graph (a missing collection is not an error).
+
+    TF name: ``tf.compat.v1.get_default_graph().clear_collection``.
+    """
     get_default_graph().clear_collection(name)
 
 
