@@ -8,8 +8,6 @@ import subprocess
 import sys
 import types
 
-import torchsupervisor
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "docs", "gen_api.py")
 
