@@ -12,7 +12,6 @@ import safetensors.torch
 import torch
 
 from torchsupervisor import CheckpointReader, get_checkpoint_state
-from torchsupervisor.checkpoint.sharded import ShardedCheckpointReader
 from torchsupervisor.errors import CorruptCheckpointError
 
 WORKER = os.path.join(os.path.dirname(__file__), "sharded_worker.py")
@@ -79,7 +78,7 @@ def test_each_rank_writes_its_own_shard_and_the_coordinator_commits(saved_by_two
 def test_one_process_reads_the_whole_tensors_and_every_chunk_verifies(saved_by_two):
     directory, _ = saved_by_two
     reference = safetensors.torch.load_file(str(directory / "reference.safetensors"))
-    reader = ShardedCheckpointReader(str(directory / "model.ckpt-3"))
+    reader = CheckpointReader(str(directory / "model.ckpt-3"))
     assert reader.manifest.global_step == 3
     shapes = reader.get_variable_to_shape_map()
     for name, tensor in reference.items():
@@ -89,10 +88,12 @@ def test_one_process_reads_the_whole_tensors_and_every_chunk_verifies(saved_by_t
     assert sorted(tensors) == sorted(reference)
     # The parameters really were split between the ranks: chunks in both shards.
     assert len(reader.manifest.sharded_tensors["model/0.weight"].chunks) == 2
-    # A plain reader sees the chunk entries of the same format and verifies them too.
-    plain = CheckpointReader(str(directory / "model.ckpt-3"))
-    assert any(name.startswith("model/0.weight[") for name in plain.get_variable_to_shape_map())
-    plain.read_tensors()
+    assert reader.is_sharded
+    # The chunk entries are readable by name, and the whole-file check covers them.
+    (chunk, _) = reader.manifest.sharded_tensors["model/0.weight"].chunks
+    assert reader.has_tensor(chunk.entry) and chunk.entry.startswith("model/0.weight[0:")
+    assert torch.equal(reader.get_tensor(chunk.entry), reference["model/0.weight"][:5])
+    reader.verify()
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -127,7 +128,7 @@ def test_a_flipped_bit_in_one_rank_shard_fails_the_restore_on_every_rank(saved_b
     data[-5] ^= 0x10  # In the tensor payload (the header comes first).
     shard.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError):
-        ShardedCheckpointReader(str(tmp_path / "model.ckpt-3")).read_tensors()
+        CheckpointReader(str(tmp_path / "model.ckpt-3")).read_tensors()
     outputs = _run("load-error", tmp_path, 2)
     errors = [_lines(out, "ERROR")[0] for out in outputs]
     assert {e[1] for e in errors} == {"CorruptCheckpointError"}

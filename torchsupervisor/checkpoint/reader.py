@@ -29,6 +29,11 @@ from torchsupervisor.checkpoint.format import (
     parse_safetensors_header,
     shard_checksum,
 )
+from torchsupervisor.checkpoint.sharded_metadata import (
+    SHARDED_TENSORS_KEY,
+    ShardedManifest,
+    ShardedTensorEntry,
+)
 from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
 
@@ -46,6 +51,12 @@ _PIPELINE_MIN_BYTES = 64 << 20
 
 class CheckpointReader:
     """Read a checkpoint's manifest and tensors.
+
+    Works on every checkpoint of our format: one written by ``Saver`` (every tensor whole) and
+    one written by several ranks with ``save_sharded``, whose tensors are stored in chunks
+    (``model/fc1.weight[0:4,0:16]``): the tensors are then listed with their global shapes and
+    read assembled from their chunks, each chunk verified; the chunk entries are readable by
+    name too.
 
     Args:
         prefix: The checkpoint prefix (``logdir/model.ckpt-1234``).
@@ -78,7 +89,12 @@ class CheckpointReader:
                 f"Checkpoint index {index} is a directory", path=index, reason="not a file"
             ) from None
         try:
-            self._manifest = Manifest.from_bytes(data)
+            if SHARDED_TENSORS_KEY.encode() in data:
+                self._manifest = ShardedManifest.from_bytes(data)
+                self._sharded: dict[str, ShardedTensorEntry] = self._manifest.sharded_tensors
+            else:
+                self._manifest = Manifest.from_bytes(data)
+                self._sharded = {}
         except ManifestError as e:
             raise CorruptCheckpointError(
                 f"Checkpoint index {index} is corrupt: {e}", path=index, reason=str(e)
@@ -99,17 +115,27 @@ class CheckpointReader:
         """The global step recorded in the checkpoint."""
         return self._manifest.global_step
 
+    @property
+    def is_sharded(self) -> bool:
+        """True if some tensors are stored in chunks (a checkpoint of ``save_sharded``)."""
+        return bool(self._sharded)
+
+    def _specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        if self._sharded:
+            return self._manifest.tensor_specs()
+        return {name: (e.dtype, e.shape) for name, e in self._manifest.tensors.items()}
+
     def get_variable_to_shape_map(self) -> dict[str, list[int]]:
-        """Return ``{tensor name: shape as a list of ints}``."""
-        return {name: list(e.shape) for name, e in self._manifest.tensors.items()}
+        """Return ``{tensor name: shape as a list of ints}`` (global shapes; no chunk entries)."""
+        return {name: list(shape) for name, (_, shape) in self._specs().items()}
 
     def get_variable_to_dtype_map(self) -> dict[str, torch.dtype]:
-        """Return ``{tensor name: torch dtype}``."""
-        return {name: e.dtype for name, e in self._manifest.tensors.items()}
+        """Return ``{tensor name: torch dtype}`` (no chunk entries)."""
+        return {name: dtype for name, (dtype, _) in self._specs().items()}
 
     def has_tensor(self, name: str) -> bool:
-        """Return True if the checkpoint holds a tensor called ``name``."""
-        return name in self._manifest.tensors
+        """Return True if the checkpoint holds a tensor (or a chunk entry) called ``name``."""
+        return name in self._manifest.tensors or name in self._sharded
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """Read one tensor (on the CPU), verifying its checksum.
@@ -118,6 +144,12 @@ class CheckpointReader:
             NotFoundError: ``"Key <name> not found in checkpoint"``.
             CorruptCheckpointError: If its bytes are missing or do not match the checksum.
         """
+        sharded = self._sharded.get(name)
+        if sharded is not None:
+            out = torch.empty(sharded.shape, dtype=sharded.dtype)
+            for chunk in sharded.chunks:
+                out[_slices(chunk.offsets, chunk.sizes)] = self.get_tensor(chunk.entry)
+            return out
         entry = self._manifest.tensors.get(name)
         if entry is None:
             raise NotFoundError(f"Key {name} not found in checkpoint")
@@ -143,7 +175,8 @@ class CheckpointReader:
         read.
 
         Returns:
-            ``{name: tensor}``; each tensor owns its memory.
+            ``{name: tensor}``; each tensor owns its memory. Tensors stored in chunks are
+            assembled (the chunk entries are not returned).
 
         Raises:
             CorruptCheckpointError: For a missing or truncated shard, or a tensor whose bytes
@@ -156,6 +189,11 @@ class CheckpointReader:
         for shard_index, entries in sorted(by_shard.items()):
             entries.sort(key=lambda item: item[1].begin)
             out.update(self._read_shard(shard_index, entries))
+        for name, sharded in self._sharded.items():
+            tensor = torch.empty(sharded.shape, dtype=sharded.dtype)
+            for chunk in sharded.chunks:
+                tensor[_slices(chunk.offsets, chunk.sizes)] = out.pop(chunk.entry)
+            out[name] = tensor
         return out
 
     def read_tree(self) -> Any:
@@ -383,6 +421,10 @@ def _read_tensor(f: Any, entry: TensorEntry, path: str, crc: int) -> tuple[torch
         raise _truncated(path, None)
     crc = crc32c.crc32c(view, crc)
     return raw.view(entry.dtype).reshape(entry.shape), crc
+
+
+def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
 
 
 def _truncated(path: str, expected: int | None) -> CorruptCheckpointError:

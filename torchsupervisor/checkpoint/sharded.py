@@ -25,8 +25,9 @@ a checkpoint of 2 ranks restores on 1 or 4, and one written by ``Saver`` (every 
 restores into a sharded model. A corrupt chunk raises ``CorruptCheckpointError`` naming the
 file on every rank (the rank that found it, and the others with a copy of its error).
 
-``ShardedCheckpointReader`` reads such a checkpoint in one process, without a process group
-(inspection, conversion to an unsharded model). Nothing is ever pickled to disk.
+``CheckpointReader`` reads such a checkpoint in one process, without a process group
+(inspection, conversion to an unsharded model), assembling each tensor from its chunks.
+Nothing is ever pickled to disk.
 
 TF name: none; TF 1 wrote sharded checkpoints from the parameter servers
 (``Saver(sharded=True)``).
@@ -35,6 +36,7 @@ TF name: none; TF 1 wrote sharded checkpoints from the parameter servers
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import sys
@@ -63,7 +65,6 @@ from torchsupervisor.global_step import read_step
 from torchsupervisor.state import TensorRef, find_subtree, is_materialized, load_state
 
 __all__ = [
-    "ShardedCheckpointReader",
     "ShardedOptimizerState",
     "flatten_sharded_state",
     "is_sharded",
@@ -457,7 +458,7 @@ def load_sharded(
     manifest: ShardedManifest | None = None
     targets: dict[str, torch.Tensor] = {}
     try:
-        manifest = ShardedCheckpointReader(prefix, fs=fs).manifest
+        manifest = _read_manifest(prefix, fs)
         targets = _targets(state, manifest, prefix)
     except (CheckpointError, NotFoundError, InvalidArgumentError, TypeError, ValueError) as e:
         found, targets = e, {}
@@ -622,94 +623,10 @@ def _agree(error: BaseException | None, process_group: Any, no_dist: bool) -> No
             raise copy
 
 
-# ------------------------------------------------------------------------------ reading
-
-
-class ShardedCheckpointReader(CheckpointReader):
-    """Read a sharded checkpoint in one process: tensors are assembled from their chunks.
-
-    The tensor names are those of the state (``model/fc1.weight``), with their global shapes;
-    the chunk entries (``model/fc1.weight[0:4,0:16]``) are also readable by name. Every chunk
-    read is verified against its CRC-32C. Works on any checkpoint of our format (one written by
-    ``Saver`` has no chunks).
-
-    Args:
-        prefix: The checkpoint prefix.
-        fs: The file-system seam.
-
-    Raises:
-        NotFoundError: If ``prefix.index`` does not exist.
-        CorruptCheckpointError: If the manifest or its chunk layout is damaged.
-
-    Thread safety: read-only; each call opens its own files.
-
-    TF name: ``tf.train.NewCheckpointReader`` (on a sharded checkpoint).
-    """
-
-    def __init__(self, prefix: str, *, fs: FileSystem = LOCAL_FS) -> None:
-        super().__init__(prefix, fs=fs)
-        index = prefix + ".index"
-        try:
-            with fs.open_for_read(index) as f:
-                data = f.read()
-            self._sharded = ShardedManifest.from_bytes(data)
-        except FileNotFoundError:
-            raise NotFoundError(
-                "Unsuccessful TensorSliceReader constructor: Failed to find any matching files "
-                f"for {prefix}"
-            ) from None
-        except ManifestError as e:
-            raise CorruptCheckpointError(
-                f"Checkpoint index {index} is corrupt: {e}", path=index, reason=str(e)
-            ) from None
-
-    @property
-    def manifest(self) -> ShardedManifest:
-        """The parsed manifest, with its chunk layout."""
-        return self._sharded
-
-    def get_variable_to_shape_map(self) -> dict[str, list[int]]:
-        """Return ``{tensor name: global shape}`` of the tensors of the state."""
-        return {name: list(shape) for name, (_, shape) in self._sharded.tensor_specs().items()}
-
-    def get_variable_to_dtype_map(self) -> dict[str, torch.dtype]:
-        """Return ``{tensor name: dtype}`` of the tensors of the state."""
-        return {name: dtype for name, (dtype, _) in self._sharded.tensor_specs().items()}
-
-    def has_tensor(self, name: str) -> bool:
-        """Return True for a tensor of the state or a chunk entry called ``name``."""
-        return name in self._sharded.sharded_tensors or super().has_tensor(name)
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        """Read one tensor (on the CPU), assembled from its chunks, each one verified.
-
-        Raises:
-            NotFoundError: ``"Key <name> not found in checkpoint"``.
-            CorruptCheckpointError: If a chunk is missing or fails its checksum.
-        """
-        sharded = self._sharded.sharded_tensors.get(name)
-        if sharded is None:
-            return super().get_tensor(name)
-        out = torch.empty(sharded.shape, dtype=sharded.dtype)
-        for chunk in sharded.chunks:
-            out[_slices(chunk.offsets, chunk.sizes)] = super().get_tensor(chunk.entry)
-        return out
-
-    def read_tensors(self) -> dict[str, torch.Tensor]:
-        """Read every tensor of the state (chunks assembled), verifying each chunk.
-
-        Raises:
-            CorruptCheckpointError: As ``CheckpointReader.read_tensors``.
-        """
-        stored = super().read_tensors()
-        out = {name: t for name, t in stored.items() if name not in self._sharded.chunk_entries()}
-        for name, sharded in self._sharded.sharded_tensors.items():
-            tensor = torch.empty(sharded.shape, dtype=sharded.dtype)
-            for chunk in sharded.chunks:
-                tensor[_slices(chunk.offsets, chunk.sizes)] = stored[chunk.entry]
-            out[name] = tensor
-        return out
-
-
-def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+def _read_manifest(prefix: str, fs: FileSystem) -> ShardedManifest:
+    reader = CheckpointReader(prefix, fs=fs)
+    manifest = reader.manifest
+    if isinstance(manifest, ShardedManifest):
+        return manifest
+    fields = {f.name: getattr(manifest, f.name) for f in dataclasses.fields(manifest)}
+    return ShardedManifest(**fields)
