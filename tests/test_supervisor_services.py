@@ -296,6 +296,30 @@ def test_checkpoint_method_saves_now_and_needs_a_checkpoint_service(tmp_path):
     assert checkpoint_steps(tmp_path / "x") == []
 
 
+def test_each_checkpoint_commit_flushes_the_events_file(tmp_path):
+    """The summaries of the steps up to a checkpoint reach the disk with it (fsync)."""
+    logdir = str(tmp_path)
+    c = Counter()
+    sv = Supervisor(logdir=logdir, state=c.state, save_summaries_secs=0, save_model_secs=3600)
+    with sv.managed_session() as sess:
+        wait_for_checkpoint(sv, 0)
+        sv._checkpoint_service.wait()  # The step-0 commit and its CHECKPOINT event are done.
+        writer = sv.summary_writer
+        requests = []
+        request_flush = writer.request_flush
+        writer.request_flush = lambda: (requests.append(c.global_step.value), request_flush())
+        sess.run(c.step)
+        writer.add_scalar("loss", 0.5, 1)
+        before = writer.counters().flushes
+        sv.checkpoint()  # flush_secs is 120 s: only the commit asks for this flush.
+        assert requests == [1]
+        wait_until(lambda: writer.counters().flushes > before)
+        (path,) = event_files(logdir)
+        assert 1 in [step for step, _ in scalars(read_events(path), "loss")]
+        # The Supervisor's writer queues thousands of events, not TF's 10, before blocking.
+        assert writer._max_queue >= 4096
+
+
 # ------------------------------------------------------------------------ consistency
 
 

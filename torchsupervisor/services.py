@@ -194,6 +194,9 @@ class CheckpointService:
             self._writer.add_session_log(
                 SessionLog(status=SessionLog.CHECKPOINT, checkpoint_path=self._save_path), step
             )
+        if self._writer is not None:
+            # The summaries of the steps up to this checkpoint go to disk with it.
+            self._writer.request_flush()
 
     def _failed(self, error: BaseException, step: int | None) -> None:
         logger.error("Checkpoint at step %s failed; training continues: %s", step, error)

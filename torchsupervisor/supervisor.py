@@ -70,7 +70,7 @@ from torchsupervisor.services import (
 from torchsupervisor.session import Session
 from torchsupervisor.session_manager import SessionManager
 from torchsupervisor.summary.ops import merge_all
-from torchsupervisor.summary.writer import SummaryWriter
+from torchsupervisor.summary.writer import SERVICE_MAX_QUEUE, SummaryWriter
 from torchsupervisor.variables import (
     global_variables_initializer,
     local_variables_initializer,
@@ -237,7 +237,9 @@ class Supervisor:
                 self._save_path = os.path.join(self._logdir, checkpoint_basename)
             if summary_writer is Supervisor.USE_DEFAULT:
                 if self._logdir:
-                    self._summary_writer = SummaryWriter(self._logdir, clock=self._clock)
+                    self._summary_writer = SummaryWriter(
+                        self._logdir, max_queue=SERVICE_MAX_QUEUE, clock=self._clock
+                    )
             else:
                 self._summary_writer = summary_writer
         if session_manager is None:

@@ -13,6 +13,12 @@ same directory is neither copied nor written again; the new manifest references 
 already on disk (``incremental.py``), and retention keeps data files as long as a kept
 checkpoint references them.
 
+A state holding ``DTensor`` s (an FSDP2 model) is saved with ``sharded.save_sharded``: every rank
+of the process group calls ``save`` at the same step and writes its own part, synchronously
+(the call returns once the checkpoint is committed; ``save_async`` does the same). Rank 0 then
+updates the state file and applies retention. ``restore`` of such a state is a collective too
+(``sharded.load_sharded``); any world size restores any checkpoint of the format.
+
 TF name: ``tf.compat.v1.train.Saver``.
 """
 
@@ -43,6 +49,7 @@ from torchsupervisor.checkpoint.management import (
 )
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.references import referenced_data_files
+from torchsupervisor.checkpoint.sharded import is_sharded, load_sharded, save_sharded
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.checkpoint.state_file import update_checkpoint_state_internal
 from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
@@ -52,6 +59,23 @@ from torchsupervisor.global_step import read_step
 from torchsupervisor.state import flatten_state, load_state, ndarray_names, select_state
 
 __all__ = ["SaveStats", "Saver"]
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _local_shard_bytes(prefix: str) -> int:
+    """Bytes of the data shard this rank wrote for sharded checkpoint ``prefix``."""
+    directory, base = os.path.split(prefix)
+    mine = f"{base}.data-{_rank():05d}-of-"
+    try:
+        names = [n for n in os.listdir(directory or ".") if n.startswith(mine)]
+        return sum(os.path.getsize(os.path.join(directory or ".", n)) for n in names)
+    except OSError:
+        return 0
 
 
 def _world_size() -> int:
@@ -236,6 +260,9 @@ class Saver:
             TypeError: For a state entry that cannot be saved without pickle.
             CheckpointSaveError: If writing fails; older checkpoints are untouched.
         """
+        state = self._state_for(sess)
+        if is_sharded(state):
+            return self._save_sharded(state, save_path, global_step, latest_filename, write_state)
         start = time.perf_counter()
         prefix, snapshot = self._stage(sess, save_path, global_step, latest_filename)
         if snapshot is None:
@@ -266,10 +293,20 @@ class Saver:
         Raises:
             ValueError, TypeError: As ``save``, for problems found before the copy.
         """
+        state = self._state_for(sess)
+        if is_sharded(state):  # A collective: written now, on every rank.
+            done: concurrent.futures.Future[str | None] = concurrent.futures.Future()
+            try:
+                done.set_result(
+                    self._save_sharded(state, save_path, global_step, latest_filename, write_state)
+                )
+            except CheckpointSaveError as e:
+                done.set_exception(e)
+            return done
         start = time.perf_counter()
         prefix, snapshot = self._stage(sess, save_path, global_step, latest_filename)
         if snapshot is None:
-            done: concurrent.futures.Future[str | None] = concurrent.futures.Future()
+            done = concurrent.futures.Future()
             done.set_result(None)
             return done
         stall = time.perf_counter() - start
@@ -436,6 +473,53 @@ class Saver:
         logger.debug("Checkpoint %s: %s", prefix, self.last_save)
         return prefix
 
+    def _save_sharded(
+        self,
+        state: Mapping[str, Any],
+        save_path: str,
+        global_step: Any,
+        latest_filename: str | None,
+        write_state: bool,
+    ) -> str:
+        """Save a state of DTensors with every rank writing its part (a collective)."""
+        prefix, _ = self._checkpoint_prefix(save_path, global_step, latest_filename)
+        save_dir = os.path.dirname(save_path)
+        if save_dir and not self._fs.exists(save_dir):
+            raise ValueError(f"Parent directory of {save_path} doesn't exist, can't save.")
+        self._engine.wait()
+        start = time.perf_counter()
+        save_sharded(
+            state,
+            prefix,
+            global_step=global_step,
+            write_state=False,
+            fs=self._fs,
+            clock=self._clock,
+            stager=self._stager,
+        )
+        committed = time.perf_counter()
+        with self._lock:
+            self._committed = {}  # Sharded saves are never incremental.
+        if write_state:
+            if _rank() == 0:
+                self._record_and_sweep(prefix, save_path, latest_filename)
+            else:  # Same bookkeeping; files are rank 0's business.
+                with self._lock:
+                    self._retention = policy.record(
+                        self._retention, prefix, self._clock.time(), self._max_to_keep
+                    )
+                    self._retention, _, _ = policy.sweep(self._retention, self._keep_every_secs)
+        total = time.perf_counter() - start
+        self.last_save = SaveStats(
+            prefix=prefix,
+            stall_secs=total,
+            commit_secs=committed - start,
+            total_secs=total,
+            bytes_written=_local_shard_bytes(prefix),
+            bytes_reused=0,
+        )
+        return prefix
+
     def _record_and_sweep(self, prefix: str, save_path: str, latest_filename: str | None) -> None:
         with self._lock:
             retention = policy.record(
@@ -508,9 +592,12 @@ class Saver:
         if not checkpoint_exists(save_path):
             raise ValueError("The passed save_path is not a valid checkpoint: " + save_path)
         logger.info("Restoring parameters from %s", save_path)
+        state = self._state_for(sess)
+        if is_sharded(state):  # A collective: every rank reads the chunks it needs.
+            load_sharded(state, save_path, allow_missing=self._optional, fs=self._fs)
+            return
         reader = CheckpointReader(save_path, fs=self._fs)
         tree = reader.read_tree()
-        state = self._state_for(sess)
         _report_differences(reader.manifest, tree, state, save_path, self._var_list is None)
 
         def missing(name: str) -> None:

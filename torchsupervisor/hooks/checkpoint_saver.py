@@ -264,6 +264,10 @@ class CheckpointSaverHook(SessionRunHook):
             self._summary_writer.add_session_log(
                 SessionLog(status=SessionLog.CHECKPOINT, checkpoint_path=self._save_path), step
             )
+            # The summaries of the steps up to this checkpoint go to disk with it.
+            flush = getattr(self._summary_writer, "request_flush", None)
+            if flush is not None:
+                flush()
 
     def _poll(self) -> None:
         """On the training thread: finish a committed save (listeners, errors)."""

@@ -59,10 +59,16 @@ from torchsupervisor.summary.snapshot import (
     snapshot_step,
 )
 
-__all__ = ["DEFAULT_MAX_QUEUE_BYTES", "FileWriter", "SummaryWriter"]
+__all__ = ["DEFAULT_MAX_QUEUE_BYTES", "SERVICE_MAX_QUEUE", "FileWriter", "SummaryWriter"]
 
 DEFAULT_MAX_QUEUE_BYTES = 64 << 20
 """The default bound on the memory that queued histograms, images, ... may hold (64 MiB)."""
+
+SERVICE_MAX_QUEUE = 16384
+"""``max_queue`` of the writers torchsupervisor creates itself (the Supervisor's, the
+``SummaryWriterCache``'s, the hooks'): TF's default of 10 makes a loop that adds several values
+per step wait for the writer thread at almost every step (``docs/performance.md``). Scalars
+queued up to this bound hold about 2 MB; ``max_queue_bytes`` bounds everything else."""
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -118,6 +124,8 @@ class SummaryWriter:
     summary when the file is closed. With TF's default ``max_queue=10``, a loop adding many
     values per step blocks often; a long-running writer should allow thousands
     (``max_queue=16384`` costs about 2 MB of scalars; ``max_queue_bytes`` bounds the rest).
+    The writers torchsupervisor creates itself (the Supervisor's, ``SummaryWriterCache``'s)
+    use ``SERVICE_MAX_QUEUE`` (16384).
 
     A write error is logged with the file name; the events of that batch are lost and the next
     event opens a new file (as TF's re-initialization). Encoding errors (e.g. a NaN in a

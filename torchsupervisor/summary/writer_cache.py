@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import threading
 
-from torchsupervisor.summary.writer import SummaryWriter
+from torchsupervisor.summary.writer import SERVICE_MAX_QUEUE, SummaryWriter
 
 __all__ = ["FileWriterCache", "SummaryWriterCache"]
 
@@ -44,7 +44,7 @@ class SummaryWriterCache:
         with SummaryWriterCache._lock:
             writer = SummaryWriterCache._cache.get(key)
             if writer is None:
-                writer = SummaryWriter(logdir)
+                writer = SummaryWriter(logdir, max_queue=SERVICE_MAX_QUEUE)
                 SummaryWriterCache._cache[key] = writer
             return writer
 
