@@ -24,8 +24,9 @@ medians and, in the JSON, every run (so the noise of a shared machine can be jud
   writer thread at nice 0 and at nice 19 (as the checkpoint writer runs): steps/s and the
   99th percentile of a step's time (a low-priority thread holding the GIL stalls the loop).
 
-Our writer runs with TF's default ``max_queue=10`` and with ``max_queue=16384`` (the setting
-recommended for the Supervisor's own writer); torch and tensorboardX with their defaults
+Our writer runs with TF's default ``max_queue=10`` and with ``max_queue=16384``
+(``SERVICE_MAX_QUEUE``: what the Supervisor's and ``SummaryWriterCache``'s writers use, so the
+targets are checked on that one); torch and tensorboardX with their defaults
 (``max_queue=10``, ``flush_secs=120``). It prints the tables and writes the figures as JSON
 (``--json``, default ``benchmarks/results/summaries.json``).
 """
@@ -50,12 +51,13 @@ import numpy as np
 import torch
 
 from torchsupervisor.summary import SummaryWriter, records
+from torchsupervisor.summary.writer import SERVICE_MAX_QUEUE
 
 TAGS = ("train/loss", "train/accuracy", "train/learning_rate", "global_step/sec")
 TARGET_CALLER_US = 2.0
 TARGET_WRITTEN_PER_SEC = 200_000
 TARGET_VS_TORCH = 10.0
-SUPERVISOR_MAX_QUEUE = 16384
+SUPERVISOR_MAX_QUEUE = SERVICE_MAX_QUEUE
 
 
 # ------------------------------------------------------------------------------------ writers
