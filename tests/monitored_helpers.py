@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import os
 import threading
+import time
 
 import torch
 
@@ -127,3 +129,33 @@ class FullDiskFS(FileSystem):
         if self.full:
             raise OSError(errno.ENOSPC, "No space left on device")
         super().write(fd, data)
+
+
+class SlowFS(FileSystem):
+    """Every fsync of a file takes ``delay_secs`` more: saves take longer than the steps."""
+
+    def __init__(self, delay_secs: float = 0.02) -> None:
+        self.delay_secs = delay_secs
+
+    def fsync(self, fd: int) -> None:
+        time.sleep(self.delay_secs)
+        super().fsync(fd)
+
+
+class PrefixGatedFS(FileSystem):
+    """Blocks the save of one checkpoint (files whose name contains ``marker``) until released."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def open_for_write(self, path: str, *, direct: bool = False) -> int:
+        if self.marker in os.path.basename(path):
+            self.entered.set()
+            if not self.gate.wait(JOIN_SECS):
+                raise OSError(errno.EIO, "test gate never released")
+        return super().open_for_write(path, direct=direct)
+
+    def release(self) -> None:
+        self.gate.set()

@@ -3,12 +3,14 @@ MonitoredTrainingSession: lifecycle, errors, recovery, step functions, defaults,
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 
 import pytest
 import torch
-from monitored_helpers import Counter, RecordingHook
+from monitored_helpers import JOIN_SECS, Counter, PrefixGatedFS, RecordingHook
 from supervisor_helpers import (
     CHECKPOINT,
     START,
@@ -536,3 +538,183 @@ def test_an_input_thread_error_leaves_the_with_block(tmp_path):
         while not sess.should_stop():
             sess.run(lambda: batches.dequeue(timeout_secs=10.0))
     assert "end" in hook.names()  # The loop ended by should_stop(): a normal exit.
+
+
+# ------------------------------------------------------------------- recovery: details and state
+
+
+def test_recovery_waits_for_the_checkpoint_being_written(tmp_path):
+    counter = Counter()
+    fs = PrefixGatedFS("model.ckpt-3.")  # The save at step 3 stays in flight until released.
+    scaffold = Scaffold(saver=Saver(fs=fs, max_to_keep=None))
+    coord_hook = CoordHook()
+    hooks = [CheckpointSaverHook(str(tmp_path), save_steps=3, scaffold=scaffold), coord_hook]
+
+    def release_once_the_session_is_closed(coord):
+        coord.wait_for_stop(JOIN_SECS)  # The recovery has begun.
+        time.sleep(0.2)  # Without the wait, the new session would restore model.ckpt-0 now.
+        fs.release()
+
+    def step():
+        out = counter.step()
+        if counter.calls == 5:
+            assert fs.entered.wait(JOIN_SECS)  # The save at step 3 is being written...
+            assert not fs.gate.is_set()  # ... and cannot finish yet.
+            threading.Thread(
+                target=release_once_the_session_is_closed, args=(coord_hook.coord,)
+            ).start()
+            raise AbortedError("worker preempted")
+        return out
+
+    sess = MonitoredSession(
+        ChiefSessionCreator(scaffold, checkpoint_dir=str(tmp_path), state=counter.state),
+        hooks=hooks,
+    )
+    try:
+        with sess:
+            for _ in range(4):
+                sess.run(step)
+            sess.run(step)  # Fails; the new session restores model.ckpt-3 and runs it again.
+            assert sess._tf_sess().restored_checkpoint == str(tmp_path / "model.ckpt-3")
+            assert counter.global_step.value == 4
+    finally:
+        fs.release()
+    assert checkpoint_steps(tmp_path) == [0, 3, 4]
+    assert float(read_checkpoint(tmp_path / "model.ckpt-4")["w"]) == 4.0
+
+
+def test_recovery_without_a_checkpoint_keeps_the_state_in_memory():
+    counter = Counter()
+    init_calls = []
+    scaffold = Scaffold(init_fn=lambda scaffold, sess: init_calls.append(sess))
+
+    def step():
+        out = counter.step()
+        if counter.calls == 3:
+            counter.w.add_(100.0)  # What a failed run changed before it raised...
+            raise AbortedError("worker preempted")
+        return out
+
+    hook = RecordingHook()
+    with MonitoredSession(
+        ChiefSessionCreator(scaffold, state=counter.state), hooks=[hook]
+    ) as sess:  # No checkpoint_dir: nothing to restore.
+        for _ in range(3):
+            sess.run(step)
+        assert hook.names().count("after_create_session") == 2
+        assert hook.sessions[1].restored_checkpoint is None
+        # ... is kept, and the retried run continued from there; init ran only once.
+        assert counter.global_step.value == 4 and float(counter.w) == 104.0
+        assert len(init_calls) == 1
+
+
+def test_training_recovery_always_has_a_checkpoint_to_restore(tmp_path):
+    counter = Counter()
+
+    def step():
+        out = counter.step()
+        if counter.calls == 2:
+            counter.w.add_(100.0)
+            raise UnavailableError("parameter server unavailable")
+        return out
+
+    with MonitoredTrainingSession(checkpoint_dir=str(tmp_path), state=counter.state) as sess:
+        sess.run(step)
+        sess.run(step)  # No save since step 0 (600 s): the recovery restores model.ckpt-0.
+        assert sess._tf_sess().restored_checkpoint == str(tmp_path / "model.ckpt-0")
+        assert counter.global_step.value == 1 and float(counter.w) == 1.0
+
+
+def test_a_failed_step_fn_is_recovered_when_a_thread_reported_a_preemption_error():
+    counter = Counter()
+    hook = CoordHook()
+    attempts = []
+
+    def step_fn(step_context):
+        attempts.append(hook.coord)
+        if len(attempts) == 1:
+            report_from_thread(hook.coord, UnavailableError("ps unavailable"))
+            raise ValueError("lost connection")  # Caused by the preemption the thread saw.
+        return step_context.run_with_hooks(counter.step)
+
+    with monitored(counter, [hook]) as sess:
+        out = sess.run_step_fn(step_fn)  # Raised as UnavailableError, recovered, run again.
+        assert float(out["loss"]) == 1.0
+        assert len(attempts) == 2 and attempts[0] is not attempts[1]
+
+
+def test_a_singular_session_raises_the_thread_preemption_error_of_a_failed_step_fn():
+    counter = Counter()
+    hook = CoordHook()
+
+    def step_fn(step_context):
+        report_from_thread(hook.coord, AbortedError("ps restarted"))
+        raise ValueError("lost connection")
+
+    sess = SingularMonitoredSession(hooks=[hook], state=counter.state)
+    with pytest.raises(AbortedError, match="ps restarted") as raised:
+        sess.run_step_fn(step_fn)
+    assert isinstance(raised.value.__context__, ValueError)
+    with pytest.raises(AbortedError, match="ps restarted"):
+        sess.close()  # The coordinator's recorded error, as for any run.
+
+
+def test_stop_at_step_keeps_its_last_step_across_a_recovery(tmp_path):
+    counter = Counter()
+    scaffold = Scaffold()
+    stop = StopAtStepHook(num_steps=5)
+    recorder = RecordingHook()
+
+    def step():
+        out = counter.step()
+        if counter.calls == 4:
+            raise AbortedError("worker preempted")  # At step 4; model.ckpt-2 is restored.
+        return out
+
+    hooks = [CheckpointSaverHook(str(tmp_path), save_steps=2, scaffold=scaffold), stop, recorder]
+    with MonitoredSession(
+        ChiefSessionCreator(scaffold, checkpoint_dir=str(tmp_path), state=counter.state),
+        hooks=hooks,
+    ) as sess:
+        while not sess.should_stop():
+            sess.run(step)
+            scaffold.saver.wait()
+        assert recorder.sessions[1].restored_checkpoint == str(tmp_path / "model.ckpt-2")
+    assert recorder.names().count("after_create_session") == 2
+    # Not 2 + 5 = 7: num_steps counts from the first session only.
+    assert stop.last_step == 5 and counter.global_step.value == 5
+
+
+def test_training_session_passes_max_wait_secs_to_a_non_chief(fake_clock):
+    model = torch.nn.Linear(2, 2, device="meta")  # No chief ever initializes it.
+    with pytest.raises(
+        DeadlineExceededError, match=r"^Session was not ready after waiting 45 secs\.$"
+    ):
+        MonitoredTrainingSession(
+            is_chief=False,
+            state={"model": model, "global_step": GlobalStep()},
+            max_wait_secs=45,
+            clock=fake_clock,
+        )
+
+
+def test_training_session_passes_stop_grace_period_secs(caplog):
+    counter = Counter()
+    hook = CoordHook()
+    release = threading.Event()
+    stubborn = threading.Thread(target=release.wait, args=(JOIN_SECS,), name="stubborn-input")
+    try:
+        with caplog.at_level(logging.INFO, logger="torchsupervisor"):
+            sess = MonitoredTrainingSession(
+                state=counter.state, hooks=[hook], stop_grace_period_secs=0.2
+            )
+            hook.coord.register_thread(stubborn)
+            stubborn.start()
+            start = time.monotonic()
+            sess.close()  # Gives the thread 0.2 s (not the default 120 s), then goes on.
+            elapsed = time.monotonic() - start
+    finally:
+        release.set()
+        stubborn.join(JOIN_SECS)
+    assert elapsed < 60
+    assert "stubborn-input" in caplog.text

@@ -1,10 +1,12 @@
 """Session creators: how a ``MonitoredSession`` gets a session that is ready to train.
 
 * ``ChiefSessionCreator`` restores the newest valid checkpoint of ``checkpoint_dir`` (or a
-  given one), else runs the scaffold's ``init_op`` and ``init_fn``; then the local init op and
-  the ready check (``SessionManager.prepare_session``). Its first session also removes what a
-  crash left in ``checkpoint_dir`` (temporary files, checkpoints without an index), as the
-  Supervisor does.
+  given one), else runs the scaffold's ``init_op`` and ``init_fn`` (for its first session
+  only: a later one, after a recoverable error, keeps the state in memory); then the local
+  init op and the ready check (``SessionManager.prepare_session``). It first waits for the
+  scaffold saver's checkpoint still being written, so that it restores the newest one. Its
+  first session also removes what a crash left in ``checkpoint_dir`` (temporary files,
+  checkpoints without an index), as the Supervisor does.
 * ``WorkerSessionCreator`` waits until the state is ready (``SessionManager.wait_for_session``).
 
 Both take the state the way the Supervisor does (``state=``), or from the scaffold.
@@ -94,6 +96,7 @@ class _ScaffoldedCreator(SessionCreator):
         self._device = device
         self._clock = clock
         self._session_manager: SessionManager | None = None
+        self._optional: set[str] = set()
 
     @property
     def scaffold(self) -> Scaffold:
@@ -104,6 +107,22 @@ class _ScaffoldedCreator(SessionCreator):
     def state(self) -> dict[str, Any]:
         """The state of the sessions this creator makes."""
         return self._state
+
+    def allow_missing(self, *names: str) -> None:
+        """Let a restore skip these state entries, with a warning, when a checkpoint lacks them.
+
+        Applied to the scaffold's saver (``Saver.allow_missing``) when a session is created;
+        ``MonitoredTrainingSession`` uses it for the ``"rng"`` entry it adds. Not in TF.
+        """
+        self._optional.update(names)
+
+    def _finalize(self) -> Any:
+        """Finalize the scaffold; return its saver (told about the optional entries)."""
+        self._scaffold.finalize()
+        saver = self._scaffold.saver
+        if self._optional and hasattr(saver, "allow_missing"):
+            saver.allow_missing(*sorted(self._optional))
+        return saver
 
     def _get_session_manager(self) -> SessionManager:
         if self._session_manager is None:
@@ -159,9 +178,16 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         self._checkpoint_dir = checkpoint_dir
         self._checkpoint_filename_with_path = checkpoint_filename_with_path
         self._cleaned = False
+        self._initialized = False
 
     def create_session(self) -> Session:
         """Create a session whose state is restored or initialized and ready.
+
+        Waits first for the checkpoint the scaffold's saver is still writing (a session
+        re-created after a recoverable error then restores it, not an older one). When
+        nothing is restored, the first session runs the init op and ``init_fn``; a later one
+        keeps the state as it is in memory (see ``MonitoredSession``: the state's objects
+        cannot be re-initialized as TF's variables were).
 
         Returns:
             The session; ``session.restored_checkpoint`` names the checkpoint restored.
@@ -173,20 +199,34 @@ class ChiefSessionCreator(_ScaffoldedCreator):
 
         TF name: ``ChiefSessionCreator.create_session``.
         """
-        self._scaffold.finalize()
+        saver = self._finalize()
+        wait = getattr(saver, "wait", None)
+        if wait is not None:
+            wait()
         if self._checkpoint_dir and not self._cleaned:
             _clean_checkpoint_dir(self._checkpoint_dir)
             self._cleaned = True
-        return self._get_session_manager().prepare_session(
+        if self._initialized:
+            init_op, init_feed_dict, init_fn = _keep_state, None, None
+        else:
+            init_op = self._scaffold.init_op
+            init_feed_dict, init_fn = self._scaffold.init_feed_dict, self._scaffold.init_fn
+        sess = self._get_session_manager().prepare_session(
             self._master,
-            saver=self._scaffold.saver,
+            saver=saver,
             checkpoint_dir=self._checkpoint_dir,
             checkpoint_filename_with_path=self._checkpoint_filename_with_path,
             config=self._config,
-            init_op=self._scaffold.init_op,
-            init_feed_dict=self._scaffold.init_feed_dict,
-            init_fn=self._scaffold.init_fn,
+            init_op=init_op,
+            init_feed_dict=init_feed_dict,
+            init_fn=init_fn,
         )
+        self._initialized = True
+        return sess
+
+
+def _keep_state() -> None:
+    """The init op of a re-created session: the state in memory is already initialized."""
 
 
 class WorkerSessionCreator(_ScaffoldedCreator):
@@ -229,7 +269,7 @@ class WorkerSessionCreator(_ScaffoldedCreator):
 
         TF name: ``WorkerSessionCreator.create_session``.
         """
-        self._scaffold.finalize()
+        self._finalize()
         return self._get_session_manager().wait_for_session(
             self._master, config=self._config, max_wait_secs=self._max_wait_secs
         )

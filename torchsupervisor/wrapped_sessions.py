@@ -356,14 +356,28 @@ class _CoordinatedSession(_WrappedSession):
         except PREEMPTION_ERRORS:
             raise
         except Exception:
-            # A thread's preemption error explains the failure better: raise it instead.
-            try:
-                self._coord.raise_requested_exception()
-            except PREEMPTION_ERRORS:
-                raise
-            except Exception:
-                pass
+            self._raise_preemption_error_of_a_thread()
             raise
+
+    def run_step_fn(
+        self, step_fn: Callable[[StepContext], Any], raw_session: Any, run_with_hooks: Any
+    ) -> Any:
+        try:
+            return _WrappedSession.run_step_fn(self, step_fn, raw_session, run_with_hooks)
+        except PREEMPTION_ERRORS:
+            raise
+        except Exception:
+            self._raise_preemption_error_of_a_thread()
+            raise
+
+    def _raise_preemption_error_of_a_thread(self) -> None:
+        """Raise the preemption error a thread reported, if any: it explains the failure."""
+        try:
+            self._coord.raise_requested_exception()
+        except PREEMPTION_ERRORS:
+            raise
+        except Exception:
+            pass
 
 
 class _RecoverableSession(_WrappedSession):

@@ -7,14 +7,18 @@ import os
 import threading
 
 import pytest
-from monitored_helpers import Counter, FullDiskFS, GatedFS, RecordingListener
+from monitored_helpers import JOIN_SECS, Counter, FullDiskFS, GatedFS, RecordingListener, SlowFS
 from supervisor_helpers import (
     CHECKPOINT,
     all_events,
     checkpoint_steps,
+    event_files,
     read_checkpoint,
+    read_events,
+    scalars,
     session_logs,
     temporary_files,
+    wait_until,
 )
 from tensorboard.compat.proto.event_pb2 import LogMessage
 
@@ -28,9 +32,11 @@ from torchsupervisor.session_creators import ChiefSessionCreator
 from torchsupervisor.wrapped_sessions import _HookedSession
 
 
-def monitored(counter, hook, **creator_kwargs):
+def monitored(counter, hook, preemption_signals=(), **creator_kwargs):
     return MonitoredSession(
-        ChiefSessionCreator(state=counter.state, **creator_kwargs), hooks=[hook]
+        ChiefSessionCreator(state=counter.state, **creator_kwargs),
+        hooks=[hook],
+        preemption_signals=preemption_signals,
     )
 
 
@@ -187,59 +193,219 @@ def test_a_restored_checkpoint_is_not_written_again(tmp_path):
     assert os.stat(index).st_mtime_ns == mtime
 
 
-def test_listener_after_save_runs_on_the_training_thread_after_commit(tmp_path):
+class CommitCheckingListener(RecordingListener):
+    """Also records, at each ``after_save``, the runs made so far and whether it is committed."""
+
+    def __init__(self, counter, logdir, stop_at_step=None):
+        super().__init__(stop_at_step)
+        self.counter = counter
+        self.logdir = logdir
+        self.runs_at_after_save = []
+        self.committed_at_after_save = []
+
+    def after_save(self, session, global_step_value):
+        self.runs_at_after_save.append(self.counter.calls)
+        index = os.path.join(self.logdir, f"model.ckpt-{global_step_value}.index")
+        self.committed_at_after_save.append(os.path.exists(index))
+        return super().after_save(session, global_step_value)
+
+
+def test_listener_after_save_runs_right_after_the_commit_on_the_training_thread(tmp_path):
     counter = Counter()
-    saver = Saver()
-    listener = RecordingListener()
+    saver = Saver(max_to_keep=None, fs=SlowFS())
+    listener = CommitCheckingListener(counter, str(tmp_path))
     hook = CheckpointSaverHook(str(tmp_path), save_steps=2, saver=saver, listeners=[listener])
     with monitored(counter, hook) as sess:
-        assert listener.calls == [("begin", None), ("before_save", 0)]
-        saver.wait()
-        assert os.path.exists(tmp_path / "model.ckpt-0.index")
-        assert listener.steps("after_save") == []  # Committed, but seen at the next hook call.
-        sess.run(counter.step)
-        assert listener.steps("after_save") == [0]
+        assert listener.calls == [("begin", None), ("before_save", 0), ("after_save", 0)]
+        for _ in range(5):
+            sess.run(counter.step)  # No waiting: the hook waits for each commit itself.
+    assert listener.steps("before_save") == [0, 2, 4, 5]
+    assert listener.steps("after_save") == [0, 2, 4, 5]
+    # after_save(s) is called in the very run that brought the step to s, once committed.
+    assert listener.runs_at_after_save == [0, 2, 4, 5]
+    assert all(listener.committed_at_after_save)
     assert set(listener.threads) == {threading.get_ident()}
+
+
+def run_until_stop(sess, counter, limit=20):
+    runs = 0
+    while not sess.should_stop() and runs < limit:
+        sess.run(counter.step)
+        runs += 1
+    return runs
 
 
 def test_a_listener_can_stop_training(tmp_path):
     counter = Counter()
-    saver = Saver()
     listener = RecordingListener(stop_at_step=2)
-    hook = CheckpointSaverHook(str(tmp_path), save_steps=2, saver=saver, listeners=[listener])
-    runs = 0
+    hook = CheckpointSaverHook(
+        str(tmp_path), save_steps=2, saver=Saver(fs=SlowFS()), listeners=[listener]
+    )
     with monitored(counter, hook) as sess:
-        while not sess.should_stop() and runs < 20:
+        runs = run_until_stop(sess, counter)
+    # As TF: the save at step 2 returns True in run 2, which stops training there.
+    assert runs == 2
+    assert listener.steps("after_save") == [0, 2]
+    assert checkpoint_steps(tmp_path) == [0, 2]
+    assert listener.calls[-1] == ("end", 2)
+
+
+def test_a_stop_request_from_the_save_at_session_creation_is_ignored(tmp_path):
+    counter = Counter()
+    listener = RecordingListener(stop_at_step=0)  # True from every after_save.
+    hook = CheckpointSaverHook(str(tmp_path), save_steps=2, listeners=[listener])
+    with monitored(counter, hook) as sess:
+        assert not sess.should_stop()
+        runs = run_until_stop(sess, counter)
+    assert runs == 2
+    assert checkpoint_steps(tmp_path) == [0, 2]
+
+
+@pytest.mark.parametrize("with_listener", [False, True])
+@pytest.mark.parametrize(
+    ("save_steps", "runs", "expected"),
+    [(2, 12, [0, 2, 4, 6, 8, 10, 12]), (10, 35, [0, 10, 20, 30, 35])],
+)
+def test_fast_steps_on_a_slow_disk_keep_the_exact_schedule(
+    tmp_path, with_listener, save_steps, runs, expected
+):
+    counter = Counter()
+    saver = Saver(max_to_keep=None, fs=SlowFS())
+    listener = RecordingListener()
+    hook = CheckpointSaverHook(
+        str(tmp_path),
+        save_steps=save_steps,
+        saver=saver,
+        listeners=[listener] if with_listener else [],
+    )
+    with monitored(counter, hook) as sess:
+        for _ in range(runs):
+            sess.run(counter.step)  # Steps far faster than a save, and no waiting.
+    assert checkpoint_steps(tmp_path) == expected
+    assert [s for s, _ in checkpoint_events(tmp_path)] == expected
+    for step in expected:
+        assert float(read_checkpoint(tmp_path / f"model.ckpt-{step}")["w"]) == step
+    if with_listener:
+        assert listener.steps("before_save") == expected
+        assert listener.steps("after_save") == expected
+
+
+def test_secs_schedule_on_a_slow_disk(tmp_path, fake_clock):
+    counter = Counter()
+    listener = RecordingListener()
+    hook = CheckpointSaverHook(
+        str(tmp_path),
+        save_secs=10,
+        saver=Saver(max_to_keep=None, fs=SlowFS()),
+        listeners=[listener],
+        clock=fake_clock,
+    )
+    with monitored(counter, hook) as sess:
+        for _ in range(7):
+            fake_clock.advance(4.0)
             sess.run(counter.step)
-            saver.wait()
-            runs += 1
-    # The save at step 2 commits during step 2; run 3 calls after_save(2), which stops.
-    assert runs == 3
-    assert listener.steps("after_save")[:2] == [0, 2]
-    assert checkpoint_steps(tmp_path) == [0, 2, 3]
+    assert listener.steps("before_save") == [0, 3, 6, 7]
+    assert checkpoint_steps(tmp_path) == [0, 3, 6, 7]
 
 
-def test_a_due_save_does_not_wait_for_the_one_in_flight(tmp_path):
+def test_a_due_save_waits_for_the_one_in_flight(tmp_path):
     counter = Counter()
     fs = GatedFS()
-    saver = Saver(fs=fs)
-    listener = RecordingListener()
-    hook = CheckpointSaverHook(str(tmp_path), save_steps=1, saver=saver, listeners=[listener])
+    saver = Saver(fs=fs, max_to_keep=None)
+    hook = CheckpointSaverHook(str(tmp_path), save_steps=2, saver=saver)
+    step_1_done, go, step_2_done = threading.Event(), threading.Event(), threading.Event()
+    errors = []
+
+    def train():  # The training thread: creates and runs the session.
+        try:
+            with monitored(counter, hook, preemption_signals=()) as sess:
+                sess.run(counter.step)
+                step_1_done.set()
+                assert go.wait(JOIN_SECS)
+                sess.run(counter.step)
+                step_2_done.set()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=train)
+    thread.start()
     try:
-        with monitored(counter, hook) as sess:
-            assert fs.entered.wait(10.0)  # The save at step 0 is being written.
-            for _ in range(3):
-                sess.run(counter.step)  # Each step is due; none blocks on the write.
-            assert saver.in_flight
-            assert listener.steps("before_save") == [0]
-            fs.release()
-            saver.wait()
-            sess.run(counter.step)
-            assert listener.steps("after_save") == [0]
-            assert listener.steps("before_save") == [0, 4]
+        assert fs.entered.wait(JOIN_SECS)  # The save at step 0 is being written.
+        # Step 1 is not due: it does not wait for the write (the gate is still closed).
+        assert step_1_done.wait(JOIN_SECS)
+        assert saver.in_flight
+        go.set()
+        # Step 2 is due: its after_run waits for the save of step 0, then saves step 2.
+        assert not step_2_done.wait(0.3)
+        assert counter.global_step.value == 2
+        assert checkpoint_steps(tmp_path) == []
     finally:
         fs.release()
-    assert checkpoint_steps(tmp_path) == [0, 4]
+        thread.join(JOIN_SECS)
+    assert not thread.is_alive() and not errors, errors
+    assert step_2_done.is_set()
+    assert checkpoint_steps(tmp_path) == [0, 2]
+
+
+class RecordingWriter:
+    """Forwards to a real writer and records the CHECKPOINT events and flush requests."""
+
+    def __init__(self, writer, logdir):
+        self.writer = writer
+        self.logdir = logdir
+        self.calls = []
+
+    def add_session_log(self, session_log, global_step=None):
+        if session_log.status == CHECKPOINT:
+            self.calls.append(("checkpoint", global_step))
+        self.writer.add_session_log(session_log, global_step)
+
+    def request_flush(self):
+        committed = checkpoint_steps(self.logdir)
+        self.calls.append(("request_flush", committed[-1] if committed else None))
+        self.writer.request_flush()
+
+    def __getattr__(self, name):
+        return getattr(self.writer, name)
+
+
+def test_each_checkpoint_event_is_followed_by_a_flush_request(tmp_path, monkeypatch):
+    real = SummaryWriterCache.get(tmp_path)
+    recorder = RecordingWriter(real, tmp_path)
+    monkeypatch.setattr(SummaryWriterCache, "get", staticmethod(lambda logdir: recorder))
+    counter = Counter()
+    hook = CheckpointSaverHook(str(tmp_path), save_steps=2, saver=Saver(max_to_keep=None))
+    with monitored(counter, hook) as sess:
+        for _ in range(4):
+            real.add_scalar("loss", float(counter.global_step.value), counter.global_step.value)
+            sess.run(counter.step)
+        hook.wait_for_save()
+        # The flush request after the CHECKPOINT event of step 4 put the summaries of the
+        # steps before it on disk, with no flush or close of the writer.
+        wait_until(
+            lambda: (4, CHECKPOINT, str(tmp_path / "model.ckpt")) in session_logs(read(tmp_path))
+        )
+        assert scalars(read(tmp_path), "loss") == [(s, float(s)) for s in range(4)]
+    # Each request comes after its checkpoint is committed and its event added.
+    assert recorder.calls == [
+        ("checkpoint", 0),
+        ("request_flush", 0),
+        ("checkpoint", 2),
+        ("request_flush", 2),
+        ("checkpoint", 4),
+        ("request_flush", 4),
+    ]
+
+
+def read(logdir):
+    """The events on disk now (a file being written may end with a partial record)."""
+    events = []
+    for path in event_files(logdir):
+        try:
+            events.extend(read_events(path))
+        except Exception:
+            pass
+    return events
 
 
 def test_a_failed_background_save_is_reported_and_training_goes_on(tmp_path, caplog):

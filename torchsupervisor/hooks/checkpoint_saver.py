@@ -4,17 +4,17 @@ Checkpoints keep the library's guarantees (SPEC section 4):
 
 * The snapshot is taken in ``after_run``, on the training thread between two steps, so a
   checkpoint is always the state of one step.
-* It is written in the background (``Saver.save_async``): the step waits only for the copy to
-  host memory. At most one save is in flight: a save that becomes due while the previous one
-  is still being written is not queued and does not block; it is taken at the first due run
-  that finds no save in flight.
-* The ``SessionLog.CHECKPOINT`` event is written once the checkpoint is committed.
+* The checkpoints land at the steps of TF's schedule whatever the speed of the disk: a save
+  that becomes due while the previous one is still being written waits for it (on the
+  training thread), then snapshots the due step. No due step is skipped.
+* Without listeners the checkpoint is written in the background (``Saver.save_async``): a run
+  waits only for the copy to host memory (and, when a save is due, for the previous save).
+* With listeners the hook waits, inside the same ``after_run``, for the checkpoint to be
+  committed and then calls ``after_save``, as TF's synchronous save did: a listener returning
+  True stops training at that very run.
+* The ``SessionLog.CHECKPOINT`` event is written once the checkpoint is committed, followed by
+  a flush request, so the summaries of the steps up to a checkpoint reach disk with it.
 * ``end()`` waits for the save in flight and saves the last step synchronously.
-
-Difference from TF, whose save is synchronous: ``CheckpointSaverListener.after_save`` is called
-once the save is committed, on the training thread, at the hook's next call after the commit
-(``after_run`` of a later run, or ``end()``), so that a listener returning True can still
-request a stop. ``before_save`` is called just before the snapshot, as in TF.
 
 TF names: ``tf.compat.v1.train.CheckpointSaverHook``, ``CheckpointSaverListener``.
 """
@@ -51,10 +51,9 @@ logger = logging.getLogger("torchsupervisor")
 class CheckpointSaverListener:
     """Code to run around the checkpoints of a ``CheckpointSaverHook``; all no-ops by default.
 
-    Call order: ``begin()`` (in the hook's ``begin``); per checkpoint ``before_save`` (on the
-    training thread, just before the snapshot) then ``after_save`` (on the training thread,
-    once the checkpoint is committed: at the hook's next call, see the module docstring);
-    ``end()`` after the final checkpoint.
+    Call order: ``begin()`` (in the hook's ``begin``); per checkpoint ``before_save`` (just
+    before the snapshot) then ``after_save`` (once the checkpoint is committed, in the same hook
+    call: the hook waits for the commit); ``end()`` after the final checkpoint.
 
     Thread safety: every method is called on the training thread.
 
@@ -70,8 +69,11 @@ class CheckpointSaverListener:
     def after_save(self, session: Any, global_step_value: int) -> bool | None:
         """Act once the checkpoint at ``global_step_value`` is committed.
 
+        Not called for a save that failed.
+
         Returns:
-            True to request that training stops.
+            True to request that training stops after the current run (ignored for the
+            checkpoint saved when a session is created, as in TF).
         """
 
     def end(self, session: Any, global_step_value: int) -> None:
@@ -82,11 +84,15 @@ class CheckpointSaverHook(SessionRunHook):
     """Save checkpoints at session creation, every N steps or seconds, and at the end.
 
     Schedule (as TF): a checkpoint at the step of each new session (step 0 for a fresh run),
-    then at the first step whose timer is due, then at the last step in ``end()`` if it was not
+    then at every step whose timer is due, then at the last step in ``end()`` if it was not
     saved; with ``save_steps=2`` and one step per run: 0, 2, 4, ... Used in a bare hooked
     session (no ``after_create_session``), the first run saves: 1, 3, 5, ... A session restored
     from this directory's checkpoint of its current step does not write it again (a
     deliberate difference: TF rewrote the same checkpoint).
+
+    A due save never waits for the disk more than TF's synchronous save would: without
+    listeners it waits only for the previous save still being written, if any, and is then
+    written in the background; with listeners it is committed before ``after_run`` returns.
 
     Args:
         checkpoint_dir: Directory of the checkpoints (created if missing); its shared writer
@@ -99,10 +105,10 @@ class CheckpointSaverHook(SessionRunHook):
         scaffold: A ``Scaffold`` whose saver to use.
         listeners: ``CheckpointSaverListener``s, called in order.
         save_graph_def: Accepted for TF compatibility; there is no graph to write.
-        stop_on_checkpoint_error: By default a background save that fails is logged and
-            reported in the event file, and training continues (the next due run tries again;
-            older checkpoints are untouched). With True, the error is raised on the training
-            thread at the hook's next call.
+        stop_on_checkpoint_error: By default a save that fails is logged and reported in the
+            event file, and training continues (the next due step tries again; older
+            checkpoints are untouched). With True, the error is raised on the training thread
+            at the hook's next call (or at once when listeners make the hook wait).
         clock: Time source; None means the real clock.
 
     Raises:
@@ -110,11 +116,11 @@ class CheckpointSaverHook(SessionRunHook):
         RuntimeError: From ``begin()``, ``"Global step should be created to use
             CheckpointSaverHook."``; at the first save, TF's texts when the ``SAVERS``
             collection has no saver or more than one.
-        CheckpointSaveError: From ``end()`` when the final save fails; from ``after_run`` with
-            ``stop_on_checkpoint_error`` when a background save failed.
+        CheckpointSaveError: From ``end()`` when the final save fails; with
+            ``stop_on_checkpoint_error``, from the hook call that sees a save fail.
 
-    Thread safety: used on the training thread; the commit callback (CHECKPOINT event) runs on
-    the saver's writer thread.
+    Thread safety: used on the training thread; the commit callback (CHECKPOINT event and
+    flush request) runs on the saver's writer thread.
 
     TF name: ``tf.compat.v1.train.CheckpointSaverHook``.
     """
@@ -146,11 +152,10 @@ class CheckpointSaverHook(SessionRunHook):
         self._stop_on_checkpoint_error = stop_on_checkpoint_error
         self._summary_writer: Any = None
         self._global_step: Any = None
-        # (future, step, session, done) of the save being written, until the training thread
-        # sees it; ``done`` is set once the commit callback (CHECKPOINT event) has run.
-        self._pending: tuple[concurrent.futures.Future, int, Any, threading.Event] | None = None
+        # The save being written in the background (no listeners), until the training thread
+        # sees it finished.
+        self._pending: _PendingSave | None = None
         self._last_saved_step: int | None = None
-        self._listener_stop = False
 
     @property
     def save_path(self) -> str:
@@ -165,35 +170,37 @@ class CheckpointSaverHook(SessionRunHook):
             listener.begin()
 
     def after_create_session(self, session: Any, coord: Any) -> None:
-        """Save a checkpoint at the step of the new session (unless it was just restored)."""
+        """Save a checkpoint at the step of the new session (unless it was just restored).
+
+        A listener's request to stop from this save is ignored, as in TF.
+        """
         del coord
         self._global_step = session_global_step(session, self._global_step)
         step = read_step(self._global_step)
-        self._wait_for_pending()
+        self._finish_pending()
         restored = getattr(session, "restored_checkpoint", None)
         if restored is not None and os.path.abspath(restored) == os.path.abspath(
             f"{self._save_path}-{step}"
         ):
             self._last_saved_step = step
         else:
-            self._save_async(session, step)
+            self._save(session, step)
         self._timer.update_last_triggered_step(step)
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
-        """Save when the timer is due and no save is in flight."""
+        """Save when the timer is due (waiting first for a save still being written)."""
         del run_values
-        if self._pending is not None:
-            self._poll()
+        if self._pending is not None and self._pending.future.done():
+            self._finish_pending()
         step = read_step(self._global_step)
-        if self._timer.should_trigger_for_step(step) and not self._in_flight():
+        if self._timer.should_trigger_for_step(step):
             self._timer.update_last_triggered_step(step)
-            self._save_async(run_context.session, step)
-        if self._listener_stop:
-            run_context.request_stop()
+            if self._save(run_context.session, step):
+                run_context.request_stop()
 
     def end(self, session: Any) -> None:
         """Wait for the save in flight, save the last step if needed, end the listeners."""
-        self._wait_for_pending()
+        self._finish_pending()
         last_step = read_step(self._global_step)
         if last_step != self._last_saved_step:
             self._save_sync(session, last_step)
@@ -202,6 +209,28 @@ class CheckpointSaverHook(SessionRunHook):
         self._get_saver().close()  # No idle writer thread outlives the session.
         if self._summary_writer is not None:
             self._summary_writer.flush()
+
+    def wait_for_save(self, timeout_secs: float | None = None) -> bool:
+        """Wait until the checkpoint being written in the background (if any) is committed.
+
+        A ``MonitoredSession`` calls it before it re-creates a session after a recoverable
+        error, so that the new session restores the newest checkpoint, not an older one. The
+        save's outcome is handled at the hook's next call. Not in TF (whose saves were
+        synchronous).
+
+        Args:
+            timeout_secs: Longest wait, in seconds; None: no limit.
+
+        Returns:
+            True when no save is being written any more, False on timeout.
+
+        Thread safety: call from the training thread.
+        """
+        pending = self._pending
+        if pending is None:
+            return True
+        done, _ = concurrent.futures.wait([pending.future], timeout=timeout_secs)
+        return bool(done) and pending.committed.wait(timeout_secs)
 
     # ------------------------------------------------------------------------------ saving
 
@@ -225,39 +254,45 @@ class CheckpointSaverHook(SessionRunHook):
         self._saver = savers[0]
         return self._saver
 
-    def _in_flight(self) -> bool:
-        return self._pending is not None or self._get_saver().in_flight
+    def _save(self, session: Any, step: int) -> bool:
+        """Save at ``step``; return True if a listener asked to stop.
 
-    def _save_async(self, session: Any, step: int) -> None:
+        Waits for the previous save first. Without listeners the new save is left in flight;
+        with listeners it is waited for and ``after_save`` is called.
+        """
+        self._finish_pending()
         saver = self._get_saver()
         logger.info("Saving checkpoints for %d into %s.", step, self._save_path)
         for listener in self._listeners:
             listener.before_save(session, step)
         future = saver.save_async(session, self._save_path, global_step=step)
-        done = threading.Event()
-        self._pending = (future, step, session, done)
-        future.add_done_callback(functools.partial(self._on_done, step, done))
+        pending = _PendingSave(future, step, session)
+        self._pending = pending
+        future.add_done_callback(functools.partial(self._on_done, pending))
+        if not self._listeners:
+            return False
+        return self._finish_pending()
 
-    def _on_done(self, step: int, done: threading.Event, future: concurrent.futures.Future) -> None:
+    def _on_done(self, pending: _PendingSave, future: concurrent.futures.Future) -> None:
         """On the writer thread: write the CHECKPOINT event, or report the failure."""
         try:
             error = future.exception()
             if error is None:
                 if future.result() is not None:  # None: an empty state saved nothing.
-                    self._write_checkpoint_event(step)
+                    self._write_checkpoint_event(pending.step)
                 return
-            logger.error("Checkpoint at step %s failed: %s", step, error)
+            logger.error("Checkpoint at step %s failed: %s", pending.step, error)
             if self._summary_writer is not None:
                 event = Event(
-                    step=step,
+                    step=pending.step,
                     log_message=LogMessage(
                         level=LogMessage.ERROR,
-                        message=f"Checkpoint at step {step} failed: {error}",
+                        message=f"Checkpoint at step {pending.step} failed: {error}",
                     ),
                 )
                 self._summary_writer.add_event(event)
         finally:
-            done.set()
+            pending.committed.set()
 
     def _write_checkpoint_event(self, step: int) -> None:
         if self._summary_writer is not None:
@@ -269,35 +304,38 @@ class CheckpointSaverHook(SessionRunHook):
             if flush is not None:
                 flush()
 
-    def _poll(self) -> None:
-        """On the training thread: finish a committed save (listeners, errors)."""
+    def _finish_pending(self) -> bool:
+        """Wait for the save in flight (if any) and finish it on the training thread.
+
+        Returns:
+            True if a listener's ``after_save`` asked to stop.
+
+        Raises:
+            CheckpointSaveError: With ``stop_on_checkpoint_error``, if the save failed.
+        """
         pending = self._pending
-        if pending is None or not pending[0].done():
-            return
-        pending[3].wait()  # The commit callback is running or has run: a short wait.
+        if pending is None:
+            return False
+        error = pending.future.exception()  # Waits for the save.
+        pending.committed.wait()  # The commit callback is running or has run: a short wait.
         self._pending = None
-        future, step, session, _ = pending
-        error = future.exception()
         if error is not None:
             if self._stop_on_checkpoint_error:
                 raise error
-            return
-        self._last_saved_step = step
-        self._after_save(session, step)
+            return False
+        self._last_saved_step = pending.step
+        return self._after_save(pending.session, pending.step)
 
-    def _wait_for_pending(self) -> None:
-        if self._pending is not None:
-            self._pending[0].exception()  # Waits for the save.
-            self._poll()
-
-    def _after_save(self, session: Any, step: int) -> None:
+    def _after_save(self, session: Any, step: int) -> bool:
+        stop = False
         for listener in self._listeners:
             if listener.after_save(session, step):
                 logger.info(
                     "A CheckpointSaverListener requested that training be stopped. listener: %s",
                     listener,
                 )
-                self._listener_stop = True
+                stop = True
+        return stop
 
     def _save_sync(self, session: Any, step: int) -> None:
         saver = self._get_saver()
@@ -308,3 +346,16 @@ class CheckpointSaverHook(SessionRunHook):
             self._write_checkpoint_event(step)
         self._last_saved_step = step
         self._after_save(session, step)
+
+
+class _PendingSave:
+    """A save handed to the saver's writer thread, until the training thread finishes it."""
+
+    __slots__ = ("committed", "future", "session", "step")
+
+    def __init__(self, future: concurrent.futures.Future, step: int, session: Any) -> None:
+        self.future = future
+        self.step = step
+        self.session = session
+        self.committed = threading.Event()
+        """Set once the commit callback (CHECKPOINT event, or failure report) has run."""
