@@ -11,22 +11,28 @@ The successor of the Supervisor in TF 1. Typical use::
 
 What a ``MonitoredSession`` does, in order:
 
-1. ``begin()`` of every hook.
-2. Create the session (``session_creator.create_session()``: restore the newest valid
+1. Install the preemption signal handlers (SIGTERM, SIGUSR1 by default; main thread only).
+2. ``begin()`` of every hook.
+3. Create the session (``session_creator.create_session()``: restore the newest valid
    checkpoint, or initialize), a new ``Coordinator`` for it, start the queue runners of the
    ``QUEUE_RUNNERS`` collection, then ``after_create_session(session, coord)`` of every hook.
-3. ``run(fetches, feed_dict)``: every hook's ``before_run``, the run (the caller's fetches,
+4. ``run(fetches, feed_dict)``: every hook's ``before_run``, the run (the caller's fetches,
    then the hooks'), every hook's ``after_run``; the caller's results are returned. An
-   ``AbortedError`` or ``UnavailableError`` closes the session, creates a new one (step 2
-   without ``begin``: the newest checkpoint is restored) and retries the same run.
-4. ``close()`` or leaving the ``with`` block normally, or by ``OutOfRangeError`` or
+   ``AbortedError`` or ``UnavailableError`` closes the session, waits for the checkpoint
+   being written, creates a new one (step 3 without ``begin``: the newest checkpoint is
+   restored) and retries the same run.
+5. ``should_stop()``: True once a hook or ``request_stop()`` asked for it, a thread reported
+   an error, or a preemption signal was received.
+6. ``close()`` or leaving the ``with`` block normally, or by ``OutOfRangeError`` or
    ``StopIteration`` (end of input; suppressed): ``end(session)`` of every hook (the final
-   checkpoint), then stop the coordinator, join its threads, close the session. Leaving by
-   any other exception skips ``end()``; the exception propagates (or one raised by a thread,
-   which replaces it).
+   checkpoint), then stop the coordinator, join its threads, close the session, restore the
+   signal handlers. Leaving by any other exception skips ``end()``; the exception propagates
+   (or one raised by a thread, which replaces it).
 
 Where it differs from TF: there is no graph to finalize (``graph`` is the collections registry);
-``request_stop()`` is added as the seam for stop requests from outside the loop (a signal).
+``request_stop()`` is added as the seam for stop requests from outside the loop; preemption
+signals stop training cleanly (SPEC section 4); a recovery keeps the in-memory state when there
+is no checkpoint to restore (see ``MonitoredSession``).
 
 TF names: ``tf.compat.v1.train.MonitoredSession``, ``SingularMonitoredSession``,
 ``MonitoredTrainingSession``.
@@ -42,11 +48,15 @@ from typing import Any
 from torchsupervisor.clock import Clock
 from torchsupervisor.coordinator import Coordinator
 from torchsupervisor.errors import OutOfRangeError
+from torchsupervisor.global_step import get_global_step, read_step
+from torchsupervisor.hooks._global_step import session_global_step
 from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook
 from torchsupervisor.hooks.session_run_hook import SessionRunHook
 from torchsupervisor.hooks.step_counter import StepCounterHook
 from torchsupervisor.hooks.summary_saver import SummarySaverHook
+from torchsupervisor.preemption import DEFAULT_PREEMPTION_SIGNALS, PreemptionHandler
 from torchsupervisor.registry import Graph, GraphKeys, get_default_graph
+from torchsupervisor.rng import RNGState
 from torchsupervisor.scaffold import Scaffold
 from torchsupervisor.session import Session
 from torchsupervisor.session_creators import (
@@ -98,6 +108,11 @@ class _CoordinatedSessionCreator:
         self.coord: Coordinator | None = None
 
     def create_session(self) -> _CoordinatedSession:
+        # A checkpoint still being written (a recovery) is committed before the new session
+        # looks for the newest checkpoint to restore.
+        for hook in self._hooks:
+            if isinstance(hook, CheckpointSaverHook):
+                hook.wait_for_save()
         sess = self._session_creator.create_session()
         coord = Coordinator(clean_stop_exception_types=[])
         try:
@@ -139,23 +154,36 @@ class _MonitoredSession:
         hooks: Iterable[SessionRunHook] | None,
         should_recover: bool,
         stop_grace_period_secs: float = 120,
+        *,
+        preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
+        preemption_exit_code: int | None = None,
     ) -> None:
         self._graph = get_default_graph()
         self._hooks = list(hooks or [])
         self._stop_requested = False
         self._checked_step_fn: Any = None
-        for hook in self._hooks:
-            hook.begin()
-        self._coordinated_creator = _CoordinatedSessionCreator(
-            session_creator or ChiefSessionCreator(),
-            self._hooks,
-            stop_grace_period_secs,
-            self._graph,
-        )
-        if should_recover:
-            self._sess: Any = _RecoverableSession(self._coordinated_creator)
-        else:
-            self._sess = self._coordinated_creator.create_session()
+        self._sess: Any = None
+        self._preemption = PreemptionHandler(preemption_signals or ())
+        self._preemption_exit_code = preemption_exit_code
+        self._preemption_seen = False
+        # Installed first, so that a signal during start-up (a long restore) is recorded too.
+        self._preemption.install()
+        try:
+            for hook in self._hooks:
+                hook.begin()
+            self._coordinated_creator = _CoordinatedSessionCreator(
+                session_creator or ChiefSessionCreator(),
+                self._hooks,
+                stop_grace_period_secs,
+                self._graph,
+            )
+            if should_recover:
+                self._sess = _RecoverableSession(self._coordinated_creator)
+            else:
+                self._sess = self._coordinated_creator.create_session()
+        except BaseException:
+            self._preemption.uninstall()
+            raise
 
     @property
     def graph(self) -> Graph | None:
@@ -235,24 +263,51 @@ class _MonitoredSession:
         return sess.run_step_fn(step_fn, self._coordinated_creator.tf_sess, None)
 
     def should_stop(self) -> bool:
-        """Return True when training should stop (a hook, a thread, or ``request_stop()``).
+        """Return True when training should stop.
 
-        A preemption error reported by a thread makes a ``MonitoredSession`` create a new
-        session here (and return False); another error returns True (``close()`` raises it).
+        True once a hook asked for it, a thread reported an error (raised by ``close()``),
+        ``request_stop()`` was called, or a preemption signal was received (checked here:
+        the handler only records it). A preemption error reported by a thread makes a
+        ``MonitoredSession`` create a new session here (and return False).
 
         TF name: ``MonitoredSession.should_stop``.
         """
+        if self._preemption.received is not None and not self._preemption_seen:
+            self._on_preemption()
         if self._stop_requested:
             return True
         sess = self._sess
         return sess is None or sess.should_stop()
 
+    def _on_preemption(self) -> None:
+        self._preemption_seen = True
+        self._stop_requested = True
+        step = None
+        raw = self._tf_sess()
+        global_step = session_global_step(raw, get_global_step())
+        if global_step is not None:
+            step = read_step(global_step)
+        logger.warning(
+            "Received %s: stopping at step %s; leaving the session runs the hooks' end() (the "
+            "final checkpoint)",
+            self._preemption.describe(),
+            step,
+        )
+
+    @property
+    def preempted(self) -> str | None:
+        """The name of the preemption signal received (``"SIGTERM"``), or None.
+
+        Not in TF.
+        """
+        return self._preemption.describe() or None
+
     def request_stop(self) -> None:
         """Make ``should_stop()`` return True from now on; the session stays usable.
 
-        The seam for stop requests from outside the training loop (a signal handler, another
-        thread): the loop then ends normally, and leaving the ``with`` block runs the hooks'
-        ``end()`` (the final checkpoint). Not in TF.
+        The seam for stop requests from outside the training loop (another thread): the loop
+        then ends normally, and leaving the ``with`` block runs the hooks' ``end()`` (the final
+        checkpoint). Not in TF.
 
         Thread safety: may be called from any thread or a signal handler (sets a flag).
         """
@@ -261,8 +316,12 @@ class _MonitoredSession:
     def close(self) -> None:
         """Run the hooks' ``end()``, then stop the threads and close the session.
 
+        The signal handlers installed by the session are restored.
+
         Raises:
             RuntimeError: ``'Session is already closed.'`` when called twice.
+            SystemExit: With ``preemption_exit_code``, after a preemption signal, once
+                everything is closed.
             Exception: An error a thread reported to the coordinator, or one of a hook's
                 ``end()``.
 
@@ -272,18 +331,27 @@ class _MonitoredSession:
 
     def _close_internal(self, exception_type: type[BaseException] | None) -> None:
         try:
-            if exception_type is None:
-                for hook in self._hooks:
-                    hook.end(self._coordinated_creator.tf_sess)
-        finally:
             try:
-                if self._sess is None:
-                    raise RuntimeError("Session is already closed.")
-                self._sess.close()
+                if exception_type is None:
+                    for hook in self._hooks:
+                        hook.end(self._coordinated_creator.tf_sess)
             finally:
-                self._sess = None
-                self._coordinated_creator.tf_sess = None
-                self._coordinated_creator.coord = None
+                try:
+                    if self._sess is None:
+                        raise RuntimeError("Session is already closed.")
+                    self._sess.close()
+                finally:
+                    self._sess = None
+                    self._coordinated_creator.tf_sess = None
+                    self._coordinated_creator.coord = None
+        finally:
+            self._preemption.uninstall()
+        if (
+            exception_type is None
+            and self._preemption.received is not None
+            and self._preemption_exit_code is not None
+        ):
+            raise SystemExit(self._preemption_exit_code)
 
     def _tf_sess(self) -> Session | None:
         return self._coordinated_creator.tf_sess
@@ -303,10 +371,34 @@ class MonitoredSession(_MonitoredSession):
 
     See the module docstring for the order of what it does.
 
+    Recovery: on a preemption error (from a run, a step function or a thread) the session is
+    closed (without the hooks' ``end()``), the checkpoint a ``CheckpointSaverHook`` is still
+    writing is waited for, and the session creator makes a new session, restoring the newest
+    checkpoint of its ``checkpoint_dir``; then the failed run (or the whole step function) is
+    run again. With ``MonitoredTrainingSession(checkpoint_dir=...)`` there is always a
+    checkpoint to restore: ``CheckpointSaverHook`` commits one at the step of every new
+    session (step 0 for a fresh run). When there is none (no ``checkpoint_dir``, or no valid
+    checkpoint in it yet), the state is kept as it is in memory, including what the failed
+    run changed before it raised. TF re-initialized every variable there; the state here lives
+    in Python objects that cannot be re-initialized, so the init op and ``init_fn``, which ran
+    for the first session, are not run again (the local init op and the ready check are).
+
     Args:
         session_creator: Creates the sessions; None: ``ChiefSessionCreator()``.
         hooks: ``SessionRunHook``s, called in order.
         stop_grace_period_secs: Seconds the session's threads get to stop at ``close()``.
+        preemption_signals: Signals that mean "stop and save" (default SIGTERM and SIGUSR1;
+            add ``signal.SIGINT`` for Ctrl-C; empty or None: keep the current handlers).
+            Installed when the session is constructed (so a signal during start-up counts),
+            on the main thread only (elsewhere a warning is logged), and restored when it
+            closes. A handler only records the signal; ``should_stop()`` then returns True, so
+            the loop ends normally, and leaving the ``with`` block runs the hooks' ``end()``:
+            ``CheckpointSaverHook`` writes the final checkpoint at the current step. Further
+            signals change nothing.
+        preemption_exit_code: If set, ``close()`` (so also leaving the ``with`` block
+            cleanly) raises ``SystemExit`` with this code after a preemption signal, once
+            everything is saved and closed (for schedulers that requeue on a given exit
+            status). None: return normally (the program then ends with status 0).
 
     Raises:
         Exception: What session creation or a hook's ``begin``/``after_create_session``
@@ -322,12 +414,17 @@ class MonitoredSession(_MonitoredSession):
         session_creator: SessionCreator | None = None,
         hooks: Iterable[SessionRunHook] | None = None,
         stop_grace_period_secs: float = 120,
+        *,
+        preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
+        preemption_exit_code: int | None = None,
     ) -> None:
         super().__init__(
             session_creator,
             hooks,
             should_recover=True,
             stop_grace_period_secs=stop_grace_period_secs,
+            preemption_signals=preemption_signals,
+            preemption_exit_code=preemption_exit_code,
         )
 
 
@@ -345,6 +442,14 @@ class SingularMonitoredSession(_MonitoredSession):
         state: The training state (a mapping of names to stateful objects).
         device: Where the init op materializes meta-device modules.
         clock: Time source for waits.
+        preemption_signals: As ``MonitoredSession``: signals that stop training cleanly
+            (default SIGTERM and SIGUSR1; empty or None: none).
+        preemption_exit_code: As ``MonitoredSession``: the ``SystemExit`` code of ``close()``
+            after a preemption signal; None: return normally.
+
+    Raises:
+        Exception: What session creation or a hook's ``begin``/``after_create_session``
+            raises.
 
     Thread safety: use from one (training) thread.
 
@@ -364,6 +469,8 @@ class SingularMonitoredSession(_MonitoredSession):
         state: Mapping[str, Any] | None = None,
         device: Any = None,
         clock: Clock | None = None,
+        preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
+        preemption_exit_code: int | None = None,
     ) -> None:
         session_creator = ChiefSessionCreator(
             scaffold=scaffold,
@@ -380,6 +487,8 @@ class SingularMonitoredSession(_MonitoredSession):
             hooks,
             should_recover=False,
             stop_grace_period_secs=stop_grace_period_secs,
+            preemption_signals=preemption_signals,
+            preemption_exit_code=preemption_exit_code,
         )
 
     def raw_session(self) -> Session | None:
@@ -411,6 +520,9 @@ def MonitoredTrainingSession(
     state: Mapping[str, Any] | None = None,
     device: Any = None,
     clock: Clock | None = None,
+    save_rng_state: bool = True,
+    preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
+    preemption_exit_code: int | None = None,
 ) -> MonitoredSession:
     """Create a ``MonitoredSession`` for training, with the standard hooks on the chief.
 
@@ -419,7 +531,12 @@ def MonitoredTrainingSession(
     is set, ``StepCounterHook(every_n_steps=log_step_count_steps)`` when that is > 0 and
     ``SummarySaverHook`` when summaries are enabled; ``CheckpointSaverHook`` when
     ``checkpoint_dir`` is set and checkpoints are enabled; then ``hooks``. A non-chief waits
-    for a ready state and runs ``hooks`` only.
+    for a ready state and runs ``hooks`` only. The session is created here: the restore (or
+    initialization) happens before this function returns.
+
+    For an exact continuation after a restart, the state gets an ``RNGState`` under ``"rng"``
+    (the Python, NumPy, torch CPU and CUDA generators), as the Supervisor's does; a
+    preemption signal stops training with a final checkpoint (see ``MonitoredSession``).
 
     Args:
         master: ``""`` for an in-process session.
@@ -444,12 +561,35 @@ def MonitoredTrainingSession(
             optimizers, a ``GlobalStep``, ...), as ``Supervisor(state=...)``.
         device: Where the init op materializes meta-device modules.
         clock: Time source of the standard hooks' timers and of waits.
+        save_rng_state: Add ``state["rng"] = RNGState()`` (to the given state, or to the
+            scaffold's) when the state is not empty and has no ``"rng"`` entry, so that a
+            resumed run draws the same random numbers as an uninterrupted one. A checkpoint
+            without it (from an older run) restores with a warning. False: leave the state
+            as given.
+        preemption_signals: Signals that stop training cleanly with a final checkpoint
+            (default SIGTERM and SIGUSR1; add ``signal.SIGINT`` for Ctrl-C; empty or None:
+            none); see ``MonitoredSession``.
+        preemption_exit_code: If set, leaving the session's ``with`` block after a preemption
+            signal raises ``SystemExit`` with this code, once everything is saved and closed;
+            None: exit normally (status 0).
 
     Returns:
         A ``MonitoredSession`` (recovering from preemption errors).
 
     Raises:
         ValueError: If ``state`` differs from a state the scaffold already has.
+        RuntimeError: From the hooks' ``begin()`` when there is no global step (``"Global
+            step should be created to use StepCounterHook."``, ... ``SummarySaverHook``,
+            ... ``CheckpointSaverHook``); from ``Scaffold.finalize`` when a collection holds
+            more than one item for a field; when the init op does not make the state ready
+            (``SessionManager``'s texts).
+        DataLossError: If ``checkpoint_dir`` holds checkpoints and none is valid.
+        NotFoundError: If an entry of the state is missing from the checkpoint restored
+            (other than the ``"rng"`` entry added here).
+        InvalidArgumentError: If a value of the checkpoint does not fit its state entry.
+        DeadlineExceededError: On a non-chief, if the state is not ready after
+            ``max_wait_secs`` (``"Session was not ready after waiting %d secs."``).
+        Exception: What the given hooks' ``begin`` and ``after_create_session`` raise.
 
     Thread safety: use the session from one (training) thread.
 
@@ -470,6 +610,9 @@ def MonitoredTrainingSession(
         save_checkpoint_steps = None
 
     scaffold = scaffold or Scaffold(clock=clock)
+    rng_added = False
+    if save_rng_state:
+        state, rng_added = _with_rng_state(scaffold, state)
     if not is_chief:
         worker_creator = WorkerSessionCreator(
             scaffold=scaffold,
@@ -484,6 +627,8 @@ def MonitoredTrainingSession(
             session_creator=worker_creator,
             hooks=list(hooks or []),
             stop_grace_period_secs=stop_grace_period_secs,
+            preemption_signals=preemption_signals,
+            preemption_exit_code=preemption_exit_code,
         )
 
     all_hooks: list[SessionRunHook] = list(chief_only_hooks or [])
@@ -496,6 +641,8 @@ def MonitoredTrainingSession(
         device=device,
         clock=clock,
     )
+    if rng_added:
+        session_creator.allow_missing("rng")  # Checkpoints of runs that did not save it.
     summary_dir = summary_dir or checkpoint_dir
     if summary_dir:
         if log_step_count_steps and log_step_count_steps > 0:
@@ -534,4 +681,30 @@ def MonitoredTrainingSession(
         session_creator=session_creator,
         hooks=all_hooks,
         stop_grace_period_secs=stop_grace_period_secs,
+        preemption_signals=preemption_signals,
+        preemption_exit_code=preemption_exit_code,
     )
+
+
+def _with_rng_state(
+    scaffold: Scaffold, state: Mapping[str, Any] | None
+) -> tuple[Mapping[str, Any] | None, bool]:
+    """Add an ``RNGState`` under ``"rng"`` to the state of the session to create.
+
+    The state is ``state`` when given (a new dict is returned; the caller's is not changed),
+    else the scaffold's (changed in place). Nothing is added to an empty state or one that has
+    an ``"rng"`` entry.
+
+    Returns:
+        The state to pass on, and whether an entry was added.
+    """
+    own = scaffold.state
+    base = state if state is not None else own
+    if not base or "rng" in base or (own is not None and "rng" in own):
+        return state, False
+    rng = RNGState()
+    if own is not None:
+        own["rng"] = rng  # The scaffold's own copy of the mapping it was given.
+    if state is not None:
+        state = {**state, "rng": rng}
+    return state, True
