@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from monitored_helpers import JOIN_SECS, Counter, RecordingHook
+from monitored_helpers import JOIN_SECS, Counter, RecordingHook, SlowFS
 from supervisor_helpers import checkpoint_steps, read_checkpoint
 
 from torchsupervisor import GlobalStep, Saver, latest_checkpoint
@@ -111,6 +111,42 @@ def test_the_requeue_exit_code_comes_after_everything_is_saved(tmp_path, session
     assert sess.graph is None  # Closed before SystemExit was raised.
     assert checkpoint_steps(tmp_path) == [0, 1]
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_final_checkpoint_that_cannot_finish_in_the_grace_period_is_abandoned(tmp_path, caplog):
+    counter = Counter()
+    saver = Saver(fs=SlowFS(0.5))  # Each fsync takes 0.5 s; the grace period is 0.2 s.
+    with (
+        caplog.at_level(logging.WARNING, logger="torchsupervisor"),
+        MonitoredTrainingSession(
+            checkpoint_dir=str(tmp_path),
+            scaffold=Scaffold(saver=saver),
+            state=counter.state,
+            preemption_grace_secs=0.2,
+        ) as sess,
+    ):
+        sess._hooks[-1].wait_for_save()  # Step 0 is committed.
+        sess.run(counter.step)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert sess.should_stop()
+    assert "The final checkpoint at step 1 could not be written within 0.2 s: abandoned" in (
+        caplog.text
+    )
+    assert saver.wait(JOIN_SECS)  # The cancelled write ends at its next stage...
+    assert valid_checkpoints(tmp_path) == [0]  # ... committing nothing, leaving no file.
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-0")
+
+
+def test_the_grace_period_applies_only_after_a_signal(tmp_path):
+    counter = Counter()
+    with MonitoredTrainingSession(
+        checkpoint_dir=str(tmp_path),
+        scaffold=Scaffold(saver=Saver(fs=SlowFS(0.1))),
+        state=counter.state,
+        preemption_grace_secs=0.01,
+    ) as sess:
+        sess.run(counter.step)
+    assert valid_checkpoints(tmp_path) == [0, 1]  # The final save took what it needed.
 
 
 def test_no_exit_code_without_a_signal_nor_when_the_block_raised(tmp_path):

@@ -156,6 +156,7 @@ class _MonitoredSession:
         stop_grace_period_secs: float = 120,
         *,
         preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
+        preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
     ) -> None:
         self._graph = get_default_graph()
@@ -164,6 +165,7 @@ class _MonitoredSession:
         self._checked_step_fn: Any = None
         self._sess: Any = None
         self._preemption = PreemptionHandler(preemption_signals or ())
+        self._preemption_grace_secs = preemption_grace_secs
         self._preemption_exit_code = preemption_exit_code
         self._preemption_seen = False
         # Installed first, so that a signal during start-up (a long restore) is recorded too.
@@ -333,6 +335,11 @@ class _MonitoredSession:
         try:
             try:
                 if exception_type is None:
+                    if self._preemption.received is not None:
+                        # The scheduler's SIGKILL follows: the final checkpoint gets a budget.
+                        for hook in self._hooks:
+                            if isinstance(hook, CheckpointSaverHook):
+                                hook.set_final_save_budget(self._preemption_grace_secs)
                     for hook in self._hooks:
                         hook.end(self._coordinated_creator.tf_sess)
             finally:
@@ -395,6 +402,10 @@ class MonitoredSession(_MonitoredSession):
             the loop ends normally, and leaving the ``with`` block runs the hooks' ``end()``:
             ``CheckpointSaverHook`` writes the final checkpoint at the current step. Further
             signals change nothing.
+        preemption_grace_secs: Time budget of the ``CheckpointSaverHook``s' ``end()`` after a
+            preemption signal, in seconds (schedulers send SIGKILL after a grace period:
+            leave a margin). A save that cannot finish in time is cancelled cleanly (nothing
+            half-written; the last committed checkpoint is kept).
         preemption_exit_code: If set, ``close()`` (so also leaving the ``with`` block
             cleanly) raises ``SystemExit`` with this code after a preemption signal, once
             everything is saved and closed (for schedulers that requeue on a given exit
@@ -416,6 +427,7 @@ class MonitoredSession(_MonitoredSession):
         stop_grace_period_secs: float = 120,
         *,
         preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
+        preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
     ) -> None:
         super().__init__(
@@ -424,6 +436,7 @@ class MonitoredSession(_MonitoredSession):
             should_recover=True,
             stop_grace_period_secs=stop_grace_period_secs,
             preemption_signals=preemption_signals,
+            preemption_grace_secs=preemption_grace_secs,
             preemption_exit_code=preemption_exit_code,
         )
 
@@ -444,6 +457,8 @@ class SingularMonitoredSession(_MonitoredSession):
         clock: Time source for waits.
         preemption_signals: As ``MonitoredSession``: signals that stop training cleanly
             (default SIGTERM and SIGUSR1; empty or None: none).
+        preemption_grace_secs: As ``MonitoredSession``: the time budget of the final
+            checkpoint after a preemption signal, in seconds.
         preemption_exit_code: As ``MonitoredSession``: the ``SystemExit`` code of ``close()``
             after a preemption signal; None: return normally.
 
@@ -470,6 +485,7 @@ class SingularMonitoredSession(_MonitoredSession):
         device: Any = None,
         clock: Clock | None = None,
         preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
+        preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
     ) -> None:
         session_creator = ChiefSessionCreator(
@@ -488,6 +504,7 @@ class SingularMonitoredSession(_MonitoredSession):
             should_recover=False,
             stop_grace_period_secs=stop_grace_period_secs,
             preemption_signals=preemption_signals,
+            preemption_grace_secs=preemption_grace_secs,
             preemption_exit_code=preemption_exit_code,
         )
 
@@ -522,6 +539,7 @@ def MonitoredTrainingSession(
     clock: Clock | None = None,
     save_rng_state: bool = True,
     preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
+    preemption_grace_secs: float = 30.0,
     preemption_exit_code: int | None = None,
 ) -> MonitoredSession:
     """Create a ``MonitoredSession`` for training, with the standard hooks on the chief.
@@ -569,6 +587,8 @@ def MonitoredTrainingSession(
         preemption_signals: Signals that stop training cleanly with a final checkpoint
             (default SIGTERM and SIGUSR1; add ``signal.SIGINT`` for Ctrl-C; empty or None:
             none); see ``MonitoredSession``.
+        preemption_grace_secs: Time budget of the final checkpoint after a preemption signal,
+            in seconds; a save that cannot finish in time is cancelled cleanly.
         preemption_exit_code: If set, leaving the session's ``with`` block after a preemption
             signal raises ``SystemExit`` with this code, once everything is saved and closed;
             None: exit normally (status 0).
@@ -628,6 +648,7 @@ def MonitoredTrainingSession(
             hooks=list(hooks or []),
             stop_grace_period_secs=stop_grace_period_secs,
             preemption_signals=preemption_signals,
+            preemption_grace_secs=preemption_grace_secs,
             preemption_exit_code=preemption_exit_code,
         )
 
@@ -682,6 +703,7 @@ def MonitoredTrainingSession(
         hooks=all_hooks,
         stop_grace_period_secs=stop_grace_period_secs,
         preemption_signals=preemption_signals,
+        preemption_grace_secs=preemption_grace_secs,
         preemption_exit_code=preemption_exit_code,
     )
 

@@ -14,7 +14,9 @@ Checkpoints keep the library's guarantees (SPEC section 4):
   True stops training at that very run.
 * The ``SessionLog.CHECKPOINT`` event is written once the checkpoint is committed, followed by
   a flush request, so the summaries of the steps up to a checkpoint reach disk with it.
-* ``end()`` waits for the save in flight and saves the last step synchronously.
+* ``end()`` waits for the save in flight and saves the last step synchronously; after a
+  preemption signal, within the grace period (``set_final_save_budget``): a checkpoint that
+  cannot finish in time is cancelled, never left half-written.
 
 TF names: ``tf.compat.v1.train.CheckpointSaverHook``, ``CheckpointSaverListener``.
 """
@@ -26,6 +28,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -156,6 +159,7 @@ class CheckpointSaverHook(SessionRunHook):
         # sees it finished.
         self._pending: _PendingSave | None = None
         self._last_saved_step: int | None = None
+        self._final_budget_secs: float | None = None
 
     @property
     def save_path(self) -> str:
@@ -199,16 +203,37 @@ class CheckpointSaverHook(SessionRunHook):
                 run_context.request_stop()
 
     def end(self, session: Any) -> None:
-        """Wait for the save in flight, save the last step if needed, end the listeners."""
-        self._finish_pending()
+        """Wait for the save in flight, save the last step if needed, end the listeners.
+
+        Raises:
+            CheckpointSaveError: If the final save fails (without a time budget).
+        """
         last_step = read_step(self._global_step)
-        if last_step != self._last_saved_step:
-            self._save_sync(session, last_step)
+        if self._final_budget_secs is None:
+            self._finish_pending()
+            if last_step != self._last_saved_step:
+                self._save_sync(session, last_step)
+        else:
+            self._save_within(session, last_step, self._final_budget_secs)
         for listener in self._listeners:
             listener.end(session, last_step)
         self._get_saver().close()  # No idle writer thread outlives the session.
         if self._summary_writer is not None:
             self._summary_writer.flush()
+
+    def set_final_save_budget(self, timeout_secs: float | None) -> None:
+        """Bound the time ``end()`` spends on checkpoints, in seconds (a grace period).
+
+        Within the budget ``end()`` waits for the save being written and writes the final
+        checkpoint; a save that cannot finish in time is cancelled (``Saver.cancel``): it
+        commits nothing and leaves no file, and the last committed checkpoint stays the
+        newest. ``MonitoredSession`` sets its ``preemption_grace_secs`` here after a
+        preemption signal. Not in TF.
+
+        Args:
+            timeout_secs: The budget (real time); None: no limit.
+        """
+        self._final_budget_secs = timeout_secs
 
     def wait_for_save(self, timeout_secs: float | None = None) -> bool:
         """Wait until the checkpoint being written in the background (if any) is committed.
@@ -254,11 +279,11 @@ class CheckpointSaverHook(SessionRunHook):
         self._saver = savers[0]
         return self._saver
 
-    def _save(self, session: Any, step: int) -> bool:
+    def _save(self, session: Any, step: int, wait: bool = True) -> bool:
         """Save at ``step``; return True if a listener asked to stop.
 
-        Waits for the previous save first. Without listeners the new save is left in flight;
-        with listeners it is waited for and ``after_save`` is called.
+        Waits for the previous save first. Without listeners (or ``wait``) the new save is
+        left in flight; with listeners it is waited for and ``after_save`` is called.
         """
         self._finish_pending()
         saver = self._get_saver()
@@ -269,7 +294,7 @@ class CheckpointSaverHook(SessionRunHook):
         pending = _PendingSave(future, step, session)
         self._pending = pending
         future.add_done_callback(functools.partial(self._on_done, pending))
-        if not self._listeners:
+        if not (self._listeners and wait):
             return False
         return self._finish_pending()
 
@@ -325,6 +350,46 @@ class CheckpointSaverHook(SessionRunHook):
             return False
         self._last_saved_step = pending.step
         return self._after_save(pending.session, pending.step)
+
+    def _save_within(self, session: Any, step: int, budget_secs: float) -> None:
+        """Save at ``step`` (unless saved), cancelling whatever does not commit in time."""
+        deadline = time.monotonic() + budget_secs
+
+        def remaining() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        saver = self._get_saver()
+        pending = self._pending
+        if pending is not None:
+            if self.wait_for_save(remaining()):
+                self._finish_pending()
+            else:
+                self._pending = None
+                logger.warning(
+                    "The checkpoint at step %s being written did not finish in time: abandoned",
+                    pending.step,
+                )
+                if not saver.cancel(remaining()):
+                    logger.error(
+                        "The checkpoint being written is stuck in a file-system call; no final "
+                        "checkpoint within %.1f s (the last committed checkpoint is kept)",
+                        budget_secs,
+                    )
+                    return
+        if step == self._last_saved_step:
+            return
+        self._save(session, step, wait=False)
+        if self.wait_for_save(remaining()):
+            self._finish_pending()
+            return
+        self._pending = None
+        logger.error(
+            "The final checkpoint at step %s could not be written within %.1f s: abandoned "
+            "(the last committed checkpoint is kept)",
+            step,
+            budget_secs,
+        )
+        saver.cancel(remaining())
 
     def _after_save(self, session: Any, step: int) -> bool:
         stop = False
