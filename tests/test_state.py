@@ -8,7 +8,14 @@ import torch
 from torch import nn
 
 from torchsupervisor.errors import InvalidArgumentError, NotFoundError
-from torchsupervisor.state import TensorRef, find_subtree, flatten_state, load_state
+from torchsupervisor.state import (
+    TensorRef,
+    TensorSpec,
+    check_state,
+    find_subtree,
+    flatten_state,
+    load_state,
+)
 
 
 def test_names_are_slash_joined_paths():
@@ -95,3 +102,61 @@ def test_load_state_type_mismatch():
     arr = np.zeros(3)
     with pytest.raises(InvalidArgumentError, match="Shape of 'a'"):
         load_state({"a": arr}, {"a": np.zeros(4)}, source="ck")
+
+
+def _spec(t, name="x"):
+    return TensorSpec(name, t.dtype, tuple(t.shape))
+
+
+def test_check_state_compares_specs_and_changes_nothing():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(1, 3)).sum().backward()
+    opt.step()
+    state = {"model": model, "opt": opt, "t": torch.zeros(4), "a": np.zeros(2), "n": 3}
+
+    def specs(obj):
+        if isinstance(obj, torch.Tensor):
+            return _spec(obj)
+        if isinstance(obj, np.ndarray):
+            return _spec(torch.from_numpy(obj))
+        if isinstance(obj, dict):
+            return {k: specs(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [specs(v) for v in obj]
+        return obj
+
+    tree = {
+        "model": specs(model.state_dict()),
+        "opt": specs(opt.state_dict()),
+        "t": _spec(torch.zeros(4)),
+        "a": _spec(torch.zeros(2, dtype=torch.float64)),
+        "n": 5,
+    }
+    assert check_state(state, tree, source="ck") == []
+    assert state["n"] == 3  # Nothing loaded.
+    # An optimizer state of another shape is found too (torch's own load would not see it).
+    tree["opt"]["state"][0]["exp_avg"] = TensorSpec("x", torch.float32, (7, 7))
+    with pytest.raises(InvalidArgumentError, match=r"Shape of 'opt/state/0/exp_avg' .*\(2, 3\)"):
+        check_state(state, tree, source="ck")
+    tree["opt"] = specs(opt.state_dict())
+    tree["a"] = _spec(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(InvalidArgumentError, match=r"Shape of 'a' in the state \(2,\)"):
+        check_state(state, tree, source="ck")
+    tree["a"] = _spec(torch.zeros(2, dtype=torch.float32))
+    (message,) = check_state(state, tree, source="ck")
+    assert message.startswith("Dtype of 'a' changed: float32 in checkpoint ck, float64")
+    with pytest.raises(InvalidArgumentError, match="'t' is a tensor in the state but int"):
+        check_state(state, {**tree, "t": 3}, source="ck")
+    missing = []
+    check_state({"gone": torch.zeros(1)}, {}, source="ck", on_missing=missing.append)
+    assert missing == ["gone"]
+    with pytest.raises(NotFoundError, match="Key gone not found in checkpoint ck"):
+        check_state({"gone": torch.zeros(1)}, {}, source="ck")
+
+
+def test_check_state_leaves_modules_with_load_hooks_to_their_hooks():
+    model = torch.nn.Linear(3, 2)
+    model._register_load_state_dict_pre_hook(lambda *args, **kwargs: None)
+    tree = {"model": {"old_name": TensorSpec("x", torch.float32, (9,))}}
+    assert check_state({"model": model}, tree, source="ck") == []

@@ -26,6 +26,7 @@ from supervisor_helpers import (
 )
 
 from torchsupervisor import (
+    CheckpointReader,
     GlobalStep,
     Graph,
     Saver,
@@ -34,6 +35,7 @@ from torchsupervisor import (
     basic_train_loop,
     get_checkpoint_mtimes,
 )
+from torchsupervisor.checkpoint.recovery import scan_checkpoints
 from torchsupervisor.errors import AbortedError
 
 
@@ -373,3 +375,53 @@ def test_restart_removes_what_an_interrupted_save_left(tmp_path):
         for name in leftovers:
             assert not (tmp_path / name).exists(), name
     assert 7 not in checkpoint_steps(tmp_path)
+
+
+def test_a_damaged_file_that_incremental_checkpoints_share_costs_one_chain(tmp_path, caplog):
+    """A frozen backbone is written once per chain of incremental checkpoints; flipping a
+    byte of that copy breaks the chain, and the restart resumes from an older chain."""
+
+    def make_state(seed):
+        torch.manual_seed(seed)
+        backbone = torch.nn.Linear(64, 256).requires_grad_(False)
+        head = torch.nn.Linear(256, 1)
+        optimizer = torch.optim.SGD(head.parameters(), lr=0.01)
+        step = GlobalStep()
+        step.bind(optimizer)
+        return {"backbone": backbone, "head": head, "optimizer": optimizer, "global_step": step}
+
+    state = make_state(0)
+    x = torch.randn(8, 64)
+
+    def train():
+        state["optimizer"].zero_grad()
+        state["head"](state["backbone"](x)).pow(2).mean().backward()
+        state["optimizer"].step()
+
+    sv = _supervisor(tmp_path, state)
+    with sv.managed_session() as sess:
+        for _ in range(4):
+            for _ in range(10):
+                sess.run(train)
+            sv.checkpoint()
+    kept = scan_checkpoints(str(tmp_path))  # Newest first.
+    reads = {p: {s.file for s in CheckpointReader(p).manifest.shards} for p in kept}
+    newest = CheckpointReader(kept[0]).manifest
+    entry = newest.tensors["backbone/weight"]
+    shard = newest.shards[entry.shard]
+    assert shard.file not in os.path.basename(kept[0])  # Referenced: an incremental save.
+    with open(os.path.join(tmp_path, shard.file), "r+b") as f:
+        f.seek(shard.data_offset + entry.begin + 5)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x04]))
+    expected = next(p for p in kept if shard.file not in reads[p])
+
+    fresh = make_state(1)
+    caplog.set_level(logging.WARNING, logger="torchsupervisor")
+    with _supervisor(tmp_path, fresh).managed_session() as sess:
+        assert sess.restored_checkpoint == expected
+        step = fresh["global_step"].value
+    assert step == CheckpointReader(expected).global_step
+    assert torch.equal(fresh["backbone"].weight, state["backbone"].weight)
+    assert any(shard.file in m and "corrupt" in m for m in caplog.messages), caplog.messages

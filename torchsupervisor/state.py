@@ -8,7 +8,9 @@ bare ``Tensor`` (restored in place), a numpy array, a plain value, or a nested m
 ``flatten_state`` turns it into a *skeleton* (nested containers whose tensor leaves are
 ``TensorRef``) plus a flat ``{name: tensor}`` table whose names are the ``/``-joined paths
 (``model/fc1.weight``, ``optimizer/state/0/exp_avg``). ``load_state`` puts a restored tree back
-into the live objects. Nothing here touches files.
+into the live objects. ``check_state`` compares what a checkpoint holds (a tree of
+``TensorSpec``: dtypes and shapes, no data) with the live state before anything is loaded, so a
+restore that cannot succeed fails with the state untouched. Nothing here touches files.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from torchsupervisor.errors import InvalidArgumentError, NotFoundError
 
 __all__ = [
     "TensorRef",
+    "TensorSpec",
+    "check_state",
     "find_subtree",
     "flatten_state",
     "is_materialized",
@@ -40,6 +44,22 @@ class TensorRef(NamedTuple):
     """A tensor leaf of a skeleton: the tensor's name, and whether it was a numpy array."""
 
     name: str
+    ndarray: bool = False
+
+
+class TensorSpec(NamedTuple):
+    """What a checkpoint holds for one tensor, without its data.
+
+    Attributes:
+        name: The tensor's name in the checkpoint.
+        dtype: Its dtype in the checkpoint.
+        shape: Its shape in the checkpoint.
+        ndarray: True if it was saved from a numpy array.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
     ndarray: bool = False
 
 
@@ -373,3 +393,160 @@ def _load_one(container: Any, key: Any, obj: Any, value: Any, path: str, source:
         f"Cannot restore {path!r}: {type(obj).__name__} has no load_state_dict() and its "
         "container is not a mutable mapping"
     )
+
+
+# ------------------------------------------------------------------------------- checking
+
+# Conversions towards a lower kind would change values beyond rounding (2.7 -> 2, 3 -> True).
+_BOOL, _INTEGER, _FLOATING, _COMPLEX = range(4)
+
+
+def _dtype_kind(dtype: torch.dtype) -> int:
+    if dtype.is_complex:
+        return _COMPLEX
+    if dtype.is_floating_point:
+        return _FLOATING
+    if dtype == torch.bool:
+        return _BOOL
+    return _INTEGER
+
+
+def _numpy_dtype(array: np.ndarray) -> torch.dtype | None:
+    try:
+        return torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype
+    except TypeError:
+        return None
+
+
+def check_state(
+    state: Mapping[str, Any],
+    tree: Mapping[Any, Any],
+    *,
+    source: str,
+    on_missing: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Check that a checkpoint fits the live state, before loading anything.
+
+    Walks ``state`` as ``load_state`` would, against a tree whose tensor leaves are
+    ``TensorSpec`` (read from the manifest alone), and compares every tensor present on both
+    sides, including those inside state dicts (a module's parameters, an optimizer's state).
+    Nothing is modified.
+
+    Dtypes: a tensor saved with another dtype of the same or a lower kind (bool < integer <
+    floating < complex; e.g. float32 saved, float64 live) is converted when loaded, with a
+    warning returned here; towards a lower kind (floating saved, integer live) it is an error.
+
+    Args:
+        state: Mapping of names to stateful objects (the session state or a saver's var_list).
+        tree: The checkpoint's tree with ``TensorSpec`` leaves.
+        source: The checkpoint prefix, for messages.
+        on_missing: Called with the name of a state entry absent from the checkpoint (it may
+            raise); None: an absent entry raises ``NotFoundError``.
+
+    Returns:
+        Warnings to report (dtype conversions), one message each.
+
+    Raises:
+        NotFoundError: ``"Key <name> not found in checkpoint <source>"`` for an absent entry.
+        InvalidArgumentError: For a shape mismatch (naming the entry, the checkpoint and both
+            shapes), a dtype that cannot be converted, a tensor in the state that is not a
+            tensor in the checkpoint, or a module whose keys differ from the checkpoint's.
+    """
+    warnings: list[str] = []
+    checks = []
+    for name, obj in state.items():
+        try:
+            value = find_subtree(tree, name)
+        except KeyError:
+            if on_missing is None:
+                raise NotFoundError(f"Key {name} not found in checkpoint {source}") from None
+            on_missing(name)
+            continue
+        checks.append((obj, value, name))
+    for obj, value, name in checks:
+        _check_one(obj, value, name, source, warnings)
+    return warnings
+
+
+def _check_spec(
+    path: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype | None,
+    spec: TensorSpec,
+    source: str,
+    warnings: list[str],
+) -> None:
+    if tuple(shape) != tuple(spec.shape):
+        raise InvalidArgumentError(
+            f"Shape of {path!r} in the state {tuple(shape)} does not match the checkpoint "
+            f"{source}: {tuple(spec.shape)} (nothing was restored)"
+        )
+    if dtype is None or dtype == spec.dtype:
+        return
+    saved, live = str(spec.dtype).removeprefix("torch."), str(dtype).removeprefix("torch.")
+    if _dtype_kind(dtype) < _dtype_kind(spec.dtype):
+        raise InvalidArgumentError(
+            f"Dtype of {path!r} in the state ({live}) cannot hold the checkpoint's values: "
+            f"{saved} in {source} (nothing was restored)"
+        )
+    warnings.append(
+        f"Dtype of {path!r} changed: {saved} in checkpoint {source}, {live} in the state; "
+        "its values are converted"
+    )
+
+
+def _check_one(obj: Any, value: Any, path: str, source: str, warnings: list[str]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if not isinstance(value, TensorSpec):
+            raise InvalidArgumentError(
+                f"{path!r} is a tensor in the state but {type(value).__name__} in {source}"
+            )
+        _check_spec(path, tuple(obj.shape), obj.dtype, value, source, warnings)
+        return
+    if isinstance(obj, np.ndarray):
+        if isinstance(value, TensorSpec):
+            _check_spec(path, obj.shape, _numpy_dtype(obj), value, source, warnings)
+        return
+    load = getattr(obj, "load_state_dict", None)
+    if callable(load) and not isinstance(obj, Mapping):
+        module = isinstance(obj, torch.nn.Module)
+        if module and any(m._load_state_dict_pre_hooks for m in obj.modules()):
+            return  # Hooks may rename or reshape entries: only loading can tell.
+        try:
+            live = obj.state_dict()
+        except Exception:
+            return  # Loading reports it.
+        if module and isinstance(live, Mapping) and isinstance(value, Mapping):
+            missing = [k for k in live if k not in value]
+            unexpected = [k for k in value if k not in live]
+            if missing or unexpected:
+                raise InvalidArgumentError(
+                    f"Restoring {path!r} from {source} failed: missing keys {missing}, "
+                    f"unexpected keys {unexpected} (nothing was restored)"
+                )
+        _check_contents(live, value, path, source, warnings)
+        return
+    if isinstance(obj, Mapping) and isinstance(value, Mapping):
+        for sub_key in obj:
+            if sub_key not in value:
+                raise NotFoundError(f"Key {path}/{sub_key} not found in checkpoint {source}")
+        for sub_key in obj:
+            _check_one(obj[sub_key], value[sub_key], f"{path}/{sub_key}", source, warnings)
+
+
+def _check_contents(live: Any, value: Any, path: str, source: str, warnings: list[str]) -> None:
+    """Compare the tensors of a live state dict with the checkpoint's, where both have one."""
+    if isinstance(live, torch.Tensor):
+        if isinstance(value, TensorSpec):
+            _check_spec(path, tuple(live.shape), live.dtype, value, source, warnings)
+    elif isinstance(live, Mapping) and isinstance(value, Mapping):
+        for key, sub in live.items():
+            if key in value:
+                _check_contents(sub, value[key], _path(path, key), source, warnings)
+    elif (
+        isinstance(live, (list, tuple))
+        and isinstance(value, (list, tuple))
+        and len(live) == len(value)
+    ):
+        for i, (sub, saved) in enumerate(zip(live, value)):
+            _check_contents(sub, saved, _path(path, i), source, warnings)

@@ -235,8 +235,119 @@ def test_restore_errors(tmp_path):
 
 def test_module_mismatch_is_a_clear_error(tmp_path):
     prefix = Saver().save(Session({"model": nn.Linear(2, 2)}), str(tmp_path / "m"))
-    with pytest.raises(InvalidArgumentError, match=r"Restoring 'model' from .*m failed"):
+    with pytest.raises(InvalidArgumentError, match=r"Shape of 'model/weight' .*\(3, 2\).*m: "):
         Saver().restore(Session({"model": nn.Linear(2, 3)}), prefix)
+    with pytest.raises(InvalidArgumentError, match=r"Restoring 'model' from .*m failed: miss"):
+        Saver().restore(Session({"model": nn.Linear(2, 2, bias=False)}), prefix)
+
+
+def _rewrite_manifest(prefix, **changes):
+    """Change fields of a checkpoint's manifest (its own checksum recomputed)."""
+    import dataclasses
+
+    from torchsupervisor.checkpoint.format import Manifest
+
+    with open(prefix + ".index", "rb") as f:
+        manifest = Manifest.from_bytes(f.read())
+    with open(prefix + ".index", "wb") as f:
+        f.write(dataclasses.replace(manifest, **changes).to_bytes())
+
+
+def _values(state):
+    return {
+        name: {k: v.clone() for k, v in obj.state_dict().items()}
+        if isinstance(obj, nn.Module)
+        else obj.clone()
+        for name, obj in state.items()
+    }
+
+
+def _assert_untouched(state, before):
+    for name, obj in state.items():
+        if isinstance(obj, nn.Module):
+            for k, v in obj.state_dict().items():
+                assert torch.equal(v, before[name][k]), (name, k)
+        else:
+            assert torch.equal(obj, before[name]), name
+
+
+def test_a_shape_mismatch_is_found_before_anything_is_loaded(tmp_path):
+    torch.manual_seed(0)
+    saved = {"a": torch.ones(2), "model": nn.Linear(4, 2), "z": torch.ones(3)}
+    prefix = Saver().save(Session(saved), str(tmp_path / "m"), global_step=7)
+    # "a" comes first and fits; the module does not (another output width): nothing loads.
+    live = {"a": torch.zeros(2), "model": nn.Linear(4, 5), "z": torch.zeros(3)}
+    before = _values(live)
+    with pytest.raises(InvalidArgumentError) as info:
+        Saver().restore(Session(live), prefix)
+    message = str(info.value)
+    assert "'model/weight'" in message and prefix in message
+    assert "(5, 4)" in message and "(2, 4)" in message
+    _assert_untouched(live, before)
+    # A bare tensor last in the state, the same.
+    live = {"a": torch.zeros(2), "model": nn.Linear(4, 2), "z": torch.zeros(4)}
+    before = _values(live)
+    with pytest.raises(InvalidArgumentError, match=r"Shape of 'z' in the state \(4,\) .*: \(3,\)"):
+        Saver().restore(Session(live), prefix)
+    _assert_untouched(live, before)
+    # A missing entry, the same.
+    live = {
+        "a": torch.zeros(2),
+        "model": nn.Linear(4, 2),
+        "z": torch.zeros(3),
+        "new": torch.ones(1),
+    }
+    before = _values(live)
+    with pytest.raises(NotFoundError, match="Key new not found in checkpoint"):
+        Saver().restore(Session(live), prefix)
+    _assert_untouched(live, before)
+
+
+def test_a_dtype_change_warns_and_converts(tmp_path, caplog):
+    prefix = Saver().save(
+        Session({"w": torch.full((3,), 1.5), "model": nn.Linear(2, 2)}), str(tmp_path / "m")
+    )
+    w = torch.zeros(3, dtype=torch.float64)
+    model = nn.Linear(2, 2).double()
+    with caplog.at_level("WARNING", "torchsupervisor"):
+        Saver().restore(Session({"w": w, "model": model}), prefix)
+    assert torch.equal(w, torch.full((3,), 1.5, dtype=torch.float64))
+    assert model.weight.dtype == torch.float64
+    text = caplog.text
+    assert f"Dtype of 'w' changed: float32 in checkpoint {prefix}, float64 in the state" in text
+    assert "Dtype of 'model/weight' changed: float32" in text
+    # Towards a lower kind (floating saved, integer live) values would be truncated: an error.
+    counts = torch.zeros(3, dtype=torch.int64)
+    live = {"model": nn.Linear(2, 2), "w": counts}
+    before = _values(live)
+    with pytest.raises(InvalidArgumentError, match=r"Dtype of 'w' in the state \(int64\)"):
+        Saver().restore(Session(live), prefix)
+    _assert_untouched(live, before)
+
+
+def test_another_world_size_or_version_is_a_warning_naming_both(tmp_path, caplog):
+    from torchsupervisor import __version__
+
+    w = torch.ones(2)
+    prefix = Saver().save(Session({"w": w}), str(tmp_path / "m"))
+    _rewrite_manifest(prefix, world_size=4, torch_version="1.13.1", library_version="0.0.1")
+    with caplog.at_level("WARNING", "torchsupervisor"):
+        Saver().restore(Session({"w": torch.zeros(2)}), prefix)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"Checkpoint {prefix} was written by 4 replicas; this run has 1" in warnings
+    assert (
+        f"Checkpoint {prefix} was written with torch 1.13.1; this is torch {torch.__version__}"
+        in warnings
+    )
+    assert (
+        f"Checkpoint {prefix} was written with torchsupervisor 0.0.1; this is "
+        f"torchsupervisor {__version__}" in warnings
+    )
+    caplog.clear()
+    same = Saver().save(Session({"w": w}), str(tmp_path / "same"))
+    with caplog.at_level("WARNING", "torchsupervisor"):
+        Saver().restore(Session({"w": torch.zeros(2)}), same)
+    assert not caplog.records
 
 
 def test_unsaveable_state_is_rejected_with_its_path(tmp_path):

@@ -8,13 +8,29 @@ They reproduce TF's ``Saver`` bookkeeping:
   evicted. ``max_to_keep`` of 0 or None tracks nothing (and so never deletes).
 * ``sweep``: an evicted checkpoint whose timestamp is later than the next "keep" time is
   preserved forever (and the keep time advances by N hours); the others are to be deleted.
+
+And they decide when an incremental save must be a full one instead (``may_reference``).
+An incremental checkpoint references the data files of earlier checkpoints, so one damaged
+file can break several checkpoints: every checkpoint of the same *chain* (a full save and the
+incremental saves that reference its data, directly or through each other) that uses it.
+Checkpoints of different chains share no file. The rule: a save may join the current chain
+only if, once it is committed and retention has run, a checkpoint of another chain is still
+kept. Then every tensor has at least two independent copies among the kept checkpoints, and
+a single damaged file never makes every kept checkpoint unusable: the restore falls back to
+the other chain. With ``max_to_keep = N`` this gives a full save at least every ``N - 1``
+saves (every save with N <= 2), and the second save of a fresh run is full too (the first
+chain has no predecessor). ``full_save_every_n_saves`` can only make full saves more frequent.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["Retention", "record", "sweep"]
+__all__ = ["Retention", "default_full_save_interval", "may_reference", "record", "sweep"]
+
+KEEP_ALL_FULL_SAVE_INTERVAL = 4
+"""Saves per chain when every checkpoint is kept (``max_to_keep`` 0 or None)."""
 
 Entry = tuple[str, float]
 
@@ -74,3 +90,42 @@ def sweep(state: Retention, keep_every_secs: float) -> tuple[Retention, list[str
         to_delete,
         preserved,
     )
+
+
+def default_full_save_interval(max_to_keep: int | None) -> int:
+    """Return the longest chain (in saves, the full one included) ``max_to_keep`` allows.
+
+    ``max_to_keep - 1`` (at least 1: with one or two kept checkpoints every save is full), so
+    that the kept checkpoints always span two chains; ``KEEP_ALL_FULL_SAVE_INTERVAL`` when
+    every checkpoint is kept.
+    """
+    if not max_to_keep:
+        return KEEP_ALL_FULL_SAVE_INTERVAL
+    return max(1, max_to_keep - 1)
+
+
+def may_reference(
+    kept_chains: Iterable[str | None],
+    chain: str | None,
+    chain_saves: int,
+    full_save_every_n_saves: int,
+) -> bool:
+    """Return True if the next save may reference the current chain's data (be incremental).
+
+    Args:
+        kept_chains: For every checkpoint that stays kept once the next save is committed and
+            retention has run (the next save itself excluded), the chain it belongs to: the
+            prefix of the full save its data starts from; None for a checkpoint of unknown
+            chain (written by an earlier run: independent of the current chain, which always
+            starts with a full save in this run).
+        chain: The chain the next save would join (the last committed save's); None: there is
+            none (first save, or the last one failed).
+        chain_saves: Saves already in that chain, the full one included.
+        full_save_every_n_saves: The longest chain allowed, in saves (>= 1).
+
+    Returns:
+        False if the next save must write every tensor (start a new chain).
+    """
+    if chain is None or chain_saves >= full_save_every_n_saves:
+        return False
+    return any(other != chain for other in kept_chains)

@@ -11,7 +11,10 @@ save is in flight is taken at the first step boundary after that save commits.)
 Saves are incremental by default: a tensor unchanged since the last committed checkpoint of the
 same directory is neither copied nor written again; the new manifest references the bytes
 already on disk (``incremental.py``), and retention keeps data files as long as a kept
-checkpoint references them.
+checkpoint references them. A save is full (references nothing) whenever an incremental one
+would leave every kept checkpoint depending on one data file (``policy.may_reference``): the
+kept checkpoints always hold two independent copies of every tensor, so one damaged file
+never leaves a restart without a valid checkpoint.
 
 A state holding ``DTensor`` s (an FSDP2 model) is saved with ``sharded.save_sharded``: every rank
 of the process group calls ``save`` at the same step and writes its own part, synchronously
@@ -39,7 +42,7 @@ from torchsupervisor._version import __version__
 from torchsupervisor.checkpoint import policy
 from torchsupervisor.checkpoint.commit import persist
 from torchsupervisor.checkpoint.engine import CheckpointEngine
-from torchsupervisor.checkpoint.format import encode_tree
+from torchsupervisor.checkpoint.format import ManifestError, decode_tree, encode_tree
 from torchsupervisor.checkpoint.incremental import Committed, StaleReferenceError
 from torchsupervisor.checkpoint.management import (
     checkpoint_exists,
@@ -54,9 +57,16 @@ from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.checkpoint.state_file import update_checkpoint_state_internal
 from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
 from torchsupervisor.clock import REAL_CLOCK, Clock
-from torchsupervisor.errors import CheckpointSaveError, NotFoundError
+from torchsupervisor.errors import CheckpointSaveError, CorruptCheckpointError, NotFoundError
 from torchsupervisor.global_step import read_step
-from torchsupervisor.state import flatten_state, load_state, ndarray_names, select_state
+from torchsupervisor.state import (
+    TensorSpec,
+    check_state,
+    flatten_state,
+    load_state,
+    ndarray_names,
+    select_state,
+)
 
 __all__ = ["SaveStats", "Saver"]
 
@@ -90,10 +100,10 @@ def _report_differences(
 ) -> None:
     """Warn about what differs between the run that saved a checkpoint and this one.
 
-    The checks that matter for correctness (every entry of the state present, every shape
-    equal) are errors raised while loading; this reports the rest: entries of the checkpoint
-    that nothing restores (when the whole state is restored), another world size, another
-    PyTorch version.
+    What would make the restore fail or change values (missing entries, shapes, dtypes) is
+    checked by ``state.check_state`` before anything is loaded; this reports the rest:
+    entries of the checkpoint that nothing restores (when the whole state is restored),
+    another world size, another torch or torchsupervisor version.
     """
     if whole_state and isinstance(tree, Mapping):
         unused = sorted(str(k) for k in tree if k not in state)
@@ -107,12 +117,42 @@ def _report_differences(
             _world_size(),
         )
     if manifest.torch_version.split("+")[0] != torch.__version__.split("+")[0]:
-        logger.info(
+        logger.warning(
             "Checkpoint %s was written with torch %s; this is torch %s",
             source,
             manifest.torch_version,
             torch.__version__,
         )
+    if manifest.library_version != __version__:
+        logger.warning(
+            "Checkpoint %s was written with torchsupervisor %s; this is torchsupervisor %s",
+            source,
+            manifest.library_version,
+            __version__,
+        )
+
+
+def _spec_tree(reader: CheckpointReader) -> Any:
+    """The checkpoint's state tree with ``TensorSpec`` leaves, from its manifest alone.
+
+    Raises:
+        CorruptCheckpointError: If the tree names a tensor the manifest does not list.
+    """
+    dtypes = reader.get_variable_to_dtype_map()
+    shapes = reader.get_variable_to_shape_map()
+
+    def leaf(name: str, ndarray: bool) -> TensorSpec:
+        if name not in dtypes:
+            raise ManifestError(f"the tree names an unknown tensor {name!r}")
+        return TensorSpec(name, dtypes[name], tuple(shapes[name]), ndarray)
+
+    try:
+        return decode_tree(reader.manifest.tree, leaf)
+    except ManifestError as e:
+        index = reader.prefix + ".index"
+        raise CorruptCheckpointError(
+            f"Checkpoint index {index} is corrupt: {e}", path=index, reason=str(e)
+        ) from None
 
 
 logger = logging.getLogger("torchsupervisor")
@@ -163,11 +203,20 @@ class Saver:
             unless ``sharded``.
         incremental: Reference the committed bytes of tensors that did not change since the
             previous save to the same directory instead of copying and writing them again.
+            A save is full anyway when needed to keep two independent copies of every tensor
+            among the kept checkpoints (see ``full_save_every_n_saves``).
+        full_save_every_n_saves: Write a full (non-incremental) checkpoint at least every this
+            many saves. None: ``max_to_keep - 1`` (at least 1: with ``max_to_keep`` of 1 or 2
+            every save is full), or 4 when every checkpoint is kept. Larger values than the
+            default have no effect: a save that would leave every kept checkpoint depending
+            on one data file is always full. Smaller values cost bytes and lose less on a
+            damaged file (a damaged full save breaks the incremental ones that follow it).
         fs: The file-system seam (tests inject faults here).
         clock: Time source for timestamps and retention.
 
     Raises:
-        ValueError: If ``var_list`` is given, empty, and ``allow_empty`` is False.
+        ValueError: If ``var_list`` is given, empty, and ``allow_empty`` is False; for a
+            ``max_shard_bytes`` or ``full_save_every_n_saves`` below 1.
         TypeError: For a ``var_list`` of another kind.
 
     Thread safety: ``save``/``save_async``/``restore`` are meant for one (training) thread;
@@ -189,6 +238,7 @@ class Saver:
         save_relative_paths: bool = False,
         max_shard_bytes: int | None = None,
         incremental: bool = True,
+        full_save_every_n_saves: int | None = None,
         fs: FileSystem | None = None,
         clock: Clock | None = None,
     ) -> None:
@@ -202,6 +252,10 @@ class Saver:
                 raise ValueError("No variables to save")
         if max_shard_bytes is not None and max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        if full_save_every_n_saves is not None and full_save_every_n_saves < 1:
+            raise ValueError(
+                f"full_save_every_n_saves must be at least 1, got {full_save_every_n_saves}"
+            )
         self._var_list = var_list
         self._sharded = sharded
         self._max_to_keep = max_to_keep
@@ -222,8 +276,14 @@ class Saver:
         self._cancel = threading.Event()
         self._optional: set[str] = set()
         self._incremental = incremental
+        self._full_every = full_save_every_n_saves or policy.default_full_save_interval(max_to_keep)
         self._committed: dict[str, Committed] = {}
         self._committed_dir: str | None = None
+        # Chains (policy.may_reference): the full save the last committed save's data starts
+        # from, how many saves that chain has, and the chain of every checkpoint recorded.
+        self._chain: str | None = None
+        self._chain_saves = 0
+        self._chain_of: dict[str, str] = {}
         self._always_copy: set[str] = set()
         self._orphans: set[str] = set()
         self.last_save: SaveStats | None = None
@@ -315,7 +375,18 @@ class Saver:
         )
 
     def close(self) -> None:
-        """Wait for the save in flight and end the writer thread (a later save restarts it)."""
+        """Wait for the save in flight and end the writer thread (a later save restarts it).
+
+        A cancelled save that is still in flight (its writer stuck in a file-system call, a
+        hung fsync say) is not waited for: it commits nothing, and removes its files if the
+        call ever returns.
+        """
+        if self._cancel.is_set() and self._engine.in_flight:
+            logger.warning(
+                "Not waiting for the cancelled checkpoint save: it is stuck in a file-system "
+                "call and will commit nothing"
+            )
+            return
         self._engine.close()
 
     @property
@@ -338,16 +409,17 @@ class Saver:
         period runs out: a checkpoint that cannot finish is abandoned, never left half-written
         (it would not count anyway: the index, written last, would be missing).
 
+        The cancellation stays in force until that save has ended, even when ``timeout_secs``
+        expires first (the writer may be stuck in a system call: it then stops as soon as the
+        call returns, and commits nothing).
+
         Returns:
             True if no save is in flight any more, False if ``timeout_secs`` expired first.
         """
         if not self._engine.in_flight:
             return True
         self._cancel.set()
-        try:
-            return self._engine.wait(timeout_secs)
-        finally:
-            self._cancel.clear()
+        return self._engine.wait(timeout_secs)
 
     def allow_missing(self, *names: str) -> None:
         """Let ``restore`` skip these state entries, with a warning, when a checkpoint lacks them.
@@ -401,6 +473,7 @@ class Saver:
             raise ValueError("No variables to save")
         tree = encode_tree(skeleton)
         self._engine.wait()
+        self._cancel.clear()  # A cancellation is for the save it was aimed at only.
         snapshot = self._stager.stage(
             tree,
             tensors,
@@ -416,9 +489,15 @@ class Saver:
 
         Never the numpy arrays of the state (their tensors are new wrappers at every save, so
         their version counters say nothing), nor the data of ``prefix`` itself (overwritten).
+        None (a full save) when referencing would leave every kept checkpoint depending on the
+        same data (``policy.may_reference``).
         """
         with self._lock:
             if not self._incremental or save_dir != self._committed_dir or not self._committed:
+                return None
+            if not policy.may_reference(
+                self._kept_chains(prefix), self._chain, self._chain_saves, self._full_every
+            ):
                 return None
             excluded = self._always_copy | ndarray_names(skeleton)
             own = os.path.basename(prefix) + ".data-"
@@ -427,6 +506,32 @@ class Saver:
                 for name, c in self._committed.items()
                 if name not in excluded and not c.shard.file.startswith(own)
             }
+
+    def _kept_chains(self, prefix: str) -> list[str | None]:
+        """The chains of the checkpoints still kept once ``prefix`` is saved (lock held).
+
+        With ``max_to_keep``: the newest ``max_to_keep - 1`` tracked ones other than
+        ``prefix`` (checkpoints kept by ``keep_checkpoint_every_n_hours`` are not counted:
+        the rule stays on the safe side). Keeping everything: every checkpoint known.
+        """
+        target = os.path.normpath(prefix)
+        tracked = [p for p, _ in self._retention.tracked if os.path.normpath(p) != target]
+        if self._max_to_keep:
+            kept = tracked[-(self._max_to_keep - 1) :] if self._max_to_keep > 1 else []
+        else:
+            kept = list(dict.fromkeys([*tracked, *self._chain_of]))
+            kept = [p for p in kept if os.path.normpath(p) != target]
+        return [self._chain_of.get(p) for p in kept]
+
+    def _start_chain_link(self, prefix: str, full: bool, recorded: bool) -> None:
+        """Note which chain the save just committed to ``prefix`` belongs to (lock held)."""
+        if full or self._chain is None:
+            self._chain, self._chain_saves = prefix, 1
+        else:
+            self._chain_saves += 1
+        self._chain_of.pop(prefix, None)
+        if recorded:
+            self._chain_of[prefix] = self._chain
 
     def _persist(
         self,
@@ -451,6 +556,7 @@ class Saver:
         except CheckpointSaveError as e:
             with self._lock:
                 self._committed = {}  # The next save copies everything.
+                self._chain = None
                 if isinstance(e, StaleReferenceError):
                     self._always_copy |= e.names
             raise
@@ -460,6 +566,7 @@ class Saver:
         with self._lock:
             self._committed = result.committed
             self._committed_dir = os.path.dirname(save_path)
+            self._start_chain_link(prefix, full=not snapshot.references, recorded=write_state)
         if write_state:
             self._record_and_sweep(prefix, save_path, latest_filename)
         self.last_save = SaveStats(
@@ -500,6 +607,7 @@ class Saver:
         committed = time.perf_counter()
         with self._lock:
             self._committed = {}  # Sharded saves are never incremental.
+            self._start_chain_link(prefix, full=True, recorded=write_state)
         if write_state:
             if _rank() == 0:
                 self._record_and_sweep(prefix, save_path, latest_filename)
@@ -508,7 +616,11 @@ class Saver:
                     self._retention = policy.record(
                         self._retention, prefix, self._clock.time(), self._max_to_keep
                     )
-                    self._retention, _, _ = policy.sweep(self._retention, self._keep_every_secs)
+                    self._retention, gone, kept = policy.sweep(
+                        self._retention, self._keep_every_secs
+                    )
+                    for path in gone + kept:
+                        self._chain_of.pop(path, None)
         total = time.perf_counter() - start
         self.last_save = SaveStats(
             prefix=prefix,
@@ -528,6 +640,8 @@ class Saver:
             retention, to_delete, preserved = policy.sweep(retention, self._keep_every_secs)
             self._retention = retention
             tracked = [path for path, _ in retention.tracked]
+            for path in to_delete + preserved:  # No longer counted by the chain rule.
+                self._chain_of.pop(path, None)
         try:
             update_checkpoint_state_internal(
                 save_dir=os.path.dirname(save_path),
@@ -574,6 +688,14 @@ class Saver:
     def restore(self, sess: Any, save_path: str | None) -> None:
         """Load the checkpoint ``save_path`` into the state, after verifying its checksums.
 
+        Before anything is loaded, the manifest is compared with the live state (the run
+        fingerprint): every entry present, every shape equal, dtypes convertible, a module's
+        keys equal. A mismatch raises with the state untouched. A dtype that changed within
+        its kind or towards a wider one (float32 saved, float64 live) is converted, with a
+        warning naming the entry and both dtypes. Another world size, torch version or
+        torchsupervisor version than the checkpoint's is logged as a warning naming both
+        values. Then every byte read is verified, and only then is the state loaded.
+
         Args:
             sess: The session whose state receives the values (None with a mapping var_list).
             save_path: A checkpoint prefix, as returned by ``save`` or ``latest_checkpoint``.
@@ -583,8 +705,15 @@ class Saver:
                 ``"The passed save_path is not a valid checkpoint: <path>"``.
             CorruptCheckpointError: If a file is missing, truncated or fails its checksum; the
                 state is then unchanged.
-            NotFoundError: If an entry of the state is not in the checkpoint.
-            InvalidArgumentError: If a value does not fit its object (shape, missing keys).
+            NotFoundError: If an entry of the state is not in the checkpoint (and was not
+                allowed with ``allow_missing``); the state is then unchanged.
+            InvalidArgumentError: If a value does not fit its object: another shape (the
+                message names the entry, the checkpoint and both shapes), a dtype of a lower
+                kind (floating saved, integer live), a module's missing or unexpected keys;
+                the state is then unchanged (except for failures only the objects' own
+                ``load_state_dict`` detects).
+
+        TF name: ``tf.compat.v1.train.Saver.restore``.
         """
         if save_path is None:
             raise ValueError("Can't load save_path when it is None.")
@@ -597,12 +726,20 @@ class Saver:
             load_sharded(state, save_path, allow_missing=self._optional, fs=self._fs)
             return
         reader = CheckpointReader(save_path, fs=self._fs)
-        tree = reader.read_tree()
-        _report_differences(reader.manifest, tree, state, save_path, self._var_list is None)
+        specs = _spec_tree(reader)
 
-        def missing(name: str) -> None:
+        def required(name: str) -> None:
             if name not in self._optional:
                 raise NotFoundError(f"Key {name} not found in checkpoint {save_path}")
+
+        warnings = check_state(state, specs, source=save_path, on_missing=required)
+        _report_differences(reader.manifest, specs, state, save_path, self._var_list is None)
+        for message in warnings:
+            logger.warning("%s", message)
+        tree = reader.read_tree()
+
+        def missing(name: str) -> None:
+            required(name)
             logger.warning(
                 "Checkpoint %s has no %r entry; it keeps its current value", save_path, name
             )
