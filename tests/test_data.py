@@ -29,9 +29,26 @@ def test_sampler_order_is_seeded_per_epoch_and_starts_anywhere():
     assert list(sampler) == first[4:] and len(sampler) == 6
     plain = ResumableSampler(_dataset(5), shuffle=False)
     assert list(plain) == [0, 1, 2, 3, 4]
-    other = ResumableSampler(10, seed=3)
-    other.load_state_dict(sampler.state_dict())
-    assert list(other) == first[4:]
+
+
+def test_a_sampler_alone_refuses_to_be_checkpointed(tmp_path):
+    """With a plain DataLoader the sampler cannot know what was trained on: saving it fails
+    loudly instead of recording offset 0 (which would replay the epoch from its start)."""
+    sampler = ResumableSampler(20, seed=1)
+    loader = torch.utils.data.DataLoader(_dataset(), batch_size=4, sampler=sampler)
+    batches = iter(loader)
+    next(batches), next(batches)
+    saver = Saver()
+    with pytest.raises(TypeError, match=r"Put a ResumableDataLoader .* in the state instead"):
+        saver.save(Session({"sampler": sampler}), str(tmp_path / "m"), global_step=2)
+    assert not list(tmp_path.iterdir())  # Nothing written.
+    with pytest.raises(TypeError, match="cannot be checkpointed"):
+        sampler.load_state_dict({"epoch": 0, "start": 8})
+    # The loader that drives it is what goes in the state.
+    step = GlobalStep()
+    resumable = ResumableDataLoader(_dataset(), batch_size=4, seed=1, global_step=step)
+    prefix = saver.save(Session({"data": resumable}), str(tmp_path / "m"), global_step=0)
+    assert prefix is not None
 
 
 def test_loader_epochs_and_length():

@@ -20,6 +20,12 @@ resumed epoch distributes its batches over the workers from the resume point.
 
 Objects of ``torchdata.stateful_dataloader.StatefulDataLoader`` (or any object with
 ``state_dict``/``load_state_dict``) can be put in the state as they are.
+
+A ``ResumableSampler`` cannot be checkpointed on its own: a plain ``DataLoader`` draws its
+indices ahead of the training loop (a batch per fetch, several with worker prefetching), so
+the sampler cannot know which samples were trained on. Put the ``ResumableDataLoader`` in the
+state; a sampler found in the state makes the save fail with a ``TypeError`` that says so
+(rather than checkpointing offset 0 and silently replaying an epoch from its start).
 """
 
 from __future__ import annotations
@@ -54,7 +60,9 @@ class ResumableSampler(Sampler[int]):
         epoch: The epoch whose order is yielded.
         start: The position in that order where iteration starts.
 
-    The sampler itself does not move: ``ResumableDataLoader`` sets ``epoch`` and ``start``.
+    The sampler itself does not move: ``ResumableDataLoader`` sets ``epoch`` and ``start``
+    (or set them yourself). It does not record its position: do not put it in the state
+    (``state_dict`` raises ``TypeError``); put the ``ResumableDataLoader`` there instead.
     """
 
     def __init__(self, data_source: Sized | int, *, shuffle: bool = True, seed: int = 0):
@@ -79,13 +87,32 @@ class ResumableSampler(Sampler[int]):
         return max(0, self._n - self.start)
 
     def state_dict(self) -> dict[str, int]:
-        """Return ``{"epoch", "start"}``."""
-        return {"epoch": self.epoch, "start": self.start}
+        """Refuse to be checkpointed: the sampler does not know what was trained on.
+
+        A ``DataLoader`` draws indices before the loop trains on them (ahead by the
+        prefetched batches with workers), so a position counted here would skip or replay
+        samples after a restart, and ``start`` never moves by itself (it would save offset 0).
+
+        Raises:
+            TypeError: Always, saying to put a ``ResumableDataLoader`` in the state instead
+                (a save of a state holding the sampler fails with it).
+        """
+        raise TypeError(_NOT_CHECKPOINTABLE)
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Restore ``epoch`` and ``start``."""
-        self.epoch = int(state_dict["epoch"])
-        self.start = int(state_dict["start"])
+        """Refuse to be restored (see ``state_dict``).
+
+        Raises:
+            TypeError: Always.
+        """
+        raise TypeError(_NOT_CHECKPOINTABLE)
+
+
+_NOT_CHECKPOINTABLE = (
+    "A ResumableSampler cannot be checkpointed: the DataLoader draws its indices ahead of "
+    "training, so it does not know which samples were trained on. Put a ResumableDataLoader "
+    "(which drives a ResumableSampler and records the batches trained on) in the state instead"
+)
 
 
 class ResumableDataLoader:
