@@ -11,11 +11,13 @@ import threading
 import time
 
 import pytest
+import torch
 
-from torchsupervisor import latest_checkpoint
+from torchsupervisor import GlobalStep, Saver, Session, latest_checkpoint
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.storage import is_temporary_name
+from torchsupervisor.checkpoint.storage import FileSystem, is_temporary_name
 from torchsupervisor.preemption import PreemptionHandler
+from torchsupervisor.services import CheckpointService
 
 WORKER = os.path.join(os.path.dirname(__file__), "preemption_worker.py")
 STEPS = 90
@@ -230,3 +232,59 @@ def test_managed_session_installs_and_restores_the_handlers(tmp_path):
     with off.managed_session():
         assert signal.getsignal(signal.SIGTERM) == before
     assert sv.preempted is None
+
+
+class HangingFS(FileSystem):
+    """Once armed, every fsync hangs until released (a dead NFS server, a stuck disk)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def fsync(self, fd: int) -> None:
+        if self.armed:
+            self.entered.set()
+            self.release.wait(120)  # A regression must not hang the test run for ever.
+        super().fsync(fd)
+
+
+@pytest.mark.parametrize("hangs", ["the save in flight", "the final save"])
+def test_a_hung_fsync_cannot_overrun_the_grace_budget(tmp_path, caplog, hangs):
+    fs = HangingFS()
+    w = torch.zeros(1000)
+    step = GlobalStep()
+    sess = Session({"w": w, "global_step": step})
+    saver = Saver(fs=fs)
+    service = CheckpointService(sess, saver, str(tmp_path / "model.ckpt"), step, writer=None)
+    service.save_now()  # Step 0, committed.
+    fs.armed = True
+    watchdog = threading.Timer(30, fs.release.set)  # Fails the timing below, never hangs.
+    watchdog.start()
+    try:
+        step.increment()
+        w.add_(1)
+        if hangs == "the save in flight":
+            service.request()
+            sess.boundary.run_pending()  # The background save of step 1 starts...
+            assert fs.entered.wait(60)  # ...and hangs in fsync.
+            step.increment()
+        start = time.monotonic()
+        with caplog.at_level("WARNING", "torchsupervisor"):
+            assert service.save_now(timeout_secs=0.5) is None
+            elapsed = time.monotonic() - start
+            # The Supervisor's stop then neither waits for the stuck writer nor joins it.
+            assert service.wait() is True
+            saver.close()
+        assert elapsed < 10, elapsed  # 0.5 s budget; generous for a busy machine.
+        assert time.monotonic() - start < 15
+        assert "abandoned" in caplog.text
+        assert saver.in_flight  # Still stuck in fsync...
+    finally:
+        fs.release.set()
+        watchdog.cancel()
+    assert saver.wait(60)  # ...until the call returns: then it stops, committing nothing.
+    names = os.listdir(tmp_path)
+    assert sorted(n for n in names if n.endswith(".index")) == ["model.ckpt-0.index"]
+    assert not [n for n in names if is_temporary_name(n)]
+    assert CheckpointReader(latest_checkpoint(str(tmp_path))).global_step == 0

@@ -139,6 +139,7 @@ class CheckpointService:
         self._deferred = False
         self._idle = threading.Event()
         self._idle.set()
+        self._stuck = False  # An abandoned save is stuck in a file-system call.
         self._last_step = (
             read_step(global_step) if global_step is not None and sess.restored_checkpoint else None
         )
@@ -239,6 +240,12 @@ class CheckpointService:
         return prefix
 
     def _save_within(self, budget_secs: float) -> str | None:
+        """Save at the current step, returning within ``budget_secs`` whatever the disk does.
+
+        Every wait is bounded by the deadline, including the waits for a cancelled save to
+        end: a writer stuck in a system call (a hung fsync) is left behind, cancelled (it
+        commits nothing and removes its files when the call returns), and None is returned.
+        """
         deadline = time.monotonic() + budget_secs
 
         def remaining() -> float:
@@ -246,8 +253,13 @@ class CheckpointService:
 
         if not (self._saver.wait(remaining()) and self._idle.wait(remaining())):
             logger.warning("The checkpoint being written did not finish in time: abandoned")
-            self._saver.cancel()
-            self._idle.wait()
+            if not self._abandon(remaining):
+                logger.error(
+                    "The checkpoint being written is stuck in a file-system call; no final "
+                    "checkpoint within %.1f s (the last committed checkpoint is kept)",
+                    budget_secs,
+                )
+                return None
         step = self._current_step()
         if step is not None and step == self._last_step:
             return None
@@ -267,15 +279,45 @@ class CheckpointService:
                 step,
                 budget_secs,
             )
-            self._saver.cancel()
-            self._idle.wait()
+            self._abandon(remaining)
             return None
         return future.result() if future.exception() is None else None
 
-    def wait(self) -> None:
-        """Wait for the save being written, if any, and for its CHECKPOINT event."""
-        self._saver.wait()
-        self._idle.wait()
+    def _abandon(self, remaining: Any) -> bool:
+        """Cancel the save in flight; wait for it to end until the deadline at the latest.
+
+        Returns:
+            True if it ended (its CHECKPOINT event or error reported), False if it is still
+            stuck; later waits of this service then do not wait for it.
+        """
+        ended = self._saver.cancel(remaining()) and self._idle.wait(remaining())
+        if not ended:
+            self._stuck = True
+        return ended
+
+    def wait(self, timeout_secs: float | None = None) -> bool:
+        """Wait for the save being written, if any, and for its CHECKPOINT event.
+
+        A save abandoned by ``save_now(timeout_secs=...)`` that is still stuck in a
+        file-system call is not waited for.
+
+        Args:
+            timeout_secs: Longest wait, in seconds; None: no limit.
+
+        Returns:
+            True if no save is in flight any more (or only an abandoned, stuck one).
+        """
+        if self._stuck:
+            if self._saver.in_flight or not self._idle.is_set():
+                logger.warning("Not waiting for the abandoned checkpoint save (stuck)")
+                return True
+            self._stuck = False
+        deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        return self._saver.wait(left()) and self._idle.wait(left())
 
 
 class SVTimerCheckpointThread(LooperThread):
