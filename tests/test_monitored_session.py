@@ -27,6 +27,8 @@ from torchsupervisor.errors import (
     AbortedError,
     DataLossError,
     DeadlineExceededError,
+    InvalidArgumentError,
+    NotFoundError,
     OutOfRangeError,
     UnavailableError,
 )
@@ -718,3 +720,28 @@ def test_training_session_passes_stop_grace_period_secs(caplog):
         stubborn.join(JOIN_SECS)
     assert elapsed < 60
     assert "stubborn-input" in caplog.text
+
+
+def test_training_session_errors_at_creation(tmp_path):
+    with pytest.raises(
+        RuntimeError, match=r"^Global step should be created to use StepCounterHook\.$"
+    ):
+        MonitoredTrainingSession(checkpoint_dir=str(tmp_path / "a"), state={"w": torch.zeros(1)})
+    counter = Counter()
+    with MonitoredTrainingSession(checkpoint_dir=str(tmp_path), state=counter.state) as sess:
+        sess.run(counter.step)
+    with pytest.raises(NotFoundError, match="extra"):
+        MonitoredTrainingSession(
+            checkpoint_dir=str(tmp_path), state={**Counter().state, "extra": torch.zeros(1)}
+        )
+    with pytest.raises(InvalidArgumentError):
+        MonitoredTrainingSession(
+            checkpoint_dir=str(tmp_path),
+            state={"w": torch.zeros(3), "global_step": GlobalStep()},
+        )
+    for name in os.listdir(tmp_path):
+        if name.endswith(".index"):
+            with open(tmp_path / name, "r+b") as f:
+                f.write(b"garbage")  # Every checkpoint is damaged.
+    with pytest.raises(DataLossError, match="No valid checkpoint in"):
+        MonitoredTrainingSession(checkpoint_dir=str(tmp_path), state=Counter().state)
