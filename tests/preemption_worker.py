@@ -17,13 +17,24 @@ Options:
     --grace SECS           preemption_grace_secs
     --exit-code N          preemption_exit_code
     --slow-start SECS      sleep inside init_fn (SIGTERM during start-up)
+    --gate PATH            hold one checkpoint write: once armed, the first fsync of checkpoint
+                           files prints ``STALLED`` and waits until PATH exists, then prints
+                           ``RELEASED`` (a save deterministically in flight)
+    --gate-after-step N    arm the gate once the global step reaches N (default 0)
+    --gate-on-signal       arm the gate only once a preemption signal was received (holds the
+                           final checkpoint)
+    --signals NAMES        preemption signals, comma-separated (default SIGTERM,SIGUSR1)
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
+import signal
+import sys
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -34,12 +45,38 @@ from torchsupervisor.checkpoint.storage import FileSystem
 from torchsupervisor.data import ResumableDataLoader
 
 
+def say(line: str) -> None:
+    """Print one line with a single write (the writer thread prints too)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 class SlowFS(FileSystem):
     def __init__(self, delay_secs: float) -> None:
         self.delay_secs = delay_secs
 
     def fsync(self, fd: int) -> None:
         time.sleep(self.delay_secs)
+        super().fsync(fd)
+
+
+class GateFS(SlowFS):
+    """Holds the first fsync after it is armed until the gate file exists (once)."""
+
+    def __init__(self, delay_secs: float, gate: str) -> None:
+        super().__init__(delay_secs)
+        self.gate = gate
+        self.armed: Callable[[], bool] = lambda: False
+        self.used = False
+
+    def fsync(self, fd: int) -> None:
+        if not self.used and self.armed():
+            self.used = True
+            say("STALLED")
+            deadline = time.monotonic() + 120
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            say("RELEASED")
         super().fsync(fd)
 
 
@@ -54,6 +91,10 @@ def main() -> None:
     parser.add_argument("--grace", type=float, default=30.0)
     parser.add_argument("--exit-code", type=int, default=None)
     parser.add_argument("--slow-start", type=float, default=0.0)
+    parser.add_argument("--gate", default=None)
+    parser.add_argument("--gate-after-step", type=int, default=0)
+    parser.add_argument("--gate-on-signal", action="store_true")
+    parser.add_argument("--signals", default="SIGTERM,SIGUSR1")
     args = parser.parse_args()
 
     data = torch.Generator().manual_seed(1234)
@@ -75,10 +116,15 @@ def main() -> None:
     state = {"model": model, "optimizer": optimizer, "global_step": step, "data": loader}
     if args.big:
         state["big"] = torch.zeros(args.big * 250_000)
-    saver = ts.Saver(fs=SlowFS(args.slow_fsync)) if args.slow_fsync else ts.Supervisor.USE_DEFAULT
+    fs: SlowFS | None = None
+    if args.gate:
+        fs = GateFS(args.slow_fsync, args.gate)
+    elif args.slow_fsync:
+        fs = SlowFS(args.slow_fsync)
+    saver = ts.Saver(fs=fs) if fs is not None else ts.Supervisor.USE_DEFAULT
 
     def slow_start(sess: ts.Session) -> None:
-        print("STARTING", flush=True)
+        say("STARTING")
         time.sleep(args.slow_start)
 
     sv = ts.Supervisor(
@@ -90,7 +136,13 @@ def main() -> None:
         init_fn=slow_start if args.slow_start else None,
         preemption_grace_secs=args.grace,
         preemption_exit_code=args.exit_code,
+        preemption_signals=[getattr(signal, name) for name in args.signals.split(",")],
     )
+    if isinstance(fs, GateFS):
+        if args.gate_on_signal:
+            fs.armed = lambda: sv.preempted is not None
+        else:
+            fs.armed = lambda: step.value >= args.gate_after_step
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> float:
         optimizer.zero_grad()
@@ -104,18 +156,18 @@ def main() -> None:
         return loss.item()
 
     with sv.managed_session() as sess:
-        print(f"READY {step.value}", flush=True)
+        say(f"READY {step.value}")
         while not sv.should_stop() and step.value < args.max_steps:
             for x, y in loader:
                 if sv.should_stop() or step.value >= args.max_steps:
                     break
                 current = step.value
                 loss = sess.run(train_step, feed_dict={"x": x, "y": y})
-                print(f"LOSS {current} {loss!r}", flush=True)
+                say(f"LOSS {current} {loss!r}")
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():
         digest.update(tensor.numpy().tobytes())
-    print(f"DONE {step.value} {digest.hexdigest()}", flush=True)
+    say(f"DONE {step.value} {digest.hexdigest()}")
 
 
 if __name__ == "__main__":

@@ -127,15 +127,73 @@ def test_sigkill_then_restart_replays_bitwise_from_the_checkpoint(tmp_path, refe
     assert _done(lines)[1] == ref_digest
 
 
+def _release(gate):
+    with open(gate, "w"):
+        pass
+
+
+def _wait_for_first_commit(logdir):
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(logdir, "checkpoint")):  # Step 0 is committed.
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_sigterm_during_a_background_save(tmp_path):
-    logdir = str(tmp_path)
-    # 8 MB changing every step, each fsync 50 ms: a save is almost always being written.
-    proc = _start(logdir, "--big", "8", "--slow-fsync", "0.05", "--step-delay", "0.005")
-    _read_until(proc, "LOSS 10 ")
+    logdir = str(tmp_path / "run")
+    gate = str(tmp_path / "gate")
+    # The first checkpoint from step 10 on is held in its first fsync until the gate opens.
+    proc = _start(logdir, "--gate", gate, "--gate-after-step", "10", "--step-delay", "0.05")
+    lines = _read_until(proc, "STALLED")  # That save is in flight, for sure...
+    proc.send_signal(signal.SIGTERM)  # ...when the signal arrives.
+    _release(gate)
+    out, err, code = _finish(proc)
+    assert code == 0, err
+    lines += out
+    assert "RELEASED" in lines
+    stopped, _ = _done(lines)
+    assert stopped >= 10 and "Received SIGTERM: stopping at step" in err
+    # The held save committed, then the final checkpoint at the step where training stopped.
+    steps = _valid_checkpoints(logdir)
+    assert steps[-1] == stopped
+    assert CheckpointReader(latest_checkpoint(logdir)).global_step == stopped
+    assert [s for s in steps if s >= 10], steps
+
+
+def test_a_second_sigterm_during_the_final_checkpoint(tmp_path):
+    logdir = str(tmp_path / "run")
+    gate = str(tmp_path / "gate")
+    # Only the step-0 checkpoint before the signal; the final one is held in its first fsync.
+    proc = _start(
+        logdir,
+        *("--gate", gate, "--gate-on-signal", "--save-model-secs", "3600"),
+        *("--step-delay", "0.05"),
+    )
+    _read_until(proc, "LOSS 5 ")
+    _wait_for_first_commit(logdir)
     proc.send_signal(signal.SIGTERM)
+    lines = _read_until(proc, "STALLED")  # The final checkpoint is being written...
+    proc.send_signal(signal.SIGTERM)  # ...when the second signal arrives.
+    _release(gate)
+    out, err, code = _finish(proc)
+    assert code == 0, err
+    stopped, _ = _done(lines + out)
+    assert stopped > 5
+    assert err.count("Received SIGTERM: stopping at step") == 1, err
+    assert _valid_checkpoints(logdir) == [0, stopped]
+
+
+def test_sigint_configured_as_a_preemption_signal(tmp_path):
+    logdir = str(tmp_path)
+    proc = _start(logdir, "--signals", "SIGINT", "--step-delay", "0.05")
+    _read_until(proc, "LOSS 5 ")
+    proc.send_signal(signal.SIGINT)
     lines, err, code = _finish(proc)
     assert code == 0, err
+    assert "KeyboardInterrupt" not in err
+    assert "Received SIGINT: stopping at step" in err
     stopped, _ = _done(lines)
+    assert 5 < stopped < STEPS
     assert _valid_checkpoints(logdir)[-1] == stopped
 
 
@@ -148,17 +206,6 @@ def test_sigterm_during_startup(tmp_path):
     assert code == 0, err
     assert _done(lines)[0] == 0
     assert _valid_checkpoints(logdir) == [0]
-
-
-def test_sigterm_twice(tmp_path):
-    logdir = str(tmp_path)
-    proc = _start(logdir, "--big", "8", "--slow-fsync", "0.05", "--step-delay", "0.005")
-    _read_until(proc, "LOSS 5 ")
-    proc.send_signal(signal.SIGTERM)
-    proc.send_signal(signal.SIGTERM)
-    lines, err, code = _finish(proc)
-    assert code == 0, err
-    assert _valid_checkpoints(logdir)[-1] == _done(lines)[0]
 
 
 def test_requeue_exit_code(tmp_path):
@@ -182,10 +229,7 @@ def test_a_final_checkpoint_that_cannot_finish_in_time_is_abandoned_cleanly(tmp_
         *("--step-delay", "0.05"),
     )
     _read_until(proc, "READY")
-    deadline = time.monotonic() + 60
-    while not os.path.exists(os.path.join(logdir, "checkpoint")):  # Step 0 is committed.
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _wait_for_first_commit(logdir)
     proc.send_signal(signal.SIGTERM)
     _, err, code = _finish(proc)
     assert code == 0, err
