@@ -20,7 +20,10 @@ on the same machine and the same directory:
   page cache (a restart on the same machine; the target) and not (a new machine; unreliable on
   a virtual machine whose host caches files: see ``measure_restore``);
 * incremental: bytes written by a checkpoint of a model whose backbone (the state above) is
-  frozen and only a small head trains, against the full checkpoint.
+  frozen and only a small head trains, against the full checkpoint: one incremental save, and
+  the average over a whole cycle of saves (incremental saves plus the full save that the
+  saver makes regularly, so that the kept checkpoints hold two independent copies of every
+  tensor).
 
 It prints a table and writes the figures as JSON (``--json``, default
 ``benchmarks/results/checkpoint.json``).
@@ -50,6 +53,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from torchsupervisor import Saver, Session
+from torchsupervisor.checkpoint.policy import default_full_save_interval
 from torchsupervisor.state import flatten_state
 
 MB = 1_000_000
@@ -310,6 +314,7 @@ sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import torch
 from checkpoint import build_state, drop_from_page_cache, warm_page_cache
 from torchsupervisor import Saver, Session
+from torchsupervisor.checkpoint.policy import default_full_save_interval
 state = build_state({size_bytes})
 (drop_from_page_cache if {cold} else warm_page_cache)({os.path.dirname(source)!r})
 t0 = time.perf_counter()
@@ -348,8 +353,14 @@ def measure_restore(
     return {key: statistics.median(values) for key, values in results.items()}
 
 
-def measure_incremental(size_bytes: int, directory: str) -> dict[str, float]:
-    """A frozen backbone (the state above) and a trainable head: bytes of the second save."""
+def measure_incremental(size_bytes: int, directory: str) -> dict[str, Any]:
+    """A frozen backbone (the state above) and a trainable head: bytes of each save.
+
+    With the default ``max_to_keep=5`` the saves go full, full, then a cycle of three
+    incremental saves and a full one. Measured: the first incremental save (the third save)
+    and the average over one cycle in steady state (saves 2 to ``K + 1``: one full save and
+    ``K - 1`` incremental ones, ``K`` being the saver's full-save interval).
+    """
     torch.manual_seed(0)
     backbone = build_state(size_bytes)["model"].requires_grad_(False)
     width = backbone[0].in_features
@@ -357,7 +368,8 @@ def measure_incremental(size_bytes: int, directory: str) -> dict[str, float]:
     model = nn.Sequential(backbone, head)
     opt = torch.optim.Adam(head.parameters(), lr=1e-3)
     state = {"model": model, "optimizer": opt}
-    saver = Saver(max_to_keep=2)
+    saver = Saver(max_to_keep=5)
+    interval = default_full_save_interval(5)  # Saves per chain: 4.
     sess = Session(state)
     path = os.path.join(directory, "incremental", "model.ckpt")
     os.makedirs(os.path.dirname(path))
@@ -367,14 +379,23 @@ def measure_incremental(size_bytes: int, directory: str) -> dict[str, float]:
         model(torch.randn(4, width)).pow(2).mean().backward()
         opt.step()
 
-    train()
-    saver.save(sess, path, global_step=1)
-    full = saver.last_save.bytes_written
-    train()
-    t0 = time.perf_counter()
-    saver.save(sess, path, global_step=2)
-    secs = time.perf_counter() - t0
-    return {"full_bytes": full, "incremental_bytes": saver.last_save.bytes_written, "secs": secs}
+    written = []
+    secs = []
+    for step in range(1, interval + 2):
+        train()
+        t0 = time.perf_counter()
+        saver.save(sess, path, global_step=step)
+        secs.append(time.perf_counter() - t0)
+        written.append(saver.last_save.bytes_written)
+    cycle = written[1:]
+    return {
+        "full_bytes": written[0],
+        "incremental_bytes": written[2],
+        "secs": secs[2],
+        "cycle_saves": len(cycle),
+        "cycle_average_bytes": sum(cycle) / len(cycle),
+        "bytes_per_save": written,
+    }
 
 
 def run_size(size_bytes: int, root: str, repeat: int) -> dict[str, Any]:
@@ -420,6 +441,8 @@ def ratios(row: dict[str, Any]) -> dict[str, float]:
         "restore_vs_torch_load_cold": row["restore"]["ours_cold_secs"]
         / row["restore"]["torch_load_cold_secs"],
         "incremental_fraction": row["incremental"]["incremental_bytes"]
+        / row["incremental"]["full_bytes"],
+        "incremental_cycle_fraction": row["incremental"]["cycle_average_bytes"]
         / row["incremental"]["full_bytes"],
     }
 
@@ -468,6 +491,16 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['steps_per_sec_ratio']:6.2f} {ms(restore['ours_warm_secs']):>10} "
             f"{ms(restore['torch_load_warm_secs']):>10} {r['restore_vs_torch_load']:6.2f} "
             f"{100 * r['incremental_fraction']:8.2f}"
+        )
+    print()
+    print("Incremental checkpoints of a frozen backbone (bytes written, % of a full save)")
+    print(f"{'state MB':>9} {'full MB':>9} {'incr. %':>8} {'cycle':>6} {'cycle avg %':>11}")
+    for row in rows:
+        r, incremental = ratios(row), row["incremental"]
+        print(
+            f"{row['state_bytes'] / MB:9.0f} {incremental['full_bytes'] / MB:9.1f} "
+            f"{100 * r['incremental_fraction']:8.2f} {incremental['cycle_saves']:6d} "
+            f"{100 * r['incremental_cycle_fraction']:11.2f}"
         )
     print()
     print("Restore from a cold page cache (ms; see the note in measure_restore)")

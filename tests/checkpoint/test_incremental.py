@@ -11,6 +11,7 @@ from torch import nn
 
 from torchsupervisor import Saver, Session, SessionManager
 from torchsupervisor.checkpoint.incremental import StaleReferenceError
+from torchsupervisor.checkpoint.policy import default_full_save_interval
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.recovery import restore_candidates
 from torchsupervisor.errors import CheckpointSaveError, CorruptCheckpointError
@@ -172,8 +173,15 @@ def test_full_save_every_n_saves(tmp_path):
         full.append(saver.last_save.bytes_reused == 0)
     # F F (first chain has no predecessor) then a full save every 2 saves.
     assert full == [True, True, False, True, False, True, False]
-    default = Saver(max_to_keep=10)
-    assert default._full_every == 9
+    assert [default_full_save_interval(n) for n in (None, 0, 1, 2, 3, 5, 10)] == [
+        4,
+        4,
+        1,
+        1,
+        2,
+        4,
+        9,
+    ]
     with pytest.raises(ValueError, match="full_save_every_n_saves must be at least 1, got 0"):
         Saver(full_save_every_n_saves=0)
 
