@@ -19,9 +19,11 @@ emulated: replicas average gradients with all-reduce (``DistributedDataParallel`
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
+import threading
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
@@ -102,6 +104,40 @@ def _agent_store(timeout: datetime.timedelta | None) -> dict[str, Any]:
     }
 
 
+_EXIT_HOOK: list[bool] = []
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the process group ``connect`` created when the program exits (once).
+
+    Without it, gloo's worker threads may release the tensors of the last collective after
+    the interpreter began to shut down; taking the GIL then ends the thread inside a C++
+    destructor and the process aborts ("terminate called without an active exception"),
+    at random, after a run that succeeded. The teardown runs on a helper thread and is given
+    a few seconds: a collective stuck with a dead peer must not keep the process alive.
+    """
+    if _EXIT_HOOK:
+        return
+    _EXIT_HOOK.append(True)
+
+    def destroy() -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # Exiting anyway.
+                logger.debug("Destroying the process group at exit failed: %s", e)
+
+    def at_exit() -> None:
+        helper = threading.Thread(target=destroy, name="torchsupervisor-pg-teardown", daemon=True)
+        helper.start()
+        helper.join(_TEARDOWN_SECS)
+
+    atexit.register(at_exit)
+
+
+_TEARDOWN_SECS = 5.0
+
+
 def connect(master: str, timeout_secs: float | None = None, backend: str | None = None) -> bool:
     """Join the process group named by ``master`` (once; later calls reuse it).
 
@@ -154,6 +190,7 @@ def connect(master: str, timeout_secs: float | None = None, backend: str | None 
                 f"Session was not ready after waiting {int(timeout_secs or 0)} secs.",
             ) from e
         raise
+    _destroy_at_exit()
     logger.info(
         "Joined the process group as rank %d of %d (%s)",
         dist.get_rank(),

@@ -39,11 +39,15 @@ from torchsupervisor.checkpoint.format import (
     dtype_to_code,
     encode_tree,
 )
-from torchsupervisor.errors import DeadlineExceededError, InvalidArgumentError
+from torchsupervisor.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+)
 from torchsupervisor.global_step import read_step
 from torchsupervisor.state import flatten_state, load_state
 
-__all__ = ["ReplicaGroup", "StopAgreement"]
+__all__ = ["ReplicaAbort", "ReplicaGroup", "StopAgreement"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -51,6 +55,18 @@ logger = logging.getLogger("torchsupervisor")
 def _store() -> Any:
     # The default group's store: the rendezvous every rank already shares.
     return dist.distributed_c10d._get_default_store()
+
+
+class ReplicaAbort(FailedPreconditionError):
+    """A replica gave up on an agreement (its session failed): the others stop waiting.
+
+    Attributes:
+        reason: The text of the rank that gave up (``"rank 1: <why>"``).
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(None, None, f"A replica gave up: {reason}")
+        self.reason = reason
 
 
 class ReplicaGroup:
@@ -78,19 +94,29 @@ class ReplicaGroup:
         """Return this session's store key for ``name``."""
         return self._prefix + name
 
-    def publish_ready(self, info: Mapping[str, Any]) -> None:
+    def publish_ready(self, info: Mapping[str, Any], name: str = "ready") -> None:
         """(Chief) Announce that the state is ready, with the resume point ``info``."""
-        self._store.set(self.key("ready"), json.dumps(dict(info)))
+        self._store.set(self.key(name), json.dumps(dict(info)))
 
     def wait_ready(
-        self, recovery_wait_secs: float, max_wait_secs: float | None, sleep: Any = time.sleep
+        self,
+        recovery_wait_secs: float,
+        max_wait_secs: float | None,
+        sleep: Any = time.sleep,
+        name: str = "ready",
     ) -> dict[str, Any]:
         """(Non-chief) Wait until the chief published; return its resume point.
+
+        Args:
+            recovery_wait_secs: Seconds between two looks at the store.
+            max_wait_secs: Longest wait in seconds (None: forever).
+            sleep: The sleep function (tests pass a fake one).
+            name: The key the chief publishes (``publish_ready`` uses ``"ready"``).
 
         Raises:
             DeadlineExceededError: ``"Session was not ready after waiting %d secs."``.
         """
-        key = self.key("ready")
+        key = self.key(name)
         limit = float("inf") if max_wait_secs is None else max_wait_secs
         start = time.monotonic()
         while not self._store.check([key]):
@@ -102,6 +128,89 @@ class ReplicaGroup:
             logger.info("Waiting for the chief to make the model ready.")
             sleep(recovery_wait_secs)
         return json.loads(self._store.get(key).decode("utf-8"))
+
+    # -------------------------------------------- every rank posts, every rank reads all
+
+    def post(self, name: str, value: Any) -> None:
+        """Post this rank's value (JSON-serializable) under ``name``.
+
+        Thread safety: any thread (the store client serializes its requests).
+        """
+        self._store.set(self.key(f"{name}/{self.rank}"), json.dumps(value))
+
+    def collect(self, name: str) -> list[Any] | None:
+        """Every rank's value of ``name`` in rank order, or None if some rank has not posted."""
+        keys = [self.key(f"{name}/{r}") for r in range(self.world_size)]
+        if not self._store.check(keys):
+            return None
+        return [json.loads(self._store.get(k).decode("utf-8")) for k in keys]
+
+    def gather(
+        self,
+        name: str,
+        timeout_secs: float,
+        *,
+        what: str,
+        abort: str | None = None,
+        poll_secs: float = 0.01,
+    ) -> list[Any]:
+        """Wait until every rank has posted ``name``; return the values in rank order.
+
+        Args:
+            name: The name the ranks post under.
+            timeout_secs: Longest wait in seconds.
+            what: What is being agreed on, for the error message.
+            abort: A flag name (see ``raise_flag``): if some rank raised it, stop waiting.
+            poll_secs: Seconds between two looks at the store.
+
+        Raises:
+            DeadlineExceededError: If some rank did not post within ``timeout_secs``, naming
+                those ranks.
+            ReplicaAbort: If the ``abort`` flag was raised (its text is the reason).
+        """
+        deadline = time.monotonic() + timeout_secs
+        while True:
+            values = self.collect(name)
+            if values is not None:
+                return values
+            if abort is not None:
+                reason = self.flag(abort)
+                if reason is not None:
+                    raise ReplicaAbort(reason)
+            if time.monotonic() > deadline:
+                missing = self.missing(name)
+                raise DeadlineExceededError(
+                    None,
+                    None,
+                    f"{what}: rank(s) {missing} did not answer within {timeout_secs:g} s (a "
+                    "replica stopped, or its training thread is stuck)",
+                )
+            time.sleep(poll_secs)
+
+    def missing(self, name: str) -> list[int]:
+        """The ranks that have not posted ``name``."""
+        return [
+            r for r in range(self.world_size) if not self._store.check([self.key(f"{name}/{r}")])
+        ]
+
+    def decide(self, name: str, proposal: str) -> str:
+        """Record ``proposal`` as the decision ``name`` unless one exists; return the decision.
+
+        The first rank to decide wins (an atomic compare-and-set in the store); every rank
+        that asks gets that same decision back, whatever it proposed.
+        """
+        return self._store.compare_set(self.key(name), "", proposal).decode("utf-8")
+
+    def raise_flag(self, name: str, reason: str) -> None:
+        """Raise the flag ``name`` with ``reason`` (the first reason is kept)."""
+        self._store.compare_set(self.key(name), "", reason)
+
+    def flag(self, name: str) -> str | None:
+        """The reason the flag ``name`` was raised with, or None if it is not raised."""
+        key = self.key(name)
+        if not self._store.check([key]):
+            return None
+        return self._store.get(key).decode("utf-8")
 
     def broadcast_state(self, state: Mapping[str, Any]) -> None:
         """Make every rank's state equal to the chief's (a collective: every rank calls it).

@@ -45,10 +45,12 @@ from torchsupervisor.checkpoint.management import (
     find_incomplete_checkpoints,
     remove_checkpoint,
 )
+from torchsupervisor.checkpoint.recovery import restore_candidates
 from torchsupervisor.checkpoint.saver import Saver
+from torchsupervisor.checkpoint.sharded import is_sharded
 from torchsupervisor.clock import REAL_CLOCK, Clock
 from torchsupervisor.coordinator import Coordinator, LooperThread
-from torchsupervisor.errors import AbortedError, InvalidArgumentError
+from torchsupervisor.errors import AbortedError, FailedPreconditionError, InvalidArgumentError
 from torchsupervisor.global_step import GlobalStep, read_step
 from torchsupervisor.preemption import DEFAULT_PREEMPTION_SIGNALS, PreemptionHandler
 from torchsupervisor.registry import (
@@ -69,6 +71,7 @@ from torchsupervisor.services import (
 )
 from torchsupervisor.session import Session
 from torchsupervisor.session_manager import SessionManager
+from torchsupervisor.sharded_service import ShardedCheckpointService
 from torchsupervisor.summary.ops import merge_all
 from torchsupervisor.summary.writer import SERVICE_MAX_QUEUE, SummaryWriter
 from torchsupervisor.variables import (
@@ -221,7 +224,13 @@ class Supervisor:
         self._recovery_wait_secs = recovery_wait_secs
         self._generation = 0
         self._stop_agreement: StopAgreement | None = None
-        self._recovery_wait_secs = recovery_wait_secs
+        # With a sharded state every replica restores and saves, so every rank keeps these
+        # (the public properties stay None on non-chiefs, as in TF).
+        self._replica_logdir = logdir or None
+        self._replica_save_path = os.path.join(logdir, checkpoint_basename) if logdir else None
+        self._replica_save_model_secs = save_model_secs
+        self._sharded_replicas = False
+        self._sharded_service: ShardedCheckpointService | None = None
         self._stop_grace_secs = stop_grace_secs
         self._init_fn = init_fn
         self._logdir: str | None = None
@@ -407,7 +416,33 @@ class Supervisor:
                 )
             self._generation += 1
             replicas = ReplicaGroup(self._generation)
-        if replicas is not None and not self._is_chief:
+        self._sharded_replicas = replicas is not None and is_sharded(self._state)
+        if replicas is not None and self._sharded_replicas:
+            sess = self._prepare_sharded(
+                replicas, master, config, wait_for_checkpoint, max_wait_secs
+            )
+            self._sess = sess
+            self._stop_agreement = StopAgreement(replicas, self._global_step)
+            if (
+                start_standard_services
+                and self._saver is not None
+                and self._replica_save_model_secs
+                and self._replica_save_path
+            ):
+                self._sharded_service = ShardedCheckpointService(
+                    sess,
+                    self._saver,
+                    self._replica_save_path,
+                    self._global_step,
+                    replicas,
+                    writer=self._summary_writer,
+                    on_error=self._stop_on_error if self._stop_on_checkpoint_error else None,
+                )
+                self._sharded_service.start()
+            if self._is_chief and start_standard_services:
+                logger.info("Starting standard services.")
+                self.start_standard_services(sess)
+        elif replicas is not None and not self._is_chief:
             info = replicas.wait_ready(self._recovery_wait_secs, max_wait_secs)
             sess = self._session_manager.wait_for_session(
                 master, config=config, max_wait_secs=max_wait_secs
@@ -451,6 +486,69 @@ class Supervisor:
         if start_standard_services:
             logger.info("Starting queue runners.")
             self.start_queue_runners(sess)
+        return sess
+
+    def _prepare_sharded(
+        self,
+        replicas: ReplicaGroup,
+        master: str,
+        config: Any,
+        wait_for_checkpoint: bool,
+        max_wait_secs: float,
+    ) -> Session:
+        """Every rank restores its shards of the same checkpoint, or initializes them.
+
+        The chief first cleans what a crash left in the logdir; the others wait for that
+        (``recovery_wait_secs`` polling, ``max_wait_secs``). Every rank then lists the
+        checkpoints it would try; the lists must be equal (a logdir that is not shared, or a
+        save racing the start, is an error on every rank). Every rank then goes through the
+        SessionManager: ``Saver.restore`` is a collective whose errors reach every rank, so a
+        corrupt checkpoint makes every rank fall back to the same older one. With nothing to
+        restore, each rank runs ``init_op`` and ``init_fn`` on its own shards. At the end the
+        ranks check that they resumed from the same checkpoint at the same step.
+        """
+        logdir = self._replica_logdir
+        if self._is_chief:
+            if logdir:
+                _clean_logdir(logdir)
+            replicas.publish_ready({}, name="restore/open")
+        else:
+            replicas.wait_ready(self._recovery_wait_secs, max_wait_secs, name="restore/open")
+        candidates = restore_candidates(logdir) if logdir and self._saver is not None else []
+        _agree(
+            replicas,
+            "restore/candidates",
+            {"logdir": bool(logdir), "candidates": [os.path.basename(c) for c in candidates]},
+            max_wait_secs,
+            what="the checkpoints to restore from (is the logdir shared by every replica?)",
+        )
+        try:
+            sess = self._session_manager.prepare_session(
+                master,
+                init_op=self._init_op,
+                saver=self._saver,
+                checkpoint_dir=logdir,
+                wait_for_checkpoint=wait_for_checkpoint,
+                max_wait_secs=max_wait_secs,
+                config=config,
+                init_feed_dict=self._init_feed_dict,
+                init_fn=self._init_fn,
+            )
+        except Exception as e:
+            replicas.raise_flag("restore/failed", f"rank {replicas.rank}: {type(e).__name__}: {e}")
+            raise
+        restored = sess.restored_checkpoint
+        _agree(
+            replicas,
+            "restore/result",
+            {
+                "checkpoint": os.path.basename(restored) if restored else None,
+                "step": None if self._global_step is None else self._current_step(),
+            },
+            max_wait_secs,
+            what="the resume point",
+            abort="restore/failed",
+        )
         return sess
 
     def start_standard_services(self, sess: Session) -> list[LooperThread] | None:
@@ -497,7 +595,16 @@ class Supervisor:
                         self._coord, self._save_summaries_secs, self._global_step, writer
                     )
                 )
-        if self._saver is not None and self._save_model_secs and self._save_path:
+        if self._sharded_replicas:
+            # Every rank takes part in a sharded checkpoint: the chief's timer only asks.
+            if self._sharded_service is not None and self._save_model_secs:
+                threads.append(self._sharded_service.timer(self._coord, self._save_model_secs))
+            elif self._saver is not None and self._save_model_secs and self._save_path:
+                logger.warning(
+                    "Sharded checkpoints need start_standard_services=True when the session "
+                    "is prepared on every replica; no periodic checkpoints"
+                )
+        elif self._saver is not None and self._save_model_secs and self._save_path:
             self._checkpoint_service = CheckpointService(
                 sess,
                 self._saver,
@@ -580,7 +687,9 @@ class Supervisor:
             try:
                 final_error = None
                 try:
-                    if clean_exit:
+                    if self._sharded_service is not None:
+                        final_error = self._final_sharded_checkpoint(clean_exit)
+                    elif clean_exit:
                         final_error = self._final_checkpoint()
                 finally:
                     self.stop(close_summary_writer=close_summary_writer)
@@ -588,6 +697,8 @@ class Supervisor:
                     raise final_error
             finally:
                 self._checkpoint_service = None
+                self._sharded_service = None
+                self._sharded_replicas = False
                 self._sess = None
                 self._preemption.uninstall()
                 if sess is not None:
@@ -622,6 +733,33 @@ class Supervisor:
             return e
         return None
 
+    def _final_sharded_checkpoint(self, clean_exit: bool) -> Exception | None:
+        """Every rank saves the last checkpoint together, or none does; never hangs.
+
+        A rank whose block failed, or whose threads reported an error, vetoes (its state may
+        be in the middle of a step); the others then skip at once. Otherwise every rank votes
+        and waits at most ``stop_grace_secs`` (or what is left of a preemption's grace period)
+        for the others.
+        """
+        service = self._sharded_service
+        assert service is not None
+        reason = None if clean_exit else "its session ended with an error"
+        if reason is None:
+            try:
+                self._coord.raise_requested_exception()
+            except BaseException as e:
+                reason = f"a thread failed: {type(e).__name__}: {e}"
+        if reason is not None:
+            service.veto(reason)
+            return None
+        budget = self._preemption_grace_secs if self._preemption.received is not None else None
+        try:
+            service.final(self._stop_grace_secs, budget)
+        except Exception as e:
+            logger.error("The final checkpoint failed: %s", e)
+            return e
+        return None
+
     def checkpoint(self) -> str | None:
         """Save a checkpoint now, at the current step, and wait until it is committed.
 
@@ -636,7 +774,19 @@ class Supervisor:
                 ``save_model_secs=0``, or outside ``managed_session``), or when called from
                 another thread than the training thread.
             CheckpointSaveError: If writing fails.
+            DeadlineExceededError: (Sharded state) if not every rank called it at the same
+                step within 300 s.
+
+        Distributed: with a replicated state only the chief can call it. With a sharded
+        state it is a collective: every rank calls it at the same step, and all save.
         """
+        if self._sharded_service is not None:
+            if self._sess is not None and threading.get_ident() != self._sess.boundary.owner_ident:
+                raise RuntimeError(
+                    "checkpoint() must be called from the training thread (the thread that "
+                    "created the session), between steps"
+                )
+            return self._sharded_service.save_now()
         if self._checkpoint_service is None:
             raise RuntimeError("checkpoint() needs a running checkpoint service on the chief")
         if self._sess is not None and threading.get_ident() != self._sess.boundary.owner_ident:
@@ -677,6 +827,8 @@ class Supervisor:
             if self._checkpoint_service is not None:
                 self._checkpoint_service.wait()
                 self._saver.close()  # No idle writer thread outlives the session.
+            if self._sharded_service is not None:
+                self._sharded_service.close()
             if close_summary_writer and self._summary_writer is not None:
                 self._summary_writer.add_session_log(SessionLog(status=SessionLog.STOP))
                 self._summary_writer.close()
@@ -722,7 +874,9 @@ class Supervisor:
             "Received %s: stopping at step %s%s",
             self._preemption.describe(),
             step,
-            " with a final checkpoint" if self._checkpoint_service is not None else "",
+            " with a final checkpoint"
+            if self._checkpoint_service is not None or self._sharded_service is not None
+            else "",
         )
         self._coord.request_stop()
 
@@ -811,6 +965,29 @@ def _is_int_step(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not (
         value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool
     )
+
+
+def _agree(
+    replicas: ReplicaGroup,
+    name: str,
+    value: Any,
+    timeout_secs: float,
+    *,
+    what: str,
+    abort: str | None = None,
+) -> None:
+    """Post ``value`` and check that every rank posted the same; raise on every rank if not.
+
+    Raises:
+        FailedPreconditionError: If the ranks posted different values (all of them listed),
+            or (``ReplicaAbort``) if a rank raised the ``abort`` flag.
+        DeadlineExceededError: If a rank did not post within ``timeout_secs``.
+    """
+    replicas.post(name, value)
+    values = replicas.gather(name, timeout_secs, what=f"Agreeing on {what}", abort=abort)
+    if any(v != values[0] for v in values):
+        listed = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        raise FailedPreconditionError(None, None, f"The replicas disagree on {what}: {listed}")
 
 
 def _clean_logdir(logdir: str) -> None:

@@ -119,13 +119,38 @@ class ShardedOptimizerState:
         """Return the optimizer's state keyed by parameter names (creating it if empty)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
+        with _without_step_hooks(self.optimizer):
+            return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state returned by ``state_dict`` (possibly of another world size)."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.model, self.optimizer, dict(state_dict), options=self.options)
+        with _without_step_hooks(self.optimizer):
+            set_optimizer_state_dict(
+                self.model, self.optimizer, dict(state_dict), options=self.options
+            )
+
+
+@contextlib.contextmanager
+def _without_step_hooks(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Silence the optimizer's step hooks while DCP creates an empty optimizer's state.
+
+    DCP creates the state of an optimizer that has not stepped yet by calling ``step()`` once
+    with zero gradients and a zero learning rate. That is not a training step: a
+    ``GlobalStep`` bound to the optimizer (``GlobalStep.bind``, a step post-hook) must not
+    count it.
+    """
+    hooks = getattr(optimizer, "_optimizer_step_post_hooks", None)
+    if optimizer.state or not isinstance(hooks, dict) or not hooks:
+        yield
+        return
+    saved = hooks.copy()
+    hooks.clear()
+    try:
+        yield
+    finally:
+        hooks.update(saved)
 
 
 def is_sharded(state: Mapping[str, Any]) -> bool:

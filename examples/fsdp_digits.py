@@ -1,0 +1,96 @@
+"""The digits demo with a sharded model: FSDP2 (``fully_shard``) under a Supervisor.
+
+    torchrun --nproc_per_node=2 examples/fsdp_digits.py --logdir /tmp/fsdp-digits --max-steps 600
+
+Every rank holds one shard of the parameters and of the Adam moments (DTensors). So, unlike
+``ddp_digits.py`` where the chief restores and saves for everyone:
+
+* every rank restores its own shards from the newest valid checkpoint of the logdir, and any
+  world size resumes any checkpoint (run it again with ``--nproc_per_node=1``: the shards are
+  resharded);
+* every rank writes its own shard of each checkpoint, in parallel, at a step the ranks agreed
+  on through the process group's store (no collective on every step); the chief then writes
+  the manifest and the ``checkpoint`` state file, and the summaries.
+
+Stop it (Ctrl-C, SIGTERM to any rank) and run the same command again: every rank resumes at
+the same step from the final checkpoint. A sharded save blocks the training threads while the
+shards are written (see ``docs/distributed.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import torchsupervisor as ts
+from torchsupervisor.checkpoint.sharded import ShardedOptimizerState
+from torchsupervisor.demo.digits import DigitsData, accuracy, build_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--logdir", default="/tmp/torchsupervisor-fsdp-digits")
+    parser.add_argument("--max-steps", type=int, default=600)
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument("--save-model-secs", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    # Join the replicas' process group (torchrun's environment) before sharding the model.
+    ts.distributed.connect("env://")
+    rank, world = ts.distributed.rank(), ts.distributed.world_size()
+    torch.manual_seed(args.seed)  # The same full initial model on every rank, then sharded.
+    data = DigitsData.load(seed=args.seed)
+    model = build_model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, (nn.Conv2d, nn.Linear)):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    step = ts.GlobalStep()
+    step.bind(optimizer)
+    sv = ts.Supervisor(
+        logdir=args.logdir,
+        state={
+            "model": model,
+            # Keyed by parameter names and sharded like the parameters: it reshards too.
+            "optimizer": ShardedOptimizerState(model, optimizer),
+            "global_step": step,
+        },
+        save_model_secs=args.save_model_secs,
+        save_summaries_secs=5,
+        preemption_signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT),
+    )
+
+    def train_step() -> torch.Tensor:
+        x, y = data.batch(step.value, args.batch_size, args.seed)
+        x, y = x[rank::world], y[rank::world]  # This replica's part of the global batch.
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()  # FSDP reduce-scatters the gradients into each rank's shard.
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    with sv.managed_session("env://") as sess:
+        if sess.restored_checkpoint:
+            print(f"rank {rank}: resumed at step {step.value}", flush=True)
+        while not sv.should_stop() and step.value < args.max_steps:
+            loss = sess.run(train_step)
+            if sv.is_chief:
+                sv.summary_writer.add_scalar("train/loss", loss, step.value - 1)
+            if step.value % 100 == 0:
+                # The forward pass gathers the shards: every rank evaluates, the chief prints.
+                acc = accuracy(model, data.test_x, data.test_y)
+                if sv.is_chief:
+                    print(f"step {step.value}: loss {loss.item():.4f}, accuracy {acc:.1%}")
+    print(f"rank {rank}: done at step {step.value}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
