@@ -155,8 +155,29 @@ def test_check_state_compares_specs_and_changes_nothing():
         check_state({"gone": torch.zeros(1)}, {}, source="ck")
 
 
-def test_check_state_leaves_modules_with_load_hooks_to_their_hooks():
-    model = torch.nn.Linear(3, 2)
-    model._register_load_state_dict_pre_hook(lambda *args, **kwargs: None)
+class _Renaming(nn.Module):
+    """Accepts the entries of an older version under another name."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(3))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "old_weight" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "old_weight")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def test_check_state_leaves_modules_that_load_their_own_way_to_them():
     tree = {"model": {"old_name": TensorSpec("x", torch.float32, (9,))}}
+    hooked = torch.nn.Linear(3, 2)
+    hooked._register_load_state_dict_pre_hook(lambda *args, **kwargs: None)
+    assert check_state({"model": hooked}, tree, source="ck") == []
+    model = nn.Sequential(nn.Linear(3, 3), _Renaming())
+    tree = {"model": {"0.weight": TensorSpec("x", torch.float32, (3, 3)), "1.old_weight": 0}}
     assert check_state({"model": model}, tree, source="ck") == []
+    # Standard modules, BatchNorm's own loader included, are checked.
+    norm = nn.BatchNorm1d(3)
+    with pytest.raises(InvalidArgumentError, match=r"missing keys \['running_var'"):
+        tree = {"model": {k: _spec(v) for k, v in norm.state_dict().items() if k != "running_var"}}
+        check_state({"model": norm}, tree, source="ck")

@@ -510,8 +510,8 @@ def _check_one(obj: Any, value: Any, path: str, source: str, warnings: list[str]
     load = getattr(obj, "load_state_dict", None)
     if callable(load) and not isinstance(obj, Mapping):
         module = isinstance(obj, torch.nn.Module)
-        if module and any(m._load_state_dict_pre_hooks for m in obj.modules()):
-            return  # Hooks may rename or reshape entries: only loading can tell.
+        if module and _custom_loading(obj):
+            return  # It may rename, reshape or fill in entries: only loading can tell.
         try:
             live = obj.state_dict()
         except Exception:
@@ -532,6 +532,20 @@ def _check_one(obj: Any, value: Any, path: str, source: str, warnings: list[str]
                 raise NotFoundError(f"Key {path}/{sub_key} not found in checkpoint {source}")
         for sub_key in obj:
             _check_one(obj[sub_key], value[sub_key], f"{path}/{sub_key}", source, warnings)
+
+
+def _custom_loading(module: torch.nn.Module) -> bool:
+    """True if a sub-module loads its state dict its own way (load hooks, or its own
+    ``_load_from_state_dict`` outside PyTorch)."""
+    for m in module.modules():
+        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+            return True
+        loader = type(m)._load_from_state_dict
+        if loader is not torch.nn.Module._load_from_state_dict and not (
+            loader.__module__ or ""
+        ).startswith("torch."):
+            return True
+    return False
 
 
 def _check_contents(live: Any, value: Any, path: str, source: str, warnings: list[str]) -> None:
