@@ -90,7 +90,7 @@ def main() -> None:
     sv = ts.Supervisor(
         logdir=args.logdir,
         state={**state, "global_step": step},
-        saver=PrintingSaver(max_to_keep=None),
+        saver=PrintingSaver(max_to_keep=None, save_relative_paths=True),  # Copies restore.
         save_model_secs=args.save_secs,
         save_summaries_secs=0,
         recovery_wait_secs=0.2,

@@ -118,6 +118,22 @@ def test_a_restart_with_one_process_reshards_and_resumes(trained, tmp_path):
     assert CheckpointReader(latest_checkpoint(str(tmp_path))).manifest.world_size == 1
 
 
+def test_a_corrupt_newest_checkpoint_makes_both_ranks_fall_back_together(trained, tmp_path):
+    logdir, _ = trained
+    shutil.copytree(logdir, tmp_path, dirs_exist_ok=True)
+    *_, older, newest = _committed_steps(tmp_path)
+    shard = tmp_path / f"model.ckpt-{newest}.data-00001-of-00002"  # Read by both ranks.
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x10
+    shard.write_bytes(bytes(data))
+    results = _run(tmp_path, older, "--save-secs", 60)
+    _ok(results)
+    for rank, (out, err, _) in enumerate(results):
+        ready = _lines(out, "READY")[0]
+        assert ready[:4] == ["READY", str(rank), str(older), f"model.ckpt-{older}"]
+        assert f"Checkpoint {tmp_path}/model.ckpt-{newest} is not usable" in err
+
+
 def _wait_for_steps(procs):
     for proc in procs:
         while not (proc.stdout.readline() or "").startswith("STEP"):

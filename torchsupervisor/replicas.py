@@ -76,19 +76,37 @@ class ReplicaGroup:
         generation: A number that all ranks give to the same session (the Supervisor counts
             its sessions), so that keys of earlier sessions are not mistaken for this one's.
         chief_rank: The rank of the chief.
+        store: A ``torch.distributed.Store`` to agree through, with ``rank`` and
+            ``world_size`` (tests run several "ranks" in one process this way); None: the
+            default process group's store, rank and size.
+        rank: This rank (with ``store``).
+        world_size: The number of ranks (with ``store``).
+
+    Raises:
+        InvalidArgumentError: Without ``store``, if no process group is initialized.
 
     Distributed: every rank creates one per session, in the same order.
     """
 
-    def __init__(self, generation: int, chief_rank: int = 0) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise InvalidArgumentError("ReplicaGroup needs an initialized process group")
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+    def __init__(
+        self,
+        generation: int,
+        chief_rank: int = 0,
+        *,
+        store: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        if store is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise InvalidArgumentError("ReplicaGroup needs an initialized process group")
+            store, rank, world_size = _store(), dist.get_rank(), dist.get_world_size()
+        self.rank = int(rank or 0)
+        self.world_size = int(world_size or 1)
         self.chief_rank = chief_rank
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._prefix = f"torchsupervisor/{restart}/{generation}/"
-        self._store = _store()
+        self._store = store
 
     def key(self, name: str) -> str:
         """Return this session's store key for ``name``."""
@@ -192,6 +210,10 @@ class ReplicaGroup:
         return [
             r for r in range(self.world_size) if not self._store.check([self.key(f"{name}/{r}")])
         ]
+
+    def add(self, name: str, amount: int) -> int:
+        """Add ``amount`` to the shared counter ``name`` (created at 0); return its new value."""
+        return int(self._store.add(self.key(name), amount))
 
     def decide(self, name: str, proposal: str) -> str:
         """Record ``proposal`` as the decision ``name`` unless one exists; return the decision.

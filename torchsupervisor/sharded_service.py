@@ -191,7 +191,7 @@ class ShardedCheckpointService:
         with self._lock:
             if self._served < self._issued:
                 return
-        issued = int(self._group._store.add(self._group.key("save/requests"), 1))
+        issued = self._group.add("save/requests", 1)
         with self._lock:
             self._issued = issued
 
@@ -199,10 +199,9 @@ class ShardedCheckpointService:
         return read_step(self._global_step)
 
     def _poll(self) -> None:
-        key = self._group.key("save/requests")
         while not self._closed.wait(self._poll_secs):
             try:
-                latest = int(self._group._store.add(key, 0))
+                latest = self._group.add("save/requests", 0)
                 while self._seen < latest and not self._closed.is_set():
                     self._announce(self._seen + 1)
             except (RuntimeError, OSError) as e:  # The store went away with rank 0.
