@@ -310,12 +310,10 @@ def test_each_checkpoint_commit_flushes_the_events_file(tmp_path):
         writer.request_flush = lambda: (requests.append(c.global_step.value), request_flush())
         sess.run(c.step)
         writer.add_scalar("loss", 0.5, 1)
-        before = writer.counters().flushes
-        sv.checkpoint()  # flush_secs is 120 s: only the commit asks for this flush.
-        assert requests == [1]
-        wait_until(lambda: writer.counters().flushes > before)
+        sv.checkpoint()  # flush_secs is 120 s: only the commit asks for a flush now.
+        assert requests == [1]  # Asked by the commit (the writer's own tests cover the fsync).
         (path,) = event_files(logdir)
-        assert 1 in [step for step, _ in scalars(read_events(path), "loss")]
+        wait_until(lambda: 1 in [step for step, _ in scalars(read_events(path), "loss")])
         # The Supervisor's writer queues thousands of events, not TF's 10, before blocking.
         assert writer._max_queue >= 4096
 

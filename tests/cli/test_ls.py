@@ -187,12 +187,18 @@ def test_incremental_checkpoints_show_shared_bytes(tmp_path, capsys):
     frozen = torch.nn.Linear(64, 64)
     head = torch.nn.Linear(64, 1)
     saver = Saver({"frozen": frozen, "head": head}, incremental=True)
-    first = saver.save(None, os.path.join(logdir, "model.ckpt"), global_step=1)
+    prefix = os.path.join(logdir, "model.ckpt")
+    saver.save(None, prefix, global_step=1)  # Full.
     with torch.no_grad():
         head.weight.add_(1.0)
-    saver.save(None, os.path.join(logdir, "model.ckpt"), global_step=2)
+    # Full again: the first chain needs an independent one to fall back on.
+    second = saver.save(None, prefix, global_step=2)
+    with torch.no_grad():
+        head.weight.add_(1.0)
+    saver.save(None, prefix, global_step=3)  # Incremental: frozen/ read from step 2's file.
     status, out, _ = cli(capsys, "ls", logdir, "--json")
     assert status == 0
     by_step = {c["step"]: c for c in json.loads(out)["checkpoints"]}
-    assert by_step[2]["size_bytes"] > by_step[2]["own_bytes"]  # reads frozen/ from step 1
-    assert by_step[2]["size_bytes"] - by_step[2]["own_bytes"] == os.path.getsize(data_file(first))
+    assert by_step[2]["size_bytes"] == by_step[2]["own_bytes"]
+    assert by_step[3]["size_bytes"] > by_step[3]["own_bytes"]
+    assert by_step[3]["size_bytes"] - by_step[3]["own_bytes"] == os.path.getsize(data_file(second))
