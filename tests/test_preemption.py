@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from torchsupervisor import GlobalStep, Saver, Session, latest_checkpoint
+from torchsupervisor.checkpoint import engine as engine_module
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.storage import FileSystem, is_temporary_name
 from torchsupervisor.preemption import PreemptionHandler
@@ -324,6 +325,10 @@ def test_a_hung_fsync_cannot_overrun_the_grace_budget(tmp_path, caplog, hangs):
         assert time.monotonic() - start < 15
         assert "abandoned" in caplog.text
         assert saver.in_flight  # Still stuck in fsync...
+        # ...and the interpreter's exit hook does not wait for it either.
+        exit_start = time.monotonic()
+        engine_module._wait_for_saves_at_exit()
+        assert time.monotonic() - exit_start < 10
     finally:
         fs.release.set()
         watchdog.cancel()

@@ -127,6 +127,16 @@ class CheckpointEngine:
         done, _ = concurrent.futures.wait([future], timeout=timeout_secs)
         return bool(done)
 
+    def abandon(self) -> None:
+        """Stop waiting for the job in flight at interpreter exit (it was cancelled).
+
+        A cancelled save stops at its next chunk or stage, unless the writer is stuck in a
+        system call (a hung fsync): the process must still be able to exit then.
+        """
+        future = self._future
+        if future is not None:
+            _in_flight.discard(future)
+
     def close(self) -> None:
         """Let the writer thread end after the job in flight (a later ``submit`` restarts it)."""
         with self._lock:

@@ -419,6 +419,7 @@ class Saver:
         if not self._engine.in_flight:
             return True
         self._cancel.set()
+        self._engine.abandon()  # A writer stuck in a system call must not block the exit.
         return self._engine.wait(timeout_secs)
 
     def allow_missing(self, *names: str) -> None:
