@@ -23,6 +23,20 @@ Where this differs from TF on purpose (SPEC section 4):
 * There is no graph: ``graph`` is the collections registry, and nothing like ``graph.pbtxt``
   or graph/meta-graph events is written.
 
+With replicas (a process group of several ranks, e.g. under ``torchrun``) what happens depends
+on the state (``docs/distributed.md``):
+
+* a replicated state (DDP): the chief restores or initializes and broadcasts its state; only
+  the chief checkpoints (in the background) and writes summaries;
+* a sharded state (DTensors, e.g. FSDP2's ``fully_shard``): every rank restores its shards of
+  the same checkpoint (or initializes them) and every rank writes its shard of each checkpoint,
+  in parallel, at a step the ranks agree on through the process group's store
+  (``sharded_service.py``). Such a save is synchronous: the training threads are blocked while
+  the shards are written.
+
+In both cases a stop requested on one rank stops every rank at the same step
+(``replicas.StopAgreement``), and no collective runs on every step.
+
 TF name: ``tf.compat.v1.train.Supervisor``.
 """
 
@@ -147,6 +161,23 @@ class Supervisor:
             generators), so that a resumed run draws the same random numbers as an
             uninterrupted one. A checkpoint without it restores with a warning.
         clock: Time source (tests pass a fake one).
+
+    Distributed: with replicas (``managed_session("env://")`` under ``torchrun``), every rank
+    runs the same program with the same arguments and the same ``logdir`` (a shared
+    directory). With a replicated state the chief restores, broadcasts its state and saves
+    alone. With a sharded state (DTensors: FSDP2) every rank restores the same checkpoint
+    (``Saver.restore`` is a collective; a corrupt checkpoint fails on every rank and all fall
+    back to the same older one) or initializes its own shards (``init_op``, ``init_fn``);
+    every ``save_model_secs`` the chief asks, through the process group's store, for a
+    checkpoint that every rank then writes in parallel at one agreed step (the save blocks
+    the training threads until it is committed); at a clean stop every rank writes the final
+    checkpoint together, or none does (a rank whose session failed vetoes; the others wait
+    at most ``stop_grace_secs`` for the votes). This needs a global step that grows by one
+    per step and a step boundary (``sess.run`` or ``should_stop()``) between two steps.
+    ``checkpoint()`` is then a collective. See ``docs/distributed.md``.
+
+    Thread safety: create it, run sessions and call ``should_stop``/``checkpoint`` on one
+    (training) thread; ``request_stop`` may be called from any thread.
 
     TF name: ``tf.compat.v1.train.Supervisor``.
     """
@@ -386,6 +417,13 @@ class Supervisor:
         ``init_fn``) and starts the standard services; a non-chief waits until the state is
         ready. Both start the queue runners when ``start_standard_services``.
 
+        Distributed: with replicas and a replicated state, non-chiefs wait for the chief
+        (polling every ``recovery_wait_secs``, at most ``max_wait_secs``) and receive its
+        state. With a sharded state every rank restores through the SessionManager, after
+        checking through the store that all ranks see the same checkpoints, and every rank
+        starts its part of the sharded checkpoint service (pass the same
+        ``start_standard_services`` on every rank).
+
         Args:
             master: ``""`` for in-process.
             config: Passed to the session.
@@ -400,6 +438,8 @@ class Supervisor:
             RuntimeError: If the state cannot be made ready.
             DataLossError: If ``logdir`` has checkpoints and none of them is valid.
             DeadlineExceededError: If a non-chief waited ``max_wait_secs`` in vain.
+            FailedPreconditionError: (Sharded state) if the ranks see different checkpoints
+                or resumed from different ones, or another rank failed to prepare.
 
         TF name: ``Supervisor.prepare_or_wait_for_session``.
         """
@@ -653,6 +693,10 @@ class Supervisor:
         after the services stopped; ``OutOfRangeError`` and ``StopIteration`` end training
         cleanly and are not re-raised. On a clean exit the chief first saves a final
         checkpoint at the current step (when the checkpoint service runs).
+
+        Distributed: with a sharded state every rank saves the final checkpoint, together or
+        not at all: a rank that leaves the block with an error vetoes at once, and the others
+        wait at most ``stop_grace_secs`` (or what is left of ``preemption_grace_secs``).
 
         Args:
             master: ``""`` for in-process.

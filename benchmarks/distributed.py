@@ -1,0 +1,342 @@
+"""Distributed checkpoint benchmark: sharded saves by 1 and 2 ranks, DDP chief-only saves, and
+restores with the same and another world size.
+
+    python benchmarks/distributed.py                       # 50 MB, 200 MB, 1 GB
+    python benchmarks/distributed.py --sizes 20MB,50MB     # quicker
+
+The state is an MLP of square ``Linear`` layers plus its Adam state (parameters, exp_avg,
+exp_avg_sq: the size given is the total). Every configuration runs in fresh processes on CPU
+with gloo (the benchmark launches them itself, as ``torchrun`` would):
+
+* ``sharded``: the model is sharded with FSDP2 (``fully_shard``) over 1 or 2 ranks, and every
+  rank calls ``save_sharded`` (what ``Saver.save`` and the Supervisor do with such a state):
+  each writes its own shard in parallel, the coordinator commits the manifest. The save is
+  synchronous, so the *stall* (the training thread blocked) is the whole save. Reported per
+  rank: the bytes it wrote, its stall, and its throughput (its bytes / its stall); and the
+  aggregate throughput (all bytes / the slowest rank's stall).
+* ``ddp chief``: the same model replicated with DDP on 2 ranks, the chief alone saving the whole
+  state with ``Saver.save_async`` (what the Supervisor does with a replicated state): the stall
+  is the host copy; the write runs in the background (throughput = bytes / time to commit).
+  Incremental saves are off, so every save writes everything.
+* ``restore``: ``load_sharded`` of the last sharded checkpoint into a freshly built model, by
+  the same world size (in the processes that saved, files in the page cache) and by the other
+  world size (fresh processes: 2 ranks reading a 1-rank checkpoint, 1 rank reading a 2-rank
+  one, resharding).
+
+The state column is what was written (the model is built from whole layers, so it is near,
+not equal to, the size asked for).
+
+On a machine with few cores, 2 ranks also share the CPUs (copy, CRC-32C) and the disk: the
+aggregate throughput shows what parallel writing buys there. Each figure is the median of
+``--repeat`` saves. It prints a table and writes JSON (``--json``, default
+``benchmarks/results/distributed.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+MB = 1_000_000
+
+
+def parse_size(text: str) -> int:
+    """Bytes of ``"50MB"``, ``"1GB"``, ``"2000000"``."""
+    text = text.strip().upper()
+    for suffix, factor in (("GB", 1000 * MB), ("MB", MB), ("KB", 1000)):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * factor)
+    return int(text)
+
+
+# ------------------------------------------------------------------------- worker side
+
+
+def _build(total_bytes: int, world_size: int, kind: str) -> tuple[Any, Any, dict[str, Any]]:
+    """The model, its optimizer (with Adam state) and the state to save."""
+    import torch
+    from torch import nn
+
+    from torchsupervisor.checkpoint.sharded import ShardedOptimizerState
+
+    param_bytes = total_bytes / 3  # Parameters, exp_avg, exp_avg_sq.
+    width = 1024 if param_bytes >= 4 * 1024 * 1024 else max(8, int(math.sqrt(param_bytes / 4)))
+    width -= width % 8
+    layers = max(1, round(param_bytes / (width * width * 4)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+    if kind == "sharded":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model(torch.randn(2, width)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if kind == "sharded":
+        return (
+            model,
+            optimizer,
+            {"model": model, "optimizer": ShardedOptimizerState(model, optimizer)},
+        )
+    return model, optimizer, {"model": model.module, "optimizer": optimizer}
+
+
+def _shard_bytes(prefix: str, rank: int) -> int:
+    directory, base = os.path.split(prefix)
+    mine = f"{base}.data-{rank:05d}-of-"
+    return sum(
+        os.path.getsize(os.path.join(directory, n))
+        for n in os.listdir(directory)
+        if n.startswith(mine)
+    )
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: run the configuration and print ``RESULT <json>``."""
+    import torch.distributed as dist
+
+    from torchsupervisor import Saver
+    from torchsupervisor.checkpoint.sharded import load_sharded, save_sharded
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result: dict[str, Any] = {"rank": rank, "world_size": world}
+    if args.mode == "save":
+        _, _, state = _build(args.bytes, world, "sharded")
+        stalls, written = [], 0
+        for i in range(args.repeat):
+            prefix = os.path.join(args.dir, f"model.ckpt-{i}")
+            dist.barrier()
+            start = time.perf_counter()
+            save_sharded(state, prefix, global_step=i, write_state=False)
+            stalls.append(time.perf_counter() - start)
+            written = _shard_bytes(prefix, rank)
+            dist.barrier()
+            if i < args.repeat - 1 and rank == 0:
+                for name in os.listdir(args.dir):
+                    if name.startswith(f"model.ckpt-{i}."):
+                        os.remove(os.path.join(args.dir, name))
+        _, _, fresh = _build(args.bytes, world, "sharded")
+        dist.barrier()
+        start = time.perf_counter()
+        load_sharded(fresh, os.path.join(args.dir, f"model.ckpt-{args.repeat - 1}"))
+        result.update(stalls=stalls, bytes=written, restore_secs=time.perf_counter() - start)
+    elif args.mode == "load":
+        _, _, state = _build(args.bytes, world, "sharded")
+        dist.barrier()
+        start = time.perf_counter()
+        load_sharded(state, args.prefix)
+        result.update(restore_secs=time.perf_counter() - start)
+    elif args.mode == "ddp":
+        _, _, state = _build(args.bytes, world, "ddp")
+        saver = Saver(state, incremental=False, max_to_keep=1)
+        stalls, totals, written = [], [], 0
+        for i in range(args.repeat):
+            dist.barrier()
+            if rank == 0:
+                start = time.perf_counter()
+                future = saver.save_async(None, os.path.join(args.dir, "model.ckpt"), global_step=i)
+                stalls.append(time.perf_counter() - start)
+                future.result()
+                totals.append(time.perf_counter() - start)
+                written = saver.last_save.bytes_written
+            dist.barrier()
+        saver.close()
+        result.update(stalls=stalls, totals=totals, bytes=written)
+    dist.barrier()
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world_size: int, *worker_args: str, timeout_secs: float = 1800) -> list[dict[str, Any]]:
+    """Run ``world_size`` ranks of this script's worker; return each rank's result."""
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+        env.update(WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--worker", *worker_args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout_secs)
+        if proc.returncode != 0:
+            for other in procs:
+                other.kill()
+            raise RuntimeError(f"a benchmark rank failed ({proc.returncode}):\n{err[-3000:]}")
+        (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        results.append(json.loads(line[len("RESULT ") :]))
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def run_size(size: int, root: str, repeat: int) -> list[dict[str, Any]]:
+    """Every configuration for one state size; rows for the table."""
+    rows: list[dict[str, Any]] = []
+    dirs = {}
+    common = ["--bytes", str(size), "--repeat", str(repeat)]
+    for world in (1, 2):
+        directory = tempfile.mkdtemp(prefix=f"sharded{world}-", dir=root)
+        dirs[world] = directory
+        ranks = launch(world, "--mode", "save", "--dir", directory, *common)
+        stalls = [statistics.median(r["stalls"]) for r in ranks]
+        total = sum(r["bytes"] for r in ranks)
+        rows.append(
+            {
+                "case": f"sharded, {world} rank{'s' if world > 1 else ''}",
+                "size_bytes": size,
+                "state_bytes": total,
+                "world_size": world,
+                "per_rank_bytes": [r["bytes"] for r in ranks],
+                "per_rank_stall_secs": stalls,
+                "per_rank_mb_per_sec": [r["bytes"] / MB / s for r, s in zip(ranks, stalls)],
+                "aggregate_mb_per_sec": total / MB / max(stalls),
+                "restore_same_world_secs": max(r["restore_secs"] for r in ranks),
+            }
+        )
+    for saved_by, restored_by in ((2, 1), (1, 2)):
+        prefix = os.path.join(dirs[saved_by], f"model.ckpt-{repeat - 1}")
+        ranks = launch(restored_by, "--mode", "load", "--prefix", prefix, *common)
+        rows.append(
+            {
+                "case": f"restore {saved_by} -> {restored_by} rank{'s' if restored_by > 1 else ''}",
+                "size_bytes": size,
+                "state_bytes": rows[saved_by - 1]["state_bytes"],
+                "world_size": restored_by,
+                "saved_by": saved_by,
+                "restore_secs": max(r["restore_secs"] for r in ranks),
+            }
+        )
+    ddp_dir = tempfile.mkdtemp(prefix="ddp-", dir=root)
+    ranks = launch(2, "--mode", "ddp", "--dir", ddp_dir, *common)
+    chief = ranks[0]
+    stall, total = statistics.median(chief["stalls"]), statistics.median(chief["totals"])
+    rows.append(
+        {
+            "case": "ddp chief-only, 2 ranks",
+            "size_bytes": size,
+            "state_bytes": chief["bytes"],
+            "world_size": 2,
+            "per_rank_bytes": [chief["bytes"], 0],
+            "per_rank_stall_secs": [stall, 0.0],
+            "commit_secs": total,
+            "per_rank_mb_per_sec": [chief["bytes"] / MB / total, 0.0],
+            "aggregate_mb_per_sec": chief["bytes"] / MB / total,
+        }
+    )
+    for directory in [*dirs.values(), ddp_dir]:
+        shutil.rmtree(directory, ignore_errors=True)
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """Print the save and restore figures."""
+    print(
+        f"\n{'case':26s} {'state':>8s} {'per rank MB':>14s} {'stall s':>14s} "
+        f"{'per rank MB/s':>16s} {'total MB/s':>10s} {'restore s':>9s}"
+    )
+    for row in rows:
+        size = f"{row['state_bytes'] / MB:.0f}MB"
+        if "per_rank_bytes" in row:
+            per_mb = "/".join(f"{b / MB:.0f}" for b in row["per_rank_bytes"])
+            stall = "/".join(f"{s:.3f}" for s in row["per_rank_stall_secs"])
+            rate = "/".join(f"{r:.0f}" for r in row["per_rank_mb_per_sec"])
+            restore = row.get("restore_same_world_secs")
+            restore_text = f"{restore:.3f}" if restore is not None else "-"
+            print(
+                f"{row['case']:26s} {size:>8s} {per_mb:>14s} {stall:>14s} {rate:>16s} "
+                f"{row['aggregate_mb_per_sec']:>10.0f} {restore_text:>9s}"
+            )
+        else:
+            print(
+                f"{row['case']:26s} {size:>8s} {'':>14s} {'':>14s} {'':>16s} {'':>10s} "
+                f"{row['restore_secs']:>9.3f}"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="50MB,200MB,1GB", help="total state sizes")
+    parser.add_argument("--repeat", type=int, default=3, help="saves per configuration")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary dir)")
+    parser.add_argument("--json", default=None, help="output file")
+    # Worker-side options (the launcher passes them).
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--bytes", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--prefix", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    import torch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    results_dir = os.path.join(here, "results")
+    os.makedirs(results_dir, exist_ok=True)
+    root = args.dir or tempfile.mkdtemp(prefix="torchsupervisor-bench-")
+    os.makedirs(root, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    try:
+        for text in args.sizes.split(","):
+            rows.extend(run_size(parse_size(text), root, args.repeat))
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print_table(rows)
+    report = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+        },
+        "repeat": args.repeat,
+        "rows": rows,
+    }
+    out = args.json or os.path.join(results_dir, "distributed.json")
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

@@ -1,0 +1,36 @@
+"""benchmarks/distributed.py runs and writes its report (a smoke test; timings are not checked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "distributed.py")
+
+
+def test_the_distributed_benchmark_writes_its_report(tmp_path):
+    out = tmp_path / "distributed.json"
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--sizes", "1MB", "--repeat", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sharded, 2 ranks" in proc.stdout and "ddp chief-only, 2 ranks" in proc.stdout
+    rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {
+        "sharded, 1 rank",
+        "sharded, 2 ranks",
+        "restore 2 -> 1 rank",
+        "restore 1 -> 2 ranks",
+        "ddp chief-only, 2 ranks",
+    }
+    two = rows["sharded, 2 ranks"]
+    assert len(two["per_rank_bytes"]) == 2 and all(b > 0 for b in two["per_rank_bytes"])
+    assert all(rate > 0 for rate in two["per_rank_mb_per_sec"])
+    assert rows["restore 2 -> 1 rank"]["restore_secs"] > 0
+    assert rows["ddp chief-only, 2 ranks"]["per_rank_bytes"][0] > 0
