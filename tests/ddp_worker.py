@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -28,6 +29,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import torchsupervisor as ts
+
+
+def say(line: str) -> None:
+    """Print ``line`` with one write: ranks sharing a pipe (torchrun) never mix two lines."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -71,14 +78,14 @@ def main() -> None:
             time.sleep(args.step_delay)
 
     with sv.managed_session("env://", config=None) as sess:
-        print(f"READY {rank} {step.value} {sess.restored_checkpoint}", flush=True)
+        say(f"READY {rank} {step.value} {sess.restored_checkpoint}")
         while not sv.should_stop() and step.value < args.max_steps:
             sess.run(train_step)
-            print(f"STEP {rank} {step.value}", flush=True)
+            say(f"STEP {rank} {step.value}")
     digest = hashlib.sha256()
     for tensor in model.module.state_dict().values():
         digest.update(tensor.numpy().tobytes())
-    print(f"DONE {rank} {step.value} {digest.hexdigest()}", flush=True)
+    say(f"DONE {rank} {step.value} {digest.hexdigest()}")
 
 
 if __name__ == "__main__":

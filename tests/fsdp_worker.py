@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import hashlib
+import sys
 import time
 
 import torch
@@ -40,6 +41,12 @@ import torchsupervisor as ts
 from torchsupervisor.checkpoint.sharded import ShardedOptimizerState, flatten_sharded_state
 from torchsupervisor.errors import OutOfRangeError
 from torchsupervisor.global_step import read_step
+
+
+def say(line: str) -> None:
+    """Print ``line`` with one write: ranks sharing a pipe (torchrun) never mix two lines."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def digest(state: dict) -> str:
@@ -83,7 +90,7 @@ def main() -> None:
     class PrintingSaver(ts.Saver):
         def save(self, sess, save_path, global_step=None, **kwargs):
             prefix = super().save(sess, save_path, global_step=global_step, **kwargs)
-            print(f"SAVE {rank} {read_step(global_step)}", flush=True)
+            say(f"SAVE {rank} {read_step(global_step)}")
             return prefix
 
     state = {"model": model, "optimizer": ShardedOptimizerState(model, optimizer)}
@@ -110,7 +117,7 @@ def main() -> None:
     with sv.managed_session("env://") as sess:
         restored = sess.restored_checkpoint
         name = restored.rsplit("/", 1)[-1] if restored else None
-        print(f"READY {rank} {step.value} {name} {digest(state)}", flush=True)
+        say(f"READY {rank} {step.value} {name} {digest(state)}")
         while not sv.should_stop() and step.value < args.max_steps:
             if rank == args.only_rank and step.value == args.end_input_at:
                 # As an input thread would: the stop is clean; the steps up to the agreed
@@ -118,8 +125,8 @@ def main() -> None:
                 with sv.stop_on_exception():
                     raise OutOfRangeError(None, None, "end of input")
             sess.run(train_step)
-            print(f"STEP {rank} {step.value}", flush=True)
-    print(f"DONE {rank} {step.value} {digest(state)}", flush=True)
+            say(f"STEP {rank} {step.value}")
+    say(f"DONE {rank} {step.value} {digest(state)}")
 
 
 if __name__ == "__main__":

@@ -873,6 +873,7 @@ class Supervisor:
                 self._saver.close()  # No idle writer thread outlives the session.
             if self._sharded_service is not None:
                 self._sharded_service.close()
+                self._sharded_service = None
             if close_summary_writer and self._summary_writer is not None:
                 self._summary_writer.add_session_log(SessionLog(status=SessionLog.STOP))
                 self._summary_writer.close()
