@@ -18,6 +18,7 @@ from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.summary.reader import summary_iterator
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
+STEPS = 40  # Of the first run (at least 0.8 s: the first checkpoint request comes at once).
 
 
 def _free_port() -> int:
@@ -65,9 +66,9 @@ def _committed_steps(logdir):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """30 steps on 2 ranks with a checkpoint every 0.3 s: the logdir and both outputs."""
+    """STEPS steps on 2 ranks with a checkpoint every 0.3 s: the logdir and both outputs."""
     logdir = tmp_path_factory.mktemp("fsdp")
-    results = _run(logdir, 30, "--step-delay", 0.02, "--save-secs", 0.3)
+    results = _run(logdir, STEPS, "--step-delay", 0.02, "--save-secs", 0.3)
     _ok(results)
     return logdir, results
 
@@ -76,7 +77,8 @@ def test_periodic_checkpoints_are_written_by_both_ranks_at_the_same_steps(traine
     logdir, results = trained
     saves = [[int(line[2]) for line in _lines(out, "SAVE")] for out, _, _ in results]
     assert saves[0] == saves[1]  # Same agreed steps on both ranks, same order.
-    assert len(saves[0]) >= 2 and saves[0][-1] == 30  # Periodic ones, then the final one.
+    # The first request is immediate: periodic checkpoint(s), then the final one.
+    assert len(saves[0]) >= 2 and saves[0][-1] == STEPS
     assert _committed_steps(logdir) == saves[0]
     for step in saves[0]:
         reader = CheckpointReader(os.path.join(logdir, f"model.ckpt-{step}"))
@@ -99,11 +101,12 @@ def test_a_restart_resumes_both_ranks_at_the_same_step_with_the_saved_values(tra
     shutil.copytree(logdir, tmp_path, dirs_exist_ok=True)
     saved = {_lines(out, "DONE")[0][3] for out, _, _ in first}
     assert len(saved) == 1  # Both ranks hold the same (full) model at the end.
-    results = _run(tmp_path, 36, "--save-secs", 60)
+    results = _run(tmp_path, STEPS + 6, "--save-secs", 60)
     _ok(results)
     for rank, (out, _, _) in enumerate(results):
-        assert _lines(out, "READY")[0] == ["READY", str(rank), "30", "model.ckpt-30", *saved]
-        assert _lines(out, "DONE")[0][:3] == ["DONE", str(rank), "36"]
+        ready = _lines(out, "READY")[0]
+        assert ready == ["READY", str(rank), str(STEPS), f"model.ckpt-{STEPS}", *saved]
+        assert _lines(out, "DONE")[0][:3] == ["DONE", str(rank), str(STEPS + 6)]
     assert len({_lines(out, "DONE")[0][3] for out, _, _ in results}) == 1
 
 
@@ -111,10 +114,10 @@ def test_a_restart_with_one_process_reshards_and_resumes(trained, tmp_path):
     logdir, first = trained
     shutil.copytree(logdir, tmp_path, dirs_exist_ok=True)
     saved = _lines(first[0][0], "DONE")[0][3]
-    ((out, err, code),) = _run(tmp_path, 33, "--save-secs", 60, world_size=1)
+    ((out, err, code),) = _run(tmp_path, STEPS + 3, "--save-secs", 60, world_size=1)
     assert code == 0, err[-3000:]
-    assert _lines(out, "READY")[0] == ["READY", "0", "30", "model.ckpt-30", saved]
-    assert _lines(out, "SAVE") == [["SAVE", "0", "33"]]
+    assert _lines(out, "READY")[0] == ["READY", "0", str(STEPS), f"model.ckpt-{STEPS}", saved]
+    assert _lines(out, "SAVE") == [["SAVE", "0", str(STEPS + 3)]]
     assert CheckpointReader(latest_checkpoint(str(tmp_path))).manifest.world_size == 1
 
 
