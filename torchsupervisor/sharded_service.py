@@ -116,6 +116,9 @@ class ShardedCheckpointService:
         agreement_secs: How long to wait for the other ranks' answers and votes of a
             periodic or explicit checkpoint, in seconds.
 
+    Raises:
+        ValueError: If ``global_step`` is None.
+
     Thread safety: ``request`` on the chief's timer thread; the poller on its own thread only
     queues tasks and posts; ``save_now``, ``final`` and the tasks run on the training thread.
     Distributed: one per rank and session, created in the same order on every rank.
@@ -186,8 +189,10 @@ class ShardedCheckpointService:
     # -------------------------------------------------------------- requests (store side)
 
     def request(self) -> None:
-        """(Chief) Ask every rank for a checkpoint at an agreed step; idempotent while one
-        request is being served."""
+        """(Chief) Ask every rank for a checkpoint at an agreed step.
+
+        Does nothing while the previous request is still being served on the chief.
+        """
         with self._lock:
             if self._served < self._issued:
                 return
