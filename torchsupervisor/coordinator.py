@@ -121,12 +121,18 @@ class Coordinator:
 
     @property
     def clean_stop_exception_types(self) -> tuple[type[BaseException], ...]:
-        """The exception types that cause a clean stop (a tuple of classes)."""
+        """The exception types that cause a clean stop (a tuple of classes).
+
+        TF name: none (TF keeps them private, ``Coordinator._clean_stop_exception_types``).
+        """
         return self._clean_stop_exception_types
 
     @property
     def clock(self) -> Clock:
-        """The clock this coordinator waits with (``LooperThread`` schedules on it too)."""
+        """The clock this coordinator waits with (``LooperThread`` schedules on it too).
+
+        TF name: none (TF waits on real time; the clock is injectable here for tests).
+        """
         return self._clock
 
     @property
@@ -538,7 +544,12 @@ class LooperThread(threading.Thread):
         return self._looper_clock.wait(self._coord._stop_event, timeout_secs)
 
     def run(self) -> None:
-        """Run the loop described in the class docstring (called by ``start()``)."""
+        """Run the loop described in the class docstring (called by ``start()``).
+
+        Exceptions are not raised here: they are reported to the coordinator.
+
+        TF name: ``tf.train.LooperThread.run``.
+        """
         coord = self._coord
         with coord.stop_on_exception():
             self.start_loop()
@@ -555,15 +566,23 @@ class LooperThread(threading.Thread):
             self.stop_loop()
 
     def start_loop(self) -> None:
-        """Run once on this thread before the first ``run_loop()`` (default: nothing)."""
+        """Run once on this thread before the first ``run_loop()`` (default: nothing).
+
+        TF name: ``tf.train.LooperThread.start_loop``.
+        """
 
     def stop_loop(self) -> None:
         """Run once on this thread after the loop ends normally (default: nothing).
 
         Not called when ``start_loop()`` or ``run_loop()`` raised.
+
+        TF name: ``tf.train.LooperThread.stop_loop``.
         """
 
     def run_loop(self) -> None:
-        """Do one iteration; by default call ``target(*args, **kwargs)``."""
+        """Do one iteration; by default call ``target(*args, **kwargs)`` (nothing without one).
+
+        TF name: ``tf.train.LooperThread.run_loop``.
+        """
         if self._target is not None:
             self._target(*self._args, **self._kwargs)

@@ -53,7 +53,11 @@ class GlobalStep:
 
     @property
     def value(self) -> int:
-        """The current step (int)."""
+        """The current step (int).
+
+        TF name: ``tf.Variable.value`` (a method there; ``tf.compat.v1.train.global_step``
+        reads it through a session).
+        """
         return self._value
 
     def __int__(self) -> int:
@@ -65,16 +69,34 @@ class GlobalStep:
         return f"GlobalStep(value={self._value}, name={self.name!r})"
 
     def increment(self, n: int = 1) -> int:
-        """Add ``n`` to the step and return the new value."""
+        """Add ``n`` to the step and return the new value.
+
+        Args:
+            n: Steps to add (an int; not checked, so pass an int).
+
+        Returns:
+            The step after the addition (int).
+
+        TF name: ``tf.Variable.assign_add`` (on the ``global_step`` variable).
+        """
         self._value += n
         return self._value
 
     def assign(self, value: int) -> None:
-        """Set the step to ``value`` (an int or an integer scalar tensor)."""
+        """Set the step to ``value`` (an int or an integer scalar tensor).
+
+        Raises:
+            TypeError: If ``value`` is not an integer or an integer scalar tensor.
+
+        TF name: ``tf.Variable.assign`` (on the ``global_step`` variable).
+        """
         self._value = _as_int(value, "value")
 
     def state_dict(self) -> dict[str, int]:
-        """Return ``{"value": step}`` for checkpoints."""
+        """Return ``{"value": step}`` for checkpoints.
+
+        TF name: none (PyTorch's ``state_dict`` protocol; TF's Saver reads the variable).
+        """
         return {"value": self._value}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -83,14 +105,23 @@ class GlobalStep:
         Raises:
             KeyError: If ``"value"`` is missing.
             TypeError: If the value is not an integer.
+
+        TF name: none (PyTorch's ``load_state_dict`` protocol; TF's Saver restores the
+        variable).
         """
         self._value = _as_int(state_dict["value"], "state_dict['value']")
 
     def bind(self, optimizer: torch.optim.Optimizer) -> Any:
         """Increment this step by 1 after every ``optimizer.step()``.
 
+        Args:
+            optimizer: The optimizer whose ``step()`` counts as a training step.
+
         Returns:
             The hook handle; ``handle.remove()`` unbinds.
+
+        TF name: none (TF passes ``global_step`` to ``tf.compat.v1.train.Optimizer.minimize``
+        or ``apply_gradients``).
         """
 
         def _after_step(_opt: Any, _args: Any, _kwargs: Any) -> None:

@@ -127,17 +127,26 @@ class FIFOQueue:
 
     @property
     def name(self) -> str:
-        """The queue's name."""
+        """The queue's name.
+
+        TF name: ``tf.queue.FIFOQueue.name``.
+        """
         return self._name
 
     @property
     def capacity(self) -> int:
-        """The most elements the queue holds."""
+        """The most elements the queue holds.
+
+        TF name: none (TF takes ``capacity`` in the constructor only).
+        """
         return self._capacity
 
     @property
     def names(self) -> list[str] | None:
-        """The component names, or None."""
+        """The component names, or None for unnamed components.
+
+        TF name: ``tf.queue.FIFOQueue.names``.
+        """
         return self._names
 
     def __repr__(self) -> str:
@@ -172,7 +181,7 @@ class FIFOQueue:
                 ``cancel_pending_enqueues`` while waiting.
             DeadlineExceededError: If ``timeout_secs`` passed without room.
 
-        TF name: ``QueueBase.enqueue``.
+        TF name: ``tf.queue.FIFOQueue.enqueue``.
         """
         deadline = self._deadline(timeout_secs)
         with self._lock:
@@ -203,8 +212,11 @@ class FIFOQueue:
         Raises:
             CancelledError, DeadlineExceededError: As ``enqueue`` (elements added before the
                 error stay in the queue).
+            ValueError: If a tuple or list for a queue of several components has another
+                number of components.
+            KeyError: If a dict for a queue with ``names`` lacks one of them.
 
-        TF name: ``QueueBase.enqueue_many``.
+        TF name: ``tf.queue.FIFOQueue.enqueue_many``.
         """
         elements = self._split(vals)
         deadline = self._deadline(timeout_secs)
@@ -255,7 +267,7 @@ class FIFOQueue:
                 (requested 1, current size 0)"`` once the queue is closed and drained.
             DeadlineExceededError: If ``timeout_secs`` passed first.
 
-        TF name: ``QueueBase.dequeue``.
+        TF name: ``tf.queue.FIFOQueue.dequeue``.
         """
         return self._take(1, self._deadline(timeout_secs), up_to=False)[0]
 
@@ -274,18 +286,25 @@ class FIFOQueue:
             OutOfRangeError: If the queue is closed with fewer than ``n`` elements left.
             DeadlineExceededError: If ``timeout_secs`` passed first.
 
-        TF name: ``QueueBase.dequeue_many``.
+        TF name: ``tf.queue.FIFOQueue.dequeue_many``.
         """
         return _collate(self._take(n, self._deadline(timeout_secs), up_to=False))
 
     def dequeue_up_to(self, n: int, *, timeout_secs: float | None = None) -> Any:
         """Like ``dequeue_many``, but a closed queue gives what is left (at least one).
 
+        Args:
+            n: The most elements to take.
+            timeout_secs: The longest wait, in seconds; None waits as long as needed.
+
+        Returns:
+            The batch, as ``dequeue_many``.
+
         Raises:
             OutOfRangeError: If the queue is closed and empty.
             DeadlineExceededError: If ``timeout_secs`` passed first.
 
-        TF name: ``QueueBase.dequeue_up_to``.
+        TF name: ``tf.queue.FIFOQueue.dequeue_up_to``.
         """
         return _collate(self._take(n, self._deadline(timeout_secs), up_to=True))
 
@@ -297,7 +316,7 @@ class FIFOQueue:
                 (``CancelledError``) instead of letting them complete.
             name: Accepted for TF's signature; unused.
 
-        TF name: ``QueueBase.close`` (which returns an op; this closes at once).
+        TF name: ``tf.queue.FIFOQueue.close`` (which returns an op; this closes at once).
         """
         del name
         with self._lock:
@@ -316,7 +335,7 @@ class FIFOQueue:
     def size(self) -> int:
         """Return the number of elements in the queue.
 
-        TF name: ``QueueBase.size``.
+        TF name: ``tf.queue.FIFOQueue.size``.
         """
         with self._lock:
             return len(self._items)
@@ -324,7 +343,7 @@ class FIFOQueue:
     def is_closed(self) -> bool:
         """Return True once the queue is closed.
 
-        TF name: ``QueueBase.is_closed``.
+        TF name: ``tf.queue.FIFOQueue.is_closed``.
         """
         return self._closed
 
@@ -427,44 +446,60 @@ class QueueRunner:
 
     @property
     def queue(self) -> Any:
-        """The queue."""
+        """The queue the enqueue ops fill.
+
+        TF name: ``tf.compat.v1.train.QueueRunner.queue``.
+        """
         return self._queue
 
     @property
     def enqueue_ops(self) -> list[Callable[..., Any]]:
-        """The enqueue ops (one thread each)."""
+        """The enqueue ops (one thread each), as a new list.
+
+        TF name: ``tf.compat.v1.train.QueueRunner.enqueue_ops``.
+        """
         return list(self._enqueue_ops)
 
     @property
     def close_op(self) -> Callable[..., Any]:
-        """The op closing the queue at the end of input."""
+        """The op closing the queue at the end of input (``queue.close`` by default).
+
+        TF name: ``tf.compat.v1.train.QueueRunner.close_op``.
+        """
         return self._close_op
 
     @property
     def cancel_op(self) -> Callable[..., Any]:
-        """The op closing the queue and cancelling pending enqueues at a stop."""
+        """The op closing the queue and cancelling pending enqueues at a stop.
+
+        TF name: ``tf.compat.v1.train.QueueRunner.cancel_op``.
+        """
         return self._cancel_op
 
     @property
     def queue_closed_exception_types(self) -> tuple[type[BaseException], ...]:
-        """The exception types that end a thread quietly."""
+        """The exception types that end a thread quietly (a tuple of classes).
+
+        TF name: ``tf.compat.v1.train.QueueRunner.queue_closed_exception_types``.
+        """
         return self._queue_closed_exception_types
 
     @property
     def name(self) -> str:
-        """The name of the queue.
+        """The name of the queue (its class name if it has no ``name``).
 
-        TF name: ``QueueRunner.name``.
+        TF name: ``tf.compat.v1.train.QueueRunner.name``.
         """
         return getattr(self._queue, "name", type(self._queue).__name__)
 
     @property
     def exceptions_raised(self) -> list[BaseException]:
-        """Exceptions raised by the threads created without a coordinator.
+        """Exceptions raised by the threads created without a coordinator (a new list).
 
-        With a coordinator, exceptions go to it and are not kept here.
+        With a coordinator, exceptions go to it and are not kept here. ``create_threads``
+        clears the list when it creates threads.
 
-        TF name: ``QueueRunner.exceptions_raised``.
+        TF name: ``tf.compat.v1.train.QueueRunner.exceptions_raised``.
         """
         with self._lock:
             return list(self._exceptions_raised)
@@ -491,9 +526,9 @@ class QueueRunner:
 
         Returns:
             The threads: one per enqueue op, plus, with ``coord``, one that runs ``cancel_op``
-            when a stop is requested.
+            when a stop is requested; empty if threads for ``sess`` are still running.
 
-        TF name: ``QueueRunner.create_threads``.
+        TF name: ``tf.compat.v1.train.QueueRunner.create_threads``.
         """
         with self._lock:
             if self._runs.get(sess, 0) > 0:

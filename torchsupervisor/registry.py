@@ -82,17 +82,31 @@ class Graph:
         self._collections: dict[str, list[Any]] = {}
 
     def add_to_collection(self, name: str, value: Any) -> None:
-        """Append ``value`` to the collection ``name`` (created when missing)."""
+        """Append ``value`` to the collection ``name`` (created when missing).
+
+        TF name: ``tf.Graph.add_to_collection``.
+        """
         with self._lock:
             self._collections.setdefault(name, []).append(value)
 
     def add_to_collections(self, names: str | Iterable[str], value: Any) -> None:
-        """Append ``value`` to each collection in ``names`` (a string is one name)."""
+        """Append ``value`` to each collection in ``names`` (a string is one name).
+
+        Duplicate names count once; the collections are not updated atomically together.
+
+        TF name: ``tf.Graph.add_to_collections``.
+        """
         for name in [names] if isinstance(names, str) else set(names):
             self.add_to_collection(name, value)
 
     def get_collection_ref(self, name: str) -> list[Any]:
-        """Return the live list behind collection ``name`` (created empty when missing)."""
+        """Return the live list behind collection ``name`` (created empty when missing).
+
+        Changes to the list are not serialized by the graph's lock; after
+        ``clear_collection(name)`` it is no longer the collection's list.
+
+        TF name: ``tf.Graph.get_collection_ref``.
+        """
         with self._lock:
             return self._collections.setdefault(name, [])
 
@@ -103,6 +117,14 @@ class Graph:
             name: The collection key, usually a ``GraphKeys`` member.
             scope: If given, keep only items whose ``name`` attribute matches this regular
                 expression at its start (``re.match``); items without a name are dropped.
+
+        Returns:
+            A new list, in insertion order.
+
+        Raises:
+            re.error: If ``scope`` is not a valid regular expression.
+
+        TF name: ``tf.Graph.get_collection``.
         """
         with self._lock:
             items = list(self._collections.get(name, ()))
@@ -116,18 +138,32 @@ class Graph:
         ]
 
     def clear_collection(self, name: str) -> None:
-        """Remove every item of collection ``name``."""
+        """Remove collection ``name`` and its items (a missing collection is not an error).
+
+        TF name: ``tf.Graph.clear_collection``.
+        """
         with self._lock:
             self._collections.pop(name, None)
 
     def get_all_collection_keys(self) -> list[str]:
-        """Return the names of the non-empty collections."""
+        """Return the names of the non-empty collections, in creation order.
+
+        TF name: ``tf.Graph.get_all_collection_keys`` (which also lists empty collections).
+        """
         with self._lock:
             return [key for key, items in self._collections.items() if items]
 
     @contextlib.contextmanager
     def as_default(self) -> Iterator[Graph]:
-        """Make this graph the default graph of the current thread inside a ``with`` block."""
+        """Make this graph the default graph of the current thread inside a ``with`` block.
+
+        Blocks nest; other threads keep their own default graph.
+
+        Returns:
+            A context manager that yields this graph.
+
+        TF name: ``tf.Graph.as_default``.
+        """
         stack = _thread_stack()
         stack.append(self)
         try:

@@ -158,7 +158,7 @@ class Scaffold:
             RuntimeError: If a collection holds more than one item for a field
                 (``'More than one item in the collection "<key>". ...'``).
 
-        TF name: ``Scaffold.finalize``.
+        TF name: ``tf.compat.v1.train.Scaffold.finalize``.
         """
         if self._init_op is None:
             self._init_op = Scaffold.get_or_default(
@@ -208,7 +208,7 @@ class Scaffold:
         Raises:
             RuntimeError: If the collection holds more than one item.
 
-        TF name: ``Scaffold.get_or_default``.
+        TF name: ``tf.compat.v1.train.Scaffold.get_or_default``.
         """
         graph = get_default_graph()
         items = graph.get_collection(collection_key)
@@ -229,56 +229,89 @@ class Scaffold:
     def default_local_init_op() -> Any:
         """Return the default local init op (eager state has nothing local: a no-op).
 
-        TF name: ``Scaffold.default_local_init_op``.
+        TF name: ``tf.compat.v1.train.Scaffold.default_local_init_op``.
         """
         return local_variables_initializer()
 
     @property
     def state(self) -> dict[str, Any] | None:
-        """The training state (a copy of the mapping given, with the global step), or None."""
+        """The training state (a copy of the mapping given, with the global step), or None.
+
+        None when no ``state`` was given (nor by ``copy_from_scaffold``): the session creator's
+        state is used.
+
+        TF name: none (TF's variables live in the graph; ours are named here).
+        """
         return self._state
 
     @property
     def init_op(self) -> Any:
-        """The init op."""
+        """The init op (None until ``finalize()`` if not given).
+
+        TF name: ``tf.compat.v1.train.Scaffold.init_op``.
+        """
         return self._init_op
 
     @property
     def init_feed_dict(self) -> Mapping[str, Any] | None:
-        """The keyword arguments of the init op."""
+        """The keyword arguments of the init op (None: none).
+
+        TF name: ``tf.compat.v1.train.Scaffold.init_feed_dict``.
+        """
         return self._init_feed_dict
 
     @property
     def init_fn(self) -> Callable[[Any], None] | None:
-        """``init_fn`` bound to this scaffold: called as ``init_fn(session)``."""
+        """``init_fn`` bound to this scaffold: called as ``init_fn(session)``; None if not given.
+
+        TF name: ``tf.compat.v1.train.Scaffold.init_fn``.
+        """
         return self._init_fn
 
     @property
     def ready_op(self) -> Any:
-        """The ready op."""
+        """The ready op (None until ``finalize()`` if not given).
+
+        TF name: ``tf.compat.v1.train.Scaffold.ready_op``.
+        """
         return self._ready_op
 
     @property
     def ready_for_local_init_op(self) -> Any:
-        """The ready-for-local-init op."""
+        """The ready-for-local-init op (None until ``finalize()`` if not given).
+
+        TF name: ``tf.compat.v1.train.Scaffold.ready_for_local_init_op``.
+        """
         return self._ready_for_local_init_op
 
     @property
     def local_init_op(self) -> Any:
-        """The local init op."""
+        """The local init op (None until ``finalize()`` if not given).
+
+        TF name: ``tf.compat.v1.train.Scaffold.local_init_op``.
+        """
         return self._local_init_op
 
     @property
     def local_init_feed_dict(self) -> Mapping[str, Any] | None:
-        """The keyword arguments of the local init op."""
+        """The keyword arguments of the local init op (None: none).
+
+        TF name: ``tf.compat.v1.train.Scaffold.local_init_feed_dict``.
+        """
         return self._local_init_feed_dict
 
     @property
     def summary_op(self) -> Any:
-        """The summary op (None when there are no summaries)."""
+        """The summary op (None when there are no summaries, or before ``finalize()``).
+
+        TF name: ``tf.compat.v1.train.Scaffold.summary_op``.
+        """
         return self._summary_op
 
     @property
     def saver(self) -> Any:
-        """The saver."""
+        """The saver (None until ``finalize()`` if not given).
+
+        TF name: ``tf.compat.v1.train.Scaffold.saver``.
+        """
         return self._saver

@@ -66,35 +66,52 @@ class Session:
 
     @property
     def state(self) -> Mapping[str, Any]:
-        """The state mapping (the same object that was passed in)."""
+        """The state mapping (the same object that was passed in; an empty dict for None).
+
+        TF name: none (a TF session runs the variables of its ``graph``).
+        """
         return self._state
 
     @property
     def master(self) -> str:
-        """The master string the session was created with."""
+        """The master string the session was created with.
+
+        TF name: ``tf.compat.v1.Session.sess_str`` (its ``target`` argument).
+        """
         return self._master
 
     @property
     def config(self) -> Any:
-        """The config the session was created with."""
+        """The config the session was created with (None if not given).
+
+        TF name: none (TF keeps its ``ConfigProto`` private).
+        """
         return self._config
 
     @property
     def device(self) -> torch.device:
-        """The device used to materialize uninitialized state."""
+        """The device used to materialize uninitialized state (CPU by default).
+
+        TF name: none (TF places ops by device scopes, not per session).
+        """
         return self._device
 
     @property
     def closed(self) -> bool:
-        """True after ``close()``."""
+        """True after ``close()``.
+
+        TF name: none (TF keeps it private, ``BaseSession._closed``).
+        """
         return self._closed
 
     def run(self, fetches: Any, feed_dict: Mapping[str, Any] | None = None) -> Any:
         """Evaluate ``fetches`` and return their values in the same structure.
 
-        A fetch is a callable (called once per ``run`` even if it appears several times), a
-        ``torch.Tensor`` (returned as is: no copy, no device sync), a ``GlobalStep`` (its int
-        value), None, or a list/tuple/namedtuple/dict of fetches.
+        On the thread that created the session, the work deferred to this step boundary (a
+        checkpoint snapshot, say) runs first. A fetch is a callable (called once per ``run``
+        even if it appears several times), a ``torch.Tensor`` (returned as is: no copy, no
+        device sync), a ``GlobalStep`` (its int value), None, or a list/tuple/namedtuple/dict
+        of fetches.
 
         Args:
             fetches: What to evaluate.
@@ -107,7 +124,9 @@ class Session:
         Raises:
             RuntimeError: ``"Attempted to use a closed Session."``.
             TypeError: For a fetch of another type, or a feed that no fetched callable takes.
-            Exception: Whatever a fetched callable raises.
+            Exception: Whatever a fetched callable or a deferred boundary task raises.
+
+        TF name: ``tf.compat.v1.Session.run`` (without ``options`` and ``run_metadata``).
         """
         boundary = self.boundary
         if boundary.pending:
@@ -117,7 +136,12 @@ class Session:
         return evaluate_fetches(fetches, feed_dict)
 
     def close(self) -> None:
-        """Close the session; later ``run`` calls raise. Closing twice is harmless."""
+        """Close the session; later ``run`` calls raise. Closing twice is harmless.
+
+        Work still deferred to the step boundary is dropped; the state is left as it is.
+
+        TF name: ``tf.compat.v1.Session.close``.
+        """
         self._closed = True
         self.boundary.clear()
 

@@ -47,8 +47,13 @@ class SessionCreator:
     def create_session(self) -> Session:
         """Create and return a ready session.
 
+        Returns:
+            A ``Session`` whose state is ready to train.
+
         Raises:
             NotImplementedError: In this base class.
+
+        TF name: ``tf.compat.v1.train.SessionCreator.create_session``.
         """
         raise NotImplementedError("SessionCreator subclasses implement create_session()")
 
@@ -100,19 +105,30 @@ class _ScaffoldedCreator(SessionCreator):
 
     @property
     def scaffold(self) -> Scaffold:
-        """The scaffold (finalized by ``create_session``)."""
+        """The scaffold (finalized by ``create_session``).
+
+        TF name: none (TF keeps it private, ``ChiefSessionCreator._scaffold``).
+        """
         return self._scaffold
 
     @property
     def state(self) -> dict[str, Any]:
-        """The state of the sessions this creator makes."""
+        """The state of the sessions this creator makes (with the global step).
+
+        TF name: none (TF's sessions run the default graph's variables).
+        """
         return self._state
 
     def allow_missing(self, *names: str) -> None:
         """Let a restore skip these state entries, with a warning, when a checkpoint lacks them.
 
         Applied to the scaffold's saver (``Saver.allow_missing``) when a session is created;
-        ``MonitoredTrainingSession`` uses it for the ``"rng"`` entry it adds. Not in TF.
+        ``MonitoredTrainingSession`` uses it for the ``"rng"`` entry it adds.
+
+        Args:
+            *names: Top-level names of state entries.
+
+        TF name: none (TF's restore has no optional entries).
         """
         self._optional.update(names)
 
@@ -196,8 +212,11 @@ class ChiefSessionCreator(_ScaffoldedCreator):
             RuntimeError: When the state cannot be made ready (``SessionManager``'s texts).
             ValueError: If both checkpoint locations are given.
             DataLossError: If ``checkpoint_dir`` has checkpoints and none is valid.
+            CorruptCheckpointError, NotFoundError, InvalidArgumentError: ``Saver.restore``'s
+                errors, when the checkpoint given by ``checkpoint_filename_with_path`` does
+                not restore.
 
-        TF name: ``ChiefSessionCreator.create_session``.
+        TF name: ``tf.compat.v1.train.ChiefSessionCreator.create_session``.
         """
         saver = self._finalize()
         wait = getattr(saver, "wait", None)
@@ -264,10 +283,15 @@ class WorkerSessionCreator(_ScaffoldedCreator):
     def create_session(self) -> Session:
         """Wait for a session whose state is ready.
 
+        Polls every ``recovery_wait_secs`` of the session manager, up to ``max_wait_secs``.
+
+        Returns:
+            A session whose state the ready op reports ready.
+
         Raises:
             DeadlineExceededError: ``"Session was not ready after waiting %d secs."``.
 
-        TF name: ``WorkerSessionCreator.create_session``.
+        TF name: ``tf.compat.v1.train.WorkerSessionCreator.create_session``.
         """
         self._finalize()
         return self._get_session_manager().wait_for_session(

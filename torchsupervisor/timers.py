@@ -60,7 +60,7 @@ class SecondOrStepTimer:
     def reset(self) -> None:
         """Forget the last trigger: the next ``should_trigger_for_step`` returns True.
 
-        TF name: ``SecondOrStepTimer.reset``.
+        TF name: ``tf.compat.v1.train.SecondOrStepTimer.reset``.
         """
         self._last_step = None
         self._last_time = None
@@ -76,7 +76,7 @@ class SecondOrStepTimer:
             True when ``every_secs`` passed since the last trigger or ``step`` is at least
             ``every_steps`` past it.
 
-        TF name: ``SecondOrStepTimer.should_trigger_for_step``.
+        TF name: ``tf.compat.v1.train.SecondOrStepTimer.should_trigger_for_step``.
         """
         last_step = self._last_step
         if last_step is None:
@@ -97,7 +97,7 @@ class SecondOrStepTimer:
             ``(elapsed_secs, elapsed_steps)`` since the previous trigger; ``(None, None)`` at
             the first trigger (or the first after ``reset``).
 
-        TF name: ``SecondOrStepTimer.update_last_triggered_step``.
+        TF name: ``tf.compat.v1.train.SecondOrStepTimer.update_last_triggered_step``.
         """
         now = self._clock.monotonic()
         if self._last_time is None:
@@ -111,7 +111,7 @@ class SecondOrStepTimer:
     def last_triggered_step(self) -> int | None:
         """Return the step of the last trigger, or None.
 
-        TF name: ``SecondOrStepTimer.last_triggered_step``.
+        TF name: ``tf.compat.v1.train.SecondOrStepTimer.last_triggered_step``.
         """
         return self._last_step
 
@@ -127,18 +127,30 @@ class NeverTriggerTimer:
     __slots__ = ()
 
     def reset(self) -> None:
-        """Do nothing."""
+        """Do nothing.
+
+        TF name: ``NeverTriggerTimer.reset`` (internal in ``basic_session_run_hooks``).
+        """
 
     def should_trigger_for_step(self, step: int) -> bool:
-        """Return False."""
+        """Return False.
+
+        TF name: ``NeverTriggerTimer.should_trigger_for_step`` (internal in TF).
+        """
         del step
         return False
 
     def update_last_triggered_step(self, step: int) -> tuple[None, None]:
-        """Return ``(None, None)``."""
+        """Return ``(None, None)``.
+
+        TF name: ``NeverTriggerTimer.update_last_triggered_step`` (internal in TF).
+        """
         del step
         return (None, None)
 
     def last_triggered_step(self) -> None:
-        """Return None."""
+        """Return None.
+
+        TF name: ``NeverTriggerTimer.last_triggered_step`` (internal in TF).
+        """
         return None

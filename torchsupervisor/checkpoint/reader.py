@@ -102,22 +102,34 @@ class CheckpointReader:
 
     @property
     def prefix(self) -> str:
-        """The checkpoint prefix."""
+        """The checkpoint prefix, as given.
+
+        TF name: none (TF's reader does not expose its file pattern).
+        """
         return self._prefix
 
     @property
     def manifest(self) -> Manifest:
-        """The parsed manifest."""
+        """The parsed manifest (a ``ShardedManifest`` for a checkpoint of ``save_sharded``).
+
+        TF name: none (our checkpoint format's index; TF's is a table of tensor slices).
+        """
         return self._manifest
 
     @property
     def global_step(self) -> int | None:
-        """The global step recorded in the checkpoint."""
+        """The global step recorded in the checkpoint; None if it was saved without one.
+
+        TF name: none (in TF, read the ``global_step`` variable with ``get_tensor``).
+        """
         return self._manifest.global_step
 
     @property
     def is_sharded(self) -> bool:
-        """True if some tensors are stored in chunks (a checkpoint of ``save_sharded``)."""
+        """True if some tensors are stored in chunks (a checkpoint of ``save_sharded``).
+
+        TF name: none (TF's reader assembles slices without saying so).
+        """
         return bool(self._sharded)
 
     def _specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -126,23 +138,45 @@ class CheckpointReader:
         return {name: (e.dtype, e.shape) for name, e in self._manifest.tensors.items()}
 
     def get_variable_to_shape_map(self) -> dict[str, list[int]]:
-        """Return ``{tensor name: shape as a list of ints}`` (global shapes; no chunk entries)."""
+        """Return ``{tensor name: shape as a list of ints}`` (global shapes; no chunk entries).
+
+        TF name: ``tf.compat.v1.train.NewCheckpointReader(...).get_variable_to_shape_map``.
+        """
         return {name: list(shape) for name, (_, shape) in self._specs().items()}
 
     def get_variable_to_dtype_map(self) -> dict[str, torch.dtype]:
-        """Return ``{tensor name: torch dtype}`` (no chunk entries)."""
+        """Return ``{tensor name: torch dtype}`` (no chunk entries).
+
+        TF name: ``tf.compat.v1.train.NewCheckpointReader(...).get_variable_to_dtype_map``
+        (which gives TF dtypes).
+        """
         return {name: dtype for name, (dtype, _) in self._specs().items()}
 
     def has_tensor(self, name: str) -> bool:
-        """Return True if the checkpoint holds a tensor (or a chunk entry) called ``name``."""
+        """Return True if the checkpoint holds a tensor (or a chunk entry) called ``name``.
+
+        TF name: ``tf.compat.v1.train.NewCheckpointReader(...).has_tensor``.
+        """
         return name in self._manifest.tensors or name in self._sharded
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """Read one tensor (on the CPU), verifying its checksum.
 
+        A tensor stored in chunks is assembled from them, each chunk verified.
+
+        Args:
+            name: The tensor's name (as ``get_variable_to_shape_map`` lists it) or a chunk
+                entry's name.
+
+        Returns:
+            A new CPU tensor that owns its memory.
+
         Raises:
             NotFoundError: ``"Key <name> not found in checkpoint"``.
-            CorruptCheckpointError: If its bytes are missing or do not match the checksum.
+            CorruptCheckpointError: If its shard is missing, unreadable or of the wrong size,
+                or its bytes are truncated or do not match the checksum.
+
+        TF name: ``tf.compat.v1.train.NewCheckpointReader(...).get_tensor``.
         """
         sharded = self._sharded.get(name)
         if sharded is not None:
@@ -181,6 +215,9 @@ class CheckpointReader:
         Raises:
             CorruptCheckpointError: For a missing or truncated shard, or a tensor whose bytes
                 do not match its checksum; the message names the shard file and the tensors.
+            OSError: If a read of a shard fails.
+
+        TF name: none (TF reads one tensor at a time with ``get_tensor``).
         """
         by_shard: dict[int, list[tuple[str, TensorEntry]]] = {}
         for name, entry in self._manifest.tensors.items():
@@ -202,6 +239,8 @@ class CheckpointReader:
         Raises:
             CorruptCheckpointError: As ``read_tensors``, or for a tree that names an unknown
                 tensor.
+
+        TF name: none (TF restores variables one by one; the tree is our format's).
         """
         tensors = self.read_tensors()
 
@@ -223,6 +262,8 @@ class CheckpointReader:
 
         Raises:
             CorruptCheckpointError: Naming the first bad file (and its damaged tensors).
+
+        TF name: none (TF checks each tensor's checksum only as it reads it).
         """
         buffer = memoryview(bytearray(_CHUNK_BYTES))
         for shard_index, shard in enumerate(self._manifest.shards):

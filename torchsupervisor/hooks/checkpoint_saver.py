@@ -64,23 +64,48 @@ class CheckpointSaverListener:
     """
 
     def begin(self) -> None:
-        """Prepare before the session is created."""
+        """Prepare before the session is created (called from the hook's ``begin``).
+
+        TF name: ``tf.compat.v1.train.CheckpointSaverListener.begin``.
+        """
 
     def before_save(self, session: Any, global_step_value: int) -> None:
-        """Act just before the snapshot of the checkpoint at ``global_step_value``."""
+        """Act just before the snapshot of the checkpoint at ``global_step_value``.
+
+        Args:
+            session: The session being checkpointed (no hooks).
+            global_step_value: The step of the checkpoint (int).
+
+        TF name: ``tf.compat.v1.train.CheckpointSaverListener.before_save``.
+        """
 
     def after_save(self, session: Any, global_step_value: int) -> bool | None:
         """Act once the checkpoint at ``global_step_value`` is committed.
 
         Not called for a save that failed.
 
+        Args:
+            session: The session that was checkpointed (no hooks).
+            global_step_value: The step of the checkpoint (int).
+
         Returns:
             True to request that training stops after the current run (ignored for the
-            checkpoint saved when a session is created, as in TF).
+            checkpoint saved when a session is created, as in TF); None or False: go on.
+
+        TF name: ``tf.compat.v1.train.CheckpointSaverListener.after_save``.
         """
 
     def end(self, session: Any, global_step_value: int) -> None:
-        """Act at the end, after the final checkpoint at ``global_step_value``."""
+        """Act at the end, after the final checkpoint at ``global_step_value``.
+
+        Also called when a final save under a time budget was abandoned.
+
+        Args:
+            session: The last session (no hooks).
+            global_step_value: The last step (int).
+
+        TF name: ``tf.compat.v1.train.CheckpointSaverListener.end``.
+        """
 
 
 class CheckpointSaverHook(SessionRunHook):
@@ -163,11 +188,20 @@ class CheckpointSaverHook(SessionRunHook):
 
     @property
     def save_path(self) -> str:
-        """The checkpoint prefix without step, ``<checkpoint_dir>/<basename>``."""
+        """The checkpoint prefix without step, ``<checkpoint_dir>/<basename>``.
+
+        TF name: none (TF keeps it private, ``CheckpointSaverHook._save_path``).
+        """
         return self._save_path
 
     def begin(self) -> None:
-        """Find the writer and the global step; call the listeners' ``begin``."""
+        """Find the writer and the global step; call the listeners' ``begin``.
+
+        Raises:
+            RuntimeError: ``"Global step should be created to use CheckpointSaverHook."``.
+
+        TF name: ``tf.compat.v1.train.CheckpointSaverHook.begin``.
+        """
         self._summary_writer = SummaryWriterCache.get(self._checkpoint_dir)
         self._global_step = require_global_step("CheckpointSaverHook")
         for listener in self._listeners:
@@ -176,7 +210,17 @@ class CheckpointSaverHook(SessionRunHook):
     def after_create_session(self, session: Any, coord: Any) -> None:
         """Save a checkpoint at the step of the new session (unless it was just restored).
 
-        A listener's request to stop from this save is ignored, as in TF.
+        Waits first for a save still being written. Without listeners the new save is left
+        in flight; with listeners it is committed before this returns. A listener's request to
+        stop from this save is ignored, as in TF.
+
+        Raises:
+            RuntimeError: TF's texts when no saver was given and the ``SAVERS`` collection has
+                none or more than one.
+            CheckpointSaveError: With ``stop_on_checkpoint_error``, if the previous save failed
+                (or this one, with listeners).
+
+        TF name: ``tf.compat.v1.train.CheckpointSaverHook.after_create_session``.
         """
         del coord
         self._global_step = session_global_step(session, self._global_step)
@@ -192,7 +236,16 @@ class CheckpointSaverHook(SessionRunHook):
         self._timer.update_last_triggered_step(step)
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
-        """Save when the timer is due (waiting first for a save still being written)."""
+        """Save when the timer is due (waiting first for a save still being written).
+
+        Requests a stop when a listener's ``after_save`` returns True.
+
+        Raises:
+            RuntimeError: As ``after_create_session``, when there is no single saver.
+            CheckpointSaveError: With ``stop_on_checkpoint_error``, if a save failed.
+
+        TF name: ``tf.compat.v1.train.CheckpointSaverHook.after_run``.
+        """
         del run_values
         if self._pending is not None and self._pending.future.done():
             self._finish_pending()
@@ -205,8 +258,16 @@ class CheckpointSaverHook(SessionRunHook):
     def end(self, session: Any) -> None:
         """Wait for the save in flight, save the last step if needed, end the listeners.
 
+        With a budget (``set_final_save_budget``) a save that fails or does not commit in
+        time is logged, not raised. Then the listeners' ``end`` is called, the saver closed
+        and the writer flushed.
+
         Raises:
-            CheckpointSaveError: If the final save fails (without a time budget).
+            CheckpointSaveError: If the final save fails (without a time budget); with
+                ``stop_on_checkpoint_error``, if the save in flight failed.
+            RuntimeError: As ``after_create_session``, when there is no single saver.
+
+        TF name: ``tf.compat.v1.train.CheckpointSaverHook.end``.
         """
         last_step = read_step(self._global_step)
         if self._final_budget_secs is None:
@@ -228,10 +289,12 @@ class CheckpointSaverHook(SessionRunHook):
         checkpoint; a save that cannot finish in time is cancelled (``Saver.cancel``): it
         commits nothing and leaves no file, and the last committed checkpoint stays the
         newest. ``MonitoredSession`` sets its ``preemption_grace_secs`` here after a
-        preemption signal. Not in TF.
+        preemption signal.
 
         Args:
             timeout_secs: The budget (real time); None: no limit.
+
+        TF name: none (TF had no preemption grace period).
         """
         self._final_budget_secs = timeout_secs
 
@@ -240,16 +303,18 @@ class CheckpointSaverHook(SessionRunHook):
 
         A ``MonitoredSession`` calls it before it re-creates a session after a recoverable
         error, so that the new session restores the newest checkpoint, not an older one. The
-        save's outcome is handled at the hook's next call. Not in TF (whose saves were
-        synchronous).
+        save's outcome is handled at the hook's next call.
 
         Args:
-            timeout_secs: Longest wait, in seconds; None: no limit.
+            timeout_secs: Longest wait, in seconds, for the write and again for its commit
+                callback; None: no limit.
 
         Returns:
             True when no save is being written any more, False on timeout.
 
         Thread safety: call from the training thread.
+
+        TF name: none (TF's saves were synchronous).
         """
         pending = self._pending
         if pending is None:

@@ -82,12 +82,25 @@ class NanTensorHook(SessionRunHook):
         self._args = SessionRunArgs(loss_tensor)
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
-        """Fetch the loss."""
+        """Fetch the loss.
+
+        Returns:
+            ``SessionRunArgs`` whose fetches are the loss fetch.
+
+        TF name: ``tf.compat.v1.train.NanTensorHook.before_run``.
+        """
         del run_context
         return self._args
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
-        """Raise or stop when the loss is NaN."""
+        """Raise or stop when the loss is NaN (any NaN element of a tensor or array).
+
+        Raises:
+            NanLossDuringTrainingError: On a NaN loss with ``fail_on_nan_loss``.
+            TypeError: If the fetched loss is not a number, tensor or array (e.g. None).
+
+        TF name: ``tf.compat.v1.train.NanTensorHook.after_run``.
+        """
         if _is_nan(run_values.results):
             message = "Model diverged with loss = NaN."
             if self._fail_on_nan_loss:
@@ -171,13 +184,23 @@ class LoggingTensorHook(SessionRunHook):
         self._named_args = SessionRunArgs(self._named) if self._named else None
 
     def begin(self) -> None:
-        """Start counting iterations from 0."""
+        """Start counting iterations from 0 and reset the timer.
+
+        TF name: ``tf.compat.v1.train.LoggingTensorHook.begin``.
+        """
         self._timer.reset()
         self._iter_count = 0
         self._last_named = {}
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs | None:
-        """Fetch the values when a log line is due (and named values when logging at end)."""
+        """Fetch the values when a log line is due (and named values when logging at end).
+
+        Returns:
+            ``SessionRunArgs`` of every watched value when due; otherwise, with ``at_end``,
+            of the named entries of the caller's result (None if there are none); else None.
+
+        TF name: ``tf.compat.v1.train.LoggingTensorHook.before_run``.
+        """
         del run_context
         self._should_trigger = self._timer.should_trigger_for_step(self._iter_count)
         if self._should_trigger:
@@ -187,7 +210,10 @@ class LoggingTensorHook(SessionRunHook):
         return None
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
-        """Log the fetched values when due; count the iteration."""
+        """Log the fetched values when due; count the iteration.
+
+        TF name: ``tf.compat.v1.train.LoggingTensorHook.after_run``.
+        """
         del run_context
         results = run_values.results
         if self._log_at_end and results is not None:
@@ -197,7 +223,13 @@ class LoggingTensorHook(SessionRunHook):
         self._iter_count += 1
 
     def end(self, session: Any) -> None:
-        """Log once more at the end if ``at_end``."""
+        """Log once more at the end if ``at_end``.
+
+        Named entries of the caller's result give their values of the last run (absent if no
+        run fetched them); other fetches are evaluated now.
+
+        TF name: ``tf.compat.v1.train.LoggingTensorHook.end``.
+        """
         del session
         if not self._log_at_end:
             return

@@ -58,17 +58,36 @@ class GlobalStepWaiterHook(SessionRunHook):
         self._global_step: Any = None
 
     def begin(self) -> None:
-        """Find the global step."""
+        """Find the global step; the next ``before_run`` waits again.
+
+        Raises:
+            RuntimeError: ``"Global step should be created to use _GlobalStepWaiterHook."``.
+
+        TF name: ``tf.compat.v1.train.GlobalStepWaiterHook.begin``.
+        """
         self._worker_is_started = False
         self._global_step = require_global_step("_GlobalStepWaiterHook")
 
     def after_create_session(self, session: Any, coord: Any) -> None:
-        """Use the global step of the session's state."""
+        """Use the global step of the session's state.
+
+        TF name: ``tf.compat.v1.train.GlobalStepWaiterHook.after_create_session`` (the
+        inherited no-op there: TF reads the graph's global step tensor).
+        """
         del coord
         self._global_step = session_global_step(session, self._global_step)
 
     def before_run(self, run_context: SessionRunContext) -> None:
-        """Block until the global step reached ``wait_until_step`` (first run only)."""
+        """Block until the global step reached ``wait_until_step`` (first run only).
+
+        Polls every ``poll_secs`` on the clock, with no timeout and no stop check: if the step
+        never moves, it waits forever.
+
+        Returns:
+            None: the hook adds no fetches.
+
+        TF name: ``tf.compat.v1.train.GlobalStepWaiterHook.before_run``.
+        """
         del run_context
         if self._worker_is_started:
             return
@@ -117,11 +136,20 @@ class FinalOpsHook(SessionRunHook):
 
     @property
     def final_ops_values(self) -> Any:
-        """The values of the final ops (None before ``end()``)."""
+        """The values of the final ops, shaped like them (None before ``end()``).
+
+        TF name: ``tf.compat.v1.train.FinalOpsHook.final_ops_values``.
+        """
         return self._final_ops_values
 
     def end(self, session: Any) -> None:
-        """Evaluate the final ops on ``session``."""
+        """Evaluate the final ops on ``session`` (nothing if ``final_ops`` is None).
+
+        Raises:
+            OutOfRangeError, StopIteration: Re-raised after a warning.
+
+        TF name: ``tf.compat.v1.train.FinalOpsHook.end``.
+        """
         if self._final_ops is None:
             return
         try:
@@ -157,6 +185,12 @@ class FeedFnHook(SessionRunHook):
         self.feed_fn = feed_fn
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
-        """Return ``feed_fn()`` as this run's feeds."""
+        """Return ``feed_fn()`` as this run's feeds (no fetches).
+
+        Returns:
+            ``SessionRunArgs(fetches=None, feed_dict=feed_fn())``.
+
+        TF name: ``tf.compat.v1.train.FeedFnHook.before_run``.
+        """
         del run_context
         return SessionRunArgs(fetches=None, feed_dict=self.feed_fn())

@@ -46,6 +46,8 @@ class SessionRunHook:
         """Prepare before the session is created (called once per ``MonitoredSession``).
 
         Not called again when the session is re-created after a recoverable error.
+
+        TF name: ``tf.compat.v1.train.SessionRunHook.begin``.
         """
 
     def after_create_session(self, session: Any, coord: Any) -> None:
@@ -57,6 +59,8 @@ class SessionRunHook:
         Args:
             session: The new ``Session`` (no hooks).
             coord: The ``Coordinator`` of the session's threads.
+
+        TF name: ``tf.compat.v1.train.SessionRunHook.after_create_session``.
         """
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs | None:
@@ -68,6 +72,8 @@ class SessionRunHook:
         Returns:
             None, or ``SessionRunArgs`` whose fetches are evaluated with the caller's and whose
             ``feed_dict`` is merged into the caller's.
+
+        TF name: ``tf.compat.v1.train.SessionRunHook.before_run``.
         """
         del run_context
         return None
@@ -79,6 +85,8 @@ class SessionRunHook:
             run_context: The run's context; ``run_context.request_stop()`` ends the loop.
             run_values: ``results`` holds the values of this hook's fetches, shaped like them
                 (None if the hook asked for nothing).
+
+        TF name: ``tf.compat.v1.train.SessionRunHook.after_run``.
         """
 
     def end(self, session: Any) -> None:
@@ -89,6 +97,8 @@ class SessionRunHook:
 
         Args:
             session: The last ``Session`` (no hooks).
+
+        TF name: ``tf.compat.v1.train.SessionRunHook.end``.
         """
 
 
@@ -148,22 +158,31 @@ class SessionRunContext:
 
     @property
     def original_args(self) -> SessionRunArgs:
-        """The caller's fetches and feed_dict, as ``SessionRunArgs``."""
+        """The caller's fetches and feed_dict, as ``SessionRunArgs``.
+
+        TF name: ``tf.compat.v1.train.SessionRunContext.original_args``.
+        """
         return self._original_args
 
     @property
     def session(self) -> Any:
-        """The session the run uses (no hooks)."""
+        """The session the run uses (no hooks).
+
+        TF name: ``tf.compat.v1.train.SessionRunContext.session``.
+        """
         return self._session
 
     @property
     def stop_requested(self) -> bool:
-        """True once a hook called ``request_stop()`` during this run."""
+        """True once a hook called ``request_stop()`` during this run.
+
+        TF name: ``tf.compat.v1.train.SessionRunContext.stop_requested``.
+        """
         return self._stop_requested
 
     def request_stop(self) -> None:
         """Ask the monitored session to stop after this run (``should_stop()`` turns True).
 
-        TF name: ``SessionRunContext.request_stop``.
+        TF name: ``tf.compat.v1.train.SessionRunContext.request_stop``.
         """
         self._stop_requested = True

@@ -80,14 +80,26 @@ class StepCounterHook(SessionRunHook):
         self._stale_warnings = 0
 
     def begin(self) -> None:
-        """Find the writer and the global step."""
+        """Find the writer (from ``output_dir`` if none was given) and the global step.
+
+        Raises:
+            RuntimeError: ``"Global step should be created to use StepCounterHook."``.
+
+        TF name: ``tf.compat.v1.train.StepCounterHook.begin``.
+        """
         if self._summary_writer is None and self._output_dir:
             self._summary_writer = SummaryWriterCache.get(self._output_dir)
         self._global_step = require_global_step("StepCounterHook")
         self._summary_tag = step_name(self._global_step) + "/sec"
 
     def after_create_session(self, session: Any, coord: Any) -> None:
-        """Start counting afresh (after a recovery the step may have moved back)."""
+        """Take the session state's global step and start counting afresh.
+
+        The timer is reset, since after a recovery the step may have moved back.
+
+        TF name: ``tf.compat.v1.train.StepCounterHook.after_create_session`` (the inherited
+        no-op there: TF reads the graph's global step tensor).
+        """
         del coord
         self._global_step = session_global_step(session, self._global_step)
         self._summary_tag = step_name(self._global_step) + "/sec"
@@ -95,7 +107,13 @@ class StepCounterHook(SessionRunHook):
         self._last_step = None
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
-        """Write the rate when the timer triggers."""
+        """Write and log the steps/sec rate when the timer triggers.
+
+        The rate is the steps since the last trigger over the seconds since it (``inf`` if no
+        time passed); nothing is written at a session's first trigger.
+
+        TF name: ``tf.compat.v1.train.StepCounterHook.after_run``.
+        """
         del run_context, run_values
         step = read_step(self._global_step)
         if step == self._last_step and self._stale_warnings < _STALE_STEP_WARNINGS:

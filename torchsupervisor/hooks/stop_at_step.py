@@ -51,28 +51,54 @@ class StopAtStepHook(SessionRunHook):
 
     @property
     def last_step(self) -> int | None:
-        """The step training stops at (None until known)."""
+        """The step training stops at (None until ``num_steps`` is turned into a step).
+
+        TF name: none (TF keeps it private, ``StopAtStepHook._last_step``).
+        """
         return self._last_step
 
     def begin(self) -> None:
-        """Find the global step."""
+        """Find the global step in the default graph's ``GLOBAL_STEP`` collection.
+
+        Raises:
+            RuntimeError: ``"Global step should be created to use StopAtStepHook."``.
+
+        TF name: ``tf.compat.v1.train.StopAtStepHook.begin``.
+        """
         self._global_step = require_global_step("StopAtStepHook")
 
     def after_create_session(self, session: Any, coord: Any) -> None:
-        """Compute ``last_step`` from ``num_steps`` (on the first session only)."""
+        """Take the session state's global step; compute ``last_step`` on the first session.
+
+        ``last_step`` is the step read now plus ``num_steps``; a later session keeps it.
+
+        Raises:
+            TypeError: If the global step is not an integer step.
+
+        TF name: ``tf.compat.v1.train.StopAtStepHook.after_create_session``.
+        """
         del coord
         self._global_step = session_global_step(session, self._global_step)
         if self._last_step is None:
             self._last_step = read_step(self._global_step) + self._num_steps
 
     def before_run(self, run_context: SessionRunContext) -> None:
-        """Without a session creation (a bare hooked session), count from the first run."""
+        """Compute ``last_step`` here if no session was created (a bare hooked session).
+
+        Returns:
+            None: the hook adds no fetches (the step is read directly after the run).
+
+        TF name: ``tf.compat.v1.train.StopAtStepHook.before_run``.
+        """
         del run_context
         if self._last_step is None:
             self._last_step = read_step(self._global_step) + self._num_steps
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
-        """Request a stop once the global step reached ``last_step``."""
+        """Request a stop once the global step reached ``last_step``.
+
+        TF name: ``tf.compat.v1.train.StopAtStepHook.after_run``.
+        """
         del run_values
         if read_step(self._global_step) >= self._last_step:
             run_context.request_stop()

@@ -77,14 +77,26 @@ class SummarySaverHook(SessionRunHook):
         self._request_summary = False
 
     def begin(self) -> None:
-        """Find the writer and the global step."""
+        """Find the writer (from ``output_dir`` if none was given) and the global step.
+
+        Without a writer the hook does nothing. The next run writes ``SessionLog.START``.
+
+        Raises:
+            RuntimeError: ``"Global step should be created to use SummarySaverHook."``.
+
+        TF name: ``tf.compat.v1.train.SummarySaverHook.begin``.
+        """
         if self._summary_writer is None and self._output_dir:
             self._summary_writer = SummaryWriterCache.get(self._output_dir)
         self._next_step = None
         self._global_step = require_global_step("SummarySaverHook")
 
     def after_create_session(self, session: Any, coord: Any) -> None:
-        """Use the global step of the session's state."""
+        """Use the global step of the session's state.
+
+        TF name: ``tf.compat.v1.train.SummarySaverHook.after_create_session`` (the inherited no-op
+        there: TF reads the graph's global step tensor).
+        """
         del coord
         self._global_step = session_global_step(session, self._global_step)
 
@@ -95,7 +107,14 @@ class SummarySaverHook(SessionRunHook):
         return list(op) if isinstance(op, (list, tuple)) else [op]
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs | None:
-        """Fetch the summary ops when the step this run produces is due."""
+        """Fetch the summary ops when the step this run produces is due.
+
+        Returns:
+            ``SessionRunArgs({"summary": [ops]})`` when due, the hook's first run included;
+            None otherwise, without a writer, or when there is no summary op.
+
+        TF name: ``tf.compat.v1.train.SummarySaverHook.before_run``.
+        """
         del run_context
         if self._summary_writer is None:
             self._request_summary = False
@@ -110,7 +129,10 @@ class SummarySaverHook(SessionRunHook):
         return None
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
-        """Write START at the first run and the fetched summaries at this step."""
+        """Write START at the first run and the fetched summaries at this step.
+
+        TF name: ``tf.compat.v1.train.SummarySaverHook.after_run``.
+        """
         del run_context
         writer = self._summary_writer
         if writer is None:
@@ -128,7 +150,10 @@ class SummarySaverHook(SessionRunHook):
         self._next_step = step + 1
 
     def end(self, session: Any) -> None:
-        """Flush the writer."""
+        """Flush the writer.
+
+        TF name: ``tf.compat.v1.train.SummarySaverHook.end``.
+        """
         del session
         if self._summary_writer is not None:
             self._summary_writer.flush()

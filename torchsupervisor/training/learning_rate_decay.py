@@ -482,7 +482,10 @@ class GlobalStepLR(LRScheduler):
 
     @property
     def global_step(self) -> Any:
-        """The ``GlobalStep`` (or tensor) the rate is computed from."""
+        """The ``GlobalStep`` (or tensor) the rate is computed from.
+
+        TF name: none (TF passes ``global_step`` to the decay function).
+        """
         return self._global_step
 
     def _compute(self) -> list[float]:
@@ -498,21 +501,35 @@ class GlobalStepLR(LRScheduler):
         self._last_lr = lrs
 
     def get_lr(self) -> list[float]:
-        """Return ``[fn(global_step) for each group]`` (called by ``step()``)."""
+        """Return ``[fn(global_step) for each group]`` (called by ``step()``).
+
+        TF name: none (``torch.optim.lr_scheduler.LRScheduler.get_lr``).
+        """
         return self._compute()
 
     _get_closed_form_lr = get_lr
 
     def remove_hook(self) -> None:
-        """Stop setting the rate before every ``optimizer.step()`` (``sync_before_step``)."""
+        """Stop setting the rate before every ``optimizer.step()`` (``sync_before_step``).
+
+        Idempotent.
+
+        TF name: none (our addition).
+        """
         if self._pre_step_hook is not None:
             self._pre_step_hook.remove()
             self._pre_step_hook = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Return PyTorch's scheduler bookkeeping (not the functions, the step or the hook)."""
+        """Return PyTorch's scheduler bookkeeping (not the functions, the step or the hook).
+
+        TF name: none (``torch.optim.lr_scheduler.LRScheduler.state_dict``).
+        """
         return {k: v for k, v in self.__dict__.items() if k not in _NOT_SAVED}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the bookkeeping of ``state_dict()``; the rate still follows the global step."""
+        """Restore the bookkeeping of ``state_dict()``; the rate still follows the global step.
+
+        TF name: none (``torch.optim.lr_scheduler.LRScheduler.load_state_dict``).
+        """
         self.__dict__.update({k: v for k, v in state_dict.items() if k not in _NOT_SAVED})

@@ -107,21 +107,37 @@ class ExponentialMovingAverage:
 
     @property
     def name(self) -> str:
-        """The state name of the EMA and the prefix of the shadows' checkpoint names."""
+        """The state name of the EMA and the prefix of the shadows' checkpoint names.
+
+        TF name: ``tf.compat.v1.train.ExponentialMovingAverage.name``.
+        """
         return self._name
 
     @property
     def decay(self) -> float:
-        """The decay given to the constructor."""
+        """The decay given to the constructor (a float).
+
+        TF name: none (TF keeps it private, ``ExponentialMovingAverage._decay``).
+        """
         return self._decay
 
     @property
     def num_updates(self) -> Any:
-        """The ``num_updates`` given to the constructor (None if none)."""
+        """The ``num_updates`` given to the constructor (None if none), not its value.
+
+        TF name: none (TF keeps it private, ``ExponentialMovingAverage._num_updates``).
+        """
         return self._num_updates
 
     def current_decay(self) -> float:
-        """Return the decay the next ``apply()`` uses (with the ``num_updates`` rule)."""
+        """Return the decay the next ``apply()`` uses (with the ``num_updates`` rule).
+
+        Returns:
+            ``decay``, or ``min(decay, (1 + n) / (10 + n))`` with ``n`` the value of
+            ``num_updates`` now.
+
+        TF name: none (TF computes it inside ``apply``).
+        """
         if self._num_updates is None:
             return self._decay
         n = float(read_step(self._num_updates))
@@ -235,7 +251,7 @@ class ExponentialMovingAverage:
                 ``var_list`` is None before anything is averaged.
             InvalidArgumentError: If a value restored for a name has another shape.
 
-        TF name: ``ExponentialMovingAverage.apply``.
+        TF name: ``tf.compat.v1.train.ExponentialMovingAverage.apply``.
         """
         if var_list is None:
             if not self._tensors:
@@ -269,7 +285,7 @@ class ExponentialMovingAverage:
     def average(self, var: Any) -> torch.Tensor | None:
         """Return the shadow of ``var`` (a tensor or its name), or None if it is not averaged.
 
-        TF name: ``ExponentialMovingAverage.average``.
+        TF name: ``tf.compat.v1.train.ExponentialMovingAverage.average``.
         """
         name = self._name_of(var)
         return None if name is None else self._shadows.get(name)
@@ -286,7 +302,7 @@ class ExponentialMovingAverage:
         Raises:
             ValueError: For a tensor that ``apply()`` has not seen (its name is unknown).
 
-        TF name: ``ExponentialMovingAverage.average_name``.
+        TF name: ``tf.compat.v1.train.ExponentialMovingAverage.average_name``.
         """
         name = self._name_of(var)
         if name is None:
@@ -324,7 +340,7 @@ class ExponentialMovingAverage:
             TypeError: If ``prefix`` is given without a module, or for a ``moving_avg_variables``
                 of another kind.
 
-        TF name: ``ExponentialMovingAverage.variables_to_restore``.
+        TF name: ``tf.compat.v1.train.ExponentialMovingAverage.variables_to_restore``.
         """
         if prefix is not None and not isinstance(moving_avg_variables, nn.Module):
             raise TypeError(
@@ -350,6 +366,8 @@ class ExponentialMovingAverage:
 
         Values restored by ``load_state_dict`` for names that ``apply()`` has not seen yet are
         included, so a checkpoint written before the next ``apply()`` does not lose them.
+
+        TF name: none (PyTorch's ``state_dict`` protocol; TF saves the shadow variables).
         """
         return {**self._restored, **self._shadows}
 
@@ -364,6 +382,11 @@ class ExponentialMovingAverage:
             TypeError: If ``state_dict`` is not a mapping of names to tensors.
             KeyError: If a shadow that exists is missing from ``state_dict``.
             ValueError: If a shadow and its saved value differ in shape.
+
+        The entries are loaded one by one: after an error, those before it stay loaded.
+
+        TF name: none (PyTorch's ``load_state_dict`` protocol; TF restores the shadow
+        variables).
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")

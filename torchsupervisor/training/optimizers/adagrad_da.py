@@ -108,7 +108,21 @@ class AdagradDAOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group (its options are checked as the constructor's)."""
+        """Add a parameter group (its options are checked as the constructor's).
+
+        Args:
+            param_group: A dict with ``"params"`` and, optionally, options overriding the
+                defaults.
+
+        Raises:
+            ValueError: ``"initial_gradient_squared_accumulator_value must be positive:
+                <value>"``; from ``torch.optim``, for a parameter already in another group.
+            InvalidArgumentError: For a negative ``l1_`` or ``l2_regularization_strength``.
+            TypeError: From ``torch.optim``, for ``params`` that are not tensors.
+
+        TF name: none (``torch.optim.Optimizer.add_param_group``; TF's optimizers have no
+        parameter groups).
+        """
         if isinstance(param_group, dict):
             _check({**self.defaults, **param_group})
         super().add_param_group(param_group)
@@ -124,7 +138,10 @@ class AdagradDAOptimizer(torch.optim.Optimizer):
             The closure's loss, or None.
 
         Raises:
-            RuntimeError: For a sparse gradient.
+            RuntimeError: For a sparse gradient (parameters before it are already updated).
+
+        TF name: none (``torch.optim.Optimizer.step``; TF's
+        ``tf.compat.v1.train.AdagradDAOptimizer.apply_gradients``).
         """
         loss = None
         if closure is not None:
