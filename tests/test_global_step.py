@@ -17,6 +17,7 @@ from torchsupervisor import (
     get_or_create_global_step,
     global_step,
 )
+from torchsupervisor.global_step import read_step
 
 
 def test_counter_basics():
@@ -78,3 +79,18 @@ def test_assert_global_step_and_value():
         assert_global_step(torch.tensor([3]))
     assert global_step(None, GlobalStep(7)) == 7
     assert global_step(None, torch.tensor(8)) == 8
+
+
+def test_increment_and_read_step_check_their_types():
+    step = GlobalStep(3)
+    assert step.increment(torch.tensor(2)) == 5
+    with pytest.raises(TypeError, match="n must be an integer"):
+        step.increment(1.5)
+    with pytest.raises(TypeError, match="integer scalar"):
+        step.assign(torch.tensor(True))
+    assert step.value == 5 and isinstance(step.value, int)
+
+    class Named(GlobalStep):
+        pass
+
+    assert read_step(Named(7)) == 7  # Subclasses are global steps too.

@@ -446,3 +446,13 @@ def test_an_input_error_ends_managed_session_with_that_error(tmp_path):
     with pytest.raises(KeyError, match="corrupt record"), sv.managed_session() as sess:
         while not sv.should_stop():
             sess.run(batches.dequeue)
+
+
+def test_dequeue_many_of_zero_and_bad_counts():
+    q = FIFOQueue(4)
+    q.enqueue(torch.tensor(1.0))
+    assert q.dequeue_many(0) == [] and q.dequeue_up_to(0) == []
+    assert q.size() == 1
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="non-negative int"):
+            q.dequeue_many(bad)

@@ -72,13 +72,18 @@ class GlobalStep:
         """Add ``n`` to the step and return the new value.
 
         Args:
-            n: Steps to add (an int; not checked, so pass an int).
+            n: Steps to add: an int or an integer scalar tensor.
 
         Returns:
             The step after the addition (int).
 
+        Raises:
+            TypeError: If ``n`` is not an integer (a float would make the step a float).
+
         TF name: ``tf.Variable.assign_add`` (on the ``global_step`` variable).
         """
+        if type(n) is not int:
+            n = _as_int(n, "n")
         self._value += n
         return self._value
 
@@ -132,7 +137,8 @@ class GlobalStep:
 
 def _as_int(value: Any, what: str) -> int:
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex:
+        dtype = value.dtype
+        if value.numel() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise TypeError(f"{what} must be an integer scalar, got a tensor {value!r}")
         return int(value.item())
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -146,7 +152,7 @@ def read_step(step: Any) -> int:
     Raises:
         TypeError: For anything else.
     """
-    if type(step) is GlobalStep:
+    if type(step) is GlobalStep or isinstance(step, GlobalStep):
         return step._value
     return _as_int(step, "global_step")
 

@@ -240,6 +240,8 @@ class FIFOQueue:
         return list(vals)
 
     def _take(self, n: int, deadline: float | None, up_to: bool) -> list[Any]:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be a non-negative int, got {n!r}")
         with self._lock:
             while len(self._items) < n and not self._closed:
                 self._wait(self._not_empty, deadline)
@@ -280,15 +282,17 @@ class FIFOQueue:
 
         Returns:
             The batch: stacked tensors for tensor elements (tuples and dicts batched per
-            component), else a list.
+            component), else a list; ``[]`` for ``n == 0``.
 
         Raises:
+            ValueError: If ``n`` is not a non-negative int.
             OutOfRangeError: If the queue is closed with fewer than ``n`` elements left.
             DeadlineExceededError: If ``timeout_secs`` passed first.
 
         TF name: ``tf.queue.FIFOQueue.dequeue_many``.
         """
-        return _collate(self._take(n, self._deadline(timeout_secs), up_to=False))
+        taken = self._take(n, self._deadline(timeout_secs), up_to=False)
+        return _collate(taken) if taken else []
 
     def dequeue_up_to(self, n: int, *, timeout_secs: float | None = None) -> Any:
         """Like ``dequeue_many``, but a closed queue gives what is left (at least one).
@@ -306,7 +310,8 @@ class FIFOQueue:
 
         TF name: ``tf.queue.FIFOQueue.dequeue_up_to``.
         """
-        return _collate(self._take(n, self._deadline(timeout_secs), up_to=True))
+        taken = self._take(n, self._deadline(timeout_secs), up_to=True)
+        return _collate(taken) if taken else []
 
     def close(self, cancel_pending_enqueues: bool = False, name: str | None = None) -> None:
         """Close the queue now (idempotent).

@@ -470,3 +470,26 @@ def test_scaffold_saver_and_global_step_of_the_session_state(tmp_path):
     ) as sess:
         sess.run(counter.step)
     assert checkpoint_steps(tmp_path) == [0, 1]
+
+
+def test_a_failed_final_save_still_closes_the_saver_and_flushes_the_writer(tmp_path):
+    counter = Counter()
+    fs = FullDiskFS()
+    fs.full = False
+    saver = Saver(fs=fs)
+    hook = CheckpointSaverHook(str(tmp_path), save_steps=100, saver=saver)
+    sess = monitored(counter, hook)
+    run_steps(sess, counter, saver, 3)
+    fs.full = True
+    writer = SummaryWriterCache.get(str(tmp_path))
+    flushes = writer.counters().flushes
+    with pytest.raises(CheckpointSaveError):
+        sess.close()  # end(): the final save at step 3 fails.
+    assert not any(t.name == "torchsupervisor-checkpoint-writer" for t in threading.enumerate())
+    # The failure's event was flushed to disk by end(), before any writer close.
+    assert writer.counters().flushes > flushes
+    (path,) = event_files(tmp_path)
+    failed = [e.step for e in read_events(path) if e.HasField("log_message")]
+    assert failed == [3]
+    assert checkpoint_steps(tmp_path) == [0]
+    assert temporary_files(tmp_path) == []

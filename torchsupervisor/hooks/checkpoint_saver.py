@@ -35,6 +35,7 @@ from typing import Any
 from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
 
 from torchsupervisor.clock import Clock
+from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.global_step import read_step
 from torchsupervisor.hooks._global_step import require_global_step, session_global_step
 from torchsupervisor.hooks.session_run_hook import (
@@ -270,17 +271,19 @@ class CheckpointSaverHook(SessionRunHook):
         TF name: ``tf.compat.v1.train.CheckpointSaverHook.end``.
         """
         last_step = read_step(self._global_step)
-        if self._final_budget_secs is None:
-            self._finish_pending()
-            if last_step != self._last_saved_step:
-                self._save_sync(session, last_step)
-        else:
-            self._save_within(session, last_step, self._final_budget_secs)
-        for listener in self._listeners:
-            listener.end(session, last_step)
-        self._get_saver().close()  # No idle writer thread outlives the session.
-        if self._summary_writer is not None:
-            self._summary_writer.flush()
+        try:
+            if self._final_budget_secs is None:
+                self._finish_pending()
+                if last_step != self._last_saved_step:
+                    self._save_sync(session, last_step)
+            else:
+                self._save_within(session, last_step, self._final_budget_secs)
+            for listener in self._listeners:
+                listener.end(session, last_step)
+        finally:  # Also after a failed final save: its error event reaches the disk.
+            self._get_saver().close()  # No idle writer thread outlives the session.
+            if self._summary_writer is not None:
+                self._summary_writer.flush()
 
     def set_final_save_budget(self, timeout_secs: float | None) -> None:
         """Bound the time ``end()`` spends on checkpoints, in seconds (a grace period).
@@ -371,18 +374,21 @@ class CheckpointSaverHook(SessionRunHook):
                 if future.result() is not None:  # None: an empty state saved nothing.
                     self._write_checkpoint_event(pending.step)
                 return
-            logger.error("Checkpoint at step %s failed: %s", pending.step, error)
-            if self._summary_writer is not None:
-                event = Event(
-                    step=pending.step,
-                    log_message=LogMessage(
-                        level=LogMessage.ERROR,
-                        message=f"Checkpoint at step {pending.step} failed: {error}",
-                    ),
-                )
-                self._summary_writer.add_event(event)
+            self._report_failure(pending.step, error)
         finally:
             pending.committed.set()
+
+    def _report_failure(self, step: int, error: BaseException) -> None:
+        """Log a failed save and write it to the event file (an ERROR ``LogMessage``)."""
+        logger.error("Checkpoint at step %s failed: %s", step, error)
+        if self._summary_writer is not None:
+            event = Event(
+                step=step,
+                log_message=LogMessage(
+                    level=LogMessage.ERROR, message=f"Checkpoint at step {step} failed: {error}"
+                ),
+            )
+            self._summary_writer.add_event(event)
 
     def _write_checkpoint_event(self, step: int) -> None:
         if self._summary_writer is not None:
@@ -472,7 +478,12 @@ class CheckpointSaverHook(SessionRunHook):
         logger.info("Saving checkpoints for %d into %s.", step, self._save_path)
         for listener in self._listeners:
             listener.before_save(session, step)
-        if saver.save(session, self._save_path, global_step=step) is not None:
+        try:
+            prefix = saver.save(session, self._save_path, global_step=step)
+        except CheckpointSaveError as e:
+            self._report_failure(step, e)
+            raise
+        if prefix is not None:
             self._write_checkpoint_event(step)
         self._last_saved_step = step
         self._after_save(session, step)
