@@ -1,5 +1,6 @@
-"""The documentation's code: every torchsupervisor Python block compiles, every torchsupervisor name it uses
-exists, and the README's example runs (on a temporary log directory, for fewer steps)."""
+"""The documentation's code: every torchsupervisor Python block compiles, every
+torchsupervisor name it uses exists, and the README's example runs (on a temporary log
+directory, for fewer steps)."""
 
 from __future__ import annotations
 
