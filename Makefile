@@ -36,8 +36,13 @@ test: lint
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
+# Every benchmark, each against its alternatives in the same run (about 40 minutes; each
+# script also runs alone, e.g. .venv/bin/python benchmarks/checkpoint.py --sizes 10MB,100MB).
 bench: install
-	$(PY) benchmarks/checkpoint.py $(ARGS)
+	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/summaries.py
+	$(PY) benchmarks/hooks.py
+	$(PY) benchmarks/distributed.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

@@ -291,7 +291,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--sizes", default="50MB,200MB,1GB", help="total state sizes")
     parser.add_argument("--repeat", type=int, default=3, help="saves per configuration")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary dir)")

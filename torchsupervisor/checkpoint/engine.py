@@ -40,7 +40,13 @@ logger = logging.getLogger("torchsupervisor")
 BACKGROUND_NICENESS = 19
 """The ``nice`` value of writer threads (0: as the training thread)."""
 
+ABANDONED_EXIT_WAIT_SECS = 5.0
+"""How long the interpreter's exit waits for a cancelled save to remove its files (a writer
+stuck in a system call must not keep the process alive; what it leaves is cleaned at the next
+start)."""
+
 _in_flight: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
+_abandoned: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
 _engines: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
 _atexit_lock = threading.Lock()
 _atexit_registered = False
@@ -50,6 +56,7 @@ _Job = tuple[concurrent.futures.Future, Callable[..., Any], tuple]
 
 def _wait_for_saves_at_exit() -> None:
     concurrent.futures.wait(list(_in_flight))
+    concurrent.futures.wait(list(_abandoned), timeout=ABANDONED_EXIT_WAIT_SECS)
 
 
 def _register_atexit() -> None:
@@ -128,13 +135,15 @@ class CheckpointEngine:
         return bool(done)
 
     def abandon(self) -> None:
-        """Stop waiting for the job in flight at interpreter exit (it was cancelled).
+        """Wait at most ``ABANDONED_EXIT_WAIT_SECS`` for the job in flight at interpreter exit.
 
-        A cancelled save stops at its next chunk or stage, unless the writer is stuck in a
-        system call (a hung fsync): the process must still be able to exit then.
+        For a cancelled save: it stops at its next chunk or stage and removes its files, unless
+        the writer is stuck in a system call (a hung fsync); the process must still be able to
+        exit then.
         """
         future = self._future
-        if future is not None:
+        if future is not None and not future.done():
+            _abandoned.add(future)
             _in_flight.discard(future)
 
     def close(self) -> None:
