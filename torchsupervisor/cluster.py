@@ -63,7 +63,10 @@ class ClusterSpec:
 
     @property
     def jobs(self) -> list[str]:
-        """The job names, sorted."""
+        """The job names, sorted.
+
+        TF name: ``tf.train.ClusterSpec.jobs``.
+        """
         return sorted(self._jobs)
 
     def num_tasks(self, job_name: str) -> int:
@@ -71,11 +74,16 @@ class ClusterSpec:
 
         Raises:
             ValueError: If there is no such job.
+
+        TF name: ``tf.train.ClusterSpec.num_tasks``.
         """
         return len(self._tasks(job_name))
 
     def task_indices(self, job_name: str) -> list[int]:
-        """Return the task indices of ``job_name``, sorted."""
+        """Return the task indices of ``job_name``, sorted.
+
+        TF name: ``tf.train.ClusterSpec.task_indices``.
+        """
         return sorted(self._tasks(job_name))
 
     def task_address(self, job_name: str, task_index: int) -> str:
@@ -83,6 +91,8 @@ class ClusterSpec:
 
         Raises:
             ValueError: If the job or the task does not exist.
+
+        TF name: ``tf.train.ClusterSpec.task_address``.
         """
         tasks = self._tasks(job_name)
         if task_index not in tasks:
@@ -90,12 +100,18 @@ class ClusterSpec:
         return tasks[task_index]
 
     def job_tasks(self, job_name: str) -> list[str | None]:
-        """Return the addresses of ``job_name`` by index (None for missing indices)."""
+        """Return the addresses of ``job_name`` by index (None for missing indices).
+
+        TF name: ``tf.train.ClusterSpec.job_tasks``.
+        """
         tasks = self._tasks(job_name)
         return [tasks.get(i) for i in range(max(tasks) + 1)] if tasks else []
 
     def as_dict(self) -> dict[str, list[str] | dict[int, str]]:
-        """Return the cluster as a dict (lists when the indices are dense)."""
+        """Return the cluster as a dict (lists when the indices are dense).
+
+        TF name: ``tf.train.ClusterSpec.as_dict``.
+        """
         out: dict[str, list[str] | dict[int, str]] = {}
         for job, tasks in self._jobs.items():
             dense = sorted(tasks) == list(range(len(tasks)))
@@ -109,6 +125,8 @@ class ClusterSpec:
             UnimplementedError: If the cluster has a ``ps`` job or another job than chief and
                 worker.
             ValueError: If there are no replicas or more than one chief.
+
+        TF name: none (the rank order of the replicas in the process group).
         """
         others = [job for job in self._jobs if job not in _REPLICA_JOBS]
         if others:
@@ -212,12 +230,18 @@ class Server:
 
     @property
     def target(self) -> str:
-        """The master string of this task: ``tcp://<rendezvous>?rank=R&world_size=W``."""
+        """The master string of this task: ``tcp://<rendezvous>?rank=R&world_size=W``.
+
+        TF name: ``tf.distribute.Server.target``.
+        """
         return f"tcp://{self._rendezvous}?rank={self._rank}&world_size={self._world_size}"
 
     @property
     def server_def(self) -> dict[str, Any]:
-        """A description: cluster, job name, task index, rank, world size, backend."""
+        """A description: cluster, job name, task index, rank, world size, backend.
+
+        TF name: ``tf.distribute.Server.server_def``.
+        """
         return {
             "cluster": self._cluster.as_dict(),
             "job_name": self._job_name,
@@ -229,7 +253,10 @@ class Server:
 
     @property
     def rank(self) -> int:
-        """This task's rank in the process group (the chief is 0)."""
+        """This task's rank in the process group (the chief is 0).
+
+        TF name: none (TF tasks had no rank).
+        """
         return self._rank
 
     def start(self) -> None:
@@ -250,7 +277,10 @@ class Server:
         return self._stopped.wait(timeout_secs)
 
     def stop(self) -> None:
-        """Leave the process group and release ``join()``."""
+        """Leave the process group and release ``join()``.
+
+        TF name: none (a TF server lived until its process ended).
+        """
         if dist.is_initialized():
             dist.destroy_process_group()
         self._stopped.set()

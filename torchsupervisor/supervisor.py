@@ -323,82 +323,130 @@ class Supervisor:
 
     @property
     def is_chief(self) -> bool:
-        """True if this is the chief supervisor."""
+        """True if this is the chief supervisor.
+
+        TF name: ``tf.compat.v1.train.Supervisor.is_chief``.
+        """
         return self._is_chief
 
     @property
     def session_manager(self) -> SessionManager:
-        """The ``SessionManager`` creating the sessions."""
+        """The ``SessionManager`` creating the sessions.
+
+        TF name: ``tf.compat.v1.train.Supervisor.session_manager``.
+        """
         return self._session_manager
 
     @property
     def coord(self) -> Coordinator:
-        """The ``Coordinator`` of the services and of ``loop()`` threads."""
+        """The ``Coordinator`` of the services and of ``loop()`` threads.
+
+        TF name: ``tf.compat.v1.train.Supervisor.coord``.
+        """
         return self._coord
 
     @property
     def init_op(self) -> Any:
-        """The init op."""
+        """The init op.
+
+        TF name: ``tf.compat.v1.train.Supervisor.init_op``.
+        """
         return self._init_op
 
     @property
     def init_feed_dict(self) -> Mapping[str, Any] | None:
-        """The keyword arguments of the init op."""
+        """The keyword arguments of the init op.
+
+        TF name: ``tf.compat.v1.train.Supervisor.init_feed_dict``.
+        """
         return self._init_feed_dict
 
     @property
     def ready_op(self) -> Any:
-        """The ready op."""
+        """The ready op.
+
+        TF name: ``tf.compat.v1.train.Supervisor.ready_op``.
+        """
         return self._ready_op
 
     @property
     def ready_for_local_init_op(self) -> Any:
-        """The ready-for-local-init op."""
+        """The ready-for-local-init op.
+
+        TF name: ``tf.compat.v1.train.Supervisor.ready_for_local_init_op``.
+        """
         return self._ready_for_local_init_op
 
     @property
     def local_init_op(self) -> Any:
-        """The local init op."""
+        """The local init op.
+
+        TF name: ``tf.compat.v1.train.Supervisor.local_init_op``.
+        """
         return self._local_init_op
 
     @property
     def summary_writer(self) -> Any:
-        """The ``SummaryWriter`` (None on non-chiefs and without a logdir)."""
+        """The ``SummaryWriter`` (None on non-chiefs and without a logdir).
+
+        TF name: ``tf.compat.v1.train.Supervisor.summary_writer``.
+        """
         return self._summary_writer
 
     @property
     def summary_op(self) -> Any:
-        """The summary op of the summary service."""
+        """The summary op of the summary service.
+
+        TF name: ``tf.compat.v1.train.Supervisor.summary_op``.
+        """
         return self._summary_op
 
     @property
     def save_summaries_secs(self) -> float | None:
-        """Seconds between summaries (None on non-chiefs)."""
+        """Seconds between summaries (None on non-chiefs).
+
+        TF name: ``tf.compat.v1.train.Supervisor.save_summaries_secs``.
+        """
         return self._save_summaries_secs
 
     @property
     def global_step(self) -> Any:
-        """The global step, or None."""
+        """The global step, or None.
+
+        TF name: ``tf.compat.v1.train.Supervisor.global_step``.
+        """
         return self._global_step
 
     @property
     def saver(self) -> Any:
-        """The ``Saver``, or None."""
+        """The ``Saver``, or None.
+
+        TF name: ``tf.compat.v1.train.Supervisor.saver``.
+        """
         return self._saver
 
     @property
     def save_model_secs(self) -> float | None:
-        """Seconds between checkpoints (None on non-chiefs)."""
+        """Seconds between checkpoints (None on non-chiefs).
+
+        TF name: ``tf.compat.v1.train.Supervisor.save_model_secs``.
+        """
         return self._save_model_secs
 
     @property
     def save_path(self) -> str | None:
-        """The checkpoint prefix without step (None on non-chiefs and without a logdir)."""
+        """The checkpoint prefix without step (None on non-chiefs and without a logdir).
+
+        TF name: ``tf.compat.v1.train.Supervisor.save_path``.
+        """
         return self._save_path
 
     @property
     def state(self) -> Mapping[str, Any]:
-        """The state the sessions are created over (includes the global step)."""
+        """The state the sessions are created over (includes the global step).
+
+        TF name: none (TF's variables lived in the graph).
+        """
         return self._state
 
     # --------------------------------------------------------------------------- sessions
@@ -823,6 +871,8 @@ class Supervisor:
 
         Distributed: with a replicated state only the chief can call it. With a sharded
         state it is a collective: every rank calls it at the same step, and all save.
+
+        TF name: none (TF only saved on the timer; ``sv.saver.save(sess, sv.save_path)`` by hand).
         """
         if self._sharded_service is not None:
             if self._sess is not None and threading.get_ident() != self._sess.boundary.owner_ident:
@@ -927,7 +977,10 @@ class Supervisor:
 
     @property
     def preempted(self) -> str | None:
-        """The name of the preemption signal that stopped the last session (or None)."""
+        """The name of the preemption signal that stopped the last session (or None).
+
+        TF name: none (TF did not handle preemption signals).
+        """
         return self._preemption.describe() or None
 
     def stop_on_exception(self) -> Any:

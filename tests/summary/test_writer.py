@@ -749,3 +749,12 @@ def test_summary_proto_classes_exported():
     assert summary.SessionLog is event_pb2.SessionLog
     assert summary.HistogramProto().DESCRIPTOR.name == "HistogramProto"
     assert set(summary.__all__) <= set(dir(summary))
+
+
+def test_tf_positional_arguments(tmp_path):
+    # TF: FileWriter(logdir, graph, max_queue, flush_secs, graph_def, filename_suffix, session).
+    w = FileWriter(str(tmp_path), None, 100, 60, None, ".tf-order", None)
+    w.add_scalar("x", 1.0, 1)
+    w.close()
+    (name,) = os.listdir(tmp_path)
+    assert name.startswith("events.out.tfevents.") and name.endswith(".tf-order")

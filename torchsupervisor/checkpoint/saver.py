@@ -319,6 +319,8 @@ class Saver:
                 ``save_path``, a missing parent directory, or nothing to save.
             TypeError: For a state entry that cannot be saved without pickle.
             CheckpointSaveError: If writing fails; older checkpoints are untouched.
+
+        TF name: ``tf.compat.v1.train.Saver.save``.
         """
         state = self._state_for(sess)
         if is_sharded(state):
@@ -352,6 +354,8 @@ class Saver:
 
         Raises:
             ValueError, TypeError: As ``save``, for problems found before the copy.
+
+        TF name: none (TF saved on the calling thread).
         """
         state = self._state_for(sess)
         if is_sharded(state):  # A collective: written now, on every rank.
@@ -380,6 +384,8 @@ class Saver:
         A cancelled save that is still in flight (its writer stuck in a file-system call, a
         hung fsync say) is not waited for: it commits nothing, and removes its files if the
         call ever returns.
+
+        TF name: none (TF's Saver had no writer thread).
         """
         if self._cancel.is_set() and self._engine.in_flight:
             logger.warning(
@@ -391,7 +397,10 @@ class Saver:
 
     @property
     def in_flight(self) -> bool:
-        """True while an asynchronous save is being written."""
+        """True while an asynchronous save is being written.
+
+        TF name: none.
+        """
         return self._engine.in_flight
 
     def wait(self, timeout_secs: float | None = None) -> bool:
@@ -399,6 +408,8 @@ class Saver:
 
         Returns:
             True when nothing is in flight any more, False on timeout.
+
+        TF name: none.
         """
         return self._engine.wait(timeout_secs)
 
@@ -415,6 +426,8 @@ class Saver:
 
         Returns:
             True if no save is in flight any more, False if ``timeout_secs`` expired first.
+
+        TF name: none (TF had no preemption grace period).
         """
         if not self._engine.in_flight:
             return True
@@ -428,6 +441,8 @@ class Saver:
         For entries added to a run after checkpoints were written (the Supervisor's ``rng``
         entry on a checkpoint from a run that did not save it, say). Other missing entries are
         an error.
+
+        TF name: none (TF's restore failed on any missing variable).
         """
         self._optional.update(names)
 
@@ -751,7 +766,10 @@ class Saver:
 
     @property
     def last_checkpoints(self) -> list[str]:
-        """The prefixes of the checkpoints this saver may still delete, oldest first."""
+        """The prefixes of the checkpoints this saver may still delete, oldest first.
+
+        TF name: ``tf.compat.v1.train.Saver.last_checkpoints``.
+        """
         with self._lock:
             return [path for path, _ in self._retention.tracked]
 
@@ -759,13 +777,18 @@ class Saver:
         """Replace the tracked list; these checkpoints are never deleted (infinite timestamp).
 
         Deprecated in TF in favour of ``set_last_checkpoints_with_time``.
+
+        TF name: ``tf.compat.v1.train.Saver.set_last_checkpoints``.
         """
         self.set_last_checkpoints_with_time([(path, float("inf")) for path in last_checkpoints])
 
     def set_last_checkpoints_with_time(
         self, last_checkpoints_with_time: Iterable[tuple[str, float]]
     ) -> None:
-        """Replace the tracked list with ``(prefix, timestamp_secs)`` pairs, oldest first."""
+        """Replace the tracked list with ``(prefix, timestamp_secs)`` pairs, oldest first.
+
+        TF name: ``tf.compat.v1.train.Saver.set_last_checkpoints_with_time``.
+        """
         entries = tuple((str(path), float(ts)) for path, ts in last_checkpoints_with_time)
         with self._lock:
             self._retention = policy.Retention(
@@ -776,6 +799,8 @@ class Saver:
         """Track existing checkpoints after a restart, timestamped with their files' mtimes.
 
         Paths whose files do not exist are dropped.
+
+        TF name: ``tf.compat.v1.train.Saver.recover_last_checkpoints``.
         """
         entries = []
         for path in checkpoint_paths:

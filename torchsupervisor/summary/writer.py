@@ -143,7 +143,9 @@ class SummaryWriter:
         max_queue: The number of events that may wait for the writer thread (one more per
             producer thread racing for the last place); 0 or less means unbounded.
         flush_secs: Seconds between two flushes (fsync) of the file.
+        graph_def: Ignored, as ``graph`` (TF's deprecated argument).
         filename_suffix: Appended to the file name (``None`` means nothing).
+        session: Ignored (TF's ``tf.summary.FileWriter`` could wrap a session's writer).
         on_full: What an ``add_*`` call does when the queue is full: ``"block"`` (wait for
             room) or ``"drop"`` (discard the event).
         max_queue_bytes: The memory that pending histograms, images, audio, text and protos
@@ -187,13 +189,15 @@ class SummaryWriter:
         graph: Any = None,
         max_queue: int = 10,
         flush_secs: float = 120,
+        graph_def: Any = None,
         filename_suffix: str | None = None,
+        session: Any = None,
         *,
         on_full: str = BLOCK,
         max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
         clock: Clock | None = None,
     ) -> None:
-        del graph  # no graphs in eager PyTorch (see the class docstring)
+        del graph, graph_def, session  # no graphs in eager PyTorch (see the class docstring)
         if on_full not in (BLOCK, DROP):
             raise ValueError(f"on_full must be 'block' or 'drop', got {on_full!r}")
         self._logdir = os.fspath(logdir)
