@@ -167,6 +167,10 @@ def worker(args: argparse.Namespace) -> None:
     dist.barrier()
     dist.destroy_process_group()
     print("RESULT " + json.dumps(result), flush=True)
+    # Skip the interpreter's teardown: gloo threads that release tensors while it runs abort
+    # the process at random, even after destroy_process_group (a known PyTorch issue).
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --------------------------------------------------------------------------- launcher

@@ -1,4 +1,4 @@
-"""Hook benchmark: per-step overhead of MonitoredSession.run against a bare loop, same run.
+"""Per-step overhead of the Supervisor's and MonitoredSession's loops against a bare loop.
 
     python benchmarks/hooks.py                  # 20,000 steps, 7 repeats
     python benchmarks/hooks.py --steps 2000     # quicker
@@ -8,6 +8,9 @@ machinery around it. Loops, each timed over ``--steps`` steps and repeated ``--r
 
 * ``bare loop``: ``for _ in range(n): step()``;
 * ``Session.run``: the raw session (the step boundary check and the fetch dispatch);
+* ``Supervisor, standard services``: ``while not sv.should_stop(): sess.run(step)`` inside
+  ``managed_session()`` with the summary, step-counter and checkpoint services on their
+  default intervals (SPEC target: at most 3 us over the bare loop);
 * ``MonitoredSession, no hooks``: ``while not sess.should_stop(): sess.run(step)``;
 * ``MonitoredTrainingSession, 4 hooks``: the same loop with the chief's default hooks
   (``StepCounterHook``, ``SummarySaverHook`` with one scalar summary, ``CheckpointSaverHook``,
@@ -40,13 +43,15 @@ from typing import Any
 
 import torch
 
-from torchsupervisor import GlobalStep, Graph, Session, SummaryWriterCache, summary
+from torchsupervisor import GlobalStep, Graph, Session, SummaryWriterCache, Supervisor, summary
 from torchsupervisor.hooks import LoggingTensorHook, NanTensorHook, StopAtStepHook
 from torchsupervisor.monitored_session import MonitoredSession, MonitoredTrainingSession
 from torchsupervisor.session_creators import ChiefSessionCreator
 
 TARGET_US = 20.0
 TARGET_CASE = "MonitoredTrainingSession, 4 hooks"
+SUPERVISOR_TARGET_US = 3.0
+SUPERVISOR_CASE = "Supervisor, standard services"
 
 
 class Work:
@@ -139,9 +144,27 @@ def training_session(
     return seconds
 
 
+def supervisor(steps: int, logdir: str) -> float:
+    """``while not sv.should_stop(): sess.run(step)`` with the services on their defaults."""
+    work = Work()
+    summary.scalar("w0", lambda: work.w[0])
+    sv = Supervisor(logdir=logdir, state=work.state, preemption_signals=())
+    with sv.managed_session() as sess:
+        step = work.step
+        stop_at = work.global_step.value + steps
+
+        def loop() -> None:
+            while not sv.should_stop() and work.global_step.value < stop_at:
+                sess.run(step)
+
+        seconds = timed(loop, steps)
+    return seconds
+
+
 CASES: list[tuple[str, Callable[[int, str], float]]] = [
     ("bare loop", bare),
     ("Session.run", raw_session),
+    (SUPERVISOR_CASE, supervisor),
     ("MonitoredSession, no hooks", monitored_no_hooks),
     (TARGET_CASE, training_session),
     (TARGET_CASE + ", run only", lambda n, d: training_session(n, d, should_stop=False)),
@@ -188,6 +211,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         f"Target: overhead of should_stop() + run() with the 4 default hooks < {TARGET_US:g} us: "
         f"{'met' if met else 'NOT MET'} [{target['overhead_us']:.2f} us]"
     )
+    sv_row = next(r for r in rows if r["case"] == SUPERVISOR_CASE)
+    sv_met = sv_row["overhead_us"] <= SUPERVISOR_TARGET_US
+    print(
+        f"Target: overhead of sv.should_stop() + sess.run() with the standard services <= "
+        f"{SUPERVISOR_TARGET_US:g} us: {'met' if sv_met else 'NOT MET'} "
+        f"[{sv_row['overhead_us']:.2f} us]"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_all(args.steps, args.repeat)
     print_table(rows)
     target = next(r for r in rows if r["case"] == TARGET_CASE)
+    sv_row = next(r for r in rows if r["case"] == SUPERVISOR_CASE)
     report = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -210,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "repeat": args.repeat,
         "target_us": TARGET_US,
+        "supervisor_target_us": SUPERVISOR_TARGET_US,
         "target_overhead_us": target["overhead_us"],
         "target_met": target["overhead_us"] < TARGET_US,
+        "supervisor_overhead_us": sv_row["overhead_us"],
+        "supervisor_target_met": sv_row["overhead_us"] <= SUPERVISOR_TARGET_US,
         "rows": rows,
     }
     here = os.path.dirname(os.path.abspath(__file__))

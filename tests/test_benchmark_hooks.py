@@ -20,7 +20,9 @@ def test_the_hook_benchmark_writes_its_report(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "MonitoredTrainingSession, 4 hooks" in proc.stdout
+    assert "Supervisor, standard services" in proc.stdout
     report = json.loads(out.read_text())
     assert report["steps"] == 300 and report["target_us"] == 20.0
+    assert report["supervisor_target_us"] == 3.0 and report["supervisor_overhead_us"] > 0
     assert report["rows"][0]["case"] == "bare loop"
     assert all(row["median_us"] > 0 for row in report["rows"])

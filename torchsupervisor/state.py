@@ -15,6 +15,7 @@ restore that cannot succeed fails with the state untouched. Nothing here touches
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, NamedTuple
 
@@ -24,6 +25,7 @@ import torch
 from torchsupervisor.errors import InvalidArgumentError, NotFoundError
 
 __all__ = [
+    "ShardedStateError",
     "TensorRef",
     "TensorSpec",
     "check_state",
@@ -38,6 +40,24 @@ __all__ = [
 
 _SCALARS = (str, int, float, bool, type(None), bytes)
 _MISSING = object()
+
+
+class ShardedStateError(ValueError):
+    """``flatten_state`` met a ``DTensor``: the state is sharded between ranks.
+
+    Such a state is saved with ``checkpoint.sharded.save_sharded`` (``Saver.save`` does it
+    when it catches this error), every rank writing its part.
+
+    Attributes:
+        path: The state path of the first DTensor met.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            f"Cannot save {path!r} as an unsharded tensor: it is a DTensor (a sharded state); "
+            "save it with save_sharded on every rank"
+        )
+        self.path = path
 
 
 class TensorRef(NamedTuple):
@@ -123,6 +143,7 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[Any, Any], dict[str, t
             or a dict key that is not a str/int/float/bool/None.
         ValueError: For a tensor that cannot be saved: uninitialized (meta device or lazy),
             sparse, quantized, or otherwise not a plain strided tensor.
+        ShardedStateError: (a ``ValueError``) For a ``DTensor``: the state is sharded.
     """
     tensors: dict[str, torch.Tensor] = {}
 
@@ -152,6 +173,8 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[Any, Any], dict[str, t
             return out
         if kind is list:
             return [walk(value, f"{path}/{i}") for i, value in enumerate(obj)]
+        if getattr(obj, "is_sharded_state", False):  # e.g. ShardedOptimizerState
+            raise ShardedStateError(path)
         obj = _children(obj)
         if isinstance(obj, torch.Tensor):
             _check_saveable(obj, path)
@@ -207,6 +230,9 @@ def _check_key(key: Any, path: str) -> None:
 
 
 def _check_saveable(tensor: torch.Tensor, path: str) -> None:
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(tensor, getattr(dtensor, "DTensor", ())):
+        raise ShardedStateError(path)
     if not is_materialized(tensor):
         raise ValueError(f"Cannot save {path!r}: it is not initialized (meta device or lazy)")
     if tensor.layout is not torch.strided:

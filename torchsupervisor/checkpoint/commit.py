@@ -2,12 +2,15 @@
 
 ``persist`` writes a snapshot under a prefix ``P``:
 
-1. compute the CRC-32C of every copied tensor and of every new shard file (in C, without the
-   GIL); check that the shards an incremental snapshot references are still there and that
-   the reused tensors still hold their committed bytes;
+1. check that the shards an incremental snapshot references are still there and that the
+   reused tensors still hold their committed bytes;
 2. if ``P.index`` already exists (a save at the same step), remove it first: from then on the
    old ``P`` counts as incomplete and restores fall back to the previous checkpoint;
-3. write each new shard to a temporary name in the same directory, fsync it, close it;
+3. write each new shard to a temporary name in the same directory, fsync it, close it; at the
+   same time a helper thread computes the CRC-32C of every copied tensor and of every new
+   shard file (in C, without the GIL) and encodes the manifest (this takes the checksums off
+   the commit's critical path, which matters for small states; the manifest's own write is
+   not overlapped: an fsync during the shard's write slows the write down more than it saves);
 4. rename every shard to its final name ``P.data-0000i-of-0000N``; fsync the directory;
 5. write the manifest ``P.index`` the same way (temporary name, fsync, rename, fsync the
    directory). Its presence is the commit point.
@@ -23,8 +26,11 @@ import dataclasses
 import logging
 import os
 import re
+import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import crc32c
 
@@ -107,59 +113,121 @@ def persist(
     """
     num_shards = len(snapshot.layout.shards)
     finals = [data_filename(prefix, i, num_shards) for i in range(num_shards)]
-    tensors: dict[str, TensorEntry] = {}
-    shards: list[ShardEntry] = []
+    ref_tensors: dict[str, TensorEntry] = {}
+    ref_shards: list[ShardEntry] = []
     committed: dict[str, Committed] = {}
-    for i, shard_layout in enumerate(snapshot.layout.shards):
-        entries = [
-            (name, dataclasses.replace(entry, crc32c=crc32c.crc32c(snapshot.tensor_view(i, entry))))
-            for name, entry in shard_layout.entries
-        ]
-        shard = ShardEntry(
-            file=os.path.basename(finals[i]),
-            size_bytes=shard_layout.size_bytes,
-            data_offset=shard_layout.data_offset,
-            crc32c=shard_checksum(shard_layout.header, [e.crc32c for _, e in entries]),
-        )
-        shards.append(shard)
-        for name, entry in entries:
-            tensors[name] = entry
-            source, version = snapshot.sources[name]
-            if version is not None:
-                committed[name] = Committed(source, version, shard, entry)
     try:
-        _add_references(snapshot, prefix, tensors, shards, committed, fs)
+        _add_references(snapshot, prefix, finals, ref_tensors, ref_shards, committed, fs)
     except (OSError, ValueError) as e:
         raise CheckpointSaveError(f"Saving checkpoint {prefix} failed: {e}", path=prefix) from e
-    manifest = Manifest(
-        global_step=snapshot.step,
-        wall_time=snapshot.wall_time,
-        tree=snapshot.tree,
-        tensors=tensors,
-        shards=tuple(shards),
-        library_version=library_version,
-        torch_version=torch_version,
-        world_size=world_size,
-    )
-    _write(snapshot, prefix, finals, manifest, fs, cancel)
+
+    def prepare_manifest() -> tuple[Manifest, bytes]:
+        """Checksums, then the manifest and its encoding (on a helper thread)."""
+        tensors: dict[str, TensorEntry] = {}
+        shards: list[ShardEntry] = []
+        for i, shard_layout in enumerate(snapshot.layout.shards):
+            entries = [
+                (name, dataclasses.replace(e, crc32c=crc32c.crc32c(snapshot.tensor_view(i, e))))
+                for name, e in shard_layout.entries
+            ]
+            shard = ShardEntry(
+                file=os.path.basename(finals[i]),
+                size_bytes=shard_layout.size_bytes,
+                data_offset=shard_layout.data_offset,
+                crc32c=shard_checksum(shard_layout.header, [e.crc32c for _, e in entries]),
+            )
+            shards.append(shard)
+            for name, entry in entries:
+                tensors[name] = entry
+                source, version = snapshot.sources[name]
+                if version is not None:
+                    committed[name] = Committed(source, version, shard, entry)
+        tensors.update(ref_tensors)  # Referenced shards follow the new ones.
+        manifest = Manifest(
+            global_step=snapshot.step,
+            wall_time=snapshot.wall_time,
+            tree=snapshot.tree,
+            tensors=tensors,
+            shards=(*shards, *ref_shards),
+            library_version=library_version,
+            torch_version=torch_version,
+            world_size=world_size,
+        )
+        return manifest, manifest.to_bytes()
+
+    manifest = _write(snapshot, prefix, finals, _Beside(prepare_manifest), fs, cancel)
     _remove_stale_shards(prefix, set(finals), fs)
     written = sum(s.size_bytes for s in snapshot.layout.shards)
     return Commit(manifest, committed, written)
 
 
+class _Beside:
+    """Run ``fn`` on a helper thread with the calling thread's CPU priority; ``result()``.
+
+    The checkpoint writer thread runs at a low priority so that training does not wait for it;
+    its helper must not run at a higher one.
+    """
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn = fn
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._niceness = _niceness()
+        self._thread = threading.Thread(target=self._run, name="torchsupervisor-checksums")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self) -> None:
+        _set_niceness(self._niceness)
+        try:
+            self._result = self._fn()
+        except BaseException as e:  # Re-raised by result() on the writer thread.
+            self._error = e
+
+    def result(self) -> Any:
+        """Wait for ``fn`` and return its result (or raise its exception)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _niceness() -> int | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except OSError:
+        return None
+
+
+def _set_niceness(value: int | None) -> None:
+    if value is None:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), value)
+    except OSError:
+        pass
+
+
 def _add_references(
     snapshot: Snapshot,
     prefix: str,
+    finals: list[str],
     tensors: dict[str, TensorEntry],
     shards: list[ShardEntry],
     committed: dict[str, Committed],
     fs: FileSystem,
 ) -> None:
-    """Point the manifest at the committed bytes of the tensors the snapshot did not copy."""
+    """Point the manifest at the committed bytes of the tensors the snapshot did not copy.
+
+    Fills ``tensors``, ``shards`` (the referenced shard files, numbered after the
+    ``len(finals)`` new ones) and ``committed``.
+    """
     if not snapshot.references:
         return
     directory = os.path.dirname(prefix)
-    own = {shard.file for shard in shards}
+    own = {os.path.basename(final) for final in finals}
     index_of: dict[str, int] = {}
     for name, ref in snapshot.references.items():
         if ref.shard.file in own:
@@ -172,7 +240,7 @@ def _add_references(
                     "tensors of an earlier checkpoint, is missing or was modified",
                     path=path,
                 )
-            index_of[ref.shard.file] = len(shards)
+            index_of[ref.shard.file] = len(finals) + len(shards)
             shards.append(ref.shard)
         tensors[name] = dataclasses.replace(ref.entry, shard=index_of[ref.shard.file])
         committed[name] = ref
@@ -183,10 +251,11 @@ def _write(
     snapshot: Snapshot,
     prefix: str,
     finals: list[str],
-    manifest: Manifest,
+    prepared: _Beside,
     fs: FileSystem,
     cancel: threading.Event | None,
-) -> None:
+) -> Manifest:
+    """Write the shards; commit them and the manifest ``prepared`` beside; return it."""
     directory = os.path.dirname(prefix)
     index = prefix + ".index"
     temps: list[str] = []
@@ -207,6 +276,7 @@ def _write(
                 fs.fsync(fd)
             finally:
                 fs.close(fd)
+        manifest, encoded = prepared.result()
         if cancel is not None and cancel.is_set():
             raise WriteCancelled()
         for tmp, final in zip(list(temps), finals):
@@ -214,8 +284,13 @@ def _write(
             temps.remove(tmp)
             renamed.append(final)
         fs.fsync_dir(directory)
-        write_file_atomically(index, [manifest.to_bytes()], fs)
+        write_file_atomically(index, [encoded], fs)
+        return manifest
     except (OSError, ValueError, WriteCancelled) as e:
+        try:  # The helper reads the staging buffers: done before they are reused.
+            prepared.result()
+        except BaseException:
+            pass
         for path in temps + renamed:
             try:
                 fs.remove(path)

@@ -60,6 +60,7 @@ from torchsupervisor.clock import REAL_CLOCK, Clock
 from torchsupervisor.errors import CheckpointSaveError, CorruptCheckpointError, NotFoundError
 from torchsupervisor.global_step import read_step
 from torchsupervisor.state import (
+    ShardedStateError,
     TensorSpec,
     check_state,
     flatten_state,
@@ -322,11 +323,12 @@ class Saver:
 
         TF name: ``tf.compat.v1.train.Saver.save``.
         """
-        state = self._state_for(sess)
-        if is_sharded(state):
-            return self._save_sharded(state, save_path, global_step, latest_filename, write_state)
         start = time.perf_counter()
-        prefix, snapshot = self._stage(sess, save_path, global_step, latest_filename)
+        try:
+            prefix, snapshot = self._stage(sess, save_path, global_step, latest_filename)
+        except ShardedStateError:  # DTensors: a collective, every rank writes its part.
+            state = self._state_for(sess)
+            return self._save_sharded(state, save_path, global_step, latest_filename, write_state)
         if snapshot is None:
             return None
         stall = time.perf_counter() - start
@@ -357,9 +359,13 @@ class Saver:
 
         TF name: none (TF saved on the calling thread).
         """
-        state = self._state_for(sess)
-        if is_sharded(state):  # A collective: written now, on every rank.
-            done: concurrent.futures.Future[str | None] = concurrent.futures.Future()
+        start = time.perf_counter()
+        done: concurrent.futures.Future[str | None]
+        try:
+            prefix, snapshot = self._stage(sess, save_path, global_step, latest_filename)
+        except ShardedStateError:  # DTensors: a collective, written now on every rank.
+            state = self._state_for(sess)
+            done = concurrent.futures.Future()
             try:
                 done.set_result(
                     self._save_sharded(state, save_path, global_step, latest_filename, write_state)
@@ -367,8 +373,6 @@ class Saver:
             except CheckpointSaveError as e:
                 done.set_exception(e)
             return done
-        start = time.perf_counter()
-        prefix, snapshot = self._stage(sess, save_path, global_step, latest_filename)
         if snapshot is None:
             done = concurrent.futures.Future()
             done.set_result(None)

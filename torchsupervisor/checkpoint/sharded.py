@@ -108,6 +108,9 @@ class ShardedOptimizerState:
     TF name: none (the optimizer's slot variables were ordinary variables in TF).
     """
 
+    is_sharded_state = True
+    """Tells ``flatten_state`` (the unsharded path) that this entry needs ``save_sharded``."""
+
     def __init__(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, options: Any = None
     ) -> None:
@@ -156,9 +159,10 @@ def _without_step_hooks(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 def is_sharded(state: Mapping[str, Any]) -> bool:
     """Return True if the state holds a ``DTensor`` (and so needs ``save_sharded``).
 
-    Cheap: modules are checked through their parameters and buffers, without collecting their
-    state dicts; other entries through their state dicts. False at once when DTensors were
-    never imported.
+    Cheap (it runs at every save): modules are checked through their parameters and buffers
+    and optimizers through their parameters (the state of a DTensor parameter is made of
+    DTensors), without collecting state dicts; other entries through their state dicts. False
+    at once when DTensors were never imported.
 
     Args:
         state: Mapping of names to stateful objects (a session's state, a saver's var_list).
@@ -174,6 +178,11 @@ def is_sharded(state: Mapping[str, Any]) -> bool:
         if isinstance(value, torch.nn.Module):
             tensors = itertools.chain(value.parameters(), value.buffers())
             if any(isinstance(t, dtensor) for t in tensors):
+                return True
+            continue
+        if isinstance(value, torch.optim.Optimizer):
+            params = (p for group in value.param_groups for p in group["params"])
+            if any(isinstance(p, dtensor) for p in params):
                 return True
             continue
         if any(isinstance(t, dtensor) for _, t in iter_state_tensors({name: value})):
