@@ -5,27 +5,19 @@ TF name: ``tf.compat.v1.train.AdagradDAOptimizer``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from torchsupervisor.errors import InvalidArgumentError
 from torchsupervisor.global_step import GlobalStep, read_step
+from torchsupervisor.training.optimizers._base import _TFOptimizer
 
 __all__ = ["AdagradDAOptimizer"]
 
 
-def _check(group: dict[str, Any]) -> None:
-    value = group["initial_gradient_squared_accumulator_value"]
-    if value <= 0.0:
-        raise ValueError(f"initial_gradient_squared_accumulator_value must be positive: {value}")
-    for key in ("l1_regularization_strength", "l2_regularization_strength"):
-        if group[key] < 0.0:
-            raise InvalidArgumentError(f"{key} {group[key]:f} needs to be positive or zero")
-
-
-class AdagradDAOptimizer(torch.optim.Optimizer):
+class AdagradDAOptimizer(_TFOptimizer):
     """Adagrad dual averaging: the weights are a closed form of the accumulated gradients.
 
     For a parameter ``w`` with gradient ``g``, accumulators ``G`` (starts at 0) and ``H``
@@ -62,9 +54,9 @@ class AdagradDAOptimizer(torch.optim.Optimizer):
         InvalidArgumentError: ``"l1_regularization_strength ... needs to be positive or
             zero"`` (or ``l2_``): documented by TF, checked here.
 
-    ``step()`` raises ``RuntimeError`` for sparse gradients; parameters without a gradient are
-    skipped. The accumulators are in ``state_dict()``; the global step is saved where it lives
-    (the state's ``GlobalStep``).
+    ``step()`` raises ``RuntimeError`` for a sparse gradient, before updating any parameter;
+    parameters without a gradient are skipped. The accumulators are in ``state_dict()``; the
+    global step is saved where it lives (the state's ``GlobalStep``).
     Parameters may have any shape, a floating dtype and any device; the update is computed
     elementwise in the parameter's dtype, and state tensors have the parameter's shape, dtype
     and device.
@@ -94,7 +86,7 @@ class AdagradDAOptimizer(torch.optim.Optimizer):
             "l1_regularization_strength": l1_regularization_strength,
             "l2_regularization_strength": l2_regularization_strength,
         }
-        _check(defaults)
+        self._check_options(defaults)  # the options' errors come before global_step's
         if global_step is None:
             raise ValueError("AdagradDAOptimizer needs global_step (a GlobalStep or a tensor)")
         if not isinstance(global_step, GlobalStep | torch.Tensor):
@@ -104,77 +96,45 @@ class AdagradDAOptimizer(torch.optim.Optimizer):
             )
         read_step(global_step)  # TypeError for a tensor that is not an integer scalar.
         self.global_step = global_step
-        self.name = name
-        super().__init__(params, defaults)
+        self._t = 1.0  # global_step + 1, read by _begin_step() at every step()
+        super().__init__(params, defaults, name)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group (its options are checked as the constructor's).
+    @staticmethod
+    def _check_options(group: dict[str, Any]) -> None:
+        value = group["initial_gradient_squared_accumulator_value"]
+        if value <= 0.0:
+            raise ValueError(
+                f"initial_gradient_squared_accumulator_value must be positive: {value}"
+            )
+        for key in ("l1_regularization_strength", "l2_regularization_strength"):
+            if group[key] < 0.0:
+                raise InvalidArgumentError(f"{key} {group[key]:f} needs to be positive or zero")
 
-        Args:
-            param_group: A dict with ``"params"`` and, optionally, options overriding the
-                defaults.
+    def _initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        value = group["initial_gradient_squared_accumulator_value"]
+        return {
+            "gradient_accumulator": torch.zeros_like(param, memory_format=torch.preserve_format),
+            "gradient_squared_accumulator": torch.full_like(
+                param, value, memory_format=torch.preserve_format
+            ),
+        }
 
-        Raises:
-            ValueError: ``"initial_gradient_squared_accumulator_value must be positive:
-                <value>"``; from ``torch.optim``, for a parameter already in another group.
-            InvalidArgumentError: For a negative ``l1_`` or ``l2_regularization_strength``.
-            TypeError: From ``torch.optim``, for ``params`` that are not tensors.
+    def _begin_step(self) -> None:
+        self._t = float(read_step(self.global_step) + 1)
 
-        TF name: none (``torch.optim.Optimizer.add_param_group``; TF's optimizers have no
-        parameter groups).
-        """
-        if isinstance(param_group, dict):
-            _check({**self.defaults, **param_group})
-        super().add_param_group(param_group)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Apply one AdagradDA update to every parameter with a gradient.
-
-        Args:
-            closure: Re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, or None.
-
-        Raises:
-            RuntimeError: For a sparse gradient (parameters before it are already updated).
-
-        TF name: none (``torch.optim.Optimizer.step``; TF's
-        ``tf.compat.v1.train.AdagradDAOptimizer.apply_gradients``).
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        t = float(read_step(self.global_step) + 1)
-        for group in self.param_groups:
-            lr = float(group["lr"])
-            l1 = float(group["l1_regularization_strength"])
-            l2 = float(group["l2_regularization_strength"])
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    raise RuntimeError("AdagradDAOptimizer does not support sparse gradients")
-                state = self.state[param]
-                if not state:
-                    state["gradient_accumulator"] = torch.zeros_like(
-                        param, memory_format=torch.preserve_format
-                    )
-                    state["gradient_squared_accumulator"] = torch.full_like(
-                        param,
-                        group["initial_gradient_squared_accumulator_value"],
-                        memory_format=torch.preserve_format,
-                    )
-                sums = state["gradient_accumulator"]
-                squares = state["gradient_squared_accumulator"]
-                sums.add_(grad)
-                squares.addcmul_(grad, grad)
-                if l1 > 0.0:
-                    numerator = torch.sign(sums) * torch.clamp_min(sums.abs() - l1 * t, 0.0)
-                else:
-                    numerator = sums
-                param.copy_(-lr * numerator / (l2 * t * lr + squares.sqrt()))
-        return loss
+    def _update(
+        self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        t = self._t
+        lr = float(group["lr"])
+        l1 = float(group["l1_regularization_strength"])
+        l2 = float(group["l2_regularization_strength"])
+        sums = state["gradient_accumulator"]
+        squares = state["gradient_squared_accumulator"]
+        sums.add_(grad)
+        squares.addcmul_(grad, grad)
+        if l1 > 0.0:
+            numerator = torch.sign(sums) * torch.clamp_min(sums.abs() - l1 * t, 0.0)
+        else:
+            numerator = sums
+        param.copy_(-lr * numerator / (l2 * t * lr + squares.sqrt()))

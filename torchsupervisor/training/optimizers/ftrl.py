@@ -5,35 +5,17 @@ TF name: ``tf.compat.v1.train.FtrlOptimizer``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from torchsupervisor.training.optimizers._base import _TFOptimizer
+
 __all__ = ["FtrlOptimizer"]
 
 
-def _check(group: dict[str, Any]) -> None:
-    """Raise TF's ValueError for an invalid hyper-parameter of ``group``."""
-    if group["initial_accumulator_value"] < 0.0:
-        raise ValueError(
-            f"initial_accumulator_value {group['initial_accumulator_value']:f} needs to be "
-            "positive or zero"
-        )
-    if group["learning_rate_power"] > 0.0:
-        raise ValueError(
-            f"learning_rate_power {group['learning_rate_power']:f} needs to be negative or zero"
-        )
-    for key in (
-        "l1_regularization_strength",
-        "l2_regularization_strength",
-        "l2_shrinkage_regularization_strength",
-    ):
-        if group[key] < 0.0:
-            raise ValueError(f"{key} {group[key]:f} needs to be positive or zero")
-
-
-class FtrlOptimizer(torch.optim.Optimizer):
+class FtrlOptimizer(_TFOptimizer):
     """Follow-the-regularized-leader (FTRL-Proximal) with TF's update rule.
 
     For a parameter ``w`` with gradient ``g``, accumulators ``n`` (starts at
@@ -75,8 +57,9 @@ class FtrlOptimizer(torch.optim.Optimizer):
             ``"l1_regularization_strength ... needs to be positive or zero"`` (also ``l2_`` and
             ``l2_shrinkage_``), for the defaults or a parameter group.
 
-    ``step()`` raises ``RuntimeError`` for sparse gradients. Parameters without a gradient are
-    skipped. The state (``accum``, ``linear`` per parameter) is in ``state_dict()``.
+    ``step()`` raises ``RuntimeError`` for a sparse gradient, before updating any parameter.
+    Parameters without a gradient are skipped. The state (``accum``, ``linear`` per parameter)
+    is in ``state_dict()``.
     Parameters may have any shape, a floating dtype and any device; the update is computed
     elementwise in the parameter's dtype, and state tensors have the parameter's shape, dtype
     and device.
@@ -111,82 +94,56 @@ class FtrlOptimizer(torch.optim.Optimizer):
             "l2_shrinkage_regularization_strength": l2_shrinkage_regularization_strength,
             "beta": 0.0 if beta is None else beta,
         }
-        _check(defaults)
-        self.name = name
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, name)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group (its options are checked as the constructor's).
+    @staticmethod
+    def _check_options(group: dict[str, Any]) -> None:
+        """Raise TF's ValueError for an invalid hyper-parameter of ``group``."""
+        if group["initial_accumulator_value"] < 0.0:
+            raise ValueError(
+                f"initial_accumulator_value {group['initial_accumulator_value']:f} needs to be "
+                "positive or zero"
+            )
+        if group["learning_rate_power"] > 0.0:
+            raise ValueError(
+                f"learning_rate_power {group['learning_rate_power']:f} needs to be negative or zero"
+            )
+        for key in (
+            "l1_regularization_strength",
+            "l2_regularization_strength",
+            "l2_shrinkage_regularization_strength",
+        ):
+            if group[key] < 0.0:
+                raise ValueError(f"{key} {group[key]:f} needs to be positive or zero")
 
-        Args:
-            param_group: A dict with ``"params"`` and, optionally, options overriding the
-                defaults.
+    def _initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "accum": torch.full_like(
+                param, group["initial_accumulator_value"], memory_format=torch.preserve_format
+            ),
+            "linear": torch.zeros_like(param, memory_format=torch.preserve_format),
+        }
 
-        Raises:
-            ValueError: With TF's texts, for an invalid option of the group; from
-                ``torch.optim``, for a parameter already in another group.
-            TypeError: From ``torch.optim``, for ``params`` that are not tensors.
-
-        TF name: none (``torch.optim.Optimizer.add_param_group``; TF's optimizers have no
-        parameter groups).
-        """
-        if isinstance(param_group, dict):
-            _check({**self.defaults, **param_group})
-        super().add_param_group(param_group)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Apply one FTRL update to every parameter that has a gradient.
-
-        Args:
-            closure: Re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, or None.
-
-        Raises:
-            RuntimeError: For a sparse gradient (parameters before it are already updated).
-
-        TF name: none (``torch.optim.Optimizer.step``; TF's
-        ``tf.compat.v1.train.FtrlOptimizer.apply_gradients``).
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr = float(group["lr"])
-            lr_power = float(group["learning_rate_power"])
-            l1 = float(group["l1_regularization_strength"])
-            l2 = float(group["l2_regularization_strength"])
-            l2 += float(group["beta"]) / (2.0 * max(lr, 1e-36))
-            shrinkage = float(group["l2_shrinkage_regularization_strength"])
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    raise RuntimeError("FtrlOptimizer does not support sparse gradients")
-                state = self.state[param]
-                if not state:
-                    state["accum"] = torch.full_like(
-                        param,
-                        group["initial_accumulator_value"],
-                        memory_format=torch.preserve_format,
-                    )
-                    state["linear"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                accum, linear = state["accum"], state["linear"]
-                shrunk = grad + (2.0 * shrinkage) * param if shrinkage > 0.0 else grad
-                accum_new = accum + grad * grad
-                if lr_power == -0.5:
-                    old_root, new_root = accum.sqrt(), accum_new.sqrt()
-                    linear.add_(shrunk - (new_root - old_root) / lr * param)
-                    quadratic = new_root / lr + 2.0 * l2
-                else:
-                    new_pow = accum_new.pow(-lr_power)
-                    linear.add_(shrunk - (new_pow - accum.pow(-lr_power)) / lr * param)
-                    quadratic = 1.0 / (accum_new.pow(lr_power) * lr) + 2.0 * l2
-                solved = (torch.sign(linear) * l1 - linear) / quadratic
-                param.copy_(torch.where(linear.abs() > l1, solved, torch.zeros_like(solved)))
-                accum.copy_(accum_new)
-        return loss
+    def _update(
+        self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        lr = float(group["lr"])
+        lr_power = float(group["learning_rate_power"])
+        l1 = float(group["l1_regularization_strength"])
+        l2 = float(group["l2_regularization_strength"])
+        l2 += float(group["beta"]) / (2.0 * max(lr, 1e-36))
+        shrinkage = float(group["l2_shrinkage_regularization_strength"])
+        accum, linear = state["accum"], state["linear"]
+        shrunk = grad + (2.0 * shrinkage) * param if shrinkage > 0.0 else grad
+        accum_new = accum + grad * grad
+        if lr_power == -0.5:
+            old_root, new_root = accum.sqrt(), accum_new.sqrt()
+            linear.add_(shrunk - (new_root - old_root) / lr * param)
+            quadratic = new_root / lr + 2.0 * l2
+        else:
+            new_pow = accum_new.pow(-lr_power)
+            linear.add_(shrunk - (new_pow - accum.pow(-lr_power)) / lr * param)
+            quadratic = 1.0 / (accum_new.pow(lr_power) * lr) + 2.0 * l2
+        solved = (torch.sign(linear) * l1 - linear) / quadratic
+        param.copy_(torch.where(linear.abs() > l1, solved, torch.zeros_like(solved)))
+        accum.copy_(accum_new)

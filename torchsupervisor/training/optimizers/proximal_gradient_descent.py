@@ -5,23 +5,18 @@ TF name: ``tf.compat.v1.train.ProximalGradientDescentOptimizer``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from torchsupervisor.errors import InvalidArgumentError
+from torchsupervisor.training.optimizers._base import _TFOptimizer
 
 __all__ = ["ProximalGradientDescentOptimizer"]
 
 
-def _check(group: dict[str, Any]) -> None:
-    for key in ("l1_regularization_strength", "l2_regularization_strength"):
-        if group[key] < 0.0:
-            raise InvalidArgumentError(f"{key} {group[key]:f} needs to be positive or zero")
-
-
-class ProximalGradientDescentOptimizer(torch.optim.Optimizer):
+class ProximalGradientDescentOptimizer(_TFOptimizer):
     """Gradient descent followed by the proximal step of L1 and L2 regularization.
 
     For a parameter ``w`` with gradient ``g`` and learning rate ``lr``::
@@ -45,8 +40,8 @@ class ProximalGradientDescentOptimizer(torch.optim.Optimizer):
             zero"`` (or ``l2_``): TF documents the constraint without checking it; here it is
             checked for the defaults and every parameter group.
 
-    ``step()`` raises ``RuntimeError`` for sparse gradients; parameters without a gradient are
-    skipped. The optimizer keeps no per-parameter state.
+    ``step()`` raises ``RuntimeError`` for a sparse gradient, before updating any parameter;
+    parameters without a gradient are skipped. The optimizer keeps no per-parameter state.
     Parameters may have any shape, a floating dtype and any device; the update is computed
     elementwise in the parameter's dtype, and state tensors have the parameter's shape, dtype
     and device.
@@ -71,65 +66,24 @@ class ProximalGradientDescentOptimizer(torch.optim.Optimizer):
             "l1_regularization_strength": l1_regularization_strength,
             "l2_regularization_strength": l2_regularization_strength,
         }
-        _check(defaults)
-        self.name = name
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, name)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group (its options are checked as the constructor's).
+    @staticmethod
+    def _check_options(group: dict[str, Any]) -> None:
+        for key in ("l1_regularization_strength", "l2_regularization_strength"):
+            if group[key] < 0.0:
+                raise InvalidArgumentError(f"{key} {group[key]:f} needs to be positive or zero")
 
-        Args:
-            param_group: A dict with ``"params"`` and, optionally, options overriding the
-                defaults.
-
-        Raises:
-            InvalidArgumentError: For a negative ``l1_`` or ``l2_regularization_strength``.
-            ValueError: From ``torch.optim``, for a parameter already in another group.
-            TypeError: From ``torch.optim``, for ``params`` that are not tensors.
-
-        TF name: none (``torch.optim.Optimizer.add_param_group``; TF's optimizers have no
-        parameter groups).
-        """
-        if isinstance(param_group, dict):
-            _check({**self.defaults, **param_group})
-        super().add_param_group(param_group)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Apply one proximal gradient descent update to every parameter with a gradient.
-
-        Args:
-            closure: Re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, or None.
-
-        Raises:
-            RuntimeError: For a sparse gradient (parameters before it are already updated).
-
-        TF name: none (``torch.optim.Optimizer.step``; TF's
-        ``tf.compat.v1.train.ProximalGradientDescentOptimizer.apply_gradients``).
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr = float(group["lr"])
-            l1 = float(group["l1_regularization_strength"])
-            l2 = float(group["l2_regularization_strength"])
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    raise RuntimeError(
-                        "ProximalGradientDescentOptimizer does not support sparse gradients"
-                    )
-                prox = param - lr * grad
-                if l1 > 0.0:
-                    shrunk = torch.clamp_min(prox.abs() - lr * l1, 0.0)
-                    param.copy_(torch.sign(prox) * shrunk / (1.0 + lr * l2))
-                else:
-                    param.copy_(prox / (1.0 + lr * l2))
-        return loss
+    def _update(
+        self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        del state  # no per-parameter state
+        lr = float(group["lr"])
+        l1 = float(group["l1_regularization_strength"])
+        l2 = float(group["l2_regularization_strength"])
+        prox = param - lr * grad
+        if l1 > 0.0:
+            shrunk = torch.clamp_min(prox.abs() - lr * l1, 0.0)
+            param.copy_(torch.sign(prox) * shrunk / (1.0 + lr * l2))
+        else:
+            param.copy_(prox / (1.0 + lr * l2))
