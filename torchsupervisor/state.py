@@ -28,6 +28,7 @@ __all__ = [
     "ShardedStateError",
     "TensorRef",
     "TensorSpec",
+    "check_saveable",
     "check_state",
     "find_subtree",
     "flatten_state",
@@ -160,7 +161,7 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[Any, Any], dict[str, t
         kind = type(obj)
         if kind is _TENSOR or kind is _PARAMETER:
             if obj.is_meta or obj.layout is not torch.strided or obj.is_quantized:
-                _check_saveable(obj, path)
+                check_saveable(obj, path)
             return add_tensor(path, obj.detach(), False)
         if kind in _PLAIN_TYPES:
             return obj
@@ -177,7 +178,7 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[Any, Any], dict[str, t
             raise ShardedStateError(path)
         obj = _children(obj)
         if isinstance(obj, torch.Tensor):
-            _check_saveable(obj, path)
+            check_saveable(obj, path)
             return add_tensor(path, obj.detach(), False)
         if isinstance(obj, np.ndarray):
             if obj.dtype.kind not in "biufc":
@@ -229,7 +230,14 @@ def _check_key(key: Any, path: str) -> None:
         )
 
 
-def _check_saveable(tensor: torch.Tensor, path: str) -> None:
+def check_saveable(tensor: torch.Tensor, path: str) -> None:
+    """Check that ``tensor`` (at state path ``path``) can be written to a checkpoint.
+
+    Raises:
+        ShardedStateError: For a ``DTensor`` (it needs ``save_sharded``).
+        ValueError: For a tensor that is uninitialized (meta device or lazy), not strided,
+            quantized, or of a tensor subclass.
+    """
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is not None and isinstance(tensor, getattr(dtensor, "DTensor", ())):
         raise ShardedStateError(path)

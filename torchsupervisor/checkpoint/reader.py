@@ -296,26 +296,7 @@ class CheckpointReader:
     def _open_shard(self, shard_index: int):
         path = self._shard_path(shard_index)
         expected = self._manifest.shards[shard_index].size_bytes
-        try:
-            f = self._fs.open_for_read(path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"Checkpoint shard {path} is missing", path=path, reason="missing file"
-            ) from None
-        except OSError as e:
-            raise CorruptCheckpointError(
-                f"Checkpoint shard {path} cannot be read: {e}", path=path, reason="unreadable"
-            ) from e
-        size = os.fstat(f.fileno()).st_size
-        if size != expected:
-            f.close()
-            what = "is truncated" if size < expected else "is too long"
-            raise CorruptCheckpointError(
-                f"Checkpoint shard {path} {what}: {size} bytes, expected {expected}",
-                path=path,
-                reason="truncated" if size < expected else "wrong size",
-            )
-        return f
+        return open_shard(path, expected, self._fs)
 
     def _read_shard(
         self, shard_index: int, entries: list[tuple[str, TensorEntry]]
@@ -462,6 +443,38 @@ def _read_tensor(f: Any, entry: TensorEntry, path: str, crc: int) -> tuple[torch
         raise _truncated(path, None)
     crc = crc32c.crc32c(view, crc)
     return raw.view(entry.dtype).reshape(entry.shape), crc
+
+
+def open_shard(path: str, expected_bytes: int, fs: FileSystem = LOCAL_FS) -> Any:
+    """Open a checkpoint shard for reading after checking that it has the expected size.
+
+    Returns:
+        A binary file object (the caller closes it).
+
+    Raises:
+        CorruptCheckpointError: If the file is missing, unreadable, shorter (truncated) or
+            longer than ``expected_bytes``, naming the file.
+    """
+    try:
+        f = fs.open_for_read(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"Checkpoint shard {path} is missing", path=path, reason="missing file"
+        ) from None
+    except OSError as e:
+        raise CorruptCheckpointError(
+            f"Checkpoint shard {path} cannot be read: {e}", path=path, reason="unreadable"
+        ) from e
+    size = os.fstat(f.fileno()).st_size
+    if size != expected_bytes:
+        f.close()
+        what = "is truncated" if size < expected_bytes else "is too long"
+        raise CorruptCheckpointError(
+            f"Checkpoint shard {path} {what}: {size} bytes, expected {expected_bytes}",
+            path=path,
+            reason="truncated" if size < expected_bytes else "wrong size",
+        )
+    return f
 
 
 def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:

@@ -62,7 +62,7 @@ from torchsupervisor.errors import (
     UnknownError,
 )
 from torchsupervisor.global_step import read_step
-from torchsupervisor.state import TensorRef, find_subtree, is_materialized, load_state
+from torchsupervisor.state import TensorRef, check_saveable, find_subtree, load_state
 
 __all__ = [
     "ShardedOptimizerState",
@@ -226,10 +226,10 @@ def flatten_sharded_state(
 
     def walk(obj: Any, path: str) -> Any:
         if dtensor is not None and isinstance(obj, dtensor):
-            _check_tensor(obj.to_local(), path)
+            check_saveable(obj.to_local(), path)
             return add(path, obj.detach(), False)
         if isinstance(obj, torch.Tensor):
-            _check_tensor(obj, path)
+            check_saveable(obj, path)
             return add(path, obj.detach(), False)
         if isinstance(obj, np.ndarray):
             if obj.dtype.kind not in "biufc":
@@ -272,19 +272,6 @@ def flatten_sharded_state(
             raise TypeError(f"State names must be str, got {type(key).__name__}: {key!r}")
         skeleton[key] = walk(value, key)
     return skeleton, tensors
-
-
-def _check_tensor(tensor: torch.Tensor, path: str) -> None:
-    if not is_materialized(tensor):
-        raise ValueError(f"Cannot save {path!r}: it is not initialized (meta device or lazy)")
-    if tensor.layout is not torch.strided:
-        raise ValueError(f"Cannot save {path!r}: layout {tensor.layout} is not supported")
-    if tensor.is_quantized:
-        raise ValueError(f"Cannot save {path!r}: quantized tensors are not supported")
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-        raise ValueError(
-            f"Cannot save {path!r}: tensor subclass {type(tensor).__name__} is not supported"
-        )
 
 
 # --------------------------------------------------------------------------- save / load

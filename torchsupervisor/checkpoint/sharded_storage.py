@@ -58,6 +58,7 @@ from torchsupervisor.checkpoint.format import (
     decode_tree,
     shard_checksum,
 )
+from torchsupervisor.checkpoint.reader import open_shard
 from torchsupervisor.checkpoint.references import referenced_data_files
 from torchsupervisor.checkpoint.sharded_metadata import (
     ChunkEntry,
@@ -646,26 +647,7 @@ class ShardedStorageReader(StorageReader, _RememberErrors):
         assert self._manifest is not None
         path = self._shard_path(shard_index)
         expected = self._manifest.shards[shard_index].size_bytes
-        try:
-            f = self._fs.open_for_read(path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"Checkpoint shard {path} is missing", path=path, reason="missing file"
-            ) from None
-        except OSError as e:
-            raise CorruptCheckpointError(
-                f"Checkpoint shard {path} cannot be read: {e}", path=path, reason="unreadable"
-            ) from e
-        size = os.fstat(f.fileno()).st_size
-        if size != expected:
-            f.close()
-            what = "is truncated" if size < expected else "is too long"
-            raise CorruptCheckpointError(
-                f"Checkpoint shard {path} {what}: {size} bytes, expected {expected}",
-                path=path,
-                reason="truncated" if size < expected else "wrong size",
-            )
-        return f
+        return open_shard(path, expected, self._fs)
 
     def _load_chunk(
         self, fd: int, shard_index: int, name: str, items: list[Any], planner: LoadPlanner
