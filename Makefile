@@ -36,7 +36,7 @@ test: lint
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
-# Every benchmark, each against its alternatives in the same run (about 40 minutes; each
+# Every benchmark, each against its alternatives in the same run (about 20 minutes; each
 # script also runs alone, e.g. .venv/bin/python benchmarks/checkpoint.py --sizes 10MB,100MB).
 bench: install
 	$(PY) benchmarks/checkpoint.py
