@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from torchsupervisor.checkpoint import commit as checkpoint_commit
 from torchsupervisor.checkpoint import engine as checkpoint_engine
 from torchsupervisor.clock import Clock
 from torchsupervisor.registry import reset_default_graph
@@ -71,6 +72,7 @@ def _clean_graph_and_threads():
     _, not_done = concurrent.futures.wait(pending, timeout=10.0)
     assert not not_done, "checkpoint saves still running after the test"
     checkpoint_engine._close_all()  # Idle writer threads of savers the test still references.
+    checkpoint_commit._Beside.stop_helper()  # The process-wide checksum helper, idle now.
     deadline = time.monotonic() + 10.0
     leaked = []
     for thread in set(threading.enumerate()) - before:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import queue
 import re
 import sys
 import threading
@@ -155,41 +156,89 @@ def persist(
         )
         return manifest, manifest.to_bytes()
 
-    manifest = _write(snapshot, prefix, finals, _Beside(prepare_manifest), fs, cancel)
+    manifest = _write(snapshot, prefix, finals, prepare_manifest, fs, cancel)
     _remove_stale_shards(prefix, set(finals), fs)
     written = sum(s.size_bytes for s in snapshot.layout.shards)
     return Commit(manifest, committed, written)
 
 
 class _Beside:
-    """Run ``fn`` on a helper thread with the calling thread's CPU priority; ``result()``.
+    """Run ``fn`` on the checksum helper thread, with the calling thread's CPU priority.
 
-    The checkpoint writer thread runs at a low priority so that training does not wait for it;
-    its helper must not run at a higher one.
+    One daemon helper thread serves every save in turn (starting a thread per save costs
+    milliseconds on a busy machine: the new thread must get a core and the GIL before
+    ``start()`` returns). The checkpoint writer runs at a low priority so that training does
+    not wait for it; the helper runs at the writer's priority, never above it.
+
+    Thread safety: create from the writer thread; ``result()`` from the same thread.
     """
+
+    _lock = threading.Lock()
+    _jobs: queue.SimpleQueue[_Beside | None] | None = None
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self._fn = fn
+        self._niceness = _niceness()
+        self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
-        self._niceness = _niceness()
-        self._thread = threading.Thread(target=self._run, name="torchsupervisor-checksums")
-        self._thread.daemon = True
-        self._thread.start()
+        _Beside._queue().put(self)
+
+    @classmethod
+    def _queue(cls) -> queue.SimpleQueue[_Beside | None]:
+        with cls._lock:
+            if cls._jobs is None:
+                cls._jobs = queue.SimpleQueue()
+                threading.Thread(
+                    target=_serve, args=(cls._jobs,), name="torchsupervisor-checksums", daemon=True
+                ).start()
+            return cls._jobs
+
+    @classmethod
+    def stop_helper(cls) -> None:
+        """End the helper thread once it is idle (a later save starts a new one); for tests."""
+        with cls._lock:
+            jobs, cls._jobs = cls._jobs, None
+        if jobs is not None:
+            jobs.put(None)
+
+    @classmethod
+    def _forget_thread(cls) -> None:
+        """In a forked child the helper thread does not exist: start a new one when needed."""
+        cls._jobs = None
+        cls._lock = threading.Lock()
 
     def _run(self) -> None:
-        _set_niceness(self._niceness)
         try:
             self._result = self._fn()
         except BaseException as e:  # Re-raised by result() on the writer thread.
             self._error = e
+        finally:
+            self._done.set()
 
     def result(self) -> Any:
         """Wait for ``fn`` and return its result (or raise its exception)."""
-        self._thread.join()
+        self._done.wait()
         if self._error is not None:
             raise self._error
         return self._result
+
+
+def _serve(jobs: queue.SimpleQueue[_Beside | None]) -> None:
+    niceness = None
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        if job._niceness != niceness:
+            _set_niceness(job._niceness)
+            niceness = job._niceness
+        job._run()
+        del job  # Do not keep the last snapshot alive while idle.
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Beside._forget_thread)
 
 
 def _niceness() -> int | None:
@@ -251,15 +300,16 @@ def _write(
     snapshot: Snapshot,
     prefix: str,
     finals: list[str],
-    prepared: _Beside,
+    prepare: Callable[[], tuple[Manifest, bytes]],
     fs: FileSystem,
     cancel: threading.Event | None,
 ) -> Manifest:
-    """Write the shards; commit them and the manifest ``prepared`` beside; return it."""
+    """Write the shards while ``prepare`` makes the manifest beside; commit both; return it."""
     directory = os.path.dirname(prefix)
     index = prefix + ".index"
     temps: list[str] = []
     renamed: list[str] = []
+    prepared: _Beside | None = None
     try:
         _check_not_referenced(prefix, finals, fs)
         if fs.exists(index):
@@ -271,12 +321,16 @@ def _write(
             view = snapshot.shard_view(i)
             fd = fs.open_for_write(tmp, direct=len(view) >= _DIRECT_MIN_BYTES)
             temps.append(tmp)
+            if prepared is None:
+                # Started now, so that its Python part (the manifest) runs while this thread
+                # waits in the write, without the GIL, rather than competing for it.
+                prepared = _Beside(prepare)
             try:
                 write_all(fs, fd, view, cancel)
                 fs.fsync(fd)
             finally:
                 fs.close(fd)
-        manifest, encoded = prepared.result()
+        manifest, encoded = (prepared or _Beside(prepare)).result()
         if cancel is not None and cancel.is_set():
             raise WriteCancelled()
         for tmp, final in zip(list(temps), finals):
@@ -288,7 +342,8 @@ def _write(
         return manifest
     except (OSError, ValueError, WriteCancelled) as e:
         try:  # The helper reads the staging buffers: done before they are reused.
-            prepared.result()
+            if prepared is not None:
+                prepared.result()
         except BaseException:
             pass
         for path in temps + renamed:
