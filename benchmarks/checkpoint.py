@@ -287,7 +287,11 @@ def measure_raw_write(nbytes: int, directory: str, repeat: int) -> float:
 
 
 def measure_training(state, directory: str, rounds: int) -> dict[str, float]:
-    """Steps/s of the loop with and without a checkpoint being persisted, alternating."""
+    """Steps/s of the loop with and without a checkpoint being persisted, alternating.
+
+    The medians of ``rounds`` alternations (12 or more: on a shared virtual machine the speed
+    of the loop itself drifts by several percent between seconds).
+    """
     loop = TrainingLoop()
     loop.steps_per_sec(0.5)  # Warm-up.
     saver = Saver(max_to_keep=1)
@@ -422,7 +426,7 @@ def run_size(size_bytes: int, root: str, repeat: int) -> dict[str, Any]:
             warnings.simplefilter("ignore")
             row["dcp"] = measure_dcp(state, directory, repeat)
         row["raw_write_secs"] = measure_raw_write(row["ours"]["bytes"], directory, repeat)
-        row["training"] = measure_training(state, directory, rounds=max(3, repeat))
+        row["training"] = measure_training(state, directory, rounds=max(12, repeat))
         row["restore"] = measure_restore(size_bytes, row["ours"]["prefix"], torch_path, repeat)
         del state, tensors
         gc.collect()
