@@ -86,6 +86,17 @@ def test_clip_by_norm_zero_tensor_stays_zero_and_errors():
         clip_by_norm(torch.tensor([1, 2]), 1.0)
 
 
+def test_clip_by_norm_gradient_through_a_zero_tensor_is_finite():
+    # TF takes the square root of a "safe" sum (1 where the sum is 0): no NaN from sqrt'(0).
+    t = torch.zeros(3, requires_grad=True)
+    clip_by_norm(t, 1.0).sum().backward()
+    assert t.grad.tolist() == [1.0, 1.0, 1.0]
+    rows = torch.tensor([[0.0, 0.0], [3.0, 4.0]], requires_grad=True)
+    clip_by_norm(rows, 1.0, axes=1).sum().backward()
+    assert torch.isfinite(rows.grad).all()
+    assert rows.grad[0].tolist() == [1.0, 1.0]
+
+
 # --------------------------------------------------------------------- clip_by_average_norm
 
 

@@ -206,6 +206,9 @@ def test_piecewise_constant_length_and_order_errors():
         ValueError, match=r"^The length of boundaries should be 1 less than the length of values$"
     ):
         piecewise_constant(3, [5, 10], [1.0, 0.5])
+    # TF checks the lengths (schedule construction) before the dtypes (evaluation).
+    with pytest.raises(ValueError, match=r"^The length of boundaries"):
+        piecewise_constant(3, [1.5, 2.5], [1.0, 2.0])
     with pytest.raises(InvalidArgumentError, match="strictly increasing"):
         piecewise_constant(3, [10, 5], [1.0, 0.5, 0.1])
     with pytest.raises(InvalidArgumentError, match="strictly increasing"):

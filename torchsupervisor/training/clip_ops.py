@@ -148,7 +148,10 @@ def clip_by_norm(
         dims = tuple(int(a) for a in axes)
     squares = _squares(t)
     total = squares.sum(dim=dims, keepdim=True) if dims else squares
-    norm = torch.where(total > 0, total.clamp_min(0).sqrt(), total)
+    # As TF: the square root only sees positive sums, so a gradient through an all-zero t is 0
+    # (not the NaN of sqrt'(0)); a NaN sum stays NaN.
+    positive = total > 0
+    norm = torch.where(positive, torch.where(positive, total, 1.0).sqrt(), total)
     return t * clip / torch.maximum(norm, clip)
 
 

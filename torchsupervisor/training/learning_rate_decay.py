@@ -358,6 +358,9 @@ def piecewise_constant(
     """
     del name
     boundaries, values = list(boundaries), list(values)
+    # TF checks the lengths when the schedule is built, the dtypes when it is evaluated.
+    if len(boundaries) != len(values) - 1:
+        raise ValueError("The length of boundaries should be 1 less than the length of values")
     x_dtype = _tf_dtype(x)
     for b in boundaries:
         b_dtype = _tf_dtype(b)
@@ -372,8 +375,6 @@ def piecewise_constant(
                 "Values must have elements all with the same dtype "
                 f"(<dtype: '{_tf_dtype(values[0])}'> vs <dtype: '{_tf_dtype(v)}'>)."
             )
-    if len(boundaries) != len(values) - 1:
-        raise ValueError("The length of boundaries should be 1 less than the length of values")
     point = _selectable(x.value if isinstance(x, GlobalStep) else x)
     limits = [_selectable(b) for b in boundaries]
     for lower, upper in itertools.pairwise(limits):

@@ -295,6 +295,9 @@ class ExponentialMovingAverage:
 
         It is the name under which the shadow is saved when the EMA is in the state under
         ``ema.name``, so ``Saver({ema.average_name(w): w})`` restores the average into ``w``.
+        The order differs from TF's ``"<var name>/ExponentialMovingAverage"``: here the shadows
+        are entries of the EMA's own state (checkpoint paths are state paths, SPEC section 5),
+        so code that built TF's names by hand must call this method instead.
 
         Args:
             var: A tensor averaged by ``apply()``, or a name (a str; it need not be averaged).
