@@ -58,7 +58,10 @@ class StepContext:
 
     @property
     def session(self) -> Any:
-        """The raw session: its ``run`` calls no hook."""
+        """The raw session: its ``run`` calls no hook.
+
+        TF name: ``StepContext.session``.
+        """
         return self._session
 
     def run_with_hooks(self, *args: Any, **kwargs: Any) -> Any:
