@@ -77,6 +77,7 @@ def _listing(directory):
         ("write", 2),
         ("fsync", 2),
         ("rename", 2),  # index rename: the commit point
+        ("fsync_dir", 2),  # after the index rename: not durable, so not committed
     ],
 )
 @pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])

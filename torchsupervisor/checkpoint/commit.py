@@ -338,7 +338,14 @@ def _write(
             temps.remove(tmp)
             renamed.append(final)
         fs.fsync_dir(directory)
-        write_file_atomically(index, [encoded], fs)
+        try:
+            write_file_atomically(index, [encoded], fs)
+        except OSError:
+            # A failure after the index's rename (its directory fsync) leaves the index in
+            # place: it goes first, before the shards it names.
+            if fs.exists(index):
+                renamed.insert(0, index)
+            raise
         return manifest
     except (OSError, ValueError, WriteCancelled) as e:
         try:  # The helper reads the staging buffers: done before they are reused.
