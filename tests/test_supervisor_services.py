@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -455,6 +456,28 @@ def test_a_failed_background_checkpoint_is_reported_and_training_goes_on(tmp_pat
     assert 0 < step < c.global_step.value
     assert messages[0].log_message.message.startswith(f"Checkpoint at step {step} failed: ")
     assert step not in checkpoint_steps(logdir)
+
+
+def test_a_vanished_checkpoint_directory_is_reported_and_training_goes_on(tmp_path, caplog):
+    logdir = str(tmp_path / "run")
+    c = Counter()
+    sv = Supervisor(logdir=logdir, state=c.state, save_summaries_secs=0, save_model_secs=0.02)
+    caplog.set_level(logging.INFO, logger="torchsupervisor")
+    with sv.managed_session() as sess:
+        wait_for_checkpoint(sv, 0)
+        shutil.rmtree(logdir)
+        # The periodic save finds no directory: reported, not raised from sess.run.
+        wait_until(
+            lambda: any("doesn't exist, can't save" in m for m in caplog.messages),
+            poll=lambda: sess.run(c.step),
+            what="the reported failure",
+        )
+        assert not sv.should_stop()
+        os.makedirs(logdir)
+        for _ in range(3):
+            sess.run(c.step)
+    # Once the directory is back, the final checkpoint is written there.
+    assert latest_checkpoint(logdir) == os.path.join(logdir, f"model.ckpt-{c.global_step.value}")
 
 
 def test_a_failed_explicit_checkpoint_raises_and_training_can_go_on(tmp_path):

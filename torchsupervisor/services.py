@@ -164,14 +164,25 @@ class CheckpointService:
         step = self._current_step()
         if step is not None and step == self._last_step:
             return
+        self._start(step)
+
+    def _start(self, step: int | None) -> concurrent.futures.Future[str | None] | None:
+        """Start a background save at ``step``; None if it failed before the copy (reported)."""
         logger.info("Saving checkpoint to path %s", self._save_path)
         self._idle.clear()
         try:
             future = self._saver.save_async(self._sess, self._save_path, global_step=step)
+        except (OSError, ValueError) as error:
+            # Found before the copy (the directory vanished, ...): a failed save like any
+            # other, reported, and training goes on unless on_error stops it.
+            self._idle.set()
+            self._report(error, step)
+            return None
         except BaseException:
             self._idle.set()
             raise
         future.add_done_callback(lambda f: self._on_done(f, step))
+        return future
 
     def _on_done(self, future: Any, step: int | None) -> None:
         try:
@@ -179,9 +190,7 @@ class CheckpointService:
             if error is None:
                 self._committed(step)
             else:
-                self._failed(error, step)
-                if self._on_error is not None:
-                    self._on_error(error)
+                self._report(error, step)
         finally:
             self._idle.set()
         with self._lock:
@@ -198,6 +207,11 @@ class CheckpointService:
         if self._writer is not None:
             # The summaries of the steps up to this checkpoint go to disk with it.
             self._writer.request_flush()
+
+    def _report(self, error: BaseException, step: int | None) -> None:
+        self._failed(error, step)
+        if self._on_error is not None:
+            self._on_error(error)
 
     def _failed(self, error: BaseException, step: int | None) -> None:
         logger.error("Checkpoint at step %s failed; training continues: %s", step, error)
@@ -263,14 +277,9 @@ class CheckpointService:
         step = self._current_step()
         if step is not None and step == self._last_step:
             return None
-        logger.info("Saving checkpoint to path %s", self._save_path)
-        self._idle.clear()
-        try:
-            future = self._saver.save_async(self._sess, self._save_path, global_step=step)
-        except BaseException:
-            self._idle.set()
-            raise
-        future.add_done_callback(lambda f: self._on_done(f, step))
+        future = self._start(step)
+        if future is None:
+            return None
         done, _ = concurrent.futures.wait([future], timeout=remaining())
         if not done:
             logger.error(
