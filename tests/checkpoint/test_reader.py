@@ -12,6 +12,7 @@ import torch
 
 from torchsupervisor import (
     CheckpointReader,
+    GlobalStep,
     NewCheckpointReader,
     Saver,
     Session,
@@ -49,8 +50,13 @@ def test_reader_api(checkpoint):
         "c": [2],
         "d": [3],
         "e": [],
+        "global_step": [],  # TF's variable name for the checkpoint's step.
     }
     assert reader.get_variable_to_dtype_map()["d"] is torch.bfloat16
+    assert reader.get_variable_to_dtype_map()["global_step"] is torch.int64
+    assert reader.has_tensor("global_step")
+    step = reader.get_tensor("global_step")
+    assert step.dtype is torch.int64 and step.shape == () and step.item() == 9
     assert reader.has_tensor("a") and not reader.has_tensor("zz")
     for name, value in state.items():
         assert torch.equal(reader.get_tensor(name), value), name
@@ -61,7 +67,9 @@ def test_reader_api(checkpoint):
 
 def test_directory_helpers(checkpoint, tmp_path):
     prefix, state = checkpoint
-    assert [name for name, _ in list_variables(str(tmp_path))] == ["a", "b", "c", "d", "e"]
+    names = [name for name, _ in list_variables(str(tmp_path))]
+    assert names == ["a", "b", "c", "d", "e", "global_step"]
+    assert load_variable(str(tmp_path), "global_step:0").item() == 9
     assert dict(list_variables(prefix))["a"] == [8, 8]
     assert torch.equal(load_variable(str(tmp_path), "b:0"), state["b"])
     assert load_checkpoint(str(tmp_path)).prefix == prefix
@@ -69,6 +77,25 @@ def test_directory_helpers(checkpoint, tmp_path):
     empty.mkdir()
     with pytest.raises(ValueError, match="Couldn't find 'checkpoint' file"):
         load_checkpoint(str(empty))
+
+
+def test_global_step_of_a_state_and_a_tensor_called_global_step(tmp_path):
+    # A GlobalStep in the state: its value is the manifest's step, read as TF's variable.
+    step = GlobalStep(4)
+    prefix = Saver().save(
+        Session({"w": torch.ones(2), "global_step": step}), str(tmp_path / "m"), global_step=step
+    )
+    assert load_variable(prefix, "global_step").item() == 4
+    # A real tensor called "global_step" wins; without a step there is no alias.
+    own = torch.tensor([7, 7])
+    prefix = Saver().save(Session({"global_step": own}), str(tmp_path / "n"), global_step=3)
+    assert torch.equal(load_variable(prefix, "global_step"), own)
+    prefix = Saver().save(Session({"w": torch.ones(2)}), str(tmp_path / "o"))
+    reader = CheckpointReader(prefix)
+    assert not reader.has_tensor("global_step")
+    assert "global_step" not in reader.get_variable_to_shape_map()
+    with pytest.raises(NotFoundError):
+        reader.get_tensor("global_step")
 
 
 def test_missing_checkpoint_uses_tf_text(tmp_path):

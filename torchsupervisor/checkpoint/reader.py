@@ -46,6 +46,12 @@ __all__ = [
 ]
 
 _CHUNK_BYTES = 16 << 20
+
+# TF's name of the global step variable. A ``GlobalStep`` is saved as a plain int in the
+# manifest's tree (``global_step/value``) and as the manifest's step; the reader shows that step
+# as a 0-d int64 tensor under this name, as TF's checkpoints held it, unless a real tensor is
+# called so.
+GLOBAL_STEP_NAME = "global_step"
 _PIPELINE_MIN_BYTES = 64 << 20
 
 
@@ -56,7 +62,8 @@ class CheckpointReader:
     one written by several ranks with ``save_sharded``, whose tensors are stored in chunks
     (``model/fc1.weight[0:4,0:16]``): the tensors are then listed with their global shapes and
     read assembled from their chunks, each chunk verified; the chunk entries are readable by
-    name too.
+    name too. The checkpoint's global step is listed and read as ``"global_step"``, a 0-d int64
+    tensor, as in TF (``load_variable(logdir, "global_step")``).
 
     Args:
         prefix: The checkpoint prefix (``logdir/model.ckpt-1234``).
@@ -134,8 +141,20 @@ class CheckpointReader:
 
     def _specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         if self._sharded:
-            return self._manifest.tensor_specs()
-        return {name: (e.dtype, e.shape) for name, e in self._manifest.tensors.items()}
+            specs = self._manifest.tensor_specs()
+        else:
+            specs = {name: (e.dtype, e.shape) for name, e in self._manifest.tensors.items()}
+        if self._step_alias():
+            specs[GLOBAL_STEP_NAME] = (torch.int64, ())
+        return specs
+
+    def _step_alias(self) -> bool:
+        """True if ``"global_step"`` names the manifest's step (no tensor has that name)."""
+        return (
+            self._manifest.global_step is not None
+            and GLOBAL_STEP_NAME not in self._manifest.tensors
+            and GLOBAL_STEP_NAME not in self._sharded
+        )
 
     def get_variable_to_shape_map(self) -> dict[str, list[int]]:
         """Return ``{tensor name: shape as a list of ints}`` (global shapes; no chunk entries).
@@ -155,9 +174,15 @@ class CheckpointReader:
     def has_tensor(self, name: str) -> bool:
         """Return True if the checkpoint holds a tensor (or a chunk entry) called ``name``.
 
+        ``"global_step"`` is there whenever the checkpoint records a global step.
+
         TF name: ``tf.compat.v1.train.NewCheckpointReader(...).has_tensor``.
         """
-        return name in self._manifest.tensors or name in self._sharded
+        return (
+            name in self._manifest.tensors
+            or name in self._sharded
+            or (name == GLOBAL_STEP_NAME and self._step_alias())
+        )
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """Read one tensor (on the CPU), verifying its checksum.
@@ -186,6 +211,8 @@ class CheckpointReader:
             return out
         entry = self._manifest.tensors.get(name)
         if entry is None:
+            if name == GLOBAL_STEP_NAME and self._step_alias():
+                return torch.tensor(self._manifest.global_step, dtype=torch.int64)
             raise NotFoundError(f"Key {name} not found in checkpoint")
         shard = self._manifest.shards[entry.shard]
         path = self._shard_path(entry.shard)
