@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from torchsupervisor import GlobalStep, Saver, Session, get_checkpoint_state
+from torchsupervisor import GlobalStep, Saver, Session, get_checkpoint_state, latest_checkpoint
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.errors import InvalidArgumentError, NotFoundError
 
@@ -129,6 +129,17 @@ def test_state_file_is_tf_text_format_with_absolute_paths(tmp_path):
         str(tmp_path / "model.ckpt-200"),
         str(tmp_path / "model.ckpt-300"),
     ]
+
+
+def test_save_takes_tfs_arguments_in_tfs_order(tmp_path):
+    # Ported code passes TF's meta-graph options, by keyword or by position: accepted, no file.
+    saver = Saver()
+    sess = Session({"w": torch.ones(2)})
+    prefix = saver.save(sess, str(tmp_path / "m"), 1, None, "meta", False, False)
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoint"))  # write_state=False
+    assert saver.save(sess, str(tmp_path / "m"), 2, write_meta_graph=True) == prefix[:-1] + "2"
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".meta")]
+    assert latest_checkpoint(str(tmp_path)) == prefix[:-1] + "2"
 
 
 def test_save_relative_paths(tmp_path):

@@ -298,7 +298,11 @@ class Saver:
         save_path: str,
         global_step: Any = None,
         latest_filename: str | None = None,
+        meta_graph_suffix: str = "meta",
+        write_meta_graph: bool = True,
         write_state: bool = True,
+        strip_default_attrs: bool = False,
+        save_debug_info: bool = False,
     ) -> str | None:
         """Save a checkpoint and return its prefix once it is committed.
 
@@ -310,7 +314,11 @@ class Saver:
                 prefix: ``save_path-<step>``, and recorded in the manifest.
             latest_filename: Name of the state file in the same directory (default
                 ``"checkpoint"``).
+            meta_graph_suffix: Ignored: there is no meta graph to write (TF's ``.meta`` file).
+            write_meta_graph: Ignored, as ``meta_graph_suffix``.
             write_state: Record the checkpoint in the state file and apply retention.
+            strip_default_attrs: Ignored (a meta-graph option).
+            save_debug_info: Ignored (graph debug information).
 
         Returns:
             The checkpoint prefix, or None for an empty state with ``allow_empty``.
@@ -321,8 +329,9 @@ class Saver:
             TypeError: For a state entry that cannot be saved without pickle.
             CheckpointSaveError: If writing fails; older checkpoints are untouched.
 
-        TF name: ``tf.compat.v1.train.Saver.save``.
+        TF name: ``tf.compat.v1.train.Saver.save`` (same arguments, in the same order).
         """
+        del meta_graph_suffix, write_meta_graph, strip_default_attrs, save_debug_info
         start = time.perf_counter()
         try:
             prefix, snapshot = self._stage(sess, save_path, global_step, latest_filename)
