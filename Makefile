@@ -12,7 +12,9 @@ LINT_PATHS := torchsupervisor tests examples benchmarks
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@# A bare "torch" may pull a multi-GB CUDA build: install the CPU wheel first if none is there.
+	@# Pin torch before the project, whose "torch>=2.4" would otherwise take the newest release
+	@# (a multi-GB CUDA build on Linux). Our CI machines find a CPU wheel of 2.13.0 on their
+	@# disk; elsewhere pip takes PyPI's build: install the one you want first and it is kept.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -q -e ".[demo,test]"
 	touch $@
