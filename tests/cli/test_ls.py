@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
 
-from torchsupervisor import GlobalStep, Saver, Supervisor
+from torchsupervisor import CheckpointReader, GlobalStep, Saver, Supervisor
 from torchsupervisor.errors import DataLossError
 
-from .conftest import cli, data_file, flip_byte
+from .conftest import HOUR, cli, data_file, flip_byte
 
 
 def rows(out: str) -> dict[str, list[str]]:
@@ -38,7 +39,10 @@ def test_lists_steps_sizes_status_and_why_each_is_kept(saver_run, capsys):
         assert row[0] == str(step)
         assert "valid" in row
     assert "max_to_keep" in table["model.ckpt-5"] and "max_to_keep" in table["model.ckpt-4"]
-    assert "every_n_hours" in table["model.ckpt-2"]
+    # Step 2 was evicted from max_to_keep's list and preserved by keep_checkpoint_every_n_hours
+    # (steps 1 and 3 were deleted: see the fixture); the directory cannot tell that from
+    # max_to_keep=0, so it is labelled for what is known.
+    assert "unlisted" in table["model.ckpt-2"]
     assert "<- a restart restores this" in out.splitlines()[2]
     assert out.rstrip().endswith("A restart restores model.ckpt-5 (step 5).")
 
@@ -54,7 +58,70 @@ def test_json_output_has_sizes_on_disk(saver_run, capsys):
     on_disk = os.path.getsize(prefix + ".index") + os.path.getsize(data_file(prefix))
     assert by_step[4]["size_bytes"] == on_disk
     assert by_step[4]["status"] == "valid" and by_step[4]["kept_by"] == "max_to_keep"
-    assert by_step[2]["kept_by"] == "every_n_hours"
+    assert by_step[2]["kept_by"] == "unlisted"
+
+
+def test_max_to_keep_0_keeps_everything_and_lists_only_the_newest(tmp_path, capsys, fake_clock):
+    logdir = str(tmp_path)
+    saver = Saver(
+        {"model": torch.nn.Linear(2, 2), "global_step": GlobalStep()},
+        max_to_keep=0,
+        clock=fake_clock,
+    )
+    for step in (1, 2, 3):
+        fake_clock.advance(60.0)
+        saver.save(None, os.path.join(logdir, "model.ckpt"), global_step=step)
+    status, out, _ = cli(capsys, "ls", logdir)
+    assert status == 0
+    table = rows(out)
+    assert list(table) == ["model.ckpt-3", "model.ckpt-2", "model.ckpt-1"]
+    assert "max_to_keep" in table["model.ckpt-3"]
+    for name in ("model.ckpt-2", "model.ckpt-1"):
+        assert "unlisted" in table[name] and "valid" in table[name]
+    assert "every_n_hours" not in out  # no keep_checkpoint_every_n_hours was involved
+    assert out.rstrip().endswith("A restart restores model.ckpt-3 (step 3).")
+    status, out, _ = cli(capsys, "ls", logdir, "--json")
+    kept_by = {c["step"]: c["kept_by"] for c in json.loads(out)["checkpoints"]}
+    assert kept_by == {3: "max_to_keep", 2: "unlisted", 1: "unlisted"}
+
+
+def test_help_explains_what_unlisted_means(capsys):
+    with pytest.raises(SystemExit):
+        cli(capsys, "ls", "--help")
+    help_text = " ".join(capsys.readouterr().out.split())
+    explained = help_text[help_text.index("unlisted") : help_text.index("not yet in state file")]
+    assert "keep_checkpoint_every_n_hours" in explained
+    assert "max_to_keep=0 or None" in explained
+
+
+@pytest.fixture
+def utc(monkeypatch):
+    """Show local times in UTC, so that the expected text does not depend on the machine."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_saved_column_and_json_give_the_manifests_wall_time(saver_run, capsys, utc):
+    # The fake clock starts at 1_700_001_000 (2023-11-14 22:30:00 UTC); saves are 0.6 h apart.
+    expected = {5: "2023-11-15 01:30:00", 4: "2023-11-15 00:54:00", 2: "2023-11-14 23:42:00"}
+    status, out, _ = cli(capsys, "ls", saver_run.logdir)
+    assert status == 0
+    header = next(line for line in out.splitlines() if line.startswith("STEP"))
+    assert header.split()[:3] == ["STEP", "SAVED", "SIZE"]
+    table = rows(out)
+    for step, text in expected.items():
+        assert " ".join(table[f"model.ckpt-{step}"][1:3]) == text
+    status, out, _ = cli(capsys, "ls", saver_run.logdir, "--json")
+    assert status == 0
+    for entry in json.loads(out)["checkpoints"]:
+        step = entry["step"]
+        manifest = CheckpointReader(saver_run.prefix(step)).manifest
+        assert entry["wall_time"] == manifest.wall_time == 1_700_001_000 + 0.6 * HOUR * step
+        # Not the files' modification times (the real clock's now).
+        assert abs(os.path.getmtime(saver_run.prefix(step) + ".index") - entry["wall_time"]) > HOUR
 
 
 def test_a_corrupt_checkpoint_is_reported_and_skipped_like_a_restart_does(

@@ -4,10 +4,13 @@
 ``recovery.restore_candidates`` gives the order in which ``SessionManager`` tries checkpoints,
 and ``CheckpointReader.verify`` checks every byte of each; the first valid candidate is the
 one a restart restores. Why a checkpoint is still on disk follows the ``Saver``'s retention:
-the state file lists the checkpoints ``max_to_keep`` tracks; a committed checkpoint it does not
-list was either preserved by ``keep_checkpoint_every_n_hours`` (older than the newest listed
-one) or committed after the last state-file update (a crash in between; a restart tries it
-first).
+the state file lists the checkpoints ``max_to_keep`` tracks. A committed checkpoint it does not
+list is either newer than its newest entry (committed after the last state-file update: a crash
+in between; a restart tries it first) or older, and then "unlisted": the ``Saver`` will never
+delete it. The directory alone cannot tell why: ``keep_checkpoint_every_n_hours`` preserved it,
+or the ``Saver`` keeps every checkpoint (``max_to_keep`` 0 or None: TF's rule, the state file
+lists only the newest), or another saver, a copy by hand or a crash before its deletion left
+it. The manifest does not record the ``Saver``'s retention settings, so ``ls`` does not guess.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ CORRUPT = "corrupt"
 UNCHECKED = "unchecked"
 
 KEPT_MAX_TO_KEEP = "max_to_keep"
-KEPT_EVERY_N_HOURS = "every_n_hours"
+KEPT_UNLISTED = "unlisted"
 KEPT_NEWER_THAN_STATE = "not yet in state file"
 KEPT_NO_STATE_FILE = "no state file"
 
@@ -228,7 +231,7 @@ def survey(logdir: str, *, verify: bool = True) -> Survey:
         elif head_info is not None and _newer(info, head_info):
             info.kept_by = KEPT_NEWER_THAN_STATE
         else:
-            info.kept_by = KEPT_EVERY_N_HOURS
+            info.kept_by = KEPT_UNLISTED
     order = [by_path.get(_key(p)) for p in candidates]
     for position, info in enumerate(i for i in order if i is not None):
         info.candidate = position

@@ -1,14 +1,20 @@
 """``torchsupervisor ls LOGDIR``: the checkpoints of a log directory, checked byte by byte.
 
 For every committed checkpoint (a ``<prefix>.index`` file): its global step, when it was
-saved, its size, whether every byte matches its checksums (``valid`` or ``CORRUPT``), why it
-is still on disk, and which one a restart would restore: the first valid checkpoint in the
-order ``SessionManager`` tries them (the same code runs here).
+saved (the wall time its manifest records, in local time), its size, whether every byte
+matches its checksums (``valid`` or ``CORRUPT``), why it is still on disk, and which one a
+restart would restore: the first valid checkpoint in the order ``SessionManager`` tries them
+(the same code runs here).
 
 Why a checkpoint is kept:
     max_to_keep            listed in the state file: one of the newest ``max_to_keep``
-    every_n_hours          committed but no longer listed: preserved by
-                           ``keep_checkpoint_every_n_hours``
+                           (the newest only, when the Saver keeps everything)
+    unlisted               committed, older than the state file's newest entry and not
+                           listed in it: the Saver never deletes it. Either
+                           ``keep_checkpoint_every_n_hours`` preserved it, or the Saver keeps
+                           every checkpoint (``max_to_keep=0`` or None lists only the newest),
+                           or another saver, a copy by hand or a crash before its deletion
+                           left it
     not yet in state file  newer than the state file's newest entry: the program stopped
                            between the commit and the state-file update (a restart tries it
                            first)

@@ -42,9 +42,13 @@ class DeviceCopy:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor.detach().clone()
         self.event = None
-        if tensor.device.type == "cuda":
+        device = tensor.device
+        if device.type == "cuda":
+            # The clone was queued on the current stream of the tensor's device, which need
+            # not be the current device: record the event there (Event.record() with no
+            # stream would mark the current device's stream, and get() would not wait).
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(device))
 
     def get(self) -> torch.Tensor:
         """Wait until the copy is done (writer thread) and return it."""
