@@ -590,3 +590,62 @@ def test_stop_on_checkpoint_error_stops_training_and_reraises(tmp_path):
     # No final checkpoint after the failure; the older checkpoint is untouched.
     assert checkpoint_steps(logdir) == [0]
     assert temporary_files(logdir) == []
+
+
+# ------------------------------------------------------- a request while a save is in flight
+
+
+class _GatedFS(FileSystem):
+    """Once armed, the first fsync waits until released: the save in flight is held."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def fsync(self, fd: int) -> None:
+        if self.armed and not self.entered.is_set():
+            self.entered.set()
+            self.release.wait(60)  # A regression must not hang the test run for ever.
+        super().fsync(fd)
+
+
+def test_a_request_while_a_save_is_in_flight_is_served_after_it_without_blocking(tmp_path):
+    """The training thread never waits for the save being written, and the request that
+    came during it is not lost: it is served at the first step boundary after the commit."""
+    fs = _GatedFS()
+    c = Counter()
+    sv = Supervisor(
+        logdir=str(tmp_path),
+        state=c.state,
+        saver=Saver(fs=fs),
+        save_summaries_secs=0,
+        save_model_secs=3600,  # Only the immediate first save comes from the timer.
+    )
+    watchdog = threading.Timer(30, fs.release.set)  # Fails the test below, never hangs.
+    with sv.managed_session() as sess:
+        wait_for_checkpoint(sv, 0)
+        service = sv._checkpoint_service  # What the timer thread calls on schedule.
+        fs.armed = True
+        watchdog.start()
+        try:
+            sess.run(c.step)
+            service.request()
+            sess.run(c.step)  # Its boundary, at step 1: the save starts and is held.
+            assert fs.entered.wait(30)
+            assert sv.saver.in_flight
+            service.request()  # Arrives while the save of step 1 is being written.
+            for _ in range(5):
+                sess.run(c.step)  # Not blocked by the held save...
+            assert not fs.release.is_set()  # ...(the watchdog did not have to free it).
+            assert c.global_step.value == 7 and sv.saver.in_flight
+            assert checkpoint_steps(str(tmp_path)) == [0]
+            fs.release.set()
+            # Served at the first boundary after step 1 commits, at the step reached then.
+            wait_for_checkpoint(sv, 7)
+        finally:
+            watchdog.cancel()
+            fs.release.set()
+    assert checkpoint_steps(str(tmp_path)) == [0, 1, 7]
+    assert read_checkpoint(str(tmp_path / "model.ckpt-7"))["w"] == 7.0
+    assert read_checkpoint(str(tmp_path / "model.ckpt-1"))["w"] == 1.0

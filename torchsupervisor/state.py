@@ -11,6 +11,13 @@ bare ``Tensor`` (restored in place), a numpy array, a plain value, or a nested m
 into the live objects. ``check_state`` compares what a checkpoint holds (a tree of
 ``TensorSpec``: dtypes and shapes, no data) with the live state before anything is loaded, so a
 restore that cannot succeed fails with the state untouched. Nothing here touches files.
+
+``flatten_state`` also tells which tensors are *frozen* (``frozen=``): those an incremental
+checkpoint may reference instead of copying when their version counter did not move. Version
+counters miss writes made by fused optimizer kernels (``Adam(fused=True)`` updates parameters
+and moments in place without a bump), by ``batch_norm`` (running statistics) and through
+``.data``, so only tensors nothing in the state trains or updates qualify; see
+``flatten_state``.
 """
 
 from __future__ import annotations
@@ -127,11 +134,23 @@ def iter_state_tensors(state: Mapping[str, Any]) -> Iterator[tuple[str, torch.Te
         yield from walk(value, str(key))
 
 
-def flatten_state(state: Mapping[str, Any]) -> tuple[dict[Any, Any], dict[str, torch.Tensor]]:
+def flatten_state(
+    state: Mapping[str, Any], *, frozen: set[str] | None = None
+) -> tuple[dict[Any, Any], dict[str, torch.Tensor]]:
     """Split the state into a skeleton and a flat table of tensors.
 
     Args:
         state: Mapping of names (str) to stateful objects, tensors, arrays or values.
+        frozen: If given, receives the names of the tensors that nothing in the state can
+            modify without bumping their version counter, as far as the state tells: the
+            tensors of a module's state dict (and bare tensors of the state without
+            ``requires_grad``) that share no memory with a trainable parameter
+            (``requires_grad=True``) of a module of the state, with a parameter that an
+            optimizer of the state has a gradient or state for, or with a buffer of a
+            module in training mode (``batch_norm`` updates running statistics without a
+            bump). Never frozen: an optimizer's state (``exp_avg``, ``step``, ...), the
+            tensors of other stateful objects' state dicts, numpy arrays. Writes that bypass
+            PyTorch (``.data``, numpy views, DLPack) are not seen here either.
 
     Returns:
         ``(skeleton, tensors)``. The skeleton mirrors the state dicts with ``TensorRef`` leaves in
@@ -147,22 +166,29 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[Any, Any], dict[str, t
         ShardedStateError: (a ``ValueError``) For a ``DTensor``: the state is sharded.
     """
     tensors: dict[str, torch.Tensor] = {}
+    track = frozen is not None
+    candidates: list[str] = []  # Frozen unless they share memory with a volatile tensor.
+    volatile: set[tuple[int, int]] = set()
 
-    def add_tensor(path: str, tensor: torch.Tensor, ndarray: bool) -> TensorRef:
+    def add_tensor(path: str, tensor: torch.Tensor, ndarray: bool, origin: int) -> TensorRef:
         name, k = path, 0
         while name in tensors:
             k += 1
             name = f"{path}#{k}"
         tensors[name] = tensor
+        if track and origin != _OTHER:
+            candidates.append(name)
         return TensorRef(name, ndarray)
 
-    def walk(obj: Any, path: str) -> Any:
+    def walk(obj: Any, path: str, origin: int) -> Any:
         # Fast paths for the common exact types (this runs at every checkpoint).
         kind = type(obj)
         if kind is _TENSOR or kind is _PARAMETER:
             if obj.is_meta or obj.layout is not torch.strided or obj.is_quantized:
                 check_saveable(obj, path)
-            return add_tensor(path, obj.detach(), False)
+            if obj.requires_grad:
+                origin = _OTHER
+            return add_tensor(path, obj.detach(), False, origin)
         if kind in _PLAIN_TYPES:
             return obj
         if kind is dict:
@@ -170,22 +196,32 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[Any, Any], dict[str, t
             for key, value in obj.items():
                 if type(key) not in _KEY_TYPES:
                     _check_key(key, path)
-                out[key] = walk(value, f"{path}/{key}")
+                out[key] = walk(value, f"{path}/{key}", origin)
             return out
         if kind is list:
-            return [walk(value, f"{path}/{i}") for i, value in enumerate(obj)]
+            return [walk(value, f"{path}/{i}", origin) for i, value in enumerate(obj)]
         if getattr(obj, "is_sharded_state", False):  # e.g. ShardedOptimizerState
             raise ShardedStateError(path)
+        if track and not isinstance(obj, (torch.Tensor, np.ndarray, Mapping, list, tuple)):
+            if isinstance(obj, torch.nn.Module):
+                volatile.update(_module_volatile_storages(obj))
+                origin = _MODULE
+            elif callable(getattr(obj, "state_dict", None)):
+                if isinstance(obj, torch.optim.Optimizer):
+                    volatile.update(_optimizer_volatile_storages(obj))
+                origin = _OTHER
         obj = _children(obj)
         if isinstance(obj, torch.Tensor):
             check_saveable(obj, path)
-            return add_tensor(path, obj.detach(), False)
+            if obj.requires_grad:
+                origin = _OTHER
+            return add_tensor(path, obj.detach(), False, origin)
         if isinstance(obj, np.ndarray):
             if obj.dtype.kind not in "biufc":
                 raise TypeError(
                     f"Cannot save {path!r}: numpy arrays of dtype {obj.dtype} need pickle"
                 )
-            return add_tensor(path, torch.from_numpy(np.ascontiguousarray(obj)), True)
+            return add_tensor(path, torch.from_numpy(np.ascontiguousarray(obj)), True, _OTHER)
         if isinstance(obj, np.generic):
             return obj.item()
         if isinstance(obj, (*_SCALARS, torch.dtype, torch.device)):
@@ -196,12 +232,12 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[Any, Any], dict[str, t
             out = {}
             for key, value in obj.items():
                 _check_key(key, path)
-                out[key] = walk(value, _path(path, key))
+                out[key] = walk(value, _path(path, key), origin)
             return out
         if isinstance(obj, list):
-            return [walk(value, _path(path, i)) for i, value in enumerate(obj)]
+            return [walk(value, _path(path, i), origin) for i, value in enumerate(obj)]
         if isinstance(obj, tuple):
-            return tuple(walk(value, _path(path, i)) for i, value in enumerate(obj))
+            return tuple(walk(value, _path(path, i), origin) for i, value in enumerate(obj))
         raise TypeError(
             f"Cannot save {path!r}: objects of type "
             f"{type(obj).__module__}.{type(obj).__qualname__} have no state_dict() and are not "
@@ -212,9 +248,46 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[Any, Any], dict[str, t
     for key, value in state.items():
         if not isinstance(key, str):
             raise TypeError(f"State names must be str, got {type(key).__name__}: {key!r}")
-        skeleton[key] = walk(value, key)
+        skeleton[key] = walk(value, key, _BARE)
+    if frozen is not None:
+        frozen.update(n for n in candidates if _storage_key(tensors[n]) not in volatile)
     return skeleton, tensors
 
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """Identifies the memory a tensor lives in (views of one storage share the key)."""
+    return tensor.get_device(), tensor.untyped_storage().data_ptr()
+
+
+def _module_volatile_storages(module: torch.nn.Module) -> Iterator[tuple[int, int]]:
+    """The memory of a module's trainable parameters and of its training-mode buffers."""
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad:
+                yield _storage_key(p)
+        if m.training:
+            for b in m._buffers.values():
+                if b is not None:
+                    yield _storage_key(b)
+
+
+def _optimizer_volatile_storages(
+    optimizer: torch.optim.Optimizer,
+) -> Iterator[tuple[int, int]]:
+    """The memory of the parameters an optimizer may update at its next step.
+
+    A parameter the optimizer has a gradient or state for may be updated (a frozen parameter
+    with a stale gradient, one trained before it was frozen); torch's optimizers skip the
+    others.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad or p.grad is not None or p in optimizer.state:
+                yield _storage_key(p)
+
+
+# Where a tensor of the state comes from (``flatten_state(frozen=...)``).
+_BARE, _MODULE, _OTHER = 0, 1, 2
 
 _TENSOR = torch.Tensor
 _PARAMETER = torch.nn.Parameter

@@ -252,7 +252,10 @@ def test_writes_behind_pytorchs_back_are_caught_and_never_committed(tmp_path):
     saver.save(sess, str(tmp_path / "m"), global_step=0)
     saver.save(sess, str(tmp_path / "m"), global_step=1)  # Full: the second of a directory.
     weight.numpy()[:] = 7.0  # No version-counter bump.
-    with pytest.raises(StaleReferenceError, match=r"tensors w changed without their version"):
+    with pytest.raises(
+        StaleReferenceError,
+        match=r"tensors w \(committed in m-1\.data-00000-of-00001\) changed without their version",
+    ):
         saver.save(sess, str(tmp_path / "m"), global_step=2)
     assert not os.path.exists(tmp_path / "m-2.index")
     third = saver.save(sess, str(tmp_path / "m"), global_step=3)  # Copied from now on.
@@ -327,3 +330,205 @@ def test_incremental_can_be_turned_off(tmp_path):
     full = saver.last_save.bytes_written
     saver.save(sess, str(tmp_path / "m"), global_step=2)
     assert saver.last_save.bytes_written == full
+
+
+# -------------------------------------------------------------- writes without version bumps
+
+
+class FrozenBN(nn.Module):
+    """A frozen backbone with batch norm (its running statistics still update in training
+    mode) and a trainable head."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Linear(256, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, 256)
+        )
+        self.head = nn.Linear(256, 4)
+        self.backbone.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def _expected(state):
+    """A deep copy of every tensor the checkpoint of ``state`` holds, by name."""
+    from torchsupervisor.state import flatten_state
+
+    _, tensors = flatten_state(state)
+    return {name: t.clone() for name, t in tensors.items()}
+
+
+def _assert_restores_exactly(prefix, expected, make_state):
+    fresh = make_state()
+    Saver().restore(Session(fresh), prefix)
+    got = _expected(fresh)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert got[name].dtype == value.dtype and torch.equal(got[name], value), (prefix, name)
+
+
+def test_fused_adam_and_batch_norm_updates_are_never_referenced(tmp_path):
+    """Fused Adam writes parameters and moments, batch norm its running statistics, without
+    bumping their version counters: they are copied at every save, the frozen weights are
+    still written once per chain, and every checkpoint restores bit-exactly."""
+    probe = nn.Linear(2, 2)
+    fused = torch.optim.Adam(probe.parameters(), fused=True)
+    probe(torch.ones(1, 2)).sum().backward()
+    version = probe.weight._version
+    fused.step()
+    if probe.weight._version != version:  # pragma: no cover - a torch that bumps them
+        pytest.skip("this torch's fused Adam bumps version counters")
+
+    def make_state(seed=0):
+        torch.manual_seed(seed)
+        model = FrozenBN()
+        # Over every parameter, as usual: the frozen ones have no gradient and are skipped.
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+        return {"model": model, "optimizer": opt}
+
+    state = make_state()
+    saver = Saver(max_to_keep=None)  # Saves: full, full, then 3 incremental, then full.
+    sess = Session(state)
+    expected, written = {}, []
+    for step in range(1, 7):
+        _train(state)
+        prefix = saver.save(sess, str(tmp_path / "m"), global_step=step)  # Never raises.
+        expected[prefix] = _expected(state)
+        written.append(saver.last_save.bytes_reused == 0)
+        own = f"m-{step}.data-00000-of-00001"
+        manifest = CheckpointReader(prefix).manifest
+        for name, entry in manifest.tensors.items():
+            frozen_weight = name.startswith("model/backbone.") and "running" not in name
+            if not frozen_weight or name.endswith("num_batches_tracked"):
+                assert manifest.shards[entry.shard].file == own, (step, name)
+    assert written == [True, True, False, False, False, True]
+    for step in (3, 4, 5):  # The frozen weights come from the chain's full save.
+        manifest = CheckpointReader(str(tmp_path / f"m-{step}")).manifest
+        for name in ("model/backbone.0.weight", "model/backbone.3.weight"):
+            entry = manifest.tensors[name]
+            assert manifest.shards[entry.shard].file == "m-2.data-00000-of-00001"
+    for prefix, values in expected.items():
+        _assert_restores_exactly(prefix, values, lambda: make_state(seed=9))
+    # The values did change between saves (the test would be vacuous otherwise).
+    first, last = expected[str(tmp_path / "m-1")], expected[str(tmp_path / "m-6")]
+    for name in ("model/head.weight", "optimizer/state/6/exp_avg", "model/backbone.1.running_mean"):
+        assert not torch.equal(first[name], last[name]), name
+    assert torch.equal(first["model/backbone.0.weight"], last["model/backbone.0.weight"])
+
+
+def test_a_parameter_trained_before_it_was_frozen_is_copied_once_more(tmp_path):
+    """Referenced only if it was frozen when copied: fused updates before the freeze left
+    its version counter where the last copy saw it."""
+
+    def make_state(seed=0):
+        torch.manual_seed(seed)
+        return {"model": FrozenBN().eval()}  # The optimizer is not part of the state.
+
+    state = make_state()
+    model = state["model"]
+    model.head.requires_grad_(True)
+    opt = torch.optim.Adam(model.head.parameters(), lr=0.01, fused=True)
+    saver = Saver(max_to_keep=None)
+    sess = Session(state)
+
+    def train():
+        opt.zero_grad()
+        model(torch.randn(8, 256)).pow(2).mean().backward()
+        opt.step()
+
+    saver.save(sess, str(tmp_path / "m"), global_step=1)
+    saver.save(sess, str(tmp_path / "m"), global_step=2)
+    train()
+    saver.save(sess, str(tmp_path / "m"), global_step=3)  # Head trainable: copied.
+    train()
+    model.head.requires_grad_(False)
+    fourth = saver.save(sess, str(tmp_path / "m"), global_step=4)  # Copied again.
+    expected = _expected(state)
+    fifth = saver.save(sess, str(tmp_path / "m"), global_step=5)  # Now referenced.
+    manifests = [CheckpointReader(p).manifest for p in (fourth, fifth)]
+    files = [m.shards[m.tensors["model/head.weight"].shard].file for m in manifests]
+    assert files == ["m-4.data-00000-of-00001", "m-4.data-00000-of-00001"]
+    for prefix in (fourth, fifth):
+        _assert_restores_exactly(prefix, expected, lambda: make_state(seed=5))
+
+
+def test_a_frozen_parameter_with_a_stale_gradient_is_copied(tmp_path):
+    """The optimizer still updates a frozen parameter that kept its gradient (fused SGD
+    without momentum: no optimizer state, no version bump)."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    model(torch.randn(4, 64)).sum().backward()
+    model.requires_grad_(False)  # The gradients stay.
+    state = {"model": model, "optimizer": opt}
+    saver = Saver(max_to_keep=None)
+    sess = Session(state)
+    for step in range(1, 5):
+        opt.step()
+        prefix = saver.save(sess, str(tmp_path / "m"), global_step=step)
+        assert saver.last_save.bytes_reused == 0 and not opt.state
+        assert torch.equal(CheckpointReader(prefix).get_tensor("model/weight"), model.weight)
+
+
+def test_a_write_through_data_into_a_frozen_tensor_fails_one_save_naming_it(tmp_path):
+    """``p.data.add_()`` bypasses the version counter: on the CPU the writer's checksum
+    catches it; the save is not committed (the value at its step is gone), the error names
+    the tensor and why, and from then on the tensor is copied at every save."""
+    state = _frozen_state()
+    saver = Saver(max_to_keep=None)
+    sess = Session(state)
+    backbone = state["model"].backbone[0]
+    first = saver.save(sess, str(tmp_path / "m"), global_step=1)
+    expected_first = _expected(state)
+    saver.save(sess, str(tmp_path / "m"), global_step=2)
+    version = backbone.weight._version
+    backbone.weight.data.add_(1.0)  # An EMA-style update through .data: no bump.
+    assert backbone.weight._version == version
+    with pytest.raises(StaleReferenceError) as info:
+        saver.save(sess, str(tmp_path / "m"), global_step=3)
+    message = str(info.value)
+    assert "model/backbone.0.weight (committed in m-2.data-00000-of-00001)" in message
+    assert "changed without their version counter changing" in message and ".data" in message
+    assert info.value.names == frozenset({"model/backbone.0.weight"})
+    assert not os.path.exists(tmp_path / "m-3.index")
+    assert [p for p in os.listdir(tmp_path) if ".tmp" in p or p.startswith("m-3")] == []
+    _assert_restores_exactly(first, expected_first, lambda: _frozen_state(seed=1))
+    for step in (4, 5, 6):
+        backbone.weight.data.add_(1.0)
+        prefix = saver.save(sess, str(tmp_path / "m"), global_step=step)
+        manifest = CheckpointReader(prefix).manifest
+        entry = manifest.tensors["model/backbone.0.weight"]
+        assert manifest.shards[entry.shard].file == f"m-{step}.data-00000-of-00001"
+        _assert_restores_exactly(prefix, _expected(state), lambda: _frozen_state(seed=1))
+
+
+def test_a_damaged_header_of_a_shard_read_in_part_makes_the_restart_fall_back(tmp_path, caplog):
+    """m-2 reads only the frozen tensors of m-1's shard: the header's own CRC still covers
+    the header, so the damage is found although every tensor read is intact."""
+    state = _frozen_state()
+    saver = Saver(max_to_keep=None)
+    sess = Session(state)
+    zeroth = saver.save(sess, str(tmp_path / "m"), global_step=0)
+    first = saver.save(sess, str(tmp_path / "m"), global_step=1)
+    _train(state)
+    second = saver.save(sess, str(tmp_path / "m"), global_step=2)
+    shard = first + ".data-00000-of-00001"
+    manifest = CheckpointReader(second).manifest
+    referenced = [
+        n
+        for n, e in manifest.tensors.items()
+        if manifest.shards[e.shard].file != "m-2.data-00000-of-00001"
+    ]
+    assert 0 < len(referenced) < len(CheckpointReader(first).manifest.tensors)
+    _flip(shard, 30)
+    for prefix in (second, first):
+        with pytest.raises(CorruptCheckpointError, match="header damaged") as info:
+            CheckpointReader(prefix).read_tensors()
+        assert info.value.path == shard
+    with caplog.at_level("WARNING", "torchsupervisor"):
+        sess2, restored = SessionManager(state=_frozen_state(seed=4)).recover_session(
+            saver=Saver(), checkpoint_dir=str(tmp_path)
+        )
+    assert restored and sess2.restored_checkpoint == zeroth
+    assert f"Checkpoint shard {shard} is corrupt: header damaged (checksum mismatch)" in caplog.text

@@ -131,15 +131,118 @@ def test_bit_flip_in_tensor_data_names_the_shard_and_tensor(checkpoint):
         reader.verify()
 
 
-def test_bit_flip_in_shard_header(checkpoint):
-    prefix, state = checkpoint
-    _flip(_shard(prefix), 20)
-    reader = CheckpointReader(prefix)
+def _two_checkpoints(directory):
+    """Checkpoints at steps 1 and 2 of ``{"w": ..., "global_step": ...}``."""
+    gs = GlobalStep()
+    state = {"w": torch.arange(300, dtype=torch.float32), "global_step": gs}
+    saver = Saver()
+    out = []
+    for step in (1, 2):
+        gs.assign(step)
+        state["w"].add_(1)
+        out.append(saver.save(Session(state), os.path.join(directory, "m"), global_step=gs))
+    return out
+
+
+def _recover(directory):
+    from torchsupervisor import SessionManager
+
+    state = {"w": torch.zeros(300), "global_step": GlobalStep()}
+    sess, restored = SessionManager(state=state).recover_session(
+        saver=Saver(), checkpoint_dir=directory
+    )
+    assert restored
+    return sess.restored_checkpoint, state
+
+
+def _without_header_crcs(prefix):
+    """Rewrite the manifest as written before it recorded the headers' own CRCs."""
+    import crc32c
+
+    from torchsupervisor.checkpoint.format import _canonical
+
+    index = pathlib.Path(prefix + ".index")
+    body = json.loads(index.read_text())
+    body.pop("manifest_crc32c")
+    for shard in body["shards"]:
+        shard.pop("header_crc32c", None)
+    body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
+    index.write_text(json.dumps(body))
+
+
+@pytest.mark.parametrize("where", ["length field", "json", "padding"])
+@pytest.mark.parametrize("header_crc", [True, False], ids=["header_crc", "old_manifest"])
+def test_a_damaged_shard_header_fails_the_restore_which_falls_back(
+    tmp_path, caplog, where, header_crc
+):
+    """Every tensor's bytes are intact, but the shard is not: the restore says so and uses
+    the previous checkpoint (an old manifest without the header's own CRC: the shard
+    checksum, computed from the header and the tensors' CRCs, catches it)."""
+    first, second = _two_checkpoints(str(tmp_path))
+    if not header_crc:
+        _without_header_crcs(second)
+    reader = CheckpointReader(second)
+    offset = {"length field": 2, "json": 20, "padding": reader.manifest.shards[0].data_offset - 1}
+    _flip(_shard(second), offset[where])
     with pytest.raises(CorruptCheckpointError, match="header damaged"):
         reader.verify()
-    # A restore reads only the tensor bytes, each verified: the values are intact.
-    tree = reader.read_tree()
-    assert all(torch.equal(tree[name], value) for name, value in state.items())
+    with pytest.raises(CorruptCheckpointError, match="header damaged") as info:
+        reader.read_tree()
+    assert info.value.path == _shard(second) and info.value.reason == "header damaged"
+    assert torch.equal(reader.get_tensor("w"), torch.arange(300.0) + 2)  # The bytes are fine.
+    with caplog.at_level("WARNING", "torchsupervisor"):
+        restored, state = _recover(str(tmp_path))
+    assert restored == first and state["global_step"].value == 1
+    assert torch.equal(state["w"], torch.arange(300.0) + 1)
+    assert f"Checkpoint shard {_shard(second)} is corrupt: header damaged" in caplog.text
+
+
+def test_a_shard_header_that_misdescribes_the_data_is_damaged(checkpoint):
+    """A well-formed header rewritten under a manifest without the header's own CRC (as
+    written before it was recorded): tensors that do not tile the data area, that are not
+    where the manifest reads them, or just other bytes than were written."""
+    import struct
+
+    prefix, _ = checkpoint
+    reader = CheckpointReader(prefix)
+    shard = reader.manifest.shards[0]
+    data = pathlib.Path(_shard(prefix)).read_bytes()
+    header = json.loads(data[8 : shard.data_offset])
+
+    def rewrite(edit):
+        changed = json.loads(json.dumps(header))
+        edit(changed)
+        text = json.dumps(changed, separators=(",", ":")).encode()
+        text += b" " * (shard.data_offset - 8 - len(text))
+        pathlib.Path(_shard(prefix)).write_bytes(
+            struct.pack("<Q", len(text)) + text + data[shard.data_offset :]
+        )
+        _without_header_crcs(prefix)
+
+    def shrink_last(h):
+        name = max((n for n in h if n != "__metadata__"), key=lambda n: h[n]["data_offsets"][1])
+        h[name]["data_offsets"][1] -= 1
+        h[name]["shape"] = [0]
+
+    rewrite(shrink_last)
+    with pytest.raises(CorruptCheckpointError, match=r"header damaged \(its tensors end at"):
+        CheckpointReader(prefix).read_tensors()
+
+    def rename(h):
+        h["x"] = h.pop("a")
+
+    rewrite(rename)  # Well-formed, same ranges: only the shard checksum tells.
+    with pytest.raises(CorruptCheckpointError, match=r"header damaged \(shard checksum mismatch"):
+        CheckpointReader(prefix).read_tensors()
+
+    def split(h):
+        begin, end = h["b"]["data_offsets"]
+        h["b"] = {"dtype": "I64", "shape": [9], "data_offsets": [begin, end - 8]}
+        h["b2"] = {"dtype": "I64", "shape": [1], "data_offsets": [end - 8, end]}
+
+    rewrite(split)
+    with pytest.raises(CorruptCheckpointError, match="it does not list the tensor read at"):
+        CheckpointReader(prefix).read_tensors()
 
 
 def test_truncated_and_missing_shards(checkpoint):

@@ -78,17 +78,27 @@ def _prepare(directory):
 
 
 def test_damaged_newest_falls_back_to_the_previous_with_a_warning(tmp_path, caplog):
-    a, b, c = _save_steps(str(tmp_path), [10, 20, 30])
+    a, b, c, d = _save_steps(str(tmp_path), [10, 20, 30, 40])
+    index = d + ".index"  # The newest index is no longer JSON (bad manifest).
+    with open(index, "r+b") as f:
+        f.seek(os.path.getsize(index) // 2)
+        f.write(b"\x00{{")
     with open(c + ".data-00000-of-00001", "r+b") as f:
         f.seek(-1, os.SEEK_END)
         f.write(b"\x7f")
     os.remove(b + ".data-00000-of-00001")
+    assert restore_candidates(str(tmp_path)) == [d, c, b, a]  # The state file's order.
     sess, state = _prepare(str(tmp_path))
     assert sess.restored_checkpoint == a
     assert state["global_step"].value == 10 and torch.equal(state["w"], torch.full((2,), 10.0))
     text = caplog.text
+    assert f"Checkpoint index {index} is corrupt: not valid JSON" in text
     assert f"{c}.data-00000-of-00001 is corrupt: checksum mismatch" in text
     assert f"{b}.data-00000-of-00001 is missing" in text
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert next(m for m in warnings if "is not usable" in m).startswith(
+        f"Checkpoint {d} is not usable, trying an older one: Checkpoint index {index}"
+    )
 
 
 def test_all_checkpoints_damaged_is_an_error_not_a_silent_restart(tmp_path):

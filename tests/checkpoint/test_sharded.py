@@ -120,14 +120,17 @@ def _copy_checkpoint(source, target) -> None:
                 g.write(f.read())
 
 
-def test_a_flipped_bit_in_one_rank_shard_fails_the_restore_on_every_rank(saved_by_two, tmp_path):
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_a_flipped_bit_in_one_rank_shard_fails_the_restore_on_every_rank(
+    saved_by_two, tmp_path, where
+):
     directory, _ = saved_by_two
     _copy_checkpoint(directory, tmp_path)
     shard = tmp_path / "model.ckpt-3.data-00001-of-00002"
     data = bytearray(shard.read_bytes())
-    data[-5] ^= 0x10  # In the tensor payload (the header comes first).
+    data[-5 if where == "payload" else 20] ^= 0x10  # The header comes first.
     shard.write_bytes(bytes(data))
-    with pytest.raises(CorruptCheckpointError):
+    with pytest.raises(CorruptCheckpointError, match="header damaged" if where == "header" else ""):
         CheckpointReader(str(tmp_path / "model.ckpt-3")).read_tensors()
     outputs = _run("load-error", tmp_path, 2)
     errors = [_lines(out, "ERROR")[0] for out in outputs]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from torchsupervisor.checkpoint.format import DATA_ALIGNMENT_BYTES
@@ -91,3 +92,44 @@ def test_buffer_starts_with_the_safetensors_header():
     shard = snapshot.layout.shards[0]
     assert bytes(snapshot.shard_view(0)[: shard.data_offset]) == shard.header
     assert len(snapshot.shard_view(0)) == shard.size_bytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_state_is_staged_in_pinned_buffers_and_fenced(tmp_path):
+    """GPU tensors are copied into pinned host buffers with non-blocking copies, and
+    ``stage`` returns only once they have landed: kernels queued right after it (the next
+    training step) never reach the snapshot."""
+    torch.manual_seed(0)
+    big = torch.randn(16 << 20, device="cuda")  # 64 MiB: a copy that takes a while.
+    tensors = {
+        "big": big,
+        "w": torch.randn(33, 7, device="cuda", dtype=torch.bfloat16),
+        "step": torch.tensor(7, device="cuda"),
+        "cpu": torch.arange(5.0),  # A CPU tensor in a GPU state.
+    }
+    expected = {name: t.cpu() for name, t in tensors.items()}
+    torch.cuda.synchronize()
+    stager = Stager()
+    snapshot = stager.stage({}, tensors, step=1, wall_time=0.0)
+    for t in tensors.values():  # Queued on the stream right after the snapshot.
+        t.mul_(2)
+    assert all(b.is_pinned() for b in snapshot.buffers)
+    for name, value in expected.items():  # Read at once, without synchronizing.
+        assert torch.equal(_values(snapshot, name), value), name
+    torch.cuda.synchronize()
+    pointers = [b.data_ptr() for b in snapshot.buffers]
+    stager.release(snapshot)
+    second = stager.stage({}, tensors, step=2, wall_time=0.0)
+    assert [b.data_ptr() for b in second.buffers] == pointers  # Reused, still pinned.
+    assert all(b.is_pinned() for b in second.buffers)
+    for name, t in tensors.items():
+        assert torch.equal(_values(second, name), t.cpu()), name
+    # The same path end to end: a GPU state round-trips through a checkpoint.
+    from torchsupervisor import Saver, Session
+
+    state = {"model": torch.nn.Linear(8, 4).cuda()}
+    prefix = Saver().save(Session(state), str(tmp_path / "m"), global_step=1)
+    fresh = {"model": torch.nn.Linear(8, 4).cuda()}
+    Saver().restore(Session(fresh), prefix)
+    for a, b in zip(state["model"].parameters(), fresh["model"].parameters()):
+        assert torch.equal(a, b)

@@ -251,7 +251,7 @@ def test_no_verify_reads_manifests_only(saver_run, capsys):
 
 def test_incremental_checkpoints_show_shared_bytes(tmp_path, capsys):
     logdir = str(tmp_path)
-    frozen = torch.nn.Linear(64, 64)
+    frozen = torch.nn.Linear(64, 64).requires_grad_(False)
     head = torch.nn.Linear(64, 1)
     saver = Saver({"frozen": frozen, "head": head}, incremental=True)
     prefix = os.path.join(logdir, "model.ckpt")

@@ -136,6 +136,7 @@ def persist(
                 size_bytes=shard_layout.size_bytes,
                 data_offset=shard_layout.data_offset,
                 crc32c=shard_checksum(shard_layout.header, [e.crc32c for _, e in entries]),
+                header_crc32c=crc32c.crc32c(shard_layout.header),
             )
             shards.append(shard)
             for name, entry in entries:

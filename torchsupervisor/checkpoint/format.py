@@ -16,7 +16,9 @@ CRC-32C of the header bytes (the 8-byte length and the padded JSON) followed by 
 each tensor's bytes, as 4 little-endian bytes, in the order of their data offsets
 (``shard_checksum``). A plain CRC of the whole file would cost the writer a second pass over
 the data, since the per-tensor CRCs are needed anyway (a restore verifies each tensor it reads,
-and an incremental checkpoint reuses single tensors of older shards).
+and an incremental checkpoint reuses single tensors of older shards). The manifest also records
+the CRC-32C of the header alone (``header_crc32c``): a restore checks it for every shard it
+reads from, including older shards of which an incremental checkpoint reads only some tensors.
 
 Tree encoding (JSON): ``None``, bools, ints, finite floats, strings and lists are themselves;
 everything else is an object with exactly one tag key: ``{"tensor": name}``,
@@ -141,12 +143,23 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class ShardEntry:
-    """One shard file: its name (relative to the index's directory), size, data start, CRC."""
+    """One shard file: its name (relative to the index's directory), size, data start, CRCs.
+
+    Attributes:
+        file: The file name, relative to the index's directory.
+        size_bytes: The file's size.
+        data_offset: Where the tensor data starts (the header's length).
+        crc32c: The shard's checksum (``shard_checksum``).
+        header_crc32c: The CRC-32C of the header bytes alone, so that a restore reading only
+            some of the shard's tensors (an incremental checkpoint referencing an older
+            shard) still verifies the header. None in manifests written before it existed.
+    """
 
     file: str
     size_bytes: int
     data_offset: int
     crc32c: int
+    header_crc32c: int | None = None
 
 
 @dataclass(frozen=True)
@@ -180,6 +193,7 @@ class Manifest:
                     "size_bytes": s.size_bytes,
                     "data_offset": s.data_offset,
                     "crc32c": s.crc32c,
+                    **({} if s.header_crc32c is None else {"header_crc32c": s.header_crc32c}),
                 }
                 for s in self.shards
             ],
@@ -224,6 +238,9 @@ class Manifest:
                     size_bytes=_int(s["size_bytes"]),
                     data_offset=_int(s["data_offset"]),
                     crc32c=_int(s["crc32c"]),
+                    header_crc32c=(
+                        None if _dict(s).get("header_crc32c") is None else _int(s["header_crc32c"])
+                    ),
                 )
                 for s in _list(body["shards"])
             )

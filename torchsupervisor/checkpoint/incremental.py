@@ -1,18 +1,32 @@
-"""Incremental checkpoints: tensors that did not change are not copied or written again.
+"""Incremental checkpoints: frozen tensors that did not change are not copied or written again.
 
-After a save commits, the saver remembers, for each tensor, the live tensor it copied, that
-tensor's version counter at the copy, and where its bytes now live (``Committed``). At the next
-step boundary a tensor that is the same tensor (same memory, dtype, shape and strides) with the
-same version counter cannot have been modified by a PyTorch in-place operation, so the new
-manifest points at the committed bytes instead of copying them: a frozen backbone costs nothing
-after the first checkpoint.
+After a save commits, the saver remembers, for each *frozen* tensor it copied, the live tensor,
+that tensor's version counter at the copy, and where its bytes now live (``Committed``). At the
+next step boundary a tensor that is still frozen and is the same tensor (same memory, dtype,
+shape and strides) with the same version counter has not been modified by a PyTorch in-place
+operation, so the new manifest points at the committed bytes instead of copying them: a frozen
+backbone costs nothing after the first checkpoint of a chain.
 
-Version counters do not see writes that bypass PyTorch (through a numpy view of the tensor,
-DLPack, raw pointers). So before committing, the writer thread recomputes the CRC-32C of every
-reused CPU tensor whose version has not moved and compares it with the committed one; a
-mismatch fails that save (nothing is committed), and those tensors are always copied from then
-on. Tensors without a version counter (inference mode) and non-contiguous tensors are always
-copied. GPU tensors are trusted on their version counter alone.
+Version counters do not see every write. Fused optimizer kernels (``Adam(fused=True)``,
+``AdamW(fused=True)``, ``SGD(fused=True)``) update parameters and moments in place without a
+bump; so does ``batch_norm`` for the running statistics of a module in training mode; and so
+does any write through ``.data``, a numpy view, DLPack or a raw pointer. Hence only frozen
+tensors are ever referenced (``state.flatten_state(frozen=...)``): those of a module's state
+dict, or bare tensors, that share no memory with a trainable parameter (``requires_grad``), with
+a parameter an optimizer of the state has a gradient or state for, or with a buffer of a module
+in training mode; and only if they were already frozen when their bytes were copied. An
+optimizer's state and other stateful objects' tensors are copied at every save.
+
+What remains are writes behind PyTorch's back into frozen tensors (``p.data.add_()``, numpy).
+Before committing, the writer thread recomputes the CRC-32C of every reused CPU tensor whose
+version has not moved and compares it with the committed one; a mismatch fails that save
+(nothing is committed: the bytes the tensor held at the snapshot's step are gone) with
+``StaleReferenceError`` naming the tensors, and those tensors are copied at every later save
+of that saver. GPU tensors are not re-checked (that would cost a device-to-host copy): such a
+write into a frozen GPU tensor goes unnoticed, and the checkpoint holds its value from the
+last copy. Write frozen tensors with in-place PyTorch ops (``with torch.no_grad():
+p.add_(...)``, which bump the counter) or use ``Saver(incremental=False)``. Tensors without a
+version counter (inference mode) and non-contiguous tensors are always copied.
 """
 
 from __future__ import annotations
@@ -49,6 +63,10 @@ class Committed:
 
 class StaleReferenceError(CheckpointSaveError):
     """Tensors changed without their version counter changing; the save was not committed.
+
+    The writer found that reused (referenced) CPU tensors no longer hold their committed
+    bytes although their version counter did not move (a write through ``.data`` or numpy).
+    Their value at the snapshot's step is lost, so the save cannot be completed.
 
     Attributes:
         names: The tensors concerned; the saver copies them at every later save.
@@ -109,10 +127,15 @@ def verify(references: Mapping[str, Committed], prefix: str) -> None:
         if tensor_version(source) == before and crc != committed.entry.crc32c:
             stale.append(name)
     if stale:
+        details = ", ".join(
+            f"{name} (committed in {references[name].shard.file})" for name in sorted(stale)
+        )
         raise StaleReferenceError(
-            f"Saving checkpoint {prefix} failed: tensors {', '.join(sorted(stale))} changed "
-            "without their version counter changing (written outside PyTorch in-place "
-            "operations, e.g. through numpy); they will be copied at every save from now on",
+            f"Saving checkpoint {prefix} failed: tensors {details} changed without their "
+            "version counter changing, so the unchanged bytes this checkpoint would reference "
+            "are not their value at this step, and that value can no longer be read (written "
+            "outside PyTorch's in-place operations: through .data, a numpy view, DLPack); "
+            "nothing was committed, and these tensors are copied at every save from now on",
             path=prefix,
             names=frozenset(stale),
         )

@@ -2,9 +2,12 @@
 
 ``CheckpointReader`` opens ``P.index``, validates the manifest (its own checksum, the types of
 its fields, byte ranges that fit their shards) and reads tensors from the safetensors shards.
-A full read verifies each shard's checksum in one pass; a single-tensor read verifies that
-tensor's checksum. Anything wrong raises ``CorruptCheckpointError`` naming the file and what is
-wrong; nothing is ever unpickled.
+A full read (``read_tensors``, hence every restore) verifies every tensor's checksum and every
+shard's: the header (8-byte length and JSON) is read and checked against the shard's recorded
+header CRC, its tensors must tile the data area exactly, and when all of a shard's tensors were
+read, the shard checksum is computed from the header and the tensors' CRCs (no byte is read
+twice). A single-tensor read (``get_tensor``) verifies that tensor's checksum. Anything wrong
+raises ``CorruptCheckpointError`` naming the file and what is wrong; nothing is ever unpickled.
 
 TF names: ``tf.train.NewCheckpointReader`` / ``CheckpointReader``, ``tf.train.load_checkpoint``,
 ``tf.train.list_variables``, ``tf.train.load_variable``.
@@ -15,7 +18,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import crc32c
@@ -24,6 +27,7 @@ import torch
 from torchsupervisor.checkpoint.format import (
     Manifest,
     ManifestError,
+    ShardEntry,
     TensorEntry,
     decode_tree,
     parse_safetensors_header,
@@ -40,6 +44,7 @@ from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
 __all__ = [
     "CheckpointReader",
     "NewCheckpointReader",
+    "check_shard",
     "list_variables",
     "load_checkpoint",
     "load_variable",
@@ -231,17 +236,19 @@ class CheckpointReader:
         """Read every tensor (on the CPU), verifying each one's checksum.
 
         Tensors are read shard by shard in file order, each straight into its own memory, and
-        its CRC-32C is computed on the way (in C, without the GIL). A shard may be shared with
-        older checkpoints (incremental saves): only the byte ranges this checkpoint uses are
-        read.
+        its CRC-32C is computed on the way (in C, without the GIL). Then each shard's header is
+        read and verified against its own CRC (``check_shard``), so every byte read is
+        checked. A shard may be shared with older checkpoints (incremental saves): only the
+        byte ranges this checkpoint uses are read.
 
         Returns:
             ``{name: tensor}``; each tensor owns its memory. Tensors stored in chunks are
             assembled (the chunk entries are not returned).
 
         Raises:
-            CorruptCheckpointError: For a missing or truncated shard, or a tensor whose bytes
-                do not match its checksum; the message names the shard file and the tensors.
+            CorruptCheckpointError: For a missing or truncated shard, a tensor whose bytes do
+                not match its checksum (the message names the shard file and the tensors), or
+                a damaged shard header.
             OSError: If a read of a shard fails.
 
         TF name: none (TF reads one tensor at a time with ``get_tensor``).
@@ -340,21 +347,21 @@ class CheckpointReader:
             for name, raw, view in _pipelined_reads(f.fileno(), tensors, path):
                 raws[name] = raw
                 crcs[name] = crc32c.crc32c(view, crcs[name])
-        damaged = [name for name, entry in entries if crcs[name] != entry.crc32c]
-        out = {
+            damaged = [name for name, entry in entries if crcs[name] != entry.crc32c]
+            if damaged:
+                raise CorruptCheckpointError(
+                    f"Checkpoint shard {path} is corrupt: checksum mismatch (damaged tensors: "
+                    f"{', '.join(damaged)})",
+                    path=path,
+                    reason="checksum mismatch",
+                )
+            check_shard(f.fileno(), shard, path, {(e.begin, e.end): crcs[n] for n, e in entries})
+        return {
             name: raws[name].view(entry.dtype).reshape(entry.shape)
             if entry.nbytes
             else torch.empty(entry.shape, dtype=entry.dtype)
             for name, entry in entries
         }
-        if damaged:
-            raise CorruptCheckpointError(
-                f"Checkpoint shard {path} is corrupt: checksum mismatch (damaged tensors: "
-                f"{', '.join(damaged)})",
-                path=path,
-                reason="checksum mismatch",
-            )
-        return out
 
     def _mismatch(self, shard_index: int, path: str) -> CorruptCheckpointError:
         damaged = []
@@ -371,6 +378,68 @@ class CheckpointReader:
             path=path,
             reason="checksum mismatch",
         )
+
+
+def check_shard(fd: int, shard: ShardEntry, path: str, read: Mapping[tuple[int, int], int]) -> None:
+    """Verify the bytes of a shard that no tensor checksum covers: its header.
+
+    Reads the header (``shard.data_offset`` bytes, a few KiB) and compares its CRC with the
+    manifest's ``header_crc32c``: the header is then the one written, whose tensors tile the
+    data area exactly, so with the tensors' own checksums every byte read is verified (the
+    tensors of the shard this checkpoint does not use are not read). A manifest written
+    before ``header_crc32c`` existed: the header must have the right length field, be valid
+    safetensors JSON whose tensors tile the data area exactly, and list every tensor read at
+    the bytes it was read from; when all of the shard's tensors were read, the shard checksum
+    (``shard_checksum``: header and tensor CRCs) is compared with the manifest's.
+
+    Args:
+        fd: The open shard file (its size already checked against ``shard.size_bytes``).
+        shard: The shard's manifest entry.
+        path: The file's path, for messages.
+        read: ``{(begin, end): CRC-32C}`` of the tensors read from the shard (already
+            verified against their own checksums), by byte range relative to the data area.
+
+    Raises:
+        CorruptCheckpointError: Naming the file, ``reason="header damaged"``.
+    """
+
+    def damaged(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"Checkpoint shard {path} is corrupt: header damaged ({what})",
+            path=path,
+            reason="header damaged",
+        )
+
+    header = bytearray(shard.data_offset)
+    _pread_exactly(fd, memoryview(header), 0, path)
+    if shard.header_crc32c is not None:
+        if crc32c.crc32c(header) != shard.header_crc32c:
+            raise damaged("checksum mismatch")
+        return
+    if len(header) < 8 or int.from_bytes(header[:8], "little") != len(header) - 8:
+        raise damaged("its length field does not match the data offset")
+    try:
+        ranges = parse_safetensors_header(memoryview(header)[8:])
+    except ManifestError as e:
+        raise damaged(str(e)) from None
+    end = 0
+    for _, begin, stop in ranges:
+        if begin != end:
+            raise damaged(f"its tensors do not tile the data area (a gap or overlap at {end})")
+        end = stop
+    if end != shard.size_bytes - shard.data_offset:
+        raise damaged(
+            f"its tensors end at data byte {end}; the data area has "
+            f"{shard.size_bytes - shard.data_offset} bytes"
+        )
+    listed = {(begin, stop) for _, begin, stop in ranges}
+    missing = [r for r in read if r[1] > r[0] and r not in listed]
+    if missing:
+        raise damaged(f"it does not list the tensor read at data bytes {list(missing[0])}")
+    if all(stop == begin or (begin, stop) in read for _, begin, stop in ranges):
+        crcs = [read.get((begin, stop), 0) for _, begin, stop in ranges]
+        if shard_checksum(header, crcs) != shard.crc32c:
+            raise damaged("shard checksum mismatch")
 
 
 def _read_ahead(f: Any, offset: int) -> None:

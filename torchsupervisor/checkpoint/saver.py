@@ -8,9 +8,10 @@ save first waits until the one being written is committed (or failed), then take
 (The Supervisor never makes the training thread wait: a checkpoint its timer asks for while a
 save is in flight is taken at the first step boundary after that save commits.)
 
-Saves are incremental by default: a tensor unchanged since the last committed checkpoint of the
-same directory is neither copied nor written again; the new manifest references the bytes
-already on disk (``incremental.py``), and retention keeps data files as long as a kept
+Saves are incremental by default: a frozen tensor (one nothing in the state trains or updates:
+``state.flatten_state``) unchanged since the last committed checkpoint of the same directory is
+neither copied nor written again; the new manifest references the bytes already on disk
+(``incremental.py``), and retention keeps data files as long as a kept
 checkpoint references them. A save is full (references nothing) whenever an incremental one
 would leave every kept checkpoint depending on one data file (``policy.may_reference``): the
 kept checkpoints always hold two independent copies of every tensor, so one damaged file
@@ -65,7 +66,6 @@ from torchsupervisor.state import (
     check_state,
     flatten_state,
     load_state,
-    ndarray_names,
     select_state,
 )
 
@@ -202,16 +202,20 @@ class Saver:
         save_relative_paths: Write paths relative to the directory in the state file.
         max_shard_bytes: Largest shard in bytes (one tensor is never split); None: one shard
             unless ``sharded``.
-        incremental: Reference the committed bytes of tensors that did not change since the
-            previous save to the same directory instead of copying and writing them again.
-            A save is full anyway when needed to keep two independent copies of every tensor
+        incremental: Reference the committed bytes of frozen tensors that did not change
+            since the previous save to the same directory instead of copying and writing them
+            again. Frozen: not a trainable parameter (``requires_grad``), not an optimizer's
+            state, not a buffer of a module in training mode (``docs/checkpoints.md``). A
+            save is full anyway when needed to keep two independent copies of every tensor
             among the kept checkpoints (see ``full_save_every_n_saves``).
         full_save_every_n_saves: Write a full (non-incremental) checkpoint at least every this
             many saves. None: ``max_to_keep - 1`` (at least 1: with ``max_to_keep`` of 1 or 2
-            every save is full), or 4 when every checkpoint is kept. Larger values than the
-            default have no effect: a save that would leave every kept checkpoint depending
-            on one data file is always full. Smaller values cost bytes and lose less on a
-            damaged file (a damaged full save breaks the incremental ones that follow it).
+            every save is full), or 4 when every checkpoint is kept. With ``max_to_keep``
+            set, larger values than the default have no effect: a save that would leave every
+            kept checkpoint depending on one data file is always full. When every checkpoint
+            is kept, larger values make longer chains: fewer bytes, more checkpoints broken
+            by one damaged full save. Smaller values cost bytes and lose less on a damaged
+            file (a damaged full save breaks the incremental ones that follow it).
         fs: The file-system seam (tests inject faults here).
         clock: Time source for timestamps and retention.
 
@@ -495,7 +499,8 @@ class Saver:
         if save_dir and not self._fs.exists(save_dir):
             raise ValueError(f"Parent directory of {save_path} doesn't exist, can't save.")
         state = self._state_for(sess)
-        skeleton, tensors = flatten_state(state)
+        frozen: set[str] = set()
+        skeleton, tensors = flatten_state(state, frozen=frozen if self._incremental else None)
         if not skeleton:
             if self._allow_empty:
                 return prefix, None
@@ -503,23 +508,31 @@ class Saver:
         tree = encode_tree(skeleton)
         self._engine.wait()
         self._cancel.clear()  # A cancellation is for the save it was aimed at only.
+        with self._lock:
+            frozen -= self._always_copy
         snapshot = self._stager.stage(
             tree,
             tensors,
             step=step,
             wall_time=self._clock.time(),
             max_shard_bytes=self._max_shard_bytes,
-            committed=self._reusable(save_dir, prefix, skeleton),
+            committed=self._reusable(save_dir, prefix, frozen),
+            reusable=frozen,
         )
         return prefix, snapshot
 
-    def _reusable(self, save_dir: str, prefix: str, skeleton: Any) -> dict[str, Committed] | None:
+    def _reusable(
+        self, save_dir: str, prefix: str, frozen: set[str]
+    ) -> dict[str, Committed] | None:
         """The committed tensors a save to ``prefix`` may reference instead of copying.
 
-        Never the numpy arrays of the state (their tensors are new wrappers at every save, so
-        their version counters say nothing), nor the data of ``prefix`` itself (overwritten).
-        None (a full save) when referencing would leave every kept checkpoint depending on the
-        same data (``policy.may_reference``).
+        Only tensors that are frozen now (``frozen``: see ``state.flatten_state``) and were
+        frozen when they were copied (the snapshot records versions for those alone): a
+        trainable parameter or an optimizer's state may be updated in place without a
+        version-counter bump (``Adam(fused=True)``), so its counter proves nothing. Never the
+        numpy arrays of the state (new wrappers at every save), nor the data of ``prefix``
+        itself (overwritten). None (a full save) when referencing would leave every kept
+        checkpoint depending on the same data (``policy.may_reference``).
         """
         with self._lock:
             if not self._incremental or save_dir != self._committed_dir or not self._committed:
@@ -528,12 +541,11 @@ class Saver:
                 self._kept_chains(prefix), self._chain, self._chain_saves, self._full_every
             ):
                 return None
-            excluded = self._always_copy | ndarray_names(skeleton)
             own = os.path.basename(prefix) + ".data-"
             return {
                 name: c
                 for name, c in self._committed.items()
-                if name not in excluded and not c.shard.file.startswith(own)
+                if name in frozen and not c.shard.file.startswith(own)
             }
 
     def _kept_chains(self, prefix: str) -> list[str | None]:

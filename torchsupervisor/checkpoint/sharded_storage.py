@@ -58,7 +58,7 @@ from torchsupervisor.checkpoint.format import (
     decode_tree,
     shard_checksum,
 )
-from torchsupervisor.checkpoint.reader import open_shard
+from torchsupervisor.checkpoint.reader import check_shard, open_shard
 from torchsupervisor.checkpoint.references import referenced_data_files
 from torchsupervisor.checkpoint.sharded_metadata import (
     ChunkEntry,
@@ -339,6 +339,7 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
                 size_bytes=layout.size_bytes,
                 data_offset=layout.data_offset,
                 crc32c=shard_checksum(layout.header, [e.crc32c for _, e in entries]),
+                header_crc32c=crc32c.crc32c(layout.header),
             )
             self._persist(final, snapshot.shard_view(0))
         finally:
@@ -612,8 +613,9 @@ class ShardedStorageReader(StorageReader, _RememberErrors):
         """Read the chunks ``plan`` needs, shard by shard, verifying each one's CRC-32C.
 
         Raises:
-            CorruptCheckpointError: Naming the shard file, for a missing or truncated file or
-                a chunk whose bytes do not match its checksum.
+            CorruptCheckpointError: Naming the shard file, for a missing or truncated file,
+                a chunk whose bytes do not match its checksum, or a damaged header
+                (``reader.check_shard``).
         """
         with self._remembering():
             assert self._manifest is not None
@@ -635,6 +637,8 @@ class ShardedStorageReader(StorageReader, _RememberErrors):
                 with self._open_shard(shard_index) as f:
                     for name in names:
                         self._load_chunk(f.fileno(), shard_index, name, wanted[name], planner)
+                    shard = self._manifest.shards[shard_index]
+                    check_shard(f.fileno(), shard, self._shard_path(shard_index), {})
             future: Future[None] = Future()
             future.set_result(None)
             return future

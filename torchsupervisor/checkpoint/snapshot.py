@@ -10,13 +10,15 @@ dtypes and shapes); they are pinned when the state lives on a GPU, and the devic
 are fenced before ``stage`` returns, so the snapshot never mixes two steps.
 
 Tensors that did not change since the last committed checkpoint (``incremental.py``) are not
-copied: the snapshot records a reference to their committed bytes instead.
+copied: the snapshot records a reference to their committed bytes instead. Only tensors the
+caller declares reusable (frozen ones, ``state.flatten_state(frozen=...)``) have their version
+counter recorded, so only they can be referenced by a later snapshot.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +103,9 @@ class Snapshot:
         tree: The encoded state tree (JSON-compatible) for the manifest.
         layout: The shard layout of the copied tensors.
         buffers: One uint8 host tensor per shard: header + tensor data, the exact file bytes.
-        sources: For each copied tensor, the live tensor and its version counter at the copy.
+        sources: For each copied tensor, the live tensor and its version counter at the copy
+            (None for a tensor without one, or one that is not reusable: a later snapshot
+            never references it).
         references: Tensors not copied because they are unchanged since they were committed.
     """
 
@@ -185,6 +189,7 @@ class Stager:
         wall_time: float,
         max_shard_bytes: int | None = None,
         committed: Mapping[str, Committed] | None = None,
+        reusable: Collection[str] | None = None,
     ) -> Snapshot:
         """Copy ``tensors`` into staging buffers and return the snapshot.
 
@@ -196,6 +201,9 @@ class Stager:
             max_shard_bytes: See ``plan_layout``.
             committed: Where tensors of earlier checkpoints were committed; those unchanged
                 since are referenced instead of copied. None: copy everything.
+            reusable: The tensors a later snapshot may reference if they stay unchanged
+                (their version counters are recorded); the others are copied every time.
+                None: every tensor.
 
         Returns:
             A snapshot whose buffers hold the exact bytes of the shard files.
@@ -208,7 +216,10 @@ class Stager:
                     references[name] = previous
             if references:
                 tensors = {n: t for n, t in tensors.items() if n not in references}
-        sources = {name: (t, tensor_version(t)) for name, t in tensors.items()}
+        sources = {
+            name: (t, tensor_version(t) if reusable is None or name in reusable else None)
+            for name, t in tensors.items()
+        }
         on_gpu = any(t.device.type != "cpu" for t in tensors.values())
         staging = self._take(_signature(tensors, max_shard_bytes), tensors, max_shard_bytes, on_gpu)
         for name, dst in staging.destinations:
