@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pickle
+import signal
+
 import pytest
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from torchsupervisor import GlobalStep, Saver, Session
 from torchsupervisor.data import ResumableDataLoader, ResumableSampler
+from torchsupervisor.preemption import WORKER_IGNORED_SIGNALS, IgnorePreemptionSignals
 
 
 def _dataset(n=20):
@@ -143,3 +147,53 @@ def test_stateful_dataloader_from_torchdata_round_trips(tmp_path):
     Saver().restore(Session({"data": resumed}), prefix)
     got = [b for _, b in zip(range(3), iter(resumed))]
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+_INIT: dict[str, int] = {"worker": 0}
+
+
+def _user_init(worker_id: int) -> None:
+    _INIT["worker"] = worker_id + 1
+
+
+class _SignalState(Dataset):
+    """Each item reports the process's signal state (as seen where it is loaded)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        return torch.tensor(
+            [
+                *(signal.getsignal(s) is signal.SIG_IGN for s in WORKER_IGNORED_SIGNALS),
+                not set(WORKER_IGNORED_SIGNALS) & blocked,
+                _INIT["worker"],
+            ]
+        )
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_workers_ignore_the_preemption_signals_then_run_the_given_init(num_workers):
+    handlers = {s: signal.getsignal(s) for s in WORKER_IGNORED_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    loader = ResumableDataLoader(
+        _SignalState(), batch_size=2, num_workers=num_workers, worker_init_fn=_user_init
+    )
+    rows = torch.cat(list(loader)).tolist()
+    n = len(WORKER_IGNORED_SIGNALS)
+    if num_workers:  # Ignored and unblocked in the workers; the user's init ran after.
+        assert all(row[: n + 1] == [1] * (n + 1) for row in rows), rows
+        assert {row[-1] for row in rows} == {1, 2}
+    else:  # The main process keeps its handlers.
+        assert all(row == [0] * n + [1, 0] for row in rows), rows
+    assert {s: signal.getsignal(s) for s in WORKER_IGNORED_SIGNALS} == handlers
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
+    assert _INIT["worker"] == 0
+
+
+def test_the_worker_init_wrapper_pickles_for_spawned_workers():
+    init = pickle.loads(pickle.dumps(IgnorePreemptionSignals(_user_init)))
+    assert init.worker_init_fn is _user_init
+    assert init.signals == WORKER_IGNORED_SIGNALS
+    assert "SIGTERM" in repr(init)

@@ -37,7 +37,23 @@ def _command(demo, logdir, seed, *extra):
 
 def _final_weights(logdir):
     reader = CheckpointReader(latest_checkpoint(logdir))
-    return reader.global_step, reader.read_tensors()
+    return reader.global_step, reader.read_tensors(), reader.read_tree()["rng"]
+
+
+def _assert_equal(got, expected, path="rng"):
+    """Compare two state trees: bitwise for tensors, == for everything else."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, expected), path
+    elif isinstance(expected, dict):
+        assert isinstance(got, dict) and got.keys() == expected.keys(), path
+        for key, value in expected.items():
+            _assert_equal(got[key], value, f"{path}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert type(got) is type(expected) and len(got) == len(expected), path
+        for i, (a, b) in enumerate(zip(got, expected)):
+            _assert_equal(a, b, f"{path}/{i}")
+    else:
+        assert got == expected, path
 
 
 @pytest.mark.parametrize("demo", sorted(DEMOS))
@@ -45,7 +61,7 @@ def test_sigterm_stops_then_resume_give_bitwise_the_same_weights(tmp_path, demo)
     reference = str(tmp_path / "reference")
     done = subprocess.run(_command(demo, reference, 5), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    ref_step, ref_tensors = _final_weights(reference)
+    ref_step, ref_tensors, ref_rng = _final_weights(reference)
 
     logdir = str(tmp_path / "interrupted")
     rng = random.Random(9)
@@ -72,12 +88,15 @@ def test_sigterm_stops_then_resume_give_bitwise_the_same_weights(tmp_path, demo)
     last = subprocess.run(_command(demo, logdir, 5), capture_output=True, text=True, timeout=600)
     assert last.returncode == 0, last.stderr
     assert last.stdout.startswith(f"Resumed at step {stops[-1]} from "), last.stdout
-    step, tensors = _final_weights(logdir)
+    step, tensors, rng_state = _final_weights(logdir)
     assert step == ref_step
-    for name, value in ref_tensors.items():
-        if name.startswith("rng/"):
-            continue
+    assert tensors.keys() == ref_tensors.keys()
+    for name, value in ref_tensors.items():  # The rng/ tensors included.
         assert torch.equal(tensors[name], value), name
+    # All the generators' states (Python's is not a tensor): --seed seeds Python's, NumPy's
+    # and torch's generators, and the resumed runs continue each from its checkpoint.
+    assert {"python", "numpy", "torch"} <= rng_state.keys()
+    _assert_equal(rng_state, ref_rng)
 
 
 def test_charlm_loss_falls_across_restarts(tmp_path):

@@ -24,12 +24,13 @@ WORKER = os.path.join(os.path.dirname(__file__), "preemption_worker.py")
 STEPS = 90
 
 
-def _start(logdir, *args):
+def _start(logdir, *args, start_new_session=False):
     return subprocess.Popen(
         [sys.executable, WORKER, logdir, str(STEPS), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=start_new_session,
     )
 
 
@@ -68,14 +69,25 @@ def reference(tmp_path_factory):
     return _losses(lines), digest
 
 
-def _valid_checkpoints(logdir):
+def _temporaries(logdir):
+    return [n for n in os.listdir(logdir) if is_temporary_name(n)]
+
+
+def _valid_checkpoints(logdir, *, temporaries_allowed=False):
+    """Verify every committed checkpoint; return their steps, oldest first.
+
+    Temporary files are never taken for a checkpoint; they fail the test unless
+    ``temporaries_allowed`` (right after a SIGKILL, which may interrupt a write: the next
+    start removes them).
+    """
     steps = []
     for name in os.listdir(logdir):
         if name.endswith(".index"):
             reader = CheckpointReader(os.path.join(logdir, name[: -len(".index")]))
             reader.verify()
             steps.append(reader.global_step)
-    assert not [n for n in os.listdir(logdir) if is_temporary_name(n)]
+    if not temporaries_allowed:
+        assert not _temporaries(logdir)
     return sorted(steps)
 
 
@@ -84,29 +96,108 @@ def test_sigterm_at_several_points_resumes_bitwise(tmp_path, reference):
     logdir = str(tmp_path)
     rng = random.Random(3)
     losses: dict[int, str] = {}
+    stops: list[int] = []
     for _ in range(3):
-        proc = _start(logdir, "--step-delay", "0.01")
+        proc = _start(logdir, "--step-delay", "0.02")
         lines = _read_until(proc, "READY")
-        time.sleep(rng.uniform(0.1, 0.6))
+        resumed_at = int(lines[-1].split()[1])
+        assert resumed_at == (stops[-1] if stops else 0)
+        # Signal once the worker has reported a step a few steps on, not after a delay: the
+        # stop lands mid-run however busy the machine. The last target is at most 30 steps
+        # (plus two stops' overshoot) from the start; at 0.02 s a step, the signal would have
+        # to take more than a second to be handled for a stop to reach the end.
+        target = resumed_at + rng.randint(3, 10)
+        lines += _read_until(proc, f"LOSS {target} ")
         proc.send_signal(signal.SIGTERM)
         out, err, code = _finish(proc)
         assert code == 0, err
         lines += out
         stopped, _ = _done(lines)
+        # Handled mid-run: after the step reported before the signal, well before the end.
+        assert target < stopped < STEPS, (target, stopped)
+        assert f"Received SIGTERM: stopping at step {stopped} " in err
         # The final checkpoint is at exactly the step where training stopped.
         assert _valid_checkpoints(logdir)[-1] == stopped
         assert CheckpointReader(latest_checkpoint(logdir)).global_step == stopped
-        assert "Received SIGTERM: stopping at step" in err
+        assert max(_losses(lines)) == stopped - 1
         losses.update(_losses(lines))
-        if stopped >= STEPS:
-            break
+        stops.append(stopped)
+    assert len(stops) == 3 and stops == sorted(set(stops)), stops  # Strictly increasing.
     lines, err, code = _finish(_start(logdir))
     assert code == 0, err
+    assert lines[0] == f"READY {stops[-1]}"
     losses.update(_losses(lines))
     steps, digest = _done(lines)
     assert steps == STEPS
     assert losses == ref_losses  # The loss of every step, bitwise.
     assert digest == ref_digest  # The final parameters, bitwise.
+
+
+def test_sigterm_to_the_process_group_spares_the_data_loader_workers(tmp_path, reference):
+    """SLURM and ``kill -TERM -<pgid>`` signal the DataLoader's worker processes too: they
+    ignore it, and the main process stops with a final checkpoint and exit status 0."""
+    ref_losses, ref_digest = reference
+    logdir = str(tmp_path)
+    # Its own process group (and session): the worker and its two DataLoader workers.
+    proc = _start(logdir, "--step-delay", "0.02", start_new_session=True)
+    try:
+        lines = _read_until(proc, "LOSS 20 ")
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err, code = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, err
+    assert "DataLoader worker" not in err, err
+    lines += out
+    stopped, _ = _done(lines)
+    assert 20 < stopped < STEPS
+    assert f"Received SIGTERM: stopping at step {stopped} " in err
+    assert _valid_checkpoints(logdir)[-1] == stopped
+    assert CheckpointReader(latest_checkpoint(logdir)).global_step == stopped
+    losses = _losses(lines)
+    lines, err, code = _finish(_start(logdir))
+    assert code == 0, err
+    assert lines[0] == f"READY {stopped}"
+    losses.update(_losses(lines))
+    assert losses == ref_losses
+    assert _done(lines) == (STEPS, ref_digest)
+
+
+# A plain DataLoader whose main process signals its own process group mid-epoch.
+PLAIN_LOADER = """
+import os, signal, sys, torch
+from torch.utils.data import DataLoader
+from torchsupervisor.preemption import IgnorePreemptionSignals, PreemptionHandler
+handler = PreemptionHandler()
+handler.install()
+init = IgnorePreemptionSignals() if sys.argv[1] == "helper" else None
+loader = DataLoader(torch.arange(400), batch_size=4, num_workers=2, worker_init_fn=init)
+for i, batch in enumerate(loader):
+    if i == 3:
+        os.killpg(os.getpgid(0), signal.SIGTERM)  # This process and its workers.
+print("BATCHES", i + 1, handler.describe())
+"""
+
+
+def test_a_plain_data_loader_with_the_worker_init_helper_survives_a_group_sigterm():
+    procs = {
+        init: subprocess.Popen(
+            [sys.executable, "-c", PLAIN_LOADER, init],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # Its own process group.
+        )
+        for init in ("helper", "none")
+    }
+    (out, err), code = procs["helper"].communicate(timeout=300), procs["helper"].returncode
+    assert code == 0, err
+    assert out == "BATCHES 100 SIGTERM\n"  # Every batch, and the main process saw it.
+    # Without the helper the same signal kills the workers, and the loop fails ("DataLoader
+    # worker (pid ...) is killed by signal", or a connection reset by the dead worker).
+    (out, err), code = procs["none"].communicate(timeout=300), procs["none"].returncode
+    assert code != 0 and not out, (code, out, err)
 
 
 def test_sigkill_then_restart_replays_bitwise_from_the_checkpoint(tmp_path, reference):
@@ -117,11 +208,20 @@ def test_sigkill_then_restart_replays_bitwise_from_the_checkpoint(tmp_path, refe
     _read_until(proc, "LOSS 30 ")
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
-    resume_step = _valid_checkpoints(logdir)[-1]
+    # A kill during a save (one every 0.05 s) leaves its temporary files behind; make sure
+    # there is one, so that the restart's clean-up is always tested.
+    resume_step = _valid_checkpoints(logdir, temporaries_allowed=True)[-1]
     assert resume_step > 0
+    planted = os.path.join(logdir, f"model.ckpt-{resume_step + 1}.index.tmp{'0' * 32}")
+    with open(planted, "wb") as f:
+        f.write(b"half-written")
+    left = _temporaries(logdir)
     lines, err, code = _finish(_start(logdir))
     assert code == 0, err
     assert lines[0] == f"READY {resume_step}"
+    for name in left:
+        assert f"Removed stale temporary file {os.path.join(logdir, name)}" in err
+    assert _valid_checkpoints(logdir)[-1] == STEPS  # And no temporary file is left.
     replayed = _losses(lines)
     assert min(replayed) == resume_step
     assert replayed == {s: v for s, v in ref_losses.items() if s >= resume_step}

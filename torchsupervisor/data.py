@@ -18,6 +18,15 @@ generator (seeded with ``seed`` and the epoch), not from the global RNG. Worker-
 randomness (augmentation) is reproduced only if it is derived from the sample index, since a
 resumed epoch distributes its batches over the workers from the resume point.
 
+Preemption signals: the loader's worker processes ignore SIGTERM, SIGUSR1 and SIGINT (it
+wraps ``worker_init_fn`` in ``IgnorePreemptionSignals``, which runs first and then calls
+yours), so that a scheduler signalling the whole process group (SLURM, ``kill -TERM -<pgid>``)
+stops the training cleanly with a final checkpoint instead of killing the workers and, with
+them, the main process ("DataLoader worker ... is killed by signal: Terminated"). The workers
+are started with these signals blocked, so one arriving while they start is not lost in the
+main process nor fatal to a worker. With a plain ``DataLoader`` or a ``StatefulDataLoader``,
+pass ``worker_init_fn=IgnorePreemptionSignals()`` yourself (see ``torchsupervisor.preemption``).
+
 Objects of ``torchdata.stateful_dataloader.StatefulDataLoader`` (or any object with
 ``state_dict``/``load_state_dict``) can be put in the state as they are.
 
@@ -31,13 +40,16 @@ state; a sampler found in the state makes the save fail with a ``TypeError`` tha
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Sized
+import contextlib
+import signal
+from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from torchsupervisor.global_step import read_step
+from torchsupervisor.preemption import IgnorePreemptionSignals
 
 __all__ = ["ResumableDataLoader", "ResumableSampler"]
 
@@ -63,6 +75,9 @@ class ResumableSampler(Sampler[int]):
     The sampler itself does not move: ``ResumableDataLoader`` sets ``epoch`` and ``start``
     (or set them yourself). It does not record its position: do not put it in the state
     (``state_dict`` raises ``TypeError``); put the ``ResumableDataLoader`` there instead.
+
+    TF name: none (a seeded order from any position; TF 1's input queues did not checkpoint
+    their position).
     """
 
     def __init__(self, data_source: Sized | int, *, shuffle: bool = True, seed: int = 0):
@@ -132,12 +147,16 @@ class ResumableDataLoader:
             consumed when fetched.
         **loader_kwargs: Passed to ``DataLoader`` (``num_workers``, ``collate_fn``,
             ``pin_memory``, ...; not ``sampler``, ``shuffle``, ``batch_sampler``,
-            ``generator``).
+            ``generator``). A ``worker_init_fn`` is wrapped in ``IgnorePreemptionSignals``:
+            the workers ignore the preemption signals, then it runs.
 
     Raises:
         ValueError: For ``batch_size < 1`` or a forbidden keyword.
 
     Thread safety: iterate from one thread (the training loop).
+
+    TF name: none (the role of ``tf.data.experimental.make_saveable_from_iterator``; TF 1's
+    input queues did not checkpoint their position).
     """
 
     def __init__(
@@ -162,6 +181,10 @@ class ResumableDataLoader:
         self.sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
         self._seed = seed
         self._global_step = global_step
+        init = loader_kwargs.pop("worker_init_fn", None)
+        if not isinstance(init, IgnorePreemptionSignals):
+            init = IgnorePreemptionSignals(init)
+        self._worker_init_fn = init
         self._loader_kwargs = loader_kwargs
         self.epoch = 0
         self._consumed = 0  # batches of this epoch trained on (or fetched, without a step)
@@ -198,9 +221,13 @@ class ResumableDataLoader:
             sampler=self.sampler,
             drop_last=self.drop_last,
             generator=generator,
+            worker_init_fn=self._worker_init_fn,
             **self._loader_kwargs,
         )
-        for batch in loader:
+        # Workers inherit the blocked signals; IgnorePreemptionSignals unblocks them there.
+        with _blocked(self._worker_init_fn.signals if loader.num_workers else ()):
+            batches = iter(loader)
+        for batch in batches:
             if self._global_step is None:
                 self._consumed += 1
             else:
@@ -220,3 +247,17 @@ class ResumableDataLoader:
         self.epoch = int(state_dict["epoch"])
         self._consumed = int(state_dict["batches_consumed"])
         self._fetched_at.clear()
+
+
+@contextlib.contextmanager
+def _blocked(signals: Iterable[signal.Signals]) -> Iterator[None]:
+    """Block ``signals`` in this thread meanwhile; one that arrived is delivered at the end."""
+    signals = set(signals)
+    if not signals or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -6,6 +6,19 @@ record the signal: a Python signal handler runs between two bytecodes of the mai
 possibly in the middle of the training step or while a lock is held, so it must not take locks,
 log, or touch the state. The training loop notices the request at its next
 ``should_stop()``; the Supervisor then stops cleanly and writes a final checkpoint.
+
+Data-loading worker processes must ignore these signals. Schedulers signal the whole process
+group (SLURM, ``kill -TERM -<pgid>``; Ctrl-C signals the terminal's foreground group), and a
+``DataLoader`` worker dies of SIGTERM by default: the main process then fails with "DataLoader
+worker (pid ...) is killed by signal: Terminated" instead of stopping cleanly. The main process
+owns the shutdown: it stops at the next step, writes the final checkpoint, and ends its workers
+itself (and a worker whose main process died exits by itself, through the DataLoader's
+watchdog). ``ResumableDataLoader`` makes its workers ignore them; for a plain ``DataLoader`` or
+a ``torchdata`` ``StatefulDataLoader``, pass ``worker_init_fn=IgnorePreemptionSignals()`` (or
+``IgnorePreemptionSignals(your_worker_init_fn)``). The workers ignore SIGTERM, SIGUSR1 and
+SIGINT (``WORKER_IGNORED_SIGNALS``) whatever the main process's ``preemption_signals``: a signal
+that is not a preemption signal there (Ctrl-C by default) interrupts the main process, which
+then shuts its workers down itself, so ignoring it in the workers loses nothing.
 """
 
 from __future__ import annotations
@@ -13,16 +26,24 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["DEFAULT_PREEMPTION_SIGNALS", "PreemptionHandler"]
+__all__ = [
+    "DEFAULT_PREEMPTION_SIGNALS",
+    "WORKER_IGNORED_SIGNALS",
+    "IgnorePreemptionSignals",
+    "PreemptionHandler",
+]
 
 logger = logging.getLogger("torchsupervisor")
 
 DEFAULT_PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = tuple(
     s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s
 )
+
+# The default preemption signals and Ctrl-C's SIGINT (see the module docstring).
+WORKER_IGNORED_SIGNALS: tuple[signal.Signals, ...] = (*DEFAULT_PREEMPTION_SIGNALS, signal.SIGINT)
 
 
 class PreemptionHandler:
@@ -39,6 +60,8 @@ class PreemptionHandler:
 
     Thread safety: ``install``/``uninstall`` only work on the main thread (Python delivers
     signals there); elsewhere they log and do nothing. ``received`` may be read anywhere.
+
+    TF name: none (TF did not handle preemption signals).
     """
 
     def __init__(self, signals: Iterable[int] = DEFAULT_PREEMPTION_SIGNALS) -> None:
@@ -88,3 +111,55 @@ class PreemptionHandler:
             return signal.Signals(self.received).name
         except ValueError:
             return str(self.received)
+
+
+class IgnorePreemptionSignals:
+    """Make a data-loading worker ignore the preemption signals, then run ``worker_init_fn``.
+
+    A ``worker_init_fn`` for ``torch.utils.data.DataLoader`` (and torchdata's
+    ``StatefulDataLoader``), so that a signal sent to the whole process group stops the
+    training cleanly instead of killing the workers (see the module docstring)::
+
+        DataLoader(dataset, num_workers=4, worker_init_fn=IgnorePreemptionSignals())
+        DataLoader(dataset, num_workers=4, worker_init_fn=IgnorePreemptionSignals(my_init))
+
+    ``ResumableDataLoader`` does this by itself. The signals are ignored (``SIG_IGN``, which
+    processes the worker starts inherit) and unblocked (``ResumableDataLoader`` starts its
+    workers with them blocked, so that none is lost or fatal before this runs), before
+    ``worker_init_fn`` is called, which may install other handlers. Picklable when
+    ``worker_init_fn`` is (the "spawn" and "forkserver" start methods need that).
+
+    A worker ignoring SIGTERM is not ended by the ``terminate()`` a DataLoader uses as a last
+    resort for a worker that did not exit within 5 s of being told to; it exits when its
+    main process has ended (the DataLoader's watchdog), or with SIGKILL.
+
+    Args:
+        worker_init_fn: Called with the worker id afterwards; None: nothing else to do.
+        signals: The signals to ignore (default ``WORKER_IGNORED_SIGNALS``: SIGTERM, SIGUSR1,
+            SIGINT). Add any other signal given to ``preemption_signals``.
+
+    Thread safety: called by the DataLoader in the worker process, on its main thread.
+
+    TF name: none (TF's input pipelines ran as threads of the training process).
+    """
+
+    def __init__(
+        self,
+        worker_init_fn: Callable[[int], Any] | None = None,
+        signals: Iterable[int] = WORKER_IGNORED_SIGNALS,
+    ) -> None:
+        self.worker_init_fn = worker_init_fn
+        self.signals = tuple(signal.Signals(s) for s in signals)
+
+    def __call__(self, worker_id: int) -> None:
+        """Ignore and unblock the signals, then call ``worker_init_fn(worker_id)``."""
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_IGN)
+        if self.signals and hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(worker_id)
+
+    def __repr__(self) -> str:
+        names = ", ".join(s.name for s in self.signals)
+        return f"IgnorePreemptionSignals({self.worker_init_fn!r}, signals=({names}))"

@@ -1,9 +1,9 @@
 """``torchsupervisor demo [digits|charlm]``: a real training run under a Supervisor, resumable.
 
 ``digits`` (the default) trains a small CNN on scikit-learn's handwritten digits in seconds;
-``charlm`` trains a character-level transformer on the Python standard library's source for a
-few minutes. The options are each demo's own (``torchsupervisor demo charlm --help``); see
-``torchsupervisor.demo``.
+``charlm`` trains a character-level transformer on the Python standard library's source for
+about ten minutes on two CPU cores. The options are each demo's own (``torchsupervisor demo
+charlm --help``); see ``torchsupervisor.demo``.
 """
 
 from __future__ import annotations

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import random
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -123,7 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-summaries-secs", type=float, default=5.0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of random, numpy, torch and the data order"
+    )
     parser.add_argument("--log-every", type=int, default=250, help="progress line every N steps")
     parser.add_argument(
         "--step-delay-secs",
@@ -140,6 +144,10 @@ def run(args: argparse.Namespace) -> dict[str, float]:
 
 
 def _run(args: argparse.Namespace) -> dict[str, float]:
+    # All three global generators, which every checkpoint saves (the "rng/" entries): the same
+    # --seed gives the same states in every process, so a resumed run matches bitwise.
+    random.seed(args.seed)
+    np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     data = DigitsData.load(seed=args.seed)
     model = build_model()
