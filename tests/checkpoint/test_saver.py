@@ -14,7 +14,7 @@ from torch import nn
 
 from torchsupervisor import GlobalStep, Saver, Session, get_checkpoint_state, latest_checkpoint
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.errors import InvalidArgumentError, NotFoundError
+from torchsupervisor.errors import CheckpointSaveError, InvalidArgumentError, NotFoundError
 
 
 def _model():
@@ -221,6 +221,15 @@ def test_missing_parent_directory(tmp_path):
     path = str(tmp_path / "nope" / "model.ckpt")
     with pytest.raises(ValueError, match=r"Parent directory of .*nope/model.ckpt doesn't exist"):
         Saver().save(Session({"w": torch.zeros(1)}), path)
+    # save_async leaves the check to its writer: the same text, through the future.
+    saver = Saver()
+    sess = Session({"w": torch.zeros(1)})
+    future = saver.save_async(sess, path, global_step=1)
+    with pytest.raises(CheckpointSaveError, match=r"Parent directory of .*nope/model.ckpt doesn't"):
+        future.result(timeout=60)
+    assert not os.path.exists(os.path.dirname(path))
+    os.makedirs(os.path.dirname(path))  # The failed save released its buffers: the next works.
+    assert saver.save_async(sess, path, global_step=2).result(timeout=60) == path + "-2"
 
 
 def test_empty_state(tmp_path):

@@ -41,6 +41,7 @@ from torchsupervisor.checkpoint.format import (
     ShardEntry,
     TensorEntry,
     data_filename,
+    encode_tree,
     shard_checksum,
 )
 from torchsupervisor.checkpoint.incremental import Committed
@@ -148,7 +149,7 @@ def persist(
         manifest = Manifest(
             global_step=snapshot.step,
             wall_time=snapshot.wall_time,
-            tree=snapshot.tree,
+            tree=encode_tree(snapshot.tree),
             tensors=tensors,
             shards=(*shards, *ref_shards),
             library_version=library_version,

@@ -129,7 +129,7 @@ class CheckpointEngine:
             True if nothing is in flight any more, False if ``timeout_secs`` expired.
         """
         future = self._future
-        if future is None:
+        if future is None or future.done():  # The usual case: nothing to wait for.
             return True
         done, _ = concurrent.futures.wait([future], timeout=timeout_secs)
         return bool(done)

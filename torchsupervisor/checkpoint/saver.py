@@ -43,7 +43,7 @@ from torchsupervisor._version import __version__
 from torchsupervisor.checkpoint import policy
 from torchsupervisor.checkpoint.commit import persist
 from torchsupervisor.checkpoint.engine import CheckpointEngine
-from torchsupervisor.checkpoint.format import ManifestError, decode_tree, encode_tree
+from torchsupervisor.checkpoint.format import ManifestError, decode_tree
 from torchsupervisor.checkpoint.incremental import Committed, StaleReferenceError
 from torchsupervisor.checkpoint.management import (
     checkpoint_exists,
@@ -338,7 +338,9 @@ class Saver:
         del meta_graph_suffix, write_meta_graph, strip_default_attrs, save_debug_info
         start = time.perf_counter()
         try:
-            prefix, snapshot = self._stage(sess, save_path, global_step, latest_filename)
+            prefix, snapshot = self._stage(
+                sess, save_path, global_step, latest_filename, check_dir=True
+            )
         except ShardedStateError:  # DTensors: a collective, every rank writes its part.
             state = self._state_for(sess)
             return self._save_sharded(state, save_path, global_step, latest_filename, write_state)
@@ -365,7 +367,8 @@ class Saver:
 
         Returns:
             A future resolving to the prefix once committed, or to the error of the write
-            (``CheckpointSaveError``).
+            (``CheckpointSaveError``; also for a directory that does not exist, which the
+            writer checks, with ``save``'s text).
 
         Raises:
             ValueError, TypeError: As ``save``, for problems found before the copy.
@@ -375,7 +378,10 @@ class Saver:
         start = time.perf_counter()
         done: concurrent.futures.Future[str | None]
         try:
-            prefix, snapshot = self._stage(sess, save_path, global_step, latest_filename)
+            # The directory is checked by the writer: a stat is not worth a stall.
+            prefix, snapshot = self._stage(
+                sess, save_path, global_step, latest_filename, check_dir=False
+            )
         except ShardedStateError:  # DTensors: a collective, written now on every rank.
             state = self._state_for(sess)
             done = concurrent.futures.Future()
@@ -492,12 +498,18 @@ class Saver:
         return pattern % (save_path, step), step
 
     def _stage(
-        self, sess: Any, save_path: str, global_step: Any, latest_filename: str | None
+        self,
+        sess: Any,
+        save_path: str,
+        global_step: Any,
+        latest_filename: str | None,
+        *,
+        check_dir: bool,
     ) -> tuple[str, Snapshot | None]:
         prefix, step = self._checkpoint_prefix(save_path, global_step, latest_filename)
         save_dir = os.path.dirname(save_path)
-        if save_dir and not self._fs.exists(save_dir):
-            raise ValueError(f"Parent directory of {save_path} doesn't exist, can't save.")
+        if check_dir:
+            self._check_dir(save_path)
         state = self._state_for(sess)
         frozen: set[str] = set()
         skeleton, tensors = flatten_state(state, frozen=frozen if self._incremental else None)
@@ -505,13 +517,12 @@ class Saver:
             if self._allow_empty:
                 return prefix, None
             raise ValueError("No variables to save")
-        tree = encode_tree(skeleton)
         self._engine.wait()
         self._cancel.clear()  # A cancellation is for the save it was aimed at only.
         with self._lock:
             frozen -= self._always_copy
         snapshot = self._stager.stage(
-            tree,
+            skeleton,
             tensors,
             step=step,
             wall_time=self._clock.time(),
@@ -585,6 +596,10 @@ class Saver:
     ) -> str:
         start = time.perf_counter()
         try:
+            try:
+                self._check_dir(save_path)
+            except ValueError as e:
+                raise CheckpointSaveError(str(e), path=prefix) from None
             result = persist(
                 snapshot,
                 prefix,
@@ -621,6 +636,11 @@ class Saver:
         logger.debug("Checkpoint %s: %s", prefix, self.last_save)
         return prefix
 
+    def _check_dir(self, save_path: str) -> None:
+        save_dir = os.path.dirname(save_path)
+        if save_dir and not self._fs.exists(save_dir):
+            raise ValueError(f"Parent directory of {save_path} doesn't exist, can't save.")
+
     def _save_sharded(
         self,
         state: Mapping[str, Any],
@@ -631,9 +651,7 @@ class Saver:
     ) -> str:
         """Save a state of DTensors with every rank writing its part (a collective)."""
         prefix, _ = self._checkpoint_prefix(save_path, global_step, latest_filename)
-        save_dir = os.path.dirname(save_path)
-        if save_dir and not self._fs.exists(save_dir):
-            raise ValueError(f"Parent directory of {save_path} doesn't exist, can't save.")
+        self._check_dir(save_path)
         self._engine.wait()
         start = time.perf_counter()
         save_sharded(

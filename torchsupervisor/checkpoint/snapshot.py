@@ -100,7 +100,8 @@ class Snapshot:
     Attributes:
         step: The global step it was taken at (None when there is no global step).
         wall_time: When it was taken, in seconds since the epoch.
-        tree: The encoded state tree (JSON-compatible) for the manifest.
+        tree: The state's skeleton (``state.flatten_state``: tensor references and immutable
+            values in new containers), encoded for the manifest on the writer thread.
         layout: The shard layout of the copied tensors.
         buffers: One uint8 host tensor per shard: header + tensor data, the exact file bytes.
         sources: For each copied tensor, the live tensor and its version counter at the copy
@@ -194,7 +195,7 @@ class Stager:
         """Copy ``tensors`` into staging buffers and return the snapshot.
 
         Args:
-            tree: The encoded state tree (already free of references to live objects).
+            tree: The state's skeleton (free of references to live objects).
             tensors: The flat tensor table of the state (any device).
             step: The global step of the snapshot.
             wall_time: The snapshot time in seconds since the epoch.
