@@ -181,3 +181,25 @@ def test_check_state_leaves_modules_that_load_their_own_way_to_them():
     with pytest.raises(InvalidArgumentError, match=r"missing keys \['running_var'"):
         tree = {"model": {k: _spec(v) for k, v in norm.state_dict().items() if k != "running_var"}}
         check_state({"model": norm}, tree, source="ck")
+
+
+class _WithoutStorage(nn.Parameter):
+    """A parameter whose storage cannot be read, as a DTensor's (FSDP2) cannot."""
+
+    def untyped_storage(self):
+        raise RuntimeError("Attempted to access the data pointer on an invalid python storage.")
+
+
+def test_frozen_tensors_with_tensors_without_storage_of_their_own():
+    backbone = nn.Linear(2, 2).requires_grad_(False).eval()
+    head = nn.Linear(2, 2)
+    head.weight = _WithoutStorage(head.weight.detach().clone(), requires_grad=False)
+    frozen: set[str] = set()
+    _, tensors = flatten_state({"backbone": backbone, "head": head}, frozen=frozen)
+    assert len(tensors) == 4
+    assert frozen == {"backbone/weight", "backbone/bias", "head/weight"}  # head/bias trains.
+    # A trainable one: its memory is unknown, so no other tensor is provably apart from it.
+    head.weight.requires_grad_(True)
+    frozen.clear()
+    flatten_state({"backbone": backbone, "head": head}, frozen=frozen)
+    assert frozen == set()

@@ -168,7 +168,7 @@ def flatten_state(
     tensors: dict[str, torch.Tensor] = {}
     track = frozen is not None
     candidates: list[str] = []  # Frozen unless they share memory with a volatile tensor.
-    volatile: set[tuple[int, int]] = set()
+    volatile: set[tuple[int, int] | None] = set()
 
     def add_tensor(path: str, tensor: torch.Tensor, ndarray: bool, origin: int) -> TensorRef:
         name, k = path, 0
@@ -249,17 +249,29 @@ def flatten_state(
         if not isinstance(key, str):
             raise TypeError(f"State names must be str, got {type(key).__name__}: {key!r}")
         skeleton[key] = walk(value, key, _BARE)
-    if frozen is not None:
-        frozen.update(n for n in candidates if _storage_key(tensors[n]) not in volatile)
+    # A volatile tensor whose memory is unknown (a trainable wrapper subclass) may share it
+    # with any candidate: then nothing is provably frozen.
+    if frozen is not None and None not in volatile:
+        for name in candidates:
+            key = _storage_key(tensors[name])
+            if key is not None and key not in volatile:
+                frozen.add(name)
     return skeleton, tensors
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
-    """Identifies the memory a tensor lives in (views of one storage share the key)."""
-    return tensor.get_device(), tensor.untyped_storage().data_ptr()
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """Identifies the memory a tensor lives in (views of one storage share the key).
+
+    None for a tensor without storage of its own (a wrapper subclass such as ``DTensor``):
+    never frozen itself, and, if it is volatile, nothing else is either.
+    """
+    try:
+        return tensor.get_device(), tensor.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
-def _module_volatile_storages(module: torch.nn.Module) -> Iterator[tuple[int, int]]:
+def _module_volatile_storages(module: torch.nn.Module) -> Iterator[tuple[int, int] | None]:
     """The memory of a module's trainable parameters and of its training-mode buffers."""
     for m in module.modules():
         for p in m._parameters.values():
@@ -273,7 +285,7 @@ def _module_volatile_storages(module: torch.nn.Module) -> Iterator[tuple[int, in
 
 def _optimizer_volatile_storages(
     optimizer: torch.optim.Optimizer,
-) -> Iterator[tuple[int, int]]:
+) -> Iterator[tuple[int, int] | None]:
     """The memory of the parameters an optimizer may update at its next step.
 
     A parameter the optimizer has a gradient or state for may be updated (a frozen parameter
