@@ -1,5 +1,6 @@
-"""Distributed checkpoint benchmark: sharded saves by 1 and 2 ranks, DDP chief-only saves, and
-restores with the same and another world size.
+"""Distributed checkpoint benchmark: sharded saves by 1 and 2 ranks against plain
+``torch.distributed.checkpoint.save``, DDP chief-only saves, and restores with the same and
+another world size.
 
     python benchmarks/distributed.py                       # 50 MB, 200 MB, 1 GB
     python benchmarks/distributed.py --sizes 20MB,50MB     # quicker
@@ -14,6 +15,12 @@ with gloo (the benchmark launches them itself, as ``torchrun`` would):
   synchronous, so the *stall* (the training thread blocked) is the whole save. Reported per
   rank: the bytes it wrote, its stall, and its throughput (its bytes / its stall); and the
   aggregate throughput (all bytes / the slowest rank's stall).
+* ``dcp.save`` (the baseline): in the same processes, interleaved with the sharded saves, a
+  plain ``torch.distributed.checkpoint.save`` of the same state (``{"model":
+  model.state_dict(), "optimizer": get_optimizer_state_dict(...)}``) to a
+  ``FileSystemWriter`` directory (one file per rank, fsync on, as by default): what a user
+  without torchsupervisor would write. The sharded rows print their stall relative to it
+  (``x dcp``: the slowest rank's stall over DCP's slowest rank's stall; above 1 is slower).
 * ``ddp chief``: the same model replicated with DDP on 2 ranks, the chief alone saving the whole
   state with ``Saver.save_async`` (what the Supervisor does with a replicated state): the stall
   is the host copy; the write runs in the background (throughput = bytes / time to commit).
@@ -112,6 +119,24 @@ def _shard_bytes(prefix: str, rank: int) -> int:
     )
 
 
+def _dcp_bytes(directory: str, rank: int) -> int:
+    return sum(
+        os.path.getsize(os.path.join(directory, n))
+        for n in os.listdir(directory)
+        if n.startswith(f"__{rank}_")
+    )
+
+
+def _dcp_save(state: dict[str, Any], directory: str) -> None:
+    """The baseline: a plain DCP save of the state, as a user of FSDP2 alone writes it."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(
+        {"model": state["model"].state_dict(), "optimizer": state["optimizer"].state_dict()},
+        storage_writer=dcp.FileSystemWriter(directory),
+    )
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank: run the configuration and print ``RESULT <json>``."""
     import torch.distributed as dist
@@ -124,7 +149,7 @@ def worker(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {"rank": rank, "world_size": world}
     if args.mode == "save":
         _, _, state = _build(args.bytes, world, "sharded")
-        stalls, written = [], 0
+        stalls, written, dcp_stalls, dcp_written = [], 0, [], 0
         for i in range(args.repeat):
             prefix = os.path.join(args.dir, f"model.ckpt-{i}")
             dist.barrier()
@@ -137,6 +162,17 @@ def worker(args: argparse.Namespace) -> None:
                 for name in os.listdir(args.dir):
                     if name.startswith(f"model.ckpt-{i}."):
                         os.remove(os.path.join(args.dir, name))
+            # The baseline, interleaved so that both see the same machine and page cache.
+            dcp_dir = os.path.join(args.dir, f"dcp-{i}")
+            dist.barrier()
+            start = time.perf_counter()
+            _dcp_save(state, dcp_dir)
+            dcp_stalls.append(time.perf_counter() - start)
+            dcp_written = _dcp_bytes(dcp_dir, rank)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(dcp_dir, ignore_errors=True)
+        result.update(dcp_stalls=dcp_stalls, dcp_bytes=dcp_written)
         _, _, fresh = _build(args.bytes, world, "sharded")
         dist.barrier()
         start = time.perf_counter()
@@ -221,9 +257,12 @@ def run_size(size: int, root: str, repeat: int) -> list[dict[str, Any]]:
         ranks = launch(world, "--mode", "save", "--dir", directory, *common)
         stalls = [statistics.median(r["stalls"]) for r in ranks]
         total = sum(r["bytes"] for r in ranks)
+        dcp_stalls = [statistics.median(r["dcp_stalls"]) for r in ranks]
+        dcp_total = sum(r["dcp_bytes"] for r in ranks)
+        plural = "s" if world > 1 else ""
         rows.append(
             {
-                "case": f"sharded, {world} rank{'s' if world > 1 else ''}",
+                "case": f"sharded, {world} rank{plural}",
                 "size_bytes": size,
                 "state_bytes": total,
                 "world_size": world,
@@ -232,16 +271,30 @@ def run_size(size: int, root: str, repeat: int) -> list[dict[str, Any]]:
                 "per_rank_mb_per_sec": [r["bytes"] / MB / s for r, s in zip(ranks, stalls)],
                 "aggregate_mb_per_sec": total / MB / max(stalls),
                 "restore_same_world_secs": max(r["restore_secs"] for r in ranks),
+                "stall_vs_dcp": max(stalls) / max(dcp_stalls),
+            }
+        )
+        rows.append(
+            {
+                "case": f"dcp.save, {world} rank{plural}",
+                "size_bytes": size,
+                "state_bytes": dcp_total,
+                "world_size": world,
+                "per_rank_bytes": [r["dcp_bytes"] for r in ranks],
+                "per_rank_stall_secs": dcp_stalls,
+                "per_rank_mb_per_sec": [r["dcp_bytes"] / MB / s for r, s in zip(ranks, dcp_stalls)],
+                "aggregate_mb_per_sec": dcp_total / MB / max(dcp_stalls),
             }
         )
     for saved_by, restored_by in ((2, 1), (1, 2)):
         prefix = os.path.join(dirs[saved_by], f"model.ckpt-{repeat - 1}")
         ranks = launch(restored_by, "--mode", "load", "--prefix", prefix, *common)
+        saved_row = next(r for r in rows if r["case"].startswith(f"sharded, {saved_by} rank"))
         rows.append(
             {
                 "case": f"restore {saved_by} -> {restored_by} rank{'s' if restored_by > 1 else ''}",
                 "size_bytes": size,
-                "state_bytes": rows[saved_by - 1]["state_bytes"],
+                "state_bytes": saved_row["state_bytes"],
                 "world_size": restored_by,
                 "saved_by": saved_by,
                 "restore_secs": max(r["restore_secs"] for r in ranks),
@@ -273,7 +326,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """Print the save and restore figures."""
     print(
         f"\n{'case':26s} {'state':>8s} {'per rank MB':>14s} {'stall s':>14s} "
-        f"{'per rank MB/s':>16s} {'total MB/s':>10s} {'restore s':>9s}"
+        f"{'per rank MB/s':>16s} {'total MB/s':>10s} {'x dcp':>6s} {'restore s':>9s}"
     )
     for row in rows:
         size = f"{row['state_bytes'] / MB:.0f}MB"
@@ -283,14 +336,16 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             rate = "/".join(f"{r:.0f}" for r in row["per_rank_mb_per_sec"])
             restore = row.get("restore_same_world_secs")
             restore_text = f"{restore:.3f}" if restore is not None else "-"
+            ratio = row.get("stall_vs_dcp")
+            ratio_text = f"{ratio:.2f}" if ratio is not None else "-"
             print(
                 f"{row['case']:26s} {size:>8s} {per_mb:>14s} {stall:>14s} {rate:>16s} "
-                f"{row['aggregate_mb_per_sec']:>10.0f} {restore_text:>9s}"
+                f"{row['aggregate_mb_per_sec']:>10.0f} {ratio_text:>6s} {restore_text:>9s}"
             )
         else:
             print(
                 f"{row['case']:26s} {size:>8s} {'':>14s} {'':>14s} {'':>16s} {'':>10s} "
-                f"{row['restore_secs']:>9.3f}"
+                f"{'':>6s} {row['restore_secs']:>9.3f}"
             )
 
 

@@ -13,6 +13,7 @@ from the last committed checkpoint by itself.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from torch import nn
@@ -30,12 +31,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    # One GPU per rank when there are GPUs (the process group then uses NCCL, which only
+    # moves CUDA tensors), else the CPU (gloo).
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     # Join the replicas' process group (torchrun's environment) before wrapping in DDP.
     ts.distributed.connect("env://")
     rank, world = ts.distributed.rank(), ts.distributed.world_size()
     torch.manual_seed(args.seed)
     data = DigitsData.load(seed=args.seed)
-    model = DistributedDataParallel(build_model())
+    model = DistributedDataParallel(build_model().to(device))
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     step = ts.GlobalStep()
     step.bind(optimizer)
@@ -44,11 +51,14 @@ def main() -> None:
         state={"model": model, "optimizer": optimizer, "global_step": step},
         save_model_secs=5,
         save_summaries_secs=5,
+        # The other ranks look for the chief's "ready" in the store this often (TF's default,
+        # 30 s, makes every start of a small run wait half a minute).
+        recovery_wait_secs=1,
     )
 
     def train_step() -> torch.Tensor:
         x, y = data.batch(step.value, args.batch_size, args.seed)
-        x, y = x[rank::world], y[rank::world]  # This replica's part of the global batch.
+        x, y = x[rank::world].to(device), y[rank::world].to(device)  # This replica's part.
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()  # DDP averages the gradients of all replicas here.
@@ -63,7 +73,7 @@ def main() -> None:
             if sv.is_chief:
                 sv.summary_writer.add_scalar("train/loss", loss, step.value - 1)
                 if step.value % 100 == 0:
-                    acc = accuracy(model.module, data.test_x, data.test_y)
+                    acc = accuracy(model.module, data.test_x.to(device), data.test_y.to(device))
                     print(f"step {step.value}: loss {loss.item():.4f}, accuracy {acc:.1%}")
     print(f"rank {rank}: done at step {step.value}", flush=True)
 

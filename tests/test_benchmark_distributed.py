@@ -25,6 +25,8 @@ def test_the_distributed_benchmark_writes_its_report(tmp_path):
     assert set(rows) == {
         "sharded, 1 rank",
         "sharded, 2 ranks",
+        "dcp.save, 1 rank",
+        "dcp.save, 2 ranks",
         "restore 2 -> 1 rank",
         "restore 1 -> 2 ranks",
         "ddp chief-only, 2 ranks",
@@ -32,5 +34,12 @@ def test_the_distributed_benchmark_writes_its_report(tmp_path):
     two = rows["sharded, 2 ranks"]
     assert len(two["per_rank_bytes"]) == 2 and all(b > 0 for b in two["per_rank_bytes"])
     assert all(rate > 0 for rate in two["per_rank_mb_per_sec"])
+    # The plain DCP baseline of the same state, and our stall relative to it.
+    dcp = rows["dcp.save, 2 ranks"]
+    assert all(b > 0 for b in dcp["per_rank_bytes"]) and all(
+        s > 0 for s in dcp["per_rank_stall_secs"]
+    )
+    assert rows["sharded, 1 rank"]["stall_vs_dcp"] > 0 and two["stall_vs_dcp"] > 0
+    assert "x dcp" in proc.stdout and "dcp.save, 2 ranks" in proc.stdout
     assert rows["restore 2 -> 1 rank"]["restore_secs"] > 0
     assert rows["ddp chief-only, 2 ranks"]["per_rank_bytes"][0] > 0

@@ -10,10 +10,14 @@ import sys
 import time
 
 import pytest
+import torch
+from supervisor_helpers import all_events, session_logs
 
 from torchsupervisor import ClusterSpec, Server, latest_checkpoint
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.errors import InvalidArgumentError, UnimplementedError
+from torchsupervisor.rng import rank_rng_state
+from torchsupervisor.summary import SessionLog
 
 WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
 
@@ -49,12 +53,26 @@ def _both(logdir, *args):
     return _outputs([_rank(logdir, r, port, *args) for r in (0, 1)])
 
 
+def _rand(out) -> float:
+    (line,) = _lines(out, "RAND")
+    return float(line[2])
+
+
+def _first_draw(rng_state, rank: int) -> float:
+    """torch.rand(1) of rank ``rank`` after loading a checkpoint's generator states."""
+    generator = torch.Generator()
+    generator.set_state(rank_rng_state(rng_state, rank)["torch"])
+    return torch.rand(1, generator=generator).item()
+
+
 def test_both_ranks_start_from_the_chiefs_state_and_resume_at_the_same_step(tmp_path):
     logdir = str(tmp_path)
     results = _both(logdir, 20)
     assert all(code == 0 for _, _, code in results), [err for _, err, _ in results]
     digests = {_lines(out, "DONE")[0][3] for out, _, _ in results}
     assert len(digests) == 1  # Different initial weights; the chief's were broadcast.
+    # The chief's generators were broadcast too, but each rank draws its own numbers.
+    assert _rand(results[0][0]) != _rand(results[1][0])
     results = _both(logdir, 40)
     assert all(code == 0 for _, _, code in results), [err for _, err, _ in results]
     for rank, (out, _, _) in enumerate(results):
@@ -62,6 +80,12 @@ def test_both_ranks_start_from_the_chiefs_state_and_resume_at_the_same_step(tmp_
         assert ready == ["READY", str(rank), "20", os.path.join(logdir, "model.ckpt-20")]
         assert _lines(out, "DONE")[0][:3] == ["DONE", str(rank), "40"]
     assert len({_lines(out, "DONE")[0][3] for out, _, _ in results}) == 1
+    # After the resume: rank 0 continues the checkpoint's streams; rank 1 draws from streams
+    # derived from them and its rank (a fixed function of the checkpoint).
+    saved = CheckpointReader(os.path.join(logdir, "model.ckpt-20")).read_tree()["rng"]
+    draws = [_rand(out) for out, _, _ in results]
+    assert draws == [_first_draw(saved, 0), _first_draw(saved, 1)]
+    assert draws[0] != draws[1]
 
 
 def test_a_non_chief_started_first_waits_for_the_chief(tmp_path):
@@ -83,6 +107,24 @@ def test_a_non_chief_whose_chief_never_comes_gives_up(tmp_path):
     assert time.monotonic() - start < 60
 
 
+def test_a_non_chief_gives_up_when_the_chief_is_not_ready_within_max_wait_secs(tmp_path):
+    """The process group forms; the chief's init_fn then takes longer than the non-chief's
+    max_wait_secs: the Supervisor's own wait (ReplicaGroup.wait_ready) raises."""
+    port = _free_port()
+    chief = _rank(str(tmp_path), 0, port, 10, "--init-sleep", 120)
+    worker = _rank(str(tmp_path), 1, port, 10, "--session-wait", 3)
+    try:
+        out, err = worker.communicate(timeout=180)
+        assert worker.returncode != 0
+        assert "DeadlineExceededError: Session was not ready after waiting 3 secs." in err
+        assert "in wait_ready" in err  # The Supervisor's wait, not init_process_group's.
+        assert "Waiting for the chief" not in out and not _lines(out, "READY")
+        assert chief.poll() is None  # Still in its init_fn.
+    finally:
+        chief.kill()
+        chief.communicate(timeout=60)
+
+
 def test_a_signal_on_one_rank_stops_both_at_the_same_step_with_one_final_checkpoint(tmp_path):
     logdir = str(tmp_path)
     port = _free_port()
@@ -100,18 +142,27 @@ def test_a_signal_on_one_rank_stops_both_at_the_same_step_with_one_final_checkpo
     ((stop_step, _),) = stops
     assert "Received SIGTERM" in results[1][1]
     assert CheckpointReader(latest_checkpoint(logdir)).global_step == int(stop_step)
-    steps = sorted(
-        int(n.split("-")[-1][: -len(".index")]) for n in os.listdir(logdir) if n.endswith(".index")
-    )
-    assert steps[-1] == int(stop_step) and steps.count(int(stop_step)) == 1
+    # One final checkpoint, at the stop step, by the chief: one CHECKPOINT event there.
+    logs = session_logs(all_events(logdir))
+    checkpoints = [step for step, status, _ in logs if status == SessionLog.CHECKPOINT]
+    assert checkpoints and checkpoints.count(int(stop_step)) == 1
+    assert max(checkpoints) == int(stop_step)
 
 
 def test_an_error_on_one_rank_stops_every_rank_quickly(tmp_path):
-    start = time.monotonic()
-    results = _both(str(tmp_path), 10**6, "--step-delay", 0.01, "--raise-at", 15)
-    assert time.monotonic() - start < 90
-    assert results[1][2] != 0 and "rank 1 fails at step 15" in results[1][1]
-    assert results[0][2] != 0  # Its collective with the failed rank broke.
+    port = _free_port()
+    procs = [
+        _rank(str(tmp_path), r, port, 10**6, "--step-delay", 0.01, "--raise-at", 15) for r in (0, 1)
+    ]
+    _, err0 = procs[0].communicate(timeout=240)
+    chief_exit = time.time()
+    out1, err1 = procs[1].communicate(timeout=240)
+    assert procs[1].returncode != 0 and "rank 1 fails at step 15" in err1
+    assert procs[0].returncode != 0  # Its collective with the failed rank broke.
+    ((_, _, failed_at),) = _lines(out1, "FAIL")
+    assert chief_exit - float(failed_at) < 45
+    # The chief names the root cause, next to its own error.
+    assert "Every rank stops: rank 1: RuntimeError: rank 1 fails at step 15" in err0
 
 
 def test_torchrun_restarts_the_group_from_the_last_committed_checkpoint(tmp_path):
@@ -131,10 +182,28 @@ def test_torchrun_restarts_the_group_from_the_last_committed_checkpoint(tmp_path
     ready = _lines(run.stdout, "READY")
     resumed = [r for r in ready if r[3] != "None"]
     assert len(resumed) == 2 and len({(r[2], r[3]) for r in resumed}) == 1
-    assert 0 < int(resumed[0][2]) <= 15
+    # The newest checkpoint committed before the restart (read by the new processes before
+    # they joined: nothing writes in between) is the one both ranks resumed from.
+    latest = {line[2] for line in _lines(run.stdout, "LATEST")}
+    assert latest == {resumed[0][3]}
+    step = CheckpointReader(resumed[0][3]).global_step
+    assert int(resumed[0][2]) == step and resumed[0][3].endswith(f"model.ckpt-{step}")
+    assert 0 < step <= 15  # Rank 1 died in step 16: the chief cannot complete it alone.
     done = _lines(run.stdout, "DONE")
     assert sorted(d[1] for d in done) == ["0", "1"] and {d[2] for d in done} == {"40"}
     assert len({d[3] for d in done}) == 1
+
+
+def test_two_tasks_of_a_cluster_spec_train_together_through_server_target(tmp_path):
+    port = _free_port()
+    cluster = f"127.0.0.1:{port},127.0.0.1:{_free_port()}"
+    results = _both(str(tmp_path), 6, "--cluster", cluster)
+    assert all(code == 0 for _, _, code in results), [err for _, err, _ in results]
+    for rank, (out, _, _) in enumerate(results):
+        assert _lines(out, "READY")[0] == ["READY", str(rank), "0", "None"]
+        assert _lines(out, "DONE")[0][:3] == ["DONE", str(rank), "6"]
+    assert len({_lines(out, "DONE")[0][3] for out, _, _ in results}) == 1
+    assert CheckpointReader(latest_checkpoint(str(tmp_path))).global_step == 6
 
 
 def test_cluster_spec_and_server_description():

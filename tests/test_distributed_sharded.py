@@ -181,4 +181,6 @@ def test_a_rank_failing_in_the_body_writes_no_final_checkpoint_and_nothing_hangs
     assert results[1][2] != 0 and "rank 1 fails at step 15" in results[1][1]
     assert not any(_lines(out, "DONE") and code for out, _, code in results)
     saved = [int(s[2]) for out, _, _ in results for s in _lines(out, "SAVE")]
-    assert all(step < 15 for step in saved) and all(s < 15 for s in _committed_steps(tmp_path))
+    # Rank 1 raises in its 16th step: a checkpoint agreed at step 15 (both ranks at the
+    # boundary before it) is legitimate; none may come after.
+    assert all(step <= 15 for step in saved) and all(s <= 15 for s in _committed_steps(tmp_path))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
+import torch.distributed as dist
 
-from torchsupervisor import Saver, Session
-from torchsupervisor.rng import RNGState
+from torchsupervisor import Saver, Session, rng
+from torchsupervisor.rng import RNGState, rank_rng_state, rank_seed
 
 
 def _draw():
@@ -43,3 +45,108 @@ def test_state_layout():
     assert len(state["python"]["state"]) == 625
     assert state["numpy"]["keys"].dtype == torch.int64 and state["numpy"]["keys"].numel() == 624
     assert state["torch"].dtype == torch.uint8
+
+
+def _synthetic_state(shift: int = 0) -> dict:
+    """A state in RNGState's format whose contents do not depend on any library's seeding."""
+    return {
+        "python": {"version": 3, "state": [(i + shift) % 2**32 for i in range(624)] + [624]},
+        "numpy": {
+            "kind": "MT19937",
+            "keys": torch.arange(624, dtype=torch.int64),
+            "pos": 624,
+            "has_gauss": 0,
+            "cached_gaussian": 0.0,
+        },
+        "torch": torch.arange(5056, dtype=torch.int64).remainder(256).to(torch.uint8),
+        "cuda": [],
+    }
+
+
+def test_rank_seed_is_a_fixed_function_of_the_state_and_the_rank():
+    state = _synthetic_state()
+    # Pinned: the same in every process and on every machine (SHA-256, no hash()).
+    assert rank_seed(state, 1) == 3290471311787591221
+    assert rank_seed(state, 1) == rank_seed(_synthetic_state(), 1)
+    assert len({rank_seed(state, r) for r in range(8)}) == 8
+    assert rank_seed(_synthetic_state(shift=1), 1) != rank_seed(state, 1)
+    # A numpy key array (as numpy gives it) and a tensor (as a checkpoint gives it) agree.
+    as_numpy = dict(state, numpy=dict(state["numpy"], keys=np.arange(624, dtype=np.uint32)))
+    assert rank_seed(as_numpy, 1) == rank_seed(state, 1)
+
+
+def _draws_after_loading(state: dict, rank: int | None) -> tuple:
+    RNGState(rank=rank).load_state_dict(state)
+    return (random.random(), np.random.rand(2).tolist(), torch.rand(2).tolist())
+
+
+def test_each_rank_gets_its_own_streams_derived_from_the_saved_state():
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    state = RNGState().state_dict()
+    chief = _draws_after_loading(state, 0)
+    ranks = [_draws_after_loading(state, r) for r in (1, 2, 3)]
+    # Rank 0 continues the saved streams (what a single process restores).
+    assert chief == _draws_after_loading(state, None)  # No process group: rank 0.
+    assert rank_rng_state(state, 0) is state
+    # Every other rank: different numbers in every generator, from rank 0 and from each other.
+    for k in range(3):
+        values = [chief[k]] + [r[k] for r in ranks]
+        assert len({repr(v) for v in values}) == 4, values
+    # Deterministic: the same state and rank give the same numbers again.
+    assert [_draws_after_loading(state, r) for r in (1, 2, 3)] == ranks
+    derived = rank_rng_state(state, 2)
+    generator = torch.Generator()
+    generator.set_state(derived["torch"])
+    assert torch.rand(2, generator=generator).tolist() == ranks[1][2]
+    # Another saved state (a later checkpoint) gives other numbers to the same rank.
+    torch.rand(1)
+    assert _draws_after_loading(RNGState().state_dict(), 1) != ranks[0]
+
+
+def test_the_rank_is_the_process_groups(monkeypatch):
+    state = RNGState().state_dict()
+    expected = _draws_after_loading(state, 1)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    assert _draws_after_loading(state, None) == expected
+
+
+class FakeCuda:
+    """Four CUDA devices with distinct generator states; records which ones are set."""
+
+    def __init__(self, current: int) -> None:
+        self.current = current
+        self.states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(4)}
+        self.set: list[int] = []
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda i="cuda": self.states[i])
+        monkeypatch.setattr(torch.cuda, "set_rng_state", self._set_rng_state)
+
+    def _set_rng_state(self, state, device="cuda"):
+        self.set.append(device)
+        self.states[device] = state
+
+
+@pytest.mark.parametrize("replicas", [False, True])
+def test_cuda_generators_every_device_alone_only_the_current_one_with_replicas(
+    monkeypatch, replicas
+):
+    cuda = FakeCuda(current=2)
+    cuda.install(monkeypatch)
+    monkeypatch.setattr(rng, "_replicas", lambda: replicas)
+    state = RNGState().state_dict()
+    if replicas:
+        assert [s[0].item() for s in state["cuda"]] == [2]
+    else:
+        assert [s[0].item() for s in state["cuda"]] == [0, 1, 2, 3]
+    state["cuda"] = [torch.full((16,), 9, dtype=torch.uint8), *state["cuda"][1:]]
+    RNGState(rank=0).load_state_dict(state)
+    assert cuda.set == ([2] if replicas else [0, 1, 2, 3])
+    assert cuda.states[2 if replicas else 0][0].item() == 9

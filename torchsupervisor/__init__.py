@@ -20,6 +20,7 @@ from torchsupervisor.checkpoint.reader import (
     load_variable,
 )
 from torchsupervisor.checkpoint.saver import Saver
+from torchsupervisor.checkpoint.sharded import ShardedOptimizerState, load_sharded, save_sharded
 from torchsupervisor.checkpoint.state_file import (
     CheckpointState,
     generate_checkpoint_state_proto,
@@ -62,7 +63,11 @@ from torchsupervisor.monitored_session import (
     SingularMonitoredSession,
     StepContext,
 )
-from torchsupervisor.preemption import PreemptionHandler
+from torchsupervisor.preemption import (
+    DEFAULT_PREEMPTION_SIGNALS,
+    IgnorePreemptionSignals,
+    PreemptionHandler,
+)
 from torchsupervisor.queues import (
     FIFOQueue,
     QueueRunner,
@@ -129,6 +134,7 @@ from torchsupervisor.variables import (
 )
 
 __all__ = [
+    "DEFAULT_PREEMPTION_SIGNALS",
     "AdagradDAOptimizer",
     "CheckpointReader",
     "CheckpointSaverHook",
@@ -150,6 +156,7 @@ __all__ = [
     "GlobalStepWaiterHook",
     "Graph",
     "GraphKeys",
+    "IgnorePreemptionSignals",
     "LoggingTensorHook",
     "LooperThread",
     "MonitoredSession",
@@ -175,6 +182,7 @@ __all__ = [
     "SessionRunContext",
     "SessionRunHook",
     "SessionRunValues",
+    "ShardedOptimizerState",
     "SingularMonitoredSession",
     "StepContext",
     "StepCounterHook",
@@ -215,6 +223,7 @@ __all__ = [
     "latest_checkpoint",
     "list_variables",
     "load_checkpoint",
+    "load_sharded",
     "load_variable",
     "local_variables_initializer",
     "natural_exp_decay",
@@ -225,6 +234,7 @@ __all__ = [
     "remove_checkpoint",
     "report_uninitialized_variables",
     "reset_default_graph",
+    "save_sharded",
     "start_queue_runners",
     "summary",
     "summary_iterator",

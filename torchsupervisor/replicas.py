@@ -12,12 +12,16 @@ one step early leaves the others waiting in a collective forever.
   and step); the others poll every ``recovery_wait_secs`` and give up after ``max_wait_secs``
   with ``DeadlineExceededError``;
 * ``broadcast_state``: the chief's state (tensors and plain values) is broadcast to the
-  others, which load it;
+  others, which load it (on the device the backend communicates from: the current CUDA
+  device with NCCL, the CPU with gloo; see ``communication_device``);
 * ``StopAgreement``: a rank that wants to stop sets a flag in the store. A thread on every
   rank polls the flag; a rank that sees it posts the number of steps it has completed, and
   every rank stops once it has completed ``max(posted) + 1`` steps. That is the first step no
   rank had started when it posted, so every rank reaches it and none has to wait in a
-  collective for a rank that already stopped.
+  collective for a rank that already stopped. The poller marks the stop as pending *before*
+  it posts, so that the training thread, which checks the mark at every ``should_stop()``,
+  finishes at most one step between the post and its first look (see
+  ``docs/distributed.md``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -39,6 +43,7 @@ from torchsupervisor.checkpoint.format import (
     dtype_to_code,
     encode_tree,
 )
+from torchsupervisor.clock import REAL_CLOCK, Clock
 from torchsupervisor.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -47,7 +52,7 @@ from torchsupervisor.errors import (
 from torchsupervisor.global_step import read_step
 from torchsupervisor.state import flatten_state, load_state
 
-__all__ = ["ReplicaAbort", "ReplicaGroup", "StopAgreement"]
+__all__ = ["ReplicaAbort", "ReplicaGroup", "StopAgreement", "communication_device"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -55,6 +60,31 @@ logger = logging.getLogger("torchsupervisor")
 def _store() -> Any:
     # The default group's store: the rendezvous every rank already shares.
     return dist.distributed_c10d._get_default_store()
+
+
+def communication_device(
+    backend: str, cuda_device: Callable[[], int] = torch.cuda.current_device
+) -> torch.device:
+    """Return the device of the tensors that the collectives of ``backend`` take.
+
+    NCCL moves only CUDA tensors: every rank uses its current CUDA device (the one set with
+    ``torch.cuda.set_device``, usually ``LOCAL_RANK``). Gloo (and a mixed backend such as
+    ``"cpu:gloo,cuda:nccl"``) communicates from the CPU.
+
+    Args:
+        backend: The process group's backend, as ``torch.distributed.get_backend()`` names it.
+        cuda_device: Returns the index of the current CUDA device (called for NCCL only).
+
+    Returns:
+        ``torch.device("cuda", cuda_device())`` for ``"nccl"``, else ``torch.device("cpu")``.
+
+    Distributed: every rank of a collective must pass tensors of this device (type).
+
+    TF name: none.
+    """
+    if str(backend).lower() == "nccl":
+        return torch.device("cuda", cuda_device())
+    return torch.device("cpu")
 
 
 class ReplicaAbort(FailedPreconditionError):
@@ -120,31 +150,43 @@ class ReplicaGroup:
         self,
         recovery_wait_secs: float,
         max_wait_secs: float | None,
-        sleep: Any = time.sleep,
         name: str = "ready",
+        *,
+        clock: Clock | None = None,
     ) -> dict[str, Any]:
         """(Non-chief) Wait until the chief published; return its resume point.
+
+        Looks at the store, then every ``recovery_wait_secs``, as TF's ``wait_for_session``
+        retried: with ``recovery_wait_secs=1`` and ``max_wait_secs=3`` it looks 4 times and
+        raises after about 3 s.
 
         Args:
             recovery_wait_secs: Seconds between two looks at the store.
             max_wait_secs: Longest wait in seconds (None: forever).
-            sleep: The sleep function (tests pass a fake one).
             name: The key the chief publishes (``publish_ready`` uses ``"ready"``).
+            clock: The time source and sleep (tests pass a fake one); None: the real clock.
+
+        Returns:
+            The mapping the chief gave to ``publish_ready``.
 
         Raises:
-            DeadlineExceededError: ``"Session was not ready after waiting %d secs."``.
+            DeadlineExceededError: ``"Session was not ready after waiting %d secs."`` (with
+                ``max_wait_secs``), when less than ``recovery_wait_secs`` is left.
+
+        Distributed: non-chief ranks; the chief calls ``publish_ready``.
         """
+        clock = clock or REAL_CLOCK
         key = self.key(name)
         limit = float("inf") if max_wait_secs is None else max_wait_secs
-        start = time.monotonic()
+        start = clock.monotonic()
         while not self._store.check([key]):
-            remaining = max(0.0, limit - (time.monotonic() - start))
+            remaining = max(0.0, limit - (clock.monotonic() - start))
             if remaining < recovery_wait_secs:
                 raise DeadlineExceededError(
                     None, None, f"Session was not ready after waiting {int(limit)} secs."
                 )
             logger.info("Waiting for the chief to make the model ready.")
-            sleep(recovery_wait_secs)
+            clock.sleep(recovery_wait_secs)
         return json.loads(self._store.get(key).decode("utf-8"))
 
     # -------------------------------------------- every rank posts, every rank reads all
@@ -240,37 +282,60 @@ class ReplicaGroup:
         The chief sends the encoded tree of plain values and every tensor; the others load
         them into their state with ``load_state_dict`` (so an optimizer that has not stepped
         yet receives the chief's moments).
+
+        Every tensor travels on ``communication_device(dist.get_backend())`` on both sides
+        (the current CUDA device with NCCL, the CPU with gloo). A non-chief then moves each
+        tensor to the device of its own tensor of the same name; one it lacks (the moments
+        of an optimizer that has not stepped) goes to the CPU if the chief's was there, else
+        stays on the communication device (``load_state_dict`` places it further).
+
+        Raises:
+            RuntimeError: If a collective fails (a rank died, a timeout).
+            InvalidArgumentError: (Non-chief) If the chief's state does not fit this rank's.
+
+        Distributed: a collective of the default process group; every rank calls it once
+        per session, after the chief's ``publish_ready``.
         """
         src = self.chief_rank
-        if self.rank == src:
-            skeleton, tensors = flatten_state(state)
+        chief = self.rank == src
+        device = communication_device(dist.get_backend())
+        skeleton, tensors = flatten_state(state)  # A non-chief's: where the values go.
+        if chief:
             names = sorted(tensors)
             header = {
                 "tree": encode_tree(skeleton),
                 "tensors": [
-                    [n, dtype_to_code(tensors[n].dtype), list(tensors[n].shape)] for n in names
+                    [n, dtype_to_code(t.dtype), list(t.shape), t.device.type]
+                    for n, t in ((n, tensors[n]) for n in names)
                 ],
             }
-            payload = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
+            encoded = bytearray(json.dumps(header).encode())
+            payload = torch.frombuffer(encoded, dtype=torch.uint8).to(device)
+            size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
         else:
-            size = torch.zeros(1, dtype=torch.int64)
+            size = torch.zeros(1, dtype=torch.int64, device=device)
         dist.broadcast(size, src)
-        if self.rank != src:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        if not chief:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         dist.broadcast(payload, src)
-        header = json.loads(bytes(payload.tolist()).decode("utf-8"))
+        if not chief:
+            header = json.loads(payload.cpu().numpy().tobytes().decode("utf-8"))
         received: dict[str, torch.Tensor] = {}
-        for name, code, shape in header["tensors"]:
-            if self.rank == src:
-                buffer = tensors[name].contiguous()
-            else:
-                buffer = torch.empty(shape, dtype=dtype_from_code(code))
+        for name, code, shape, chief_device_type in header["tensors"]:
+            if chief:
+                dist.broadcast(tensors[name].contiguous().to(device), src)
+                continue
+            buffer = torch.empty(shape, dtype=dtype_from_code(code), device=device)
             dist.broadcast(buffer, src)
-            received[name] = buffer
-        if self.rank != src:
+            own = tensors.get(name)
+            if own is not None:
+                target = own.device
+            else:
+                target = torch.device("cpu") if chief_device_type == "cpu" else device
+            received[name] = buffer.to(target)
+        if not chief:
             tree = decode_tree(
-                header["tree"], lambda n, nd: received[n].numpy() if nd else received[n]
+                header["tree"], lambda n, nd: received[n].cpu().numpy() if nd else received[n]
             )
             load_state(state, tree, source=f"rank {src}")
 
@@ -278,13 +343,19 @@ class ReplicaGroup:
 class StopAgreement:
     """Agree on the step at which every rank stops, without a collective per step.
 
+    A rank that wants to stop records why in the store (the first reason is kept); the poller
+    thread of every rank sees it, marks the stop as pending, then posts how many steps its
+    rank has completed. ``stop_step`` returns ``max(posted) + 1``.
+
     Args:
         group: The session's ``ReplicaGroup``.
         global_step: The global step (completed steps).
         poll_secs: How often the background thread looks at the store.
 
     Thread safety: ``request`` and ``stop_step`` on the training thread; the poller thread
-    only sets flags.
+    only sets flags and posts.
+    Distributed: every rank creates one per session; the reason of the first rank that asked
+    is logged on every other rank (the root cause when that rank failed).
     """
 
     def __init__(self, group: ReplicaGroup, global_step: Any, poll_secs: float = 0.25) -> None:
@@ -295,6 +366,8 @@ class StopAgreement:
         self.pending = False
         """True once a stop was requested by some rank (set by the poller)."""
         self._requested = False
+        self._reported = False
+        self._report_lock = threading.Lock()
         self._stop_at: int | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(
@@ -306,20 +379,45 @@ class StopAgreement:
         return 0 if self._global_step is None else read_step(self._global_step)
 
     def request(self, reason: str) -> None:
-        """Ask every rank to stop (idempotent)."""
-        if not self._requested:
-            self._requested = True
-            self._store.set(self._group.key("stop"), f"{self._group.rank}: {reason}")
+        """Ask every rank to stop (idempotent; the first rank's reason is kept).
+
+        Args:
+            reason: Why, for the logs of the other ranks (``"<ErrorType>: <message>"`` for
+                an error).
+        """
+        if self._requested:
+            return
+        self._requested = True
+        mine = f"rank {self._group.rank}: {reason}"
+        try:
+            first = self._store.compare_set(self._group.key("stop"), "", mine).decode("utf-8")
+        except (RuntimeError, OSError) as e:  # The store went away with rank 0.
+            logger.warning("Stop agreement: the store is unreachable (%s)", e)
+            return
+        if first != mine:
+            self._report(first)
+
+    def _report(self, first: str) -> None:
+        """Log the stop another rank asked for (once; from either thread)."""
+        with self._report_lock:
+            if self._reported or first.startswith(f"rank {self._group.rank}: "):
+                return
+            self._reported = True
+        logger.warning("Every rank stops: %s", first)
 
     def _poll(self) -> None:
         key = self._group.key("stop")
         while not self._closed.wait(self._poll_secs):
             try:
                 if self._store.check([key]):
+                    # Pending first, then post: the training thread looks at ``pending`` at
+                    # every ``should_stop()``, so it completes at most one step after the
+                    # count it posts (docs/distributed.md).
+                    self.pending = True
                     self._store.set(
                         self._group.key(f"progress/{self._group.rank}"), str(self._completed())
                     )
-                    self.pending = True
+                    self._report(self._store.get(key).decode("utf-8"))
                     return
             except (RuntimeError, OSError) as e:  # The store went away with rank 0.
                 logger.warning("Stop agreement: the store is unreachable (%s); stopping", e)

@@ -159,7 +159,12 @@ class Supervisor:
             program then ends).
         save_rng_state: Add ``state["rng"] = RNGState()`` (Python, NumPy, torch CPU and CUDA
             generators), so that a resumed run draws the same random numbers as an
-            uninterrupted one. A checkpoint without it restores with a warning.
+            uninterrupted one. A checkpoint without it restores with a warning. With
+            replicas each rank gets its own streams: the chief (rank 0) continues the saved
+            ones, rank ``r`` gets generators seeded from the saved (or, with DDP, the chief's
+            broadcast) state and ``r`` (``rng.rank_rng_state``); the non-chiefs' streams are
+            then a fixed function of the checkpoint and the rank, not the continuation of an
+            uninterrupted run's.
         clock: Time source (tests pass a fake one).
 
     Distributed: with replicas (``managed_session("env://")`` under ``torchrun``), every rank
@@ -531,7 +536,7 @@ class Supervisor:
                 logger.info("Starting standard services.")
                 self.start_standard_services(sess)
         elif replicas is not None and not self._is_chief:
-            info = replicas.wait_ready(self._recovery_wait_secs, max_wait_secs)
+            info = replicas.wait_ready(self._recovery_wait_secs, max_wait_secs, clock=self._clock)
             sess = self._session_manager.wait_for_session(
                 master, config=config, max_wait_secs=max_wait_secs
             )
@@ -601,7 +606,9 @@ class Supervisor:
                 _clean_logdir(logdir)
             replicas.publish_ready({}, name="restore/open")
         else:
-            replicas.wait_ready(self._recovery_wait_secs, max_wait_secs, name="restore/open")
+            replicas.wait_ready(
+                self._recovery_wait_secs, max_wait_secs, name="restore/open", clock=self._clock
+            )
         candidates = restore_candidates(logdir) if logdir and self._saver is not None else []
         _agree(
             replicas,
@@ -742,9 +749,13 @@ class Supervisor:
         cleanly and are not re-raised. On a clean exit the chief first saves a final
         checkpoint at the current step (when the checkpoint service runs).
 
-        Distributed: with a sharded state every rank saves the final checkpoint, together or
-        not at all: a rank that leaves the block with an error vetoes at once, and the others
-        wait at most ``stop_grace_secs`` (or what is left of ``preemption_grace_secs``).
+        Distributed: a stop on one rank stops every rank at the same step; a rank that leaves
+        the block with an error records ``"<ErrorType>: <message>"`` in the store and the
+        other ranks log it (``"Every rank stops: rank R: ..."``), so the root cause appears
+        next to their own errors. With a sharded state every rank saves the final checkpoint,
+        together or not at all: a rank that leaves the block with an error vetoes at once, and
+        the others wait at most ``stop_grace_secs`` (or what is left of
+        ``preemption_grace_secs``).
 
         Args:
             master: ``""`` for in-process.
@@ -759,6 +770,7 @@ class Supervisor:
         """
         sess = None
         clean_exit = False
+        failure: BaseException | None = None
         self._preemption.install()
         self._preemption_seen = False
         try:
@@ -769,11 +781,15 @@ class Supervisor:
             clean_exit = True
         except Exception as e:
             clean_exit = isinstance(e, self._coord.clean_stop_exception_types)
+            failure = e
             self.request_stop(e)
         finally:
             if self._stop_agreement is not None:
                 if not clean_exit:
-                    self._stop_agreement.request("error")
+                    # The other ranks log this reason: the root cause of their own errors.
+                    self._stop_agreement.request(
+                        "error" if failure is None else f"{type(failure).__name__}: {failure}"
+                    )
                 self._stop_agreement.close()
                 self._stop_agreement = None
             try:

@@ -119,7 +119,12 @@ class ShardedOptimizerState:
         self.options = options
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the optimizer's state keyed by parameter names (creating it if empty)."""
+        """Return the optimizer's state keyed by parameter names (creating it if empty).
+
+        Returns:
+            ``{"state": {param_name: {...}}, "param_groups": [...]}``, the tensors of a
+            sharded model's parameters as DTensors.
+        """
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         with _without_step_hooks(self.optimizer):

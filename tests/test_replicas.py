@@ -1,0 +1,251 @@
+"""The chief/worker protocol of ``replicas.py`` in one process: "ranks" share an in-memory
+``HashStore``; collectives are replaced by a recording fake where a test needs them."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchsupervisor import replicas
+from torchsupervisor.errors import DeadlineExceededError
+from torchsupervisor.global_step import GlobalStep
+from torchsupervisor.replicas import ReplicaGroup, StopAgreement, communication_device
+
+
+class CountingStore:
+    """A ``HashStore`` that counts the looks at a key and calls ``on_set`` at every write."""
+
+    def __init__(self, on_set=None) -> None:
+        self.inner = dist.HashStore()
+        self.checks = 0
+        self.on_set = on_set
+
+    def check(self, keys):
+        self.checks += 1
+        return self.inner.check(keys)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def set(self, key, value):
+        if self.on_set is not None:
+            self.on_set(key)
+        self.inner.set(key, value)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+
+def _groups(store, world_size: int = 2) -> list[ReplicaGroup]:
+    return [ReplicaGroup(1, store=store, rank=r, world_size=world_size) for r in range(world_size)]
+
+
+# ------------------------------------------------------------------------------ wait_ready
+
+
+def test_wait_ready_looks_every_recovery_wait_secs_and_gives_up_with_tfs_text(fake_clock):
+    store = CountingStore()
+    _, worker = _groups(store)
+    start = fake_clock.monotonic()
+    with pytest.raises(DeadlineExceededError) as raised:
+        worker.wait_ready(1, 3, clock=fake_clock)
+    assert raised.value.message == "Session was not ready after waiting 3 secs."
+    # As TF's wait_for_session: with recovery_wait_secs=1 and max_wait_secs=3, four looks.
+    assert store.checks == 4 and fake_clock.sleeps == [1, 1, 1]
+    assert fake_clock.monotonic() - start == 3
+
+
+def test_wait_ready_returns_the_chiefs_resume_point_once_published(fake_clock):
+    store = CountingStore()
+    chief, worker = _groups(store)
+
+    class PublishingClock(type(fake_clock)):
+        def sleep(self, secs):
+            super().sleep(secs)
+            if len(self.sleeps) == 2:
+                chief.publish_ready({"checkpoint": "/logdir/model.ckpt-7", "step": 7})
+
+    clock = PublishingClock()
+    info = worker.wait_ready(0.5, None, clock=clock)  # None: no deadline.
+    assert info == {"checkpoint": "/logdir/model.ckpt-7", "step": 7}
+    assert clock.sleeps == [0.5, 0.5] and store.checks == 3
+
+
+def test_wait_ready_under_another_name_and_session_generation_are_apart(fake_clock):
+    store = dist.HashStore()
+    ReplicaGroup(1, store=store, rank=0, world_size=2).publish_ready({"a": 1}, name="restore/open")
+    later = ReplicaGroup(2, store=store, rank=1, world_size=2)
+    with pytest.raises(DeadlineExceededError):
+        later.wait_ready(1, 2, name="restore/open", clock=fake_clock)
+    same = ReplicaGroup(1, store=store, rank=1, world_size=2)
+    assert same.wait_ready(1, 2, name="restore/open", clock=fake_clock) == {"a": 1}
+
+
+# -------------------------------------------------------------------------- broadcast_state
+
+
+def test_communication_device_follows_the_backend():
+    assert communication_device("gloo") == torch.device("cpu")
+    assert communication_device("cpu:gloo,cuda:nccl") == torch.device("cpu")
+    assert communication_device("nccl", cuda_device=lambda: 3) == torch.device("cuda", 3)
+
+
+class FakeBroadcast:
+    """``dist.broadcast`` between two sequential calls of ``broadcast_state``: the chief's
+    tensors are recorded; the non-chief's buffers are filled from them, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+        self.devices: dict[str, list[str]] = {"chief": [], "worker": []}
+        self.receiving = False
+
+    def __call__(self, tensor, src, *args, **kwargs):
+        assert src == 0
+        side = "worker" if self.receiving else "chief"
+        self.devices[side].append(tensor.device.type)
+        if not self.receiving:
+            self.sent.append(tensor.detach().clone())
+            return
+        expected = self.sent.pop(0)
+        assert (tensor.dtype, tensor.shape) == (expected.dtype, expected.shape)
+        tensor.copy_(expected)
+
+
+def _state(seed: int, stepped: bool):
+    torch.manual_seed(seed)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if stepped:
+        model(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+    scale = float(seed)
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "w": torch.full((4,), scale),
+        "table": np.full(3, scale),
+        "meta": {"epoch": seed, "name": f"run{seed}"},
+    }
+
+
+def test_broadcast_state_sends_every_tensor_from_the_backends_device(monkeypatch):
+    fake = FakeBroadcast()
+    monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "gloo")
+    monkeypatch.setattr(dist, "broadcast", fake)
+    chief_group, worker_group = _groups(dist.HashStore())
+    chief, worker = _state(1, stepped=True), _state(2, stepped=False)
+    chief_group.broadcast_state(chief)
+    fake.receiving = True
+    worker_group.broadcast_state(worker)
+    assert not fake.sent
+    assert fake.devices["chief"] == fake.devices["worker"]
+    assert set(fake.devices["chief"]) == {"cpu"}
+    for name, value in chief["model"].state_dict().items():
+        assert torch.equal(worker["model"].state_dict()[name], value)
+    moments = [s["momentum_buffer"] for s in worker["optimizer"].state.values()]
+    expected = [s["momentum_buffer"] for s in chief["optimizer"].state.values()]
+    assert len(moments) == 2 and all(torch.equal(a, b) for a, b in zip(moments, expected))
+    assert torch.equal(worker["w"], torch.full((4,), 1.0))
+    assert isinstance(worker["table"], np.ndarray) and worker["table"].tolist() == [1.0] * 3
+    assert worker["meta"] == {"epoch": 1, "name": "run1"}
+
+
+def test_with_nccl_both_sides_communicate_from_the_current_cuda_device(monkeypatch):
+    """No CUDA here: the device NCCL needs (cuda:<current>) is recorded, and the meta device
+    stands in for it, so the test sees which tensors each side hands to the collective."""
+    chosen: list[torch.device] = []
+
+    def device_for(backend):
+        chosen.append(communication_device(backend, cuda_device=lambda: 0))
+        return torch.device("meta")
+
+    class Stop(Exception):
+        pass
+
+    devices: dict[str, list[str]] = {"chief": [], "worker": []}
+    receiving = [False]
+
+    def broadcast(tensor, src, *args, **kwargs):
+        devices["worker" if receiving[0] else "chief"].append(tensor.device.type)
+        if receiving[0]:
+            raise Stop  # A meta buffer holds no data to go on with.
+
+    monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "nccl")
+    monkeypatch.setattr(replicas, "communication_device", device_for)
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    chief_group, worker_group = _groups(dist.HashStore())
+    chief_group.broadcast_state(_state(1, stepped=True))  # CPU tensors in the state.
+    receiving[0] = True
+    with pytest.raises(Stop):
+        worker_group.broadcast_state(_state(2, stepped=False))
+    assert chosen == [torch.device("cuda", 0)] * 2
+    # size, payload, 2 parameters, 2 momentum buffers, w, table: all from the NCCL device.
+    assert devices["chief"] == ["meta"] * 8
+    assert devices["worker"] == ["meta"]
+
+
+# ---------------------------------------------------------------------------- StopAgreement
+
+
+def _wait_until(predicate, timeout_secs: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_secs
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_poller_marks_the_stop_pending_before_it_posts_its_step_count():
+    seen: list[bool] = []
+    agreements: list[StopAgreement] = []
+
+    def on_set(key: str) -> None:
+        if "/progress/" in key:
+            seen.append(agreements[0].pending)
+
+    store = CountingStore(on_set)
+    (group,) = _groups(store, world_size=1)
+    agreements.append(StopAgreement(group, GlobalStep(4), poll_secs=0.005))
+    try:
+        agreements[0].request("stop requested")
+        _wait_until(lambda: seen)
+        assert seen == [True]
+        assert agreements[0].stop_step() == 5
+    finally:
+        agreements[0].close()
+
+
+def test_every_rank_stops_after_the_largest_posted_count_and_logs_the_first_reason(caplog):
+    g0, g1 = _groups(dist.HashStore())
+    steps = [GlobalStep(5), GlobalStep(7)]
+    agreements = [StopAgreement(g, s, poll_secs=0.005) for g, s in zip((g0, g1), steps)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
+            agreements[1].request("RuntimeError: boom")
+            _wait_until(lambda: all(a.pending for a in agreements))
+            agreements[0].request("error")  # Later: the first reason is kept.
+        assert [a.stop_step() for a in agreements] == [8, 8]
+        assert g0.flag("stop") == "rank 1: RuntimeError: boom"
+        reported = [m for m in (r.getMessage() for r in caplog.records) if "Every rank" in m]
+        assert reported == ["Every rank stops: rank 1: RuntimeError: boom"]  # Rank 0, once.
+    finally:
+        for agreement in agreements:
+            agreement.close()
+
+
+def test_a_stop_step_that_some_rank_never_posts_gives_up():
+    g0, _ = _groups(dist.HashStore())
+    agreement = StopAgreement(g0, GlobalStep(3), poll_secs=0.005)
+    try:
+        agreement.request("SIGTERM")
+        _wait_until(lambda: agreement.pending)
+        start = time.monotonic()
+        assert agreement.stop_step(timeout_secs=0.2) is None
+        assert time.monotonic() - start < 10
+    finally:
+        agreement.close()
