@@ -10,9 +10,9 @@ on the same machine and the same directory:
   steady state), one host memcpy of the state (each tensor copied into a preallocated buffer),
   ``torch.save`` + fsync, ``safetensors.torch.save_file`` + fsync, and
   ``torch.distributed.checkpoint.async_save`` (until it returns);
-* training speed: steps/s of a training loop while our writer persists the state, against
-  steps/s with no checkpoint in flight (the loop trains its own small model, so that the state
-  size does not change the step);
+* training speed: steps/s of a training loop while our writer persists the state (saves back
+  to back), against steps/s with no checkpoint in flight (the loop trains its own small model,
+  so that the state size does not change the step);
 * persist throughput: bytes per second of our background write (commit protocol, CRC-32C,
   fsync) against a raw sequential write of the same bytes with fsync in the same directory;
 * restore: ``Saver.restore`` into the model and optimizer against ``torch.load(weights_only=
@@ -287,10 +287,15 @@ def measure_raw_write(nbytes: int, directory: str, repeat: int) -> float:
 
 
 def measure_training(state, directory: str, rounds: int) -> dict[str, float]:
-    """Steps/s of the loop with and without a checkpoint being persisted, alternating.
+    """Steps/s of the loop while our writer persists the state, and with nothing in flight.
 
-    The medians of ``rounds`` alternations (12 or more: on a shared virtual machine the speed
-    of the loop itself drifts by several percent between seconds).
+    Alternating rounds of the same length (at least 0.5 s, and at least two persists): in a
+    busy round, a save is started at the step boundary after the previous one committed, so a
+    checkpoint is being written during the whole round; the snapshots themselves (the stall,
+    reported on its own) are left out of the time, as are the idle rounds' loop overheads: both
+    rates are steps over the time spent in steps. The medians of ``rounds`` alternations (12 or
+    more: on a shared virtual machine the speed of the loop itself drifts by several percent
+    between seconds).
     """
     loop = TrainingLoop()
     loop.steps_per_sec(0.5)  # Warm-up.
@@ -298,16 +303,32 @@ def measure_training(state, directory: str, rounds: int) -> dict[str, float]:
     sess = Session(state)
     path = os.path.join(directory, "training", "model.ckpt")
     os.makedirs(os.path.dirname(path))
+    t0 = time.perf_counter()
     saver.save(sess, path, global_step=0)  # Allocates the staging buffers.
+    window = max(0.5, 2 * (time.perf_counter() - t0))
+    step = 0
+
+    def timed_steps(keep_saving: bool) -> float:
+        nonlocal step
+        steps, secs, future = 0, 0.0, None
+        start = time.perf_counter()
+        while time.perf_counter() - start < window:
+            if keep_saving and (future is None or future.done()):
+                touch(state)
+                step += 1
+                future = saver.save_async(sess, path, global_step=step)
+            t = time.perf_counter()
+            loop.step()
+            secs += time.perf_counter() - t
+            steps += 1
+        if future is not None:
+            future.result()  # The idle round starts with nothing in flight.
+        return steps / secs
+
     busy, idle = [], []
-    for step in range(1, rounds + 1):
-        touch(state)
-        t0 = time.perf_counter()
-        future = saver.save_async(sess, path, global_step=step)
-        stall = time.perf_counter() - t0
-        busy.append(loop.steps_per_sec(0, until=future.done))
-        persist = time.perf_counter() - t0 - stall
-        idle.append(loop.steps_per_sec(max(persist, 0.5)))
+    for _ in range(rounds):
+        busy.append(timed_steps(True))
+        idle.append(timed_steps(False))
     return {
         "steps_per_sec_idle": statistics.median(idle),
         "steps_per_sec_persisting": statistics.median(busy),
@@ -425,7 +446,9 @@ def run_size(size_bytes: int, root: str, repeat: int) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             row["dcp"] = measure_dcp(state, directory, repeat)
-        row["raw_write_secs"] = measure_raw_write(row["ours"]["bytes"], directory, repeat)
+        row["raw_write_secs"] = measure_raw_write(
+            row["ours"]["bytes"], directory, repeat * (4 if small else 1)
+        )
         row["training"] = measure_training(state, directory, rounds=max(12, repeat))
         row["restore"] = measure_restore(size_bytes, row["ours"]["prefix"], torch_path, repeat)
         del state, tensors
