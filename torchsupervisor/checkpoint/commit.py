@@ -27,7 +27,6 @@ import logging
 import os
 import queue
 import re
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from typing import Any
 
 import crc32c
 
+from torchsupervisor import priority
 from torchsupervisor.checkpoint import incremental
 from torchsupervisor.checkpoint.format import (
     Manifest,
@@ -180,7 +180,7 @@ class _Beside:
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self._fn = fn
-        self._niceness = _niceness()
+        self._priority = priority.current()
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
@@ -227,38 +227,20 @@ class _Beside:
 
 
 def _serve(jobs: queue.SimpleQueue[_Beside | None]) -> None:
-    niceness = None
+    current = None
     while True:
         job = jobs.get()
         if job is None:
             return
-        if job._niceness != niceness:
-            _set_niceness(job._niceness)
-            niceness = job._niceness
+        if job._priority != current:
+            priority.restore(job._priority)
+            current = job._priority
         job._run()
         del job  # Do not keep the last snapshot alive while idle.
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_Beside._forget_thread)
-
-
-def _niceness() -> int | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    except OSError:
-        return None
-
-
-def _set_niceness(value: int | None) -> None:
-    if value is None:
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), value)
-    except OSError:
-        pass
 
 
 def _add_references(

@@ -8,13 +8,14 @@ busy machine, most of the stall of a small checkpoint). It ends when the engine 
 collected. The returned ``Future`` completes with the job's result or exception: the caller
 decides how errors surface (the Supervisor logs them and writes them to the event file).
 
-The writer thread runs at the lowest CPU priority (``nice`` 19, on Linux, where the priority
-of a thread can be set on its own). On a machine with few cores, checksumming and writing
-gigabytes at normal priority takes a core from the training loop's parallel operators, and an
-operator parallel over all cores runs at the speed of its slowest thread: measured here, a
-background CRC pass at normal priority cut training to 36% of its speed, at nice 19 to 97%.
-The write then progresses in the gaps the training leaves; when training stops (or a save is
-synchronous) it runs at full speed.
+The writer thread runs at the lowest CPU priority (``nice`` 19 and the ``SCHED_IDLE`` policy,
+on Linux, where the priority of a thread can be set on its own: ``torchsupervisor.priority``).
+On a machine with few cores, checksumming and writing gigabytes at normal priority takes a core
+from the training loop's parallel operators, and an operator parallel over all cores runs at the
+speed of its slowest thread: measured here, a background CRC pass at normal priority cut
+training to 36% of its speed, at nice 19 to 93-98%, under ``SCHED_IDLE`` to 97-99%. The write
+then progresses in the gaps the training leaves; when training stops (or a save is synchronous)
+it runs at full speed.
 
 The thread is a daemon, but interpreter exit waits for a save being written (an ``atexit``
 hook registered at the first save) rather than abandoning it half-way.
@@ -25,20 +26,20 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import logging
-import os
 import queue
-import sys
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+from torchsupervisor import priority
 
 __all__ = ["BACKGROUND_NICENESS", "CheckpointEngine"]
 
 logger = logging.getLogger("torchsupervisor")
 
 BACKGROUND_NICENESS = 19
-"""The ``nice`` value of writer threads (0: as the training thread)."""
+"""The ``nice`` value of writer threads, which also run under ``SCHED_IDLE`` (0: as the caller)."""
 
 ABANDONED_EXIT_WAIT_SECS = 5.0
 """How long the interpreter's exit waits for a cancelled save to remove its files (a writer
@@ -71,8 +72,8 @@ class CheckpointEngine:
     """Run checkpoint jobs on a background writer thread, one at a time.
 
     Args:
-        niceness: CPU priority of the writer thread as a ``nice`` value (Linux only; 0 keeps
-            the caller's priority).
+        niceness: CPU priority of the writer thread as a ``nice`` value; above 0 the thread
+            also runs under ``SCHED_IDLE`` (Linux only; 0 keeps the caller's priority).
 
     Thread safety: ``submit``, ``in_flight`` and ``wait`` may be called from any thread.
     """
@@ -162,18 +163,8 @@ def _close_all() -> None:
         engine.close()
 
 
-def _lower_priority(niceness: int) -> None:
-    if niceness <= 0 or not sys.platform.startswith("linux"):
-        return
-    try:
-        # On Linux each thread is a task: this changes the priority of this thread only.
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except OSError as e:
-        logger.debug("Could not lower the checkpoint writer's priority: %s", e)
-
-
 def _work(jobs: queue.SimpleQueue[_Job | None], niceness: int) -> None:
-    _lower_priority(niceness)
+    priority.lower(niceness, idle=True)
     while True:
         item = jobs.get()
         if item is None:

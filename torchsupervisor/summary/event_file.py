@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 from tensorboard.compat.proto import event_pb2
 
+from torchsupervisor import priority
 from torchsupervisor.clock import Clock
 from torchsupervisor.summary import records
 
@@ -122,16 +123,6 @@ def _fsync(fd: int) -> None:
 
 def _close(fd: int) -> None:
     os.close(fd)
-
-
-def _lower_priority(niceness: int) -> None:
-    """Give the calling thread the CPU priority ``niceness`` (Linux: threads are tasks)."""
-    if niceness <= 0 or not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except OSError as e:
-        logger.debug("Could not lower the summary writer's priority: %s", e)
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,7 +427,7 @@ class EventFileWriter:
     # -- writer thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        _lower_priority(self.niceness)
+        priority.lower(self.niceness)
         try:
             self._loop()
         except BaseException:  # a bug: never leave callers blocked behind a dead thread
