@@ -90,15 +90,25 @@ def rank_rng_state(state_dict: dict[str, Any], rank: int) -> dict[str, Any]:
     if rank == 0:
         return state_dict
     seed = rank_seed(state_dict, rank)
-    version, internal, gauss = random.Random(seed).getstate()
     words = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32)
-    kind, keys, pos, has_gauss, cached = np.random.RandomState(words).get_state()
     cuda = []
     if state_dict.get("cuda") and torch.cuda.is_available():
         for i, _ in enumerate(state_dict["cuda"]):
             generator = torch.Generator(device="cuda")
             generator.manual_seed(seed + 1 + i)
             cuda.append(generator.get_state())
+    return _state_dict(
+        random.Random(seed).getstate(),
+        np.random.RandomState(words).get_state(),
+        torch.Generator().manual_seed(seed).get_state(),
+        cuda,
+    )
+
+
+def _state_dict(python: tuple, numpy: tuple, cpu: torch.Tensor, cuda: list) -> dict[str, Any]:
+    """``RNGState``'s format from ``random``'s, NumPy's legacy and torch's generator states."""
+    version, internal, gauss = python
+    kind, keys, pos, has_gauss, cached = numpy
     return {
         "python": {"version": version, "state": list(internal), "gauss": gauss},
         "numpy": {
@@ -108,7 +118,7 @@ def rank_rng_state(state_dict: dict[str, Any], rank: int) -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
         },
-        "torch": torch.Generator().manual_seed(seed).get_state(),
+        "torch": cpu,
         "cuda": cuda,
     }
 
@@ -146,26 +156,13 @@ class RNGState:
 
     def state_dict(self) -> dict[str, Any]:
         """Return the current states of every global generator (see the class docstring)."""
-        version, internal, gauss = random.getstate()
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
         if not torch.cuda.is_available():
             cuda = []
         elif _replicas():
             cuda = [torch.cuda.get_rng_state(torch.cuda.current_device())]
         else:
             cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
-        return {
-            "python": {"version": version, "state": list(internal), "gauss": gauss},
-            "numpy": {
-                "kind": kind,
-                "keys": torch.from_numpy(keys.astype(np.int64)),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "cached_gaussian": float(cached),
-            },
-            "torch": torch.get_rng_state(),
-            "cuda": cuda,
-        }
+        return _state_dict(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore every generator from ``state_dict()`` output (derived for ranks > 0).
