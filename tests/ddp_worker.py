@@ -36,6 +36,7 @@ import time
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from worker_exit import run_and_exit
 
 import torchsupervisor as ts
 
@@ -115,4 +116,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

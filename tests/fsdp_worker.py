@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from worker_exit import run_and_exit
 
 import torchsupervisor as ts
 from torchsupervisor.checkpoint.sharded import ShardedOptimizerState, flatten_sharded_state
@@ -130,4 +131,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

@@ -40,6 +40,9 @@ from torchsupervisor.checkpoint.sharded import (
 )
 from torchsupervisor.checkpoint.storage import FileSystem
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from worker_exit import run_and_exit
+
 
 class RecordingFS(FileSystem):
     """Prints the files this rank creates; optionally fails one kind of write."""
@@ -177,9 +180,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    # Skip the interpreter's teardown: gloo threads releasing tensors while it runs abort the
-    # process at random (see distributed._destroy_at_exit); the results are printed already.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    run_and_exit(main)
