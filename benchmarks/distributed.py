@@ -246,6 +246,24 @@ def launch(world_size: int, *worker_args: str, timeout_secs: float = 1800) -> li
     return sorted(results, key=lambda r: r["rank"])
 
 
+def _save_row(
+    case: str, size: int, world: int, ranks: list[dict[str, Any]], nbytes: str, stalls: str
+) -> dict[str, Any]:
+    """A table row of one kind of save (ours or DCP's), from every rank's report."""
+    per_rank_stalls = [statistics.median(r[stalls]) for r in ranks]
+    total = sum(r[nbytes] for r in ranks)
+    return {
+        "case": case,
+        "size_bytes": size,
+        "state_bytes": total,
+        "world_size": world,
+        "per_rank_bytes": [r[nbytes] for r in ranks],
+        "per_rank_stall_secs": per_rank_stalls,
+        "per_rank_mb_per_sec": [r[nbytes] / MB / s for r, s in zip(ranks, per_rank_stalls)],
+        "aggregate_mb_per_sec": total / MB / max(per_rank_stalls),
+    }
+
+
 def run_size(size: int, root: str, repeat: int) -> list[dict[str, Any]]:
     """Every configuration for one state size; rows for the table."""
     rows: list[dict[str, Any]] = []
@@ -255,37 +273,14 @@ def run_size(size: int, root: str, repeat: int) -> list[dict[str, Any]]:
         directory = tempfile.mkdtemp(prefix=f"sharded{world}-", dir=root)
         dirs[world] = directory
         ranks = launch(world, "--mode", "save", "--dir", directory, *common)
-        stalls = [statistics.median(r["stalls"]) for r in ranks]
-        total = sum(r["bytes"] for r in ranks)
-        dcp_stalls = [statistics.median(r["dcp_stalls"]) for r in ranks]
-        dcp_total = sum(r["dcp_bytes"] for r in ranks)
         plural = "s" if world > 1 else ""
-        rows.append(
-            {
-                "case": f"sharded, {world} rank{plural}",
-                "size_bytes": size,
-                "state_bytes": total,
-                "world_size": world,
-                "per_rank_bytes": [r["bytes"] for r in ranks],
-                "per_rank_stall_secs": stalls,
-                "per_rank_mb_per_sec": [r["bytes"] / MB / s for r, s in zip(ranks, stalls)],
-                "aggregate_mb_per_sec": total / MB / max(stalls),
-                "restore_same_world_secs": max(r["restore_secs"] for r in ranks),
-                "stall_vs_dcp": max(stalls) / max(dcp_stalls),
-            }
+        ours = _save_row(f"sharded, {world} rank{plural}", size, world, ranks, "bytes", "stalls")
+        dcp = _save_row(
+            f"dcp.save, {world} rank{plural}", size, world, ranks, "dcp_bytes", "dcp_stalls"
         )
-        rows.append(
-            {
-                "case": f"dcp.save, {world} rank{plural}",
-                "size_bytes": size,
-                "state_bytes": dcp_total,
-                "world_size": world,
-                "per_rank_bytes": [r["dcp_bytes"] for r in ranks],
-                "per_rank_stall_secs": dcp_stalls,
-                "per_rank_mb_per_sec": [r["dcp_bytes"] / MB / s for r, s in zip(ranks, dcp_stalls)],
-                "aggregate_mb_per_sec": dcp_total / MB / max(dcp_stalls),
-            }
-        )
+        ours["restore_same_world_secs"] = max(r["restore_secs"] for r in ranks)
+        ours["stall_vs_dcp"] = max(ours["per_rank_stall_secs"]) / max(dcp["per_rank_stall_secs"])
+        rows += [ours, dcp]
     for saved_by, restored_by in ((2, 1), (1, 2)):
         prefix = os.path.join(dirs[saved_by], f"model.ckpt-{repeat - 1}")
         ranks = launch(restored_by, "--mode", "load", "--prefix", prefix, *common)

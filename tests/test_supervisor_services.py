@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import shutil
+import signal
 import threading
 import time
 
@@ -478,6 +479,22 @@ def test_a_vanished_checkpoint_directory_is_reported_and_training_goes_on(tmp_pa
             sess.run(c.step)
     # Once the directory is back, the final checkpoint is written there.
     assert latest_checkpoint(logdir) == os.path.join(logdir, f"model.ckpt-{c.global_step.value}")
+
+
+def test_a_preemption_save_into_a_vanished_directory_is_reported_not_raised(tmp_path, caplog):
+    logdir = str(tmp_path / "run")
+    c = Counter()
+    sv = Supervisor(logdir=logdir, state=c.state, save_summaries_secs=0, save_model_secs=3600)
+    caplog.set_level(logging.INFO, logger="torchsupervisor")
+    with sv.managed_session() as sess:
+        wait_for_checkpoint(sv, 0)
+        sess.run(c.step)
+        shutil.rmtree(logdir)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        wait_until(sv.should_stop, what="the stop after the signal")
+    # The final checkpoint within the grace budget failed; the session still ended cleanly.
+    assert any("doesn't exist, can't save" in m for m in caplog.messages), caplog.messages
+    assert not os.path.exists(logdir)
 
 
 def test_a_failed_explicit_checkpoint_raises_and_training_can_go_on(tmp_path):

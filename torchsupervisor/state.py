@@ -42,7 +42,6 @@ __all__ = [
     "is_materialized",
     "iter_state_tensors",
     "load_state",
-    "ndarray_names",
     "select_state",
 ]
 
@@ -336,25 +335,6 @@ def check_saveable(tensor: torch.Tensor, path: str) -> None:
         raise ValueError(
             f"Cannot save {path!r}: tensor subclass {type(tensor).__name__} is not supported"
         )
-
-
-def ndarray_names(skeleton: Any) -> set[str]:
-    """Return the names of the tensors of a skeleton that stand for numpy arrays."""
-    names: set[str] = set()
-
-    def walk(node: Any) -> None:
-        if isinstance(node, TensorRef):
-            if node.ndarray:
-                names.add(node.name)
-        elif isinstance(node, dict):
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                walk(value)
-
-    walk(skeleton)
-    return names
 
 
 def select_state(state: Mapping[str, Any], var_list: Any) -> Mapping[str, Any]:

@@ -303,14 +303,20 @@ def test_overwriting_data_that_newer_checkpoints_use_is_refused(tmp_path):
     CheckpointReader(first).verify()
 
 
-def test_a_corrupt_referenced_shard_makes_the_restart_fall_back(tmp_path):
-    state = _frozen_state()
+def _three_saves(state, directory):
+    """m-0 and m-1 full (two independent chains), then m-2 referencing m-1's backbone."""
     saver = Saver(max_to_keep=None)
     sess = Session(state)
-    zeroth = saver.save(sess, str(tmp_path / "m"), global_step=0)
-    first = saver.save(sess, str(tmp_path / "m"), global_step=1)
+    zeroth = saver.save(sess, str(directory / "m"), global_step=0)
+    first = saver.save(sess, str(directory / "m"), global_step=1)
     _train(state)
-    second = saver.save(sess, str(tmp_path / "m"), global_step=2)
+    second = saver.save(sess, str(directory / "m"), global_step=2)
+    return zeroth, first, second
+
+
+def test_a_corrupt_referenced_shard_makes_the_restart_fall_back(tmp_path):
+    state = _frozen_state()
+    zeroth, first, second = _three_saves(state, tmp_path)
     reader = CheckpointReader(first)
     entry = reader.manifest.tensors["model/backbone.2.weight"]  # Referenced by m-2.
     with open(first + ".data-00000-of-00001", "r+b") as f:
@@ -507,12 +513,7 @@ def test_a_damaged_header_of_a_shard_read_in_part_makes_the_restart_fall_back(tm
     """m-2 reads only the frozen tensors of m-1's shard: the header's own CRC still covers
     the header, so the damage is found although every tensor read is intact."""
     state = _frozen_state()
-    saver = Saver(max_to_keep=None)
-    sess = Session(state)
-    zeroth = saver.save(sess, str(tmp_path / "m"), global_step=0)
-    first = saver.save(sess, str(tmp_path / "m"), global_step=1)
-    _train(state)
-    second = saver.save(sess, str(tmp_path / "m"), global_step=2)
+    zeroth, first, second = _three_saves(state, tmp_path)
     shard = first + ".data-00000-of-00001"
     manifest = CheckpointReader(second).manifest
     referenced = [

@@ -51,13 +51,13 @@ __all__ = [
 ]
 
 _CHUNK_BYTES = 16 << 20
+_PIPELINE_MIN_BYTES = 64 << 20
 
 # TF's name of the global step variable. A ``GlobalStep`` is saved as a plain int in the
 # manifest's tree (``global_step/value``) and as the manifest's step; the reader shows that step
 # as a 0-d int64 tensor under this name, as TF's checkpoints held it, unless a real tensor is
 # called so.
 GLOBAL_STEP_NAME = "global_step"
-_PIPELINE_MIN_BYTES = 64 << 20
 
 
 class CheckpointReader:

@@ -347,7 +347,9 @@ class Saver:
         if snapshot is None:
             return None
         stall = time.perf_counter() - start
-        return self._persist(snapshot, prefix, save_path, latest_filename, write_state, stall)
+        return self._persist(
+            snapshot, prefix, save_path, latest_filename, write_state, stall, False
+        )
 
     def save_async(
         self,
@@ -398,7 +400,7 @@ class Saver:
             return done
         stall = time.perf_counter() - start
         return self._engine.submit(
-            self._persist, snapshot, prefix, save_path, latest_filename, write_state, stall
+            self._persist, snapshot, prefix, save_path, latest_filename, write_state, stall, True
         )
 
     def close(self) -> None:
@@ -593,13 +595,17 @@ class Saver:
         latest_filename: str | None,
         write_state: bool,
         stall_secs: float,
+        check_dir: bool,
     ) -> str:
+        """Write ``snapshot`` (on the writer thread for ``save_async``, which left the check
+        of the directory to it: ``check_dir``), then record it and apply retention."""
         start = time.perf_counter()
         try:
-            try:
-                self._check_dir(save_path)
-            except ValueError as e:
-                raise CheckpointSaveError(str(e), path=prefix) from None
+            if check_dir:
+                try:
+                    self._check_dir(save_path)
+                except ValueError as e:
+                    raise CheckpointSaveError(str(e), path=prefix) from None
             result = persist(
                 snapshot,
                 prefix,
