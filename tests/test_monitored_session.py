@@ -23,6 +23,7 @@ from supervisor_helpers import (
 
 from torchsupervisor import GlobalStep, Saver, Session, SummaryWriterCache, summary
 from torchsupervisor.checkpoint.storage import temporary_name
+from torchsupervisor.checkpoint.writer_lock import LOCK_FILENAME
 from torchsupervisor.errors import (
     AbortedError,
     DataLossError,
@@ -142,8 +143,10 @@ def test_the_chief_removes_what_a_crash_left(tmp_path):
     open(stale, "w").close()
     orphan = tmp_path / "model.ckpt-7.data-00000-of-00001"
     orphan.write_bytes(b"partial")
-    ChiefSessionCreator(checkpoint_dir=str(tmp_path), state=Counter().state).create_session()
-    assert sorted(os.listdir(tmp_path)) == []
+    creator = ChiefSessionCreator(checkpoint_dir=str(tmp_path), state=Counter().state)
+    creator.create_session()
+    assert sorted(os.listdir(tmp_path)) == [LOCK_FILENAME]  # The chief's writer lock.
+    creator.close()
 
 
 def test_the_chief_reports_a_directory_without_a_valid_checkpoint(tmp_path):

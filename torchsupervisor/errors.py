@@ -43,6 +43,7 @@ __all__ = [
     "FailedPreconditionError",
     "InternalError",
     "InvalidArgumentError",
+    "LogdirLockedError",
     "NotFoundError",
     "OpError",
     "OutOfRangeError",
@@ -281,3 +282,44 @@ class CheckpointSaveError(CheckpointError):
     The original ``OSError`` is chained as ``__cause__``. Older checkpoints are untouched and the
     temporary files of the failed save have been removed when this is raised.
     """
+
+
+class LogdirLockedError(CheckpointError, FailedPreconditionError):
+    """Another process is writing to this log directory: one writer per logdir.
+
+    Raised at once when a ``Supervisor``, a chief ``MonitoredTrainingSession`` or a ``Saver``
+    starts writing to a directory whose writer lock another process holds. The lock is an
+    advisory record lock (``lockf``) that the operating system releases when its process
+    ends, even by ``kill -9``: a crashed run never blocks its restart. Readers (``ls``, ``verify``,
+    TensorBoard, ``CheckpointReader``) never take it.
+
+    Attributes:
+        path: The lock file (``<logdir>/.torchsupervisor-writer.lock``).
+        directory: The log directory.
+        owner: What the holder wrote in the lock file: ``pid``, ``host``, ``since`` (ISO 8601
+            time), ``command``; empty if it could not be read.
+
+    TF name: none (TF let two writers corrupt each other's state file).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        directory: str | None = None,
+        owner: dict[str, Any] | None = None,
+    ) -> None:
+        CheckpointError.__init__(self, message, path=path, code=FAILED_PRECONDITION)
+        self.directory = directory
+        self.owner = dict(owner or {})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_locked, (self._message, self.path, self.directory, self.owner))
+
+
+def _rebuild_locked(
+    message: str, path: str | None, directory: str | None, owner: dict[str, Any]
+) -> LogdirLockedError:
+    return LogdirLockedError(message, path=path, directory=directory, owner=owner)
+

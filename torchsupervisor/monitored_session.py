@@ -107,6 +107,12 @@ class _CoordinatedSessionCreator:
         self.tf_sess: Session | None = None
         self.coord: Coordinator | None = None
 
+    def close(self) -> None:
+        """Release what the session creator holds (the chief's writer lock)."""
+        close = getattr(self._session_creator, "close", None)
+        if close is not None:
+            close()
+
     def create_session(self) -> _CoordinatedSession:
         # A checkpoint still being written (a recovery) is committed before the new session
         # looks for the newest checkpoint to restore.
@@ -351,6 +357,7 @@ class _MonitoredSession:
                     self._sess = None
                     self._coordinated_creator.tf_sess = None
                     self._coordinated_creator.coord = None
+                    self._coordinated_creator.close()
         finally:
             self._preemption.uninstall()
         if (

@@ -22,11 +22,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from torchsupervisor.checkpoint.management import (
-    clean_stale_temporaries,
-    find_incomplete_checkpoints,
-    remove_checkpoint,
-)
+from torchsupervisor.checkpoint import writer_lock
+from torchsupervisor.checkpoint.management import clean_checkpoint_dir
 from torchsupervisor.clock import Clock
 from torchsupervisor.registry import get_default_graph
 from torchsupervisor.scaffold import Scaffold, prepare_state, same_state
@@ -67,21 +64,6 @@ def _resolve_state(scaffold: Scaffold, state: Mapping[str, Any] | None) -> dict[
             "Scaffold or to the session creator, not two different ones"
         )
     return prepare_state(state)
-
-
-def _clean_checkpoint_dir(directory: str) -> None:
-    """Remove what a crash left: temporary files and checkpoints that were never committed."""
-    if not os.path.isdir(directory):
-        return
-    clean_stale_temporaries(directory)
-    for prefix in find_incomplete_checkpoints(directory):
-        logger.warning(
-            "Removing incomplete checkpoint %s (no index: the save did not finish)", prefix
-        )
-        try:
-            remove_checkpoint(prefix)
-        except OSError as e:
-            logger.warning("Could not remove %s: %s", prefix, e)
 
 
 class _ScaffoldedCreator(SessionCreator):
@@ -195,6 +177,16 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         self._checkpoint_filename_with_path = checkpoint_filename_with_path
         self._cleaned = False
         self._initialized = False
+        self._writer_lock: writer_lock.DirectoryLock | None = None
+
+    def close(self) -> None:
+        """Release the writer lock of ``checkpoint_dir`` (``MonitoredSession.close`` calls it).
+
+        TF name: none (TF had no writer lock).
+        """
+        if self._writer_lock is not None:
+            self._writer_lock.release()
+            self._writer_lock = None
 
     def create_session(self) -> Session:
         """Create a session whose state is restored or initialized and ready.
@@ -212,6 +204,7 @@ class ChiefSessionCreator(_ScaffoldedCreator):
             RuntimeError: When the state cannot be made ready (``SessionManager``'s texts).
             ValueError: If both checkpoint locations are given.
             DataLossError: If ``checkpoint_dir`` has checkpoints and none is valid.
+            LogdirLockedError: Another process is writing to ``checkpoint_dir``.
             CorruptCheckpointError, NotFoundError, InvalidArgumentError: ``Saver.restore``'s
                 errors, when the checkpoint given by ``checkpoint_filename_with_path`` does
                 not restore.
@@ -222,8 +215,11 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         wait = getattr(saver, "wait", None)
         if wait is not None:
             wait()
+        if self._checkpoint_dir and self._writer_lock is None:
+            os.makedirs(self._checkpoint_dir, exist_ok=True)
+            self._writer_lock = writer_lock.acquire(self._checkpoint_dir)
         if self._checkpoint_dir and not self._cleaned:
-            _clean_checkpoint_dir(self._checkpoint_dir)
+            clean_checkpoint_dir(self._checkpoint_dir)
             self._cleaned = True
         if self._initialized:
             init_op, init_feed_dict, init_fn = _keep_state, None, None

@@ -18,8 +18,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from torchsupervisor.checkpoint.recovery import restore_candidates
-from torchsupervisor.checkpoint.state_file import get_checkpoint_state
+from torchsupervisor.checkpoint.recovery import plan_restore
 from torchsupervisor.clock import REAL_CLOCK, Clock
 from torchsupervisor.errors import (
     CorruptCheckpointError,
@@ -116,19 +115,17 @@ class SessionManager:
             sess.restored_checkpoint = checkpoint_filename_with_path
             return sess, True
         waited_secs = 0.0
-        candidates = restore_candidates(checkpoint_dir)
-        while not candidates:
+        plan = plan_restore(checkpoint_dir)
+        while not plan.candidates:
             if not wait_for_checkpoint or waited_secs >= max_wait_secs:
                 return sess, False
             logger.info("Waiting for checkpoint to be available.")
             self._clock.sleep(self._recovery_wait_secs)
             waited_secs += self._recovery_wait_secs
-            candidates = restore_candidates(checkpoint_dir)
-        prefix = _restore_newest_valid(saver, sess, candidates, checkpoint_dir)
+            plan = plan_restore(checkpoint_dir)
+        prefix = _restore_newest_valid(saver, sess, plan.candidates, checkpoint_dir)
         sess.restored_checkpoint = prefix
-        state = get_checkpoint_state(checkpoint_dir)
-        listed = list(state.all_model_checkpoint_paths) if state else list(reversed(candidates))
-        saver.recover_last_checkpoints(listed)
+        saver.recover_last_checkpoints(plan.tracked)
         return sess, True
 
     def prepare_session(

@@ -179,7 +179,7 @@ def flatten_state(
             candidates.append(name)
         return TensorRef(name, ndarray)
 
-    def walk(obj: Any, path: str, origin: int) -> Any:
+    def walk(obj: Any, path: str, origin: int, depth: int = 0) -> Any:
         # Fast paths for the common exact types (this runs at every checkpoint).
         kind = type(obj)
         if kind is _TENSOR or kind is _PARAMETER:
@@ -190,15 +190,20 @@ def flatten_state(
             return add_tensor(path, obj.detach(), False, origin)
         if kind in _PLAIN_TYPES:
             return obj
+        if depth >= MAX_STATE_DEPTH:
+            raise ValueError(
+                f"Cannot save {path!r}: the state nests deeper than {MAX_STATE_DEPTH} levels"
+            )
+        depth += 1
         if kind is dict:
             out = {}
             for key, value in obj.items():
                 if type(key) not in _KEY_TYPES:
                     _check_key(key, path)
-                out[key] = walk(value, f"{path}/{key}", origin)
+                out[key] = walk(value, f"{path}/{key}", origin, depth)
             return out
         if kind is list:
-            return [walk(value, f"{path}/{i}", origin) for i, value in enumerate(obj)]
+            return [walk(value, f"{path}/{i}", origin, depth) for i, value in enumerate(obj)]
         if getattr(obj, "is_sharded_state", False):  # e.g. ShardedOptimizerState
             raise ShardedStateError(path)
         if track and not isinstance(obj, (torch.Tensor, np.ndarray, Mapping, list, tuple)):
@@ -231,12 +236,12 @@ def flatten_state(
             out = {}
             for key, value in obj.items():
                 _check_key(key, path)
-                out[key] = walk(value, _path(path, key), origin)
+                out[key] = walk(value, _path(path, key), origin, depth)
             return out
         if isinstance(obj, list):
-            return [walk(value, _path(path, i), origin) for i, value in enumerate(obj)]
+            return [walk(value, _path(path, i), origin, depth) for i, value in enumerate(obj)]
         if isinstance(obj, tuple):
-            return tuple(walk(value, _path(path, i), origin) for i, value in enumerate(obj))
+            return tuple(walk(value, _path(path, i), origin, depth) for i, value in enumerate(obj))
         raise TypeError(
             f"Cannot save {path!r}: objects of type "
             f"{type(obj).__module__}.{type(obj).__qualname__} have no state_dict() and are not "
@@ -302,6 +307,11 @@ _BARE, _MODULE, _OTHER = 0, 1, 2
 
 _TENSOR = torch.Tensor
 _PARAMETER = torch.nn.Parameter
+MAX_STATE_DEPTH = 64
+"""The deepest nesting of containers (mappings, lists, tuples, state dicts) below a state
+entry that a checkpoint holds; deeper states are refused at save (a manifest nesting deeper is
+treated as damage when read)."""
+
 _PLAIN_TYPES = frozenset({str, int, float, bool, type(None), bytes, torch.dtype, torch.device})
 _KEY_TYPES = frozenset({str, int, float, bool, type(None)})
 

@@ -54,11 +54,8 @@ import torch.distributed as dist
 from tensorboard.compat.proto.event_pb2 import SessionLog
 
 from torchsupervisor import distributed
-from torchsupervisor.checkpoint.management import (
-    clean_stale_temporaries,
-    find_incomplete_checkpoints,
-    remove_checkpoint,
-)
+from torchsupervisor.checkpoint import writer_lock
+from torchsupervisor.checkpoint.management import clean_checkpoint_dir
 from torchsupervisor.checkpoint.recovery import restore_candidates
 from torchsupervisor.checkpoint.saver import Saver
 from torchsupervisor.checkpoint.sharded import is_sharded
@@ -300,6 +297,7 @@ class Supervisor:
                 clock=self._clock,
             )
         self._session_manager = session_manager
+        self._logdir_lock: writer_lock.DirectoryLock | None = None
         self._sess: Session | None = None
         self._checkpoint_service: CheckpointService | None = None
 
@@ -491,11 +489,16 @@ class Supervisor:
             RuntimeError: If the state cannot be made ready.
             DataLossError: If ``logdir`` has checkpoints and none of them is valid.
             DeadlineExceededError: If a non-chief waited ``max_wait_secs`` in vain.
+            LogdirLockedError: (Chief) another process is writing to ``logdir`` (one writer
+                per log directory; the lock is released when that process ends).
             FailedPreconditionError: (Sharded state) if the ranks see different checkpoints
                 or resumed from different ones, or another rank failed to prepare.
 
         TF name: ``Supervisor.prepare_or_wait_for_session``.
         """
+        if self._is_chief and self._logdir and self._logdir_lock is None:
+            os.makedirs(self._logdir, exist_ok=True)
+            self._logdir_lock = writer_lock.acquire(self._logdir)  # One writer per logdir.
         self._coord.clear_stop()
         if self._summary_writer is not None:
             self._summary_writer.reopen()
@@ -546,7 +549,7 @@ class Supervisor:
             self._stop_agreement = StopAgreement(replicas, self._global_step)
         elif self._is_chief:
             if self._logdir:
-                _clean_logdir(self._logdir)
+                clean_checkpoint_dir(self._logdir)
             sess = self._session_manager.prepare_session(
                 master,
                 init_op=self._init_op,
@@ -603,7 +606,7 @@ class Supervisor:
         logdir = self._replica_logdir
         if self._is_chief:
             if logdir:
-                _clean_logdir(logdir)
+                clean_checkpoint_dir(logdir)
             replicas.publish_ready({}, name="restore/open")
         else:
             replicas.wait_ready(
@@ -943,6 +946,9 @@ class Supervisor:
             if close_summary_writer and self._summary_writer is not None:
                 self._summary_writer.add_session_log(SessionLog(status=SessionLog.STOP))
                 self._summary_writer.close()
+            if self._logdir_lock is not None:
+                self._logdir_lock.release()
+                self._logdir_lock = None
 
     def request_stop(self, ex: Any = None) -> None:
         """Request the coordinator to stop; ``ex`` is recorded if it is the first error.
@@ -1102,21 +1108,6 @@ def _agree(
     if any(v != values[0] for v in values):
         listed = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
         raise FailedPreconditionError(None, None, f"The replicas disagree on {what}: {listed}")
-
-
-def _clean_logdir(logdir: str) -> None:
-    """Remove what a crash left in ``logdir``: temporary files and uncommitted checkpoints."""
-    if not os.path.isdir(logdir):
-        return
-    clean_stale_temporaries(logdir)
-    for prefix in find_incomplete_checkpoints(logdir):
-        logger.warning(
-            "Removing incomplete checkpoint %s (no index: the save did not finish)", prefix
-        )
-        try:
-            remove_checkpoint(prefix)
-        except OSError as e:
-            logger.warning("Could not remove %s: %s", prefix, e)
 
 
 def basic_train_loop(

@@ -182,7 +182,7 @@ def test_full_save_every_n_saves(tmp_path):
         4,
         9,
     ]
-    with pytest.raises(ValueError, match="full_save_every_n_saves must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="full_save_every_n_saves must be >= 1, got 0"):
         Saver(full_save_every_n_saves=0)
 
 

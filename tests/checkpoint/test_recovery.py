@@ -30,7 +30,8 @@ def test_state_file_order_then_directory_scan(tmp_path):
     assert restore_candidates(str(tmp_path)) == [c, b, a]
     # A hand-edited state file pointing to an older checkpoint is obeyed first.
     text = (tmp_path / "checkpoint").read_text()
-    (tmp_path / "checkpoint").write_text(text.replace(f'path: "{c}"', f'path: "{a}"', 1))
+    name_a, name_c = os.path.basename(a), os.path.basename(c)
+    (tmp_path / "checkpoint").write_text(text.replace(f'path: "{name_c}"', f'path: "{name_a}"', 1))
     assert restore_candidates(str(tmp_path)) == [a, c, b]
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from torchsupervisor import GlobalStep, Saver, Session, get_checkpoint_state, latest_checkpoint
 from torchsupervisor.checkpoint.reader import CheckpointReader
+from torchsupervisor.checkpoint.writer_lock import LOCK_FILENAME
 from torchsupervisor.errors import CheckpointSaveError, InvalidArgumentError, NotFoundError
 
 
@@ -43,7 +44,7 @@ def _trained_state():
 
 
 def _files(directory):
-    return sorted(os.listdir(directory))
+    return sorted(n for n in os.listdir(directory) if n != LOCK_FILENAME)
 
 
 def test_round_trip_restores_every_kind_of_state(tmp_path):
@@ -113,16 +114,18 @@ def test_shards_are_plain_safetensors_files(tmp_path):
     assert set(loaded) == listed - {"global_step"}
 
 
-def test_state_file_is_tf_text_format_with_absolute_paths(tmp_path):
-    saver = Saver(max_to_keep=2)
+@pytest.mark.parametrize("relative", [True, False])
+def test_state_file_is_tf_text_format_relative_by_default(tmp_path, relative):
+    saver = Saver(max_to_keep=2) if relative else Saver(max_to_keep=2, save_relative_paths=False)
     sess = Session({"w": torch.zeros(2)})
     for step in (100, 200, 300):
         saver.save(sess, str(tmp_path / "model.ckpt"), global_step=step)
     text = (tmp_path / "checkpoint").read_text()
+    where = "" if relative else f"{tmp_path}/"
     assert text == (
-        f'model_checkpoint_path: "{tmp_path}/model.ckpt-300"\n'
-        f'all_model_checkpoint_paths: "{tmp_path}/model.ckpt-200"\n'
-        f'all_model_checkpoint_paths: "{tmp_path}/model.ckpt-300"\n'
+        f'model_checkpoint_path: "{where}model.ckpt-300"\n'
+        f'all_model_checkpoint_paths: "{where}model.ckpt-200"\n'
+        f'all_model_checkpoint_paths: "{where}model.ckpt-300"\n'
     )
     assert not os.path.exists(tmp_path / "model.ckpt-100.index")
     assert saver.last_checkpoints == [

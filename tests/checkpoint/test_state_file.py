@@ -512,7 +512,8 @@ def test_unreadable_state_file_gives_two_warnings_and_none(tmp_path, caplog):
     assert get_checkpoint_state(str(tmp_path)) is None
     messages = _warnings(caplog)
     assert len(messages) == 2
-    assert messages[0].startswith("IsADirectoryError: ")
+    assert messages[0].startswith("NotRegularFileError: ")
+    assert "not a regular file (a directory)" in messages[0]
     assert messages[1] == f"{tmp_path / 'checkpoint'}: Checkpoint ignored"
 
 

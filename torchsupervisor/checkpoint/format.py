@@ -40,12 +40,13 @@ from typing import Any
 import crc32c
 import torch
 
-from torchsupervisor.state import TensorRef
+from torchsupervisor.state import MAX_STATE_DEPTH, TensorRef
 
 __all__ = [
     "DATA_ALIGNMENT_BYTES",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "MAX_TREE_DEPTH",
     "Manifest",
     "ManifestError",
     "ShardEntry",
@@ -64,6 +65,16 @@ FORMAT_NAME = "torchsupervisor-checkpoint"
 FORMAT_VERSION = 1
 DATA_ALIGNMENT_BYTES = 64
 CHECKSUM_ALGORITHM = "crc32c"
+
+MAX_TREE_DEPTH = MAX_STATE_DEPTH + 1
+"""The deepest nesting of containers (dicts, lists, tuples) a manifest's tree may have.
+
+A real training state nests a few levels (``optimizer/state/0/exp_avg``); a manifest whose
+tree nests deeper is damage (decoding it would exhaust the interpreter's stack).
+``state.flatten_state`` refuses to save a state nested deeper than ``MAX_STATE_DEPTH`` below
+its entries (the tree adds one level: the mapping of the entries), so that every checkpoint
+written can be read back.
+"""
 
 _DTYPE_CODES: dict[torch.dtype, str] = {}
 for _name, _code in [
@@ -234,7 +245,7 @@ class Manifest:
         try:
             shards = tuple(
                 ShardEntry(
-                    file=_str(s["file"]),
+                    file=_shard_file(s["file"]),
                     size_bytes=_int(s["size_bytes"]),
                     data_offset=_int(s["data_offset"]),
                     crc32c=_int(s["crc32c"]),
@@ -257,6 +268,7 @@ class Manifest:
                 )
                 _check_entry(name, entry, shards)
                 tensors[name] = entry
+            _check_depth(body["tree"])
             step = body["global_step"]
             return cls(
                 global_step=None if step is None else _int(step),
@@ -309,6 +321,40 @@ def _str(x: Any) -> str:
     if not isinstance(x, str):
         raise ManifestError(f"expected a string, got {x!r}")
     return x
+
+
+def _shard_file(x: Any) -> str:
+    """A shard's file name: a plain name inside the index's directory, nothing else."""
+    name = _str(x)
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        raise ManifestError(f"shard file {name!r} is not a plain file name in the directory")
+    return name
+
+
+def _check_depth(tree: Any) -> None:
+    """Refuse a tree nested deeper than ``MAX_TREE_DEPTH`` containers (without recursing)."""
+    pending = [(tree, 0)]
+    while pending:
+        node, depth = pending.pop()
+        if isinstance(node, list):
+            children = node
+        elif isinstance(node, dict) and len(node) == 1:
+            ((tag, value),) = node.items()
+            if tag == "dict" and isinstance(value, dict):
+                children = list(value.values())
+            elif tag in ("tuple", "items") and isinstance(value, list):
+                children = value if tag == "tuple" else [v for p in value for v in _pair(p)]
+            else:
+                continue
+        else:
+            continue
+        if depth >= MAX_TREE_DEPTH:
+            raise ManifestError(f"the state tree nests deeper than {MAX_TREE_DEPTH} levels")
+        pending.extend((child, depth + 1) for child in children)
+
+
+def _pair(item: Any) -> list[Any]:
+    return item if isinstance(item, list) else []
 
 
 def _list(x: Any) -> list[Any]:

@@ -26,6 +26,7 @@ from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem, is_temporar
 
 __all__ = [
     "checkpoint_exists",
+    "clean_checkpoint_dir",
     "clean_stale_temporaries",
     "find_incomplete_checkpoints",
     "get_checkpoint_mtimes",
@@ -174,7 +175,7 @@ def remove_checkpoint(
     meta_graph_suffix: str = "meta",
     *,
     fs: FileSystem = LOCAL_FS,
-) -> None:
+) -> list[str]:
     """Delete the files of a checkpoint.
 
     The index goes first and its removal is made durable (directory fsync) before any shard is
@@ -194,6 +195,9 @@ def remove_checkpoint(
         meta_graph_suffix: Extension of TF's meta-graph file, without the dot.
         fs: File-system seam used for every deletion (tests inject faults through it).
 
+    Returns:
+        The files deleted (TF's function returns nothing).
+
     Raises:
         OSError: A deletion failed for another reason than the file being absent (e.g.
             permission denied). Files deleted before the failure stay deleted.
@@ -203,23 +207,43 @@ def remove_checkpoint(
     TF name: ``tf.compat.v1.train.remove_checkpoint`` (deprecated in TF).
     """
     prefix = os.fspath(checkpoint_prefix)
+    removed: list[str] = []
+
+    def remove(path: str) -> bool:
+        if _remove_file(path, fs):
+            removed.append(path)
+            return True
+        return False
+
     if checkpoint_format_version == _V2:
         index = prefix + ".index"
-        if os.path.isfile(index) and _remove_file(index, fs):
+        if os.path.lexists(index) and remove(index):
             fs.fsync_dir(os.path.dirname(index))
-        data = _data_files(prefix)
-        if data:
-            needed = referenced_data_files(os.path.dirname(prefix), exclude=[prefix], fs=fs)
-            for path in data:
-                if os.path.basename(path) in needed:
-                    logger.info("Keeping %s: a newer checkpoint still uses its tensors", path)
-                else:
-                    _remove_file(path, fs)
+        for path in _unreferenced_data_files(prefix, fs, log=True):
+            remove(path)
     elif os.path.isfile(prefix):
-        _remove_file(prefix, fs)
+        remove(prefix)
     meta = meta_graph_filename(prefix, meta_graph_suffix)
     if os.path.isfile(meta):
-        _remove_file(meta, fs)
+        remove(meta)
+    return removed
+
+
+def _unreferenced_data_files(prefix: str, fs: FileSystem, *, log: bool = False) -> list[str]:
+    """The data files of ``prefix`` that no other committed checkpoint of its directory
+    references (an incremental checkpoint may read the tensors of an older one)."""
+    data = _data_files(prefix)
+    if not data:
+        return []
+    needed = referenced_data_files(os.path.dirname(prefix), exclude=[prefix], fs=fs)
+    out = []
+    for path in data:
+        if os.path.basename(path) in needed:
+            if log:
+                logger.info("Keeping %s: a newer checkpoint still uses its tensors", path)
+        else:
+            out.append(path)
+    return out
 
 
 def clean_stale_temporaries(
@@ -267,6 +291,46 @@ def clean_stale_temporaries(
     if removed:
         fs.fsync_dir(directory)
     return removed
+
+
+def clean_checkpoint_dir(directory: str | os.PathLike, *, fs: FileSystem = LOCAL_FS) -> None:
+    """Remove what a crash left in ``directory``: temporary files and uncommitted checkpoints.
+
+    An uncommitted checkpoint is one with data files and no index (``find_incomplete_
+    checkpoints``); its data files that a committed checkpoint still references (an
+    incremental one reading the tensors of a deleted older one) are kept, and such a prefix
+    is not reported. Each checkpoint whose files are really removed is logged at WARNING
+    level with the files' count; failures to remove are logged and ignored.
+
+    Args:
+        directory: The checkpoint directory (a missing one has nothing to clean).
+        fs: The file-system seam.
+
+    Thread safety: call at start-up, before any save to ``directory`` is in flight.
+    Distributed: call on the rank that writes to ``directory`` (the chief) only.
+
+    TF name: none (TF left crash debris in place).
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return
+    try:
+        clean_stale_temporaries(directory, fs=fs)
+    except OSError as e:
+        logger.warning("Could not remove the temporary files of %s: %s", directory, e)
+    for prefix in find_incomplete_checkpoints(directory):
+        try:
+            removed = remove_checkpoint(prefix, fs=fs)
+        except OSError as e:
+            logger.warning("Could not remove incomplete checkpoint %s: %s", prefix, e)
+            continue
+        if removed:
+            logger.warning(
+                "Removed incomplete checkpoint %s (no index: the save did not finish; %d file%s)",
+                prefix,
+                len(removed),
+                "" if len(removed) == 1 else "s",
+            )
 
 
 def find_incomplete_checkpoints(directory: str | os.PathLike) -> list[str]:

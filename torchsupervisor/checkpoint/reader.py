@@ -38,7 +38,7 @@ from torchsupervisor.checkpoint.sharded_metadata import (
     ShardedManifest,
     ShardedTensorEntry,
 )
-from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
+from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem, NotRegularFileError
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
 
 __all__ = [
@@ -52,6 +52,9 @@ __all__ = [
 
 _CHUNK_BYTES = 16 << 20
 _PIPELINE_MIN_BYTES = 64 << 20
+
+MAX_INDEX_BYTES = 1 << 30
+"""The largest ``P.index`` read (1 GiB: some 5 million tensors); a larger one is damage."""
 
 # TF's name of the global step variable. A ``GlobalStep`` is saved as a plain int in the
 # manifest's tree (``global_step/value``) and as the manifest's step; the reader shows that step
@@ -90,16 +93,30 @@ class CheckpointReader:
         index = prefix + ".index"
         try:
             with fs.open_for_read(index) as f:
-                data = f.read()
+                size = os.fstat(f.fileno()).st_size
+                data = f.read(MAX_INDEX_BYTES + 1) if size <= MAX_INDEX_BYTES else b""
         except FileNotFoundError:
             raise NotFoundError(
                 "Unsuccessful TensorSliceReader constructor: Failed to find any matching files "
                 f"for {prefix}"
             ) from None
-        except IsADirectoryError:
+        except (NotRegularFileError, IsADirectoryError) as e:
+            kind = getattr(e, "kind", "a directory")
             raise CorruptCheckpointError(
-                f"Checkpoint index {index} is a directory", path=index, reason="not a file"
+                f"Checkpoint index {index} is not a regular file ({kind})",
+                path=index,
+                reason="not a file",
             ) from None
+        except OSError as e:
+            raise CorruptCheckpointError(
+                f"Checkpoint index {index} cannot be read: {e}", path=index, reason="unreadable"
+            ) from e
+        if size > MAX_INDEX_BYTES or len(data) > MAX_INDEX_BYTES:
+            raise CorruptCheckpointError(
+                f"Checkpoint index {index} is corrupt: larger than {MAX_INDEX_BYTES} bytes",
+                path=index,
+                reason="too large",
+            )
         try:
             if SHARDED_TENSORS_KEY.encode() in data:
                 self._manifest = ShardedManifest.from_bytes(data)
@@ -253,12 +270,8 @@ class CheckpointReader:
 
         TF name: none (TF reads one tensor at a time with ``get_tensor``).
         """
-        by_shard: dict[int, list[tuple[str, TensorEntry]]] = {}
-        for name, entry in self._manifest.tensors.items():
-            by_shard.setdefault(entry.shard, []).append((name, entry))
         out: dict[str, torch.Tensor] = {}
-        for shard_index, entries in sorted(by_shard.items()):
-            entries.sort(key=lambda item: item[1].begin)
+        for shard_index, entries in self._entries_by_shard():
             out.update(self._read_shard(shard_index, entries))
         for name, sharded in self._sharded.items():
             tensor = torch.empty(sharded.shape, dtype=sharded.dtype)
@@ -292,37 +305,68 @@ class CheckpointReader:
             ) from None
 
     def verify(self) -> None:
-        """Check every byte of every shard against its checksum, without keeping the tensors.
+        """Check what a restore of this checkpoint reads, exactly as the restore checks it.
+
+        The same checks, in the same order, as ``read_tree`` (hence ``Saver.restore``), without
+        keeping the tensors: every shard a tensor of this checkpoint lives in is a regular
+        file inside the checkpoint's directory with the size the manifest records
+        (``check_files``); every tensor's bytes match its CRC-32C; every shard's header
+        matches its own; the state tree names only tensors the manifest lists. Bytes the
+        checkpoint does not read (tensors of an older shard that an incremental checkpoint
+        does not use) are not checked: damage there does not affect this checkpoint. So
+        ``verify`` passes exactly when a restore would read the checkpoint without error.
 
         Raises:
             CorruptCheckpointError: Naming the first bad file (and its damaged tensors).
+            OSError: If a read fails.
 
         TF name: none (TF checks each tensor's checksum only as it reads it).
         """
-        buffer = memoryview(bytearray(_CHUNK_BYTES))
-        for shard_index, shard in enumerate(self._manifest.shards):
-            path = self._shard_path(shard_index)
-            with self._open_shard(shard_index) as f:
-                header = bytearray(shard.data_offset)
-                if _read_exactly(f, memoryview(header)) != len(header):
-                    raise _truncated(path, shard.size_bytes)
-                try:
-                    ranges = parse_safetensors_header(memoryview(header)[8:])
-                except ManifestError:
-                    ranges = None
-                crcs = []
-                for _, begin, end in ranges or ():
-                    f.seek(shard.data_offset + begin)
-                    crc, remaining = 0, end - begin
-                    while remaining:
-                        n = f.readinto(buffer[: min(remaining, _CHUNK_BYTES)])
-                        if not n:
-                            raise _truncated(path, shard.size_bytes)
-                        crc = crc32c.crc32c(buffer[:n], crc)
-                        remaining -= n
-                    crcs.append(crc)
-            if ranges is None or shard_checksum(header, crcs) != shard.crc32c:
-                raise self._mismatch(shard_index, path)
+        self.check_files()
+        for shard_index, entries in self._entries_by_shard():
+            self._read_shard(shard_index, entries, keep=False)
+        known = set(self._manifest.tensors) | set(self._sharded)
+
+        def leaf(name: str, ndarray: bool) -> None:
+            if name not in known:
+                raise ManifestError(f"the tree names an unknown tensor {name!r}")
+
+        try:
+            decode_tree(self._manifest.tree, leaf)
+        except ManifestError as e:
+            index = self._prefix + ".index"
+            raise CorruptCheckpointError(
+                f"Checkpoint index {index} is corrupt: {e}", path=index, reason=str(e)
+            ) from None
+
+    def check_files(self) -> None:
+        """Check, without reading them, the shards this checkpoint's tensors live in.
+
+        Each must be a regular file inside the checkpoint's directory (a symbolic link that
+        leaves it is damage) with exactly the size the manifest records, so that the byte
+        ranges the manifest claims (bounded by those sizes when it was parsed) are really on
+        disk. ``Saver.restore`` calls this before comparing the manifest with the live state:
+        a manifest claiming a tensor larger than its file is damage (and the restart falls
+        back), not a shape mismatch.
+
+        Raises:
+            CorruptCheckpointError: Naming the file: missing, not a regular file, outside the
+                directory, or of another size.
+
+        TF name: none.
+        """
+        for shard_index, _ in self._entries_by_shard():
+            with self._open_shard(shard_index):
+                pass
+
+    def _entries_by_shard(self) -> list[tuple[int, list[tuple[str, TensorEntry]]]]:
+        """The manifest's tensors grouped by shard (in shard order), each group by offset."""
+        by_shard: dict[int, list[tuple[str, TensorEntry]]] = {}
+        for name, entry in self._manifest.tensors.items():
+            by_shard.setdefault(entry.shard, []).append((name, entry))
+        for entries in by_shard.values():
+            entries.sort(key=lambda item: item[1].begin)
+        return sorted(by_shard.items())
 
     def _shard_path(self, shard_index: int) -> str:
         return os.path.join(self._dir, self._manifest.shards[shard_index].file)
@@ -330,11 +374,12 @@ class CheckpointReader:
     def _open_shard(self, shard_index: int):
         path = self._shard_path(shard_index)
         expected = self._manifest.shards[shard_index].size_bytes
-        return open_shard(path, expected, self._fs)
+        return open_shard(path, expected, self._fs, directory=self._dir)
 
     def _read_shard(
-        self, shard_index: int, entries: list[tuple[str, TensorEntry]]
+        self, shard_index: int, entries: list[tuple[str, TensorEntry]], keep: bool = True
     ) -> dict[str, torch.Tensor]:
+        """Read and check ``entries`` of one shard (``keep=False``: check only, return {})."""
         shard = self._manifest.shards[shard_index]
         path = self._shard_path(shard_index)
         raws: dict[str, torch.Tensor] = {}
@@ -344,8 +389,14 @@ class CheckpointReader:
             # One thread allocates and reads (a copy from the page cache or a wait on the disk)
             # while this one checksums what was read: both release the GIL.
             tensors = [(name, shard.data_offset + e.begin, e.nbytes) for name, e in entries]
-            for name, raw, view in _pipelined_reads(f.fileno(), tensors, path):
-                raws[name] = raw
+            reads = (
+                _pipelined_reads(f.fileno(), tensors, path)
+                if keep
+                else _scratch_reads(f.fileno(), tensors, path)
+            )
+            for name, raw, view in reads:
+                if keep:
+                    raws[name] = raw
                 crcs[name] = crc32c.crc32c(view, crcs[name])
             damaged = [name for name, entry in entries if crcs[name] != entry.crc32c]
             if damaged:
@@ -356,28 +407,14 @@ class CheckpointReader:
                     reason="checksum mismatch",
                 )
             check_shard(f.fileno(), shard, path, {(e.begin, e.end): crcs[n] for n, e in entries})
+        if not keep:
+            return {}
         return {
             name: raws[name].view(entry.dtype).reshape(entry.shape)
             if entry.nbytes
             else torch.empty(entry.shape, dtype=entry.dtype)
             for name, entry in entries
         }
-
-    def _mismatch(self, shard_index: int, path: str) -> CorruptCheckpointError:
-        damaged = []
-        for name, entry in self._manifest.tensors.items():
-            if entry.shard != shard_index:
-                continue
-            try:
-                self.get_tensor(name)
-            except CorruptCheckpointError:
-                damaged.append(name)
-        detail = f" (damaged tensors: {', '.join(damaged)})" if damaged else " (header damaged)"
-        return CorruptCheckpointError(
-            f"Checkpoint shard {path} is corrupt: checksum mismatch{detail}",
-            path=path,
-            reason="checksum mismatch",
-        )
 
 
 def check_shard(fd: int, shard: ShardEntry, path: str, read: Mapping[tuple[int, int], int]) -> None:
@@ -521,6 +558,24 @@ def _pipelined_reads(
         reader.join()
 
 
+def _scratch_reads(
+    fd: int, tensors: list[tuple[str, int, int]], path: str
+) -> Iterator[tuple[str, None, memoryview]]:
+    """Read ``(name, file offset, size in bytes)`` tensors by chunks into one reused buffer.
+
+    Yields ``(name, None, chunk)``: the chunk is valid until the next one is read (for
+    checksums that keep nothing).
+    """
+    buffer = memoryview(bytearray(min(_CHUNK_BYTES, max((n for _, _, n in tensors), default=0))))
+    for name, offset, nbytes in tensors:
+        if not nbytes:
+            yield name, None, buffer[:0]
+        for start in range(0, nbytes, _CHUNK_BYTES):
+            chunk = buffer[: min(_CHUNK_BYTES, nbytes - start)]
+            _pread_exactly(fd, chunk, offset + start, path)
+            yield name, None, chunk
+
+
 def _pread_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
     done = 0
     while done < len(view):
@@ -541,21 +596,45 @@ def _read_tensor(f: Any, entry: TensorEntry, path: str, crc: int) -> tuple[torch
     return raw.view(entry.dtype).reshape(entry.shape), crc
 
 
-def open_shard(path: str, expected_bytes: int, fs: FileSystem = LOCAL_FS) -> Any:
+def open_shard(
+    path: str, expected_bytes: int, fs: FileSystem = LOCAL_FS, *, directory: str | None = None
+) -> Any:
     """Open a checkpoint shard for reading after checking that it has the expected size.
+
+    Args:
+        path: The shard's path.
+        expected_bytes: Its size recorded in the manifest.
+        fs: The file-system seam.
+        directory: The checkpoint's directory: the shard, once symbolic links are resolved,
+            must lie in it. None: not checked.
 
     Returns:
         A binary file object (the caller closes it).
 
     Raises:
-        CorruptCheckpointError: If the file is missing, unreadable, shorter (truncated) or
-            longer than ``expected_bytes``, naming the file.
+        CorruptCheckpointError: If the file is missing, unreadable, not a regular file, a
+            link out of ``directory``, shorter (truncated) or longer than ``expected_bytes``,
+            naming the file.
     """
+    if directory is not None:
+        inside = fs.realpath(directory or os.curdir)
+        if os.path.dirname(fs.realpath(path)) != inside:
+            raise CorruptCheckpointError(
+                f"Checkpoint shard {path} is a link out of the checkpoint's directory",
+                path=path,
+                reason="outside the directory",
+            )
     try:
         f = fs.open_for_read(path)
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"Checkpoint shard {path} is missing", path=path, reason="missing file"
+        ) from None
+    except NotRegularFileError as e:
+        raise CorruptCheckpointError(
+            f"Checkpoint shard {path} is not a regular file ({e.kind})",
+            path=path,
+            reason="not a file",
         ) from None
     except OSError as e:
         raise CorruptCheckpointError(

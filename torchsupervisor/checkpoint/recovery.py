@@ -1,8 +1,12 @@
-"""Finding the checkpoint to resume from: the newest one that is complete and intact.
+"""Finding the checkpoint to resume from, and the checkpoints a restarted run keeps track of.
 
-``restore_candidates`` lists the checkpoints of a directory in the order a restart tries them:
+``plan_restore`` reads a directory once and answers both questions of a restart. It is the one
+code path of every restart (``SessionManager``) and of the tools that predict one
+(``torchsupervisor verify`` and ``ls``), so that their answers always agree.
 
-1. committed checkpoints that the state file does not know and that are newer (by global
+The order in which a restart tries checkpoints (``RestorePlan.candidates``):
+
+1. committed checkpoints that the state file does not list and that are newer (by global
    step, then time) than its ``model_checkpoint_path``: a crash between the commit of a
    checkpoint and the update of the state file must not send training back one interval;
 2. the state file's ``model_checkpoint_path`` (so a hand-edited state file is obeyed), then its
@@ -10,28 +14,44 @@
 3. every other committed checkpoint of the directory, newest first (a state file that was lost
    or damaged, or that lists absolute paths of a logdir that was moved).
 
-A listed path that does not exist but whose base name exists in the directory (a moved logdir)
-is mapped into the directory.
+A state file that cannot be used (empty, garbled, unreadable, a FIFO or a directory) is
+reported once and ignored: the checkpoints are found by scanning the directory. A listed path
+outside the directory whose base name is a committed checkpoint of the directory (a logdir
+copied with ``cp -r``, or moved, whose state file holds absolute paths) is replaced by that
+checkpoint of the directory, so that a copy never reads, and its ``Saver`` never deletes,
+files of the original.
+
+The checkpoints the restarted ``Saver`` tracks for ``max_to_keep`` (``RestorePlan.tracked``,
+oldest first): those the state file lists that lie in the directory, followed by the
+committed checkpoints it does not list that are newer than its newest entry (a checkpoint
+committed just before a crash, before the state file was updated: adopted, so that it is
+listed and deleted in turn instead of leaking). Without a state file every committed
+checkpoint of the directory is newer than the (missing) newest entry and is adopted. With an
+unusable state file none is adopted: checkpoints it may have preserved on purpose
+(``keep_checkpoint_every_n_hours``) cannot be told apart, and keeping a file is always safe.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.state_file import get_checkpoint_state
+from torchsupervisor.checkpoint.state_file import read_checkpoint_state
 from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
 
-__all__ = ["restore_candidates", "scan_checkpoints"]
+__all__ = ["RestorePlan", "plan_restore", "restore_candidates", "scan_checkpoints"]
 
 logger = logging.getLogger("torchsupervisor")
 
 _UNREADABLE = (0, -1, 0.0)
 
+_Key = tuple[int, int, float]
 
-def _sort_key(prefix: str, fs: FileSystem) -> tuple[int, int, float]:
+
+def _sort_key(prefix: str, fs: FileSystem) -> _Key:
     try:
         manifest = CheckpointReader(prefix, fs=fs).manifest
     except (NotFoundError, CorruptCheckpointError):
@@ -40,7 +60,7 @@ def _sort_key(prefix: str, fs: FileSystem) -> tuple[int, int, float]:
     return (1, step, manifest.wall_time)
 
 
-def _scan(directory: str, fs: FileSystem) -> list[tuple[tuple[int, int, float], str]]:
+def _scan(directory: str, fs: FileSystem) -> list[tuple[_Key, str]]:
     try:
         names = fs.listdir(directory)
     except OSError:
@@ -62,8 +82,111 @@ def scan_checkpoints(directory: str, *, fs: FileSystem = LOCAL_FS) -> list[str]:
 
     Sorted newest first by the global step in the manifest, then the manifest's wall time;
     checkpoints whose manifest cannot be read come last (they are reported when tried).
+
+    TF name: none.
     """
     return [prefix for _, prefix in _scan(directory, fs)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+    """What a restart of ``directory`` does (see the module docstring).
+
+    Attributes:
+        directory: The checkpoint directory.
+        candidates: Prefixes to try, in order, without duplicates; each has a ``.index``.
+        tracked: Prefixes the restarted ``Saver`` tracks for ``max_to_keep``, oldest first:
+            all in ``directory``.
+        adopted: The part of ``tracked`` the state file does not list (committed after its
+            last update).
+        state_file_error: Why the state file was ignored, if it exists and was.
+        has_state_file: Whether a usable state file was read.
+    """
+
+    directory: str
+    candidates: list[str]
+    tracked: list[str]
+    adopted: list[str]
+    state_file_error: str | None
+    has_state_file: bool
+
+
+def plan_restore(
+    checkpoint_dir: str, latest_filename: str | None = None, *, fs: FileSystem = LOCAL_FS
+) -> RestorePlan:
+    """Read ``checkpoint_dir`` once: the checkpoints to try, and those to keep track of.
+
+    Never raises for what is in the directory: a damaged state file or manifest only
+    changes the order (``RestorePlan.state_file_error`` says why the state file was ignored).
+
+    Args:
+        checkpoint_dir: The directory holding the checkpoints and the state file.
+        latest_filename: The state file's name (default ``"checkpoint"``).
+        fs: The file-system seam.
+
+    Returns:
+        The ``RestorePlan``.
+
+    TF name: none (TF restores ``latest_checkpoint`` and tracks the state file's list).
+    """
+    state, error = read_checkpoint_state(checkpoint_dir, latest_filename, fs=fs)
+    if error is not None:
+        logger.warning(
+            "Ignoring the state file: %s. A restart uses the newest valid checkpoint of %s",
+            error,
+            checkpoint_dir,
+        )
+    scanned = _scan(checkpoint_dir, fs)
+    keys = {os.path.normpath(prefix): key for key, prefix in scanned}
+    listed: list[str] = []
+    if state is not None:
+        for path in [state.model_checkpoint_path, *reversed(state.all_model_checkpoint_paths)]:
+            listed.append(_relocate(path, checkpoint_dir, fs))
+
+    newer: list[tuple[_Key, str]] = []
+    if state is not None or error is None:
+        known = {os.path.normpath(p) for p in listed}
+        head: _Key | None = None
+        if listed:
+            head = keys.get(os.path.normpath(listed[0]))
+            if head is None:
+                head = _sort_key(listed[0], fs) if _committed(listed[0], fs) else _UNREADABLE
+        for key, prefix in scanned:
+            if os.path.normpath(prefix) in known or key == _UNREADABLE:
+                continue
+            if head is None or key > head:
+                newer.append((key, prefix))
+    if listed:
+        for _, prefix in newer:
+            logger.warning(
+                "Checkpoint %s is newer than the state file's %s (a save that finished "
+                "after the last state-file update): trying it first",
+                prefix,
+                listed[0],
+            )
+
+    ordered = [prefix for _, prefix in newer] + listed + [prefix for _, prefix in scanned]
+    candidates = _unique(p for p in ordered if _committed(p, fs))
+
+    inside = fs.realpath(checkpoint_dir or os.curdir)
+    tracked_listed = []
+    if state is not None:
+        for path in state.all_model_checkpoint_paths:
+            path = _relocate(path, checkpoint_dir, fs)
+            if _committed(path, fs) and fs.realpath(os.path.dirname(path) or os.curdir) == inside:
+                tracked_listed.append(path)
+    adopted = [prefix for _, prefix in sorted(newer)]
+    tracked = _unique([*tracked_listed, *adopted])
+    if adopted and state is not None:
+        logger.info("Adopting checkpoints the state file does not list yet: %s", adopted)
+    return RestorePlan(
+        directory=checkpoint_dir,
+        candidates=candidates,
+        tracked=tracked,
+        adopted=[p for p in adopted if p in tracked],
+        state_file_error=error,
+        has_state_file=state is not None,
+    )
 
 
 def restore_candidates(
@@ -77,41 +200,21 @@ def restore_candidates(
         fs: The file-system seam.
 
     Returns:
-        Prefixes whose ``.index`` exists; possibly empty.
+        Prefixes whose ``.index`` exists; possibly empty (``plan_restore(...).candidates``).
+
+    TF name: none.
     """
-    try:
-        state = get_checkpoint_state(checkpoint_dir, latest_filename)
-    except ValueError as e:
-        logger.warning("Ignoring the state file of %s: %s", checkpoint_dir, e)
-        state = None
-    listed: list[str] = []
-    if state is not None:
-        for path in [state.model_checkpoint_path, *reversed(state.all_model_checkpoint_paths)]:
-            listed.append(_relocate(path, checkpoint_dir, fs))
-    scanned = _scan(checkpoint_dir, fs)
-    ordered: list[str] = []
-    if listed:
-        known = {os.path.normpath(p) for p in listed}
-        head = _sort_key(listed[0], fs) if _committed(listed[0], fs) else _UNREADABLE
-        for key, prefix in scanned:
-            if key > head and os.path.normpath(prefix) not in known:
-                logger.warning(
-                    "Checkpoint %s is newer than the state file's %s (a save that finished "
-                    "after the last state-file update): trying it first",
-                    prefix,
-                    listed[0],
-                )
-                ordered.append(prefix)
-    ordered.extend(listed)
-    ordered.extend(prefix for _, prefix in scanned)
+    return plan_restore(checkpoint_dir, latest_filename, fs=fs).candidates
+
+
+def _unique(paths) -> list[str]:
     seen: set[str] = set()
     out = []
-    for path in ordered:
+    for path in paths:
         key = os.path.normpath(path)
-        if key in seen or not _committed(path, fs):
-            continue
-        seen.add(key)
-        out.append(path)
+        if key not in seen:
+            seen.add(key)
+            out.append(path)
     return out
 
 
@@ -120,10 +223,23 @@ def _committed(prefix: str, fs: FileSystem) -> bool:
 
 
 def _relocate(path: str, checkpoint_dir: str, fs: FileSystem) -> str:
-    if _committed(path, fs):
+    """The checkpoint of ``checkpoint_dir`` a state-file entry stands for.
+
+    An entry in the directory is itself. An entry elsewhere whose base name is a committed
+    checkpoint of the directory is that local checkpoint (a copied or moved logdir whose state
+    file holds absolute paths). Otherwise the entry as it is (a checkpoint in another
+    directory, on purpose, or missing).
+    """
+    directory = checkpoint_dir or os.curdir
+    if os.path.normpath(os.path.dirname(path) or os.curdir) == os.path.normpath(directory):
         return path
-    moved = os.path.join(checkpoint_dir, os.path.basename(path))
-    if _committed(moved, fs):
-        logger.warning("Checkpoint %s not found; using %s from %s", path, moved, checkpoint_dir)
-        return moved
+    local = os.path.join(checkpoint_dir, os.path.basename(path))
+    if fs.realpath(os.path.dirname(path) or os.curdir) == fs.realpath(directory):
+        return local
+    if _committed(local, fs):
+        if _committed(path, fs):
+            logger.info("Using %s of %s rather than the listed %s", local, checkpoint_dir, path)
+        else:
+            logger.warning("Checkpoint %s not found; using %s", path, local)
+        return local
     return path

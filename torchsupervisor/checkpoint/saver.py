@@ -34,13 +34,13 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from torchsupervisor._version import __version__
-from torchsupervisor.checkpoint import policy
+from torchsupervisor.checkpoint import policy, writer_lock
 from torchsupervisor.checkpoint.commit import persist
 from torchsupervisor.checkpoint.engine import CheckpointEngine
 from torchsupervisor.checkpoint.format import ManifestError, decode_tree
@@ -55,8 +55,12 @@ from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.references import referenced_data_files
 from torchsupervisor.checkpoint.sharded import is_sharded, load_sharded, save_sharded
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
-from torchsupervisor.checkpoint.state_file import update_checkpoint_state_internal
+from torchsupervisor.checkpoint.state_file import (
+    state_file_path,
+    update_checkpoint_state_internal,
+)
 from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
+from torchsupervisor.checks import check_bool, check_int, check_number, check_str
 from torchsupervisor.clock import REAL_CLOCK, Clock
 from torchsupervisor.errors import CheckpointSaveError, CorruptCheckpointError, NotFoundError
 from torchsupervisor.global_step import read_step
@@ -161,6 +165,57 @@ logger = logging.getLogger("torchsupervisor")
 _DEFAULT_SHARD_BYTES = 1 << 30
 
 
+def _family_key(save_path: str) -> str:
+    return os.path.normpath(os.path.abspath(save_path))
+
+
+def _state_key(save_path: str, latest_filename: str | None) -> tuple[str, str]:
+    directory = os.path.normpath(os.path.abspath(os.path.dirname(save_path) or os.curdir))
+    return directory, latest_filename or "checkpoint"
+
+
+def _in_directory(path: str, directory: str) -> bool:
+    """True if checkpoint ``path`` lies in ``directory`` (symbolic links resolved)."""
+    here = os.path.realpath(os.path.dirname(path) or os.curdir)
+    return here == os.path.realpath(directory or os.curdir)
+
+
+def _in_family(prefix: str, save_path: str) -> bool:
+    """True if ``prefix`` is ``save_path`` or ``save_path-<step>``."""
+    prefix, save_path = os.path.normpath(prefix), os.path.normpath(save_path)
+    return prefix == save_path or (
+        prefix.startswith(save_path + "-") and prefix[len(save_path) + 1 :].isdigit()
+    )
+
+
+@dataclass
+class _Family:
+    """The incremental bookkeeping of one prefix family (one ``save_path``).
+
+    Attributes:
+        committed: The tensors of the last committed save, which the next may reference.
+        chain: The full save the last committed save's data starts from
+            (``policy.may_reference``); None: none (first save, or the last one failed).
+        chain_saves: Saves in that chain, the full one included.
+        chain_of: The chain of every checkpoint of the family recorded in a state file.
+    """
+
+    committed: dict[str, Committed] = field(default_factory=dict)
+    chain: str | None = None
+    chain_saves: int = 0
+    chain_of: dict[str, str] = field(default_factory=dict)
+
+    def link(self, prefix: str, full: bool, recorded: bool) -> None:
+        """Note which chain the save just committed to ``prefix`` belongs to."""
+        if full or self.chain is None:
+            self.chain, self.chain_saves = prefix, 1
+        else:
+            self.chain_saves += 1
+        self.chain_of.pop(prefix, None)
+        if recorded:
+            self.chain_of[prefix] = self.chain
+
+
 @dataclass(frozen=True)
 class SaveStats:
     """What the last committed save cost.
@@ -240,7 +295,7 @@ class Saver:
         name: str | None = None,
         allow_empty: bool = False,
         pad_step_number: bool = False,
-        save_relative_paths: bool = False,
+        save_relative_paths: bool = True,
         max_shard_bytes: int | None = None,
         incremental: bool = True,
         full_save_every_n_saves: int | None = None,
@@ -255,12 +310,20 @@ class Saver:
                 )
             if not var_list and not allow_empty:
                 raise ValueError("No variables to save")
-        if max_shard_bytes is not None and max_shard_bytes <= 0:
-            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-        if full_save_every_n_saves is not None and full_save_every_n_saves < 1:
-            raise ValueError(
-                f"full_save_every_n_saves must be at least 1, got {full_save_every_n_saves}"
-            )
+        max_to_keep = check_int("max_to_keep", max_to_keep, allow_none=True)
+        keep_checkpoint_every_n_hours = check_number(
+            "keep_checkpoint_every_n_hours", keep_checkpoint_every_n_hours, positive=True
+        )
+        check_str("name", name, allow_none=True)
+        sharded = check_bool("sharded", sharded)
+        allow_empty = check_bool("allow_empty", allow_empty)
+        pad_step_number = check_bool("pad_step_number", pad_step_number)
+        save_relative_paths = check_bool("save_relative_paths", save_relative_paths)
+        incremental = check_bool("incremental", incremental)
+        max_shard_bytes = check_int("max_shard_bytes", max_shard_bytes, minimum=1, allow_none=True)
+        full_save_every_n_saves = check_int(
+            "full_save_every_n_saves", full_save_every_n_saves, minimum=1, allow_none=True
+        )
         self._var_list = var_list
         self._sharded = sharded
         self._max_to_keep = max_to_keep
@@ -273,24 +336,26 @@ class Saver:
         self._fs = fs or LOCAL_FS
         self._clock = clock or REAL_CLOCK
         self._lock = threading.Lock()
+        # Retention is kept per state file (directory and file name): each lists only its
+        # own directory's checkpoints. ``_retention`` is the one of the last save (or, before
+        # any save, the list given to ``set_last_checkpoints*``, bound at the first save).
         self._retention = policy.Retention(
             next_keep_time=self._clock.time() + self._keep_every_secs
         )
+        self._retention_key: tuple[str, str] | None = None
+        self._retentions: dict[tuple[str, str], policy.Retention] = {}
         self._stager = Stager()
         self._engine = CheckpointEngine()
         self._cancel = threading.Event()
         self._optional: set[str] = set()
         self._incremental = incremental
         self._full_every = full_save_every_n_saves or policy.default_full_save_interval(max_to_keep)
-        self._committed: dict[str, Committed] = {}
-        self._committed_dir: str | None = None
-        # Chains (policy.may_reference): the full save the last committed save's data starts
-        # from, how many saves that chain has, and the chain of every checkpoint recorded.
-        self._chain: str | None = None
-        self._chain_saves = 0
-        self._chain_of: dict[str, str] = {}
+        # Incremental saves, per prefix family (save path): references never cross families.
+        self._families: dict[str, _Family] = {}
         self._always_copy: set[str] = set()
         self._orphans: set[str] = set()
+        self._state_file_failures: set[str] = set()
+        self._dir_locks: dict[str, writer_lock.DirectoryLock] = {}
         self.last_save: SaveStats | None = None
         """What the last committed save cost (None before the first)."""
 
@@ -408,7 +473,8 @@ class Saver:
 
         A cancelled save that is still in flight (its writer stuck in a file-system call, a
         hung fsync say) is not waited for: it commits nothing, and removes its files if the
-        call ever returns.
+        call ever returns. The writer locks of the directories saved to are released (a
+        later save takes them again).
 
         TF name: none (TF's Saver had no writer thread).
         """
@@ -419,6 +485,24 @@ class Saver:
             )
             return
         self._engine.close()
+        with self._lock:
+            locks, self._dir_locks = self._dir_locks, {}
+        for lock in locks.values():
+            lock.release()
+
+    def _lock_directory(self, save_path: str) -> None:
+        """Take the writer lock of ``save_path``'s directory at the first save there.
+
+        Raises:
+            LogdirLockedError: Another process writes to that directory.
+        """
+        directory = os.path.dirname(save_path)
+        key = os.path.normpath(os.path.abspath(directory or os.curdir))
+        if key in self._dir_locks or not os.path.isdir(directory or os.curdir):
+            return  # Held already, or the save reports the missing directory.
+        lock = writer_lock.acquire(directory)
+        with self._lock:
+            self._dir_locks[key] = lock
 
     @property
     def in_flight(self) -> bool:
@@ -509,7 +593,6 @@ class Saver:
         check_dir: bool,
     ) -> tuple[str, Snapshot | None]:
         prefix, step = self._checkpoint_prefix(save_path, global_step, latest_filename)
-        save_dir = os.path.dirname(save_path)
         if check_dir:
             self._check_dir(save_path)
         state = self._state_for(sess)
@@ -519,6 +602,7 @@ class Saver:
             if self._allow_empty:
                 return prefix, None
             raise ValueError("No variables to save")
+        self._lock_directory(save_path)  # Not for a sharded state: flatten_state raised.
         self._engine.wait()
         self._cancel.clear()  # A cancellation is for the save it was aimed at only.
         with self._lock:
@@ -529,17 +613,19 @@ class Saver:
             step=step,
             wall_time=self._clock.time(),
             max_shard_bytes=self._max_shard_bytes,
-            committed=self._reusable(save_dir, prefix, frozen),
+            committed=self._reusable(save_path, prefix, frozen, latest_filename),
             reusable=frozen,
         )
         return prefix, snapshot
 
     def _reusable(
-        self, save_dir: str, prefix: str, frozen: set[str]
+        self, save_path: str, prefix: str, frozen: set[str], latest_filename: str | None
     ) -> dict[str, Committed] | None:
         """The committed tensors a save to ``prefix`` may reference instead of copying.
 
-        Only tensors that are frozen now (``frozen``: see ``state.flatten_state``) and were
+        Only tensors of the same prefix family (the same ``save_path``: references never
+        cross from one family to another, so deleting one family's checkpoints never breaks
+        another's) that are frozen now (``frozen``: see ``state.flatten_state``) and were
         frozen when they were copied (the snapshot records versions for those alone): a
         trainable parameter or an optimizer's state may be updated in place without a
         version-counter bump (``Adam(fused=True)``), so its counter proves nothing. Never the
@@ -548,44 +634,52 @@ class Saver:
         checkpoint depending on the same data (``policy.may_reference``).
         """
         with self._lock:
-            if not self._incremental or save_dir != self._committed_dir or not self._committed:
+            family = self._families.get(_family_key(save_path))
+            if not self._incremental or family is None or not family.committed:
                 return None
-            if not policy.may_reference(
-                self._kept_chains(prefix), self._chain, self._chain_saves, self._full_every
-            ):
+            kept = self._kept_chains(family, save_path, prefix, latest_filename)
+            if not policy.may_reference(kept, family.chain, family.chain_saves, self._full_every):
                 return None
             own = os.path.basename(prefix) + ".data-"
             return {
                 name: c
-                for name, c in self._committed.items()
+                for name, c in family.committed.items()
                 if name in frozen and not c.shard.file.startswith(own)
             }
 
-    def _kept_chains(self, prefix: str) -> list[str | None]:
-        """The chains of the checkpoints still kept once ``prefix`` is saved (lock held).
+    def _kept_chains(
+        self, family: _Family, save_path: str, prefix: str, latest_filename: str | None
+    ) -> list[str | None]:
+        """The chains of the family's checkpoints still kept once ``prefix`` is saved.
 
-        With ``max_to_keep``: the newest ``max_to_keep - 1`` tracked ones other than
-        ``prefix`` (checkpoints kept by ``keep_checkpoint_every_n_hours`` are not counted:
-        the rule stays on the safe side). Keeping everything: every checkpoint known.
+        With ``max_to_keep``: the family's checkpoints among the newest ``max_to_keep - 1``
+        tracked by the state file of ``prefix`` other than ``prefix`` (checkpoints kept by
+        ``keep_checkpoint_every_n_hours`` are not counted: the rule stays on the safe side).
+        Keeping everything: every checkpoint of the family known. Lock held.
         """
         target = os.path.normpath(prefix)
-        tracked = [p for p, _ in self._retention.tracked if os.path.normpath(p) != target]
+        retention = self._retentions.get(_state_key(save_path, latest_filename))
+        if retention is None and self._retention_key is None:
+            retention = self._retention
+        tracked = [
+            p
+            for p, _ in (retention.tracked if retention is not None else ())
+            if os.path.normpath(p) != target and _in_family(p, save_path)
+        ]
         if self._max_to_keep:
             kept = tracked[-(self._max_to_keep - 1) :] if self._max_to_keep > 1 else []
         else:
-            kept = list(dict.fromkeys([*tracked, *self._chain_of]))
+            kept = list(dict.fromkeys([*tracked, *family.chain_of]))
             kept = [p for p in kept if os.path.normpath(p) != target]
-        return [self._chain_of.get(p) for p in kept]
+        return [family.chain_of.get(p) for p in kept]
 
-    def _start_chain_link(self, prefix: str, full: bool, recorded: bool) -> None:
-        """Note which chain the save just committed to ``prefix`` belongs to (lock held)."""
-        if full or self._chain is None:
-            self._chain, self._chain_saves = prefix, 1
-        else:
-            self._chain_saves += 1
-        self._chain_of.pop(prefix, None)
-        if recorded:
-            self._chain_of[prefix] = self._chain
+    def _family(self, save_path: str) -> _Family:
+        """The incremental bookkeeping of ``save_path``'s prefix family (lock held)."""
+        key = _family_key(save_path)
+        family = self._families.get(key)
+        if family is None:
+            family = self._families[key] = _Family()
+        return family
 
     def _persist(
         self,
@@ -617,8 +711,9 @@ class Saver:
             )
         except CheckpointSaveError as e:
             with self._lock:
-                self._committed = {}  # The next save copies everything.
-                self._chain = None
+                family = self._family(save_path)
+                family.committed = {}  # The next save copies everything.
+                family.chain = None
                 if isinstance(e, StaleReferenceError):
                     self._always_copy |= e.names
             raise
@@ -626,9 +721,9 @@ class Saver:
             self._stager.release(snapshot)
         committed = time.perf_counter()
         with self._lock:
-            self._committed = result.committed
-            self._committed_dir = os.path.dirname(save_path)
-            self._start_chain_link(prefix, full=not snapshot.references, recorded=write_state)
+            family = self._family(save_path)
+            family.committed = result.committed
+            family.link(prefix, full=not snapshot.references, recorded=write_state)
         if write_state:
             self._record_and_sweep(prefix, save_path, latest_filename)
         self.last_save = SaveStats(
@@ -658,6 +753,8 @@ class Saver:
         """Save a state of DTensors with every rank writing its part (a collective)."""
         prefix, _ = self._checkpoint_prefix(save_path, global_step, latest_filename)
         self._check_dir(save_path)
+        if _rank() == 0:  # The other ranks write their shards under rank 0's lock.
+            self._lock_directory(save_path)
         self._engine.wait()
         start = time.perf_counter()
         save_sharded(
@@ -671,21 +768,14 @@ class Saver:
         )
         committed = time.perf_counter()
         with self._lock:
-            self._committed = {}  # Sharded saves are never incremental.
-            self._start_chain_link(prefix, full=True, recorded=write_state)
+            family = self._family(save_path)
+            family.committed = {}  # Sharded saves are never incremental.
+            family.link(prefix, full=True, recorded=write_state)
         if write_state:
             if _rank() == 0:
                 self._record_and_sweep(prefix, save_path, latest_filename)
             else:  # Same bookkeeping; files are rank 0's business.
-                with self._lock:
-                    self._retention = policy.record(
-                        self._retention, prefix, self._clock.time(), self._max_to_keep
-                    )
-                    self._retention, gone, kept = policy.sweep(
-                        self._retention, self._keep_every_secs
-                    )
-                    for path in gone + kept:
-                        self._chain_of.pop(path, None)
+                self._record(prefix, save_path, latest_filename)
         total = time.perf_counter() - start
         self.last_save = SaveStats(
             prefix=prefix,
@@ -697,19 +787,67 @@ class Saver:
         )
         return prefix
 
-    def _record_and_sweep(self, prefix: str, save_path: str, latest_filename: str | None) -> None:
+    def _record(
+        self, prefix: str, save_path: str, latest_filename: str | None
+    ) -> tuple[list[str], list[str], list[str]]:
+        """Record ``prefix`` in the retention of its state file; return what retention says.
+
+        Returns:
+            ``(tracked, to_delete, preserved)``: the prefixes the state file lists (oldest
+            first), those to delete now and those kept for good
+            (``keep_checkpoint_every_n_hours``).
+        """
+        key = _state_key(save_path, latest_filename)
         with self._lock:
+            self._switch_retention(key)
             retention = policy.record(
                 self._retention, prefix, self._clock.time(), self._max_to_keep
             )
             retention, to_delete, preserved = policy.sweep(retention, self._keep_every_secs)
-            self._retention = retention
-            tracked = [path for path, _ in retention.tracked]
+            self._retention = self._retentions[key] = retention
+            family = self._family(save_path)
             for path in to_delete + preserved:  # No longer counted by the chain rule.
-                self._chain_of.pop(path, None)
+                family.chain_of.pop(path, None)
+            return [path for path, _ in retention.tracked], to_delete, preserved
+
+    def _switch_retention(self, key: tuple[str, str]) -> None:
+        """Make ``key``'s state file the current one (lock held).
+
+        Before the first save, the list given to ``set_last_checkpoints*`` (or
+        ``recover_last_checkpoints``) is bound to the state file of that save; its entries in
+        another directory are dropped (never deleted: see ``_record_and_sweep``).
+        """
+        if self._retention_key == key:
+            return
+        if self._retention_key is None:
+            entries = tuple(e for e in self._retention.tracked if _in_directory(e[0], key[0]))
+            for path, _ in self._retention.tracked:
+                if not _in_directory(path, key[0]):
+                    logger.info("Not tracking %s: it is not in %s", path, key[0])
+            retention = policy.Retention(
+                tracked=entries, next_keep_time=self._retention.next_keep_time
+            )
+        else:
+            retention = self._retentions.get(key) or policy.Retention(
+                next_keep_time=self._clock.time() + self._keep_every_secs
+            )
+        self._retentions[key] = retention
+        self._retention, self._retention_key = retention, key
+
+    def _record_and_sweep(self, prefix: str, save_path: str, latest_filename: str | None) -> None:
+        """Record the committed ``prefix``, write the state file, then delete what retention
+        lets go: only checkpoints of the directory of ``save_path``, never a file elsewhere.
+
+        A state file that cannot be written (a directory in its place, an immutable file, a
+        full disk) does not undo the commit and does not stop retention: the error is logged
+        once, naming the state file, and a restart finds the checkpoints by scanning the
+        directory (``recovery.plan_restore``).
+        """
+        save_dir = os.path.dirname(save_path)
+        tracked, to_delete, preserved = self._record(prefix, save_path, latest_filename)
         try:
             update_checkpoint_state_internal(
-                save_dir=os.path.dirname(save_path),
+                save_dir=save_dir,
                 model_checkpoint_path=prefix,
                 all_model_checkpoint_paths=tracked,
                 latest_filename=latest_filename,
@@ -717,31 +855,58 @@ class Saver:
                 fs=self._fs,
             )
         except OSError as e:
-            raise CheckpointSaveError(
-                f"Checkpoint {prefix} was committed but the state file could not be updated "
-                f"(a restart still finds it by scanning the directory): {e}",
-                path=prefix,
-            ) from e
+            self._state_file_failed(state_file_path(save_dir, latest_filename), prefix, e)
+        else:
+            self._state_file_failures.discard(state_file_path(save_dir, latest_filename))
         for path in preserved:
             logger.info("Keeping checkpoint %s (keep_checkpoint_every_n_hours)", path)
         for path in to_delete:
+            if not _in_directory(path, save_dir):
+                logger.warning(
+                    "Not deleting checkpoint %s: it is not in %s, the directory of this "
+                    "saver's save path",
+                    path,
+                    save_dir or os.curdir,
+                )
+                continue
             try:
                 remove_checkpoint(path, fs=self._fs)
             except OSError as e:
                 logger.warning("Ignoring: %s", e)
             # Data files still referenced by a newer incremental checkpoint were kept.
             self._orphans.update(list_checkpoint_files(path))
-        self._collect_orphans(os.path.dirname(save_path))
+        self._collect_orphans()
 
-    def _collect_orphans(self, directory: str) -> None:
-        """Delete kept data files of deleted checkpoints once no checkpoint references them."""
+    def _state_file_failed(self, state_path: str, prefix: str, error: OSError) -> None:
+        """Log, once per state file until it can be written again, that it could not be."""
+        if state_path in self._state_file_failures:
+            logger.debug("State file %s still cannot be written: %s", state_path, error)
+            return
+        self._state_file_failures.add(state_path)
+        logger.error(
+            "Cannot write the checkpoint state file %s (%s). Checkpoint %s is committed and "
+            "kept; a restart finds the checkpoints by scanning the directory. (Logged once "
+            "until the state file can be written again.)",
+            state_path,
+            error.strerror or error,
+            prefix,
+        )
+
+    def _collect_orphans(self) -> None:
+        """Delete kept data files of deleted checkpoints once no checkpoint references them.
+
+        Each file is checked against the checkpoints of its own directory.
+        """
         if not self._orphans:
             return
-        needed = referenced_data_files(directory, fs=self._fs)
+        needed: dict[str, set[str]] = {}
         for path in sorted(self._orphans):
+            directory = os.path.dirname(path)
+            if directory not in needed:
+                needed[directory] = referenced_data_files(directory, fs=self._fs)
             if not self._fs.exists(path):
                 self._orphans.discard(path)
-            elif os.path.basename(path) not in needed:
+            elif os.path.basename(path) not in needed[directory]:
                 try:
                     self._fs.remove(path)
                     self._orphans.discard(path)
@@ -843,6 +1008,8 @@ class Saver:
             self._retention = policy.Retention(
                 tracked=entries, next_keep_time=self._retention.next_keep_time
             )
+            if self._retention_key is not None:
+                self._retentions[self._retention_key] = self._retention
 
     def recover_last_checkpoints(self, checkpoint_paths: Iterable[str]) -> None:
         """Track existing checkpoints after a restart, timestamped with their files' mtimes.

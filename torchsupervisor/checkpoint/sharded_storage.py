@@ -651,7 +651,7 @@ class ShardedStorageReader(StorageReader, _RememberErrors):
         assert self._manifest is not None
         path = self._shard_path(shard_index)
         expected = self._manifest.shards[shard_index].size_bytes
-        return open_shard(path, expected, self._fs)
+        return open_shard(path, expected, self._fs, directory=self._dir)
 
     def _load_chunk(
         self, fd: int, shard_index: int, name: str, items: list[Any], planner: LoadPlanner

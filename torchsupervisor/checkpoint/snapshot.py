@@ -69,14 +69,18 @@ def plan_layout(tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = 
     exceed ``max_shard_bytes`` (None: a single shard); one tensor is never split.
 
     Raises:
-        ValueError: If a tensor's dtype has no safetensors code.
+        TypeError: If a tensor's dtype has no safetensors code (``complex128``, say), naming
+            the tensor's state path and the dtype.
     """
     order = sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n))
     groups: list[list[tuple[str, TensorEntry]]] = [[]]
     offset = 0
     for name in order:
         t = tensors[name]
-        dtype_to_code(t.dtype)  # Fails early, naming the dtype.
+        try:
+            dtype_to_code(t.dtype)  # Fails early, on the training thread.
+        except ValueError as e:
+            raise TypeError(f"Cannot save {name!r}: {e}") from None
         nbytes = t.numel() * t.dtype.itemsize
         if max_shard_bytes is not None and groups[-1] and offset + nbytes > max_shard_bytes:
             groups.append([])

@@ -22,6 +22,7 @@ get_checkpoint_state, latest_checkpoint}``
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import MutableSequence, Sequence
@@ -39,6 +40,7 @@ __all__ = [
     "get_checkpoint_state",
     "latest_checkpoint",
     "parse_checkpoint_state",
+    "read_checkpoint_state",
     "state_file_path",
     "update_checkpoint_state",
     "update_checkpoint_state_internal",
@@ -348,9 +350,84 @@ def parse_checkpoint_state(data: bytes | str) -> Any:
     return state
 
 
+MAX_STATE_FILE_BYTES = 16 << 20
+"""The largest state file read (16 MiB: some 100,000 paths); a larger one is ignored."""
+
+
 def _warn_ignored(state_path: str, error: BaseException) -> None:
     logger.warning("%s: %s", type(error).__name__, error)
     logger.warning("%s: Checkpoint ignored", state_path)
+
+
+def _read_state_bytes(state_path: str, fs: FileSystem) -> bytes | None:
+    """The state file's bytes; None if it does not exist.
+
+    Raises:
+        OSError: It cannot be read, is not a regular file (a FIFO, a directory), or is larger
+            than ``MAX_STATE_FILE_BYTES``.
+    """
+    try:
+        f = fs.open_for_read(state_path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_STATE_FILE_BYTES:
+            raise OSError(
+                errno.EFBIG, f"larger than {MAX_STATE_FILE_BYTES} bytes ({size})", state_path
+            )
+        return f.read(MAX_STATE_FILE_BYTES + 1)
+
+
+def _resolve(state: Any, checkpoint_dir: str) -> Any:
+    if not os.path.isabs(state.model_checkpoint_path):
+        state.model_checkpoint_path = os.path.join(checkpoint_dir, state.model_checkpoint_path)
+    paths = state.all_model_checkpoint_paths
+    for i, p in enumerate(paths):
+        if not os.path.isabs(p):
+            paths[i] = os.path.join(checkpoint_dir, p)
+    return state
+
+
+def read_checkpoint_state(
+    checkpoint_dir: _PathLike, latest_filename: str | None = None, *, fs: FileSystem = LOCAL_FS
+) -> tuple[Any, str | None]:
+    """Read the state file of ``checkpoint_dir`` without ever raising: for restarts and tools.
+
+    Like ``get_checkpoint_state``, relative paths are joined with ``checkpoint_dir``. A
+    restart must not fail because of this small file: the checkpoints themselves are found
+    by scanning the directory (``recovery.restore_candidates``).
+
+    Args:
+        checkpoint_dir: The checkpoint directory.
+        latest_filename: Name of the state file; None means ``"checkpoint"``.
+        fs: The file-system seam.
+
+    Returns:
+        ``(state, None)`` for a usable state file; ``(None, None)`` when there is none;
+        ``(None, why)`` when it exists but is unusable: unreadable, not a regular file (a
+        FIFO is never opened for a blocking read), larger than ``MAX_STATE_FILE_BYTES``, not
+        a ``CheckpointState`` text, or naming no model path (empty).
+
+    Thread safety: safe to call while another thread or process rewrites the file.
+
+    TF name: none (TF's ``get_checkpoint_state`` raises on an empty file).
+    """
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    state_path = state_file_path(checkpoint_dir, latest_filename)
+    try:
+        data = _read_state_bytes(state_path, fs)
+    except OSError as e:
+        return None, f"{state_path} cannot be read: {e}"
+    if data is None:
+        return None, None
+    try:
+        state = parse_checkpoint_state(data)
+    except (text_format.ParseError, UnicodeDecodeError) as e:
+        return None, f"{state_path} is not a checkpoint state: {type(e).__name__}: {e}"
+    if not state.model_checkpoint_path:
+        return None, f"{state_path} names no checkpoint (model_checkpoint_path is empty)"
+    return _resolve(state, checkpoint_dir), None
 
 
 def get_checkpoint_state(checkpoint_dir: _PathLike, latest_filename: str | None = None) -> Any:
@@ -358,10 +435,10 @@ def get_checkpoint_state(checkpoint_dir: _PathLike, latest_filename: str | None 
 
     Relative paths in the file are joined with ``checkpoint_dir`` without normalisation
     (``"./model.ckpt-687529"`` becomes ``checkpoint_dir + "/./model.ckpt-687529"``), absolute
-    ones are returned as stored. A file that cannot be read (I/O error, e.g. a directory named
-    ``checkpoint``) or parsed (not a ``CheckpointState`` text, not UTF-8) is logged as two
-    warnings, ``"<ErrorType>: <error>"`` and ``"<state file>: Checkpoint ignored"``, and
-    ignored.
+    ones are returned as stored. A file that cannot be read (I/O error, a directory named
+    ``checkpoint``, a FIFO or device, larger than 16 MiB) or parsed (not a
+    ``CheckpointState`` text, not UTF-8) is logged as two warnings, ``"<ErrorType>:
+    <error>"`` and ``"<state file>: Checkpoint ignored"``, and ignored.
 
     Args:
         checkpoint_dir: The checkpoint directory.
@@ -372,7 +449,9 @@ def get_checkpoint_state(checkpoint_dir: _PathLike, latest_filename: str | None 
 
     Raises:
         ValueError: The file parses but names no model path (e.g. it is empty):
-            ``"Invalid checkpoint state loaded from <checkpoint_dir>"``.
+            ``"Invalid checkpoint state loaded from <checkpoint_dir>"`` (TF's behaviour; a
+            restart does not use this function and restores the newest valid checkpoint
+            anyway, see ``read_checkpoint_state``).
 
     Thread safety: safe to call while another thread or process rewrites the file (the
     writer renames a complete file into place).
@@ -381,29 +460,21 @@ def get_checkpoint_state(checkpoint_dir: _PathLike, latest_filename: str | None 
     """
     checkpoint_dir = os.fspath(checkpoint_dir)
     state_path = state_file_path(checkpoint_dir, latest_filename)
-    if not os.path.exists(state_path):
-        return None
     try:
-        with open(state_path, "rb") as f:
-            data = f.read()
+        data = _read_state_bytes(state_path, LOCAL_FS)
     except OSError as e:
         _warn_ignored(state_path, e)
+        return None
+    if data is None:
         return None
     try:
         state = parse_checkpoint_state(data)
     except (text_format.ParseError, UnicodeDecodeError) as e:
         _warn_ignored(state_path, e)
         return None
-
     if not state.model_checkpoint_path:
         raise ValueError("Invalid checkpoint state loaded from " + checkpoint_dir)
-    if not os.path.isabs(state.model_checkpoint_path):
-        state.model_checkpoint_path = os.path.join(checkpoint_dir, state.model_checkpoint_path)
-    paths = state.all_model_checkpoint_paths
-    for i, p in enumerate(paths):
-        if not os.path.isabs(p):
-            paths[i] = os.path.join(checkpoint_dir, p)
-    return state
+    return _resolve(state, checkpoint_dir)
 
 
 def latest_checkpoint(checkpoint_dir: _PathLike, latest_filename: str | None = None) -> str | None:

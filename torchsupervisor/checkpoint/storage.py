@@ -18,6 +18,7 @@ import errno
 import fcntl
 import os
 import re
+import stat
 import threading
 import uuid
 from collections.abc import Iterable
@@ -28,7 +29,9 @@ __all__ = [
     "LOCAL_FS",
     "TEMP_SUFFIX_RE",
     "FileSystem",
+    "NotRegularFileError",
     "WriteCancelled",
+    "file_kind",
     "is_temporary_name",
     "temporary_name",
     "write_all",
@@ -44,6 +47,41 @@ DIRECT_IO_ALIGNMENT = 4096
 """Alignment (bytes) of buffer addresses, file offsets and lengths for ``O_DIRECT`` writes."""
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+class NotRegularFileError(OSError):
+    """A checkpoint or state file is a FIFO, a device, a socket or a directory.
+
+    Such a file is damage, never data: reading a FIFO blocks forever and a device such as
+    ``/dev/zero`` never ends. ``FileSystem.open_for_read`` raises it before reading a byte.
+
+    Attributes:
+        filename: The path.
+        kind: What it is instead (``"a FIFO"``, ``"a directory"``, ...).
+    """
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"not a regular file ({kind})", path)
+        self.kind = kind
+
+
+def file_kind(mode: int) -> str:
+    """Describe what ``st_mode`` is, for messages (``"a FIFO"``, ``"a regular file"``)."""
+    for test, kind in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
 
 
 def temporary_name(path: str) -> str:
@@ -153,8 +191,39 @@ class FileSystem:
         return os.stat(path).st_mtime_ns / 1e9
 
     def open_for_read(self, path: str):
-        """Open ``path`` for binary reading, unbuffered (reads go to the caller's buffers)."""
-        return open(path, "rb", buffering=0)
+        """Open the regular file ``path`` for binary reading, unbuffered.
+
+        The file is opened without blocking (a FIFO's open would wait for a writer) and
+        checked before anything is read: anything but a regular file (after symbolic links)
+        is refused. Reads go straight to the caller's buffers.
+
+        Raises:
+            NotRegularFileError: ``path`` is a FIFO, device, socket or directory.
+            OSError: From ``open`` (``FileNotFoundError``, ``PermissionError``, ...).
+        """
+        flags = os.O_RDONLY | _O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(path, flags)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise NotRegularFileError(path, file_kind(mode))
+            if _O_NONBLOCK:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_NONBLOCK)
+            return os.fdopen(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def is_regular_file(self, path: str) -> bool:
+        """Return True if ``path`` is a regular file (after symbolic links)."""
+        try:
+            return stat.S_ISREG(os.stat(path).st_mode)
+        except (OSError, ValueError):
+            return False
+
+    def realpath(self, path: str) -> str:
+        """Return ``path`` with every symbolic link resolved (``os.path.realpath``)."""
+        return os.path.realpath(path)
 
 
 LOCAL_FS = FileSystem()
