@@ -322,4 +322,3 @@ def _rebuild_locked(
     message: str, path: str | None, directory: str | None, owner: dict[str, Any]
 ) -> LogdirLockedError:
     return LogdirLockedError(message, path=path, directory=directory, owner=owner)
-

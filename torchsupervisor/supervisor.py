@@ -61,7 +61,12 @@ from torchsupervisor.checkpoint.saver import Saver
 from torchsupervisor.checkpoint.sharded import is_sharded
 from torchsupervisor.clock import REAL_CLOCK, Clock
 from torchsupervisor.coordinator import Coordinator, LooperThread
-from torchsupervisor.errors import AbortedError, FailedPreconditionError, InvalidArgumentError
+from torchsupervisor.errors import (
+    AbortedError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    LogdirLockedError,
+)
 from torchsupervisor.global_step import GlobalStep, read_step
 from torchsupervisor.preemption import DEFAULT_PREEMPTION_SIGNALS, PreemptionHandler
 from torchsupervisor.registry import (
@@ -298,6 +303,7 @@ class Supervisor:
             )
         self._session_manager = session_manager
         self._logdir_lock: writer_lock.DirectoryLock | None = None
+        self._lock_refused = False
         self._sess: Session | None = None
         self._checkpoint_service: CheckpointService | None = None
 
@@ -496,9 +502,14 @@ class Supervisor:
 
         TF name: ``Supervisor.prepare_or_wait_for_session``.
         """
+        self._lock_refused = False
         if self._is_chief and self._logdir and self._logdir_lock is None:
             os.makedirs(self._logdir, exist_ok=True)
-            self._logdir_lock = writer_lock.acquire(self._logdir)  # One writer per logdir.
+            try:
+                self._logdir_lock = writer_lock.acquire(self._logdir)  # One writer per logdir.
+            except LogdirLockedError:
+                self._lock_refused = True  # stop() then writes nothing into the logdir.
+                raise
         self._coord.clear_stop()
         if self._summary_writer is not None:
             self._summary_writer.reopen()
@@ -944,7 +955,8 @@ class Supervisor:
                 self._sharded_service.close()
                 self._sharded_service = None
             if close_summary_writer and self._summary_writer is not None:
-                self._summary_writer.add_session_log(SessionLog(status=SessionLog.STOP))
+                if not self._lock_refused:  # Another process's logdir: not a word in it.
+                    self._summary_writer.add_session_log(SessionLog(status=SessionLog.STOP))
                 self._summary_writer.close()
             if self._logdir_lock is not None:
                 self._logdir_lock.release()

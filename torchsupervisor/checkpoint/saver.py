@@ -933,8 +933,9 @@ class Saver:
         Raises:
             ValueError: ``"Can't load save_path when it is None."`` or
                 ``"The passed save_path is not a valid checkpoint: <path>"``.
-            CorruptCheckpointError: If a file is missing, truncated or fails its checksum; the
-                state is then unchanged.
+            CorruptCheckpointError: If a file is missing, truncated, not a regular file (a
+                FIFO, a directory), a link out of the checkpoint's directory, or fails its
+                checksum, or the manifest is damaged; the state is then unchanged.
             NotFoundError: If an entry of the state is not in the checkpoint (and was not
                 allowed with ``allow_missing``); the state is then unchanged.
             InvalidArgumentError: If a value does not fit its object: another shape (the
@@ -948,7 +949,7 @@ class Saver:
         if save_path is None:
             raise ValueError("Can't load save_path when it is None.")
         self._engine.wait()
-        if not checkpoint_exists(save_path):
+        if not checkpoint_exists(save_path) and not os.path.lexists(save_path + ".index"):
             raise ValueError("The passed save_path is not a valid checkpoint: " + save_path)
         logger.info("Restoring parameters from %s", save_path)
         state = self._state_for(sess)
@@ -956,6 +957,9 @@ class Saver:
             load_sharded(state, save_path, allow_missing=self._optional, fs=self._fs)
             return
         reader = CheckpointReader(save_path, fs=self._fs)
+        # The files must hold what the manifest claims before its shapes are believed: a
+        # damaged manifest (a 2**40-byte tensor) is damage, not a mismatch with the state.
+        reader.check_files()
         specs = _spec_tree(reader)
 
         def required(name: str) -> None:

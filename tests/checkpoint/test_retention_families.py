@@ -1,0 +1,254 @@
+"""Paths and retention: no way of saving may delete, break or leak another checkpoint.
+
+* a copy of a logdir (``cp -r``) is independent of its original;
+* a second save prefix (PTB's ``sv.saver.save(sess, logdir, step)``) leaves every checkpoint
+  listed in every state file restorable; incremental references never cross families;
+* a checkpoint committed before a crash, before the state file was updated, is adopted;
+* a state file that cannot be written does not stop retention nor fail the run;
+* an empty or garbled state file does not stop the restart.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from supervisor_helpers import Trainer
+
+import torchsupervisor as ts
+from torchsupervisor import CheckpointReader, Saver, Session, get_checkpoint_state
+from torchsupervisor.checkpoint.recovery import plan_restore
+from torchsupervisor.checkpoint.writer_lock import LOCK_FILENAME
+from torchsupervisor.testing import FakeClock, FaultyFileSystem
+
+
+def _tree(directory):
+    """{name: (sha256, mtime_ns)} of every file under ``directory``."""
+    out = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = (
+                    hashlib.sha256(f.read()).hexdigest(),
+                    os.stat(path).st_mtime_ns,
+                )
+    return out
+
+
+def _supervisor(logdir, trainer, **kwargs):
+    kwargs.setdefault("save_model_secs", 3600)
+    kwargs.setdefault("save_summaries_secs", 0)
+    return ts.Supervisor(logdir=str(logdir), state=trainer.state, **kwargs)
+
+
+def _train(sv, trainer, steps, checkpoint_every=1):
+    with sv.managed_session() as sess:
+        for i in range(steps):
+            sess.run(trainer.train_step)
+            if (i + 1) % checkpoint_every == 0:
+                sv.checkpoint()
+    return trainer.global_step.value
+
+
+def _restorable(prefix):
+    reader = CheckpointReader(prefix)
+    reader.verify()
+    return reader.read_tree()
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_training_in_a_copy_never_touches_the_original(tmp_path, relative):
+    run_a, run_b = tmp_path / "runA", tmp_path / "runB"
+    trainer = Trainer()
+    saver = Saver(max_to_keep=3, save_relative_paths=relative)
+    _train(_supervisor(run_a, trainer, saver=saver), trainer, 6)
+    text = (run_a / "checkpoint").read_text()
+    assert (str(run_a) in text) is not relative  # TF 1's absolute form, read as before.
+    shutil.copytree(run_a, run_b)
+    before = _tree(run_a)
+    trainer_b = Trainer(seed=1)
+    sv = _supervisor(run_b, trainer_b, saver=Saver(max_to_keep=3))
+    with sv.managed_session() as sess:
+        # Restored from the copy's own files, not from runA's that its state file names.
+        assert sess.restored_checkpoint == str(run_b / "model.ckpt-6")
+        for _ in range(8):
+            sess.run(trainer_b.train_step)
+            sv.checkpoint()
+    assert _tree(run_a) == before  # Not one file of runA deleted or modified.
+    state = get_checkpoint_state(str(run_b))
+    assert state.model_checkpoint_path == str(run_b / "model.ckpt-14")
+    assert all(p.startswith(str(run_b)) for p in state.all_model_checkpoint_paths)
+    assert 'model_checkpoint_path: "model.ckpt-14"' in (run_b / "checkpoint").read_text()
+
+
+def test_a_saver_never_deletes_outside_the_directory_of_its_save_path(tmp_path, caplog):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    sess = Session({"w": torch.zeros(2)})
+    outside = Saver().save(sess, str(elsewhere / "model.ckpt"), 1)
+    saver = Saver(max_to_keep=2)
+    saver.set_last_checkpoints_with_time([(outside, 0.0)])  # Listed, but in another directory.
+    for step in (10, 20, 30):
+        saver.save(sess, str(tmp_path / "model.ckpt"), step)
+    assert os.path.exists(outside + ".index")
+    assert saver.last_checkpoints == [str(tmp_path / f"model.ckpt-{s}") for s in (20, 30)]
+
+
+def test_a_second_save_prefix_leaves_every_listed_checkpoint_restorable(tmp_path):
+    """PTB's last line: ``sv.saver.save(sess, FLAGS.save_path, global_step=...)`` with the
+    logdir itself as the path, so that its files land beside the directory."""
+    logdir = tmp_path / "logdir"
+    frozen = torch.nn.Linear(64, 64).requires_grad_(False)  # Referenced by incremental saves.
+    trainer = Trainer()
+    state = {**trainer.state, "frozen": frozen}
+    sv = ts.Supervisor(
+        logdir=str(logdir),
+        state=state,
+        saver=Saver(max_to_keep=5),
+        save_model_secs=3600,
+        save_summaries_secs=0,
+    )
+    with sv.managed_session() as sess:
+        for _ in range(12):
+            sess.run(trainer.train_step)
+            sv.checkpoint()
+            sv.saver.save(sess, str(logdir), global_step=trainer.global_step)
+    for directory in (logdir, tmp_path):
+        listed = get_checkpoint_state(str(directory)).all_model_checkpoint_paths
+        assert len(listed) == 5
+        for prefix in listed:
+            assert os.path.dirname(prefix) == str(directory)
+            assert torch.equal(_restorable(prefix)["frozen"]["weight"], frozen.weight)
+
+
+def test_incremental_references_never_cross_prefix_families(tmp_path):
+    frozen = torch.randn(256)
+    trained = torch.zeros(4)
+    sess = Session({"frozen": frozen, "trained": trained})
+    saver = Saver(max_to_keep=6)
+    for step in range(1, 9):
+        trained.add_(1)
+        for family in ("a", "b"):
+            saver.save(sess, str(tmp_path / family), step)
+    for family in ("a", "b"):
+        for prefix in get_checkpoint_state(str(tmp_path)).all_model_checkpoint_paths:
+            if os.path.basename(prefix).startswith(family + "-"):
+                shards = CheckpointReader(prefix).manifest.shards
+                assert all(s.file.startswith(family + "-") for s in shards)
+    # Incremental saves did happen (the rule is about where they point, not whether).
+    manifests = [CheckpointReader(str(tmp_path / f"a-{s}")).manifest for s in (7, 8)]
+    assert any(len(m.shards) > 1 for m in manifests)
+
+
+def test_a_checkpoint_committed_before_the_state_file_update_is_adopted(tmp_path):
+    """The crash between the commit and the state file: the restart lists the checkpoint and
+    retention deletes it in its turn (a torture run once ended with 29 under max_to_keep=5)."""
+    trainer = Trainer()
+    sv = _supervisor(tmp_path, trainer, saver=Saver(max_to_keep=3))
+    _train(sv, trainer, 3)
+    sess = Session(trainer.state)
+    for _ in range(2):  # Two commits that a crash kept out of the state file.
+        trainer.train_step()
+        Saver().save(sess, str(tmp_path / "model.ckpt"), trainer.global_step, write_state=False)
+    assert get_checkpoint_state(str(tmp_path)).model_checkpoint_path.endswith("model.ckpt-3")
+    plan = plan_restore(str(tmp_path))
+    assert plan.adopted == [str(tmp_path / "model.ckpt-4"), str(tmp_path / "model.ckpt-5")]
+    sv = _supervisor(tmp_path, trainer, saver=Saver(max_to_keep=3))
+    with sv.managed_session() as sess:
+        assert sess.restored_checkpoint == str(tmp_path / "model.ckpt-5")
+        assert sv.saver.last_checkpoints[-2:] == plan.adopted
+        for _ in range(3):
+            sess.run(trainer.train_step)
+            sv.checkpoint()
+    committed = sorted(n for n in os.listdir(tmp_path) if n.endswith(".index"))
+    assert committed == ["model.ckpt-6.index", "model.ckpt-7.index", "model.ckpt-8.index"]
+
+
+def test_without_a_state_file_every_committed_checkpoint_is_adopted(tmp_path):
+    sess = Session({"w": torch.zeros(1)})
+    for step in (1, 2, 3):
+        Saver().save(sess, str(tmp_path / "m"), step, write_state=False)
+    assert plan_restore(str(tmp_path)).tracked == [str(tmp_path / f"m-{s}") for s in (1, 2, 3)]
+
+
+def test_an_unusable_state_file_adopts_nothing(tmp_path):
+    sess = Session({"w": torch.zeros(1)})
+    for step in (1, 2, 3):
+        Saver().save(sess, str(tmp_path / "m"), step)
+    (tmp_path / "checkpoint").write_text("garbage {{{")
+    plan = plan_restore(str(tmp_path))
+    assert plan.tracked == [] and plan.candidates[0] == str(tmp_path / "m-3")
+    assert "is not a checkpoint state" in plan.state_file_error
+
+
+@pytest.mark.parametrize("kind", ["directory", "immutable"])
+def test_an_unwritable_state_file_keeps_retention_and_the_run_ends_cleanly(tmp_path, caplog, kind):
+    fs = FaultyFileSystem()
+    if kind == "directory":
+        (tmp_path / "checkpoint").mkdir()
+    else:  # chattr +i needs root: a rename over the state file refused, as it would be.
+        (tmp_path / "checkpoint").write_text('model_checkpoint_path: "old"\n')
+        fs.fail("rename", path_contains=os.sep + "checkpoint", errno=errno.EPERM, times=None)
+    trainer = Trainer()
+    saver = Saver(max_to_keep=2, fs=fs)
+    with caplog.at_level(logging.ERROR, logger="torchsupervisor"):
+        _train(_supervisor(tmp_path, trainer, saver=saver), trainer, 6)  # No raise at exit.
+    committed = sorted(n for n in os.listdir(tmp_path) if n.endswith(".index"))
+    assert committed == ["model.ckpt-5.index", "model.ckpt-6.index"]
+    state_path = str(tmp_path / "checkpoint")
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and state_path in errors[0]  # Named once, not at every save.
+    restarted = Trainer(seed=3)
+    sv = _supervisor(tmp_path, restarted, saver=Saver(max_to_keep=2, fs=fs))
+    with sv.managed_session() as sess:
+        assert sess.restored_checkpoint == str(tmp_path / "model.ckpt-6")
+
+
+@pytest.mark.parametrize("content", ["", "garbage {{{", "model_checkpoint_path: 3", "dir"])
+def test_an_empty_or_garbled_state_file_restores_the_newest_valid(tmp_path, content):
+    trainer = Trainer()
+    _train(_supervisor(tmp_path, trainer), trainer, 3)
+    os.remove(tmp_path / "checkpoint")
+    if content == "dir":
+        (tmp_path / "checkpoint").mkdir()
+    else:
+        (tmp_path / "checkpoint").write_text(content)
+    restarted = Trainer(seed=5)
+    with _supervisor(tmp_path, restarted).managed_session() as sess:
+        assert sess.restored_checkpoint == str(tmp_path / "model.ckpt-3")
+    assert restarted.global_step.value == 3
+    assert torch.equal(restarted.weights()["weight"], trainer.weights()["weight"])
+
+
+def test_the_state_file_may_be_a_fifo(tmp_path):
+    trainer = Trainer()
+    _train(_supervisor(tmp_path, trainer), trainer, 2)
+    os.remove(tmp_path / "checkpoint")
+    os.mkfifo(tmp_path / "checkpoint")
+    plan = plan_restore(str(tmp_path))  # Returns: a FIFO is never read.
+    assert plan.candidates[0] == str(tmp_path / "model.ckpt-2")
+    assert "not a regular file (a FIFO)" in plan.state_file_error
+
+
+def test_retention_times_come_from_the_injected_clock(tmp_path):
+    """keep_checkpoint_every_n_hours with a fake clock: the policy sees synthetic time."""
+    clock = FakeClock()
+    saver = Saver(max_to_keep=1, keep_checkpoint_every_n_hours=1, clock=clock)
+    sess = Session({"w": torch.zeros(1)})
+    for step in range(1, 6):
+        clock.advance(1800)  # Half an hour per save.
+        saver.save(sess, str(tmp_path / "m"), step)
+    kept = sorted(n for n in os.listdir(tmp_path) if n.endswith(".index"))
+    assert kept == ["m-3.index", "m-5.index"]  # Strictly later than the keep time.
+
+
+def test_the_lock_file_is_not_a_checkpoint_file(tmp_path):
+    Saver().save(Session({"w": torch.zeros(1)}), str(tmp_path / "m"), 1)
+    assert LOCK_FILENAME in os.listdir(tmp_path)
+    assert plan_restore(str(tmp_path)).candidates == [str(tmp_path / "m-1")]
