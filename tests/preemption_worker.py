@@ -23,12 +23,16 @@ Options:
     --gate-after-step N    arm the gate once the global step reaches N (default 0)
     --gate-on-signal       arm the gate only once a preemption signal was received (holds the
                            final checkpoint)
-    --signals NAMES        preemption signals, comma-separated (default SIGTERM,SIGUSR1)
+    --signals NAMES        preemption signals, comma-separated (default: the Supervisor's,
+                           SIGTERM, SIGUSR1 and SIGINT)
+    --full-disk-on-signal  once a preemption signal was received, every write of a checkpoint
+                           file fails with ENOSPC (the final checkpoint fails)
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import os
 import signal
@@ -58,6 +62,19 @@ class SlowFS(FileSystem):
     def fsync(self, fd: int) -> None:
         time.sleep(self.delay_secs)
         super().fsync(fd)
+
+
+class FullDiskFS(SlowFS):
+    """Fails every write with ENOSPC once armed."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.armed: Callable[[], bool] = lambda: False
+
+    def write(self, fd: int, data) -> None:
+        if self.armed():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        super().write(fd, data)
 
 
 class GateFS(SlowFS):
@@ -94,7 +111,8 @@ def main() -> None:
     parser.add_argument("--gate", default=None)
     parser.add_argument("--gate-after-step", type=int, default=0)
     parser.add_argument("--gate-on-signal", action="store_true")
-    parser.add_argument("--signals", default="SIGTERM,SIGUSR1")
+    parser.add_argument("--signals", default=None)
+    parser.add_argument("--full-disk-on-signal", action="store_true")
     args = parser.parse_args()
 
     data = torch.Generator().manual_seed(1234)
@@ -117,7 +135,9 @@ def main() -> None:
     if args.big:
         state["big"] = torch.zeros(args.big * 250_000)
     fs: SlowFS | None = None
-    if args.gate:
+    if args.full_disk_on_signal:
+        fs = FullDiskFS()
+    elif args.gate:
         fs = GateFS(args.slow_fsync, args.gate)
     elif args.slow_fsync:
         fs = SlowFS(args.slow_fsync)
@@ -136,8 +156,14 @@ def main() -> None:
         init_fn=slow_start if args.slow_start else None,
         preemption_grace_secs=args.grace,
         preemption_exit_code=args.exit_code,
-        preemption_signals=[getattr(signal, name) for name in args.signals.split(",")],
+        **(
+            {"preemption_signals": [getattr(signal, n) for n in args.signals.split(",")]}
+            if args.signals
+            else {}
+        ),
     )
+    if isinstance(fs, FullDiskFS):
+        fs.armed = lambda: sv.preempted is not None
     if isinstance(fs, GateFS):
         if args.gate_on_signal:
             fs.armed = lambda: sv.preempted is not None

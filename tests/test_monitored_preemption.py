@@ -118,6 +118,7 @@ def test_a_final_checkpoint_that_cannot_finish_in_the_grace_period_is_abandoned(
     saver = Saver(fs=SlowFS(0.5))  # Each fsync takes 0.5 s; the grace period is 0.2 s.
     with (
         caplog.at_level(logging.WARNING, logger="torchsupervisor"),
+        pytest.raises(SystemExit) as leaving,  # Work was lost: never a clean exit.
         MonitoredTrainingSession(
             checkpoint_dir=str(tmp_path),
             scaffold=Scaffold(saver=saver),
@@ -129,12 +130,44 @@ def test_a_final_checkpoint_that_cannot_finish_in_the_grace_period_is_abandoned(
         sess.run(counter.step)
         os.kill(os.getpid(), signal.SIGTERM)
         assert sess.should_stop()
+    assert leaving.value.code == 1
     assert "The final checkpoint at step 1 could not be written within 0.2 s: abandoned" in (
         caplog.text
     )
+    assert (
+        "Stopped by SIGTERM at step 1 but the final checkpoint failed (not written within the "
+        f"0.2 s grace period); the last committed checkpoint is step 0 "
+        f"({tmp_path / 'model.ckpt-0'}); 1 step will be redone"
+    ) in caplog.text
     assert saver.wait(JOIN_SECS)  # The cancelled write ends at its next stage...
     assert valid_checkpoints(tmp_path) == [0]  # ... committing nothing, leaving no file.
     assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-0")
+
+
+def test_ctrl_c_stops_gracefully_and_a_second_one_aborts(tmp_path, caplog):
+    counter = Counter()
+    with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
+        with MonitoredTrainingSession(checkpoint_dir=str(tmp_path), state=counter.state) as sess:
+            sess.run(counter.step)
+            os.kill(os.getpid(), signal.SIGINT)  # Default preemption signals: Ctrl-C too.
+            assert sess.should_stop()
+        assert checkpoint_steps(tmp_path) == [0, 1]
+        assert "Received SIGINT: stopping at step 1" in caplog.text
+        assert "(press Ctrl-C again to abort at once)" in caplog.text
+        other = Counter()
+        with (
+            pytest.raises(KeyboardInterrupt),
+            MonitoredTrainingSession(
+                checkpoint_dir=str(tmp_path / "abort"), state=other.state
+            ) as sess,
+        ):
+            sess._hooks[-1].wait_for_save()  # Step 0 is committed.
+            sess.run(other.step)
+            os.kill(os.getpid(), signal.SIGINT)
+            assert sess.should_stop()
+            os.kill(os.getpid(), signal.SIGINT)  # Raises KeyboardInterrupt here.
+            sess.run(other.step)
+    assert checkpoint_steps(tmp_path / "abort") == [0]  # No final checkpoint: aborted.
 
 
 def test_the_grace_period_applies_only_after_a_signal(tmp_path):

@@ -284,18 +284,69 @@ def test_a_second_sigterm_during_the_final_checkpoint(tmp_path):
     assert _valid_checkpoints(logdir) == [0, stopped]
 
 
-def test_sigint_configured_as_a_preemption_signal(tmp_path):
+def test_ctrl_c_is_a_graceful_stop_by_default(tmp_path):
     logdir = str(tmp_path)
-    proc = _start(logdir, "--signals", "SIGINT", "--step-delay", "0.05")
+    proc = _start(logdir, "--step-delay", "0.05")  # The Supervisor's default signals.
     _read_until(proc, "LOSS 5 ")
     proc.send_signal(signal.SIGINT)
     lines, err, code = _finish(proc)
     assert code == 0, err
-    assert "KeyboardInterrupt" not in err
-    assert "Received SIGINT: stopping at step" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
     stopped, _ = _done(lines)
     assert 5 < stopped < STEPS
-    assert _valid_checkpoints(logdir)[-1] == stopped
+    expected = (
+        f"Received SIGINT: stopping at step {stopped} with a final checkpoint (press Ctrl-C "
+        "again to abort at once)"
+    )
+    assert [line for line in err.splitlines() if "SIGINT" in line] == [expected]
+    assert _valid_checkpoints(logdir)[-1] == stopped  # Nothing lost.
+
+
+def test_a_second_ctrl_c_aborts_at_once(tmp_path):
+    logdir = str(tmp_path)
+    gate = str(tmp_path / "gate")  # Never created: the final checkpoint is held forever.
+    proc = _start(
+        logdir,
+        *("--gate", gate, "--gate-on-signal", "--save-model-secs", "3600"),
+        *("--step-delay", "0.02"),
+    )
+    _read_until(proc, "READY")
+    _wait_for_first_commit(logdir)
+    proc.send_signal(signal.SIGINT)
+    _read_until(proc, "STALLED")  # The final checkpoint is being written...
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)  # ... and the user does not want to wait.
+    lines, err, code = _finish(proc)
+    assert time.monotonic() - start < 20
+    assert code != 0 and "Second interrupt: aborting now" in err
+    assert not [x for x in lines if x.startswith("DONE")]
+    assert _valid_checkpoints(logdir, temporaries_allowed=True) == [0]
+    lines, err, code = _finish(_start(logdir, "--save-model-secs", "3600"))
+    assert code == 0, err
+    assert lines[0] == "READY 0"  # The restart resumes from the last commit, cleanly.
+    assert _valid_checkpoints(logdir)[-1] == STEPS
+
+
+def test_a_failed_final_checkpoint_after_a_signal_exits_non_zero(tmp_path):
+    logdir = str(tmp_path)
+    proc = _start(
+        logdir, "--full-disk-on-signal", "--save-model-secs", "3600", "--step-delay", "0.02"
+    )
+    _read_until(proc, "READY")
+    _wait_for_first_commit(logdir)
+    _read_until(proc, "LOSS 5 ")
+    proc.send_signal(signal.SIGTERM)
+    lines, err, code = _finish(proc)
+    assert code == 1, err
+    stopped, _ = _done(lines) if any(x.startswith("DONE") for x in lines) else (None, None)
+    assert stopped is None  # managed_session raised SystemExit: the program did not go on.
+    (line,) = [x for x in err.splitlines() if "final checkpoint failed" in x]
+    assert "Stopped by SIGTERM at step " in line and "No space left on device" in line
+    assert f"the last committed checkpoint is step 0 ({os.path.join(logdir, 'model.ckpt-0')})" in (
+        line
+    )
+    assert "steps will be redone" in line
+    assert _valid_checkpoints(logdir) == [0]
 
 
 def test_sigterm_during_startup(tmp_path):
@@ -333,8 +384,9 @@ def test_a_final_checkpoint_that_cannot_finish_in_time_is_abandoned_cleanly(tmp_
     _wait_for_first_commit(logdir)
     proc.send_signal(signal.SIGTERM)
     _, err, code = _finish(proc)
-    assert code == 0, err
+    assert code == 1, err  # Work was lost: never exit 0.
     assert "abandoned" in err
+    assert "the final checkpoint failed (not written within the 0.3 s grace period)" in err
     # Only checkpoints committed before the signal remain, complete; no temporary file.
     assert _valid_checkpoints(logdir) == [0]
 

@@ -54,7 +54,12 @@ from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook
 from torchsupervisor.hooks.session_run_hook import SessionRunHook
 from torchsupervisor.hooks.step_counter import StepCounterHook
 from torchsupervisor.hooks.summary_saver import SummarySaverHook
-from torchsupervisor.preemption import DEFAULT_PREEMPTION_SIGNALS, PreemptionHandler
+from torchsupervisor.preemption import (
+    ABORT_SIGNALS,
+    DEFAULT_PREEMPTION_SIGNALS,
+    PreemptionHandler,
+    final_checkpoint_failed,
+)
 from torchsupervisor.registry import Graph, GraphKeys, get_default_graph
 from torchsupervisor.rng import RNGState
 from torchsupervisor.scaffold import Scaffold
@@ -297,9 +302,12 @@ class _MonitoredSession:
             step = read_step(global_step)
         logger.warning(
             "Received %s: stopping at step %s; leaving the session runs the hooks' end() (the "
-            "final checkpoint)",
+            "final checkpoint)%s",
             self._preemption.describe(),
             step,
+            " (press Ctrl-C again to abort at once)"
+            if self._preemption.received in ABORT_SIGNALS
+            else "",
         )
 
     @property
@@ -338,6 +346,7 @@ class _MonitoredSession:
         self._close_internal(None)
 
     def _close_internal(self, exception_type: type[BaseException] | None) -> None:
+        lost: SystemExit | None = None
         try:
             try:
                 if exception_type is None:
@@ -348,6 +357,11 @@ class _MonitoredSession:
                                 hook.set_final_save_budget(self._preemption_grace_secs)
                     for hook in self._hooks:
                         hook.end(self._coordinated_creator.tf_sess)
+                    lost = self._preemption_outcome()
+                elif self._preemption.aborted:  # A second Ctrl-C: abandon, do not wait.
+                    for hook in self._hooks:
+                        if isinstance(hook, CheckpointSaverHook):
+                            hook.abandon()
             finally:
                 try:
                     if self._sess is None:
@@ -360,12 +374,34 @@ class _MonitoredSession:
                     self._coordinated_creator.close()
         finally:
             self._preemption.uninstall()
+        if lost is not None:
+            raise lost
         if (
             exception_type is None
             and self._preemption.received is not None
             and self._preemption_exit_code is not None
         ):
             raise SystemExit(self._preemption_exit_code)
+
+    def _preemption_outcome(self) -> SystemExit | None:
+        """After a preemption stop: the exit to raise if a final checkpoint is missing."""
+        signal_name = self._preemption.describe()
+        if not signal_name:
+            return None
+        for hook in self._hooks:
+            reason = getattr(hook, "final_save_failure", None)
+            if reason is None:
+                continue
+            step = None
+            global_step = session_global_step(self._tf_sess(), get_global_step())
+            if global_step is not None:
+                step = read_step(global_step)
+            committed = hook.last_saved_step
+            prefix = None if committed is None else f"{hook.save_path}-{committed}"
+            return final_checkpoint_failed(
+                signal_name, step, committed, prefix, reason, self._preemption_exit_code
+            )
+        return None
 
     def _tf_sess(self) -> Session | None:
         return self._coordinated_creator.tf_sess
@@ -401,8 +437,9 @@ class MonitoredSession(_MonitoredSession):
         session_creator: Creates the sessions; None: ``ChiefSessionCreator()``.
         hooks: ``SessionRunHook``s, called in order.
         stop_grace_period_secs: Seconds the session's threads get to stop at ``close()``.
-        preemption_signals: Signals that mean "stop and save" (default SIGTERM and SIGUSR1;
-            add ``signal.SIGINT`` for Ctrl-C; empty or None: keep the current handlers).
+        preemption_signals: Signals that mean "stop and save" (default SIGTERM, SIGUSR1 and
+            SIGINT: Ctrl-C is a graceful stop, a second Ctrl-C aborts at once with
+            ``KeyboardInterrupt``; empty or None: keep the current handlers).
             Installed when the session is constructed (so a signal during start-up counts),
             on the main thread only (elsewhere a warning is logged), and restored when it
             closes. A handler only records the signal; ``should_stop()`` then returns True, so
@@ -463,7 +500,7 @@ class SingularMonitoredSession(_MonitoredSession):
         device: Where the init op materializes meta-device modules.
         clock: Time source for waits.
         preemption_signals: As ``MonitoredSession``: signals that stop training cleanly
-            (default SIGTERM and SIGUSR1; empty or None: none).
+            (default SIGTERM, SIGUSR1 and SIGINT; empty or None: none).
         preemption_grace_secs: As ``MonitoredSession``: the time budget of the final
             checkpoint after a preemption signal, in seconds.
         preemption_exit_code: As ``MonitoredSession``: the ``SystemExit`` code of ``close()``
@@ -592,7 +629,7 @@ def MonitoredTrainingSession(
             without it (from an older run) restores with a warning. False: leave the state
             as given.
         preemption_signals: Signals that stop training cleanly with a final checkpoint
-            (default SIGTERM and SIGUSR1; add ``signal.SIGINT`` for Ctrl-C; empty or None:
+            (default SIGTERM, SIGUSR1 and SIGINT for Ctrl-C; empty or None:
             none); see ``MonitoredSession``.
         preemption_grace_secs: Time budget of the final checkpoint after a preemption signal,
             in seconds; a save that cannot finish in time is cancelled cleanly.

@@ -24,26 +24,46 @@ then shuts its workers down itself, so ignoring it in the workers loses nothing.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = [
+    "ABORT_SIGNALS",
     "DEFAULT_PREEMPTION_SIGNALS",
     "WORKER_IGNORED_SIGNALS",
     "IgnorePreemptionSignals",
     "PreemptionHandler",
+    "final_checkpoint_failed",
 ]
 
 logger = logging.getLogger("torchsupervisor")
 
 DEFAULT_PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = tuple(
-    s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s
+    s
+    for s in (
+        getattr(signal, "SIGTERM", None),
+        getattr(signal, "SIGUSR1", None),
+        getattr(signal, "SIGINT", None),
+    )
+    if s
+)
+"""SIGTERM and SIGUSR1 (schedulers) and SIGINT (Ctrl-C): each asks for a graceful stop."""
+
+ABORT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT,)
+"""Signals whose second delivery aborts at once (a second Ctrl-C): ``KeyboardInterrupt``."""
+
+# The default preemption signals, Ctrl-C's SIGINT among them (see the module docstring).
+WORKER_IGNORED_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    dict.fromkeys((*DEFAULT_PREEMPTION_SIGNALS, signal.SIGINT))
 )
 
-# The default preemption signals and Ctrl-C's SIGINT (see the module docstring).
-WORKER_IGNORED_SIGNALS: tuple[signal.Signals, ...] = (*DEFAULT_PREEMPTION_SIGNALS, signal.SIGINT)
+_ABORT_LINE = (
+    b"\nSecond interrupt: aborting now. A checkpoint being written is abandoned; the last "
+    b"committed one is kept.\n"
+)
 
 
 class PreemptionHandler:
@@ -57,6 +77,9 @@ class PreemptionHandler:
         received: The first signal number received, or None.
         count: How many signals were received (a second SIGTERM changes nothing: the stop and
             the final checkpoint are already under way).
+        aborted: True once a second abort signal (``ABORT_SIGNALS``: a second Ctrl-C) was
+            received: the handler then wrote one line to stderr and raised
+            ``KeyboardInterrupt`` on the main thread, to abort at once.
 
     Thread safety: ``install``/``uninstall`` only work on the main thread (Python delivers
     signals there); elsewhere they log and do nothing. ``received`` may be read anywhere.
@@ -69,6 +92,7 @@ class PreemptionHandler:
         self._previous: dict[signal.Signals, Any] = {}
         self.received: int | None = None
         self.count = 0
+        self.aborted = False
 
     @property
     def signals(self) -> tuple[signal.Signals, ...]:
@@ -76,7 +100,16 @@ class PreemptionHandler:
         return self._signals
 
     def _handle(self, signum: int, frame: Any) -> None:
-        # Only plain assignments: no locks, no logging, no allocation-heavy work.
+        # Only plain assignments: no locks, no logging, no allocation-heavy work. A second
+        # Ctrl-C aborts: one line straight to stderr (os.write takes no lock), then the
+        # KeyboardInterrupt Python would have raised at the first.
+        if self.received is not None and signum in ABORT_SIGNALS:
+            self.aborted = True
+            try:
+                os.write(2, _ABORT_LINE)
+            except OSError:
+                pass
+            raise KeyboardInterrupt
         if self.received is None:
             self.received = signum
         self.count += 1
@@ -85,6 +118,7 @@ class PreemptionHandler:
         """Install the handlers (remembering the previous ones); clears ``received``."""
         self.received = None
         self.count = 0
+        self.aborted = False
         if not self._signals or self._previous:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -163,3 +197,49 @@ class IgnorePreemptionSignals:
     def __repr__(self) -> str:
         names = ", ".join(s.name for s in self.signals)
         return f"IgnorePreemptionSignals({self.worker_init_fn!r}, signals=({names}))"
+
+
+def final_checkpoint_failed(
+    signal_name: str,
+    step: int | None,
+    committed_step: int | None,
+    committed_prefix: str | None,
+    reason: str,
+    exit_code: int | None,
+) -> SystemExit:
+    """Log, on one line, that a preemption's final checkpoint failed; return the exit to raise.
+
+    A stop asked for by a signal must not end with status 0 when work is lost: the
+    scheduler (or the user) must see it. The line names the step the run stopped at, why the
+    final checkpoint failed, and the last committed checkpoint a restart resumes from.
+
+    Args:
+        signal_name: ``"SIGTERM"``, ``"SIGINT"``, ...
+        step: The step training stopped at (None: no global step).
+        committed_step: The step of the last committed (or restored) checkpoint; None: none.
+        committed_prefix: Its prefix, if known.
+        reason: Why the final checkpoint failed (the save's error, or the budget exceeded).
+        exit_code: The run's ``preemption_exit_code``; the status is that code when it is
+            non-zero, else 1.
+
+    Returns:
+        The ``SystemExit`` for the caller to raise once everything is closed.
+
+    TF name: none (TF did not handle preemption signals).
+    """
+    if committed_step is None and committed_prefix is None:
+        last = "no checkpoint was committed: a restart starts from the beginning"
+    else:
+        where = f" ({committed_prefix})" if committed_prefix else ""
+        last = f"the last committed checkpoint is step {committed_step}{where}"
+        if step is not None and committed_step is not None and step > committed_step:
+            lost = step - committed_step
+            last += f"; {lost} step{'' if lost == 1 else 's'} will be redone"
+    logger.error(
+        "Stopped by %s at step %s but the final checkpoint failed (%s); %s",
+        signal_name,
+        step,
+        reason,
+        last,
+    )
+    return SystemExit(exit_code or 1)

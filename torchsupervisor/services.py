@@ -143,6 +143,10 @@ class CheckpointService:
         self._last_step = (
             read_step(global_step) if global_step is not None and sess.restored_checkpoint else None
         )
+        self.last_prefix: str | None = sess.restored_checkpoint
+        """The newest checkpoint committed (or restored) in this session; None: none yet."""
+        self.last_error: str | None = None
+        """Why the last save failed (None after a success): for the preemption report."""
 
     def _current_step(self) -> int | None:
         return None if self._global_step is None else read_step(self._global_step)
@@ -188,7 +192,7 @@ class CheckpointService:
         try:
             error = future.exception()
             if error is None:
-                self._committed(step)
+                self._committed(step, future.result())
             else:
                 self._report(error, step)
         finally:
@@ -198,8 +202,15 @@ class CheckpointService:
         if deferred:
             self.request()
 
-    def _committed(self, step: int | None) -> None:
+    @property
+    def last_step(self) -> int | None:
+        """The step of the newest checkpoint committed (or restored) in this session."""
+        return self._last_step
+
+    def _committed(self, step: int | None, prefix: str | None = None) -> None:
         self._last_step = step
+        self.last_prefix = prefix or self.last_prefix
+        self.last_error = None
         if self._writer is not None and step is not None:
             self._writer.add_session_log(
                 SessionLog(status=SessionLog.CHECKPOINT, checkpoint_path=self._save_path), step
@@ -214,6 +225,7 @@ class CheckpointService:
             self._on_error(error)
 
     def _failed(self, error: BaseException, step: int | None) -> None:
+        self.last_error = f"{type(error).__name__}: {error}"
         logger.error("Checkpoint at step %s failed; training continues: %s", step, error)
         if self._writer is not None:
             event = Event(
@@ -250,7 +262,7 @@ class CheckpointService:
         except Exception as e:
             self._failed(e, step)
             raise
-        self._committed(step)
+        self._committed(step, prefix)
         return prefix
 
     def _save_within(self, budget_secs: float) -> str | None:
@@ -268,6 +280,7 @@ class CheckpointService:
         if not (self._saver.wait(remaining()) and self._idle.wait(remaining())):
             logger.warning("The checkpoint being written did not finish in time: abandoned")
             if not self._abandon(remaining):
+                self.last_error = f"a save stuck in a file-system call for {budget_secs:.1f} s"
                 logger.error(
                     "The checkpoint being written is stuck in a file-system call; no final "
                     "checkpoint within %.1f s (the last committed checkpoint is kept)",
@@ -282,6 +295,7 @@ class CheckpointService:
             return None
         done, _ = concurrent.futures.wait([future], timeout=remaining())
         if not done:
+            self.last_error = f"not written within the {budget_secs:g} s grace period"
             logger.error(
                 "The final checkpoint at step %s could not be written within %.1f s: "
                 "abandoned (the last committed checkpoint is kept)",
@@ -291,6 +305,18 @@ class CheckpointService:
             self._abandon(remaining)
             return None
         return future.result() if future.exception() is None else None
+
+    def abandon(self, timeout_secs: float) -> bool:
+        """Cancel the save in flight (a second Ctrl-C): it commits nothing, leaves no file.
+
+        Args:
+            timeout_secs: Longest wait for the writer to stop, in seconds.
+
+        Returns:
+            True if it ended in time; otherwise later waits skip it.
+        """
+        deadline = time.monotonic() + timeout_secs
+        return self._abandon(lambda: max(0.0, deadline - time.monotonic()))
 
     def _abandon(self, remaining: Any) -> bool:
         """Cancel the save in flight; wait for it to end until the deadline at the latest.

@@ -68,7 +68,12 @@ from torchsupervisor.errors import (
     LogdirLockedError,
 )
 from torchsupervisor.global_step import GlobalStep, read_step
-from torchsupervisor.preemption import DEFAULT_PREEMPTION_SIGNALS, PreemptionHandler
+from torchsupervisor.preemption import (
+    ABORT_SIGNALS,
+    DEFAULT_PREEMPTION_SIGNALS,
+    PreemptionHandler,
+    final_checkpoint_failed,
+)
 from torchsupervisor.registry import (
     USE_DEFAULT,
     Graph,
@@ -145,16 +150,22 @@ class Supervisor:
             permission denied, ...) is logged and reported in the event file, and training
             continues (the next checkpoint is tried on schedule; older ones are untouched).
             With True, training stops and ``managed_session`` re-raises the error.
-        preemption_signals: Signals that mean "stop and save" (default SIGTERM and SIGUSR1;
-            add ``signal.SIGINT`` for Ctrl-C; empty to keep the default handlers). Inside
-            ``managed_session`` (on the main thread) a handler only records the signal;
-            ``should_stop()`` then returns True, the chief writes a final checkpoint at the
-            current step, and ``managed_session`` returns normally. The previous handlers are
-            restored when the session ends.
+        preemption_signals: Signals that mean "stop and save" (default SIGTERM, SIGUSR1
+            and SIGINT, so Ctrl-C is a graceful stop; empty to keep the default handlers).
+            Inside ``managed_session`` (on the main thread) a handler only records the signal;
+            ``should_stop()`` then returns True (one line is logged: ``"Received SIGINT:
+            stopping at step N with a final checkpoint"``), the chief writes a final
+            checkpoint at the current step, and ``managed_session`` returns normally. A second
+            Ctrl-C aborts at once: one line on stderr, the save in flight is abandoned and
+            ``KeyboardInterrupt`` is raised. The previous handlers are restored when the
+            session ends.
         preemption_grace_secs: Time budget for the final checkpoint after a signal, in
             seconds (schedulers send SIGKILL after a grace period: leave a margin). A save
             that cannot finish in time is abandoned cleanly (nothing half-written; the last
-            committed checkpoint is kept).
+            committed checkpoint is kept). A final checkpoint that fails or runs out of time
+            is reported on one line naming the last committed checkpoint, and
+            ``managed_session`` raises ``SystemExit`` with ``preemption_exit_code`` if it is
+            non-zero, else 1: a stop that loses work never exits with status 0.
         preemption_exit_code: If set, ``managed_session`` raises ``SystemExit`` with this code
             after a preemption stop, once everything is saved and closed (for schedulers that
             requeue on a given exit status). None: return normally (exit status 0 when the
@@ -807,12 +818,14 @@ class Supervisor:
                 self._stop_agreement.close()
                 self._stop_agreement = None
             try:
-                final_error = None
+                final_error: BaseException | None = None
                 try:
                     if self._sharded_service is not None:
                         final_error = self._final_sharded_checkpoint(clean_exit)
                     elif clean_exit:
                         final_error = self._final_checkpoint()
+                    if final_error is None and clean_exit:
+                        final_error = self._preemption_outcome()
                 finally:
                     self.stop(close_summary_writer=close_summary_writer)
                 if final_error is not None:
@@ -854,6 +867,34 @@ class Supervisor:
             logger.error("The final checkpoint failed: %s", e)
             return e
         return None
+
+    def _preemption_outcome(self) -> SystemExit | None:
+        """After a preemption stop: the exit to raise if its final checkpoint is missing.
+
+        The final checkpoint must be at the step training stopped at; if it is not (the
+        save failed, or did not finish within ``preemption_grace_secs``), one line says so,
+        naming the last committed checkpoint, and the process must exit non-zero.
+        """
+        signal_name = self._preemption.describe()
+        service = self._checkpoint_service or self._sharded_service
+        if not signal_name or service is None or self._global_step is None:
+            return None
+        try:
+            self._coord.raise_requested_exception()
+        except BaseException:
+            return None  # An error is raised instead.
+        step = self._current_step()
+        if service.last_step == step:
+            return None
+        reason = getattr(service, "last_error", None) or "it was not written"
+        return final_checkpoint_failed(
+            signal_name,
+            step,
+            service.last_step,
+            getattr(service, "last_prefix", None),
+            reason,
+            self._preemption_exit_code,
+        )
 
     def _final_sharded_checkpoint(self, clean_exit: bool) -> Exception | None:
         """Every rank saves the last checkpoint together, or none does; never hangs.
@@ -949,6 +990,8 @@ class Supervisor:
             )
         finally:
             if self._checkpoint_service is not None:
+                if self._preemption.aborted:  # A second Ctrl-C: abandon, do not wait.
+                    self._checkpoint_service.abandon(timeout_secs=5.0)
                 self._checkpoint_service.wait()
                 self._saver.close()  # No idle writer thread outlives the session.
             if self._sharded_service is not None:
@@ -1000,11 +1043,14 @@ class Supervisor:
         self._preemption_seen = True
         step = self._current_step() if self._global_step is not None else None
         logger.warning(
-            "Received %s: stopping at step %s%s",
+            "Received %s: stopping at step %s%s%s",
             self._preemption.describe(),
             step,
             " with a final checkpoint"
             if self._checkpoint_service is not None or self._sharded_service is not None
+            else "",
+            " (press Ctrl-C again to abort at once)"
+            if self._preemption.received in ABORT_SIGNALS
             else "",
         )
         self._coord.request_stop()

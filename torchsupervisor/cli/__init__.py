@@ -64,13 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit status.
 
     Exit status: 0 on success, 1 when the command fails (a missing or damaged file, or
-    ``verify`` finding the checkpoint a restart would use damaged), 2 for a usage error.
+    ``verify`` finding the checkpoint a restart would use damaged), 2 for a usage error, 130
+    when the demo was aborted by a second Ctrl-C.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "demo":
         from torchsupervisor.cli import demo
 
-        return demo.main(argv[1:])
+        try:
+            return demo.main(argv[1:])
+        except KeyboardInterrupt:  # A second Ctrl-C: the handler already said so.
+            return 130
     parser = build_parser()
     if not argv:
         parser.print_help()

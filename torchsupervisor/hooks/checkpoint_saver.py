@@ -185,7 +185,10 @@ class CheckpointSaverHook(SessionRunHook):
         # sees it finished.
         self._pending: _PendingSave | None = None
         self._last_saved_step: int | None = None
+        self._last_error: str | None = None
         self._final_budget_secs: float | None = None
+        self.final_save_failure: str | None = None
+        """After ``end()`` under a budget: why the final checkpoint is missing; else None."""
 
     @property
     def save_path(self) -> str:
@@ -271,6 +274,7 @@ class CheckpointSaverHook(SessionRunHook):
         TF name: ``tf.compat.v1.train.CheckpointSaverHook.end``.
         """
         last_step = read_step(self._global_step)
+        self.final_save_failure = None
         try:
             if self._final_budget_secs is None:
                 self._finish_pending()
@@ -278,12 +282,38 @@ class CheckpointSaverHook(SessionRunHook):
                     self._save_sync(session, last_step)
             else:
                 self._save_within(session, last_step, self._final_budget_secs)
+                if last_step != self._last_saved_step:
+                    self.final_save_failure = self._last_error or "it was not written"
             for listener in self._listeners:
                 listener.end(session, last_step)
         finally:  # Also after a failed final save: its error event reaches the disk.
             self._get_saver().close()  # No idle writer thread outlives the session.
             if self._summary_writer is not None:
                 self._summary_writer.flush()
+
+    @property
+    def last_saved_step(self) -> int | None:
+        """The step of the newest checkpoint committed (or found restored) by this hook.
+
+        TF name: none.
+        """
+        return self._last_saved_step
+
+    def abandon(self, timeout_secs: float = 5.0) -> None:
+        """Cancel the save in flight and close the saver, without a final checkpoint.
+
+        For an abort (a second Ctrl-C): the save commits nothing and leaves no file; the last
+        committed checkpoint stays the newest.
+
+        Args:
+            timeout_secs: Longest wait for the writer to stop, in seconds.
+
+        TF name: none.
+        """
+        self._pending = None
+        saver = self._get_saver()
+        if saver.cancel(timeout_secs):
+            saver.close()
 
     def set_final_save_budget(self, timeout_secs: float | None) -> None:
         """Bound the time ``end()`` spends on checkpoints, in seconds (a grace period).
@@ -380,6 +410,7 @@ class CheckpointSaverHook(SessionRunHook):
 
     def _report_failure(self, step: int, error: BaseException) -> None:
         """Log a failed save and write it to the event file (an ERROR ``LogMessage``)."""
+        self._last_error = f"{type(error).__name__}: {error}"
         logger.error("Checkpoint at step %s failed: %s", step, error)
         if self._summary_writer is not None:
             event = Event(
@@ -420,6 +451,7 @@ class CheckpointSaverHook(SessionRunHook):
                 raise error
             return False
         self._last_saved_step = pending.step
+        self._last_error = None
         return self._after_save(pending.session, pending.step)
 
     def _save_within(self, session: Any, step: int, budget_secs: float) -> None:
@@ -441,6 +473,7 @@ class CheckpointSaverHook(SessionRunHook):
                     pending.step,
                 )
                 if not saver.cancel(remaining()):
+                    self._last_error = f"a save stuck in a file-system call for {budget_secs:g} s"
                     logger.error(
                         "The checkpoint being written is stuck in a file-system call; no final "
                         "checkpoint within %.1f s (the last committed checkpoint is kept)",
@@ -454,6 +487,7 @@ class CheckpointSaverHook(SessionRunHook):
             self._finish_pending()
             return
         self._pending = None
+        self._last_error = f"not written within the {budget_secs:g} s grace period"
         logger.error(
             "The final checkpoint at step %s could not be written within %.1f s: abandoned "
             "(the last committed checkpoint is kept)",
