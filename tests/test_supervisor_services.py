@@ -486,14 +486,19 @@ def test_a_preemption_save_into_a_vanished_directory_is_reported_not_raised(tmp_
     c = Counter()
     sv = Supervisor(logdir=logdir, state=c.state, save_summaries_secs=0, save_model_secs=3600)
     caplog.set_level(logging.INFO, logger="torchsupervisor")
-    with sv.managed_session() as sess:
+    with pytest.raises(SystemExit) as leaving, sv.managed_session() as sess:
         wait_for_checkpoint(sv, 0)
         sess.run(c.step)
         shutil.rmtree(logdir)
         os.kill(os.getpid(), signal.SIGUSR1)
         wait_until(sv.should_stop, what="the stop after the signal")
-    # The final checkpoint within the grace budget failed; the session still ended cleanly.
+    # The final checkpoint within the grace budget failed: reported on one line, and the
+    # session ends with a non-zero exit (work was lost), not with an exception's traceback.
+    assert leaving.value.code == 1
     assert any("doesn't exist, can't save" in m for m in caplog.messages), caplog.messages
+    (line,) = [m for m in caplog.messages if "the final checkpoint failed" in m]
+    assert line.startswith("Stopped by SIGUSR1 at step 1 but the final checkpoint failed")
+    assert "the last committed checkpoint is step 0" in line
     assert not os.path.exists(logdir)
 
 

@@ -45,6 +45,15 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from torchsupervisor import distributed
+from torchsupervisor.checks import (
+    check_bool,
+    check_int,
+    check_number,
+    check_path,
+    check_signals,
+    check_state,
+)
 from torchsupervisor.clock import Clock
 from torchsupervisor.coordinator import Coordinator
 from torchsupervisor.errors import OutOfRangeError
@@ -170,8 +179,17 @@ class _MonitoredSession:
         preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
     ) -> None:
+        stop_grace_period_secs = check_number("stop_grace_period_secs", stop_grace_period_secs)
+        preemption_signals = check_signals("preemption_signals", preemption_signals)
+        preemption_grace_secs = check_number("preemption_grace_secs", preemption_grace_secs)
+        preemption_exit_code = check_int(
+            "preemption_exit_code", preemption_exit_code, allow_none=True
+        )
         self._graph = get_default_graph()
         self._hooks = list(hooks or [])
+        for hook in self._hooks:
+            if not isinstance(hook, SessionRunHook) and not callable(getattr(hook, "begin", None)):
+                raise TypeError(f"hooks must be SessionRunHook objects, got {hook!r}")
         self._stop_requested = False
         self._checked_step_fn: Any = None
         self._sess: Any = None
@@ -562,7 +580,7 @@ class SingularMonitoredSession(_MonitoredSession):
 
 def MonitoredTrainingSession(
     master: str = "",
-    is_chief: bool = True,
+    is_chief: bool | None = None,
     checkpoint_dir: str | None = None,
     scaffold: Scaffold | None = None,
     hooks: Iterable[SessionRunHook] | None = None,
@@ -601,8 +619,12 @@ def MonitoredTrainingSession(
     preemption signal stops training with a final checkpoint (see ``MonitoredSession``).
 
     Args:
-        master: ``""`` for an in-process session.
-        is_chief: The chief initializes/restores and saves; others wait.
+        master: ``""`` for an in-process session; ``"env://"`` (under ``torchrun``) or a
+            ``Server.target`` to join a process group.
+        is_chief: The chief initializes/restores and saves; others wait, then start from the
+            chief's state (broadcast). None (TF's default is True): the replica of rank 0 is
+            the chief (rank from the process group, else ``$RANK`` as set by ``torchrun``,
+            else 0), as for the Supervisor.
         checkpoint_dir: Directory to restore from and save checkpoints to.
         scaffold: The ``Scaffold``; None: a default one.
         hooks: Hooks of every replica, after the standard ones.
@@ -641,7 +663,10 @@ def MonitoredTrainingSession(
         A ``MonitoredSession`` (recovering from preemption errors).
 
     Raises:
-        ValueError: If ``state`` differs from a state the scaffold already has.
+        ValueError: If ``state`` differs from a state the scaffold already has; for an
+            argument out of range (naming it and the value).
+        TypeError: For an argument of the wrong type (naming it and the value).
+        LogdirLockedError: (Chief) another process is writing to ``checkpoint_dir``.
         RuntimeError: From the hooks' ``begin()`` when there is no global step (``"Global
             step should be created to use StepCounterHook."``, ... ``SummarySaverHook``,
             ... ``CheckpointSaverHook``); from ``Scaffold.finalize`` when a collection holds
@@ -660,6 +685,29 @@ def MonitoredTrainingSession(
     TF name: ``tf.compat.v1.train.MonitoredTrainingSession``.
     """
     del save_graph_def
+    is_chief = distributed.rank() == 0 if is_chief is None else check_bool("is_chief", is_chief)
+    checkpoint_dir = check_path("checkpoint_dir", checkpoint_dir)
+    summary_dir = check_path("summary_dir", summary_dir)
+    for name, value in (
+        ("save_checkpoint_secs", save_checkpoint_secs),
+        ("save_summaries_secs", save_summaries_secs),
+    ):
+        if value is not USE_DEFAULT:
+            check_number(name, value, allow_none=True)
+    for name, value in (
+        ("save_checkpoint_steps", save_checkpoint_steps),
+        ("save_summaries_steps", save_summaries_steps),
+    ):
+        if value is not USE_DEFAULT:
+            check_int(name, value, allow_none=True)
+    check_int("log_step_count_steps", log_step_count_steps, minimum=None, allow_none=True)
+    check_number("stop_grace_period_secs", stop_grace_period_secs)
+    check_number("max_wait_secs", max_wait_secs)
+    check_state("state", state)
+    save_rng_state = check_bool("save_rng_state", save_rng_state)
+    check_signals("preemption_signals", preemption_signals)
+    check_number("preemption_grace_secs", preemption_grace_secs)
+    check_int("preemption_exit_code", preemption_exit_code, allow_none=True)
     if save_summaries_steps is USE_DEFAULT and save_summaries_secs is USE_DEFAULT:
         save_summaries_steps, save_summaries_secs = 100, None
     elif save_summaries_steps is USE_DEFAULT:

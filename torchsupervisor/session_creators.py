@@ -22,10 +22,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch.distributed as dist
+
 from torchsupervisor.checkpoint import writer_lock
 from torchsupervisor.checkpoint.management import clean_checkpoint_dir
+from torchsupervisor.checks import check_number
 from torchsupervisor.clock import Clock
 from torchsupervisor.registry import get_default_graph
+from torchsupervisor.replicas import ReplicaGroup
 from torchsupervisor.scaffold import Scaffold, prepare_state, same_state
 from torchsupervisor.session import Session
 from torchsupervisor.session_manager import SessionManager
@@ -197,6 +201,9 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         keeps the state as it is in memory (see ``MonitoredSession``: the state's objects
         cannot be re-initialized as TF's variables were).
 
+        Under a process group of several ranks, the first session of rank 0 (the chief)
+        then broadcasts its state to the other ranks' ``WorkerSessionCreator`` sessions.
+
         Returns:
             The session; ``session.restored_checkpoint`` names the checkpoint restored.
 
@@ -236,12 +243,53 @@ class ChiefSessionCreator(_ScaffoldedCreator):
             init_feed_dict=init_feed_dict,
             init_fn=init_fn,
         )
-        self._initialized = True
+        first, self._initialized = not self._initialized, True
+        if first:
+            group = _replica_group(True, _AGREE_ROLES_SECS)
+            if group is not None:
+                group.publish_ready({"checkpoint": sess.restored_checkpoint})
+                group.broadcast_state(sess.state)
         return sess
 
 
 def _keep_state() -> None:
     """The init op of a re-created session: the state in memory is already initialized."""
+
+
+_replica_sessions = 0  # First sessions of creators under a process group, in this process.
+
+_AGREE_ROLES_SECS = 300.0
+_READY_POLL_SECS = 0.5
+
+
+def _replica_group(chief: bool, max_wait_secs: float) -> ReplicaGroup | None:
+    """The group in which the chief's state reaches the other ranks, or None.
+
+    Under a process group of several ranks, every rank's first session agrees on the roles
+    through the store: when rank 0 is the one chief, its restored (or initialized) state is
+    broadcast to every other rank, so that no replica trains from fresh weights while the
+    chief resumed (silent divergence). Other arrangements (every rank its own chief, as a
+    Horovod program passing ``is_chief=True`` everywhere) are left alone, with a warning.
+
+    Distributed: every rank's first session calls it, in the same order.
+    """
+    global _replica_sessions
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    _replica_sessions += 1
+    group = ReplicaGroup(f"monitored/{_replica_sessions}")
+    group.post("chief", bool(chief))
+    roles = group.gather("chief", max_wait_secs, what="Agreeing on the chief")
+    if roles == [True] + [False] * (len(roles) - 1):
+        return group
+    chiefs = [rank for rank, is_chief in enumerate(roles) if is_chief]
+    if group.rank == 0:
+        logger.warning(
+            "The chief ranks are %s, not rank 0 alone: each rank keeps its own state (no "
+            "broadcast of the chief's restored state)",
+            chiefs,
+        )
+    return None
 
 
 class WorkerSessionCreator(_ScaffoldedCreator):
@@ -274,12 +322,17 @@ class WorkerSessionCreator(_ScaffoldedCreator):
         clock: Clock | None = None,
     ) -> None:
         super().__init__(scaffold, master, config, state, device, clock)
-        self._max_wait_secs = max_wait_secs
+        self._max_wait_secs = check_number("max_wait_secs", max_wait_secs)
+        self._created = False
 
     def create_session(self) -> Session:
         """Wait for a session whose state is ready.
 
         Polls every ``recovery_wait_secs`` of the session manager, up to ``max_wait_secs``.
+
+        Under a process group of several ranks whose chief is rank 0, the first session then
+        waits for the chief to be ready and receives its state (the restored checkpoint, or
+        the chief's initialization): every replica starts from the same state.
 
         Returns:
             A session whose state the ready op reports ready.
@@ -287,9 +340,20 @@ class WorkerSessionCreator(_ScaffoldedCreator):
         Raises:
             DeadlineExceededError: ``"Session was not ready after waiting %d secs."``.
 
+        Distributed: with a process group, every rank's first session is a collective (see
+        ``ChiefSessionCreator.create_session``).
+
         TF name: ``tf.compat.v1.train.WorkerSessionCreator.create_session``.
         """
         self._finalize()
-        return self._get_session_manager().wait_for_session(
+        sess = self._get_session_manager().wait_for_session(
             self._master, config=self._config, max_wait_secs=self._max_wait_secs
         )
+        first, self._created = not self._created, True
+        if first:
+            group = _replica_group(False, self._max_wait_secs)
+            if group is not None:  # Start from the chief's state, as every replica must.
+                info = group.wait_ready(_READY_POLL_SECS, self._max_wait_secs, clock=self._clock)
+                group.broadcast_state(sess.state)
+                sess.restored_checkpoint = info.get("checkpoint")
+        return sess

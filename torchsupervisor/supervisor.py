@@ -59,6 +59,15 @@ from torchsupervisor.checkpoint.management import clean_checkpoint_dir
 from torchsupervisor.checkpoint.recovery import restore_candidates
 from torchsupervisor.checkpoint.saver import Saver
 from torchsupervisor.checkpoint.sharded import is_sharded
+from torchsupervisor.checks import (
+    check_bool,
+    check_int,
+    check_number,
+    check_path,
+    check_signals,
+    check_state,
+    check_str,
+)
 from torchsupervisor.clock import REAL_CLOCK, Clock
 from torchsupervisor.coordinator import Coordinator, LooperThread
 from torchsupervisor.errors import (
@@ -194,6 +203,12 @@ class Supervisor:
     per step and a step boundary (``sess.run`` or ``should_stop()``) between two steps.
     ``checkpoint()`` is then a collective. See ``docs/distributed.md``.
 
+    Raises:
+        TypeError: For an argument of the wrong type (``save_model_secs="x"``,
+            ``logdir=123``, ``state=[model]``), naming the argument and the value.
+        ValueError: For a value out of range (``save_model_secs=-1``,
+            ``preemption_grace_secs=-1``), naming the argument and the value.
+
     Thread safety: create it, run sessions and call ``should_stop``/``checkpoint`` on one
     (training) thread; ``request_stop`` may be called from any thread.
 
@@ -234,6 +249,37 @@ class Supervisor:
         save_rng_state: bool = True,
         clock: Clock | None = None,
     ) -> None:
+        if is_chief is not None:
+            is_chief = check_bool("is_chief", is_chief)
+        logdir = check_path("logdir", logdir)
+        save_summaries_secs = check_number(
+            "save_summaries_secs", save_summaries_secs, allow_none=True
+        )
+        save_model_secs = check_number("save_model_secs", save_model_secs, allow_none=True)
+        recovery_wait_secs = check_number(
+            "recovery_wait_secs", recovery_wait_secs, positive=True, allow_inf=False
+        )
+        stop_grace_secs = check_number("stop_grace_secs", stop_grace_secs)
+        check_str("checkpoint_basename", checkpoint_basename, allow_empty=False)
+        check_state("state", state)
+        if init_feed_dict is not None and not isinstance(init_feed_dict, Mapping):
+            raise TypeError(f"init_feed_dict must be a mapping or None, got {init_feed_dict!r}")
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be callable or None, got {init_fn!r}")
+        stop_on_checkpoint_error = check_bool("stop_on_checkpoint_error", stop_on_checkpoint_error)
+        preemption_signals = check_signals("preemption_signals", preemption_signals)
+        preemption_grace_secs = check_number("preemption_grace_secs", preemption_grace_secs)
+        preemption_exit_code = check_int(
+            "preemption_exit_code", preemption_exit_code, allow_none=True
+        )
+        save_rng_state = check_bool("save_rng_state", save_rng_state)
+        if logdir and not state and saver is USE_DEFAULT:
+            logger.warning(
+                "Supervisor(logdir=%r) has no state=: its checkpoints hold only the global "
+                "step, if any. TF saved every variable implicitly; pass the training state, e.g. "
+                "state={'model': model, 'optimizer': optimizer, 'global_step': step}",
+                logdir,
+            )
         graph = graph or get_default_graph()
         self._stop_on_checkpoint_error = stop_on_checkpoint_error
         self._preemption = PreemptionHandler(preemption_signals or ())
@@ -315,6 +361,7 @@ class Supervisor:
         self._session_manager = session_manager
         self._logdir_lock: writer_lock.DirectoryLock | None = None
         self._lock_refused = False
+        self._in_managed_session = False
         self._sess: Session | None = None
         self._checkpoint_service: CheckpointService | None = None
 
@@ -791,8 +838,17 @@ class Supervisor:
         Yields:
             The session.
 
+        Raises:
+            RuntimeError: If this Supervisor's ``managed_session`` is already open.
+
         TF name: ``Supervisor.managed_session``.
         """
+        if self._in_managed_session:
+            raise RuntimeError(
+                "This Supervisor's managed_session() is already open: one session at a time "
+                "(leave the first block before opening another)"
+            )
+        self._in_managed_session = True
         sess = None
         clean_exit = False
         failure: BaseException | None = None
@@ -835,6 +891,7 @@ class Supervisor:
                 self._sharded_service = None
                 self._sharded_replicas = False
                 self._sess = None
+                self._in_managed_session = False
                 self._preemption.uninstall()
                 if sess is not None:
                     try:

@@ -34,6 +34,7 @@ from typing import Any
 
 from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
 
+from torchsupervisor.checks import check_bool, check_int, check_number, check_path, check_str
 from torchsupervisor.clock import Clock
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.global_step import read_step
@@ -170,6 +171,11 @@ class CheckpointSaverHook(SessionRunHook):
     ) -> None:
         if saver is not None and scaffold is not None:
             raise ValueError("You cannot provide both saver and scaffold.")
+        checkpoint_dir = check_path("checkpoint_dir", checkpoint_dir, allow_none=False)
+        save_secs = check_number("save_secs", save_secs, allow_none=True)
+        save_steps = check_int("save_steps", save_steps, allow_none=True)
+        check_str("checkpoint_basename", checkpoint_basename, allow_empty=False)
+        stop_on_checkpoint_error = check_bool("stop_on_checkpoint_error", stop_on_checkpoint_error)
         del save_graph_def  # No graph in eager PyTorch.
         logger.info("Create CheckpointSaverHook.")
         self._saver = saver

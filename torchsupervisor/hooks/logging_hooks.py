@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from torchsupervisor.checks import check_bool, check_number
 from torchsupervisor.clock import Clock
 from torchsupervisor.hooks.session_run_hook import (
     SessionRunArgs,
@@ -77,6 +79,7 @@ class NanTensorHook(SessionRunHook):
     """
 
     def __init__(self, loss_tensor: Any, fail_on_nan_loss: bool = True) -> None:
+        fail_on_nan_loss = check_bool("fail_on_nan_loss", fail_on_nan_loss)
         self._loss_tensor = loss_tensor
         self._fail_on_nan_loss = fail_on_nan_loss
         self._args = SessionRunArgs(loss_tensor)
@@ -155,6 +158,14 @@ class LoggingTensorHook(SessionRunHook):
         *,
         clock: Clock | None = None,
     ) -> None:
+        if every_n_iter is not None and (
+            isinstance(every_n_iter, bool) or not isinstance(every_n_iter, numbers.Integral)
+        ):
+            raise TypeError(f"every_n_iter must be an integer or None, got {every_n_iter!r}")
+        every_n_secs = check_number("every_n_secs", every_n_secs, allow_none=True)
+        at_end = check_bool("at_end", at_end)
+        if formatter is not None and not callable(formatter):
+            raise TypeError(f"formatter must be callable or None, got {formatter!r}")
         only_log_at_end = at_end and every_n_iter is None and every_n_secs is None
         if not only_log_at_end and (every_n_iter is None) == (every_n_secs is None):
             raise ValueError(

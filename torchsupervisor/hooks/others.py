@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from torchsupervisor.checks import check_int, check_number
 from torchsupervisor.clock import REAL_CLOCK, Clock
 from torchsupervisor.errors import OutOfRangeError
 from torchsupervisor.global_step import read_step
@@ -51,8 +52,8 @@ class GlobalStepWaiterHook(SessionRunHook):
     def __init__(
         self, wait_until_step: int, *, poll_secs: float = 0.5, clock: Clock | None = None
     ) -> None:
-        self._wait_until_step = wait_until_step
-        self._poll_secs = poll_secs
+        self._wait_until_step = check_int("wait_until_step", wait_until_step, minimum=None)
+        self._poll_secs = check_number("poll_secs", poll_secs, positive=True)
         self._clock = clock or REAL_CLOCK
         self._worker_is_started = False
         self._global_step: Any = None
@@ -182,6 +183,8 @@ class FeedFnHook(SessionRunHook):
     """
 
     def __init__(self, feed_fn: Callable[[], Mapping[str, Any]]) -> None:
+        if not callable(feed_fn):
+            raise TypeError(f"feed_fn must be callable, got {feed_fn!r}")
         self.feed_fn = feed_fn
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:

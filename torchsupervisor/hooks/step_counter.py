@@ -10,6 +10,7 @@ from typing import Any
 
 from tensorboard.compat.proto.summary_pb2 import Summary
 
+from torchsupervisor.checks import check_int, check_number, check_path
 from torchsupervisor.clock import Clock
 from torchsupervisor.global_step import read_step
 from torchsupervisor.hooks._global_step import (
@@ -69,6 +70,9 @@ class StepCounterHook(SessionRunHook):
     ) -> None:
         if (every_n_steps is None) == (every_n_secs is None):
             raise ValueError("exactly one of every_n_steps and every_n_secs should be provided.")
+        every_n_steps = check_int("every_n_steps", every_n_steps, minimum=1, allow_none=True)
+        every_n_secs = check_number("every_n_secs", every_n_secs, allow_none=True)
+        check_path("output_dir", output_dir)
         self._timer = SecondOrStepTimer(
             every_steps=every_n_steps, every_secs=every_n_secs, clock=clock
         )

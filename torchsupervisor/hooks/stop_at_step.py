@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchsupervisor.checks import check_int
 from torchsupervisor.global_step import read_step
 from torchsupervisor.hooks._global_step import require_global_step, session_global_step
 from torchsupervisor.hooks.session_run_hook import (
@@ -45,6 +46,8 @@ class StopAtStepHook(SessionRunHook):
             raise ValueError("One of num_steps or last_step must be specified.")
         if num_steps is not None and last_step is not None:
             raise ValueError("Only one of num_steps or last_step can be specified.")
+        num_steps = check_int("num_steps", num_steps, allow_none=True)
+        last_step = check_int("last_step", last_step, allow_none=True)
         self._num_steps = num_steps
         self._last_step = last_step
         self._global_step: Any = None

@@ -9,6 +9,7 @@ from typing import Any
 
 from tensorboard.compat.proto.event_pb2 import SessionLog
 
+from torchsupervisor.checks import check_int, check_number, check_path
 from torchsupervisor.clock import Clock
 from torchsupervisor.global_step import read_step
 from torchsupervisor.hooks._global_step import require_global_step, session_global_step
@@ -67,6 +68,9 @@ class SummarySaverHook(SessionRunHook):
     ) -> None:
         if (scaffold is None) == (summary_op is None):
             raise ValueError("Exactly one of scaffold or summary_op must be provided.")
+        save_steps = check_int("save_steps", save_steps, allow_none=True)
+        save_secs = check_number("save_secs", save_secs, allow_none=True)
+        output_dir = check_path("output_dir", output_dir)
         self._summary_op = summary_op
         self._summary_writer = summary_writer
         self._output_dir = output_dir

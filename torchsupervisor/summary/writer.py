@@ -29,6 +29,7 @@ from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, summary_pb2
 
 from torchsupervisor import errors
+from torchsupervisor.checks import check_int, check_number, check_path, check_str
 from torchsupervisor.clock import REAL_CLOCK, Clock
 from torchsupervisor.summary.encoders.audio import sample_rate_value
 from torchsupervisor.summary.encoders.histogram import check_bins
@@ -141,8 +142,8 @@ class SummaryWriter:
             eager PyTorch has no graph, so no graph or meta-graph event is written. Likewise
             ``add_graph``, ``add_meta_graph`` and ``add_run_metadata`` have no counterpart.
         max_queue: The number of events that may wait for the writer thread (one more per
-            producer thread racing for the last place); 0 or less means unbounded.
-        flush_secs: Seconds between two flushes (fsync) of the file.
+            producer thread racing for the last place); 0 means unbounded.
+        flush_secs: Seconds between two flushes (fsync) of the file (>= 0).
         graph_def: Ignored, as ``graph`` (TF's deprecated argument).
         filename_suffix: Appended to the file name (``None`` means nothing).
         session: Ignored (TF's ``tf.summary.FileWriter`` could wrap a session's writer).
@@ -151,12 +152,15 @@ class SummaryWriter:
         max_queue_bytes: The memory that pending histograms, images, audio, text and protos
             may hold (their tensor copies: device memory for a tensor left on its device);
             the queue is also full when an event would exceed it (an event larger than it is
-            accepted alone). Scalars are bounded by ``max_queue`` only. 0 or less: no bound.
+            accepted alone). Scalars are bounded by ``max_queue`` only. 0: no bound.
         clock: The clock for wall times, file names, the flush timer and the blocked-time
             counter; ``None`` means the real clock.
 
     Raises:
-        ValueError: ``on_full`` is neither ``"block"`` nor ``"drop"``.
+        ValueError: ``on_full`` is neither ``"block"`` nor ``"drop"``; ``max_queue``,
+            ``max_queue_bytes`` or ``flush_secs`` is negative (naming it and the value).
+        TypeError: ``logdir`` is not a path, ``max_queue`` not an integer, ``flush_secs``
+            not a number (naming it and the value).
 
     Thread safety: every method may be called from any thread. Events added by one thread are
     written in the order they were added. Events added while another thread runs ``close()``
@@ -203,6 +207,11 @@ class SummaryWriter:
         del graph, graph_def, session  # no graphs in eager PyTorch (see the class docstring)
         if on_full not in (BLOCK, DROP):
             raise ValueError(f"on_full must be 'block' or 'drop', got {on_full!r}")
+        logdir = check_path("logdir", logdir, allow_none=False)
+        max_queue = check_int("max_queue", max_queue)
+        flush_secs = check_number("flush_secs", flush_secs)
+        check_str("filename_suffix", filename_suffix, allow_none=True)
+        max_queue_bytes = check_int("max_queue_bytes", max_queue_bytes)
         self._logdir = os.fspath(logdir)
         os.makedirs(self._logdir, exist_ok=True)
         self._max_queue = int(max_queue)
