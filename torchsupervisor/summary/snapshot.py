@@ -11,6 +11,7 @@ done), and the writer thread brings it to the host later (``resolve``, ``resolve
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import numpy as np
@@ -62,21 +63,51 @@ def resolve(value: Any) -> Any:
     return value.get() if type(value) is DeviceCopy else value
 
 
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+
+
 def snapshot_step(step: Any) -> Any:
     """Snapshot a ``global_step`` argument: ``None``, an int, or a ``DeviceCopy``.
 
+    Accepted: None, an integer (Python, numpy, or a float with an integral value) in the
+    int64 range (the ``Event.step`` field), a ``GlobalStep``, or a one-element real tensor
+    (a CPU one is read and checked now; a device one is read on the writer thread, and
+    checked there).
+
     Raises:
-        ValueError: ``step`` is a tensor with more or fewer than one element.
+        TypeError: ``step`` is not an integer (``1.5``, ``"3"``, a bool, a complex tensor).
+        ValueError: ``step`` is outside the int64 range, or a tensor with more or fewer than
+            one element.
     """
-    if step is None or type(step) is int:
+    if step is None:
         return step
-    if isinstance(step, torch.Tensor):
+    if type(step) is int:
+        value = step
+    elif isinstance(step, torch.Tensor):
         if step.numel() != 1:
             raise ValueError(f"global_step must have one element, got shape {list(step.shape)}")
-        if step.is_cpu:
-            return int(step.detach())
-        return DeviceCopy(step)
-    return int(step)
+        if step.dtype.is_complex or step.dtype == torch.bool:
+            raise TypeError(f"global_step must be an integer tensor, got dtype {step.dtype}")
+        if not step.is_cpu:
+            return DeviceCopy(step)  # Read (and checked) on the writer thread.
+        number = step.detach().item()
+        if isinstance(number, float) and not number.is_integer():
+            raise TypeError(f"global_step must be an integer, got {number!r}")
+        value = int(number)
+    elif isinstance(step, bool) or not isinstance(step, (numbers.Integral, float, np.floating)):
+        if hasattr(step, "value") and type(step).__name__ == "GlobalStep":
+            return snapshot_step(step.value)
+        raise TypeError(f"global_step must be an integer, got {step!r} ({type(step).__name__})")
+    elif isinstance(step, (float, np.floating)):
+        if not float(step).is_integer():
+            raise TypeError(f"global_step must be an integer, got {step!r}")
+        value = int(step)
+    else:
+        value = int(step)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"global_step {value} is outside the int64 range of an event's step")
+    return value
 
 
 def resolve_step(step: Any) -> int | None:
@@ -108,14 +139,51 @@ def snapshot_scalar(tag: str, value: Any) -> Any:
     return scalar_value(tag, value)
 
 
-def snapshot_array(value: Any) -> Any:
-    """Snapshot an array-like value: a CPU copy, a ``DeviceCopy``, or the value itself."""
+def snapshot_array(value: Any, what: str | None = None) -> Any:
+    """Snapshot an array-like value: a CPU copy, a ``DeviceCopy``, or the value itself.
+
+    Args:
+        value: A tensor (any device), a numpy array, a number, or a (nested) list or tuple of
+            numbers.
+        what: ``"histogram summary 'h'"`` to check here, on the caller's thread, that the
+            values are real numbers (a string or None would otherwise be found only by the
+            writer thread, and the event dropped with a log line); None: not checked.
+
+    Raises:
+        InvalidArgumentError: (with ``what``) the values are not real numbers.
+    """
     if isinstance(value, torch.Tensor):
+        if what is not None and value.dtype.is_complex:
+            raise errors.InvalidArgumentError(
+                f"{what} expects real numbers, got dtype {value.dtype}"
+            )
         if value.is_cpu:
             return value.detach().clone()
         return DeviceCopy(value)
     if isinstance(value, np.ndarray):
+        if what is not None and value.dtype.kind not in "biuf":
+            raise errors.InvalidArgumentError(
+                f"{what} expects real numbers, got dtype {value.dtype}"
+            )
         return value.copy()
+    if what is not None:
+        if isinstance(value, (str, bytes)) or value is None:
+            raise errors.InvalidArgumentError(
+                f"{what} expects real numbers, got {type(value).__name__} {value!r:.50}"
+            )
+        if isinstance(value, (list, tuple)):
+            try:
+                kind = np.asarray(value).dtype.kind
+            except (ValueError, TypeError) as e:  # Ragged or odd nesting.
+                raise errors.InvalidArgumentError(f"{what} expects real numbers: {e}") from None
+            if kind not in "biuf":
+                raise errors.InvalidArgumentError(
+                    f"{what} expects real numbers, got {type(value).__name__} {value!r:.50}"
+                )
+        elif not isinstance(value, (numbers.Real, np.generic)) or isinstance(value, np.str_):
+            raise errors.InvalidArgumentError(
+                f"{what} expects real numbers, got {type(value).__name__} {value!r:.50}"
+            )
     if isinstance(value, list):
         return list(value)
     return value

@@ -54,6 +54,8 @@ from torchsupervisor.summary.queue_items import (
     queued_bytes,
 )
 from torchsupervisor.summary.snapshot import (
+    INT64_MAX,
+    INT64_MIN,
     snapshot_array,
     snapshot_bins,
     snapshot_scalar,
@@ -477,8 +479,10 @@ class SummaryWriter:
             walltime: The event's wall time in seconds since the epoch; ``None`` means now.
 
         Raises:
-            TypeError: ``tag`` is not a str.
-            InvalidArgumentError: ``scalar_value`` has more or fewer than one element.
+            TypeError: ``tag`` is not a str; ``global_step`` is not an integer.
+            ValueError: ``global_step`` is outside the int64 range.
+            InvalidArgumentError: ``scalar_value`` has more or fewer than one element, or is
+                not a real number (a string, None, a complex number).
 
         Thread safety: may be called from any thread.
 
@@ -490,7 +494,7 @@ class SummaryWriter:
             scalar_value = snapshot_scalar(tag, scalar_value)
         if global_step is None:
             global_step = 0  # the proto omits step 0: the same bytes as no step
-        elif type(global_step) is not int:
+        elif type(global_step) is not int or not INT64_MIN <= global_step <= INT64_MAX:
             global_step = snapshot_step(global_step)
         item = (
             self._now() if walltime is None else float(walltime),
@@ -529,8 +533,9 @@ class SummaryWriter:
             walltime: The event's wall time; ``None`` means now.
 
         Raises:
-            TypeError: ``tag`` is not a str.
-            ValueError: ``bins`` is invalid.
+            TypeError: ``tag`` is not a str; ``global_step`` is not an integer.
+            ValueError: ``bins`` is invalid; ``global_step`` is outside the int64 range.
+            InvalidArgumentError: ``values`` are not real numbers (a string, None, complex).
 
         NaN or infinite values are found on the writer thread: the event is dropped and the
         error (``"Nan in summary histogram for: <tag>"``) is logged.
@@ -547,7 +552,7 @@ class SummaryWriter:
                 self._wall_time(walltime),
                 snapshot_step(global_step),
                 tag,
-                snapshot_array(values),
+                snapshot_array(values, f"histogram summary '{tag}'"),
                 snapshot_bins(bins),
             )
         )
@@ -589,7 +594,7 @@ class SummaryWriter:
                 self._wall_time(walltime),
                 snapshot_step(global_step),
                 tag,
-                snapshot_array(img_tensor),
+                snapshot_array(img_tensor, f"image summary '{tag}'"),
                 dataformats,
             )
         )
@@ -632,7 +637,7 @@ class SummaryWriter:
                 self._wall_time(walltime),
                 snapshot_step(global_step),
                 tag,
-                snapshot_array(snd_tensor),
+                snapshot_array(snd_tensor, f"audio summary '{tag}'"),
                 rate,
             )
         )
