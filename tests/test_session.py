@@ -8,7 +8,16 @@ import threading
 import pytest
 import torch
 
-from torchsupervisor import GlobalStep, Session
+from torchsupervisor import (
+    CheckpointReader,
+    GlobalStep,
+    Session,
+    Supervisor,
+    global_variables_initializer,
+    latest_checkpoint,
+    local_variables_initializer,
+    report_uninitialized_variables,
+)
 from torchsupervisor.errors import InvalidArgumentError
 
 
@@ -97,3 +106,45 @@ def test_boundary_task_errors_propagate_and_keep_the_rest():
     assert ran == [] and sess.boundary.pending
     sess.run(lambda: None)
     assert ran == [1]
+
+
+@pytest.mark.parametrize(
+    "shape", ["list", "tuple", "dict", "nested"], ids=lambda s: f"StopIteration in a {s}"
+)
+def test_stop_iteration_inside_any_fetch_ends_training_cleanly(tmp_path, shape):
+    """PEP 479 turned a StopIteration in a list fetch into RuntimeError: the run died without
+    its final checkpoint."""
+    batches = iter(range(3))
+
+    def next_batch():
+        return next(batches)
+
+    fetch = {
+        "list": [next_batch],
+        "tuple": (next_batch, None),
+        "dict": {"batch": next_batch},
+        "nested": [{"a": (next_batch,)}],
+    }[shape]
+    step = GlobalStep()
+    sv = Supervisor(logdir=str(tmp_path), state={"global_step": step}, save_summaries_secs=0)
+    with sv.managed_session() as sess:
+        while not sv.should_stop():
+            sess.run(fetch)
+            step.increment()
+    assert step.value == 3
+    assert CheckpointReader(latest_checkpoint(str(tmp_path))).global_step == 3  # Final save.
+    with pytest.raises(StopIteration):
+        Session().run([next_batch])  # Plainly: the StopIteration itself.
+
+
+def test_sess_run_of_the_initializers_works_as_in_tf():
+    with torch.device("meta"):
+        model = torch.nn.Linear(3, 2)
+    sess = Session({"model": model})
+    assert sess.run(report_uninitialized_variables()) == ["model/weight", "model/bias"]
+    assert sess.run([global_variables_initializer(), local_variables_initializer()]) == [
+        None,
+        None,
+    ]
+    assert sess.run(report_uninitialized_variables()) == []
+    assert model.weight.device.type == "cpu" and torch.isfinite(model.weight).all()

@@ -21,7 +21,7 @@ from torchsupervisor.boundary import StepBoundary
 from torchsupervisor.distributed import connect
 from torchsupervisor.global_step import GlobalStep
 
-__all__ = ["Session", "call_op", "evaluate_fetches"]
+__all__ = ["Session", "call_op", "evaluate_fetches", "session_op"]
 
 
 class Session:
@@ -133,7 +133,7 @@ class Session:
             boundary.run_pending()
         if self._closed:
             raise RuntimeError("Attempted to use a closed Session.")
-        return evaluate_fetches(fetches, feed_dict)
+        return evaluate_fetches(fetches, feed_dict, session=self)
 
     def close(self) -> None:
         """Close the session; later ``run`` calls raise. Closing twice is harmless.
@@ -152,21 +152,49 @@ class Session:
         self.close()
 
 
-def evaluate_fetches(fetches: Any, feed_dict: Mapping[str, Any] | None = None) -> Any:
+def session_op(fn: Any) -> Any:
+    """Mark ``fn`` as an op that takes the session: ``sess.run(fn)`` calls ``fn(sess)``.
+
+    TF's ops ran inside a session; the ops that need one here (``global_variables_initializer()``,
+    ``report_uninitialized_variables()``) carry this mark, so that ``sess.run(op)`` works as
+    in TF, as well as ``op(sess)`` and the Supervisor's ``init_op=op``.
+
+    Returns:
+        ``fn`` itself, with ``fn.takes_session = True``.
+    """
+    fn.takes_session = True
+    return fn
+
+
+_SESSION = "session"  # The memo's key of the running session (the other keys are ids).
+
+
+def evaluate_fetches(
+    fetches: Any, feed_dict: Mapping[str, Any] | None = None, *, session: Any = None
+) -> Any:
     """Evaluate a fetch structure (see ``Session.run``) without a step boundary.
+
+    Args:
+        fetches: What to evaluate.
+        feed_dict: Keyword arguments for the fetched callables.
+        session: Passed to the fetched ops marked with ``session_op``.
 
     Raises:
         TypeError: As ``Session.run``.
     """
     if not feed_dict:
-        if callable(fetches) and not isinstance(fetches, (torch.Tensor, GlobalStep)):
+        if (
+            callable(fetches)
+            and not isinstance(fetches, (torch.Tensor, GlobalStep))
+            and not getattr(fetches, "takes_session", False)
+        ):
             return fetches()
-        return _evaluate(fetches, None, {})
+        return _evaluate(fetches, None, {_SESSION: session})
     for key in feed_dict:
         if not isinstance(key, str):
             raise TypeError(f"feed_dict keys must be strings naming keyword arguments, got {key!r}")
     used: set[str] = set()
-    result = _evaluate(fetches, (feed_dict, used), {})
+    result = _evaluate(fetches, (feed_dict, used), {_SESSION: session})
     unused = sorted(set(feed_dict) - used)
     if unused:
         raise TypeError(f"feed_dict keys {unused} are not arguments of any fetched callable")
@@ -203,7 +231,10 @@ def _evaluate(fetch: Any, feed: Any, memo: dict[int, Any]) -> Any:
     if callable(fetch):
         key = id(fetch)
         if key not in memo:
-            memo[key] = fetch(**_kwargs_for(fetch, feed)) if feed else fetch()
+            if getattr(fetch, "takes_session", False):
+                memo[key] = fetch(memo[_SESSION])
+            else:
+                memo[key] = fetch(**_kwargs_for(fetch, feed)) if feed else fetch()
         return memo[key]
     if isinstance(fetch, Mapping):
         items = [(k, _evaluate(v, feed, memo)) for k, v in fetch.items()]
@@ -211,10 +242,13 @@ def _evaluate(fetch: Any, feed: Any, memo: dict[int, Any]) -> Any:
             return type(fetch)(items)
         except TypeError:
             return dict(items)
+    # Lists, not generators: a StopIteration raised by a fetch (an exhausted iterator: the
+    # end of the input) must reach the caller as itself, which a generator would turn into
+    # "RuntimeError: generator raised StopIteration" (PEP 479).
     if isinstance(fetch, tuple) and hasattr(fetch, "_fields"):
-        return type(fetch)(*(_evaluate(v, feed, memo) for v in fetch))
+        return type(fetch)(*[_evaluate(v, feed, memo) for v in fetch])
     if isinstance(fetch, (list, tuple)):
-        return type(fetch)(_evaluate(v, feed, memo) for v in fetch)
+        return type(fetch)([_evaluate(v, feed, memo) for v in fetch])
     raise TypeError(
         f"Fetch argument {fetch!r} has invalid type {type(fetch).__name__}: a fetch must be a "
         "callable, a Tensor, a GlobalStep, None, or a list/tuple/dict of them"

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from torchsupervisor.session import session_op
 from torchsupervisor.state import is_materialized, iter_state_tensors, select_state
 
 __all__ = [
@@ -35,11 +36,12 @@ def report_uninitialized_variables(var_list: Any = None) -> Callable[[Any], list
 
     Returns:
         ``op(sess) -> list[str]`` of ``/``-joined names (``["model/fc.weight"]``), empty when
-        everything is initialized.
+        everything is initialized; ``sess.run(op)`` works too.
 
     TF name: ``tf.compat.v1.report_uninitialized_variables``.
     """
 
+    @session_op
     def report_uninitialized(sess: Any) -> list[str]:
         state = _state(sess, var_list)
         return [name for name, t in iter_state_tensors(state) if not is_materialized(t)]
@@ -54,10 +56,12 @@ def global_variables_initializer() -> Callable[[Any], None]:
     the session's device (keeping the same ``Parameter`` objects, so optimizers built on the
     meta model stay valid) and call ``reset_parameters()`` of every sub-module that has one.
     Lazy modules (``UninitializedParameter``) need a forward pass and are left as they are.
+    Run it as in TF, ``sess.run(global_variables_initializer())``, or call it: ``op(sess)``.
 
     TF name: ``tf.compat.v1.global_variables_initializer``.
     """
 
+    @session_op
     def initialize(sess: Any) -> None:
         for obj in _state(sess, None).values():
             if isinstance(obj, torch.nn.Module):

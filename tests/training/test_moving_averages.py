@@ -120,8 +120,8 @@ def test_apply_errors():
         ema.apply({"step": torch.tensor([1, 2])})
     w = torch.ones(2)
     ema.apply({"w": w})
-    with pytest.raises(ValueError, match=r"^Moving average already computed for: w"):
-        ema.apply({"w": torch.ones(2)})
+    with pytest.raises(InvalidArgumentError, match="'w' has shape \\(2,\\); the new tensor"):
+        ema.apply({"w": torch.ones(3)})
     with pytest.raises(ValueError, match=r"^Moving average already computed for: w"):
         ema.apply({"w2": w})
     with pytest.raises(TypeError, match="needs a name"):
@@ -132,6 +132,21 @@ def test_apply_errors():
         ema.apply(3)
     with pytest.raises(TypeError, match="is not a tensor"):
         ema.apply({"x": [1.0]})
+
+
+def test_a_new_tensor_under_an_averaged_name_updates_that_average():
+    """TF's CIFAR-10 trainer averages its losses: eagerly, a new tensor at every step."""
+    ema = ExponentialMovingAverage(0.9, name="avg")
+    losses = [4.0, 2.0, 1.0]
+    expected = losses[0]
+    for i, value in enumerate(losses):
+        loss = torch.tensor(value)
+        ema.apply([("total_loss", loss)])
+        if i:
+            expected -= 0.1 * (expected - value)
+        assert float(ema.average("total_loss")) == pytest.approx(expected)
+        assert ema.average(loss) is ema.average("total_loss")
+    assert list(ema.state_dict()) == ["total_loss"]
 
 
 def test_constructor_errors():

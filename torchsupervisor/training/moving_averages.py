@@ -193,11 +193,24 @@ class ExponentialMovingAverage:
                 f"Moving average already computed for: {known} (the same tensor cannot also "
                 f"be averaged as {name!r})"
             )
-        if name in self._tensors:
-            raise ValueError(
-                f"Moving average already computed for: {name} (another tensor is averaged "
-                "under that name)"
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"The variables must be half, float, or double: {name} (got {tensor.dtype})"
             )
+        if name in self._tensors:
+            # A new tensor under a name already averaged: the next value of the same quantity
+            # (an eager loss is a new tensor at every step, where TF re-ran one op). It takes
+            # the old one's place and its average goes on.
+            shadow = self._shadows[name]
+            if tuple(shadow.shape) != tuple(tensor.shape):
+                raise InvalidArgumentError(
+                    f"Moving average of {name!r} has shape {tuple(shadow.shape)}; the new "
+                    f"tensor under that name has shape {tuple(tensor.shape)}"
+                )
+            del self._names[id(self._tensors[name])]
+            self._tensors[name] = tensor
+            self._names[id(tensor)] = name
+            return
         if tensor.dtype not in _FLOAT_DTYPES:
             raise TypeError(
                 f"The variables must be half, float, or double: {name} (got {tensor.dtype})"
@@ -246,10 +259,15 @@ class ExponentialMovingAverage:
             TypeError: ``"The variables must be half, float, or double: <name>"`` for another
                 dtype; for an unnamed tensor that is not averaged yet, or a ``var_list`` of
                 another kind.
-            ValueError: ``"Moving average already computed for: <name>"`` if a name is taken
-                by another tensor or a tensor is already averaged under another name; if
-                ``var_list`` is None before anything is averaged.
-            InvalidArgumentError: If a value restored for a name has another shape.
+            ValueError: ``"Moving average already computed for: <name>"`` if a tensor is
+                already averaged under another name; if ``var_list`` is None before anything
+                is averaged.
+            InvalidArgumentError: If a value restored for a name, or the average of a name
+                given a new tensor, has another shape.
+
+        A new tensor under a name already averaged (a loss, a new tensor at every step, as
+        TF's CIFAR-10 trainer averages its losses) takes the old one's place: its average
+        goes on from the current shadow.
 
         TF name: ``tf.compat.v1.train.ExponentialMovingAverage.apply``.
         """
