@@ -55,15 +55,14 @@ def main() -> None:
     ) as sess:
         say(f"READY {rank} {step.value} {digest(model.module)}")
         target = step.value + steps
+        def train(x: torch.Tensor) -> None:
+            optimizer.zero_grad()
+            model(x[rank::2]).pow(2).mean().backward()
+            optimizer.step()
+
         while not sess.should_stop() and step.value < target:
             x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step.value))
-
-            def train() -> None:
-                optimizer.zero_grad()
-                model(x[rank::2]).pow(2).mean().backward()
-                optimizer.step()
-
-            sess.run(train)
+            sess.run(train, feed_dict={"x": x})
     say(f"DONE {rank} {step.value} {digest(model.module)}")
 
 
