@@ -10,49 +10,9 @@ import pytest
 
 from torchsupervisor.checkpoint import commit as checkpoint_commit
 from torchsupervisor.checkpoint import engine as checkpoint_engine
-from torchsupervisor.clock import Clock
 from torchsupervisor.registry import reset_default_graph
 from torchsupervisor.summary import SummaryWriterCache
-
-
-class FakeClock(Clock):
-    """A clock whose time moves only when a test advances it or something sleeps or waits.
-
-    ``sleep`` and a ``wait`` that times out advance the time by the requested amount at once,
-    so code that polls on a timer runs through its schedule without real waiting.
-    """
-
-    def __init__(self, start_secs: float = 1_000.0, epoch_secs: float = 1_700_000_000.0):
-        self._lock = threading.Lock()
-        self._now = start_secs
-        self._epoch = epoch_secs
-        self.sleeps: list[float] = []
-
-    def monotonic(self) -> float:
-        with self._lock:
-            return self._now
-
-    def time(self) -> float:
-        with self._lock:
-            return self._epoch + self._now
-
-    def advance(self, secs: float) -> None:
-        with self._lock:
-            self._now += secs
-
-    def sleep(self, secs: float) -> None:
-        self.sleeps.append(secs)
-        if secs > 0:
-            self.advance(secs)
-
-    def wait(self, event: threading.Event, timeout_secs: float | None) -> bool:
-        if event.is_set():
-            return True
-        if timeout_secs is None:
-            return event.wait()
-        if timeout_secs > 0:
-            self.advance(timeout_secs)
-        return event.is_set()
+from torchsupervisor.testing import FakeClock
 
 
 @pytest.fixture
@@ -80,3 +40,14 @@ def _clean_graph_and_threads():
         if thread.is_alive():
             leaked.append(thread.name)
     assert not leaked, f"threads still running after the test: {leaked}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """After ``make test-slow``: trials and failures of each adversarial class."""
+    import adversarial_record
+
+    lines = adversarial_record.report_lines()
+    if lines:
+        terminalreporter.section("adversarial trials")
+        for line in lines:
+            terminalreporter.write_line(line)

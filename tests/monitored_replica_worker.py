@@ -55,6 +55,7 @@ def main() -> None:
     ) as sess:
         say(f"READY {rank} {step.value} {digest(model.module)}")
         target = step.value + steps
+
         def train(x: torch.Tensor) -> None:
             optimizer.zero_grad()
             model(x[rank::2]).pow(2).mean().backward()

@@ -7,7 +7,8 @@ both), plus a large buffer stamped with the step, so a checkpoint mixing two ste
 half-written bytes is detectable. It checkpoints every 20 ms in the background, so a kill at a
 random moment often lands inside a save. On start it prints ``RESTORED <step> <ok>`` where
 ``ok`` says whether the restored state is exactly the state of that step, then ``TRAINING``,
-then trains until killed (or up to MAX_STEPS, then exits cleanly).
+then trains until killed (or stopped by a signal, or up to MAX_STEPS), and prints
+``STOPPED <step>`` when it ends cleanly.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> None:
         print("TRAINING", flush=True)
         while not sv.should_stop() and step.value < max_steps:
             sess.run(train_step)
+    print(f"STOPPED {step.value}", flush=True)
 
 
 if __name__ == "__main__":

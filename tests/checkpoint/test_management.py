@@ -17,6 +17,7 @@ from torchsupervisor.checkpoint.management import (
     meta_graph_filename,
     remove_checkpoint,
 )
+from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.storage import FileSystem, temporary_name
 
 LOGGER = "torchsupervisor"
@@ -367,3 +368,35 @@ def test_crash_leftovers_can_be_cleaned_completely(tmp_path):
         remove_checkpoint(prefix)
     assert sorted(os.path.join(d, n) for n in os.listdir(d)) == sorted(complete)
     assert checkpoint_exists(os.path.join(d, "model.ckpt-1"))
+
+
+def test_removing_an_incomplete_checkpoint_is_said_only_when_files_are_removed(tmp_path, caplog):
+    """A deleted checkpoint whose data a newer incremental checkpoint still reads looks
+    incomplete (data, no index): its files stay, and nothing claims they were removed."""
+    import torch
+
+    from torchsupervisor import Saver, Session
+    from torchsupervisor.checkpoint.management import clean_checkpoint_dir
+
+    frozen = torch.randn(64)
+    trained = torch.zeros(2)
+    sess = Session({"frozen": frozen, "trained": trained})
+    saver = Saver(max_to_keep=None)
+    for step in (1, 2, 3):
+        trained.add_(1)
+        saver.save(sess, str(tmp_path / "model.ckpt"), step)
+    newest = CheckpointReader(str(tmp_path / "model.ckpt-3")).manifest
+    (shared,) = [s.file for s in newest.shards if not s.file.startswith("model.ckpt-3.")]
+    owner = str(tmp_path / shared.split(".data-")[0])
+    os.remove(owner + ".index")  # Its data is still read by model.ckpt-3.
+    really = tmp_path / "model.ckpt-9"
+    _make_checkpoint(really, index=False)  # Interrupted before its index: garbage.
+    with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
+        clean_checkpoint_dir(str(tmp_path))
+    removed = [r.getMessage() for r in caplog.records if "incomplete checkpoint" in r.getMessage()]
+    assert removed == [
+        f"Removed incomplete checkpoint {really} (no index: the save did not finish; 2 files)"
+    ]
+    assert os.path.exists(tmp_path / shared)  # Kept: model.ckpt-3 reads it.
+    CheckpointReader(str(tmp_path / "model.ckpt-3")).verify()
+    assert not list_checkpoint_files(really)
