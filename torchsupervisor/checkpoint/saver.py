@@ -248,13 +248,19 @@ class Saver:
             session's state.
         sharded: Split the data into shards of at most ``max_shard_bytes`` (default 1 GiB).
         max_to_keep: How many recent checkpoints to keep (0 or None: keep all; the state file
-            then lists only the newest).
+            then lists only the newest). Counted per state file: each directory saved to
+            keeps its own list, and a checkpoint is deleted only in the directory of the save
+            path it was saved with, never elsewhere.
         keep_checkpoint_every_n_hours: Additionally keep one checkpoint per this many hours.
         name: A name for logs.
         allow_empty: Without it, saving an empty state raises ``ValueError("No variables to
             save")``; with it, ``save`` returns None.
         pad_step_number: Name checkpoints ``prefix-%08d`` instead of ``prefix-%d``.
-        save_relative_paths: Write paths relative to the directory in the state file.
+        save_relative_paths: Write paths relative to the state file's directory
+            (``model_checkpoint_path: "model.ckpt-600"``), so that a copy of the logdir is
+            independent of its original. True by default, a deliberate difference from TF
+            1 (whose default was False; TF 2's ``CheckpointManager`` always does this).
+            False: absolute paths, as TF 1 wrote them (read either way).
         max_shard_bytes: Largest shard in bytes (one tensor is never split); None: one shard
             unless ``sharded``.
         incremental: Reference the committed bytes of frozen tensors that did not change
@@ -276,8 +282,11 @@ class Saver:
 
     Raises:
         ValueError: If ``var_list`` is given, empty, and ``allow_empty`` is False; for a
-            ``max_shard_bytes`` or ``full_save_every_n_saves`` below 1.
-        TypeError: For a ``var_list`` of another kind.
+            negative ``max_to_keep``, a ``keep_checkpoint_every_n_hours`` that is not
+            positive, a ``max_shard_bytes`` or ``full_save_every_n_saves`` below 1 (naming
+            the argument and the value).
+        TypeError: For a ``var_list`` of another kind; for an argument of the wrong type
+            (``max_to_keep=2.5`` or ``"3"``), naming it and the value.
 
     Thread safety: ``save``/``save_async``/``restore`` are meant for one (training) thread;
     bookkeeping updated by the writer thread is protected by a lock.
@@ -395,8 +404,12 @@ class Saver:
         Raises:
             ValueError: For a ``latest_filename`` with a directory part, one that collides with
                 ``save_path``, a missing parent directory, or nothing to save.
-            TypeError: For a state entry that cannot be saved without pickle.
-            CheckpointSaveError: If writing fails; older checkpoints are untouched.
+            TypeError: For a state entry that cannot be saved without pickle, or whose dtype
+                the format cannot hold (``complex128``).
+            LogdirLockedError: Another process writes to the directory (at the first save
+                there).
+            CheckpointSaveError: If writing fails; older checkpoints are untouched. (A state
+                file that cannot be written after the commit is logged once, not raised.)
 
         TF name: ``tf.compat.v1.train.Saver.save`` (same arguments, in the same order).
         """
