@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from torchsupervisor.checkpoint import writer_lock
 from torchsupervisor.checkpoint.management import clean_checkpoint_dir
+from torchsupervisor.checkpoint.sharded import is_sharded
 from torchsupervisor.checks import check_number
 from torchsupervisor.clock import Clock
 from torchsupervisor.registry import get_default_graph
@@ -245,7 +246,7 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         )
         first, self._initialized = not self._initialized, True
         if first:
-            group = _replica_group(True, _AGREE_ROLES_SECS)
+            group = _replica_group(True, _AGREE_ROLES_SECS, sess.state)
             if group is not None:
                 group.publish_ready({"checkpoint": sess.restored_checkpoint})
                 group.broadcast_state(sess.state)
@@ -262,7 +263,9 @@ _AGREE_ROLES_SECS = 300.0
 _READY_POLL_SECS = 0.5
 
 
-def _replica_group(chief: bool, max_wait_secs: float) -> ReplicaGroup | None:
+def _replica_group(
+    chief: bool, max_wait_secs: float, state: Mapping[str, Any]
+) -> ReplicaGroup | None:
     """The group in which the chief's state reaches the other ranks, or None.
 
     Under a process group of several ranks, every rank's first session agrees on the roles
@@ -275,6 +278,13 @@ def _replica_group(chief: bool, max_wait_secs: float) -> ReplicaGroup | None:
     """
     global _replica_sessions
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    if is_sharded(state):
+        if chief:
+            logger.warning(
+                "MonitoredTrainingSession does not coordinate a sharded (DTensor) state across "
+                "ranks: each rank keeps its own. Use the Supervisor (docs/distributed.md)."
+            )
         return None
     _replica_sessions += 1
     group = ReplicaGroup(f"monitored/{_replica_sessions}")
@@ -351,7 +361,7 @@ class WorkerSessionCreator(_ScaffoldedCreator):
         )
         first, self._created = not self._created, True
         if first:
-            group = _replica_group(False, self._max_wait_secs)
+            group = _replica_group(False, self._max_wait_secs, sess.state)
             if group is not None:  # Start from the chief's state, as every replica must.
                 info = group.wait_ready(_READY_POLL_SECS, self._max_wait_secs, clock=self._clock)
                 group.broadcast_state(sess.state)
