@@ -176,3 +176,14 @@ def read_checkpoint(prefix) -> dict:
 
 def temporary_files(logdir) -> list[str]:
     return [name for name in os.listdir(logdir) if is_temporary_name(name)]
+
+
+def committed_steps(logdir: str) -> list[int]:
+    """Steps of the committed checkpoints of ``logdir``, each verified byte by byte."""
+    steps = []
+    for name in os.listdir(logdir):
+        if name.endswith(".index") and not is_temporary_name(name):
+            reader = CheckpointReader(os.path.join(logdir, name[: -len(".index")]))
+            reader.verify()
+            steps.append(reader.global_step)
+    return sorted(steps)

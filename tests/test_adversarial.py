@@ -32,6 +32,7 @@ import time
 import adversarial_record
 import pytest
 import torch
+from supervisor_helpers import committed_steps
 
 import torchsupervisor as ts
 from torchsupervisor import CheckpointReader, Saver, Session
@@ -276,14 +277,7 @@ def _worker(logdir, *args, **kwargs):
     )
 
 
-def _committed(logdir):
-    steps = []
-    for name in os.listdir(logdir):
-        if name.endswith(".index") and not is_temporary_name(name):
-            reader = CheckpointReader(os.path.join(logdir, name[: -len(".index")]))
-            reader.verify()
-            steps.append(reader.global_step)
-    return sorted(steps)
+_committed = committed_steps
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

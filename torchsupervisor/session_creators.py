@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torchsupervisor.checkpoint import writer_lock
-from torchsupervisor.checkpoint.management import clean_checkpoint_dir
+from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir
 from torchsupervisor.checkpoint.sharded import is_sharded
 from torchsupervisor.checks import check_number
 from torchsupervisor.clock import Clock

@@ -55,8 +55,7 @@ from tensorboard.compat.proto.event_pb2 import SessionLog
 
 from torchsupervisor import distributed
 from torchsupervisor.checkpoint import writer_lock
-from torchsupervisor.checkpoint.management import clean_checkpoint_dir
-from torchsupervisor.checkpoint.recovery import restore_candidates
+from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, restore_candidates
 from torchsupervisor.checkpoint.saver import Saver
 from torchsupervisor.checkpoint.sharded import is_sharded
 from torchsupervisor.checks import (

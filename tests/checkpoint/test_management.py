@@ -376,7 +376,7 @@ def test_removing_an_incomplete_checkpoint_is_said_only_when_files_are_removed(t
     import torch
 
     from torchsupervisor import Saver, Session
-    from torchsupervisor.checkpoint.management import clean_checkpoint_dir
+    from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir
 
     frozen = torch.randn(64)
     trained = torch.zeros(2)

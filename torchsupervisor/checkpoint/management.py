@@ -26,7 +26,6 @@ from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem, is_temporar
 
 __all__ = [
     "checkpoint_exists",
-    "clean_checkpoint_dir",
     "clean_stale_temporaries",
     "find_incomplete_checkpoints",
     "get_checkpoint_mtimes",
@@ -291,46 +290,6 @@ def clean_stale_temporaries(
     if removed:
         fs.fsync_dir(directory)
     return removed
-
-
-def clean_checkpoint_dir(directory: str | os.PathLike, *, fs: FileSystem = LOCAL_FS) -> None:
-    """Remove what a crash left in ``directory``: temporary files and uncommitted checkpoints.
-
-    An uncommitted checkpoint is one with data files and no index (``find_incomplete_
-    checkpoints``); its data files that a committed checkpoint still references (an
-    incremental one reading the tensors of a deleted older one) are kept, and such a prefix
-    is not reported. Each checkpoint whose files are really removed is logged at WARNING
-    level with the files' count; failures to remove are logged and ignored.
-
-    Args:
-        directory: The checkpoint directory (a missing one has nothing to clean).
-        fs: The file-system seam.
-
-    Thread safety: call at start-up, before any save to ``directory`` is in flight.
-    Distributed: call on the rank that writes to ``directory`` (the chief) only.
-
-    TF name: none (TF left crash debris in place).
-    """
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        return
-    try:
-        clean_stale_temporaries(directory, fs=fs)
-    except OSError as e:
-        logger.warning("Could not remove the temporary files of %s: %s", directory, e)
-    for prefix in find_incomplete_checkpoints(directory):
-        try:
-            removed = remove_checkpoint(prefix, fs=fs)
-        except OSError as e:
-            logger.warning("Could not remove incomplete checkpoint %s: %s", prefix, e)
-            continue
-        if removed:
-            logger.warning(
-                "Removed incomplete checkpoint %s (no index: the save did not finish; %d file%s)",
-                prefix,
-                len(removed),
-                "" if len(removed) == 1 else "s",
-            )
 
 
 def find_incomplete_checkpoints(directory: str | os.PathLike) -> list[str]:

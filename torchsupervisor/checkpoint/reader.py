@@ -290,14 +290,25 @@ class CheckpointReader:
         TF name: none (TF restores variables one by one; the tree is our format's).
         """
         tensors = self.read_tensors()
+        return self._decode_tree(
+            tensors, lambda name, ndarray: tensors[name].numpy() if ndarray else tensors[name]
+        )
 
-        def leaf(name: str, ndarray: bool) -> Any:
-            if name not in tensors:
+    def _decode_tree(self, known: Any, leaf: Any) -> Any:
+        """Decode the manifest's tree; a leaf naming a tensor not in ``known`` is damage.
+
+        Raises:
+            CorruptCheckpointError: Naming the index, for a tree that is not a valid
+                encoding or names an unknown tensor.
+        """
+
+        def checked(name: str, ndarray: bool) -> Any:
+            if name not in known:
                 raise ManifestError(f"the tree names an unknown tensor {name!r}")
-            return tensors[name].numpy() if ndarray else tensors[name]
+            return leaf(name, ndarray)
 
         try:
-            return decode_tree(self._manifest.tree, leaf)
+            return decode_tree(self._manifest.tree, checked)
         except ManifestError as e:
             index = self._prefix + ".index"
             raise CorruptCheckpointError(
@@ -325,19 +336,7 @@ class CheckpointReader:
         self.check_files()
         for shard_index, entries in self._entries_by_shard():
             self._read_shard(shard_index, entries, keep=False)
-        known = set(self._manifest.tensors) | set(self._sharded)
-
-        def leaf(name: str, ndarray: bool) -> None:
-            if name not in known:
-                raise ManifestError(f"the tree names an unknown tensor {name!r}")
-
-        try:
-            decode_tree(self._manifest.tree, leaf)
-        except ManifestError as e:
-            index = self._prefix + ".index"
-            raise CorruptCheckpointError(
-                f"Checkpoint index {index} is corrupt: {e}", path=index, reason=str(e)
-            ) from None
+        self._decode_tree(set(self._manifest.tensors) | set(self._sharded), lambda *_: None)
 
     def check_files(self) -> None:
         """Check, without reading them, the shards this checkpoint's tensors live in.

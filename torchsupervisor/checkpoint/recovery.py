@@ -1,4 +1,7 @@
-"""Finding the checkpoint to resume from, and the checkpoints a restarted run keeps track of.
+"""Restarting from a directory: what a crash left, the checkpoint to resume from, what to track.
+
+``clean_checkpoint_dir`` removes what a crash left (temporary files, checkpoints without an
+index, checkpoints retention was deleting), at the chief's start.
 
 ``plan_restore`` reads a directory once and answers both questions of a restart. It is the one
 code path of every restart (``SessionManager``) and of the tools that predict one
@@ -37,12 +40,23 @@ import dataclasses
 import logging
 import os
 
+from torchsupervisor.checkpoint.management import (
+    clean_stale_temporaries,
+    find_incomplete_checkpoints,
+    remove_checkpoint,
+)
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.state_file import read_checkpoint_state
+from torchsupervisor.checkpoint.state_file import read_checkpoint_state, read_pending_deletions
 from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
 
-__all__ = ["RestorePlan", "plan_restore", "restore_candidates", "scan_checkpoints"]
+__all__ = [
+    "RestorePlan",
+    "clean_checkpoint_dir",
+    "plan_restore",
+    "restore_candidates",
+    "scan_checkpoints",
+]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -109,6 +123,78 @@ class RestorePlan:
     adopted: list[str]
     state_file_error: str | None
     has_state_file: bool
+
+
+def clean_checkpoint_dir(directory: str | os.PathLike, *, fs: FileSystem = LOCAL_FS) -> None:
+    """Remove what a crash left in ``directory``: temporaries, uncommitted checkpoints, and the
+    checkpoints retention was deleting.
+
+    An uncommitted checkpoint is one with data files and no index (``find_incomplete_
+    checkpoints``); its data files that a committed checkpoint still references (an
+    incremental one reading the tensors of a deleted older one) are kept, and such a prefix
+    is not reported. A checkpoint the state file names as being deleted
+    (``state_file.read_pending_deletions``: the crash came between the state-file update and
+    the deletion) is deleted, if the state file does not list it and it is older than the
+    state file's newest checkpoint. Each checkpoint whose files are really removed is logged
+    at WARNING level with the files' count; failures to remove are logged and ignored.
+
+    Args:
+        directory: The checkpoint directory (a missing one has nothing to clean).
+        fs: The file-system seam.
+
+    Thread safety: call at start-up, before any save to ``directory`` is in flight.
+    Distributed: call on the rank that writes to ``directory`` (the chief) only.
+
+    TF name: none (TF left crash debris in place).
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return
+    try:
+        clean_stale_temporaries(directory, fs=fs)
+    except OSError as e:
+        logger.warning("Could not remove the temporary files of %s: %s", directory, e)
+    _finish_pending_deletions(directory, fs)
+    for prefix in find_incomplete_checkpoints(directory):
+        try:
+            removed = remove_checkpoint(prefix, fs=fs)
+        except OSError as e:
+            logger.warning("Could not remove incomplete checkpoint %s: %s", prefix, e)
+            continue
+        if removed:
+            logger.warning(
+                "Removed incomplete checkpoint %s (no index: the save did not finish; %d file%s)",
+                prefix,
+                len(removed),
+                "" if len(removed) == 1 else "s",
+            )
+
+
+def _finish_pending_deletions(directory: str, fs: FileSystem) -> None:
+    pending = read_pending_deletions(directory, fs=fs)
+    if not pending:
+        return
+    state, _ = read_checkpoint_state(directory, fs=fs)
+    if state is None:
+        return
+    listed = {os.path.normpath(p) for p in state.all_model_checkpoint_paths}
+    listed.add(os.path.normpath(state.model_checkpoint_path))
+    head = _sort_key(state.model_checkpoint_path, fs)
+    for prefix in pending:
+        if os.path.normpath(prefix) in listed or not _committed(prefix, fs):
+            continue
+        if not _sort_key(prefix, fs) < head:
+            continue  # Never newer than the state file's head: the list is not trusted.
+        try:
+            removed = remove_checkpoint(prefix, fs=fs)
+        except OSError as e:
+            logger.warning("Could not remove checkpoint %s: %s", prefix, e)
+            continue
+        if removed:
+            logger.warning(
+                "Removed checkpoint %s: retention was deleting it when the last run stopped",
+                prefix,
+            )
 
 
 def plan_restore(

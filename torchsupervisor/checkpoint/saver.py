@@ -510,12 +510,13 @@ class Saver:
             LogdirLockedError: Another process writes to that directory.
         """
         directory = os.path.dirname(save_path)
-        key = os.path.normpath(os.path.abspath(directory or os.curdir))
-        if key in self._dir_locks or not os.path.isdir(directory or os.curdir):
-            return  # Held already, or the save reports the missing directory.
-        lock = writer_lock.acquire(directory)
+        if directory in self._dir_locks:  # One dict lookup per save: the training thread's.
+            return
+        if not os.path.isdir(directory or os.curdir):
+            return  # The save reports the missing directory.
+        lock = writer_lock.acquire(directory)  # Shared with other handles on the same dir.
         with self._lock:
-            self._dir_locks[key] = lock
+            self._dir_locks[directory] = lock
 
     @property
     def in_flight(self) -> bool:
@@ -865,6 +866,8 @@ class Saver:
                 all_model_checkpoint_paths=tracked,
                 latest_filename=latest_filename,
                 save_relative_paths=self._save_relative_paths,
+                # Named in the state file: a crash before they are gone does not leak them.
+                pending_deletions=[p for p in to_delete if _in_directory(p, save_dir)],
                 fs=self._fs,
             )
         except OSError as e:

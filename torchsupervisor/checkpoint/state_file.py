@@ -23,6 +23,7 @@ get_checkpoint_state, latest_checkpoint}``
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 from collections.abc import MutableSequence, Sequence
@@ -41,6 +42,7 @@ __all__ = [
     "latest_checkpoint",
     "parse_checkpoint_state",
     "read_checkpoint_state",
+    "read_pending_deletions",
     "state_file_path",
     "update_checkpoint_state",
     "update_checkpoint_state_internal",
@@ -50,6 +52,9 @@ logger = logging.getLogger("torchsupervisor")
 
 DEFAULT_STATE_FILENAME = "checkpoint"
 """The state file's name inside the checkpoint directory when ``latest_filename`` is None."""
+
+PENDING_DELETION_MARK = "# torchsupervisor deleting: "
+"""Starts a comment line of the state file naming a checkpoint being deleted (JSON string)."""
 
 _PathLike = str | os.PathLike
 
@@ -251,6 +256,7 @@ def update_checkpoint_state_internal(
     all_model_checkpoint_timestamps: Sequence[float] | None = None,
     last_preserved_timestamp: float | None = None,
     *,
+    pending_deletions: Sequence[_PathLike] = (),
     fs: FileSystem = LOCAL_FS,
 ) -> None:
     """Write the state file of ``save_dir`` atomically.
@@ -272,6 +278,10 @@ def update_checkpoint_state_internal(
             means not recorded.
         last_preserved_timestamp: Wall time in seconds of the last preserved checkpoint; None
             means not recorded.
+        pending_deletions: Checkpoints of ``save_dir`` that the caller deletes right after
+            this write (retention), recorded as comment lines (``# torchsupervisor deleting:
+            "model.ckpt-100"``) that TF's parser ignores, so that a crash before they are
+            gone does not leak them (``read_pending_deletions``).
         fs: File-system seam used for every write (tests inject faults through it).
 
     Raises:
@@ -322,7 +332,50 @@ def update_checkpoint_state_internal(
         )
 
     text = text_format.MessageToString(state)
+    for path in pending_deletions:
+        text += f"{PENDING_DELETION_MARK}{json.dumps(os.path.basename(os.fspath(path)))}\n"
     write_file_atomically(state_path, [text.encode("utf-8")], fs=fs)
+
+
+def read_pending_deletions(
+    checkpoint_dir: _PathLike, latest_filename: str | None = None, *, fs: FileSystem = LOCAL_FS
+) -> list[str]:
+    """Return the checkpoints the last state-file update was about to delete.
+
+    ``update_checkpoint_state_internal(pending_deletions=...)`` records, in comment lines that
+    TF's parser ignores, the checkpoints retention deletes right after the state file is
+    written: a crash in between leaves them committed but unlisted, indistinguishable from a
+    checkpoint kept on purpose, unless the state file says so. The next start deletes them
+    (``management.clean_checkpoint_dir``).
+
+    Args:
+        checkpoint_dir: The checkpoint directory.
+        latest_filename: The state file's name; None means ``"checkpoint"``.
+        fs: The file-system seam.
+
+    Returns:
+        Prefixes in ``checkpoint_dir`` (plain base names joined with it; any other entry is
+        ignored); empty if there is no usable state file.
+
+    TF name: none.
+    """
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    try:
+        data = _read_state_bytes(state_file_path(checkpoint_dir, latest_filename), fs)
+        text = (data or b"").decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return []
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(PENDING_DELETION_MARK):
+            continue
+        try:
+            name = json.loads(line[len(PENDING_DELETION_MARK) :])
+        except ValueError:
+            continue
+        if isinstance(name, str) and name and "/" not in name and name not in (".", ".."):
+            out.append(os.path.join(checkpoint_dir, name))
+    return out
 
 
 def parse_checkpoint_state(data: bytes | str) -> Any:
