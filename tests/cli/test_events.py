@@ -148,3 +148,21 @@ def test_truncated_file_and_missing_events(tmp_path, capsys):
     os.makedirs(tmp_path / "empty")
     status, _, err = cli(capsys, "events", str(tmp_path / "empty"))
     assert status == 1 and "No events files in" in err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+def test_an_events_file_that_is_not_a_regular_file_is_an_error_not_a_hang(tmp_path, capsys, kind):
+    from torchsupervisor.checkpoint.storage import NotRegularFileError
+    from torchsupervisor.summary import summary_iterator
+
+    path = tmp_path / "events.out.tfevents.1700000000.host"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(kind, path)
+    status, _, err = cli(capsys, "events", str(tmp_path))
+    assert status == 1
+    assert err.startswith("torchsupervisor events: error: Events file ")
+    assert "is not a regular file" in err
+    with pytest.raises(NotRegularFileError):
+        list(summary_iterator(str(path)))

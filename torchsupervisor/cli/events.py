@@ -25,6 +25,7 @@ from typing import Any
 
 from tensorboard.compat.proto.event_pb2 import SessionLog
 
+from torchsupervisor.checkpoint.storage import LOCAL_FS, file_kind
 from torchsupervisor.cli._format import local_time, print_table, short_value
 from torchsupervisor.errors import DataLossError, NotFoundError
 from torchsupervisor.summary.reader import summary_iterator
@@ -195,12 +196,19 @@ def read_runs(logdir: str, patterns: list[str] | None = None) -> list[Run]:
 
     Raises:
         NotFoundError: ``logdir`` is not a directory or holds no events file.
+        DataLossError: An events file is not a regular file (a FIFO, a device, a directory).
     """
     if not os.path.isdir(logdir):
         raise NotFoundError(f"{logdir} is not a directory")
     dirs = _run_dirs(logdir)
     if not dirs:
         raise NotFoundError(f"No events files in {logdir}")
+    for directory in dirs:  # TensorBoard's loader would block on a FIFO, or read /dev/zero.
+        for name in sorted(os.listdir(directory)):
+            path = os.path.join(directory, name)
+            if "tfevents" in name and not LOCAL_FS.is_regular_file(path):
+                kind = file_kind(os.stat(path).st_mode) if os.path.exists(path) else "dangling"
+                raise DataLossError(f"Events file {path} is not a regular file ({kind})")
     return [read_run(d, os.path.relpath(d, logdir), patterns) for d in dirs]
 
 

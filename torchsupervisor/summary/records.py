@@ -19,6 +19,7 @@ TF names: ``tensorflow/core/lib/io/record_writer.cc``, ``record_reader.cc``, ``c
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 from collections.abc import Iterable, Iterator
@@ -27,6 +28,7 @@ from typing import BinaryIO
 import crc32c as _crc32c
 
 from torchsupervisor import errors
+from torchsupervisor.checkpoint.storage import LOCAL_FS
 
 __all__ = [
     "HEADER_BYTES",
@@ -201,8 +203,9 @@ def read_records(path: str | os.PathLike[str]) -> Iterator[bytes]:
 
     Raises:
         DataLossError: On a checksum mismatch or a truncated record (see ``iter_records``).
-        OSError: If the file cannot be opened.
+        OSError: If the file cannot be opened, or is not a regular file (a FIFO, a device:
+            ``checkpoint.storage.NotRegularFileError``, raised before anything is read).
     """
     name = os.fspath(path)
-    with open(name, "rb") as f:
+    with io.BufferedReader(LOCAL_FS.open_for_read(name)) as f:  # Never a FIFO.
         yield from iter_records(f, name)
