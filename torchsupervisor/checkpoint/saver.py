@@ -859,21 +859,29 @@ class Saver:
         """
         save_dir = os.path.dirname(save_path)
         tracked, to_delete, preserved = self._record(prefix, save_path, latest_filename)
-        try:
-            update_checkpoint_state_internal(
-                save_dir=save_dir,
-                model_checkpoint_path=prefix,
-                all_model_checkpoint_paths=tracked,
-                latest_filename=latest_filename,
-                save_relative_paths=self._save_relative_paths,
-                # Named in the state file: a crash before they are gone does not leak them.
-                pending_deletions=[p for p in to_delete if _in_directory(p, save_dir)],
-                fs=self._fs,
-            )
-        except OSError as e:
-            self._state_file_failed(state_file_path(save_dir, latest_filename), prefix, e)
-        else:
+
+        def write_state_file(pending: list[str]) -> bool:
+            try:
+                update_checkpoint_state_internal(
+                    save_dir=save_dir,
+                    model_checkpoint_path=prefix,
+                    all_model_checkpoint_paths=tracked,
+                    latest_filename=latest_filename,
+                    save_relative_paths=self._save_relative_paths,
+                    pending_deletions=pending,
+                    fs=self._fs,
+                )
+            except OSError as e:
+                self._state_file_failed(state_file_path(save_dir, latest_filename), prefix, e)
+                return False
             self._state_file_failures.discard(state_file_path(save_dir, latest_filename))
+            return True
+
+        # What retention deletes is named in the state file first: a crash before it is gone
+        # does not leak it (the next start finishes the deletion). Once it is gone, the file
+        # is written again without the names: exactly TF's text.
+        pending = [p for p in to_delete if _in_directory(p, save_dir)]
+        written = write_state_file(pending)
         for path in preserved:
             logger.info("Keeping checkpoint %s (keep_checkpoint_every_n_hours)", path)
         for path in to_delete:
@@ -891,6 +899,8 @@ class Saver:
                 logger.warning("Ignoring: %s", e)
             # Data files still referenced by a newer incremental checkpoint were kept.
             self._orphans.update(list_checkpoint_files(path))
+        if written and pending:
+            write_state_file([p for p in pending if self._fs.exists(p + ".index")])
         self._collect_orphans()
 
     def _state_file_failed(self, state_path: str, prefix: str, error: OSError) -> None:
