@@ -156,18 +156,19 @@ def clean_checkpoint_dir(directory: str | os.PathLike, *, fs: FileSystem = LOCAL
         logger.warning("Could not remove the temporary files of %s: %s", directory, e)
     _finish_pending_deletions(directory, fs)
     for prefix in find_incomplete_checkpoints(directory):
-        try:
-            removed = remove_checkpoint(prefix, fs=fs)
-        except OSError as e:
-            logger.warning("Could not remove incomplete checkpoint %s: %s", prefix, e)
-            continue
-        if removed:
-            logger.warning(
-                "Removed incomplete checkpoint %s (no index: the save did not finish; %d file%s)",
-                prefix,
-                len(removed),
-                "" if len(removed) == 1 else "s",
-            )
+        _remove(prefix, fs, "incomplete checkpoint", "no index: the save did not finish")
+
+
+def _remove(prefix: str, fs: FileSystem, what: str, why: str) -> None:
+    """Delete a checkpoint's files; say so only if files were really deleted."""
+    try:
+        removed = remove_checkpoint(prefix, fs=fs)
+    except OSError as e:
+        logger.warning("Could not remove %s %s: %s", what, prefix, e)
+        return
+    if removed:
+        count = f"{len(removed)} file{'' if len(removed) == 1 else 's'}"
+        logger.warning("Removed %s %s (%s; %s)", what, prefix, why, count)
 
 
 def _finish_pending_deletions(directory: str, fs: FileSystem) -> None:
@@ -185,16 +186,7 @@ def _finish_pending_deletions(directory: str, fs: FileSystem) -> None:
             continue
         if not _sort_key(prefix, fs) < head:
             continue  # Never newer than the state file's head: the list is not trusted.
-        try:
-            removed = remove_checkpoint(prefix, fs=fs)
-        except OSError as e:
-            logger.warning("Could not remove checkpoint %s: %s", prefix, e)
-            continue
-        if removed:
-            logger.warning(
-                "Removed checkpoint %s: retention was deleting it when the last run stopped",
-                prefix,
-            )
+        _remove(prefix, fs, "checkpoint", "retention was deleting it when the last run stopped")
 
 
 def plan_restore(
