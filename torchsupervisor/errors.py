@@ -141,66 +141,158 @@ def _rebuild(cls: type[OpError], node_def: Any, op: Any, message: str, code: int
     return err
 
 
-def _subclass(name: str, code: int, doc: str, *bases: type) -> type[OpError]:
-    def __init__(self, node_def=None, op=None, message=None, *args):
-        OpError.__init__(self, node_def, op, message, code, *args)
+class _CodedError(OpError):
+    """An ``OpError`` with a fixed code: TF's constructor ``(node_def, op, message)``."""
 
-    namespace = {
-        "__init__": __init__,
-        "__doc__": f"{doc}\n\n    TF name: ``tf.errors.{name}`` (error code {code}).",
-        "__module__": __name__,
-        "_default_code": code,
-    }
-    return type(name, (OpError, *bases), namespace)
+    def __init__(
+        self, node_def: Any = None, op: Any = None, message: str | None = None, *args: Any
+    ):
+        OpError.__init__(self, node_def, op, message, self._default_code, *args)
 
 
-CancelledError = _subclass("CancelledError", CANCELLED, "An operation or step was cancelled.")
-UnknownError = _subclass("UnknownError", UNKNOWN, "An unknown error.")
-InvalidArgumentError = _subclass(
-    "InvalidArgumentError",
-    INVALID_ARGUMENT,
-    "An operation received an invalid argument.",
-    ValueError,
-)
-DeadlineExceededError = _subclass(
-    "DeadlineExceededError", DEADLINE_EXCEEDED, "A deadline expired before the operation finished."
-)
-NotFoundError = _subclass(
-    "NotFoundError", NOT_FOUND, "A requested entity (a file, a key) was not found.", LookupError
-)
-AlreadyExistsError = _subclass(
-    "AlreadyExistsError", ALREADY_EXISTS, "An entity that we attempted to create already exists."
-)
-PermissionDeniedError = _subclass(
-    "PermissionDeniedError", PERMISSION_DENIED, "The caller lacks permission for the operation."
-)
-ResourceExhaustedError = _subclass(
-    "ResourceExhaustedError", RESOURCE_EXHAUSTED, "Some resource (memory, disk) is exhausted."
-)
-FailedPreconditionError = _subclass(
-    "FailedPreconditionError",
-    FAILED_PRECONDITION,
-    "The system is not in a state to execute the operation (e.g. an uninitialized variable).",
-)
-AbortedError = _subclass(
-    "AbortedError", ABORTED, "The operation was aborted; recoverable by creating a new session."
-)
-OutOfRangeError = _subclass(
-    "OutOfRangeError", OUT_OF_RANGE, "An input was exhausted (end of a queue or of a dataset)."
-)
-UnimplementedError = _subclass(
-    "UnimplementedError", UNIMPLEMENTED, "The operation is not implemented.", NotImplementedError
-)
-InternalError = _subclass("InternalError", INTERNAL, "An internal invariant was broken.")
-UnavailableError = _subclass(
-    "UnavailableError", UNAVAILABLE, "The service is unavailable; recoverable by retrying."
-)
-DataLossError = _subclass(
-    "DataLossError", DATA_LOSS, "Unrecoverable data loss or corruption (e.g. a bad checksum)."
-)
-UnauthenticatedError = _subclass(
-    "UnauthenticatedError", UNAUTHENTICATED, "The request lacks valid authentication."
-)
+class CancelledError(_CodedError):
+    """An operation or step was cancelled.
+
+    TF name: ``tf.errors.CancelledError`` (error code 1).
+    """
+
+    _default_code = CANCELLED
+
+
+class UnknownError(_CodedError):
+    """An unknown error.
+
+    TF name: ``tf.errors.UnknownError`` (error code 2).
+    """
+
+    _default_code = UNKNOWN
+
+
+class InvalidArgumentError(_CodedError, ValueError):
+    """An operation received an invalid argument.
+
+    TF name: ``tf.errors.InvalidArgumentError`` (error code 3).
+    """
+
+    _default_code = INVALID_ARGUMENT
+
+
+class DeadlineExceededError(_CodedError):
+    """A deadline expired before the operation finished.
+
+    TF name: ``tf.errors.DeadlineExceededError`` (error code 4).
+    """
+
+    _default_code = DEADLINE_EXCEEDED
+
+
+class NotFoundError(_CodedError, LookupError):
+    """A requested entity (a file, a key) was not found.
+
+    TF name: ``tf.errors.NotFoundError`` (error code 5).
+    """
+
+    _default_code = NOT_FOUND
+
+
+class AlreadyExistsError(_CodedError):
+    """An entity that we attempted to create already exists.
+
+    TF name: ``tf.errors.AlreadyExistsError`` (error code 6).
+    """
+
+    _default_code = ALREADY_EXISTS
+
+
+class PermissionDeniedError(_CodedError):
+    """The caller lacks permission for the operation.
+
+    TF name: ``tf.errors.PermissionDeniedError`` (error code 7).
+    """
+
+    _default_code = PERMISSION_DENIED
+
+
+class ResourceExhaustedError(_CodedError):
+    """Some resource (memory, disk) is exhausted.
+
+    TF name: ``tf.errors.ResourceExhaustedError`` (error code 8).
+    """
+
+    _default_code = RESOURCE_EXHAUSTED
+
+
+class FailedPreconditionError(_CodedError):
+    """The system is not in a state to execute the operation (e.g. an uninitialized variable).
+
+    TF name: ``tf.errors.FailedPreconditionError`` (error code 9).
+    """
+
+    _default_code = FAILED_PRECONDITION
+
+
+class AbortedError(_CodedError):
+    """The operation was aborted; recoverable by creating a new session.
+
+    TF name: ``tf.errors.AbortedError`` (error code 10).
+    """
+
+    _default_code = ABORTED
+
+
+class OutOfRangeError(_CodedError):
+    """An input was exhausted (end of a queue or of a dataset).
+
+    TF name: ``tf.errors.OutOfRangeError`` (error code 11).
+    """
+
+    _default_code = OUT_OF_RANGE
+
+
+class UnimplementedError(_CodedError, NotImplementedError):
+    """The operation is not implemented.
+
+    TF name: ``tf.errors.UnimplementedError`` (error code 12).
+    """
+
+    _default_code = UNIMPLEMENTED
+
+
+class InternalError(_CodedError):
+    """An internal invariant was broken.
+
+    TF name: ``tf.errors.InternalError`` (error code 13).
+    """
+
+    _default_code = INTERNAL
+
+
+class UnavailableError(_CodedError):
+    """The service is unavailable; recoverable by retrying.
+
+    TF name: ``tf.errors.UnavailableError`` (error code 14).
+    """
+
+    _default_code = UNAVAILABLE
+
+
+class DataLossError(_CodedError):
+    """Unrecoverable data loss or corruption (e.g. a bad checksum).
+
+    TF name: ``tf.errors.DataLossError`` (error code 15).
+    """
+
+    _default_code = DATA_LOSS
+
+
+class UnauthenticatedError(_CodedError):
+    """The request lacks valid authentication.
+
+    TF name: ``tf.errors.UnauthenticatedError`` (error code 16).
+    """
+
+    _default_code = UNAUTHENTICATED
+
 
 _CODE_TO_TYPE: dict[int, type[OpError]] = {
     CANCELLED: CancelledError,

@@ -69,7 +69,7 @@ from torchsupervisor.preemption import (
     PreemptionHandler,
     final_checkpoint_failed,
 )
-from torchsupervisor.registry import Graph, GraphKeys, get_default_graph
+from torchsupervisor.registry import USE_DEFAULT, Graph, GraphKeys, get_default_graph
 from torchsupervisor.rng import RNGState
 from torchsupervisor.scaffold import Scaffold
 from torchsupervisor.session import Session
@@ -95,8 +95,6 @@ __all__ = [
 
 logger = logging.getLogger("torchsupervisor")
 
-USE_DEFAULT = object()
-"""Marks an argument of ``MonitoredTrainingSession`` left to its default."""
 
 _STEP_FN_ERROR = (
     "`step_fn` may either have one `step_context` argument, or `self` and `step_context` "

@@ -246,8 +246,30 @@ def clear_collection(name: str) -> None:
     get_default_graph().clear_collection(name)
 
 
-USE_DEFAULT = 0
-"""TF's sentinel for "look it up in the collections, else make the default" (compared with is)."""
+class _UseDefault(int):
+    """The type of ``USE_DEFAULT``: the int 0 as TF's ``Supervisor.USE_DEFAULT`` (so that
+    ``Supervisor.USE_DEFAULT == 0``), but one object of its own, compared with ``is``."""
+
+    _instance: _UseDefault | None = None
+
+    def __new__(cls) -> _UseDefault:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls, 0)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "USE_DEFAULT"
+
+    def __reduce__(self) -> str:
+        return "USE_DEFAULT"  # Unpickles as this module's singleton.
+
+
+USE_DEFAULT = _UseDefault()
+"""The one sentinel for "use the default" (compared with ``is``): for the Supervisor, look the
+value up in the graph's collections, else make TF's default; for ``MonitoredTrainingSession``,
+an argument left to its default. TF used ``0`` for the first (``Supervisor.USE_DEFAULT == 0``
+holds here too) and an ``object()`` for the second; one sentinel that no real argument is
+(``save_checkpoint_secs=0`` means "none", not "default") serves both."""
 
 
 def resolve_default(
