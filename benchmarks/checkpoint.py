@@ -55,7 +55,7 @@ from torch import nn
 
 from torchsupervisor import Saver, Session
 from torchsupervisor.checkpoint.policy import default_full_save_interval
-from torchsupervisor.state import flatten_state
+from torchsupervisor.core.state import flatten_state
 
 MB = 1_000_000
 

@@ -76,7 +76,7 @@ def _build(total_bytes: int, world_size: int, kind: str) -> tuple[Any, Any, dict
     import torch
     from torch import nn
 
-    from torchsupervisor.checkpoint.sharded import ShardedOptimizerState
+    from torchsupervisor.checkpoint.sharded.collective import ShardedOptimizerState
 
     param_bytes = total_bytes / 3  # Parameters, exp_avg, exp_avg_sq.
     width = 1024 if param_bytes >= 4 * 1024 * 1024 else max(8, int(math.sqrt(param_bytes / 4)))
@@ -142,7 +142,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from torchsupervisor import Saver
-    from torchsupervisor.checkpoint.sharded import load_sharded, save_sharded
+    from torchsupervisor.checkpoint.sharded.collective import load_sharded, save_sharded
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -10,7 +10,7 @@ import pytest
 
 from torchsupervisor.checkpoint import commit as checkpoint_commit
 from torchsupervisor.checkpoint import engine as checkpoint_engine
-from torchsupervisor.registry import reset_default_graph
+from torchsupervisor.core.registry import reset_default_graph
 from torchsupervisor.summary import SummaryWriterCache
 from torchsupervisor.testing import FakeClock
 

@@ -39,9 +39,12 @@ from torch.distributed.tensor import DTensor
 from worker_exit import run_and_exit
 
 import torchsupervisor as ts
-from torchsupervisor.checkpoint.sharded import ShardedOptimizerState, flatten_sharded_state
+from torchsupervisor.checkpoint.sharded.collective import (
+    ShardedOptimizerState,
+    flatten_sharded_state,
+)
+from torchsupervisor.core.global_step import read_step
 from torchsupervisor.errors import OutOfRangeError
-from torchsupervisor.global_step import read_step
 
 
 def say(line: str) -> None:

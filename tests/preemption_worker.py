@@ -46,7 +46,7 @@ from torch.utils.data import TensorDataset
 
 import torchsupervisor as ts
 from torchsupervisor.checkpoint.storage import FileSystem
-from torchsupervisor.data import ResumableDataLoader
+from torchsupervisor.input.data import ResumableDataLoader
 
 
 def say(line: str) -> None:

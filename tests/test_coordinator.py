@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from torchsupervisor import errors
-from torchsupervisor.clock import Clock
-from torchsupervisor.coordinator import Coordinator, LooperThread
+from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.coordinator import Coordinator, LooperThread
 
 JOIN_TIMEOUT_SECS = 10.0
 

@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from torchsupervisor import GlobalStep, Saver, Session
-from torchsupervisor.data import ResumableDataLoader, ResumableSampler
-from torchsupervisor.preemption import WORKER_IGNORED_SIGNALS, IgnorePreemptionSignals
+from torchsupervisor.driver.preemption import WORKER_IGNORED_SIGNALS, IgnorePreemptionSignals
+from torchsupervisor.input.data import ResumableDataLoader, ResumableSampler
 
 
 def _dataset(n=20):

@@ -15,8 +15,8 @@ from supervisor_helpers import all_events, session_logs
 
 from torchsupervisor import ClusterSpec, Server, latest_checkpoint
 from torchsupervisor.checkpoint.reader import CheckpointReader
+from torchsupervisor.core.rng import rank_rng_state
 from torchsupervisor.errors import InvalidArgumentError, UnimplementedError
-from torchsupervisor.rng import rank_rng_state
 from torchsupervisor.summary import SessionLog
 
 WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch.distributed as dist
 
-from torchsupervisor.boundary import StepBoundary
+from torchsupervisor.core.boundary import StepBoundary
+from torchsupervisor.core.global_step import GlobalStep, read_step
+from torchsupervisor.distributed.replicas import ReplicaAbort, ReplicaGroup
+from torchsupervisor.distributed.sharded_checkpoints import ShardedCheckpointService, _combine
 from torchsupervisor.errors import DeadlineExceededError
-from torchsupervisor.global_step import GlobalStep, read_step
-from torchsupervisor.replicas import ReplicaAbort, ReplicaGroup
-from torchsupervisor.sharded_service import ShardedCheckpointService, _combine
 
 
 class FakeSession:

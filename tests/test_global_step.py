@@ -17,7 +17,7 @@ from torchsupervisor import (
     get_or_create_global_step,
     global_step,
 )
-from torchsupervisor.global_step import read_step
+from torchsupervisor.core.global_step import read_step
 
 
 def test_counter_basics():

@@ -18,10 +18,10 @@ from supervisor_helpers import checkpoint_steps, read_checkpoint
 from torchsupervisor import GlobalStep, Saver, latest_checkpoint
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.storage import is_temporary_name
+from torchsupervisor.core.rng import RNGState
 from torchsupervisor.hooks import CheckpointSaverHook, SessionRunHook, StopAtStepHook
-from torchsupervisor.monitored_session import MonitoredTrainingSession, SingularMonitoredSession
-from torchsupervisor.rng import RNGState
-from torchsupervisor.scaffold import Scaffold
+from torchsupervisor.monitored.scaffold import Scaffold
+from torchsupervisor.monitored.session import MonitoredTrainingSession, SingularMonitoredSession
 
 WORKER = os.path.join(os.path.dirname(__file__), "monitored_preemption_worker.py")
 STEPS = 60

@@ -24,6 +24,7 @@ from supervisor_helpers import (
 from torchsupervisor import GlobalStep, Saver, Session, SummaryWriterCache, summary
 from torchsupervisor.checkpoint.storage import temporary_name
 from torchsupervisor.checkpoint.writer_lock import LOCK_FILENAME
+from torchsupervisor.core.registry import GraphKeys, add_to_collection, get_collection
 from torchsupervisor.errors import (
     AbortedError,
     DataLossError,
@@ -41,18 +42,17 @@ from torchsupervisor.hooks import (
     StopAtStepHook,
     SummarySaverHook,
 )
-from torchsupervisor.monitored_session import (
-    MonitoredSession,
-    MonitoredTrainingSession,
-    SingularMonitoredSession,
-)
-from torchsupervisor.queues import queue_from_iterable
-from torchsupervisor.registry import GraphKeys, add_to_collection, get_collection
-from torchsupervisor.scaffold import Scaffold
-from torchsupervisor.session_creators import (
+from torchsupervisor.input.queues import queue_from_iterable
+from torchsupervisor.monitored.creators import (
     ChiefSessionCreator,
     SessionCreator,
     WorkerSessionCreator,
+)
+from torchsupervisor.monitored.scaffold import Scaffold
+from torchsupervisor.monitored.session import (
+    MonitoredSession,
+    MonitoredTrainingSession,
+    SingularMonitoredSession,
 )
 
 # ------------------------------------------------------------------------------------ Scaffold

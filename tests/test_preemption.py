@@ -17,8 +17,8 @@ from torchsupervisor import GlobalStep, Saver, Session, latest_checkpoint
 from torchsupervisor.checkpoint import engine as engine_module
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.storage import FileSystem, is_temporary_name
-from torchsupervisor.preemption import PreemptionHandler
-from torchsupervisor.services import CheckpointService
+from torchsupervisor.driver.preemption import PreemptionHandler
+from torchsupervisor.supervisor.services import CheckpointService
 
 WORKER = os.path.join(os.path.dirname(__file__), "preemption_worker.py")
 STEPS = 90
@@ -168,7 +168,7 @@ def test_sigterm_to_the_process_group_spares_the_data_loader_workers(tmp_path, r
 PLAIN_LOADER = """
 import os, signal, sys, torch
 from torch.utils.data import DataLoader
-from torchsupervisor.preemption import IgnorePreemptionSignals, PreemptionHandler
+from torchsupervisor.driver.preemption import IgnorePreemptionSignals, PreemptionHandler
 handler = PreemptionHandler()
 handler.install()
 init = IgnorePreemptionSignals() if sys.argv[1] == "helper" else None

@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from torchsupervisor import Saver, Session, priority
+from torchsupervisor import Saver, Session
+from torchsupervisor.core import threads as priority
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux threads")
 

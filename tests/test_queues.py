@@ -10,21 +10,21 @@ import torch
 from monitored_helpers import JOIN_SECS, Counter
 
 from torchsupervisor import GlobalStep, Supervisor
-from torchsupervisor.coordinator import Coordinator
+from torchsupervisor.core.coordinator import Coordinator
+from torchsupervisor.core.registry import GraphKeys, get_collection
 from torchsupervisor.errors import (
     CancelledError,
     DeadlineExceededError,
     OutOfRangeError,
     UnimplementedError,
 )
-from torchsupervisor.queues import (
+from torchsupervisor.input.queues import (
     FIFOQueue,
     QueueRunner,
     add_queue_runner,
     queue_from_iterable,
     start_queue_runners,
 )
-from torchsupervisor.registry import GraphKeys, get_collection
 
 
 def join_all(threads):

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchsupervisor import replicas
+from torchsupervisor.core.global_step import GlobalStep
+from torchsupervisor.distributed import replicas
+from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement, communication_device
 from torchsupervisor.errors import DeadlineExceededError
-from torchsupervisor.global_step import GlobalStep
-from torchsupervisor.replicas import ReplicaGroup, StopAgreement, communication_device
 
 
 class CountingStore:

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchsupervisor import Saver, Session, rng
-from torchsupervisor.rng import RNGState, rank_rng_state, rank_seed
+from torchsupervisor import Saver, Session
+from torchsupervisor.core import rng
+from torchsupervisor.core.rng import RNGState, rank_rng_state, rank_seed
 
 
 def _draw():

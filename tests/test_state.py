@@ -7,8 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchsupervisor.errors import InvalidArgumentError, NotFoundError
-from torchsupervisor.state import (
+from torchsupervisor.core.state import (
     TensorRef,
     TensorSpec,
     check_state,
@@ -16,6 +15,7 @@ from torchsupervisor.state import (
     flatten_state,
     load_state,
 )
+from torchsupervisor.errors import InvalidArgumentError, NotFoundError
 
 
 def test_names_are_slash_joined_paths():

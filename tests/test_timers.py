@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchsupervisor.timers import NeverTriggerTimer, SecondOrStepTimer
+from torchsupervisor.core.timers import NeverTriggerTimer, SecondOrStepTimer
 
 
 def test_needs_exactly_one_interval():

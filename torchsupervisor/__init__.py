@@ -7,7 +7,7 @@ A flat namespace like ``tf.train``: ``Supervisor``, ``Coordinator``, ``Saver``,
 
 from torchsupervisor import distributed, errors, summary
 from torchsupervisor._version import __version__
-from torchsupervisor.checkpoint.management import (
+from torchsupervisor.checkpoint.files import (
     checkpoint_exists,
     get_checkpoint_mtimes,
     remove_checkpoint,
@@ -20,7 +20,11 @@ from torchsupervisor.checkpoint.reader import (
     load_variable,
 )
 from torchsupervisor.checkpoint.saver import Saver
-from torchsupervisor.checkpoint.sharded import ShardedOptimizerState, load_sharded, save_sharded
+from torchsupervisor.checkpoint.sharded.collective import (
+    ShardedOptimizerState,
+    load_sharded,
+    save_sharded,
+)
 from torchsupervisor.checkpoint.state_file import (
     CheckpointState,
     generate_checkpoint_state_proto,
@@ -28,17 +32,40 @@ from torchsupervisor.checkpoint.state_file import (
     latest_checkpoint,
     update_checkpoint_state,
 )
-from torchsupervisor.clock import Clock
-from torchsupervisor.cluster import ClusterSpec, Server
-from torchsupervisor.coordinator import Coordinator, LooperThread
-from torchsupervisor.data import ResumableDataLoader, ResumableSampler
-from torchsupervisor.global_step import (
+from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.coordinator import Coordinator, LooperThread
+from torchsupervisor.core.global_step import (
     GlobalStep,
     assert_global_step,
     create_global_step,
     get_global_step,
     get_or_create_global_step,
     global_step,
+)
+from torchsupervisor.core.registry import (
+    Graph,
+    GraphKeys,
+    add_to_collection,
+    add_to_collections,
+    clear_collection,
+    get_collection,
+    get_collection_ref,
+    get_default_graph,
+    reset_default_graph,
+)
+from torchsupervisor.core.rng import RNGState
+from torchsupervisor.core.session import Session
+from torchsupervisor.core.timers import SecondOrStepTimer
+from torchsupervisor.core.variables import (
+    global_variables_initializer,
+    local_variables_initializer,
+    report_uninitialized_variables,
+)
+from torchsupervisor.distributed.cluster import ClusterSpec, Server
+from torchsupervisor.driver.preemption import (
+    DEFAULT_PREEMPTION_SIGNALS,
+    IgnorePreemptionSignals,
+    PreemptionHandler,
 )
 from torchsupervisor.hooks import (
     CheckpointSaverHook,
@@ -57,44 +84,26 @@ from torchsupervisor.hooks import (
     StopAtStepHook,
     SummarySaverHook,
 )
-from torchsupervisor.monitored_session import (
-    MonitoredSession,
-    MonitoredTrainingSession,
-    SingularMonitoredSession,
-    StepContext,
-)
-from torchsupervisor.preemption import (
-    DEFAULT_PREEMPTION_SIGNALS,
-    IgnorePreemptionSignals,
-    PreemptionHandler,
-)
-from torchsupervisor.queues import (
+from torchsupervisor.input.data import ResumableDataLoader, ResumableSampler
+from torchsupervisor.input.queues import (
     FIFOQueue,
     QueueRunner,
     add_queue_runner,
     queue_from_iterable,
     start_queue_runners,
 )
-from torchsupervisor.registry import (
-    Graph,
-    GraphKeys,
-    add_to_collection,
-    add_to_collections,
-    clear_collection,
-    get_collection,
-    get_collection_ref,
-    get_default_graph,
-    reset_default_graph,
-)
-from torchsupervisor.rng import RNGState
-from torchsupervisor.scaffold import Scaffold
-from torchsupervisor.session import Session
-from torchsupervisor.session_creators import (
+from torchsupervisor.monitored.creators import (
     ChiefSessionCreator,
     SessionCreator,
     WorkerSessionCreator,
 )
-from torchsupervisor.session_manager import SessionManager
+from torchsupervisor.monitored.scaffold import Scaffold
+from torchsupervisor.monitored.session import (
+    MonitoredSession,
+    MonitoredTrainingSession,
+    SingularMonitoredSession,
+    StepContext,
+)
 from torchsupervisor.summary import (
     FileWriter,
     FileWriterCache,
@@ -102,8 +111,8 @@ from torchsupervisor.summary import (
     SummaryWriterCache,
     summary_iterator,
 )
-from torchsupervisor.supervisor import Supervisor, basic_train_loop
-from torchsupervisor.timers import SecondOrStepTimer
+from torchsupervisor.supervisor.session_manager import SessionManager
+from torchsupervisor.supervisor.supervisor import Supervisor, basic_train_loop
 from torchsupervisor.training.clip_ops import (
     clip_by_average_norm,
     clip_by_global_norm,
@@ -126,11 +135,6 @@ from torchsupervisor.training.optimizers import (
     FtrlOptimizer,
     ProximalAdagradOptimizer,
     ProximalGradientDescentOptimizer,
-)
-from torchsupervisor.variables import (
-    global_variables_initializer,
-    local_variables_initializer,
-    report_uninitialized_variables,
 )
 
 __all__ = [

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchsupervisor.checkpoint.storage import FileSystem
-from torchsupervisor.clock import Clock
+from torchsupervisor.core.clock import Clock
 
 __all__ = ["OPERATIONS", "FakeClock", "Fault", "FaultyFileSystem"]
 

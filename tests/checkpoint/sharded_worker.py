@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from torchsupervisor.checkpoint.sharded import (
+from torchsupervisor.checkpoint.sharded.collective import (
     ShardedOptimizerState,
     flatten_sharded_state,
     is_sharded,

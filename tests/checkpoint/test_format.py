@@ -21,7 +21,7 @@ from torchsupervisor.checkpoint.format import (
     encode_tree,
     safetensors_header,
 )
-from torchsupervisor.state import TensorRef
+from torchsupervisor.core.state import TensorRef
 
 
 def _manifest(**overrides) -> Manifest:

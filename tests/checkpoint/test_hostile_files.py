@@ -20,6 +20,7 @@ import torchsupervisor as ts
 from torchsupervisor import CheckpointReader, Saver, Session
 from torchsupervisor.checkpoint.format import MAX_TREE_DEPTH, Manifest
 from torchsupervisor.cli import main as cli_main
+from torchsupervisor.core.state import MAX_STATE_DEPTH
 from torchsupervisor.errors import CorruptCheckpointError
 
 FALLBACK_SECS = 10.0
@@ -160,7 +161,7 @@ def test_json_nested_beyond_the_parser_is_damage(tmp_path, capsys):
 
 def test_the_deepest_state_allowed_round_trips(tmp_path):
     nested = value = {}
-    for _ in range(ts.state.MAX_STATE_DEPTH - 1):
+    for _ in range(MAX_STATE_DEPTH - 1):
         value["a"] = {}
         value = value["a"]
     value["a"] = 7

@@ -359,7 +359,7 @@ class FrozenBN(nn.Module):
 
 def _expected(state):
     """A deep copy of every tensor the checkpoint of ``state`` holds, by name."""
-    from torchsupervisor.state import flatten_state
+    from torchsupervisor.core.state import flatten_state
 
     _, tensors = flatten_state(state)
     return {name: t.clone() for name, t in tensors.items()}

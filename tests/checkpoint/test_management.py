@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from torchsupervisor.checkpoint.management import (
+from torchsupervisor.checkpoint.files import (
     checkpoint_exists,
     clean_stale_temporaries,
     find_incomplete_checkpoints,

@@ -23,13 +23,13 @@ from supervisor_helpers import (
 from tensorboard.compat.proto.event_pb2 import LogMessage
 
 from torchsupervisor import GlobalStep, Saver, Session, SummaryWriterCache
+from torchsupervisor.core.registry import GraphKeys, add_to_collection
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.hooks import CheckpointSaverHook
-from torchsupervisor.monitored_session import MonitoredSession
-from torchsupervisor.registry import GraphKeys, add_to_collection
-from torchsupervisor.scaffold import Scaffold
-from torchsupervisor.session_creators import ChiefSessionCreator
-from torchsupervisor.wrapped_sessions import _HookedSession
+from torchsupervisor.monitored.creators import ChiefSessionCreator
+from torchsupervisor.monitored.scaffold import Scaffold
+from torchsupervisor.monitored.session import MonitoredSession
+from torchsupervisor.monitored.wrappers import _HookedSession
 
 
 def monitored(counter, hook, preemption_signals=(), **creator_kwargs):

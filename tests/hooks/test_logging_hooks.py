@@ -12,9 +12,9 @@ from monitored_helpers import Counter
 
 from torchsupervisor import GlobalStep, Session
 from torchsupervisor.hooks import LoggingTensorHook, NanLossDuringTrainingError, NanTensorHook
-from torchsupervisor.monitored_session import MonitoredSession
-from torchsupervisor.session_creators import ChiefSessionCreator
-from torchsupervisor.wrapped_sessions import _HookedSession
+from torchsupervisor.monitored.creators import ChiefSessionCreator
+from torchsupervisor.monitored.session import MonitoredSession
+from torchsupervisor.monitored.wrappers import _HookedSession
 
 
 def hooked(hooks):

@@ -8,13 +8,13 @@ import pytest
 from monitored_helpers import Counter
 
 from torchsupervisor import Session
-from torchsupervisor.clock import Clock
+from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.registry import GraphKeys, add_to_collection
 from torchsupervisor.errors import OutOfRangeError
 from torchsupervisor.hooks import FeedFnHook, FinalOpsHook, GlobalStepWaiterHook
-from torchsupervisor.monitored_session import MonitoredSession
-from torchsupervisor.registry import GraphKeys, add_to_collection
-from torchsupervisor.session_creators import ChiefSessionCreator
-from torchsupervisor.wrapped_sessions import _HookedSession
+from torchsupervisor.monitored.creators import ChiefSessionCreator
+from torchsupervisor.monitored.session import MonitoredSession
+from torchsupervisor.monitored.wrappers import _HookedSession
 
 
 class StepMovingClock(Clock):

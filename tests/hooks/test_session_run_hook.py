@@ -14,9 +14,9 @@ from torchsupervisor.hooks import (
     SessionRunHook,
     SessionRunValues,
 )
-from torchsupervisor.monitored_session import MonitoredSession
-from torchsupervisor.session_creators import ChiefSessionCreator
-from torchsupervisor.wrapped_sessions import _HookedSession
+from torchsupervisor.monitored.creators import ChiefSessionCreator
+from torchsupervisor.monitored.session import MonitoredSession
+from torchsupervisor.monitored.wrappers import _HookedSession
 
 
 def hooked(hooks, state=None):

@@ -9,11 +9,11 @@ from monitored_helpers import Counter
 from supervisor_helpers import accumulator
 
 from torchsupervisor import GlobalStep, Session, SummaryWriter, SummaryWriterCache
+from torchsupervisor.core.registry import GraphKeys, add_to_collection
 from torchsupervisor.hooks import StepCounterHook
-from torchsupervisor.monitored_session import MonitoredSession
-from torchsupervisor.registry import GraphKeys, add_to_collection
-from torchsupervisor.session_creators import ChiefSessionCreator
-from torchsupervisor.wrapped_sessions import _HookedSession
+from torchsupervisor.monitored.creators import ChiefSessionCreator
+from torchsupervisor.monitored.session import MonitoredSession
+from torchsupervisor.monitored.wrappers import _HookedSession
 
 
 def test_argument_errors():

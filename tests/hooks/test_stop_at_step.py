@@ -6,11 +6,11 @@ import pytest
 from monitored_helpers import Counter
 
 from torchsupervisor import GlobalStep, Session
+from torchsupervisor.core.registry import GraphKeys, add_to_collection
 from torchsupervisor.hooks import StopAtStepHook
-from torchsupervisor.monitored_session import MonitoredSession, MonitoredTrainingSession
-from torchsupervisor.registry import GraphKeys, add_to_collection
-from torchsupervisor.session_creators import ChiefSessionCreator
-from torchsupervisor.wrapped_sessions import _HookedSession
+from torchsupervisor.monitored.creators import ChiefSessionCreator
+from torchsupervisor.monitored.session import MonitoredSession, MonitoredTrainingSession
+from torchsupervisor.monitored.wrappers import _HookedSession
 
 
 def test_argument_errors():

@@ -7,12 +7,12 @@ from monitored_helpers import Counter
 from supervisor_helpers import START, accumulator, all_events, session_logs
 
 from torchsupervisor import Session, SummaryWriter, SummaryWriterCache, summary
+from torchsupervisor.core.registry import GraphKeys, add_to_collection
 from torchsupervisor.hooks import SummarySaverHook
-from torchsupervisor.monitored_session import MonitoredSession
-from torchsupervisor.registry import GraphKeys, add_to_collection
-from torchsupervisor.scaffold import Scaffold
-from torchsupervisor.session_creators import ChiefSessionCreator
-from torchsupervisor.wrapped_sessions import _HookedSession
+from torchsupervisor.monitored.creators import ChiefSessionCreator
+from torchsupervisor.monitored.scaffold import Scaffold
+from torchsupervisor.monitored.session import MonitoredSession
+from torchsupervisor.monitored.wrappers import _HookedSession
 
 
 def test_argument_errors():

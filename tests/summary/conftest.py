@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from torchsupervisor import registry
+from torchsupervisor.core import registry
 
 from .fakes import FakeClock
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from torchsupervisor.clock import Clock
+from torchsupervisor.core.clock import Clock
 
 
 class FakeClock(Clock):

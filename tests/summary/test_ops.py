@@ -13,8 +13,9 @@ from PIL import Image
 from tensorboard.compat.proto import summary_pb2, types_pb2
 from tensorboard.util import tensor_util
 
-from torchsupervisor import errors, registry
-from torchsupervisor.registry import GraphKeys
+from torchsupervisor import errors
+from torchsupervisor.core import registry
+from torchsupervisor.core.registry import GraphKeys
 from torchsupervisor.summary import ops
 from torchsupervisor.summary.encoders import audio as audio_encoder
 from torchsupervisor.summary.encoders import histogram as histogram_encoder

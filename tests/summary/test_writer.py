@@ -18,7 +18,7 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 
 import torchsupervisor.summary.event_file as event_file_mod
 from torchsupervisor import errors
-from torchsupervisor.global_step import GlobalStep
+from torchsupervisor.core.global_step import GlobalStep
 from torchsupervisor.summary import (
     FileWriter,
     FileWriterCache,

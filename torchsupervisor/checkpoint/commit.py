@@ -34,7 +34,6 @@ from typing import Any
 
 import crc32c
 
-from torchsupervisor import priority
 from torchsupervisor.checkpoint import incremental
 from torchsupervisor.checkpoint.format import (
     Manifest,
@@ -55,6 +54,7 @@ from torchsupervisor.checkpoint.storage import (
     write_all,
     write_file_atomically,
 )
+from torchsupervisor.core import threads as priority
 from torchsupervisor.errors import CheckpointSaveError
 
 __all__ = ["Commit", "persist"]

@@ -9,7 +9,7 @@ collected. The returned ``Future`` completes with the job's result or exception:
 decides how errors surface (the Supervisor logs them and writes them to the event file).
 
 The writer thread runs at the lowest CPU priority (``nice`` 19 and the ``SCHED_IDLE`` policy,
-on Linux, where the priority of a thread can be set on its own: ``torchsupervisor.priority``).
+on Linux, where the priority of a thread can be set on its own: ``torchsupervisor.core.threads``).
 On a machine with few cores, checksumming and writing gigabytes at normal priority takes a core
 from the training loop's parallel operators, and an operator parallel over all cores runs at the
 speed of its slowest thread: measured here, a background CRC pass at normal priority cut
@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from torchsupervisor import priority
+from torchsupervisor.core import threads as priority
 
 __all__ = ["BACKGROUND_NICENESS", "CheckpointEngine"]
 

@@ -40,7 +40,7 @@ from typing import Any
 import crc32c
 import torch
 
-from torchsupervisor.state import MAX_STATE_DEPTH, TensorRef
+from torchsupervisor.core.state import MAX_STATE_DEPTH, TensorRef
 
 __all__ = [
     "DATA_ALIGNMENT_BYTES",

@@ -33,7 +33,7 @@ from torchsupervisor.checkpoint.format import (
     parse_safetensors_header,
     shard_checksum,
 )
-from torchsupervisor.checkpoint.sharded_metadata import (
+from torchsupervisor.checkpoint.sharded.metadata import (
     SHARDED_TENSORS_KEY,
     ShardedManifest,
     ShardedTensorEntry,

@@ -40,7 +40,7 @@ import dataclasses
 import logging
 import os
 
-from torchsupervisor.checkpoint.management import (
+from torchsupervisor.checkpoint.files import (
     clean_stale_temporaries,
     find_incomplete_checkpoints,
     remove_checkpoint,

@@ -43,28 +43,27 @@ from torchsupervisor._version import __version__
 from torchsupervisor.checkpoint import policy, writer_lock
 from torchsupervisor.checkpoint.commit import persist
 from torchsupervisor.checkpoint.engine import CheckpointEngine
-from torchsupervisor.checkpoint.format import ManifestError, decode_tree
-from torchsupervisor.checkpoint.incremental import Committed, StaleReferenceError
-from torchsupervisor.checkpoint.management import (
+from torchsupervisor.checkpoint.files import (
     checkpoint_exists,
     get_checkpoint_mtimes,
     list_checkpoint_files,
     remove_checkpoint,
 )
+from torchsupervisor.checkpoint.format import ManifestError, decode_tree
+from torchsupervisor.checkpoint.incremental import Committed, StaleReferenceError
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.references import referenced_data_files
-from torchsupervisor.checkpoint.sharded import is_sharded, load_sharded, save_sharded
+from torchsupervisor.checkpoint.sharded.collective import is_sharded, load_sharded, save_sharded
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.checkpoint.state_file import (
     state_file_path,
     update_checkpoint_state_internal,
 )
 from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
-from torchsupervisor.checks import check_bool, check_int, check_number, check_str
-from torchsupervisor.clock import REAL_CLOCK, Clock
-from torchsupervisor.errors import CheckpointSaveError, CorruptCheckpointError, NotFoundError
-from torchsupervisor.global_step import read_step
-from torchsupervisor.state import (
+from torchsupervisor.core.checks import check_bool, check_int, check_number, check_str
+from torchsupervisor.core.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.state import (
     ShardedStateError,
     TensorSpec,
     check_state,
@@ -72,6 +71,7 @@ from torchsupervisor.state import (
     load_state,
     select_state,
 )
+from torchsupervisor.errors import CheckpointSaveError, CorruptCheckpointError, NotFoundError
 
 __all__ = ["SaveStats", "Saver"]
 

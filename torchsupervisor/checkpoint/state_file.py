@@ -31,7 +31,7 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
 
-from torchsupervisor.checkpoint.management import _first_matching_file
+from torchsupervisor.checkpoint.files import _first_matching_file
 from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem, write_file_atomically
 
 __all__ = [

@@ -21,8 +21,8 @@ import logging
 import os
 from collections.abc import Iterator
 
+from torchsupervisor.checkpoint.files import find_incomplete_checkpoints
 from torchsupervisor.checkpoint.format import Manifest
-from torchsupervisor.checkpoint.management import find_incomplete_checkpoints
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.recovery import restore_candidates, scan_checkpoints
 from torchsupervisor.checkpoint.references import referenced_data_files

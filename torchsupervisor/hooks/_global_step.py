@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.global_step import GlobalStep, get_global_step
+from torchsupervisor.core.global_step import GlobalStep, get_global_step
 
 __all__ = ["is_step", "require_global_step", "session_global_step", "step_name"]
 

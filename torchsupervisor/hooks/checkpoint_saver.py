@@ -34,19 +34,19 @@ from typing import Any
 
 from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
 
-from torchsupervisor.checks import check_bool, check_int, check_number, check_path, check_str
-from torchsupervisor.clock import Clock
+from torchsupervisor.core.checks import check_bool, check_int, check_number, check_path, check_str
+from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.registry import GraphKeys, get_collection
+from torchsupervisor.core.timers import SecondOrStepTimer
 from torchsupervisor.errors import CheckpointSaveError
-from torchsupervisor.global_step import read_step
 from torchsupervisor.hooks._global_step import require_global_step, session_global_step
 from torchsupervisor.hooks.session_run_hook import (
     SessionRunContext,
     SessionRunHook,
     SessionRunValues,
 )
-from torchsupervisor.registry import GraphKeys, get_collection
 from torchsupervisor.summary.writer_cache import SummaryWriterCache
-from torchsupervisor.timers import SecondOrStepTimer
 
 __all__ = ["CheckpointSaverHook", "CheckpointSaverListener"]
 

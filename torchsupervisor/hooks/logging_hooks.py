@@ -19,16 +19,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchsupervisor.checks import check_bool, check_number
-from torchsupervisor.clock import Clock
+from torchsupervisor.core.checks import check_bool, check_number
+from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.session import evaluate_fetches
+from torchsupervisor.core.timers import NeverTriggerTimer, SecondOrStepTimer
 from torchsupervisor.hooks.session_run_hook import (
     SessionRunArgs,
     SessionRunContext,
     SessionRunHook,
     SessionRunValues,
 )
-from torchsupervisor.session import evaluate_fetches
-from torchsupervisor.timers import NeverTriggerTimer, SecondOrStepTimer
 
 __all__ = ["LoggingTensorHook", "NanLossDuringTrainingError", "NanTensorHook"]
 

@@ -9,10 +9,10 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from torchsupervisor.checks import check_int, check_number
-from torchsupervisor.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.checks import check_int, check_number
+from torchsupervisor.core.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.global_step import read_step
 from torchsupervisor.errors import OutOfRangeError
-from torchsupervisor.global_step import read_step
 from torchsupervisor.hooks._global_step import require_global_step, session_global_step
 from torchsupervisor.hooks.session_run_hook import (
     SessionRunArgs,

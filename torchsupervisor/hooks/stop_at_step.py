@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchsupervisor.checks import check_int
-from torchsupervisor.global_step import read_step
+from torchsupervisor.core.checks import check_int
+from torchsupervisor.core.global_step import read_step
 from torchsupervisor.hooks._global_step import require_global_step, session_global_step
 from torchsupervisor.hooks.session_run_hook import (
     SessionRunContext,

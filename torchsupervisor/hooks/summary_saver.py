@@ -9,9 +9,10 @@ from typing import Any
 
 from tensorboard.compat.proto.event_pb2 import SessionLog
 
-from torchsupervisor.checks import check_int, check_number, check_path
-from torchsupervisor.clock import Clock
-from torchsupervisor.global_step import read_step
+from torchsupervisor.core.checks import check_int, check_number, check_path
+from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.timers import SecondOrStepTimer
 from torchsupervisor.hooks._global_step import require_global_step, session_global_step
 from torchsupervisor.hooks.session_run_hook import (
     SessionRunArgs,
@@ -20,7 +21,6 @@ from torchsupervisor.hooks.session_run_hook import (
     SessionRunValues,
 )
 from torchsupervisor.summary.writer_cache import SummaryWriterCache
-from torchsupervisor.timers import SecondOrStepTimer
 
 __all__ = ["SummarySaverHook"]
 

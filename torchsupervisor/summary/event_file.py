@@ -47,8 +47,8 @@ from typing import Any, Protocol
 
 from tensorboard.compat.proto import event_pb2
 
-from torchsupervisor import priority
-from torchsupervisor.clock import Clock
+from torchsupervisor.core import threads as priority
+from torchsupervisor.core.clock import Clock
 from torchsupervisor.summary import records
 
 __all__ = [

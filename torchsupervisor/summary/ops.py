@@ -29,8 +29,9 @@ import torch
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import summary_pb2
 
-from torchsupervisor import errors, registry
-from torchsupervisor.registry import GraphKeys
+from torchsupervisor import errors
+from torchsupervisor.core import registry
+from torchsupervisor.core.registry import GraphKeys
 from torchsupervisor.summary.encoders import (
     audio_pb,
     default_bucket_limits,

@@ -29,8 +29,8 @@ from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, summary_pb2
 
 from torchsupervisor import errors
-from torchsupervisor.checks import check_int, check_number, check_path, check_str
-from torchsupervisor.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.checks import check_int, check_number, check_path, check_str
+from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.summary.encoders.audio import sample_rate_value
 from torchsupervisor.summary.encoders.histogram import check_bins
 from torchsupervisor.summary.encoders.image import image_layout

@@ -47,8 +47,8 @@ import numpy as np
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from torchsupervisor.core.global_step import GlobalStep, get_global_step, read_step
 from torchsupervisor.errors import InvalidArgumentError
-from torchsupervisor.global_step import GlobalStep, get_global_step, read_step
 
 __all__ = [
     "GlobalStepLR",

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchsupervisor.core.global_step import read_step
 from torchsupervisor.errors import InvalidArgumentError
-from torchsupervisor.global_step import read_step
 
 __all__ = ["ExponentialMovingAverage"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchsupervisor.global_step import GlobalStep
+from torchsupervisor.core.global_step import GlobalStep
 from torchsupervisor.training.optimizers import (
     AdagradDAOptimizer,
     FtrlOptimizer,

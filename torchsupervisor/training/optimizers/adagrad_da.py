@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from torchsupervisor.core.global_step import GlobalStep, read_step
 from torchsupervisor.errors import InvalidArgumentError
-from torchsupervisor.global_step import GlobalStep, read_step
 from torchsupervisor.training.optimizers._base import _TFOptimizer
 
 __all__ = ["AdagradDAOptimizer"]

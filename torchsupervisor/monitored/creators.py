@@ -26,14 +26,14 @@ import torch.distributed as dist
 
 from torchsupervisor.checkpoint import writer_lock
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir
-from torchsupervisor.checkpoint.sharded import is_sharded
-from torchsupervisor.checks import check_number
-from torchsupervisor.clock import Clock
-from torchsupervisor.registry import get_default_graph
-from torchsupervisor.replicas import ReplicaGroup
-from torchsupervisor.scaffold import Scaffold, prepare_state, same_state
-from torchsupervisor.session import Session
-from torchsupervisor.session_manager import SessionManager
+from torchsupervisor.checkpoint.sharded.collective import is_sharded
+from torchsupervisor.core.checks import check_number
+from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.registry import get_default_graph
+from torchsupervisor.core.session import Session
+from torchsupervisor.distributed.replicas import ReplicaGroup
+from torchsupervisor.monitored.scaffold import Scaffold, prepare_state, same_state
+from torchsupervisor.supervisor.session_manager import SessionManager
 
 __all__ = ["ChiefSessionCreator", "SessionCreator", "WorkerSessionCreator"]
 

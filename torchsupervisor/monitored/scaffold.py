@@ -30,15 +30,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchsupervisor.checkpoint.saver import Saver
-from torchsupervisor.clock import Clock
-from torchsupervisor.hooks._global_step import is_step
-from torchsupervisor.registry import Graph, GraphKeys, get_default_graph
-from torchsupervisor.summary.ops import merge_all
-from torchsupervisor.variables import (
+from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
+from torchsupervisor.core.variables import (
     global_variables_initializer,
     local_variables_initializer,
     report_uninitialized_variables,
 )
+from torchsupervisor.hooks._global_step import is_step
+from torchsupervisor.summary.ops import merge_all
 
 __all__ = ["Scaffold"]
 

@@ -12,7 +12,7 @@ TF names: ``tf.compat.v1.train.SecondOrStepTimer``, ``NeverTriggerTimer`` (inter
 
 from __future__ import annotations
 
-from torchsupervisor.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.clock import REAL_CLOCK, Clock
 
 __all__ = ["NeverTriggerTimer", "SecondOrStepTimer"]
 

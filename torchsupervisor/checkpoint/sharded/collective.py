@@ -49,10 +49,12 @@ import torch
 
 from torchsupervisor.checkpoint.format import ManifestError, decode_tree, encode_tree
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.sharded_metadata import ShardedManifest
+from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
 from torchsupervisor.checkpoint.snapshot import Stager
 from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
-from torchsupervisor.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.state import TensorRef, check_saveable, find_subtree, load_state
 from torchsupervisor.errors import (
     CheckpointError,
     CheckpointSaveError,
@@ -61,8 +63,6 @@ from torchsupervisor.errors import (
     NotFoundError,
     UnknownError,
 )
-from torchsupervisor.global_step import read_step
-from torchsupervisor.state import TensorRef, check_saveable, find_subtree, load_state
 
 __all__ = [
     "ShardedOptimizerState",
@@ -175,7 +175,7 @@ def is_sharded(state: Mapping[str, Any]) -> bool:
     dtensor = _dtensor_class()
     if dtensor is None:
         return False
-    from torchsupervisor.state import iter_state_tensors
+    from torchsupervisor.core.state import iter_state_tensors
 
     for name, value in state.items():
         if isinstance(value, ShardedOptimizerState):
@@ -372,7 +372,7 @@ def save_sharded(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from torchsupervisor.checkpoint.sharded_storage import ShardedStorageWriter
+    from torchsupervisor.checkpoint.sharded.storage import ShardedStorageWriter
 
     fs = fs or LOCAL_FS
     clock = clock or REAL_CLOCK
@@ -477,7 +477,7 @@ def load_sharded(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from torchsupervisor.checkpoint.sharded_storage import ShardedStorageReader
+    from torchsupervisor.checkpoint.sharded.storage import ShardedStorageReader
 
     fs = fs or LOCAL_FS
     found: BaseException | None = None

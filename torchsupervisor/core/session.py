@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.boundary import StepBoundary
-from torchsupervisor.distributed import connect
-from torchsupervisor.global_step import GlobalStep
+from torchsupervisor.core.boundary import StepBoundary
+from torchsupervisor.core.global_step import GlobalStep
+from torchsupervisor.distributed.env import connect
 
 __all__ = ["Session", "call_op", "evaluate_fetches", "session_op"]
 
@@ -32,7 +32,7 @@ class Session:
             tensors, ...), kept by reference: the session never copies it. None: empty.
         master: ``""`` (or ``"local"``) for an in-process session; ``"env://"`` or
             ``"tcp://..."`` (``Server.target``) to join the replicas' process group first (see
-            ``torchsupervisor.distributed``).
+            ``torchsupervisor.distributed.env``).
         config: Opaque options kept for the caller (TF's ConfigProto has no counterpart).
         device: Where ``global_variables_initializer`` materializes uninitialized modules
             (default: CPU).

@@ -22,9 +22,9 @@ from typing import Any
 from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
 from tensorboard.compat.proto.summary_pb2 import Summary
 
-from torchsupervisor.coordinator import Coordinator, LooperThread
-from torchsupervisor.global_step import GlobalStep, read_step
-from torchsupervisor.session import Session, call_op
+from torchsupervisor.core.coordinator import Coordinator, LooperThread
+from torchsupervisor.core.global_step import GlobalStep, read_step
+from torchsupervisor.core.session import Session, call_op
 
 __all__ = ["CheckpointService", "SVStepCounterThread", "SVSummaryThread", "SVTimerCheckpointThread"]
 

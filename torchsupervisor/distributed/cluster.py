@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchsupervisor.distributed import connect, default_backend
+from torchsupervisor.distributed.env import connect, default_backend
 from torchsupervisor.errors import UnimplementedError
 
 __all__ = ["ClusterSpec", "Server"]

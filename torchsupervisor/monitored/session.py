@@ -45,8 +45,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from torchsupervisor import distributed
-from torchsupervisor.checks import (
+from torchsupervisor.core.checks import (
     check_bool,
     check_int,
     check_number,
@@ -54,31 +53,32 @@ from torchsupervisor.checks import (
     check_signals,
     check_state,
 )
-from torchsupervisor.clock import Clock
-from torchsupervisor.coordinator import Coordinator
-from torchsupervisor.errors import OutOfRangeError
-from torchsupervisor.global_step import get_global_step, read_step
-from torchsupervisor.hooks._global_step import session_global_step
-from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook
-from torchsupervisor.hooks.session_run_hook import SessionRunHook
-from torchsupervisor.hooks.step_counter import StepCounterHook
-from torchsupervisor.hooks.summary_saver import SummarySaverHook
-from torchsupervisor.preemption import (
+from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.coordinator import Coordinator
+from torchsupervisor.core.global_step import get_global_step, read_step
+from torchsupervisor.core.registry import USE_DEFAULT, Graph, GraphKeys, get_default_graph
+from torchsupervisor.core.rng import RNGState
+from torchsupervisor.core.session import Session
+from torchsupervisor.distributed import env as distributed
+from torchsupervisor.driver.preemption import (
     ABORT_SIGNALS,
     DEFAULT_PREEMPTION_SIGNALS,
     PreemptionHandler,
     final_checkpoint_failed,
 )
-from torchsupervisor.registry import USE_DEFAULT, Graph, GraphKeys, get_default_graph
-from torchsupervisor.rng import RNGState
-from torchsupervisor.scaffold import Scaffold
-from torchsupervisor.session import Session
-from torchsupervisor.session_creators import (
+from torchsupervisor.errors import OutOfRangeError
+from torchsupervisor.hooks._global_step import session_global_step
+from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook
+from torchsupervisor.hooks.session_run_hook import SessionRunHook
+from torchsupervisor.hooks.step_counter import StepCounterHook
+from torchsupervisor.hooks.summary_saver import SummarySaverHook
+from torchsupervisor.monitored.creators import (
     ChiefSessionCreator,
     SessionCreator,
     WorkerSessionCreator,
 )
-from torchsupervisor.wrapped_sessions import (
+from torchsupervisor.monitored.scaffold import Scaffold
+from torchsupervisor.monitored.wrappers import (
     StepContext,
     _CoordinatedSession,
     _HookedSession,

@@ -19,14 +19,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchsupervisor.checkpoint.recovery import plan_restore
-from torchsupervisor.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.session import Session, call_op
 from torchsupervisor.errors import (
     CorruptCheckpointError,
     DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,
 )
-from torchsupervisor.session import Session, call_op
 
 __all__ = ["SessionManager"]
 

@@ -63,11 +63,11 @@ from typing import Any
 
 from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
 
-from torchsupervisor.coordinator import Coordinator, LooperThread
+from torchsupervisor.core.coordinator import Coordinator, LooperThread
+from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.session import Session
+from torchsupervisor.distributed.replicas import ReplicaAbort, ReplicaGroup
 from torchsupervisor.errors import CheckpointSaveError, DeadlineExceededError
-from torchsupervisor.global_step import read_step
-from torchsupervisor.replicas import ReplicaAbort, ReplicaGroup
-from torchsupervisor.session import Session
 
 __all__ = ["DEFAULT_AGREEMENT_SECS", "ShardedCheckpointService"]
 

@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import Any, NoReturn, TypeAlias
 
 from torchsupervisor import errors
-from torchsupervisor.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.clock import REAL_CLOCK, Clock
 
 __all__ = ["Coordinator", "LooperThread"]
 

@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.clock import REAL_CLOCK, Clock
-from torchsupervisor.coordinator import Coordinator
+from torchsupervisor.core.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.coordinator import Coordinator
+from torchsupervisor.core.registry import GraphKeys, get_default_graph
 from torchsupervisor.errors import CancelledError, DeadlineExceededError, OutOfRangeError
-from torchsupervisor.registry import GraphKeys, get_default_graph
 
 __all__ = [
     "FIFOQueue",

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.session import session_op
-from torchsupervisor.state import is_materialized, iter_state_tensors, select_state
+from torchsupervisor.core.session import session_op
+from torchsupervisor.core.state import is_materialized, iter_state_tensors, select_state
 
 __all__ = [
     "global_variables_initializer",

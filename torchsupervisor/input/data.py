@@ -25,7 +25,8 @@ stops the training cleanly with a final checkpoint instead of killing the worker
 them, the main process ("DataLoader worker ... is killed by signal: Terminated"). The workers
 are started with these signals blocked, so one arriving while they start is not lost in the
 main process nor fatal to a worker. With a plain ``DataLoader`` or a ``StatefulDataLoader``,
-pass ``worker_init_fn=IgnorePreemptionSignals()`` yourself (see ``torchsupervisor.preemption``).
+pass ``worker_init_fn=IgnorePreemptionSignals()`` yourself (see
+``torchsupervisor.driver.preemption``).
 
 Objects of ``torchdata.stateful_dataloader.StatefulDataLoader`` (or any object with
 ``state_dict``/``load_state_dict``) can be put in the state as they are.
@@ -48,8 +49,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from torchsupervisor.global_step import read_step
-from torchsupervisor.preemption import IgnorePreemptionSignals
+from torchsupervisor.core.global_step import read_step
+from torchsupervisor.driver.preemption import IgnorePreemptionSignals
 
 __all__ = ["ResumableDataLoader", "ResumableSampler"]
 

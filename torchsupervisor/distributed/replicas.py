@@ -43,14 +43,14 @@ from torchsupervisor.checkpoint.format import (
     dtype_to_code,
     encode_tree,
 )
-from torchsupervisor.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.state import flatten_state, load_state
 from torchsupervisor.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
 )
-from torchsupervisor.global_step import read_step
-from torchsupervisor.state import flatten_state, load_state
 
 __all__ = ["ReplicaAbort", "ReplicaGroup", "StopAgreement", "communication_device"]
 

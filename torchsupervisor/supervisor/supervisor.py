@@ -53,12 +53,11 @@ import torch
 import torch.distributed as dist
 from tensorboard.compat.proto.event_pb2 import SessionLog
 
-from torchsupervisor import distributed
 from torchsupervisor.checkpoint import writer_lock
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, restore_candidates
 from torchsupervisor.checkpoint.saver import Saver
-from torchsupervisor.checkpoint.sharded import is_sharded
-from torchsupervisor.checks import (
+from torchsupervisor.checkpoint.sharded.collective import is_sharded
+from torchsupervisor.core.checks import (
     check_bool,
     check_int,
     check_number,
@@ -67,22 +66,10 @@ from torchsupervisor.checks import (
     check_state,
     check_str,
 )
-from torchsupervisor.clock import REAL_CLOCK, Clock
-from torchsupervisor.coordinator import Coordinator, LooperThread
-from torchsupervisor.errors import (
-    AbortedError,
-    FailedPreconditionError,
-    InvalidArgumentError,
-    LogdirLockedError,
-)
-from torchsupervisor.global_step import GlobalStep, read_step
-from torchsupervisor.preemption import (
-    ABORT_SIGNALS,
-    DEFAULT_PREEMPTION_SIGNALS,
-    PreemptionHandler,
-    final_checkpoint_failed,
-)
-from torchsupervisor.registry import (
+from torchsupervisor.core.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.coordinator import Coordinator, LooperThread
+from torchsupervisor.core.global_step import GlobalStep, read_step
+from torchsupervisor.core.registry import (
     USE_DEFAULT,
     Graph,
     GraphKeys,
@@ -90,24 +77,37 @@ from torchsupervisor.registry import (
     get_default_graph,
     resolve_default,
 )
-from torchsupervisor.replicas import ReplicaGroup, StopAgreement
-from torchsupervisor.rng import RNGState
-from torchsupervisor.services import (
+from torchsupervisor.core.rng import RNGState
+from torchsupervisor.core.session import Session
+from torchsupervisor.core.variables import (
+    global_variables_initializer,
+    local_variables_initializer,
+    report_uninitialized_variables,
+)
+from torchsupervisor.distributed import env as distributed
+from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement
+from torchsupervisor.distributed.sharded_checkpoints import ShardedCheckpointService
+from torchsupervisor.driver.preemption import (
+    ABORT_SIGNALS,
+    DEFAULT_PREEMPTION_SIGNALS,
+    PreemptionHandler,
+    final_checkpoint_failed,
+)
+from torchsupervisor.errors import (
+    AbortedError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    LogdirLockedError,
+)
+from torchsupervisor.summary.ops import merge_all
+from torchsupervisor.summary.writer import SERVICE_MAX_QUEUE, SummaryWriter
+from torchsupervisor.supervisor.services import (
     CheckpointService,
     SVStepCounterThread,
     SVSummaryThread,
     SVTimerCheckpointThread,
 )
-from torchsupervisor.session import Session
-from torchsupervisor.session_manager import SessionManager
-from torchsupervisor.sharded_service import ShardedCheckpointService
-from torchsupervisor.summary.ops import merge_all
-from torchsupervisor.summary.writer import SERVICE_MAX_QUEUE, SummaryWriter
-from torchsupervisor.variables import (
-    global_variables_initializer,
-    local_variables_initializer,
-    report_uninitialized_variables,
-)
+from torchsupervisor.supervisor.session_manager import SessionManager
 
 __all__ = ["Supervisor", "basic_train_loop"]
 

@@ -60,7 +60,7 @@ from torchsupervisor.checkpoint.format import (
 )
 from torchsupervisor.checkpoint.reader import check_shard, open_shard
 from torchsupervisor.checkpoint.references import referenced_data_files
-from torchsupervisor.checkpoint.sharded_metadata import (
+from torchsupervisor.checkpoint.sharded.metadata import (
     ChunkEntry,
     ShardedManifest,
     ShardedTensorEntry,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.registry import Graph, GraphKeys, get_default_graph
+from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
 
 __all__ = [
     "GlobalStep",

@@ -1,0 +1,28 @@
+"""Replicas of one run: the process group, the cluster, agreements between ranks.
+
+``env`` joins the process group named by a master string and gives this process's rank and the
+world size (the one copy of those helpers); ``cluster`` is TF's ``ClusterSpec``/``Server``;
+``replicas`` holds the chief's broadcast and the stop agreement; ``sharded_checkpoints`` makes
+every rank save its shard at the same agreed step.
+
+``torchsupervisor.distributed`` itself offers what ``env`` exports: ``connect``, ``rank``,
+``world_size``, ``default_backend``, ``is_distributed_master``, ``IN_PROCESS_MASTERS``.
+"""
+
+from torchsupervisor.distributed.env import (
+    IN_PROCESS_MASTERS,
+    connect,
+    default_backend,
+    is_distributed_master,
+    rank,
+    world_size,
+)
+
+__all__ = [
+    "IN_PROCESS_MASTERS",
+    "connect",
+    "default_backend",
+    "is_distributed_master",
+    "rank",
+    "world_size",
+]

@@ -1,0 +1,7 @@
+"""Drivers: what decides *when* to checkpoint and how a stop is handled.
+
+``checkpoint_driver`` is the one place that decides whether a checkpoint is due, defers one
+while a save is in flight, skips an unchanged step, writes the final checkpoint within a grace
+budget, reports failures and writes the CHECKPOINT event. ``preemption`` turns signals into a
+clean stop. The Supervisor and the MonitoredSession hold these; neither writes files itself.
+"""

@@ -1,0 +1,1 @@
+"""Input pipelines: TF's queues and queue runners, and resumable PyTorch data loading."""

@@ -1,0 +1,1 @@
+"""The ``MonitoredSession`` front end: sessions, their wrappers, creators and ``Scaffold``."""

@@ -1,0 +1,1 @@
+"""The ``Supervisor`` front end: the facade, its ``SessionManager`` and its services."""
