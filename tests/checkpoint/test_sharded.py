@@ -10,11 +10,12 @@ import sys
 import pytest
 import safetensors.torch
 import torch
+from repo_paths import worker
 
 from torchsupervisor import CheckpointReader, get_checkpoint_state
 from torchsupervisor.errors import CorruptCheckpointError
 
-WORKER = os.path.join(os.path.dirname(__file__), "sharded_worker.py")
+WORKER = worker("sharded_worker.py")
 
 
 def _run(scenario: str, directory, world_size: int, arg: str | None = None) -> list[str]:

@@ -21,11 +21,12 @@ import urllib.parse
 import urllib.request
 
 import pytest
+from repo_paths import worker
 from tensorboard.backend.event_processing import event_accumulator
 
 from torchsupervisor import CheckpointReader, summary_iterator
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "restart_worker.py")
+WORKER = worker("restart_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKPOINT_STEP, KILLED_AT, LAST_STEP = 20, 30, 40
 

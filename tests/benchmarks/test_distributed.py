@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "distributed.py")
+from repo_paths import repo
+
+SCRIPT = repo("benchmarks", "distributed.py")
 
 
 def test_the_distributed_benchmark_writes_its_report(tmp_path):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from repo_paths import worker
 from supervisor_helpers import all_events, session_logs
 
 from torchsupervisor import ClusterSpec, Server, latest_checkpoint
@@ -19,7 +20,7 @@ from torchsupervisor.core.rng import rank_rng_state
 from torchsupervisor.errors import InvalidArgumentError, UnimplementedError
 from torchsupervisor.summary import SessionLog
 
-WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
+WORKER = worker("ddp_worker.py")
 
 
 def _free_port() -> int:
@@ -244,7 +245,7 @@ def test_local_server_target_in_a_session(tmp_path):
     assert run.stdout.split() == ["0", "1", "True"]
 
 
-MONITORED_WORKER = os.path.join(os.path.dirname(__file__), "monitored_replica_worker.py")
+MONITORED_WORKER = worker("monitored_replica_worker.py")
 
 
 def _monitored_ranks(logdir, steps):

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from repo_paths import worker
 
 from torchsupervisor import GlobalStep, Saver, Session, latest_checkpoint
 from torchsupervisor.checkpoint import engine as engine_module
@@ -20,7 +21,7 @@ from torchsupervisor.checkpoint.storage import FileSystem, is_temporary_name
 from torchsupervisor.driver.preemption import PreemptionHandler
 from torchsupervisor.supervisor.services import CheckpointService
 
-WORKER = os.path.join(os.path.dirname(__file__), "preemption_worker.py")
+WORKER = worker("preemption_worker.py")
 STEPS = 90
 
 

@@ -11,6 +11,7 @@ import sys
 import threading
 
 import pytest
+import repo_paths
 import torch
 from monitored_helpers import JOIN_SECS, Counter, RecordingHook, SlowFS
 from supervisor_helpers import checkpoint_steps, read_checkpoint
@@ -23,7 +24,7 @@ from torchsupervisor.hooks import CheckpointSaverHook, SessionRunHook, StopAtSte
 from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.monitored.session import MonitoredTrainingSession, SingularMonitoredSession
 
-WORKER = os.path.join(os.path.dirname(__file__), "monitored_preemption_worker.py")
+WORKER = repo_paths.worker("monitored_preemption_worker.py")
 STEPS = 60
 DEADLINE_SECS = 120
 

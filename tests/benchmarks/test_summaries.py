@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "summaries.py")
+from repo_paths import repo
+
+SCRIPT = repo("benchmarks", "summaries.py")
 
 
 def test_the_summary_benchmark_writes_its_report(tmp_path):

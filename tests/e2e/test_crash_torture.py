@@ -17,11 +17,12 @@ import time
 
 import adversarial_record
 import pytest
+from repo_paths import worker
 
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.storage import is_temporary_name
 
-WORKER = os.path.join(os.path.dirname(__file__), "torture_worker.py")
+WORKER = worker("torture_worker.py")
 
 
 def _committed(logdir: str) -> list[int]:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from worker_exit import run_and_exit
 
 from torchsupervisor.checkpoint.sharded.collective import (
     ShardedOptimizerState,
@@ -39,9 +40,6 @@ from torchsupervisor.checkpoint.sharded.collective import (
     save_sharded,
 )
 from torchsupervisor.checkpoint.storage import FileSystem
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from worker_exit import run_and_exit
 
 
 class RecordingFS(FileSystem):

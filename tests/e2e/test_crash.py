@@ -8,11 +8,12 @@ import subprocess
 import sys
 
 import pytest
+from repo_paths import worker
 
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.storage import is_temporary_name
 
-WORKER = os.path.join(os.path.dirname(__file__), "crash_worker.py")
+WORKER = worker("crash_worker.py")
 
 
 def _start(logdir: str, stage: str) -> subprocess.Popen:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "hooks.py")
+from repo_paths import repo
+
+SCRIPT = repo("benchmarks", "hooks.py")
 
 
 def test_the_hook_benchmark_writes_its_report(tmp_path):

@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 
+from repo_paths import repo
 from supervisor_helpers import START, all_events, scalars, session_logs
 
 from torchsupervisor import CheckpointReader, latest_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = repo()
 DIGITS = os.path.join(ROOT, "examples", "digits.py")
 
 

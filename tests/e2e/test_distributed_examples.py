@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import pytest
+from repo_paths import repo
 
 from torchsupervisor import latest_checkpoint
 from torchsupervisor.checkpoint.reader import CheckpointReader
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = repo()
 
 
 def _torchrun(example, logdir, max_steps):

@@ -12,12 +12,13 @@ import sys
 import time
 
 import pytest
+from repo_paths import worker
 
 from torchsupervisor import latest_checkpoint
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.summary.reader import summary_iterator
 
-WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
+WORKER = worker("fsdp_worker.py")
 STEPS = 40  # Of the first run (at least 0.8 s: the first checkpoint request comes at once).
 
 

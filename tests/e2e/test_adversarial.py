@@ -32,6 +32,7 @@ import time
 import adversarial_record
 import pytest
 import torch
+from repo_paths import worker
 from supervisor_helpers import committed_steps
 
 import torchsupervisor as ts
@@ -45,8 +46,7 @@ from torchsupervisor.summary import SummaryWriter
 
 pytestmark = pytest.mark.slow
 
-HERE = os.path.dirname(__file__)
-TORTURE_WORKER = os.path.join(HERE, "torture_worker.py")
+TORTURE_WORKER = worker("torture_worker.py")
 TRIALS = 40
 FALLBACK_SECS = 10.0
 SIZE = 1000

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 
+from repo_paths import repo
 from supervisor_helpers import checkpoint_steps
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "digits_monitored.py")
+EXAMPLE = repo("examples", "digits_monitored.py")
 _DONE = re.compile(r"Done at step (\d+): held-out accuracy ([\d.]+)%")
 
 
