@@ -42,7 +42,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -215,34 +214,24 @@ def stream_training(
 
 def stream_drain(root: str, n: int) -> dict:
     """Fill our queue while the writer thread is held, then time the drain alone."""
-    import torchsupervisor.summary.event_file as event_file
+    from torchsupervisor.testing import GatedStorage
 
-    gate = threading.Event()
-    real_write = event_file._write_all
-    first = [True]
-
-    def held_write(fd: int, data: bytes) -> None:
-        if first[0]:
-            first[0] = False
-            gate.wait()
-        real_write(fd, data)
-
+    storage = GatedStorage()
+    gate = storage.hold("write", timeout_secs=600)  # The first write waits for the gate.
     with Dir(root) as logdir:
-        event_file._write_all = held_write
         try:
-            writer = SummaryWriter(logdir, max_queue=0)
+            writer = SummaryWriter(logdir, max_queue=0, storage=storage)
             writer.add_scalar(TAGS[0], 0.0, 0)
             while writer.counters().events_pending:  # the writer thread holds event 0
                 time.sleep(0.001)
             for i in range(1, n):
                 writer.add_scalar(TAGS[i & 3], 0.5 * i, i)
             start = time.perf_counter()
-            gate.set()
+            gate.open()
             writer.close()
             secs = time.perf_counter() - start
         finally:
-            event_file._write_all = real_write
-            gate.set()
+            gate.open()
         written = count_events(logdir)
     return {"written_per_sec": n / secs, "events_written": written}
 

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import errno
-import os
 import threading
-import time
 
 import torch
 
 from torchsupervisor import GlobalStep
-from torchsupervisor.checkpoint.storage import FileSystem
 from torchsupervisor.hooks import CheckpointSaverListener, SessionRunArgs, SessionRunHook
+from torchsupervisor.testing import FaultyStorage, GatedStorage
 
 JOIN_SECS = 10.0
 
@@ -102,60 +100,24 @@ class RecordingListener(CheckpointSaverListener):
         return [step for name, step in self.calls if name == kind]
 
 
-class GatedFS(FileSystem):
-    """Blocks every fsync of a file until ``release()``; the test then sees a save in flight."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-
-    def fsync(self, fd: int) -> None:
-        self.entered.set()
-        if not self.gate.wait(JOIN_SECS):
-            raise OSError(errno.EIO, "test gate never released")
-        super().fsync(fd)
-
-    def release(self) -> None:
-        self.gate.set()
-
-
-class FullDiskFS(FileSystem):
-    """Every write fails with ENOSPC while ``full`` is set."""
-
-    def __init__(self) -> None:
-        self.full = True
-
-    def write(self, fd: int, data) -> None:
-        if self.full:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        super().write(fd, data)
-
-
-class SlowFS(FileSystem):
+def slow_storage(delay_secs: float = 0.02) -> FaultyStorage:
     """Every fsync of a file takes ``delay_secs`` more: saves take longer than the steps."""
-
-    def __init__(self, delay_secs: float = 0.02) -> None:
-        self.delay_secs = delay_secs
-
-    def fsync(self, fd: int) -> None:
-        time.sleep(self.delay_secs)
-        super().fsync(fd)
+    storage = FaultyStorage()
+    storage.delay("fsync", delay_secs)
+    return storage
 
 
-class PrefixGatedFS(FileSystem):
-    """Blocks the save of one checkpoint (files whose name contains ``marker``) until released."""
+def gated_storage(operation: str = "fsync", path_contains: str | None = None):
+    """A storage whose ``operation`` calls (on matching paths) wait until ``gate.open()``.
 
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-        self.gate = threading.Event()
-        self.entered = threading.Event()
+    Returns:
+        ``(storage, gate)``: ``gate.reached`` is set once a save waits at the gate.
+    """
+    storage = GatedStorage()
+    gate = storage.hold(operation, path_contains=path_contains, times=None, timeout_secs=JOIN_SECS)
+    return storage, gate
 
-    def open_for_write(self, path: str, *, direct: bool = False) -> int:
-        if self.marker in os.path.basename(path):
-            self.entered.set()
-            if not self.gate.wait(JOIN_SECS):
-                raise OSError(errno.EIO, "test gate never released")
-        return super().open_for_write(path, direct=direct)
 
-    def release(self) -> None:
-        self.gate.set()
+def fill_disk(storage: FaultyStorage) -> None:
+    """Make every write of ``storage`` fail with ENOSPC until ``storage.clear()``."""
+    storage.fail("write", errno=errno.ENOSPC, times=None)

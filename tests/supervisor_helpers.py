@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
 from torchsupervisor import CheckpointReader, GlobalStep, summary_iterator
-from torchsupervisor.checkpoint.storage import is_temporary_name
+from torchsupervisor.storage import is_temporary_name
 
 START, STOP, CHECKPOINT = SessionLog.START, SessionLog.STOP, SessionLog.CHECKPOINT
 

@@ -13,53 +13,10 @@ import torch
 
 from torchsupervisor import Saver, Session, get_checkpoint_state
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.storage import FileSystem, is_temporary_name
-from torchsupervisor.checkpoint.writer_lock import LOCK_FILENAME
 from torchsupervisor.errors import CheckpointSaveError
-
-
-class FaultyFS(FileSystem):
-    """Fails the ``nth`` call of ``operation`` with ``OSError(err)``; records every call."""
-
-    def __init__(self, operation: str, nth: int = 1, err: int = errno.EIO):
-        self.operation, self.nth, self.err = operation, nth, err
-        self.calls: list[tuple[str, str]] = []
-        self._count = 0
-        self.armed = False
-        self._paths: dict[int, str] = {}
-
-    def _maybe_fail(self, operation: str, path: str) -> None:
-        self.calls.append((operation, path))
-        if self.armed and operation == self.operation:
-            self._count += 1
-            if self._count == self.nth:
-                raise OSError(self.err, os.strerror(self.err), path)
-
-    def open_for_write(self, path, **kwargs):
-        self._maybe_fail("open", path)
-        fd = super().open_for_write(path, **kwargs)
-        self._paths[fd] = path
-        return fd
-
-    def write(self, fd, data):
-        self._maybe_fail("write", self._paths.get(fd, "?"))
-        super().write(fd, data)
-
-    def fsync(self, fd):
-        self._maybe_fail("fsync", self._paths.get(fd, "?"))
-        super().fsync(fd)
-
-    def rename(self, src, dst):
-        self._maybe_fail("rename", dst)
-        super().rename(src, dst)
-
-    def remove(self, path):
-        self._maybe_fail("remove", path)
-        super().remove(path)
-
-    def fsync_dir(self, path):
-        self._maybe_fail("fsync_dir", path)
-        super().fsync_dir(path)
+from torchsupervisor.storage import LOCAL, is_temporary_name
+from torchsupervisor.storage.lock import LOCK_FILENAME
+from torchsupervisor.testing import FaultyStorage
 
 
 def _listing(directory):
@@ -83,14 +40,14 @@ def _listing(directory):
 )
 @pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
 def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, operation, nth, err):
-    fs = FaultyFS(operation, nth, err)
+    storage = FaultyStorage()
     w = torch.arange(100.0)
-    saver = Saver(fs=fs)
+    saver = Saver(storage=storage)
     sess = Session({"w": w})
     good = saver.save(sess, str(tmp_path / "m"), global_step=1)
     before = _listing(tmp_path)
     w.add_(1)
-    fs.armed = True
+    storage.fail(operation, nth=nth, errno=err)
     with pytest.raises(CheckpointSaveError) as info:
         saver.save(sess, str(tmp_path / "m"), global_step=2)
     assert info.value.path == str(tmp_path / "m-2")
@@ -104,18 +61,20 @@ def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, operation, 
 
 
 def test_failed_async_save_reports_through_its_future(tmp_path):
-    fs = FaultyFS("write", 1, errno.ENOSPC)
-    fs.armed = True
-    future = Saver(fs=fs).save_async(Session({"w": torch.ones(3)}), str(tmp_path / "m"), 1)
+    storage = FaultyStorage()
+    storage.fail("write", errno=errno.ENOSPC)
+    future = Saver(storage=storage).save_async(
+        Session({"w": torch.ones(3)}), str(tmp_path / "m"), 1
+    )
     with pytest.raises(CheckpointSaveError, match="No space left on device"):
         future.result(timeout=60)
     assert _listing(tmp_path) == []
 
 
 def test_order_of_operations(tmp_path):
-    fs = FaultyFS("none")
-    prefix = Saver(fs=fs).save(Session({"w": torch.ones(3)}), str(tmp_path / "m"), 1)
-    kinds = [(op, os.path.basename(path)) for op, path in fs.calls]
+    storage = FaultyStorage()
+    prefix = Saver(storage=storage).save(Session({"w": torch.ones(3)}), str(tmp_path / "m"), 1)
+    kinds = [(op, os.path.basename(path)) for op, path in storage.calls]
 
     def position(op, predicate):
         return next(i for i, (o, p) in enumerate(kinds) if o == op and predicate(p))
@@ -133,16 +92,16 @@ def test_order_of_operations(tmp_path):
 
 
 def test_deletion_of_old_checkpoints_only_after_the_new_commit(tmp_path):
-    fs = FaultyFS("none")
-    saver = Saver(max_to_keep=1, fs=fs)
+    storage = FaultyStorage()
+    saver = Saver(max_to_keep=1, storage=storage)
     w = torch.ones(3)
     sess = Session({"w": w})
     saver.save(sess, str(tmp_path / "m"), 1)
     w.add_(1)  # Changed: the next save writes it again rather than referencing m-1's data.
-    fs.calls.clear()
+    storage.calls.clear()
     saver.save(sess, str(tmp_path / "m"), 2)
-    names = [(op, os.path.basename(p)) for op, p in fs.calls]
-    first_delete = names.index(("remove", "m-1.index"))
+    names = [(op, os.path.basename(p)) for op, p in storage.calls]
+    first_delete = names.index(("delete", "m-1.index"))
     assert names.index(("rename", "m-2.index")) < first_delete
     assert names.index(("rename", "checkpoint")) < first_delete
     assert _listing(tmp_path) == ["checkpoint", "m-2.data-00000-of-00001", "m-2.index"]
@@ -154,10 +113,10 @@ def test_a_failed_overwrite_keeps_older_checkpoints(tmp_path):
     sess = Session({"w": w})
     older = saver.save(sess, str(tmp_path / "m"), 1)
     saver.save(sess, str(tmp_path / "m"), 2)
-    fs = FaultyFS("write", 1)
-    fs.armed = True
+    storage = FaultyStorage()
+    storage.fail("write")
     with pytest.raises(CheckpointSaveError):
-        Saver(fs=fs).save(sess, str(tmp_path / "m"), 2)  # Overwrite of m-2 fails.
+        Saver(storage=storage).save(sess, str(tmp_path / "m"), 2)  # Overwrite of m-2 fails.
     assert os.path.exists(older + ".index")
     assert not any(is_temporary_name(f) for f in _listing(tmp_path))
 
@@ -168,10 +127,10 @@ def test_state_file_failure_after_commit_is_logged_and_the_checkpoint_is_found(t
     saver = Saver()
     sess = Session({"w": torch.ones(1)})
     first = saver.save(sess, str(tmp_path / "m"), 1)
-    fs = FaultyFS("rename", 3)  # shard, index, then the state file.
-    fs.armed = True
+    storage = FaultyStorage()
+    storage.fail("rename", nth=3)  # shard, index, then the state file.
     with caplog.at_level("ERROR", logger="torchsupervisor"):
-        assert Saver(fs=fs).save(sess, str(tmp_path / "m"), 2) == str(tmp_path / "m-2")
+        assert Saver(storage=storage).save(sess, str(tmp_path / "m"), 2) == str(tmp_path / "m-2")
     (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
     assert f"Cannot write the checkpoint state file {tmp_path / 'checkpoint'}" in record.message
     assert get_checkpoint_state(str(tmp_path)).model_checkpoint_path == first
@@ -198,14 +157,8 @@ def test_large_shards_written_directly_round_trip_with_unaligned_tails(tmp_path,
 
 
 def test_direct_writes_fall_back_for_unaligned_buffers(tmp_path):
-    from torchsupervisor.checkpoint.storage import LOCAL_FS, write_all
-
-    data = bytearray(os.urandom(3 * 4096 + 5))
+    data = bytearray(os.urandom((1 << 20) + 3 * 4096 + 5))  # Large enough for O_DIRECT.
     view = memoryview(data)[1:]  # Almost surely not 4096-aligned.
     path = str(tmp_path / "f")
-    fd = LOCAL_FS.open_for_write(path, direct=True)
-    try:
-        write_all(LOCAL_FS, fd, view)
-    finally:
-        LOCAL_FS.close(fd)
+    LOCAL.put(path, [view])
     assert pathlib.Path(path).read_bytes() == bytes(view)

@@ -18,7 +18,8 @@ from torchsupervisor.checkpoint.files import (
     remove_checkpoint,
 )
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.storage import FileSystem, temporary_name
+from torchsupervisor.storage import temporary_name
+from torchsupervisor.testing import FaultyStorage
 
 LOGGER = "torchsupervisor"
 RACE_WARNING = (
@@ -27,34 +28,8 @@ RACE_WARNING = (
 )
 
 
-class RecordingFS(FileSystem):
-    """Records removes and directory fsyncs; fails the n-th remove (1-based) if asked.
-
-    ``vanish`` makes the n-th remove behave as if another process deleted the file first.
-    """
-
-    def __init__(self, fail_nth_remove: int = 0, error: OSError | None = None, vanish=False):
-        self.fail_nth_remove = fail_nth_remove
-        self.error = error
-        self.vanish = vanish
-        self.calls: list[tuple[str, str]] = []
-
-    def remove(self, path):
-        self.calls.append(("remove", path))
-        if sum(op == "remove" for op, _ in self.calls) == self.fail_nth_remove:
-            if self.vanish:
-                os.remove(path)
-                raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
-            raise self.error
-        super().remove(path)
-
-    def fsync_dir(self, path):
-        self.calls.append(("fsync_dir", path))
-        super().fsync_dir(path)
-
-    def listdir(self, path):
-        self.calls.append(("listdir", path))
-        return super().listdir(path)
+def _vanish(path):
+    os.remove(path)  # Another process deletes it first.
 
 
 def _make(path, data: bytes = b"x") -> str:
@@ -183,25 +158,29 @@ def test_remove_checkpoint_deletes_all_its_files_and_nothing_else(tmp_path, capl
 def test_remove_checkpoint_deletes_index_first_then_fsyncs_then_shards(tmp_path):
     prefix = str(tmp_path / "model.ckpt-5")
     _make_checkpoint(prefix, num_shards=2, meta=True)
-    fs = RecordingFS()
-    remove_checkpoint(prefix, fs=fs)
-    assert [call for call in fs.calls if call[0] != "listdir"] == [
-        ("remove", prefix + ".index"),
-        ("fsync_dir", str(tmp_path)),
-        ("remove", prefix + ".data-00000-of-00002"),
-        ("remove", prefix + ".data-00001-of-00002"),
-        ("remove", prefix + ".meta"),
+    storage = FaultyStorage()
+    remove_checkpoint(prefix, storage=storage)
+    d = str(tmp_path)
+    assert [call for call in storage.calls if call[0] in ("delete", "fsync_dir")] == [
+        ("delete", prefix + ".index"),
+        ("fsync_dir", d),  # Durable before any shard is touched.
+        ("delete", prefix + ".data-00000-of-00002"),
+        ("fsync_dir", d),
+        ("delete", prefix + ".data-00001-of-00002"),
+        ("fsync_dir", d),
+        ("delete", prefix + ".meta"),
+        ("fsync_dir", d),
     ]
 
 
 def test_failure_after_index_leaves_an_incomplete_checkpoint_never_a_complete_one(tmp_path):
     prefix = str(tmp_path / "model.ckpt-5")
     _make_checkpoint(prefix, num_shards=2)
-    error = OSError(errno.EIO, "Input/output error")
-    fs = RecordingFS(fail_nth_remove=2, error=error)
+    storage = FaultyStorage()
+    storage.fail("delete", nth=2, errno=errno.EIO)
     with pytest.raises(OSError) as info:
-        remove_checkpoint(prefix, fs=fs)
-    assert info.value is error
+        remove_checkpoint(prefix, storage=storage)
+    assert info.value.errno == errno.EIO
     assert not os.path.exists(prefix + ".index")
     assert os.path.exists(prefix + ".data-00000-of-00002")
     assert checkpoint_exists(prefix) is False
@@ -213,9 +192,10 @@ def test_failure_after_index_leaves_an_incomplete_checkpoint_never_a_complete_on
 def test_failure_on_index_deletes_nothing(tmp_path):
     prefix = str(tmp_path / "model.ckpt-5")
     files = _make_checkpoint(prefix)
-    fs = RecordingFS(fail_nth_remove=1, error=PermissionError(errno.EACCES, "denied"))
+    storage = FaultyStorage()
+    storage.fail("delete", errno=errno.EACCES)
     with pytest.raises(PermissionError):
-        remove_checkpoint(prefix, fs=fs)
+        remove_checkpoint(prefix, storage=storage)
     assert all(os.path.exists(f) for f in files)
     assert checkpoint_exists(prefix)
 
@@ -223,8 +203,9 @@ def test_failure_on_index_deletes_nothing(tmp_path):
 def test_file_deleted_by_someone_else_is_a_warning_only(tmp_path, caplog):
     prefix = str(tmp_path / "model.ckpt-5")
     _make_checkpoint(prefix, num_shards=2)
-    fs = RecordingFS(fail_nth_remove=2, vanish=True)
-    remove_checkpoint(prefix, fs=fs)
+    storage = FaultyStorage()
+    storage.fail("delete", nth=2, errno=errno.ENOENT, before=_vanish)
+    remove_checkpoint(prefix, storage=storage)
     assert os.listdir(tmp_path) == []
     assert _warnings(caplog) == [RACE_WARNING.format(prefix + ".data-00000-of-00002")]
 
@@ -232,16 +213,17 @@ def test_file_deleted_by_someone_else_is_a_warning_only(tmp_path, caplog):
 def test_vanished_index_is_a_warning_and_the_shards_still_go(tmp_path, caplog):
     prefix = str(tmp_path / "model.ckpt-5")
     _make_checkpoint(prefix, num_shards=1)
-    fs = RecordingFS(fail_nth_remove=1, vanish=True)
-    remove_checkpoint(prefix, fs=fs)
+    storage = FaultyStorage()
+    storage.fail("delete", errno=errno.ENOENT, before=_vanish)
+    remove_checkpoint(prefix, storage=storage)
     assert os.listdir(tmp_path) == []
     assert _warnings(caplog) == [RACE_WARNING.format(prefix + ".index")]
 
 
 def test_removing_a_missing_checkpoint_is_silent(tmp_path, caplog):
-    fs = RecordingFS()
-    remove_checkpoint(str(tmp_path / "model.ckpt-404"), fs=fs)
-    assert fs.calls == []
+    storage = FaultyStorage()
+    remove_checkpoint(str(tmp_path / "model.ckpt-404"), storage=storage)
+    assert storage.operations("delete") == []
     assert _warnings(caplog) == []
 
 
@@ -306,13 +288,13 @@ def test_clean_stale_temporaries(tmp_path, caplog):
     os.mkdir(temporary_name(str(tmp_path / "a_directory")))
     before = set(os.listdir(d))
 
-    fs = RecordingFS()
-    removed = clean_stale_temporaries(d, fs=fs)
+    storage = FaultyStorage()
+    removed = clean_stale_temporaries(d, storage=storage)
 
     assert removed == temps
     assert set(os.listdir(d)) == before - {os.path.basename(t) for t in temps}
     assert all(os.path.exists(p) for p in not_temps)
-    assert fs.calls[-1] == ("fsync_dir", d)
+    assert storage.calls[-1] == ("fsync_dir", d)
     assert _warnings(caplog) == [
         f"Removed stale temporary file {t} (left by an interrupted write)" for t in temps
     ]
@@ -325,17 +307,19 @@ def test_clean_stale_temporaries_missing_directory(tmp_path):
 
 def test_clean_stale_temporaries_propagates_a_failed_delete(tmp_path):
     temp = _make(temporary_name(str(tmp_path / "checkpoint")))
-    fs = RecordingFS(fail_nth_remove=1, error=PermissionError(errno.EACCES, "denied"))
+    storage = FaultyStorage()
+    storage.fail("delete", errno=errno.EACCES)
     with pytest.raises(PermissionError):
-        clean_stale_temporaries(str(tmp_path), fs=fs)
+        clean_stale_temporaries(str(tmp_path), storage=storage)
     assert os.path.exists(temp)
 
 
 def test_clean_stale_temporaries_skips_a_file_deleted_meanwhile(tmp_path, caplog):
     first = _make(tmp_path / ("a.tmp" + "1" * 32))
     second = _make(tmp_path / ("b.tmp" + "2" * 32))
-    fs = RecordingFS(fail_nth_remove=1, vanish=True)
-    assert clean_stale_temporaries(str(tmp_path), fs=fs) == [second]
+    storage = FaultyStorage()
+    storage.fail("delete", errno=errno.ENOENT, before=_vanish)
+    assert clean_stale_temporaries(str(tmp_path), storage=storage) == [second]
     assert not os.path.exists(first)
     assert len(_warnings(caplog)) == 1
 

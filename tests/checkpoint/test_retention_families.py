@@ -23,8 +23,8 @@ from supervisor_helpers import Trainer
 import torchsupervisor as ts
 from torchsupervisor import CheckpointReader, Saver, Session, get_checkpoint_state
 from torchsupervisor.checkpoint.recovery import plan_restore
-from torchsupervisor.checkpoint.writer_lock import LOCK_FILENAME
-from torchsupervisor.testing import FakeClock, FaultyFileSystem
+from torchsupervisor.storage.lock import LOCK_FILENAME
+from torchsupervisor.testing import FakeClock, FaultyStorage
 
 
 def _tree(directory):
@@ -189,14 +189,14 @@ def test_an_unusable_state_file_adopts_nothing(tmp_path):
 
 @pytest.mark.parametrize("kind", ["directory", "immutable"])
 def test_an_unwritable_state_file_keeps_retention_and_the_run_ends_cleanly(tmp_path, caplog, kind):
-    fs = FaultyFileSystem()
+    storage = FaultyStorage()
     if kind == "directory":
         (tmp_path / "checkpoint").mkdir()
     else:  # chattr +i needs root: a rename over the state file refused, as it would be.
         (tmp_path / "checkpoint").write_text('model_checkpoint_path: "old"\n')
-        fs.fail("rename", path_contains=os.sep + "checkpoint", errno=errno.EPERM, times=None)
+        storage.fail("rename", path_contains=os.sep + "checkpoint", errno=errno.EPERM, times=None)
     trainer = Trainer()
-    saver = Saver(max_to_keep=2, fs=fs)
+    saver = Saver(max_to_keep=2, storage=storage)
     with caplog.at_level(logging.ERROR, logger="torchsupervisor"):
         _train(_supervisor(tmp_path, trainer, saver=saver), trainer, 6)  # No raise at exit.
     committed = sorted(n for n in os.listdir(tmp_path) if n.endswith(".index"))
@@ -205,7 +205,7 @@ def test_an_unwritable_state_file_keeps_retention_and_the_run_ends_cleanly(tmp_p
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and state_path in errors[0]  # Named once, not at every save.
     restarted = Trainer(seed=3)
-    sv = _supervisor(tmp_path, restarted, saver=Saver(max_to_keep=2, fs=fs))
+    sv = _supervisor(tmp_path, restarted, saver=Saver(max_to_keep=2, storage=storage))
     with sv.managed_session() as sess:
         assert sess.restored_checkpoint == str(tmp_path / "model.ckpt-6")
 
@@ -265,15 +265,15 @@ def test_a_crash_between_the_state_file_and_the_deletion_does_not_leak(tmp_path,
     def crash(path):
         raise _Crash(path)
 
-    fs = FaultyFileSystem()
+    storage = FaultyStorage()
     trainer = Trainer()
-    saver = Saver(max_to_keep=2, fs=fs)
+    saver = Saver(max_to_keep=2, storage=storage)
     sess = Session(trainer.state)
     for _ in range(2):
         trainer.train_step()
         saver.save(sess, str(tmp_path / "model.ckpt"), trainer.global_step)
     trainer.train_step()
-    fs.fail("remove", path_contains="model.ckpt-1.index", before=crash)
+    storage.fail("delete", path_contains="model.ckpt-1.index", before=crash)
     with pytest.raises(_Crash):
         saver.save(sess, str(tmp_path / "model.ckpt"), trainer.global_step)
     text = (tmp_path / "checkpoint").read_text()

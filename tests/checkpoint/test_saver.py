@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
@@ -14,8 +13,8 @@ from torch import nn
 
 from torchsupervisor import GlobalStep, Saver, Session, get_checkpoint_state, latest_checkpoint
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.writer_lock import LOCK_FILENAME
 from torchsupervisor.errors import CheckpointSaveError, InvalidArgumentError, NotFoundError
+from torchsupervisor.storage.lock import LOCK_FILENAME
 
 
 def _model():
@@ -488,23 +487,16 @@ def test_mtimes_of_recovered_checkpoints_are_used(tmp_path):
 
 def test_save_does_not_keep_the_training_thread_waiting_for_io(tmp_path):
     # Not a timing test of speed: it checks that save_async returns before the write ends,
-    # using a file system whose fsync waits for the test to release it.
-    import threading
+    # using a storage whose fsync waits for the test to open a gate.
+    from torchsupervisor.testing import GatedStorage
 
-    from torchsupervisor.checkpoint.storage import FileSystem
-
-    release = threading.Event()
-
-    class SlowFS(FileSystem):
-        def fsync(self, fd):
-            assert release.wait(60)
-            super().fsync(fd)
-
-    saver = Saver(fs=SlowFS())
+    storage = GatedStorage()
+    gate = storage.hold("fsync", times=None)
+    saver = Saver(storage=storage)
     future = saver.save_async(Session({"w": torch.ones(8)}), str(tmp_path / "m"), global_step=1)
-    time.sleep(0.05)
+    assert gate.reached.wait(60)  # The writer is in the middle of the write.
     assert not future.done() and saver.in_flight
-    release.set()
+    gate.open()
     assert future.result(timeout=60) == str(tmp_path / "m-1")
 
 

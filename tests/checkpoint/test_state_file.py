@@ -23,38 +23,10 @@ from torchsupervisor.checkpoint.state_file import (
     update_checkpoint_state,
     update_checkpoint_state_internal,
 )
-from torchsupervisor.checkpoint.storage import FileSystem, is_temporary_name
+from torchsupervisor.storage import is_temporary_name
+from torchsupervisor.testing import FaultyStorage
 
 LOGGER = "torchsupervisor"
-
-
-class FaultFS(FileSystem):
-    """Fails the n-th call (1-based) of one operation with the given error; records all calls."""
-
-    def __init__(self, op: str, nth: int, error: OSError) -> None:
-        self.op, self.nth, self.error = op, nth, error
-        self.calls: list[str] = []
-
-    def _hit(self, op: str) -> None:
-        self.calls.append(op)
-        if op == self.op and self.calls.count(op) == self.nth:
-            raise self.error
-
-    def write(self, fd, data):
-        self._hit("write")
-        super().write(fd, data)
-
-    def fsync(self, fd):
-        self._hit("fsync")
-        super().fsync(fd)
-
-    def rename(self, src, dst):
-        self._hit("rename")
-        super().rename(src, dst)
-
-    def fsync_dir(self, path):
-        self._hit("fsync_dir")
-        super().fsync_dir(path)
 
 
 def _read(path) -> str:
@@ -360,20 +332,28 @@ def test_failed_write_keeps_old_file_and_leaves_no_temporary(tmp_path, op, error
     d = str(tmp_path)
     update_checkpoint_state(d, "/r/m-1")
     before = _read(tmp_path / "checkpoint")
-    fs = FaultFS(op, 1, error)
+    storage = FaultyStorage()
+    storage.fail(op, errno=error.errno)
     with pytest.raises(OSError) as info:
-        update_checkpoint_state_internal(d, "/r/m-2", ["/r/m-1"], fs=fs)
-    assert info.value is error
-    assert op in fs.calls
+        update_checkpoint_state_internal(d, "/r/m-2", ["/r/m-1"], storage=storage)
+    assert info.value.errno == error.errno
+    assert storage.operations(op)
     assert _read(tmp_path / "checkpoint") == before
     assert os.listdir(d) == ["checkpoint"]
     assert get_checkpoint_state(d).model_checkpoint_path == "/r/m-1"
 
 
 def test_write_goes_through_temp_rename_and_directory_fsync(tmp_path):
-    fs = FaultFS("none", 0, OSError())
-    update_checkpoint_state_internal(str(tmp_path), "/r/m-1", fs=fs)
-    assert fs.calls == ["write", "fsync", "rename", "fsync_dir"]
+    storage = FaultyStorage()
+    update_checkpoint_state_internal(str(tmp_path), "/r/m-1", storage=storage)
+    assert [op for op, _ in storage.calls] == [
+        "open",
+        "write",
+        "fsync",
+        "close",
+        "rename",
+        "fsync_dir",
+    ]
 
 
 def test_concurrent_writers_never_expose_a_torn_file(tmp_path):

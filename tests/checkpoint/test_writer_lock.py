@@ -16,9 +16,9 @@ from supervisor_helpers import Trainer
 
 import torchsupervisor as ts
 from torchsupervisor import CheckpointReader, Saver, Session
-from torchsupervisor.checkpoint import writer_lock
 from torchsupervisor.cli import main as cli_main
 from torchsupervisor.errors import FailedPreconditionError, LogdirLockedError
+from torchsupervisor.storage import lock as writer_lock
 
 HOLDER = textwrap.dedent(
     """

@@ -152,7 +152,7 @@ def test_truncated_file_and_missing_events(tmp_path, capsys):
 
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
 def test_an_events_file_that_is_not_a_regular_file_is_an_error_not_a_hang(tmp_path, capsys, kind):
-    from torchsupervisor.checkpoint.storage import NotRegularFileError
+    from torchsupervisor.storage import NotRegularFileError
     from torchsupervisor.summary import summary_iterator
 
     path = tmp_path / "events.out.tfevents.1700000000.host"

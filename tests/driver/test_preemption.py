@@ -17,9 +17,10 @@ from repo_paths import worker
 from torchsupervisor import GlobalStep, Saver, Session, latest_checkpoint
 from torchsupervisor.checkpoint import engine as engine_module
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.storage import FileSystem, is_temporary_name
 from torchsupervisor.driver.preemption import PreemptionHandler
+from torchsupervisor.storage import is_temporary_name
 from torchsupervisor.supervisor.services import CheckpointService
+from torchsupervisor.testing import GatedStorage
 
 WORKER = worker("preemption_worker.py")
 STEPS = 90
@@ -432,32 +433,18 @@ def test_managed_session_installs_and_restores_the_handlers(tmp_path):
     assert sv.preempted is None
 
 
-class HangingFS(FileSystem):
-    """Once armed, every fsync hangs until released (a dead NFS server, a stuck disk)."""
-
-    def __init__(self) -> None:
-        self.armed = False
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def fsync(self, fd: int) -> None:
-        if self.armed:
-            self.entered.set()
-            self.release.wait(120)  # A regression must not hang the test run for ever.
-        super().fsync(fd)
-
-
 @pytest.mark.parametrize("hangs", ["the save in flight", "the final save"])
 def test_a_hung_fsync_cannot_overrun_the_grace_budget(tmp_path, caplog, hangs):
-    fs = HangingFS()
+    storage = GatedStorage()
     w = torch.zeros(1000)
     step = GlobalStep()
     sess = Session({"w": w, "global_step": step})
-    saver = Saver(fs=fs)
+    saver = Saver(storage=storage)
     service = CheckpointService(sess, saver, str(tmp_path / "model.ckpt"), step, writer=None)
     service.save_now()  # Step 0, committed.
-    fs.armed = True
-    watchdog = threading.Timer(30, fs.release.set)  # Fails the timing below, never hangs.
+    # Every fsync hangs from now on (a dead NFS server, a stuck disk) until the gate opens.
+    gate = storage.hold("fsync", times=None, timeout_secs=120)
+    watchdog = threading.Timer(30, gate.open)  # Fails the timing below, never hangs.
     watchdog.start()
     try:
         step.increment()
@@ -465,7 +452,7 @@ def test_a_hung_fsync_cannot_overrun_the_grace_budget(tmp_path, caplog, hangs):
         if hangs == "the save in flight":
             service.request()
             sess.boundary.run_pending()  # The background save of step 1 starts...
-            assert fs.entered.wait(60)  # ...and hangs in fsync.
+            assert gate.reached.wait(60)  # ...and hangs in fsync.
             step.increment()
         start = time.monotonic()
         with caplog.at_level("WARNING", "torchsupervisor"):
@@ -483,7 +470,7 @@ def test_a_hung_fsync_cannot_overrun_the_grace_budget(tmp_path, caplog, hangs):
         engine_module._wait_for_saves_at_exit()
         assert time.monotonic() - exit_start < engine_module.ABANDONED_EXIT_WAIT_SECS + 10
     finally:
-        fs.release.set()
+        gate.open()
         watchdog.cancel()
     assert saver.wait(60)  # ...until the call returns: then it stops, committing nothing.
     names = os.listdir(tmp_path)

@@ -39,9 +39,9 @@ import torchsupervisor as ts
 from torchsupervisor import CheckpointReader, Saver, Session
 from torchsupervisor.checkpoint.format import Manifest
 from torchsupervisor.checkpoint.recovery import plan_restore
-from torchsupervisor.checkpoint.storage import is_temporary_name
 from torchsupervisor.cli import main as cli_main
 from torchsupervisor.errors import DataLossError
+from torchsupervisor.storage import is_temporary_name
 from torchsupervisor.summary import SummaryWriter
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ import pytest
 from repo_paths import worker
 
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.storage import is_temporary_name
+from torchsupervisor.storage import is_temporary_name
 
 WORKER = worker("torture_worker.py")
 

@@ -11,7 +11,7 @@ import sys
 import time
 
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.storage import is_temporary_name
+from torchsupervisor.storage import is_temporary_name
 
 _DONE = re.compile(r"Done at step (\d+): held-out accuracy ([\d.]+)%")
 _PROGRESS = re.compile(r"step +(\d+) +loss +[\d.]+ +held-out accuracy +([\d.]+)%")

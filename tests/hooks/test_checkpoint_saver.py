@@ -7,7 +7,14 @@ import os
 import threading
 
 import pytest
-from monitored_helpers import JOIN_SECS, Counter, FullDiskFS, GatedFS, RecordingListener, SlowFS
+from monitored_helpers import (
+    JOIN_SECS,
+    Counter,
+    RecordingListener,
+    fill_disk,
+    gated_storage,
+    slow_storage,
+)
 from supervisor_helpers import (
     CHECKPOINT,
     all_events,
@@ -30,6 +37,7 @@ from torchsupervisor.monitored.creators import ChiefSessionCreator
 from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.monitored.session import MonitoredSession
 from torchsupervisor.monitored.wrappers import _HookedSession
+from torchsupervisor.testing import FaultyStorage
 
 
 def monitored(counter, hook, preemption_signals=(), **creator_kwargs):
@@ -212,7 +220,7 @@ class CommitCheckingListener(RecordingListener):
 
 def test_listener_after_save_runs_right_after_the_commit_on_the_training_thread(tmp_path):
     counter = Counter()
-    saver = Saver(max_to_keep=None, fs=SlowFS())
+    saver = Saver(max_to_keep=None, storage=slow_storage())
     listener = CommitCheckingListener(counter, str(tmp_path))
     hook = CheckpointSaverHook(str(tmp_path), save_steps=2, saver=saver, listeners=[listener])
     with monitored(counter, hook) as sess:
@@ -239,7 +247,7 @@ def test_a_listener_can_stop_training(tmp_path):
     counter = Counter()
     listener = RecordingListener(stop_at_step=2)
     hook = CheckpointSaverHook(
-        str(tmp_path), save_steps=2, saver=Saver(fs=SlowFS()), listeners=[listener]
+        str(tmp_path), save_steps=2, saver=Saver(storage=slow_storage()), listeners=[listener]
     )
     with monitored(counter, hook) as sess:
         runs = run_until_stop(sess, counter)
@@ -270,7 +278,7 @@ def test_fast_steps_on_a_slow_disk_keep_the_exact_schedule(
     tmp_path, with_listener, save_steps, runs, expected
 ):
     counter = Counter()
-    saver = Saver(max_to_keep=None, fs=SlowFS())
+    saver = Saver(max_to_keep=None, storage=slow_storage())
     listener = RecordingListener()
     hook = CheckpointSaverHook(
         str(tmp_path),
@@ -296,7 +304,7 @@ def test_secs_schedule_on_a_slow_disk(tmp_path, fake_clock):
     hook = CheckpointSaverHook(
         str(tmp_path),
         save_secs=10,
-        saver=Saver(max_to_keep=None, fs=SlowFS()),
+        saver=Saver(max_to_keep=None, storage=slow_storage()),
         listeners=[listener],
         clock=fake_clock,
     )
@@ -310,8 +318,8 @@ def test_secs_schedule_on_a_slow_disk(tmp_path, fake_clock):
 
 def test_a_due_save_waits_for_the_one_in_flight(tmp_path):
     counter = Counter()
-    fs = GatedFS()
-    saver = Saver(fs=fs, max_to_keep=None)
+    storage, gate = gated_storage()
+    saver = Saver(storage=storage, max_to_keep=None)
     hook = CheckpointSaverHook(str(tmp_path), save_steps=2, saver=saver)
     step_1_done, go, step_2_done = threading.Event(), threading.Event(), threading.Event()
     errors = []
@@ -330,7 +338,7 @@ def test_a_due_save_waits_for_the_one_in_flight(tmp_path):
     thread = threading.Thread(target=train)
     thread.start()
     try:
-        assert fs.entered.wait(JOIN_SECS)  # The save at step 0 is being written.
+        assert gate.reached.wait(JOIN_SECS)  # The save at step 0 is being written.
         # Step 1 is not due: it does not wait for the write (the gate is still closed).
         assert step_1_done.wait(JOIN_SECS)
         assert saver.in_flight
@@ -340,7 +348,7 @@ def test_a_due_save_waits_for_the_one_in_flight(tmp_path):
         assert counter.global_step.value == 2
         assert checkpoint_steps(tmp_path) == []
     finally:
-        fs.release()
+        gate.open()
         thread.join(JOIN_SECS)
     assert not thread.is_alive() and not errors, errors
     assert step_2_done.is_set()
@@ -410,15 +418,16 @@ def read(logdir):
 
 def test_a_failed_background_save_is_reported_and_training_goes_on(tmp_path, caplog):
     counter = Counter()
-    fs = FullDiskFS()
-    saver = Saver(fs=fs)
+    storage = FaultyStorage()
+    fill_disk(storage)
+    saver = Saver(storage=storage)
     listener = RecordingListener()
     hook = CheckpointSaverHook(str(tmp_path), save_steps=2, saver=saver, listeners=[listener])
     with caplog.at_level(logging.ERROR, logger="torchsupervisor"), monitored(counter, hook) as sess:
         saver.wait()
         sess.run(counter.step)
         assert "Checkpoint at step 0 failed" in caplog.text
-        fs.full = False
+        storage.clear()
         run_steps(sess, counter, saver, 2)
     assert listener.steps("after_save") == [2, 3]  # Not called for the failed save at 0.
     assert checkpoint_steps(tmp_path) == [2, 3]
@@ -432,7 +441,9 @@ def test_a_failed_background_save_is_reported_and_training_goes_on(tmp_path, cap
 
 def test_stop_on_checkpoint_error_raises_at_the_next_step(tmp_path):
     counter = Counter()
-    saver = Saver(fs=FullDiskFS())
+    storage = FaultyStorage()
+    fill_disk(storage)
+    saver = Saver(storage=storage)
     hook = CheckpointSaverHook(
         str(tmp_path), save_steps=2, saver=saver, stop_on_checkpoint_error=True
     )
@@ -446,14 +457,13 @@ def test_stop_on_checkpoint_error_raises_at_the_next_step(tmp_path):
 
 def test_a_failed_final_save_raises(tmp_path):
     counter = Counter()
-    fs = FullDiskFS()
-    fs.full = False
-    saver = Saver(fs=fs)
+    storage = FaultyStorage()
+    saver = Saver(storage=storage)
     hook = CheckpointSaverHook(str(tmp_path), save_secs=3600, saver=saver)
     sess = monitored(counter, hook)
     saver.wait()
     sess.run(counter.step)
-    fs.full = True
+    fill_disk(storage)
     with pytest.raises(CheckpointSaveError):
         sess.close()
     assert checkpoint_steps(tmp_path) == [0]
@@ -474,13 +484,12 @@ def test_scaffold_saver_and_global_step_of_the_session_state(tmp_path):
 
 def test_a_failed_final_save_still_closes_the_saver_and_flushes_the_writer(tmp_path):
     counter = Counter()
-    fs = FullDiskFS()
-    fs.full = False
-    saver = Saver(fs=fs)
+    storage = FaultyStorage()
+    saver = Saver(storage=storage)
     hook = CheckpointSaverHook(str(tmp_path), save_steps=100, saver=saver)
     sess = monitored(counter, hook)
     run_steps(sess, counter, saver, 3)
-    fs.full = True
+    fill_disk(storage)
     writer = SummaryWriterCache.get(str(tmp_path))
     flushes = writer.counters().flushes
     with pytest.raises(CheckpointSaveError):

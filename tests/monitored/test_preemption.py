@@ -13,16 +13,16 @@ import threading
 import pytest
 import repo_paths
 import torch
-from monitored_helpers import JOIN_SECS, Counter, RecordingHook, SlowFS
+from monitored_helpers import JOIN_SECS, Counter, RecordingHook, slow_storage
 from supervisor_helpers import checkpoint_steps, read_checkpoint
 
 from torchsupervisor import GlobalStep, Saver, latest_checkpoint
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.storage import is_temporary_name
 from torchsupervisor.core.rng import RNGState
 from torchsupervisor.hooks import CheckpointSaverHook, SessionRunHook, StopAtStepHook
 from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.monitored.session import MonitoredTrainingSession, SingularMonitoredSession
+from torchsupervisor.storage import is_temporary_name
 
 WORKER = repo_paths.worker("monitored_preemption_worker.py")
 STEPS = 60
@@ -116,7 +116,7 @@ def test_the_requeue_exit_code_comes_after_everything_is_saved(tmp_path, session
 
 def test_a_final_checkpoint_that_cannot_finish_in_the_grace_period_is_abandoned(tmp_path, caplog):
     counter = Counter()
-    saver = Saver(fs=SlowFS(0.5))  # Each fsync takes 0.5 s; the grace period is 0.2 s.
+    saver = Saver(storage=slow_storage(0.5))  # Each fsync takes 0.5 s; the grace period is 0.2 s.
     with (
         caplog.at_level(logging.WARNING, logger="torchsupervisor"),
         pytest.raises(SystemExit) as leaving,  # Work was lost: never a clean exit.
@@ -175,7 +175,7 @@ def test_the_grace_period_applies_only_after_a_signal(tmp_path):
     counter = Counter()
     with MonitoredTrainingSession(
         checkpoint_dir=str(tmp_path),
-        scaffold=Scaffold(saver=Saver(fs=SlowFS(0.1))),
+        scaffold=Scaffold(saver=Saver(storage=slow_storage(0.1))),
         state=counter.state,
         preemption_grace_secs=0.01,
     ) as sess:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from monitored_helpers import JOIN_SECS, Counter, PrefixGatedFS, RecordingHook
+from monitored_helpers import JOIN_SECS, Counter, RecordingHook, gated_storage
 from supervisor_helpers import (
     CHECKPOINT,
     START,
@@ -22,8 +22,6 @@ from supervisor_helpers import (
 )
 
 from torchsupervisor import GlobalStep, Saver, Session, SummaryWriterCache, summary
-from torchsupervisor.checkpoint.storage import temporary_name
-from torchsupervisor.checkpoint.writer_lock import LOCK_FILENAME
 from torchsupervisor.core.registry import GraphKeys, add_to_collection, get_collection
 from torchsupervisor.errors import (
     AbortedError,
@@ -54,6 +52,8 @@ from torchsupervisor.monitored.session import (
     MonitoredTrainingSession,
     SingularMonitoredSession,
 )
+from torchsupervisor.storage import temporary_name
+from torchsupervisor.storage.lock import LOCK_FILENAME
 
 # ------------------------------------------------------------------------------------ Scaffold
 
@@ -550,21 +550,22 @@ def test_an_input_thread_error_leaves_the_with_block(tmp_path):
 
 def test_recovery_waits_for_the_checkpoint_being_written(tmp_path):
     counter = Counter()
-    fs = PrefixGatedFS("model.ckpt-3.")  # The save at step 3 stays in flight until released.
-    scaffold = Scaffold(saver=Saver(fs=fs, max_to_keep=None))
+    # The save at step 3 stays in flight until the gate opens.
+    storage, gate = gated_storage("open", path_contains="model.ckpt-3.")
+    scaffold = Scaffold(saver=Saver(storage=storage, max_to_keep=None))
     coord_hook = CoordHook()
     hooks = [CheckpointSaverHook(str(tmp_path), save_steps=3, scaffold=scaffold), coord_hook]
 
     def release_once_the_session_is_closed(coord):
         coord.wait_for_stop(JOIN_SECS)  # The recovery has begun.
         time.sleep(0.2)  # Without the wait, the new session would restore model.ckpt-0 now.
-        fs.release()
+        gate.open()
 
     def step():
         out = counter.step()
         if counter.calls == 5:
-            assert fs.entered.wait(JOIN_SECS)  # The save at step 3 is being written...
-            assert not fs.gate.is_set()  # ... and cannot finish yet.
+            assert gate.reached.wait(JOIN_SECS)  # The save at step 3 is being written...
+            assert not gate.opened.is_set()  # ... and cannot finish yet.
             threading.Thread(
                 target=release_once_the_session_is_closed, args=(coord_hook.coord,)
             ).start()
@@ -583,7 +584,7 @@ def test_recovery_waits_for_the_checkpoint_being_written(tmp_path):
             assert sess._tf_sess().restored_checkpoint == str(tmp_path / "model.ckpt-3")
             assert counter.global_step.value == 4
     finally:
-        fs.release()
+        gate.open()
     assert checkpoint_steps(tmp_path) == [0, 3, 4]
     assert float(read_checkpoint(tmp_path / "model.ckpt-4")["w"]) == 4.0
 

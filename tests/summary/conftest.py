@@ -7,13 +7,12 @@ import threading
 import pytest
 
 from torchsupervisor.core import registry
-
-from .fakes import FakeClock
+from torchsupervisor.testing import FakeClock
 
 
 @pytest.fixture
 def fake_clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(epoch_secs=1_599_999_000.25, auto_advance=False)
 
 
 @pytest.fixture

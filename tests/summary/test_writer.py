@@ -16,7 +16,6 @@ import pytest
 import torch
 from tensorboard.compat.proto import event_pb2, summary_pb2
 
-import torchsupervisor.summary.event_file as event_file_mod
 from torchsupervisor import errors
 from torchsupervisor.core.global_step import GlobalStep
 from torchsupervisor.summary import (
@@ -31,8 +30,7 @@ from torchsupervisor.summary import (
     text_pb,
 )
 from torchsupervisor.summary.scalar_event import scalar_event_bytes
-
-from .fakes import FakeClock
+from torchsupervisor.testing import FakeClock, FaultyStorage, GatedStorage
 
 HOST = socket.gethostname()
 T0 = 1_600_000_000
@@ -104,7 +102,7 @@ def test_real_clock_file_name_format(tmp_path):
 
 
 def test_same_second_uses_next_free_second(tmp_path):
-    clock = FakeClock(wall=T0 + 0.9)
+    clock = FakeClock(epoch_secs=T0 + 0.9 - 1000.0, auto_advance=False)
     writers = [SummaryWriter(tmp_path, clock=clock) for _ in range(3)]
     try:
         for i, w in enumerate(writers):
@@ -234,26 +232,14 @@ def test_context_manager_closes(tmp_path, caplog):
 # --------------------------------------------------------------------------- flushing
 
 
-def test_flush_returns_after_everything_is_written_and_synced(tmp_path, monkeypatch):
-    ops_log = []
-    real_write, real_fsync = event_file_mod._write_all, event_file_mod._fsync
-
-    def write(fd, data):
-        ops_log.append("write")
-        real_write(fd, data)
-
-    def fsync(fd):
-        ops_log.append("fsync")
-        real_fsync(fd)
-
-    monkeypatch.setattr(event_file_mod, "_write_all", write)
-    monkeypatch.setattr(event_file_mod, "_fsync", fsync)
-    w = SummaryWriter(tmp_path, max_queue=1000, flush_secs=1e9)
+def test_flush_returns_after_everything_is_written_and_synced(tmp_path):
+    storage = FaultyStorage()
+    w = SummaryWriter(tmp_path, max_queue=1000, flush_secs=1e9, storage=storage)
     try:
         for i in range(500):
             w.add_scalar("x", float(i), i)
         w.flush()
-        assert ops_log[-1] == "fsync"
+        assert [op for op, _ in storage.calls if op in ("write", "fsync")][-1] == "fsync"
         assert scalars(read_events(event_files(tmp_path)[0]), "x") == [
             (i, float(i)) for i in range(500)
         ]
@@ -285,27 +271,24 @@ def test_flush_from_several_threads(tmp_path):
 
 
 def test_first_event_flushed_at_once_then_batched_and_flushed_every_flush_secs(
-    tmp_path, fake_clock, monkeypatch
+    tmp_path, fake_clock
 ):
     written, synced = threading.Event(), threading.Event()
     fsyncs = []
-    real_write, real_fsync = event_file_mod._write_all, event_file_mod._fsync
 
-    def write(fd, data):
-        real_write(fd, data)
-        written.set()
-
-    def fsync(fd):
-        real_fsync(fd)
+    def fsync(path):
         fsyncs.append(fake_clock.monotonic())
         synced.set()
 
-    monkeypatch.setattr(event_file_mod, "_write_all", write)
-    monkeypatch.setattr(event_file_mod, "_fsync", fsync)
-    w = SummaryWriter(tmp_path, flush_secs=60, clock=fake_clock)
+    storage = FaultyStorage()
+    storage.watch("write", lambda path: written.set())
+    storage.watch("fsync", fsync)
+    w = SummaryWriter(tmp_path, flush_secs=60, clock=fake_clock, storage=storage)
     try:
         w.add_scalar("x", 1.0, 1)
         assert synced.wait(10)
+        # The writer thread is idle again: the flush is complete (its deadline is set).
+        wait_until(lambda: w.counters().flushes == 1 and w._holder[0].idle)
         assert len(fsyncs) == 1
         written.clear()
         synced.clear()
@@ -331,31 +314,24 @@ def test_first_event_flushed_at_once_then_batched_and_flushed_every_flush_secs(
 
 
 @pytest.mark.timeout(60)
-def test_max_queue_blocks_the_caller(tmp_path, monkeypatch):
-    gate, in_write = threading.Event(), threading.Event()
-    real_write = event_file_mod._write_all
-
-    def blocked_write(fd, data):
-        in_write.set()
-        assert gate.wait(30)
-        real_write(fd, data)
-
-    monkeypatch.setattr(event_file_mod, "_write_all", blocked_write)
-    w = SummaryWriter(tmp_path, max_queue=2)
+def test_max_queue_blocks_the_caller(tmp_path):
+    storage = GatedStorage()
+    gate = storage.hold("write", timeout_secs=30)
+    w = SummaryWriter(tmp_path, max_queue=2, storage=storage)
     try:
         w.add_scalar("x", 0.0, 0)
-        assert in_write.wait(10)  # the writer thread holds event 0 and is stuck writing it
+        assert gate.reached.wait(10)  # the writer thread holds event 0 and is stuck writing it
         w.add_scalar("x", 1.0, 1)
         w.add_scalar("x", 2.0, 2)  # queue now full (2 pending)
         producer = threading.Thread(target=w.add_scalar, args=("x", 3.0, 3))
         producer.start()
         wait_until(lambda: w._holder[0].blocked_producers == 1)
         assert producer.is_alive()
-        gate.set()
+        gate.open()
         producer.join(10)
         assert not producer.is_alive()
     finally:
-        gate.set()
+        gate.open()
         w.close()
     assert [s for s, _ in scalars(all_events(tmp_path), "x")] == [0, 1, 2, 3]
 
@@ -371,20 +347,10 @@ def test_close_drains_pending_events(tmp_path):
 # --------------------------------------------------------------------------- errors
 
 
-def test_write_error_is_logged_and_next_event_opens_new_file(
-    tmp_path, fake_clock, monkeypatch, caplog
-):
-    calls = []
-    real_write = event_file_mod._write_all
-
-    def flaky_write(fd, data):
-        calls.append(len(data))
-        if len(calls) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(fd, data)
-
-    monkeypatch.setattr(event_file_mod, "_write_all", flaky_write)
-    w = SummaryWriter(tmp_path, clock=fake_clock)
+def test_write_error_is_logged_and_next_event_opens_new_file(tmp_path, fake_clock, caplog):
+    storage = FaultyStorage()
+    storage.fail("write", nth=2, errno=errno.ENOSPC)
+    w = SummaryWriter(tmp_path, clock=fake_clock, storage=storage)
     try:
         w.add_scalar("x", 1.0, 1)
         w.flush()
@@ -403,18 +369,10 @@ def test_write_error_is_logged_and_next_event_opens_new_file(
     assert scalars(read_events(second), "x") == [(3, 3.0)]
 
 
-def test_metadata_of_a_lost_batch_is_written_again(tmp_path, monkeypatch):
-    fail = [True]
-    real_write = event_file_mod._write_all
-
-    def flaky_write(fd, data):
-        if fail[0]:
-            fail[0] = False
-            raise OSError(errno.EIO, "Input/output error")
-        real_write(fd, data)
-
-    monkeypatch.setattr(event_file_mod, "_write_all", flaky_write)
-    with SummaryWriter(tmp_path) as w:
+def test_metadata_of_a_lost_batch_is_written_again(tmp_path):
+    storage = FaultyStorage()
+    storage.fail("write", errno=errno.EIO)
+    with SummaryWriter(tmp_path, storage=storage) as w:
         w.add_text("t", "lost", 1)
         w.flush()
         w.add_text("t", "kept", 2)
@@ -423,20 +381,10 @@ def test_metadata_of_a_lost_batch_is_written_again(tmp_path, monkeypatch):
     assert [(step, v.HasField("metadata")) for step, v in values] == [(2, True), (3, False)]
 
 
-def test_fsync_error_is_logged_and_next_event_opens_new_file(
-    tmp_path, fake_clock, monkeypatch, caplog
-):
-    fail = [True]
-    real_fsync = event_file_mod._fsync
-
-    def flaky_fsync(fd):
-        if fail[0]:
-            fail[0] = False
-            raise OSError(errno.EIO, "Input/output error")
-        real_fsync(fd)
-
-    monkeypatch.setattr(event_file_mod, "_fsync", flaky_fsync)
-    w = SummaryWriter(tmp_path, clock=fake_clock)
+def test_fsync_error_is_logged_and_next_event_opens_new_file(tmp_path, fake_clock, caplog):
+    storage = FaultyStorage()
+    storage.fail("fsync", errno=errno.EIO)
+    w = SummaryWriter(tmp_path, clock=fake_clock, storage=storage)
     with caplog.at_level(logging.ERROR, logger="torchsupervisor"):
         w.add_scalar("x", 1.0, 1)
         w.flush()
@@ -449,18 +397,10 @@ def test_fsync_error_is_logged_and_next_event_opens_new_file(
     assert scalars(read_events(second), "x") == [(2, 2.0)]
 
 
-def test_create_error_is_logged_and_retried(tmp_path, monkeypatch, caplog):
-    fail = [True]
-    real_open = event_file_mod._open_exclusive
-
-    def flaky_open(path):
-        if fail[0]:
-            fail[0] = False
-            raise PermissionError(errno.EACCES, "Permission denied", path)
-        return real_open(path)
-
-    monkeypatch.setattr(event_file_mod, "_open_exclusive", flaky_open)
-    w = SummaryWriter(tmp_path)
+def test_create_error_is_logged_and_retried(tmp_path, caplog):
+    storage = FaultyStorage()
+    storage.fail("open", errno=errno.EACCES)
+    w = SummaryWriter(tmp_path, storage=storage)
     with caplog.at_level(logging.ERROR, logger="torchsupervisor"):
         w.add_scalar("x", 1.0, 1)
         w.flush()
@@ -637,7 +577,7 @@ def test_tensorboard_reads_everything(tmp_path):
 
 
 def test_tensorboard_purges_stale_points_at_restart(tmp_path):
-    clock = FakeClock(wall=T0 + 0.5)
+    clock = FakeClock(epoch_secs=T0 + 0.5 - 1000.0, auto_advance=False)
     with SummaryWriter(tmp_path, clock=clock) as w:
         for step in range(10):
             w.add_scalar("loss", float(step), step)

@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-import torchsupervisor.summary.event_file as event_file_mod
 from torchsupervisor.summary import SessionLog, SummaryWriter, summary_iterator
+from torchsupervisor.summary import event_file as event_file_mod
 from torchsupervisor.summary.event_file import DROP_REPORT_SECS, WRITE_BATCH, WriterCounters
 from torchsupervisor.summary.queue_items import VECTORIZE_MIN_RUN
-
-from .fakes import FakeClock
+from torchsupervisor.testing import FakeClock, FaultyStorage, GatedStorage
 
 
 def event_files(logdir):
@@ -32,24 +31,15 @@ def scalars(events, tag):
 
 
 class HeldWrites:
-    """Make the writer thread stop inside its first write until ``release()``."""
+    """A storage whose every events-file write waits until ``release()``."""
 
-    def __init__(self, monkeypatch):
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-        self.writes = []
-        real_write = event_file_mod._write_all
-
-        def write(fd, data):
-            self.writes.append(len(data))
-            self.entered.set()
-            assert self.gate.wait(30)
-            real_write(fd, data)
-
-        monkeypatch.setattr(event_file_mod, "_write_all", write)
+    def __init__(self):
+        self.storage = GatedStorage()
+        self._gate = self.storage.hold("write", times=None, timeout_secs=30)
+        self.entered = self._gate.reached
 
     def release(self):
-        self.gate.set()
+        self._gate.open()
 
 
 def wait_until(predicate, timeout_secs=10.0):
@@ -73,9 +63,9 @@ def test_on_full_must_be_block_or_drop(tmp_path):
 def test_drop_policy_counts_reports_and_keeps_the_order_of_what_it_keeps(
     tmp_path, monkeypatch, caplog
 ):
-    held = HeldWrites(monkeypatch)
-    clock = FakeClock()
-    w = SummaryWriter(tmp_path, max_queue=4, on_full="drop", clock=clock)
+    held = HeldWrites()
+    clock = FakeClock(epoch_secs=1_599_999_000.25, auto_advance=False)
+    w = SummaryWriter(tmp_path, max_queue=4, on_full="drop", clock=clock, storage=held.storage)
     try:
         w.add_scalar("x", 0.0, 0)
         assert held.entered.wait(10)  # the thread holds event 0 inside its write
@@ -105,10 +95,10 @@ def test_drop_policy_counts_reports_and_keeps_the_order_of_what_it_keeps(
 
 
 @pytest.mark.timeout(60)
-def test_block_policy_counts_blocked_calls_and_their_time(tmp_path, monkeypatch, caplog):
-    held = HeldWrites(monkeypatch)
-    clock = FakeClock()
-    w = SummaryWriter(tmp_path, max_queue=2, clock=clock)
+def test_block_policy_counts_blocked_calls_and_their_time(tmp_path, caplog):
+    held = HeldWrites()
+    clock = FakeClock(epoch_secs=1_599_999_000.25, auto_advance=False)
+    w = SummaryWriter(tmp_path, max_queue=2, clock=clock, storage=held.storage)
     try:
         w.add_scalar("x", 0.0, 0)
         assert held.entered.wait(10)
@@ -135,9 +125,11 @@ def test_block_policy_counts_blocked_calls_and_their_time(tmp_path, monkeypatch,
 
 
 @pytest.mark.timeout(60)
-def test_memory_bound_of_queued_tensors(tmp_path, monkeypatch):
-    held = HeldWrites(monkeypatch)
-    w = SummaryWriter(tmp_path, max_queue=1000, max_queue_bytes=100_000, on_full="drop")
+def test_memory_bound_of_queued_tensors(tmp_path):
+    held = HeldWrites()
+    w = SummaryWriter(
+        tmp_path, max_queue=1000, max_queue_bytes=100_000, on_full="drop", storage=held.storage
+    )
     try:
         w.add_scalar("x", 0.0, 0)
         assert held.entered.wait(10)
@@ -171,9 +163,9 @@ def test_queued_bytes():
     assert queued_bytes(Item((RAW_EVENT, event, None))) == event.ByteSize() == 11
 
 
-def test_unbounded_queue_never_blocks_or_drops(tmp_path, monkeypatch):
-    held = HeldWrites(monkeypatch)
-    w = SummaryWriter(tmp_path, max_queue=0, on_full="drop")
+def test_unbounded_queue_never_blocks_or_drops(tmp_path):
+    held = HeldWrites()
+    w = SummaryWriter(tmp_path, max_queue=0, on_full="drop", storage=held.storage)
     try:
         w.add_scalar("x", 0.0, 0)
         assert held.entered.wait(10)
@@ -193,19 +185,19 @@ def test_unbounded_queue_never_blocks_or_drops(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_events_are_written_together_after_the_first_batch(tmp_path, monkeypatch):
+def test_events_are_written_together_after_the_first_batch(tmp_path):
     writes = []
     written = threading.Event()
-    real_write = event_file_mod._write_all
 
-    def write(fd, data):
-        writes.append(data)
-        real_write(fd, data)
+    def write(path):
+        writes.append(path)
         written.set()
 
-    monkeypatch.setattr(event_file_mod, "_write_all", write)
-    clock = FakeClock()
-    w = SummaryWriter(tmp_path, max_queue=100, clock=clock)  # writes at once from 50 pending
+    storage = FaultyStorage()
+    storage.watch("write", write)
+    clock = FakeClock(epoch_secs=1_599_999_000.25, auto_advance=False)
+    # Writes at once from 50 pending.
+    w = SummaryWriter(tmp_path, max_queue=100, clock=clock, storage=storage)
     try:
         w.add_scalar("x", 0.0, 0)
         assert written.wait(10)  # a new file's first event: written (and flushed) at once
@@ -228,20 +220,16 @@ def test_events_are_written_together_after_the_first_batch(tmp_path, monkeypatch
 
 
 @pytest.mark.timeout(60)
-def test_request_flush_writes_and_syncs_without_waiting(tmp_path, monkeypatch):
+def test_request_flush_writes_and_syncs_without_waiting(tmp_path):
     synced = threading.Event()
-    real_fsync = event_file_mod._fsync
-
-    def fsync(fd):
-        real_fsync(fd)
-        synced.set()
-
-    monkeypatch.setattr(event_file_mod, "_fsync", fsync)
-    clock = FakeClock()
-    w = SummaryWriter(tmp_path, flush_secs=1e9, clock=clock)
+    storage = FaultyStorage()
+    storage.watch("fsync", lambda path: synced.set())
+    clock = FakeClock(epoch_secs=1_599_999_000.25, auto_advance=False)
+    w = SummaryWriter(tmp_path, flush_secs=1e9, clock=clock, storage=storage)
     try:
         w.add_scalar("x", 0.0, 0)
         assert synced.wait(10)  # the first batch of a file is flushed at once
+        wait_until(lambda: w.counters().flushes == 1)
         synced.clear()
         w.add_scalar("x", 1.0, 1)
         w.add_session_log(SessionLog(status=SessionLog.CHECKPOINT, checkpoint_path="p"), 1)
@@ -251,7 +239,7 @@ def test_request_flush_writes_and_syncs_without_waiting(tmp_path, monkeypatch):
         events = list(summary_iterator(path))[1:]
         assert [e.step for e in events] == [0, 1, 1]
         assert events[-1].session_log.status == SessionLog.CHECKPOINT
-        assert w.counters().flushes == 2
+        wait_until(lambda: w.counters().flushes == 2)  # Counted once the fsync returned.
     finally:
         w.close()
     w.request_flush()  # a no-op once closed

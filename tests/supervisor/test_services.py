@@ -46,8 +46,8 @@ from torchsupervisor import (
     latest_checkpoint,
     summary,
 )
-from torchsupervisor.checkpoint.storage import FileSystem
 from torchsupervisor.errors import CheckpointSaveError, OutOfRangeError
+from torchsupervisor.testing import FaultyStorage, GatedStorage
 
 
 def _only_events(logdir):
@@ -396,47 +396,22 @@ def test_all_events_of_a_run_go_to_its_one_events_file(tmp_path):
 # --------------------------------------------------------------------- failed checkpoints
 
 
-class FaultyFS(FileSystem):
-    """Fails the ``nth`` ``operation`` after ``armed`` is set, with ``OSError(err)``."""
-
-    def __init__(self, operation: str, nth: int = 1, err: int = errno.ENOSPC):
-        self.operation, self.nth, self.err = operation, nth, err
-        self.armed = False
-        self.failed = threading.Event()
-        self._count = 0
-
-    def _maybe_fail(self, operation: str, path: str) -> None:
-        if self.armed and operation == self.operation:
-            self._count += 1
-            if self._count == self.nth:
-                self.failed.set()
-                raise OSError(self.err, os.strerror(self.err), path)
-
-    def open_for_write(self, path, **kwargs):
-        self._maybe_fail("open", path)
-        return super().open_for_write(path, **kwargs)
-
-    def rename(self, src, dst):
-        self._maybe_fail("rename", dst)
-        super().rename(src, dst)
-
-
 def test_a_failed_background_checkpoint_is_reported_and_training_goes_on(tmp_path, caplog):
     logdir = str(tmp_path)
-    fs = FaultyFS("rename")
+    storage = FaultyStorage()
     c = Counter()
     sv = Supervisor(
         logdir=logdir,
         state=c.state,
-        saver=Saver(fs=fs),
+        saver=Saver(storage=storage),
         save_summaries_secs=0,
         save_model_secs=0.02,
     )
     caplog.set_level(logging.INFO, logger="torchsupervisor")
     with sv.managed_session() as sess:
         wait_for_checkpoint(sv, 0)
-        fs.armed = True
-        wait_until(fs.failed.is_set, poll=lambda: sess.run(c.step), what="the failed save")
+        fault = storage.fail("rename", errno=errno.ENOSPC)
+        wait_until(lambda: fault.raised > 0, poll=lambda: sess.run(c.step), what="the failed save")
         wait_until(
             lambda: any("failed; training continues" in m for m in caplog.messages),
             what="the error log",
@@ -504,19 +479,19 @@ def test_a_preemption_save_into_a_vanished_directory_is_reported_not_raised(tmp_
 
 def test_a_failed_explicit_checkpoint_raises_and_training_can_go_on(tmp_path):
     logdir = str(tmp_path)
-    fs = FaultyFS("open")
+    storage = FaultyStorage()
     c = Counter()
     sv = Supervisor(
         logdir=logdir,
         state=c.state,
-        saver=Saver(fs=fs),
+        saver=Saver(storage=storage),
         save_model_secs=3600,
         save_summaries_secs=0,
     )
     with sv.managed_session() as sess:
         wait_for_checkpoint(sv, 0)
         sess.run(c.step)
-        fs.armed = True
+        storage.fail("open", errno=errno.ENOSPC)
         with pytest.raises(CheckpointSaveError):
             sv.checkpoint()
         assert not sv.should_stop()
@@ -527,30 +502,22 @@ def test_a_failed_explicit_checkpoint_raises_and_training_can_go_on(tmp_path):
 
 def test_a_failed_final_checkpoint_is_raised_after_the_services_stopped(tmp_path):
     logdir = str(tmp_path)
-    fs = FaultyFS("open")
+    storage = FaultyStorage()
     c = Counter()
     sv = Supervisor(
         logdir=logdir,
         state=c.state,
-        saver=Saver(fs=fs),
+        saver=Saver(storage=storage),
         save_model_secs=3600,
         save_summaries_secs=0,
     )
     with pytest.raises(CheckpointSaveError), sv.managed_session() as sess:
         wait_for_checkpoint(sv, 0)
         sess.run(c.step)
-        fs.armed = True
+        storage.fail("open", errno=errno.ENOSPC)
     assert checkpoint_steps(logdir) == [0]
     assert session_logs(_only_events(logdir))[-1][1] == STOP
     assert not any(t.name.startswith("SV") for t in threading.enumerate())
-
-
-class _SlowDirSync(FileSystem):
-    """Makes each commit take a little time, so a save is surely still in flight afterwards."""
-
-    def fsync_dir(self, path):
-        time.sleep(0.05)
-        super().fsync_dir(path)
 
 
 class _RecordingSaver(Saver):
@@ -558,7 +525,10 @@ class _RecordingSaver(Saver):
     a slow one (as when the CHECKPOINT event waits for room in a full summary queue)."""
 
     def __init__(self):
-        super().__init__(fs=_SlowDirSync())
+        # Each commit takes a little time, so a save is surely still in flight afterwards.
+        storage = FaultyStorage()
+        storage.delay("fsync_dir", 0.05)
+        super().__init__(storage=storage)
         self.steps = []
         self.second = threading.Event()
 
@@ -592,12 +562,12 @@ def test_a_request_while_the_previous_save_finishes_does_not_save_the_same_step_
 
 def test_stop_on_checkpoint_error_stops_training_and_reraises(tmp_path):
     logdir = str(tmp_path)
-    fs = FaultyFS("rename")
+    storage = FaultyStorage()
     c = Counter()
     sv = Supervisor(
         logdir=logdir,
         state=c.state,
-        saver=Saver(fs=fs),
+        saver=Saver(storage=storage),
         save_summaries_secs=0,
         save_model_secs=0.02,
         stop_on_checkpoint_error=True,
@@ -607,7 +577,7 @@ def test_stop_on_checkpoint_error_stops_training_and_reraises(tmp_path):
         sv.managed_session() as sess,
     ):
         wait_for_checkpoint(sv, 0)
-        fs.armed = True
+        storage.fail("rename", errno=errno.ENOSPC)
         wait_until(sv.should_stop, poll=lambda: sess.run(c.step), what="the stop")
     # No final checkpoint after the failure; the older checkpoint is untouched.
     assert checkpoint_steps(logdir) == [0]
@@ -617,57 +587,42 @@ def test_stop_on_checkpoint_error_stops_training_and_reraises(tmp_path):
 # ------------------------------------------------------- a request while a save is in flight
 
 
-class _GatedFS(FileSystem):
-    """Once armed, the first fsync waits until released: the save in flight is held."""
-
-    def __init__(self) -> None:
-        self.armed = False
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def fsync(self, fd: int) -> None:
-        if self.armed and not self.entered.is_set():
-            self.entered.set()
-            self.release.wait(60)  # A regression must not hang the test run for ever.
-        super().fsync(fd)
-
-
 def test_a_request_while_a_save_is_in_flight_is_served_after_it_without_blocking(tmp_path):
     """The training thread never waits for the save being written, and the request that
     came during it is not lost: it is served at the first step boundary after the commit."""
-    fs = _GatedFS()
+    storage = GatedStorage()
     c = Counter()
     sv = Supervisor(
         logdir=str(tmp_path),
         state=c.state,
-        saver=Saver(fs=fs),
+        saver=Saver(storage=storage),
         save_summaries_secs=0,
         save_model_secs=3600,  # Only the immediate first save comes from the timer.
     )
-    watchdog = threading.Timer(30, fs.release.set)  # Fails the test below, never hangs.
     with sv.managed_session() as sess:
         wait_for_checkpoint(sv, 0)
         service = sv._checkpoint_service  # What the timer thread calls on schedule.
-        fs.armed = True
+        gate = storage.hold("fsync")  # The next save is held in its first fsync.
+        watchdog = threading.Timer(30, gate.open)  # Fails the test below, never hangs.
         watchdog.start()
         try:
             sess.run(c.step)
             service.request()
             sess.run(c.step)  # Its boundary, at step 1: the save starts and is held.
-            assert fs.entered.wait(30)
+            assert gate.reached.wait(30)
             assert sv.saver.in_flight
             service.request()  # Arrives while the save of step 1 is being written.
             for _ in range(5):
                 sess.run(c.step)  # Not blocked by the held save...
-            assert not fs.release.is_set()  # ...(the watchdog did not have to free it).
+            assert not gate.opened.is_set()  # ...(the watchdog did not have to free it).
             assert c.global_step.value == 7 and sv.saver.in_flight
             assert checkpoint_steps(str(tmp_path)) == [0]
-            fs.release.set()
+            gate.open()
             # Served at the first boundary after step 1 commits, at the step reached then.
             wait_for_checkpoint(sv, 7)
         finally:
             watchdog.cancel()
-            fs.release.set()
+            gate.open()
     assert checkpoint_steps(str(tmp_path)) == [0, 1, 7]
     assert read_checkpoint(str(tmp_path / "model.ckpt-7"))["w"] == 7.0
     assert read_checkpoint(str(tmp_path / "model.ckpt-1"))["w"] == 1.0

@@ -17,50 +17,24 @@ import time
 import torch
 
 import torchsupervisor as ts
-from torchsupervisor.checkpoint.storage import FileSystem
+from torchsupervisor.testing import FaultyStorage
 
 
-class StallingFS(FileSystem):
-    def __init__(self, stage: str):
-        self.operation, _, nth = stage.partition(":")
-        self.nth = int(nth or 1)
-        self.count = 0
-        self.armed = False
-
-    def _check(self, operation: str) -> None:
-        if self.armed and operation == self.operation:
-            self.count += 1
-            if self.count == self.nth:
-                print("STALLED", flush=True)
-                while True:
-                    time.sleep(1)
-
-    def write(self, fd, data):
-        self._check("write")
-        super().write(fd, data)
-
-    def fsync(self, fd):
-        self._check("fsync")
-        super().fsync(fd)
-
-    def rename(self, src, dst):
-        self._check("rename")
-        super().rename(src, dst)
-
-    def fsync_dir(self, path):
-        self._check("fsync_dir")
-        super().fsync_dir(path)
+def stall(path: str) -> None:
+    print("STALLED", flush=True)
+    while True:
+        time.sleep(1)
 
 
 def main() -> None:
     logdir, stage = sys.argv[1], sys.argv[2]
     weight = torch.zeros(1000)
     step = ts.GlobalStep()
-    fs = StallingFS(stage)
+    storage = FaultyStorage()
     sv = ts.Supervisor(
         logdir=logdir,
         state={"w": weight, "global_step": step},
-        saver=ts.Saver(fs=fs),
+        saver=ts.Saver(storage=storage),
         save_model_secs=3600,
         save_summaries_secs=0,
     )
@@ -74,7 +48,9 @@ def main() -> None:
         while step.value < 10:
             sess.run(train_step)
         sv.checkpoint()
-        fs.armed = stage != "none"
+        if stage != "none":  # Stop (and wait for the kill) at that stage of the next save.
+            operation, _, nth = stage.partition(":")
+            storage.fail(operation, nth=int(nth or 1), before=stall)
         while step.value < 20:
             sess.run(train_step)
         sv.checkpoint()

@@ -29,19 +29,16 @@ import torch
 from torch import nn
 
 import torchsupervisor as ts
-from torchsupervisor.checkpoint.storage import FileSystem
+from torchsupervisor.testing import FaultyStorage
 
 BATCHES = 16
 BATCH_SIZE = 32
 
 
-class SlowFS(FileSystem):
-    def __init__(self, delay_secs: float) -> None:
-        self.delay_secs = delay_secs
-
-    def fsync(self, fd: int) -> None:
-        time.sleep(self.delay_secs)
-        super().fsync(fd)
+def slow_storage(delay_secs: float) -> FaultyStorage:
+    storage = FaultyStorage()
+    storage.delay("fsync", delay_secs)
+    return storage
 
 
 def main() -> None:
@@ -71,7 +68,7 @@ def main() -> None:
         print("STARTING", flush=True)
         time.sleep(args.slow_start)
 
-    saver = ts.Saver(fs=SlowFS(args.slow_fsync)) if args.slow_fsync else None
+    saver = ts.Saver(storage=slow_storage(args.slow_fsync)) if args.slow_fsync else None
     scaffold = ts.Scaffold(init_fn=slow_start if args.slow_start else None, saver=saver)
 
     def train_step() -> float:

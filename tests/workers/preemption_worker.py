@@ -45,8 +45,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import torchsupervisor as ts
-from torchsupervisor.checkpoint.storage import FileSystem
 from torchsupervisor.input.data import ResumableDataLoader
+from torchsupervisor.testing import FaultyStorage
 
 
 def say(line: str) -> None:
@@ -55,46 +55,38 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-class SlowFS(FileSystem):
-    def __init__(self, delay_secs: float) -> None:
-        self.delay_secs = delay_secs
-
-    def fsync(self, fd: int) -> None:
-        time.sleep(self.delay_secs)
-        super().fsync(fd)
-
-
-class FullDiskFS(SlowFS):
-    """Fails every write with ENOSPC once armed."""
+class Trigger:
+    """When the injected fault acts: a predicate set once the Supervisor exists."""
 
     def __init__(self) -> None:
-        super().__init__(0.0)
-        self.armed: Callable[[], bool] = lambda: False
-
-    def write(self, fd: int, data) -> None:
-        if self.armed():
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        super().write(fd, data)
-
-
-class GateFS(SlowFS):
-    """Holds the first fsync after it is armed until the gate file exists (once)."""
-
-    def __init__(self, delay_secs: float, gate: str) -> None:
-        super().__init__(delay_secs)
-        self.gate = gate
         self.armed: Callable[[], bool] = lambda: False
         self.used = False
 
-    def fsync(self, fd: int) -> None:
-        if not self.used and self.armed():
-            self.used = True
-            say("STALLED")
-            deadline = time.monotonic() + 120
-            while not os.path.exists(self.gate) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            say("RELEASED")
-        super().fsync(fd)
+
+def fill_disk_when(trigger: Trigger) -> Callable[[str], None]:
+    """A watch on writes: ENOSPC once ``trigger`` is armed."""
+
+    def write(path: str) -> None:
+        if trigger.armed():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    return write
+
+
+def hold_once_when(trigger: Trigger, gate: str) -> Callable[[str], None]:
+    """A watch on fsyncs: the first one after ``trigger`` is armed waits for the gate file."""
+
+    def fsync(path: str) -> None:
+        if trigger.used or not trigger.armed():
+            return
+        trigger.used = True
+        say("STALLED")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        say("RELEASED")
+
+    return fsync
 
 
 def main() -> None:
@@ -134,14 +126,17 @@ def main() -> None:
     state = {"model": model, "optimizer": optimizer, "global_step": step, "data": loader}
     if args.big:
         state["big"] = torch.zeros(args.big * 250_000)
-    fs: SlowFS | None = None
-    if args.full_disk_on_signal:
-        fs = FullDiskFS()
-    elif args.gate:
-        fs = GateFS(args.slow_fsync, args.gate)
-    elif args.slow_fsync:
-        fs = SlowFS(args.slow_fsync)
-    saver = ts.Saver(fs=fs) if fs is not None else ts.Supervisor.USE_DEFAULT
+    storage = None
+    trigger = Trigger()
+    if args.full_disk_on_signal or args.gate or args.slow_fsync:
+        storage = FaultyStorage()
+        if args.full_disk_on_signal:
+            storage.watch("write", fill_disk_when(trigger))
+        elif args.gate:
+            storage.watch("fsync", hold_once_when(trigger, args.gate))
+        if args.slow_fsync and not args.full_disk_on_signal:
+            storage.delay("fsync", args.slow_fsync)
+    saver = ts.Saver(storage=storage) if storage is not None else ts.Supervisor.USE_DEFAULT
 
     def slow_start(sess: ts.Session) -> None:
         say("STARTING")
@@ -162,13 +157,10 @@ def main() -> None:
             else {}
         ),
     )
-    if isinstance(fs, FullDiskFS):
-        fs.armed = lambda: sv.preempted is not None
-    if isinstance(fs, GateFS):
-        if args.gate_on_signal:
-            fs.armed = lambda: sv.preempted is not None
-        else:
-            fs.armed = lambda: step.value >= args.gate_after_step
+    if args.full_disk_on_signal or (args.gate and args.gate_on_signal):
+        trigger.armed = lambda: sv.preempted is not None
+    elif args.gate:
+        trigger.armed = lambda: step.value >= args.gate_after_step
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> float:
         optimizer.zero_grad()

@@ -39,26 +39,22 @@ from torchsupervisor.checkpoint.sharded.collective import (
     load_sharded,
     save_sharded,
 )
-from torchsupervisor.checkpoint.storage import FileSystem
+from torchsupervisor.testing import FaultyStorage
 
 
-class RecordingFS(FileSystem):
-    """Prints the files this rank creates; optionally fails one kind of write."""
+def recording_storage(fail: str | None = None) -> FaultyStorage:
+    """Prints the files this rank creates; optionally fails its shard or index write."""
+    storage = FaultyStorage()
+    storage.fail("open", times=None, errno=None, before=created)
+    if fail == "index":
+        storage.fail("open", path_contains=".index.tmp", errno=errno.EIO)
+    if fail == "shard":
+        storage.fail("write", errno=errno.ENOSPC)
+    return storage
 
-    def __init__(self, fail: str | None = None) -> None:
-        self.fail = fail
 
-    def open_for_write(self, path: str, *, direct: bool = False) -> int:
-        name = os.path.basename(path)
-        print("CREATED", name, flush=True)
-        if self.fail == "index" and ".index.tmp" in name:
-            raise OSError(errno.EIO, "injected index failure", path)
-        return super().open_for_write(path, direct=direct)
-
-    def write(self, fd: int, data: memoryview | bytes) -> None:
-        if self.fail == "shard":
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        super().write(fd, data)
+def created(path: str) -> None:
+    print("CREATED", os.path.basename(path), flush=True)
 
 
 def build(seed: int, world_size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -124,7 +120,7 @@ def main() -> int:
             for step in range(3):
                 train_step(model, optimizer, step)
             state = make_state(model, optimizer, 3)
-            save_sharded(state, prefix, global_step=3, fs=RecordingFS())
+            save_sharded(state, prefix, global_step=3, storage=recording_storage())
             reference = full_tensors(state)
             if rank == 0:
                 path = os.path.join(directory, "reference.safetensors")
@@ -164,7 +160,9 @@ def main() -> int:
             if scenario == "index-fail" and rank == 0:
                 fail = "index"
             try:
-                save_sharded(make_state(model, optimizer, 3), prefix, fs=RecordingFS(fail))
+                save_sharded(
+                    make_state(model, optimizer, 3), prefix, storage=recording_storage(fail)
+                )
             except Exception as e:
                 print("ERROR", type(e).__name__, str(e).replace("\n", " "), flush=True)
             else:

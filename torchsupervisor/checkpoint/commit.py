@@ -1,23 +1,23 @@
-"""The commit protocol: a checkpoint appears on disk complete, or not at all.
+"""The commit protocol: a checkpoint appears complete, or not at all, on any ``Storage``.
 
-``persist`` writes a snapshot under a prefix ``P``:
+One protocol for the single-process writer (``persist``) and for every rank of a sharded save
+(``checkpoint/sharded/storage.py`` calls ``retire``, ``put_shard`` and ``publish``):
 
-1. check that the shards an incremental snapshot references are still there and that the
-   reused tensors still hold their committed bytes;
-2. if ``P.index`` already exists (a save at the same step), remove it first: from then on the
-   old ``P`` counts as incomplete and restores fall back to the previous checkpoint;
-3. write each new shard to a temporary name in the same directory, fsync it, close it; at the
-   same time a helper thread computes the CRC-32C of every copied tensor and of every new
-   shard file (in C, without the GIL) and encodes the manifest (this takes the checksums off
-   the commit's critical path, which matters for small states; the manifest's own write is
-   not overlapped: an fsync during the shard's write slows the write down more than it saves);
-4. rename every shard to its final name ``P.data-0000i-of-0000N``; fsync the directory;
-5. write the manifest ``P.index`` the same way (temporary name, fsync, rename, fsync the
-   directory). Its presence is the commit point.
+1. ``retire``: refuse to overwrite data files of ``P`` that other checkpoints still
+   reference; if ``P.index`` already exists (a save at the same step), delete it first: from
+   then on the old ``P`` counts as incomplete and restores fall back to the previous one;
+2. ``put_shard``: put each new shard ``P.data-0000i-of-0000N`` (``Storage.put``: locally a
+   temporary name, fsync, rename, fsync of the directory). In ``persist`` a helper thread
+   computes the CRC-32C of every copied tensor and of every new shard (in C, without the GIL)
+   and encodes the manifest meanwhile, which takes the checksums off the commit's critical
+   path;
+3. ``publish``: put the manifest ``P.index``. Its presence is the commit point;
+4. ``remove_stale_shards``: data files of an earlier save to ``P`` with another shard count.
 
-If any step fails, the temporary files and the shards of this attempt are removed and
-``CheckpointSaveError`` is raised; other checkpoints are never touched. In particular the data
-files of ``P`` are not overwritten while another checkpoint still references them.
+If any step fails, the shards this attempt put are deleted and ``CheckpointSaveError`` is
+raised; other checkpoints are never touched. Shards without an index that a crash leaves are
+removed at the next start (``recovery.clean_checkpoint_dir``). The state file and retention
+come after the commit, in the ``Saver``.
 """
 
 from __future__ import annotations
@@ -46,23 +46,24 @@ from torchsupervisor.checkpoint.format import (
 from torchsupervisor.checkpoint.incremental import Committed
 from torchsupervisor.checkpoint.references import referenced_data_files
 from torchsupervisor.checkpoint.snapshot import Snapshot
-from torchsupervisor.checkpoint.storage import (
-    LOCAL_FS,
-    FileSystem,
-    WriteCancelled,
-    temporary_name,
-    write_all,
-    write_file_atomically,
-)
 from torchsupervisor.core import threads as priority
 from torchsupervisor.errors import CheckpointSaveError
+from torchsupervisor.storage import LOCAL, Storage, WriteCancelled
 
-__all__ = ["Commit", "persist"]
+__all__ = [
+    "Commit",
+    "delete_quietly",
+    "persist",
+    "publish",
+    "put_shard",
+    "remove_stale_shards",
+    "retire",
+    "same_prefix_shards",
+]
 
 logger = logging.getLogger("torchsupervisor")
 
 _DATA_RE = re.compile(r"\.data-\d{5}-of-\d{5}")
-_DIRECT_MIN_BYTES = 1 << 20  # Smaller shards gain nothing from O_DIRECT.
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def persist(
     library_version: str,
     torch_version: str,
     world_size: int = 1,
-    fs: FileSystem = LOCAL_FS,
+    storage: Storage = LOCAL,
     cancel: threading.Event | None = None,
 ) -> Commit:
     """Write ``snapshot`` as the checkpoint ``prefix`` with the commit protocol.
@@ -98,7 +99,7 @@ def persist(
         library_version: Recorded in the manifest.
         torch_version: Recorded in the manifest.
         world_size: Recorded in the manifest (the number of replicas that trained).
-        fs: The file-system seam.
+        storage: Where the files go.
         cancel: If set while writing, the save stops and removes what it wrote (a save that
             cannot finish within a preemption grace period is abandoned, never half-written).
 
@@ -119,7 +120,7 @@ def persist(
     ref_shards: list[ShardEntry] = []
     committed: dict[str, Committed] = {}
     try:
-        _add_references(snapshot, prefix, finals, ref_tensors, ref_shards, committed, fs)
+        _add_references(snapshot, prefix, finals, ref_tensors, ref_shards, committed, storage)
     except (OSError, ValueError) as e:
         raise CheckpointSaveError(f"Saving checkpoint {prefix} failed: {e}", path=prefix) from e
 
@@ -158,8 +159,8 @@ def persist(
         )
         return manifest, manifest.to_bytes()
 
-    manifest = _write(snapshot, prefix, finals, prepare_manifest, fs, cancel)
-    _remove_stale_shards(prefix, set(finals), fs)
+    manifest = _write(snapshot, prefix, finals, prepare_manifest, storage, cancel)
+    remove_stale_shards(storage, prefix, set(finals))
     written = sum(s.size_bytes for s in snapshot.layout.shards)
     return Commit(manifest, committed, written)
 
@@ -250,7 +251,7 @@ def _add_references(
     tensors: dict[str, TensorEntry],
     shards: list[ShardEntry],
     committed: dict[str, Committed],
-    fs: FileSystem,
+    storage: Storage,
 ) -> None:
     """Point the manifest at the committed bytes of the tensors the snapshot did not copy.
 
@@ -267,7 +268,7 @@ def _add_references(
             raise ValueError(f"{ref.shard.file} is both referenced and rewritten")
         if ref.shard.file not in index_of:
             path = os.path.join(directory, ref.shard.file)
-            if not fs.exists(path) or fs.getsize(path) != ref.shard.size_bytes:
+            if not storage.is_file(path) or storage.size(path) != ref.shard.size_bytes:
                 raise CheckpointSaveError(
                     f"Saving checkpoint {prefix} failed: {path}, which holds unchanged "
                     "tensors of an earlier checkpoint, is missing or was modified",
@@ -285,51 +286,25 @@ def _write(
     prefix: str,
     finals: list[str],
     prepare: Callable[[], tuple[Manifest, bytes]],
-    fs: FileSystem,
+    storage: Storage,
     cancel: threading.Event | None,
 ) -> Manifest:
-    """Write the shards while ``prepare`` makes the manifest beside; commit both; return it."""
-    directory = os.path.dirname(prefix)
-    index = prefix + ".index"
-    temps: list[str] = []
-    renamed: list[str] = []
+    """Put the shards while ``prepare`` makes the manifest beside; publish it; return it."""
+    written: list[str] = []
     prepared: _Beside | None = None
     try:
-        _check_not_referenced(prefix, finals, fs)
-        if fs.exists(index):
-            logger.info("Overwriting checkpoint %s", prefix)
-            fs.remove(index)
-            fs.fsync_dir(directory)
+        retire(storage, prefix, finals)
         for i, final in enumerate(finals):
-            tmp = temporary_name(final)
-            view = snapshot.shard_view(i)
-            fd = fs.open_for_write(tmp, direct=len(view) >= _DIRECT_MIN_BYTES)
-            temps.append(tmp)
             if prepared is None:
                 # Started now, so that its Python part (the manifest) runs while this thread
                 # waits in the write, without the GIL, rather than competing for it.
                 prepared = _Beside(prepare)
-            try:
-                write_all(fs, fd, view, cancel)
-                fs.fsync(fd)
-            finally:
-                fs.close(fd)
+            put_shard(storage, final, snapshot.shard_view(i), cancel)
+            written.append(final)
         manifest, encoded = (prepared or _Beside(prepare)).result()
         if cancel is not None and cancel.is_set():
             raise WriteCancelled()
-        for tmp, final in zip(list(temps), finals):
-            fs.rename(tmp, final)
-            temps.remove(tmp)
-            renamed.append(final)
-        fs.fsync_dir(directory)
-        try:
-            write_file_atomically(index, [encoded], fs)
-        except OSError:
-            # A failure after the index's rename (its directory fsync) leaves the index in
-            # place: it goes first, before the shards it names.
-            if fs.exists(index):
-                renamed.insert(0, index)
-            raise
+        publish(storage, prefix, encoded)
         return manifest
     except (OSError, ValueError, WriteCancelled) as e:
         try:  # The helper reads the staging buffers: done before they are reused.
@@ -337,11 +312,7 @@ def _write(
                 prepared.result()
         except BaseException:
             pass
-        for path in temps + renamed:
-            try:
-                fs.remove(path)
-            except OSError:
-                pass
+        delete_quietly(storage, written)
         if isinstance(e, WriteCancelled):
             raise CheckpointSaveError(
                 f"Saving checkpoint {prefix} was cancelled; nothing was committed", path=prefix
@@ -349,11 +320,73 @@ def _write(
         raise CheckpointSaveError(f"Saving checkpoint {prefix} failed: {e}", path=prefix) from e
 
 
-def _same_prefix_shards(prefix: str, fs: FileSystem) -> list[str]:
+def retire(storage: Storage, prefix: str, finals: list[str]) -> None:
+    """Before a save to ``prefix``: refuse shared data files, then delete an older index.
+
+    Args:
+        storage: Where the checkpoint lives.
+        prefix: The checkpoint prefix about to be written.
+        finals: The data files the save will write.
+
+    Raises:
+        ValueError: Data files of ``prefix`` are still referenced by other checkpoints
+            (incremental ones); nothing was changed.
+        OSError: The older index could not be deleted.
+    """
+    existing = same_prefix_shards(storage, prefix)
+    if existing:
+        used = referenced_data_files(os.path.dirname(prefix), exclude=[prefix], storage=storage)
+        clash = sorted(os.path.basename(p) for p in existing if os.path.basename(p) in used)
+        if clash:
+            raise ValueError(
+                f"cannot overwrite {prefix}: its data files {clash} still hold tensors of newer "
+                "incremental checkpoints"
+            )
+    del finals  # Overwritten by the puts: only the referenced ones matter.
+    index = prefix + ".index"
+    if storage.exists(index):
+        logger.info("Overwriting checkpoint %s", prefix)
+        storage.delete(index)
+
+
+def put_shard(
+    storage: Storage, path: str, view: memoryview, cancel: threading.Event | None = None
+) -> None:
+    """Put one data file of a checkpoint (see ``Storage.put``).
+
+    Raises:
+        WriteCancelled: ``cancel`` was set.
+        OSError: The write failed; nothing of it remains.
+    """
+    storage.put(path, [view], cancel=cancel)
+
+
+def publish(storage: Storage, prefix: str, manifest: bytes) -> None:
+    """Put ``prefix.index``: the commit point. On failure it does not exist.
+
+    Raises:
+        OSError: The write failed (the checkpoint is not committed).
+    """
+    storage.put(prefix + ".index", [manifest])
+
+
+def delete_quietly(storage: Storage, paths: list[str]) -> None:
+    """Delete the files of a failed attempt; what cannot be deleted is logged."""
+    for path in paths:
+        try:
+            storage.delete(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logger.warning("Could not remove %s of a failed save: %s", path, e)
+
+
+def same_prefix_shards(storage: Storage, prefix: str) -> list[str]:
+    """The data files ``<prefix>.data-?????-of-?????`` that exist now."""
     directory = os.path.dirname(prefix)
     base = os.path.basename(prefix)
     try:
-        names = fs.listdir(directory or ".")
+        names = storage.list(directory)
     except OSError:
         return []
     return [
@@ -363,25 +396,11 @@ def _same_prefix_shards(prefix: str, fs: FileSystem) -> list[str]:
     ]
 
 
-def _check_not_referenced(prefix: str, finals: list[str], fs: FileSystem) -> None:
-    """Refuse to overwrite data files of ``prefix`` that other checkpoints still use."""
-    existing = _same_prefix_shards(prefix, fs)
-    if not existing:
-        return
-    used = referenced_data_files(os.path.dirname(prefix), exclude=[prefix], fs=fs)
-    clash = sorted(os.path.basename(p) for p in existing if os.path.basename(p) in used)
-    if clash:
-        raise ValueError(
-            f"cannot overwrite {prefix}: its data files {clash} still hold tensors of newer "
-            "incremental checkpoints"
-        )
-
-
-def _remove_stale_shards(prefix: str, keep: set[str], fs: FileSystem) -> None:
+def remove_stale_shards(storage: Storage, prefix: str, keep: set[str]) -> None:
     """Remove data files of an earlier save to the same prefix with another shard count."""
-    for path in _same_prefix_shards(prefix, fs):
+    for path in same_prefix_shards(storage, prefix):
         if path not in keep:
             try:
-                fs.remove(path)
+                storage.delete(path)
             except OSError as e:
                 logger.warning("Could not remove stale shard %s: %s", path, e)

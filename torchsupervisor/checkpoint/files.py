@@ -5,16 +5,17 @@ presence means the checkpoint is complete) and ``P.data-00000-of-0000N`` (the sh
 checkpoints were a single file named ``P`` (or ``P-00000-of-0000N`` when sharded); the TF
 functions here still recognise them where TF does.
 
-Prefixes are literal paths (``glob.escape`` is applied before a pattern is appended), except in
-``checkpoint_exists`` and ``get_checkpoint_mtimes``, which, like TF, also accept a glob pattern
-(TF's sharded V1 prefixes look like ``model.ckpt-?????-of-00002``); they try the literal path
-first, so a directory whose name contains ``[`` or ``*`` still works.
+Prefixes are literal paths, except in ``checkpoint_exists`` and ``get_checkpoint_mtimes``,
+which, like TF, also accept a glob pattern in the file name (TF's sharded V1 prefixes look like
+``model.ckpt-?????-of-00002``); they try the literal path first, so a name that contains ``[``
+or ``*`` still works. Every file is found, dated and deleted through the storage seam.
 
 TF name: the module ``tensorflow/python/checkpoint/checkpoint_management.py``.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import logging
 import os
@@ -22,12 +23,13 @@ import re
 from collections.abc import Iterable
 
 from torchsupervisor.checkpoint.references import referenced_data_files
-from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem, is_temporary_name
+from torchsupervisor.storage import LOCAL, Storage, storage_for
 
 __all__ = [
     "checkpoint_exists",
     "clean_stale_temporaries",
     "find_incomplete_checkpoints",
+    "first_matching_file",
     "get_checkpoint_mtimes",
     "list_checkpoint_files",
     "meta_graph_filename",
@@ -37,31 +39,41 @@ __all__ = [
 logger = logging.getLogger("torchsupervisor")
 
 _V2 = 2  # SaverDef.V2; any other value means TF's V1 layout (a single file named like the prefix).
-_DATA_GLOB_SUFFIX = ".data-?????-of-?????"
-# The same names as _DATA_GLOB_SUFFIX matches ("?" is any character but "/").
+_DATA_SUFFIX_RE = re.compile(r"\.data-[^/]{5}-of-[^/]{5}", re.DOTALL)
+# Data files "<base>.data-?????-of-?????" ("?" is any character but "/").
 _DATA_NAME_RE = re.compile(r"(?P<base>.+)\.data-[^/]{5}-of-[^/]{5}", re.DOTALL)
 _SHARD_SUFFIX_RE = re.compile(r"-[\d\?]+-of-\d+$")
 
 
-def _matching_files(path_or_pattern: str) -> list[str]:
-    """Return ``[path]`` if it is an existing file, else the files matching it as a glob."""
-    if os.path.isfile(path_or_pattern):
+def _matching_files(path_or_pattern: str, storage: Storage) -> list[str]:
+    """Return ``[path]`` if it is an existing file, else the files whose name matches it.
+
+    The pattern is a glob in its file name only (its directory is literal).
+    """
+    if storage.is_file(path_or_pattern):
         return [path_or_pattern]
-    if not glob.has_magic(path_or_pattern):
+    directory, pattern = os.path.split(path_or_pattern)
+    if not glob.has_magic(pattern):
         return []
-    return sorted(p for p in glob.glob(path_or_pattern) if os.path.isfile(p))
+    try:
+        names = storage.list(directory)
+    except OSError:
+        return []
+    matches = (os.path.join(directory, n) for n in fnmatch.filter(names, pattern))
+    return sorted(p for p in matches if storage.is_file(p))
 
 
-def _first_matching_file(path_or_pattern: str) -> str | None:
-    matches = _matching_files(path_or_pattern)
+def first_matching_file(path_or_pattern: str, storage: Storage | None = None) -> str | None:
+    """Return ``path_or_pattern`` if it is a file, else the first file matching it, or None."""
+    matches = _matching_files(path_or_pattern, storage_for(path_or_pattern, storage))
     return matches[0] if matches else None
 
 
-def _checkpoint_file(prefix: str) -> str | None:
+def _checkpoint_file(prefix: str, storage: Storage) -> str | None:
     """Return the file identifying checkpoint ``prefix``: ``P.index`` (V2), else ``P`` (V1)."""
-    found = _first_matching_file(prefix + ".index")
+    found = first_matching_file(prefix + ".index", storage)
     if found is None:
-        found = _first_matching_file(prefix)
+        found = first_matching_file(prefix, storage)
     return found
 
 
@@ -82,7 +94,8 @@ def checkpoint_exists(checkpoint_prefix: str | os.PathLike) -> bool:
 
     TF name: ``tf.compat.v1.train.checkpoint_exists`` (deprecated in TF).
     """
-    return _checkpoint_file(os.fspath(checkpoint_prefix)) is not None
+    prefix = os.fspath(checkpoint_prefix)
+    return _checkpoint_file(prefix, storage_for(prefix)) is not None
 
 
 def get_checkpoint_mtimes(checkpoint_prefixes: Iterable[str | os.PathLike]) -> list[float]:
@@ -103,11 +116,13 @@ def get_checkpoint_mtimes(checkpoint_prefixes: Iterable[str | os.PathLike]) -> l
     """
     mtimes = []
     for prefix in checkpoint_prefixes:
-        found = _checkpoint_file(os.fspath(prefix))
+        prefix = os.fspath(prefix)
+        storage = storage_for(prefix)
+        found = _checkpoint_file(prefix, storage)
         if found is None:
             continue
         try:
-            mtimes.append(os.stat(found).st_mtime_ns / 1e9)
+            mtimes.append(storage.mtime(found))
         except FileNotFoundError:
             continue  # Deleted since it was found.
     return mtimes
@@ -134,30 +149,42 @@ def meta_graph_filename(
     return f"{base}.{meta_graph_suffix}"
 
 
-def _data_files(prefix: str) -> list[str]:
-    pattern = glob.escape(prefix) + _DATA_GLOB_SUFFIX
-    return sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+def _data_files(prefix: str, storage: Storage) -> list[str]:
+    directory, base = os.path.split(prefix)
+    try:
+        names = storage.list(directory)
+    except OSError:
+        return []
+    return sorted(
+        os.path.join(directory, name)
+        for name in names
+        if name.startswith(base)
+        and _DATA_SUFFIX_RE.fullmatch(name[len(base) :])
+        and storage.is_file(os.path.join(directory, name))
+    )
 
 
-def list_checkpoint_files(prefix: str | os.PathLike) -> list[str]:
+def list_checkpoint_files(prefix: str | os.PathLike, storage: Storage | None = None) -> list[str]:
     """Return the existing files of the checkpoint with this prefix: index first, then shards.
 
     Args:
         prefix: The checkpoint prefix, a literal path (not a pattern).
+        storage: Where it lives; None: chosen by the path.
 
     Returns:
         ``<prefix>.index`` if it exists, followed by the existing
         ``<prefix>.data-?????-of-?????`` files in name order. Empty if there are none.
     """
     prefix = os.fspath(prefix)
+    storage = storage_for(prefix, storage)
     index = prefix + ".index"
-    files = [index] if os.path.isfile(index) else []
-    return files + _data_files(prefix)
+    files = [index] if storage.is_file(index) else []
+    return files + _data_files(prefix, storage)
 
 
-def _remove_file(path: str, fs: FileSystem) -> bool:
+def _remove_file(path: str, storage: Storage) -> bool:
     try:
-        fs.remove(path)
+        storage.delete(path)
     except FileNotFoundError:
         logger.warning(
             "Hit NotFoundError when deleting '%s', possibly because another process/thread is "
@@ -173,11 +200,11 @@ def remove_checkpoint(
     checkpoint_format_version: int = _V2,
     meta_graph_suffix: str = "meta",
     *,
-    fs: FileSystem = LOCAL_FS,
+    storage: Storage | None = None,
 ) -> list[str]:
     """Delete the files of a checkpoint.
 
-    The index goes first and its removal is made durable (directory fsync) before any shard is
+    The index goes first (deletions are durable: ``Storage.delete``) before any shard is
     touched, so that a crash or an error part-way never leaves a checkpoint that looks complete
     but is missing data; what remains is reported by ``find_incomplete_checkpoints``. Then the
     shards ``<prefix>.data-?????-of-?????`` and TF's meta graph ``<prefix>.meta``, if present,
@@ -192,7 +219,8 @@ def remove_checkpoint(
         checkpoint_format_version: 2 (TF's V2 and our format: index + shards). Any other value
             means TF's V1 layout: the single file ``<prefix>`` is deleted instead.
         meta_graph_suffix: Extension of TF's meta-graph file, without the dot.
-        fs: File-system seam used for every deletion (tests inject faults through it).
+        storage: Where the checkpoint lives (tests inject faults here); None: chosen by the
+            path.
 
     Returns:
         The files deleted (TF's function returns nothing).
@@ -206,35 +234,36 @@ def remove_checkpoint(
     TF name: ``tf.compat.v1.train.remove_checkpoint`` (deprecated in TF).
     """
     prefix = os.fspath(checkpoint_prefix)
+    storage = storage_for(prefix, storage)
     removed: list[str] = []
 
     def remove(path: str) -> bool:
-        if _remove_file(path, fs):
+        if _remove_file(path, storage):
             removed.append(path)
             return True
         return False
 
     if checkpoint_format_version == _V2:
         index = prefix + ".index"
-        if os.path.lexists(index) and remove(index):
-            fs.fsync_dir(os.path.dirname(index))
-        for path in _unreferenced_data_files(prefix, fs, log=True):
+        if storage.exists(index):
+            remove(index)
+        for path in _unreferenced_data_files(prefix, storage, log=True):
             remove(path)
-    elif os.path.isfile(prefix):
+    elif storage.is_file(prefix):
         remove(prefix)
     meta = meta_graph_filename(prefix, meta_graph_suffix)
-    if os.path.isfile(meta):
+    if storage.is_file(meta):
         remove(meta)
     return removed
 
 
-def _unreferenced_data_files(prefix: str, fs: FileSystem, *, log: bool = False) -> list[str]:
+def _unreferenced_data_files(prefix: str, storage: Storage, *, log: bool = False) -> list[str]:
     """The data files of ``prefix`` that no other committed checkpoint of its directory
     references (an incremental checkpoint may read the tensors of an older one)."""
-    data = _data_files(prefix)
+    data = _data_files(prefix, storage)
     if not data:
         return []
-    needed = referenced_data_files(os.path.dirname(prefix), exclude=[prefix], fs=fs)
+    needed = referenced_data_files(os.path.dirname(prefix), exclude=[prefix], storage=storage)
     out = []
     for path in data:
         if os.path.basename(path) in needed:
@@ -245,18 +274,16 @@ def _unreferenced_data_files(prefix: str, fs: FileSystem, *, log: bool = False) 
     return out
 
 
-def clean_stale_temporaries(
-    directory: str | os.PathLike, *, fs: FileSystem = LOCAL_FS
-) -> list[str]:
-    """Delete the temporary files an interrupted write left in ``directory``.
+def clean_stale_temporaries(directory: str | os.PathLike, *, storage: Storage = LOCAL) -> list[str]:
+    """Delete what interrupted writes left in ``directory`` (``Storage.clean_leftovers``).
 
-    Temporary files are those named by ``storage.temporary_name`` (``<name>.tmp`` + 32 hex
-    digits); they are never a committed checkpoint or state file. Each deletion is logged at
-    WARNING level. Sub-directories are left alone; a missing directory has nothing to clean.
+    Locally these are temporary files (``<name>.tmp`` + 32 hex digits), never a committed
+    checkpoint or state file. Each deletion is logged at WARNING level. Sub-directories are
+    left alone; a missing directory has nothing to clean.
 
     Args:
         directory: The checkpoint directory (not searched recursively).
-        fs: File-system seam used to list and delete (tests inject faults through it).
+        storage: Where it lives (tests inject faults here).
 
     Returns:
         The paths deleted, in name order.
@@ -269,30 +296,15 @@ def clean_stale_temporaries(
     background writer starts).
     Distributed: call on the rank that writes to ``directory`` (the chief) only.
     """
-    directory = os.fspath(directory)
-    try:
-        names = fs.listdir(directory)
-    except FileNotFoundError:
-        return []
-    removed = []
-    for name in sorted(names):
-        if not is_temporary_name(name):
-            continue
-        path = os.path.join(directory, name)
-        if os.path.isdir(path):
-            continue
-        try:
-            fs.remove(path)
-        except FileNotFoundError:
-            continue
+    removed = storage.clean_leftovers(os.fspath(directory))
+    for path in removed:
         logger.warning("Removed stale temporary file %s (left by an interrupted write)", path)
-        removed.append(path)
-    if removed:
-        fs.fsync_dir(directory)
     return removed
 
 
-def find_incomplete_checkpoints(directory: str | os.PathLike) -> list[str]:
+def find_incomplete_checkpoints(
+    directory: str | os.PathLike, *, storage: Storage = LOCAL
+) -> list[str]:
     """Return the prefixes in ``directory`` that have shards but no index.
 
     Such a checkpoint was interrupted between writing its shards and committing its index (or
@@ -302,6 +314,7 @@ def find_incomplete_checkpoints(directory: str | os.PathLike) -> list[str]:
 
     Args:
         directory: The checkpoint directory (not searched recursively).
+        storage: Where it lives.
 
     Returns:
         The prefixes, ``os.path.join(directory, <base name>)``, sorted. Empty if the directory
@@ -314,7 +327,7 @@ def find_incomplete_checkpoints(directory: str | os.PathLike) -> list[str]:
     """
     directory = os.fspath(directory)
     try:
-        names = os.listdir(directory or os.curdir)
+        names = storage.list(directory)
     except FileNotFoundError:
         return []
     bases = set()
@@ -323,4 +336,4 @@ def find_incomplete_checkpoints(directory: str | os.PathLike) -> list[str]:
         if match is not None:
             bases.add(match.group("base"))
     prefixes = (os.path.join(directory, base) for base in bases)
-    return sorted(p for p in prefixes if not os.path.isfile(p + ".index"))
+    return sorted(p for p in prefixes if not storage.is_file(p + ".index"))

@@ -65,6 +65,8 @@ FORMAT_NAME = "torchsupervisor-checkpoint"
 FORMAT_VERSION = 1
 DATA_ALIGNMENT_BYTES = 64
 CHECKSUM_ALGORITHM = "crc32c"
+MAX_INDEX_BYTES = 1 << 30
+"""The largest ``P.index`` read (1 GiB: some 5 million tensors); a larger one is damage."""
 
 MAX_TREE_DEPTH = MAX_STATE_DEPTH + 1
 """The deepest nesting of containers (dicts, lists, tuples) a manifest's tree may have.

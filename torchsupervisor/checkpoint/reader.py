@@ -15,6 +15,7 @@ TF names: ``tf.train.NewCheckpointReader`` / ``CheckpointReader``, ``tf.train.lo
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import threading
@@ -25,6 +26,7 @@ import crc32c
 import torch
 
 from torchsupervisor.checkpoint.format import (
+    MAX_INDEX_BYTES,
     Manifest,
     ManifestError,
     ShardEntry,
@@ -38,8 +40,16 @@ from torchsupervisor.checkpoint.sharded.metadata import (
     ShardedManifest,
     ShardedTensorEntry,
 )
-from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem, NotRegularFileError
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
+from torchsupervisor.storage import (
+    LOCAL,
+    NotRegularFileError,
+    OutsideDirectoryError,
+    Readable,
+    Storage,
+    read_exactly,
+    storage_for,
+)
 
 __all__ = [
     "CheckpointReader",
@@ -52,9 +62,6 @@ __all__ = [
 
 _CHUNK_BYTES = 16 << 20
 _PIPELINE_MIN_BYTES = 64 << 20
-
-MAX_INDEX_BYTES = 1 << 30
-"""The largest ``P.index`` read (1 GiB: some 5 million tensors); a larger one is damage."""
 
 # TF's name of the global step variable. A ``GlobalStep`` is saved as a plain int in the
 # manifest's tree (``global_step/value``) and as the manifest's step; the reader shows that step
@@ -75,7 +82,7 @@ class CheckpointReader:
 
     Args:
         prefix: The checkpoint prefix (``logdir/model.ckpt-1234``).
-        fs: The file-system seam.
+        storage: Where the checkpoints live (tests inject faults here).
 
     Raises:
         NotFoundError: If ``prefix.index`` does not exist (TF's text).
@@ -86,15 +93,13 @@ class CheckpointReader:
     TF name: ``tf.train.NewCheckpointReader`` / ``py_checkpoint_reader.CheckpointReader``.
     """
 
-    def __init__(self, prefix: str, *, fs: FileSystem = LOCAL_FS) -> None:
+    def __init__(self, prefix: str, *, storage: Storage = LOCAL) -> None:
         self._prefix = prefix
-        self._fs = fs
+        self._storage = storage
         self._dir = os.path.dirname(prefix)
         index = prefix + ".index"
         try:
-            with fs.open_for_read(index) as f:
-                size = os.fstat(f.fileno()).st_size
-                data = f.read(MAX_INDEX_BYTES + 1) if size <= MAX_INDEX_BYTES else b""
+            data = storage.read_bytes(index, max_bytes=MAX_INDEX_BYTES)
         except FileNotFoundError:
             raise NotFoundError(
                 "Unsuccessful TensorSliceReader constructor: Failed to find any matching files "
@@ -108,15 +113,15 @@ class CheckpointReader:
                 reason="not a file",
             ) from None
         except OSError as e:
+            if e.errno == errno.EFBIG:
+                raise CorruptCheckpointError(
+                    f"Checkpoint index {index} is corrupt: larger than {MAX_INDEX_BYTES} bytes",
+                    path=index,
+                    reason="too large",
+                ) from None
             raise CorruptCheckpointError(
                 f"Checkpoint index {index} cannot be read: {e}", path=index, reason="unreadable"
             ) from e
-        if size > MAX_INDEX_BYTES or len(data) > MAX_INDEX_BYTES:
-            raise CorruptCheckpointError(
-                f"Checkpoint index {index} is corrupt: larger than {MAX_INDEX_BYTES} bytes",
-                path=index,
-                reason="too large",
-            )
         try:
             if SHARDED_TENSORS_KEY.encode() in data:
                 self._manifest = ShardedManifest.from_bytes(data)
@@ -239,8 +244,7 @@ class CheckpointReader:
         shard = self._manifest.shards[entry.shard]
         path = self._shard_path(entry.shard)
         with self._open_shard(entry.shard) as f:
-            f.seek(shard.data_offset + entry.begin)
-            tensor, crc = _read_tensor(f, entry, path, 0)
+            tensor, crc = _read_tensor(f, shard.data_offset + entry.begin, entry)
         if crc != entry.crc32c:
             raise CorruptCheckpointError(
                 f"Tensor {name!r} in {path} is corrupt: checksum mismatch",
@@ -373,7 +377,7 @@ class CheckpointReader:
     def _open_shard(self, shard_index: int):
         path = self._shard_path(shard_index)
         expected = self._manifest.shards[shard_index].size_bytes
-        return open_shard(path, expected, self._fs, directory=self._dir)
+        return open_shard(path, expected, self._storage, directory=self._dir)
 
     def _read_shard(
         self, shard_index: int, entries: list[tuple[str, TensorEntry]], keep: bool = True
@@ -384,15 +388,11 @@ class CheckpointReader:
         raws: dict[str, torch.Tensor] = {}
         crcs = dict.fromkeys((name for name, _ in entries), 0)
         with self._open_shard(shard_index) as f:
-            _read_ahead(f, shard.data_offset + entries[0][1].begin)
+            f.read_ahead(shard.data_offset + entries[0][1].begin)
             # One thread allocates and reads (a copy from the page cache or a wait on the disk)
             # while this one checksums what was read: both release the GIL.
             tensors = [(name, shard.data_offset + e.begin, e.nbytes) for name, e in entries]
-            reads = (
-                _pipelined_reads(f.fileno(), tensors, path)
-                if keep
-                else _scratch_reads(f.fileno(), tensors, path)
-            )
+            reads = _pipelined_reads(f, tensors) if keep else _scratch_reads(f, tensors)
             for name, raw, view in reads:
                 if keep:
                     raws[name] = raw
@@ -405,7 +405,7 @@ class CheckpointReader:
                     path=path,
                     reason="checksum mismatch",
                 )
-            check_shard(f.fileno(), shard, path, {(e.begin, e.end): crcs[n] for n, e in entries})
+            check_shard(f, shard, {(e.begin, e.end): crcs[n] for n, e in entries})
         if not keep:
             return {}
         return {
@@ -416,7 +416,7 @@ class CheckpointReader:
         }
 
 
-def check_shard(fd: int, shard: ShardEntry, path: str, read: Mapping[tuple[int, int], int]) -> None:
+def check_shard(f: Readable, shard: ShardEntry, read: Mapping[tuple[int, int], int]) -> None:
     """Verify the bytes of a shard that no tensor checksum covers: its header.
 
     Reads the header (``shard.data_offset`` bytes, a few KiB) and compares its CRC with the
@@ -429,9 +429,8 @@ def check_shard(fd: int, shard: ShardEntry, path: str, read: Mapping[tuple[int, 
     (``shard_checksum``: header and tensor CRCs) is compared with the manifest's.
 
     Args:
-        fd: The open shard file (its size already checked against ``shard.size_bytes``).
+        f: The open shard (its size already checked against ``shard.size_bytes``).
         shard: The shard's manifest entry.
-        path: The file's path, for messages.
         read: ``{(begin, end): CRC-32C}`` of the tensors read from the shard (already
             verified against their own checksums), by byte range relative to the data area.
 
@@ -446,8 +445,9 @@ def check_shard(fd: int, shard: ShardEntry, path: str, read: Mapping[tuple[int, 
             reason="header damaged",
         )
 
+    path = f.path
     header = bytearray(shard.data_offset)
-    _pread_exactly(fd, memoryview(header), 0, path)
+    _pread_exactly(f, memoryview(header), 0)
     if shard.header_crc32c is not None:
         if crc32c.crc32c(header) != shard.header_crc32c:
             raise damaged("checksum mismatch")
@@ -478,28 +478,8 @@ def check_shard(fd: int, shard: ShardEntry, path: str, read: Mapping[tuple[int, 
             raise damaged("shard checksum mismatch")
 
 
-def _read_ahead(f: Any, offset: int) -> None:
-    """Let the kernel read the rest of the file ahead while we checksum what arrived."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is not None:
-        try:
-            advise(f.fileno(), offset, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-
-
-def _read_exactly(f: Any, view: memoryview) -> int:
-    total = 0
-    while total < len(view):
-        n = f.readinto(view[total:])
-        if not n:
-            break
-        total += n
-    return total
-
-
 def _pipelined_reads(
-    fd: int, tensors: list[tuple[str, int, int]], path: str
+    f: Readable, tensors: list[tuple[str, int, int]]
 ) -> Iterator[tuple[str, torch.Tensor, memoryview]]:
     """Read ``(name, file offset, size in bytes)`` tensors on a helper thread, by chunks.
 
@@ -523,7 +503,7 @@ def _pipelined_reads(
             view = memoryview(raw.numpy())
             for start in range(0, nbytes, _CHUNK_BYTES):
                 chunk = view[start : start + _CHUNK_BYTES]
-                _pread_exactly(fd, chunk, offset + start, path)
+                _pread_exactly(f, chunk, offset + start)
                 yield name, raw, chunk
             if not nbytes:
                 yield name, raw, view
@@ -558,7 +538,7 @@ def _pipelined_reads(
 
 
 def _scratch_reads(
-    fd: int, tensors: list[tuple[str, int, int]], path: str
+    f: Readable, tensors: list[tuple[str, int, int]]
 ) -> Iterator[tuple[str, None, memoryview]]:
     """Read ``(name, file offset, size in bytes)`` tensors by chunks into one reused buffer.
 
@@ -571,60 +551,49 @@ def _scratch_reads(
             yield name, None, buffer[:0]
         for start in range(0, nbytes, _CHUNK_BYTES):
             chunk = buffer[: min(_CHUNK_BYTES, nbytes - start)]
-            _pread_exactly(fd, chunk, offset + start, path)
+            _pread_exactly(f, chunk, offset + start)
             yield name, None, chunk
 
 
-def _pread_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if not n:
-            raise _truncated(path, None)
-        done += n
+def _pread_exactly(f: Readable, view: memoryview, offset: int) -> None:
+    try:
+        read_exactly(f, view, offset)
+    except EOFError:
+        raise _truncated(f.path, None) from None
 
 
-def _read_tensor(f: Any, entry: TensorEntry, path: str, crc: int) -> tuple[torch.Tensor, int]:
+def _read_tensor(f: Readable, offset: int, entry: TensorEntry) -> tuple[torch.Tensor, int]:
+    """Read one tensor at ``offset``; return it and the CRC-32C of its bytes."""
     if entry.nbytes == 0:
-        return torch.empty(entry.shape, dtype=entry.dtype), crc
+        return torch.empty(entry.shape, dtype=entry.dtype), 0
     raw = torch.empty(entry.nbytes, dtype=torch.uint8)
     view = memoryview(raw.numpy())
-    if _read_exactly(f, view) != entry.nbytes:
-        raise _truncated(path, None)
-    crc = crc32c.crc32c(view, crc)
-    return raw.view(entry.dtype).reshape(entry.shape), crc
+    _pread_exactly(f, view, offset)
+    return raw.view(entry.dtype).reshape(entry.shape), crc32c.crc32c(view)
 
 
 def open_shard(
-    path: str, expected_bytes: int, fs: FileSystem = LOCAL_FS, *, directory: str | None = None
-) -> Any:
+    path: str, expected_bytes: int, storage: Storage = LOCAL, *, directory: str | None = None
+) -> Readable:
     """Open a checkpoint shard for reading after checking that it has the expected size.
 
     Args:
         path: The shard's path.
         expected_bytes: Its size recorded in the manifest.
-        fs: The file-system seam.
+        storage: Where the checkpoint lives.
         directory: The checkpoint's directory: the shard, once symbolic links are resolved,
             must lie in it. None: not checked.
 
     Returns:
-        A binary file object (the caller closes it).
+        The open shard (the caller closes it).
 
     Raises:
         CorruptCheckpointError: If the file is missing, unreadable, not a regular file, a
             link out of ``directory``, shorter (truncated) or longer than ``expected_bytes``,
             naming the file.
     """
-    if directory is not None:
-        inside = fs.realpath(directory or os.curdir)
-        if os.path.dirname(fs.realpath(path)) != inside:
-            raise CorruptCheckpointError(
-                f"Checkpoint shard {path} is a link out of the checkpoint's directory",
-                path=path,
-                reason="outside the directory",
-            )
     try:
-        f = fs.open_for_read(path)
+        f = storage.open_read(path, inside=directory)
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"Checkpoint shard {path} is missing", path=path, reason="missing file"
@@ -635,18 +604,23 @@ def open_shard(
             path=path,
             reason="not a file",
         ) from None
+    except OutsideDirectoryError:
+        raise CorruptCheckpointError(
+            f"Checkpoint shard {path} is a link out of the checkpoint's directory",
+            path=path,
+            reason="outside the directory",
+        ) from None
     except OSError as e:
         raise CorruptCheckpointError(
             f"Checkpoint shard {path} cannot be read: {e}", path=path, reason="unreadable"
         ) from e
-    size = os.fstat(f.fileno()).st_size
-    if size != expected_bytes:
+    if f.size != expected_bytes:
         f.close()
-        what = "is truncated" if size < expected_bytes else "is too long"
+        what = "is truncated" if f.size < expected_bytes else "is too long"
         raise CorruptCheckpointError(
-            f"Checkpoint shard {path} {what}: {size} bytes, expected {expected_bytes}",
+            f"Checkpoint shard {path} {what}: {f.size} bytes, expected {expected_bytes}",
             path=path,
-            reason="truncated" if size < expected_bytes else "wrong size",
+            reason="truncated" if f.size < expected_bytes else "wrong size",
         )
     return f
 
@@ -677,7 +651,7 @@ def NewCheckpointReader(filepattern: str) -> CheckpointReader:
 def _checkpoint_prefix(ckpt_dir_or_file: str) -> str:
     from torchsupervisor.checkpoint.state_file import latest_checkpoint
 
-    if os.path.isdir(ckpt_dir_or_file):
+    if storage_for(ckpt_dir_or_file).is_dir(ckpt_dir_or_file):
         prefix = latest_checkpoint(ckpt_dir_or_file)
         if prefix is None:
             raise ValueError(

@@ -47,8 +47,8 @@ from torchsupervisor.checkpoint.files import (
 )
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.state_file import read_checkpoint_state, read_pending_deletions
-from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
+from torchsupervisor.storage import LOCAL, Storage
 
 __all__ = [
     "RestorePlan",
@@ -65,22 +65,22 @@ _UNREADABLE = (0, -1, 0.0)
 _Key = tuple[int, int, float]
 
 
-def _sort_key(prefix: str, fs: FileSystem) -> _Key:
+def _sort_key(prefix: str, storage: Storage) -> _Key:
     try:
-        manifest = CheckpointReader(prefix, fs=fs).manifest
+        manifest = CheckpointReader(prefix, storage=storage).manifest
     except (NotFoundError, CorruptCheckpointError):
         return _UNREADABLE
     step = -1 if manifest.global_step is None else manifest.global_step
     return (1, step, manifest.wall_time)
 
 
-def _scan(directory: str, fs: FileSystem) -> list[tuple[_Key, str]]:
+def _scan(directory: str, storage: Storage) -> list[tuple[_Key, str]]:
     try:
-        names = fs.listdir(directory)
+        names = storage.list(directory)
     except OSError:
         return []
     keyed = [
-        (_sort_key(prefix, fs), prefix)
+        (_sort_key(prefix, storage), prefix)
         for prefix in (
             os.path.join(directory, name[: -len(".index")])
             for name in names
@@ -91,7 +91,7 @@ def _scan(directory: str, fs: FileSystem) -> list[tuple[_Key, str]]:
     return keyed
 
 
-def scan_checkpoints(directory: str, *, fs: FileSystem = LOCAL_FS) -> list[str]:
+def scan_checkpoints(directory: str, *, storage: Storage = LOCAL) -> list[str]:
     """Return the prefixes of every committed checkpoint (``*.index``) in ``directory``.
 
     Sorted newest first by the global step in the manifest, then the manifest's wall time;
@@ -99,7 +99,7 @@ def scan_checkpoints(directory: str, *, fs: FileSystem = LOCAL_FS) -> list[str]:
 
     TF name: none.
     """
-    return [prefix for _, prefix in _scan(directory, fs)]
+    return [prefix for _, prefix in _scan(directory, storage)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,7 @@ class RestorePlan:
     has_state_file: bool
 
 
-def clean_checkpoint_dir(directory: str | os.PathLike, *, fs: FileSystem = LOCAL_FS) -> None:
+def clean_checkpoint_dir(directory: str | os.PathLike, *, storage: Storage = LOCAL) -> None:
     """Remove what a crash left in ``directory``: temporaries, uncommitted checkpoints, and the
     checkpoints retention was deleting.
 
@@ -140,7 +140,7 @@ def clean_checkpoint_dir(directory: str | os.PathLike, *, fs: FileSystem = LOCAL
 
     Args:
         directory: The checkpoint directory (a missing one has nothing to clean).
-        fs: The file-system seam.
+        storage: Where the checkpoints live (tests inject faults here).
 
     Thread safety: call at start-up, before any save to ``directory`` is in flight.
     Distributed: call on the rank that writes to ``directory`` (the chief) only.
@@ -148,21 +148,21 @@ def clean_checkpoint_dir(directory: str | os.PathLike, *, fs: FileSystem = LOCAL
     TF name: none (TF left crash debris in place).
     """
     directory = os.fspath(directory)
-    if not os.path.isdir(directory):
+    if not storage.is_dir(directory):
         return
     try:
-        clean_stale_temporaries(directory, fs=fs)
+        clean_stale_temporaries(directory, storage=storage)
     except OSError as e:
         logger.warning("Could not remove the temporary files of %s: %s", directory, e)
-    _finish_pending_deletions(directory, fs)
-    for prefix in find_incomplete_checkpoints(directory):
-        _remove(prefix, fs, "incomplete checkpoint", "no index: the save did not finish")
+    _finish_pending_deletions(directory, storage)
+    for prefix in find_incomplete_checkpoints(directory, storage=storage):
+        _remove(prefix, storage, "incomplete checkpoint", "no index: the save did not finish")
 
 
-def _remove(prefix: str, fs: FileSystem, what: str, why: str) -> None:
+def _remove(prefix: str, storage: Storage, what: str, why: str) -> None:
     """Delete a checkpoint's files; say so only if files were really deleted."""
     try:
-        removed = remove_checkpoint(prefix, fs=fs)
+        removed = remove_checkpoint(prefix, storage=storage)
     except OSError as e:
         logger.warning("Could not remove %s %s: %s", what, prefix, e)
         return
@@ -171,26 +171,28 @@ def _remove(prefix: str, fs: FileSystem, what: str, why: str) -> None:
         logger.warning("Removed %s %s (%s; %s)", what, prefix, why, count)
 
 
-def _finish_pending_deletions(directory: str, fs: FileSystem) -> None:
-    pending = read_pending_deletions(directory, fs=fs)
+def _finish_pending_deletions(directory: str, storage: Storage) -> None:
+    pending = read_pending_deletions(directory, storage=storage)
     if not pending:
         return
-    state, _ = read_checkpoint_state(directory, fs=fs)
+    state, _ = read_checkpoint_state(directory, storage=storage)
     if state is None:
         return
     listed = {os.path.normpath(p) for p in state.all_model_checkpoint_paths}
     listed.add(os.path.normpath(state.model_checkpoint_path))
-    head = _sort_key(state.model_checkpoint_path, fs)
+    head = _sort_key(state.model_checkpoint_path, storage)
     for prefix in pending:
-        if os.path.normpath(prefix) in listed or not _committed(prefix, fs):
+        if os.path.normpath(prefix) in listed or not _committed(prefix, storage):
             continue
-        if not _sort_key(prefix, fs) < head:
+        if not _sort_key(prefix, storage) < head:
             continue  # Never newer than the state file's head: the list is not trusted.
-        _remove(prefix, fs, "checkpoint", "retention was deleting it when the last run stopped")
+        _remove(
+            prefix, storage, "checkpoint", "retention was deleting it when the last run stopped"
+        )
 
 
 def plan_restore(
-    checkpoint_dir: str, latest_filename: str | None = None, *, fs: FileSystem = LOCAL_FS
+    checkpoint_dir: str, latest_filename: str | None = None, *, storage: Storage = LOCAL
 ) -> RestorePlan:
     """Read ``checkpoint_dir`` once: the checkpoints to try, and those to keep track of.
 
@@ -200,26 +202,26 @@ def plan_restore(
     Args:
         checkpoint_dir: The directory holding the checkpoints and the state file.
         latest_filename: The state file's name (default ``"checkpoint"``).
-        fs: The file-system seam.
+        storage: Where the checkpoints live (tests inject faults here).
 
     Returns:
         The ``RestorePlan``.
 
     TF name: none (TF restores ``latest_checkpoint`` and tracks the state file's list).
     """
-    state, error = read_checkpoint_state(checkpoint_dir, latest_filename, fs=fs)
+    state, error = read_checkpoint_state(checkpoint_dir, latest_filename, storage=storage)
     if error is not None:
         logger.warning(
             "Ignoring the state file: %s. A restart uses the newest valid checkpoint of %s",
             error,
             checkpoint_dir,
         )
-    scanned = _scan(checkpoint_dir, fs)
+    scanned = _scan(checkpoint_dir, storage)
     keys = {os.path.normpath(prefix): key for key, prefix in scanned}
     listed: list[str] = []
     if state is not None:
         for path in [state.model_checkpoint_path, *reversed(state.all_model_checkpoint_paths)]:
-            listed.append(_relocate(path, checkpoint_dir, fs))
+            listed.append(_relocate(path, checkpoint_dir, storage))
 
     newer: list[tuple[_Key, str]] = []
     if state is not None or error is None:
@@ -228,7 +230,9 @@ def plan_restore(
         if listed:
             head = keys.get(os.path.normpath(listed[0]))
             if head is None:
-                head = _sort_key(listed[0], fs) if _committed(listed[0], fs) else _UNREADABLE
+                head = (
+                    _sort_key(listed[0], storage) if _committed(listed[0], storage) else _UNREADABLE
+                )
         for key, prefix in scanned:
             if os.path.normpath(prefix) in known or key == _UNREADABLE:
                 continue
@@ -244,14 +248,17 @@ def plan_restore(
             )
 
     ordered = [prefix for _, prefix in newer] + listed + [prefix for _, prefix in scanned]
-    candidates = _unique(p for p in ordered if _committed(p, fs))
+    candidates = _unique(p for p in ordered if _committed(p, storage))
 
-    inside = fs.realpath(checkpoint_dir or os.curdir)
+    inside = storage.canonical(checkpoint_dir or os.curdir)
     tracked_listed = []
     if state is not None:
         for path in state.all_model_checkpoint_paths:
-            path = _relocate(path, checkpoint_dir, fs)
-            if _committed(path, fs) and fs.realpath(os.path.dirname(path) or os.curdir) == inside:
+            path = _relocate(path, checkpoint_dir, storage)
+            if (
+                _committed(path, storage)
+                and storage.canonical(os.path.dirname(path) or os.curdir) == inside
+            ):
                 tracked_listed.append(path)
     adopted = [prefix for _, prefix in sorted(newer)]
     tracked = _unique([*tracked_listed, *adopted])
@@ -268,21 +275,21 @@ def plan_restore(
 
 
 def restore_candidates(
-    checkpoint_dir: str, latest_filename: str | None = None, *, fs: FileSystem = LOCAL_FS
+    checkpoint_dir: str, latest_filename: str | None = None, *, storage: Storage = LOCAL
 ) -> list[str]:
     """Return the checkpoint prefixes a restart should try, in order, without duplicates.
 
     Args:
         checkpoint_dir: The directory holding the checkpoints and the state file.
         latest_filename: The state file's name (default ``"checkpoint"``).
-        fs: The file-system seam.
+        storage: Where the checkpoints live (tests inject faults here).
 
     Returns:
         Prefixes whose ``.index`` exists; possibly empty (``plan_restore(...).candidates``).
 
     TF name: none.
     """
-    return plan_restore(checkpoint_dir, latest_filename, fs=fs).candidates
+    return plan_restore(checkpoint_dir, latest_filename, storage=storage).candidates
 
 
 def _unique(paths) -> list[str]:
@@ -296,11 +303,11 @@ def _unique(paths) -> list[str]:
     return out
 
 
-def _committed(prefix: str, fs: FileSystem) -> bool:
-    return bool(prefix) and fs.exists(prefix + ".index")
+def _committed(prefix: str, storage: Storage) -> bool:
+    return bool(prefix) and storage.exists(prefix + ".index")
 
 
-def _relocate(path: str, checkpoint_dir: str, fs: FileSystem) -> str:
+def _relocate(path: str, checkpoint_dir: str, storage: Storage) -> str:
     """The checkpoint of ``checkpoint_dir`` a state-file entry stands for.
 
     An entry in the directory is itself. An entry elsewhere whose base name is a committed
@@ -312,10 +319,10 @@ def _relocate(path: str, checkpoint_dir: str, fs: FileSystem) -> str:
     if os.path.normpath(os.path.dirname(path) or os.curdir) == os.path.normpath(directory):
         return path
     local = os.path.join(checkpoint_dir, os.path.basename(path))
-    if fs.realpath(os.path.dirname(path) or os.curdir) == fs.realpath(directory):
+    if storage.canonical(os.path.dirname(path) or os.curdir) == storage.canonical(directory):
         return local
-    if _committed(local, fs):
-        if _committed(path, fs):
+    if _committed(local, storage):
+        if _committed(path, storage):
             logger.info("Using %s of %s rather than the listed %s", local, checkpoint_dir, path)
         else:
             logger.warning("Checkpoint %s not found; using %s", path, local)

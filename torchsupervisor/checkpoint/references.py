@@ -12,8 +12,8 @@ import logging
 import os
 from collections.abc import Iterable
 
-from torchsupervisor.checkpoint.format import Manifest, ManifestError
-from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
+from torchsupervisor.checkpoint.format import MAX_INDEX_BYTES, Manifest, ManifestError
+from torchsupervisor.storage import LOCAL, Storage
 
 __all__ = ["referenced_data_files"]
 
@@ -21,14 +21,14 @@ logger = logging.getLogger("torchsupervisor")
 
 
 def referenced_data_files(
-    directory: str, *, exclude: Iterable[str] = (), fs: FileSystem = LOCAL_FS
+    directory: str, *, exclude: Iterable[str] = (), storage: Storage = LOCAL
 ) -> set[str]:
     """Return the base names of the data files referenced by committed checkpoints.
 
     Args:
         directory: The checkpoint directory.
         exclude: Prefixes whose references do not count (the checkpoints being deleted).
-        fs: The file-system seam.
+        storage: Where the checkpoints live.
 
     Returns:
         Base names (``model.ckpt-100.data-00000-of-00001``) referenced by the manifest of any
@@ -38,7 +38,7 @@ def referenced_data_files(
     """
     excluded = {os.path.normpath(p) for p in exclude}
     try:
-        names = fs.listdir(directory or ".")
+        names = storage.list(directory or ".")
     except OSError:
         return set()
     referenced: set[str] = set()
@@ -49,8 +49,8 @@ def referenced_data_files(
         if os.path.normpath(prefix) in excluded:
             continue
         try:
-            with fs.open_for_read(prefix + ".index") as f:
-                manifest = Manifest.from_bytes(f.read())
+            data = storage.read_bytes(prefix + ".index", max_bytes=MAX_INDEX_BYTES)
+            manifest = Manifest.from_bytes(data)
         except (OSError, ManifestError) as e:
             logger.debug("Ignoring the references of %s.index: %s", prefix, e)
             continue

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from torchsupervisor._version import __version__
-from torchsupervisor.checkpoint import policy, writer_lock
+from torchsupervisor.checkpoint import policy
 from torchsupervisor.checkpoint.commit import persist
 from torchsupervisor.checkpoint.engine import CheckpointEngine
 from torchsupervisor.checkpoint.files import (
@@ -59,7 +59,6 @@ from torchsupervisor.checkpoint.state_file import (
     state_file_path,
     update_checkpoint_state_internal,
 )
-from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
 from torchsupervisor.core.checks import check_bool, check_int, check_number, check_str
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import read_step
@@ -72,6 +71,7 @@ from torchsupervisor.core.state import (
     select_state,
 )
 from torchsupervisor.errors import CheckpointSaveError, CorruptCheckpointError, NotFoundError
+from torchsupervisor.storage import LOCAL, DirectoryLock, Storage
 
 __all__ = ["SaveStats", "Saver"]
 
@@ -82,13 +82,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _local_shard_bytes(prefix: str) -> int:
+def _local_shard_bytes(prefix: str, storage: Storage) -> int:
     """Bytes of the data shard this rank wrote for sharded checkpoint ``prefix``."""
     directory, base = os.path.split(prefix)
     mine = f"{base}.data-{_rank():05d}-of-"
     try:
-        names = [n for n in os.listdir(directory or ".") if n.startswith(mine)]
-        return sum(os.path.getsize(os.path.join(directory or ".", n)) for n in names)
+        names = [n for n in storage.list(directory) if n.startswith(mine)]
+        return sum(storage.size(os.path.join(directory, n)) for n in names)
     except OSError:
         return 0
 
@@ -174,10 +174,9 @@ def _state_key(save_path: str, latest_filename: str | None) -> tuple[str, str]:
     return directory, latest_filename or "checkpoint"
 
 
-def _in_directory(path: str, directory: str) -> bool:
+def _in_directory(path: str, directory: str, storage: Storage) -> bool:
     """True if checkpoint ``path`` lies in ``directory`` (symbolic links resolved)."""
-    here = os.path.realpath(os.path.dirname(path) or os.curdir)
-    return here == os.path.realpath(directory or os.curdir)
+    return storage.canonical(os.path.dirname(path)) == storage.canonical(directory)
 
 
 def _in_family(prefix: str, save_path: str) -> bool:
@@ -277,7 +276,7 @@ class Saver:
             is kept, larger values make longer chains: fewer bytes, more checkpoints broken
             by one damaged full save. Smaller values cost bytes and lose less on a damaged
             file (a damaged full save breaks the incremental ones that follow it).
-        fs: The file-system seam (tests inject faults here).
+        storage: Where the checkpoints live (tests inject faults here).
         clock: Time source for timestamps and retention.
 
     Raises:
@@ -308,7 +307,7 @@ class Saver:
         max_shard_bytes: int | None = None,
         incremental: bool = True,
         full_save_every_n_saves: int | None = None,
-        fs: FileSystem | None = None,
+        storage: Storage | None = None,
         clock: Clock | None = None,
     ) -> None:
         if var_list is not None:
@@ -342,7 +341,7 @@ class Saver:
         self._pad_step_number = pad_step_number
         self._save_relative_paths = save_relative_paths
         self._max_shard_bytes = max_shard_bytes or (_DEFAULT_SHARD_BYTES if sharded else None)
-        self._fs = fs or LOCAL_FS
+        self._storage = storage or LOCAL
         self._clock = clock or REAL_CLOCK
         self._lock = threading.Lock()
         # Retention is kept per state file (directory and file name): each lists only its
@@ -364,7 +363,7 @@ class Saver:
         self._always_copy: set[str] = set()
         self._orphans: set[str] = set()
         self._state_file_failures: set[str] = set()
-        self._dir_locks: dict[str, writer_lock.DirectoryLock] = {}
+        self._dir_locks: dict[str, DirectoryLock] = {}
         self.last_save: SaveStats | None = None
         """What the last committed save cost (None before the first)."""
 
@@ -512,9 +511,9 @@ class Saver:
         directory = os.path.dirname(save_path)
         if directory in self._dir_locks:  # One dict lookup per save: the training thread's.
             return
-        if not os.path.isdir(directory or os.curdir):
+        if not self._storage.is_dir(directory):
             return  # The save reports the missing directory.
-        lock = writer_lock.acquire(directory)  # Shared with other handles on the same dir.
+        lock = self._storage.lock(directory)  # Shared with other handles on the same dir.
         with self._lock:
             self._dir_locks[directory] = lock
 
@@ -720,7 +719,7 @@ class Saver:
                 library_version=__version__,
                 torch_version=torch.__version__,
                 world_size=_world_size(),
-                fs=self._fs,
+                storage=self._storage,
                 cancel=self._cancel,
             )
         except CheckpointSaveError as e:
@@ -753,7 +752,7 @@ class Saver:
 
     def _check_dir(self, save_path: str) -> None:
         save_dir = os.path.dirname(save_path)
-        if save_dir and not self._fs.exists(save_dir):
+        if save_dir and not self._storage.exists(save_dir):
             raise ValueError(f"Parent directory of {save_path} doesn't exist, can't save.")
 
     def _save_sharded(
@@ -776,7 +775,7 @@ class Saver:
             prefix,
             global_step=global_step,
             write_state=False,
-            fs=self._fs,
+            storage=self._storage,
             clock=self._clock,
             stager=self._stager,
         )
@@ -796,7 +795,7 @@ class Saver:
             stall_secs=total,
             commit_secs=committed - start,
             total_secs=total,
-            bytes_written=_local_shard_bytes(prefix),
+            bytes_written=_local_shard_bytes(prefix, self._storage),
             bytes_reused=0,
         )
         return prefix
@@ -834,9 +833,11 @@ class Saver:
         if self._retention_key == key:
             return
         if self._retention_key is None:
-            entries = tuple(e for e in self._retention.tracked if _in_directory(e[0], key[0]))
+            entries = tuple(
+                e for e in self._retention.tracked if _in_directory(e[0], key[0], self._storage)
+            )
             for path, _ in self._retention.tracked:
-                if not _in_directory(path, key[0]):
+                if not _in_directory(path, key[0], self._storage):
                     logger.info("Not tracking %s: it is not in %s", path, key[0])
             retention = policy.Retention(
                 tracked=entries, next_keep_time=self._retention.next_keep_time
@@ -869,7 +870,7 @@ class Saver:
                     latest_filename=latest_filename,
                     save_relative_paths=self._save_relative_paths,
                     pending_deletions=pending,
-                    fs=self._fs,
+                    storage=self._storage,
                 )
             except OSError as e:
                 self._state_file_failed(state_file_path(save_dir, latest_filename), prefix, e)
@@ -880,12 +881,12 @@ class Saver:
         # What retention deletes is named in the state file first: a crash before it is gone
         # does not leak it (the next start finishes the deletion). Once it is gone, the file
         # is written again without the names: exactly TF's text.
-        pending = [p for p in to_delete if _in_directory(p, save_dir)]
+        pending = [p for p in to_delete if _in_directory(p, save_dir, self._storage)]
         written = write_state_file(pending)
         for path in preserved:
             logger.info("Keeping checkpoint %s (keep_checkpoint_every_n_hours)", path)
         for path in to_delete:
-            if not _in_directory(path, save_dir):
+            if not _in_directory(path, save_dir, self._storage):
                 logger.warning(
                     "Not deleting checkpoint %s: it is not in %s, the directory of this "
                     "saver's save path",
@@ -894,13 +895,13 @@ class Saver:
                 )
                 continue
             try:
-                remove_checkpoint(path, fs=self._fs)
+                remove_checkpoint(path, storage=self._storage)
             except OSError as e:
                 logger.warning("Ignoring: %s", e)
             # Data files still referenced by a newer incremental checkpoint were kept.
-            self._orphans.update(list_checkpoint_files(path))
+            self._orphans.update(list_checkpoint_files(path, self._storage))
         if written and pending:
-            write_state_file([p for p in pending if self._fs.exists(p + ".index")])
+            write_state_file([p for p in pending if self._storage.exists(p + ".index")])
         self._collect_orphans()
 
     def _state_file_failed(self, state_path: str, prefix: str, error: OSError) -> None:
@@ -929,12 +930,12 @@ class Saver:
         for path in sorted(self._orphans):
             directory = os.path.dirname(path)
             if directory not in needed:
-                needed[directory] = referenced_data_files(directory, fs=self._fs)
-            if not self._fs.exists(path):
+                needed[directory] = referenced_data_files(directory, storage=self._storage)
+            if not self._storage.exists(path):
                 self._orphans.discard(path)
             elif os.path.basename(path) not in needed[directory]:
                 try:
-                    self._fs.remove(path)
+                    self._storage.delete(path)
                     self._orphans.discard(path)
                 except OSError as e:
                     logger.warning("Ignoring: %s", e)
@@ -975,14 +976,14 @@ class Saver:
         if save_path is None:
             raise ValueError("Can't load save_path when it is None.")
         self._engine.wait()
-        if not checkpoint_exists(save_path) and not os.path.lexists(save_path + ".index"):
+        if not checkpoint_exists(save_path) and not self._storage.exists(save_path + ".index"):
             raise ValueError("The passed save_path is not a valid checkpoint: " + save_path)
         logger.info("Restoring parameters from %s", save_path)
         state = self._state_for(sess)
         if is_sharded(state):  # A collective: every rank reads the chunks it needs.
-            load_sharded(state, save_path, allow_missing=self._optional, fs=self._fs)
+            load_sharded(state, save_path, allow_missing=self._optional, storage=self._storage)
             return
-        reader = CheckpointReader(save_path, fs=self._fs)
+        reader = CheckpointReader(save_path, storage=self._storage)
         # The files must hold what the manifest claims before its shapes are believed: a
         # damaged manifest (a 2**40-byte tensor) is damage, not a mismatch with the state.
         reader.check_files()

@@ -26,7 +26,7 @@ import torch
 
 from torchsupervisor.checkpoint.format import TensorEntry, dtype_to_code, safetensors_header
 from torchsupervisor.checkpoint.incremental import Committed, is_unchanged, tensor_version
-from torchsupervisor.checkpoint.storage import DIRECT_IO_ALIGNMENT
+from torchsupervisor.storage.local import DIRECT_IO_ALIGNMENT
 
 __all__ = ["Layout", "ShardLayout", "Snapshot", "Stager", "plan_layout"]
 

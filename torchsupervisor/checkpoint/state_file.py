@@ -22,7 +22,6 @@ get_checkpoint_state, latest_checkpoint}``
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -31,8 +30,8 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
 
-from torchsupervisor.checkpoint.files import _first_matching_file
-from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem, write_file_atomically
+from torchsupervisor.checkpoint.files import first_matching_file
+from torchsupervisor.storage import LOCAL, Storage, storage_for
 
 __all__ = [
     "DEFAULT_STATE_FILENAME",
@@ -43,6 +42,7 @@ __all__ = [
     "parse_checkpoint_state",
     "read_checkpoint_state",
     "read_pending_deletions",
+    "record_newest",
     "state_file_path",
     "update_checkpoint_state",
     "update_checkpoint_state_internal",
@@ -257,13 +257,14 @@ def update_checkpoint_state_internal(
     last_preserved_timestamp: float | None = None,
     *,
     pending_deletions: Sequence[_PathLike] = (),
-    fs: FileSystem = LOCAL_FS,
+    storage: Storage = LOCAL,
 ) -> None:
     """Write the state file of ``save_dir`` atomically.
 
-    The text goes to ``<state file>.tmp<32 hex digits>``, is fsynced, renamed over the state
-    file and the directory is fsynced. If any step fails the temporary file is removed and the
-    previous state file is left as it was.
+    The text is put whole (``Storage.put``: locally a temporary name, fsync, rename over the
+    state file, fsync of the directory). If that fails, the previous state file is left as it
+    was (or, when the rename could not be made durable, there is none: a restart then scans
+    the directory).
 
     Args:
         save_dir: Directory of the state file; it must exist.
@@ -282,7 +283,7 @@ def update_checkpoint_state_internal(
             this write (retention), recorded as comment lines (``# torchsupervisor deleting:
             "model.ckpt-100"``) that TF's parser ignores, so that a crash before they are
             gone does not leak them (``read_pending_deletions``).
-        fs: File-system seam used for every write (tests inject faults through it).
+        storage: Where the state file is written (tests inject faults here).
 
     Raises:
         RuntimeError: The model path, as a reader would resolve it, is the state file itself:
@@ -334,11 +335,43 @@ def update_checkpoint_state_internal(
     text = text_format.MessageToString(state)
     for path in pending_deletions:
         text += f"{PENDING_DELETION_MARK}{json.dumps(os.path.basename(os.fspath(path)))}\n"
-    write_file_atomically(state_path, [text.encode("utf-8")], fs=fs)
+    storage.put(state_path, [text.encode("utf-8")])
+
+
+def record_newest(
+    prefix: str, latest_filename: str | None = None, *, storage: Storage = LOCAL
+) -> None:
+    """Make ``prefix`` the newest checkpoint of its directory's state file, keeping the rest.
+
+    For a writer without retention (``save_sharded(write_state=True)``): the checkpoints the
+    state file lists stay listed (``prefix`` moves to the end); nothing is deleted.
+
+    Args:
+        prefix: The committed checkpoint.
+        latest_filename: The state file's name; None means ``"checkpoint"``.
+        storage: Where the directory lives.
+
+    Raises:
+        OSError: The state file could not be written.
+
+    TF name: none.
+    """
+    save_dir = os.path.dirname(prefix)
+    state, _ = read_checkpoint_state(save_dir, latest_filename, storage=storage)
+    own = os.path.normpath(prefix)
+    paths = [] if state is None else list(state.all_model_checkpoint_paths)
+    paths = [p for p in paths if os.path.normpath(p) != own] + [prefix]
+    update_checkpoint_state_internal(
+        save_dir=save_dir,
+        model_checkpoint_path=prefix,
+        all_model_checkpoint_paths=paths,
+        latest_filename=latest_filename,
+        storage=storage,
+    )
 
 
 def read_pending_deletions(
-    checkpoint_dir: _PathLike, latest_filename: str | None = None, *, fs: FileSystem = LOCAL_FS
+    checkpoint_dir: _PathLike, latest_filename: str | None = None, *, storage: Storage = LOCAL
 ) -> list[str]:
     """Return the checkpoints the last state-file update was about to delete.
 
@@ -351,7 +384,7 @@ def read_pending_deletions(
     Args:
         checkpoint_dir: The checkpoint directory.
         latest_filename: The state file's name; None means ``"checkpoint"``.
-        fs: The file-system seam.
+        storage: Where the directory lives.
 
     Returns:
         Prefixes in ``checkpoint_dir`` (plain base names joined with it; any other entry is
@@ -361,7 +394,7 @@ def read_pending_deletions(
     """
     checkpoint_dir = os.fspath(checkpoint_dir)
     try:
-        data = _read_state_bytes(state_file_path(checkpoint_dir, latest_filename), fs)
+        data = _read_state_bytes(state_file_path(checkpoint_dir, latest_filename), storage)
         text = (data or b"").decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return []
@@ -412,7 +445,7 @@ def _warn_ignored(state_path: str, error: BaseException) -> None:
     logger.warning("%s: Checkpoint ignored", state_path)
 
 
-def _read_state_bytes(state_path: str, fs: FileSystem) -> bytes | None:
+def _read_state_bytes(state_path: str, storage: Storage) -> bytes | None:
     """The state file's bytes; None if it does not exist.
 
     Raises:
@@ -420,16 +453,9 @@ def _read_state_bytes(state_path: str, fs: FileSystem) -> bytes | None:
             than ``MAX_STATE_FILE_BYTES``.
     """
     try:
-        f = fs.open_for_read(state_path)
+        return storage.read_bytes(state_path, max_bytes=MAX_STATE_FILE_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        if size > MAX_STATE_FILE_BYTES:
-            raise OSError(
-                errno.EFBIG, f"larger than {MAX_STATE_FILE_BYTES} bytes ({size})", state_path
-            )
-        return f.read(MAX_STATE_FILE_BYTES + 1)
 
 
 def _resolve(state: Any, checkpoint_dir: str) -> Any:
@@ -443,7 +469,7 @@ def _resolve(state: Any, checkpoint_dir: str) -> Any:
 
 
 def read_checkpoint_state(
-    checkpoint_dir: _PathLike, latest_filename: str | None = None, *, fs: FileSystem = LOCAL_FS
+    checkpoint_dir: _PathLike, latest_filename: str | None = None, *, storage: Storage = LOCAL
 ) -> tuple[Any, str | None]:
     """Read the state file of ``checkpoint_dir`` without ever raising: for restarts and tools.
 
@@ -454,7 +480,7 @@ def read_checkpoint_state(
     Args:
         checkpoint_dir: The checkpoint directory.
         latest_filename: Name of the state file; None means ``"checkpoint"``.
-        fs: The file-system seam.
+        storage: Where the directory lives.
 
     Returns:
         ``(state, None)`` for a usable state file; ``(None, None)`` when there is none;
@@ -469,7 +495,7 @@ def read_checkpoint_state(
     checkpoint_dir = os.fspath(checkpoint_dir)
     state_path = state_file_path(checkpoint_dir, latest_filename)
     try:
-        data = _read_state_bytes(state_path, fs)
+        data = _read_state_bytes(state_path, storage)
     except OSError as e:
         return None, f"{state_path} cannot be read: {e}"
     if data is None:
@@ -514,7 +540,7 @@ def get_checkpoint_state(checkpoint_dir: _PathLike, latest_filename: str | None 
     checkpoint_dir = os.fspath(checkpoint_dir)
     state_path = state_file_path(checkpoint_dir, latest_filename)
     try:
-        data = _read_state_bytes(state_path, LOCAL_FS)
+        data = _read_state_bytes(state_path, storage_for(state_path))
     except OSError as e:
         _warn_ignored(state_path, e)
         return None
@@ -556,7 +582,7 @@ def latest_checkpoint(checkpoint_dir: _PathLike, latest_filename: str | None = N
     if state is None or not state.model_checkpoint_path:
         return None
     prefix = state.model_checkpoint_path
-    if _first_matching_file(prefix + ".index") is not None:
+    if first_matching_file(prefix + ".index") is not None:
         return prefix
     logger.error("Couldn't match files for checkpoint %s", prefix)
     return None

@@ -27,8 +27,8 @@ from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.recovery import restore_candidates, scan_checkpoints
 from torchsupervisor.checkpoint.references import referenced_data_files
 from torchsupervisor.checkpoint.state_file import get_checkpoint_state, state_file_path
-from torchsupervisor.checkpoint.storage import is_temporary_name
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
+from torchsupervisor.storage import storage_for
 
 __all__ = ["CheckpointInfo", "Survey", "check", "restart_order", "survey"]
 
@@ -118,7 +118,7 @@ def _quiet_library() -> Iterator[None]:
 
 def _file_size(path: str) -> int:
     try:
-        return os.path.getsize(path)
+        return storage_for(path).size(path)
     except OSError:
         return 0
 
@@ -192,7 +192,8 @@ def survey(logdir: str, *, verify: bool = True) -> Survey:
     Raises:
         NotFoundError: ``logdir`` is not a directory.
     """
-    if not os.path.isdir(logdir):
+    storage = storage_for(logdir)
+    if not storage.is_dir(logdir):
         raise NotFoundError(f"{logdir} is not a directory")
     state_file_error = None
     state = None
@@ -203,7 +204,7 @@ def survey(logdir: str, *, verify: bool = True) -> Survey:
             state_file_error = str(e)
         candidates = restore_candidates(logdir)
     path = state_file_path(logdir)
-    if state is None and state_file_error is None and os.path.exists(path):
+    if state is None and state_file_error is None and storage.exists(path):
         state_file_error = "it cannot be read or parsed"
     listed: set[str] = set()
     head = None
@@ -244,9 +245,7 @@ def survey(logdir: str, *, verify: bool = True) -> Survey:
     for prefix in find_incomplete_checkpoints(logdir):
         base = os.path.basename(prefix) + ".data-"
         (shared if any(n.startswith(base) for n in needed) else incomplete).append(prefix)
-    temporaries = sorted(
-        os.path.join(logdir, n) for n in os.listdir(logdir) if is_temporary_name(n)
-    )
+    temporaries = storage.leftovers(logdir)
     return Survey(
         logdir=logdir,
         checkpoints=infos,
@@ -261,7 +260,7 @@ def survey(logdir: str, *, verify: bool = True) -> Survey:
 
 
 def _key(prefix: str) -> str:
-    return os.path.realpath(prefix)
+    return storage_for(prefix).canonical(prefix)
 
 
 def _newer(info: CheckpointInfo, head: CheckpointInfo) -> bool:

@@ -25,9 +25,9 @@ from typing import Any
 
 from tensorboard.compat.proto.event_pb2 import SessionLog
 
-from torchsupervisor.checkpoint.storage import LOCAL_FS, file_kind
 from torchsupervisor.cli._format import local_time, print_table, short_value
 from torchsupervisor.errors import DataLossError, NotFoundError
+from torchsupervisor.storage import LOCAL, NotRegularFileError
 from torchsupervisor.summary.reader import summary_iterator
 
 __all__ = ["HELP", "add_arguments", "read_runs", "run"]
@@ -83,13 +83,25 @@ class Run:
     damaged: list[str]  # files whose reading stopped at a damaged record
 
 
+def _check_regular(path: str) -> None:
+    """Raise ``DataLossError`` if the events file ``path`` is not a regular file."""
+    try:
+        LOCAL.open_read(path).close()
+    except NotRegularFileError as e:
+        kind = e.kind
+    except FileNotFoundError:
+        kind = "dangling"
+    except OSError:
+        return  # Unreadable: reported as damaged when it is read.
+    else:
+        return
+    raise DataLossError(f"Events file {path} is not a regular file ({kind})")
+
+
 def _run_dirs(logdir: str) -> list[str]:
-    found = []
-    for root, dirs, files in os.walk(logdir):
-        dirs.sort()
-        if any("tfevents" in name for name in files):
-            found.append(root)
-    return found
+    """The directories below ``logdir`` (itself included) that hold events files, sorted."""
+    found = {os.path.dirname(p) for p in LOCAL.list_tree(logdir) if "tfevents" in p}
+    return [os.path.join(logdir, d) if d else logdir for d in sorted(found)]
 
 
 def _session_logs(paths: list[str], damaged: list[str]) -> tuple[list, list[int]]:
@@ -185,7 +197,7 @@ def read_run(path: str, name: str, patterns: list[str] | None = None) -> Run:
         if s.kind == "scalar" and s.values:
             s.last = short_value(s.values[-1])
     series.sort(key=lambda s: s.tag)
-    files = sorted(os.path.join(path, n) for n in os.listdir(path) if "tfevents" in n)
+    files = sorted(os.path.join(path, n) for n in LOCAL.list(path) if "tfevents" in n)
     damaged: list[str] = []
     sessions, checkpoints = _session_logs(files, damaged)
     return Run(name, path, files, series, sessions, checkpoints, damaged)
@@ -198,17 +210,16 @@ def read_runs(logdir: str, patterns: list[str] | None = None) -> list[Run]:
         NotFoundError: ``logdir`` is not a directory or holds no events file.
         DataLossError: An events file is not a regular file (a FIFO, a device, a directory).
     """
-    if not os.path.isdir(logdir):
+    if not LOCAL.is_dir(logdir):
         raise NotFoundError(f"{logdir} is not a directory")
     dirs = _run_dirs(logdir)
     if not dirs:
         raise NotFoundError(f"No events files in {logdir}")
     for directory in dirs:  # TensorBoard's loader would block on a FIFO, or read /dev/zero.
-        for name in sorted(os.listdir(directory)):
+        for name in sorted(LOCAL.list(directory)):
             path = os.path.join(directory, name)
-            if "tfevents" in name and not LOCAL_FS.is_regular_file(path):
-                kind = file_kind(os.stat(path).st_mode) if os.path.exists(path) else "dangling"
-                raise DataLossError(f"Events file {path} is not a regular file ({kind})")
+            if "tfevents" in name:
+                _check_regular(path)
     return [read_run(d, os.path.relpath(d, logdir), patterns) for d in dirs]
 
 

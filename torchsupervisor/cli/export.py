@@ -20,6 +20,7 @@ from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.cli._format import human_bytes
 from torchsupervisor.cli.inspect_checkpoint import _resolve
 from torchsupervisor.errors import AlreadyExistsError, InvalidArgumentError
+from torchsupervisor.storage import storage_for
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -53,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         raise ImportError("export needs the safetensors package: pip install safetensors") from e
 
     prefix, _ = _resolve(args.prefix)
-    if os.path.exists(args.out) and not args.force:
+    storage = storage_for(args.out)
+    if storage.exists(args.out) and not args.force:
         raise AlreadyExistsError(f"{args.out} exists; pass --force to replace it")
     reader = CheckpointReader(prefix)
     tensors = reader.read_tensors()
@@ -69,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
     metadata = {"format": "pt", "source": os.path.abspath(prefix)}
     if reader.global_step is not None:
         metadata["global_step"] = str(reader.global_step)
-    tmp = args.out + ".tmp-export"
-    safetensors.torch.save_file(tensors, tmp, metadata=metadata)
-    os.replace(tmp, args.out)
+    # Written whole and atomically (an existing OUT is the old or the new file, never a part),
+    # with the permissions of any new file (0644 under the usual umask).
+    storage.put(args.out, [safetensors.torch.save(tensors, metadata=metadata)])
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"Wrote {len(tensors)} tensors ({human_bytes(total)}) from {prefix} to {args.out}")
     return 0

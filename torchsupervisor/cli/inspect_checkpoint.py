@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -29,6 +28,7 @@ from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.cli._format import human_bytes, local_time, print_table
 from torchsupervisor.cli._survey import restart_order
 from torchsupervisor.errors import NotFoundError
+from torchsupervisor.storage import storage_for
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -82,7 +82,8 @@ def _leaves(node: Any, path: str, out: list[tuple[str, Any]]) -> None:
 
 
 def _resolve(prefix: str) -> tuple[str, str | None]:
-    if os.path.isdir(prefix) and not os.path.isfile(prefix + ".index"):
+    storage = storage_for(prefix)
+    if storage.is_dir(prefix) and not storage.is_file(prefix + ".index"):
         candidates = restart_order(prefix)
         if not candidates:
             raise NotFoundError(f"No checkpoint in {prefix}")

@@ -24,6 +24,7 @@ import os
 from torchsupervisor.checkpoint.recovery import scan_checkpoints
 from torchsupervisor.cli._format import human_bytes
 from torchsupervisor.cli._survey import VALID, CheckpointInfo, check, restart_order
+from torchsupervisor.storage import storage_for
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -61,8 +62,9 @@ def _report(info: CheckpointInfo) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``torchsupervisor verify``; returns the exit status."""
     target = args.logdir
-    if not os.path.isdir(target):
-        if os.path.isfile(target + ".index"):
+    storage = storage_for(target)
+    if not storage.is_dir(target):
+        if storage.is_file(target + ".index"):
             info = check(target)
             _report(info)
             return 0 if info.status == VALID else 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["REAL_CLOCK", "Clock"]
+__all__ = ["REAL_CLOCK", "Clock", "Deadline"]
 
 
 class Clock:
@@ -47,3 +47,33 @@ class Clock:
 
 
 REAL_CLOCK = Clock()
+
+
+class Deadline:
+    """A time budget on a clock: what is left of it, and waits that never pass its end.
+
+    Args:
+        clock: The clock the budget runs on.
+        budget_secs: The budget in seconds from now; None: no limit.
+
+    Thread safety: immutable; may be shared between threads.
+    """
+
+    def __init__(self, clock: Clock, budget_secs: float | None) -> None:
+        self.clock = clock
+        self.budget_secs = budget_secs
+        self._end = None if budget_secs is None else clock.monotonic() + budget_secs
+
+    def remaining(self) -> float | None:
+        """Seconds left (never negative); None without a limit."""
+        if self._end is None:
+            return None
+        return max(0.0, self._end - self.clock.monotonic())
+
+    def expired(self) -> bool:
+        """True once the budget is spent."""
+        return self._end is not None and self.clock.monotonic() >= self._end
+
+    def wait(self, event: threading.Event) -> bool:
+        """Wait for ``event`` until the deadline at the latest; return whether it is set."""
+        return self.clock.wait(event, self.remaining())

@@ -18,13 +18,11 @@ TF names: ``tf.compat.v1.train.SessionCreator``, ``ChiefSessionCreator``,
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
 
-from torchsupervisor.checkpoint import writer_lock
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir
 from torchsupervisor.checkpoint.sharded.collective import is_sharded
 from torchsupervisor.core.checks import check_number
@@ -33,6 +31,7 @@ from torchsupervisor.core.registry import get_default_graph
 from torchsupervisor.core.session import Session
 from torchsupervisor.distributed.replicas import ReplicaGroup
 from torchsupervisor.monitored.scaffold import Scaffold, prepare_state, same_state
+from torchsupervisor.storage import DirectoryLock, storage_for
 from torchsupervisor.supervisor.session_manager import SessionManager
 
 __all__ = ["ChiefSessionCreator", "SessionCreator", "WorkerSessionCreator"]
@@ -182,7 +181,7 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         self._checkpoint_filename_with_path = checkpoint_filename_with_path
         self._cleaned = False
         self._initialized = False
-        self._writer_lock: writer_lock.DirectoryLock | None = None
+        self._writer_lock: DirectoryLock | None = None
 
     def close(self) -> None:
         """Release the writer lock of ``checkpoint_dir`` (``MonitoredSession.close`` calls it).
@@ -224,8 +223,9 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         if wait is not None:
             wait()
         if self._checkpoint_dir and self._writer_lock is None:
-            os.makedirs(self._checkpoint_dir, exist_ok=True)
-            self._writer_lock = writer_lock.acquire(self._checkpoint_dir)
+            storage = storage_for(self._checkpoint_dir)
+            storage.makedirs(self._checkpoint_dir)
+            self._writer_lock = storage.lock(self._checkpoint_dir)
         if self._checkpoint_dir and not self._cleaned:
             clean_checkpoint_dir(self._checkpoint_dir)
             self._cleaned = True

@@ -24,8 +24,8 @@ added before them), and at close. A failed create, write or fsync is logged; the
 and the next batch opens a new file (TF's re-initialization). Writers still open at interpreter
 exit are drained and closed.
 
-All file-system calls go through ``_open_exclusive``, ``_write_all``, ``_fsync`` and
-``_close``, the seam where tests inject faults.
+Every file operation goes through the storage seam (``Storage.open_append``; ``Appendable.write``,
+``sync``, ``close``), where tests inject faults (``torchsupervisor.testing.FaultyStorage``).
 
 TF names: ``EventFileWriter`` (and its logger thread), C++ ``EventsWriter``.
 """
@@ -49,6 +49,7 @@ from tensorboard.compat.proto import event_pb2
 
 from torchsupervisor.core import threads as priority
 from torchsupervisor.core.clock import Clock
+from torchsupervisor.storage import Appendable, Storage, storage_for
 from torchsupervisor.summary import records
 
 __all__ = [
@@ -94,35 +95,6 @@ def _hostname() -> str:
     if _HOSTNAME is None:
         _HOSTNAME = socket.gethostname()
     return _HOSTNAME
-
-
-# --------------------------------------------------------------------------------------------
-# File-system seam (tests replace these to inject faults).
-
-
-def _open_exclusive(path: str) -> int:
-    """Create ``path``, failing with ``FileExistsError`` if it exists; return the fd."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    flags |= getattr(os, "O_CLOEXEC", 0)
-    return os.open(path, flags, 0o666)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to ``fd`` (looping over short writes)."""
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        if written <= 0:
-            raise OSError(errno.EIO, "write returned 0 bytes")
-        view = view[written:]
-
-
-def _fsync(fd: int) -> None:
-    os.fsync(fd)
-
-
-def _close(fd: int) -> None:
-    os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,8 +212,10 @@ class EventFileWriter:
         max_bytes: int = 0,
         niceness: int = 0,
         write_delay_secs: float = WRITE_DELAY_SECS,
+        storage: Storage | None = None,
     ) -> None:
         self.logdir = logdir
+        self.storage = storage_for(logdir, storage)
         self.suffix = suffix
         self.max_queue = max_queue if max_queue > 0 else _UNBOUNDED
         self.flush_secs = flush_secs
@@ -274,7 +248,7 @@ class EventFileWriter:
         self.bytes_written = 0
         self.batches = 0
         self.flushes = 0
-        self.fd: int | None = None
+        self.file: Appendable | None = None
         self.path: str | None = None
         self.header = b""  # the file_version record, until it is written
         self._batch: list[Any] = []  # the items being written
@@ -453,7 +427,7 @@ class EventFileWriter:
                     return
                 self._sleep_until_woken()
                 continue
-            if self.fd is not None and not self._write_now():
+            if self.file is not None and not self._write_now():
                 self._collect()
             self.urgent = False
             with self.lock:
@@ -533,7 +507,7 @@ class EventFileWriter:
         chunks, count = self.encoder.encode_batch(batch)
         if not chunks:
             return
-        if self.fd is None and not self._open_file():
+        if self.file is None and not self._open_file():
             logger.error("%d events for %s are lost", count, self.logdir)
             self.lost += count
             self.encoder.forget_batch()
@@ -543,7 +517,7 @@ class EventFileWriter:
             chunks.insert(0, self.header)
         data = b"".join(chunks)
         try:
-            _write_all(self.fd, data)
+            self.file.write(data)
         except OSError as e:
             logger.error(
                 "Failed to write %d events to %s: %s. The next event opens a new file.",
@@ -565,14 +539,14 @@ class EventFileWriter:
         """Create a new events file; True on success (failures are logged)."""
         host = _hostname()
         try:
-            os.makedirs(self.logdir, exist_ok=True)
+            self.storage.makedirs(self.logdir)
             seconds = int(self.clock.time())
             for _ in range(_MAX_NAME_PROBES):
                 path = os.path.join(
                     self.logdir, f"events.out.tfevents.{seconds:010d}.{host}{self.suffix}"
                 )
                 try:
-                    fd = _open_exclusive(path)
+                    file = self.storage.open_append(path)
                     break
                 except FileExistsError:
                     seconds += 1  # same second as another file: keep names in time order
@@ -583,7 +557,7 @@ class EventFileWriter:
         except OSError as e:
             logger.error("Failed to create an events file in %s: %s", self.logdir, e)
             return False
-        self.fd, self.path = fd, path
+        self.file, self.path = file, path
         first = event_pb2.Event(wall_time=float(seconds), file_version=FILE_VERSION)
         self.header = records.encode_record(first.SerializeToString())
         self.next_flush = float("-inf")
@@ -591,10 +565,10 @@ class EventFileWriter:
         return True
 
     def _flush_file(self) -> None:
-        if self.fd is None or not self.unflushed:
+        if self.file is None or not self.unflushed:
             return
         try:
-            _fsync(self.fd)
+            self.file.sync()
         except OSError as e:
             logger.error("Failed to flush %s: %s. The next event opens a new file.", self.path, e)
             self._abandon_file()
@@ -604,25 +578,25 @@ class EventFileWriter:
         self.next_flush = self.clock.monotonic() + self.flush_secs
 
     def _abandon_file(self) -> None:
-        fd, self.fd = self.fd, None
+        file, self.file = self.file, None
         self.header = b""
         self.unflushed = False
         self.next_flush = float("-inf")
-        if fd is not None:
+        if file is not None:
             try:
-                _close(fd)
+                file.close()
             except OSError:
                 pass
 
     def _close_file(self) -> None:
-        if self.fd is None:
+        if self.file is None:
             return
         self._flush_file()
-        fd, self.fd = self.fd, None
-        if fd is None:
+        file, self.file = self.file, None
+        if file is None:
             return
         try:
-            _close(fd)
+            file.close()
         except OSError as e:
             logger.error("Failed to close %s: %s", self.path, e)
 

@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2
 
 from torchsupervisor import errors
-from torchsupervisor.checkpoint.storage import LOCAL_FS
+from torchsupervisor.storage import storage_for
 from torchsupervisor.summary import records
 
 __all__ = ["summary_iterator"]
@@ -35,12 +35,12 @@ def summary_iterator(path: str | os.PathLike[str]) -> Iterator[event_pb2.Event]:
         DataLossError: A record is truncated, fails its checksum, or is not an ``Event``; the
             message names the file and the byte offset of the record.
         OSError: The file cannot be opened, or is not a regular file (a FIFO, a device:
-            ``checkpoint.storage.NotRegularFileError``, raised before anything is read).
+            ``storage.NotRegularFileError``, raised before anything is read).
 
     TF name: ``tf.compat.v1.train.summary_iterator``.
     """
     name = os.fspath(path)
-    with io.BufferedReader(LOCAL_FS.open_for_read(name)) as f:  # Never a FIFO.
+    with io.BufferedReader(storage_for(name).open_read(name).stream()) as f:  # Never a FIFO.
         for offset, payload in records._iter_records_with_offsets(f, name):
             try:
                 event = event_pb2.Event.FromString(payload)

@@ -28,7 +28,7 @@ from typing import BinaryIO
 import crc32c as _crc32c
 
 from torchsupervisor import errors
-from torchsupervisor.checkpoint.storage import LOCAL_FS
+from torchsupervisor.storage import storage_for
 
 __all__ = [
     "HEADER_BYTES",
@@ -204,8 +204,8 @@ def read_records(path: str | os.PathLike[str]) -> Iterator[bytes]:
     Raises:
         DataLossError: On a checksum mismatch or a truncated record (see ``iter_records``).
         OSError: If the file cannot be opened, or is not a regular file (a FIFO, a device:
-            ``checkpoint.storage.NotRegularFileError``, raised before anything is read).
+            ``storage.NotRegularFileError``, raised before anything is read).
     """
     name = os.fspath(path)
-    with io.BufferedReader(LOCAL_FS.open_for_read(name)) as f:  # Never a FIFO.
+    with io.BufferedReader(storage_for(name).open_read(name).stream()) as f:  # Never a FIFO.
         yield from iter_records(f, name)

@@ -31,6 +31,7 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from torchsupervisor import errors
 from torchsupervisor.core.checks import check_int, check_number, check_path, check_str
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
+from torchsupervisor.storage import Storage, storage_for
 from torchsupervisor.summary.encoders.audio import sample_rate_value
 from torchsupervisor.summary.encoders.histogram import check_bins
 from torchsupervisor.summary.encoders.image import image_layout
@@ -157,6 +158,8 @@ class SummaryWriter:
             accepted alone). Scalars are bounded by ``max_queue`` only. 0: no bound.
         clock: The clock for wall times, file names, the flush timer and the blocked-time
             counter; ``None`` means the real clock.
+        storage: Where the events files go (tests inject faults here); ``None``: chosen by
+            ``logdir``.
 
     Raises:
         ValueError: ``on_full`` is neither ``"block"`` nor ``"drop"``; ``max_queue``,
@@ -205,6 +208,7 @@ class SummaryWriter:
         on_full: str = BLOCK,
         max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
         clock: Clock | None = None,
+        storage: Storage | None = None,
     ) -> None:
         del graph, graph_def, session  # no graphs in eager PyTorch (see the class docstring)
         if on_full not in (BLOCK, DROP):
@@ -215,7 +219,8 @@ class SummaryWriter:
         check_str("filename_suffix", filename_suffix, allow_none=True)
         max_queue_bytes = check_int("max_queue_bytes", max_queue_bytes)
         self._logdir = os.fspath(logdir)
-        os.makedirs(self._logdir, exist_ok=True)
+        self._storage = storage_for(self._logdir, storage)
+        self._storage.makedirs(self._logdir)
         self._max_queue = int(max_queue)
         self._flush_secs = float(flush_secs)
         self._suffix = filename_suffix or ""
@@ -242,6 +247,7 @@ class SummaryWriter:
             max_bytes=self._max_queue_bytes,
             niceness=self.thread_niceness,
             write_delay_secs=self.write_delay_secs,
+            storage=self._storage,
         )
         worker.start()
         return worker

@@ -53,7 +53,6 @@ import torch
 import torch.distributed as dist
 from tensorboard.compat.proto.event_pb2 import SessionLog
 
-from torchsupervisor.checkpoint import writer_lock
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, restore_candidates
 from torchsupervisor.checkpoint.saver import Saver
 from torchsupervisor.checkpoint.sharded.collective import is_sharded
@@ -99,6 +98,7 @@ from torchsupervisor.errors import (
     InvalidArgumentError,
     LogdirLockedError,
 )
+from torchsupervisor.storage import DirectoryLock, storage_for
 from torchsupervisor.summary.ops import merge_all
 from torchsupervisor.summary.writer import SERVICE_MAX_QUEUE, SummaryWriter
 from torchsupervisor.supervisor.services import (
@@ -358,7 +358,7 @@ class Supervisor:
                 clock=self._clock,
             )
         self._session_manager = session_manager
-        self._logdir_lock: writer_lock.DirectoryLock | None = None
+        self._logdir_lock: DirectoryLock | None = None
         self._lock_refused = False
         self._in_managed_session = False
         self._sess: Session | None = None
@@ -561,9 +561,10 @@ class Supervisor:
         """
         self._lock_refused = False
         if self._is_chief and self._logdir and self._logdir_lock is None:
-            os.makedirs(self._logdir, exist_ok=True)
+            storage = storage_for(self._logdir)
+            storage.makedirs(self._logdir)
             try:
-                self._logdir_lock = writer_lock.acquire(self._logdir)  # One writer per logdir.
+                self._logdir_lock = storage.lock(self._logdir)  # One writer per logdir.
             except LogdirLockedError:
                 self._lock_refused = True  # stop() then writes nothing into the logdir.
                 raise

@@ -51,7 +51,6 @@ from torchsupervisor.checkpoint.format import ManifestError, decode_tree, encode
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
 from torchsupervisor.checkpoint.snapshot import Stager
-from torchsupervisor.checkpoint.storage import LOCAL_FS, FileSystem
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.state import TensorRef, check_saveable, find_subtree, load_state
@@ -63,6 +62,7 @@ from torchsupervisor.errors import (
     NotFoundError,
     UnknownError,
 )
+from torchsupervisor.storage import Storage, storage_for
 
 __all__ = [
     "ShardedOptimizerState",
@@ -325,7 +325,7 @@ def save_sharded(
     process_group: Any = None,
     write_state: bool = True,
     latest_filename: str | None = None,
-    fs: FileSystem | None = None,
+    storage: Storage | None = None,
     clock: Clock | None = None,
     stager: Stager | None = None,
 ) -> ShardedManifest:
@@ -348,7 +348,8 @@ def save_sharded(
             checkpoint in the state file (appended to its list; deleting old checkpoints is
             left to the caller, e.g. a ``Saver``).
         latest_filename: The state file's name; None means ``"checkpoint"``.
-        fs: The file-system seam (tests inject faults here); None: the local file system.
+        storage: Where the checkpoint goes (tests inject faults here); None: chosen by the
+            prefix.
         clock: Time source of the manifest's wall time; None: the real clock.
         stager: Staging buffers to reuse between saves of the same state; None: new ones.
 
@@ -374,7 +375,7 @@ def save_sharded(
 
     from torchsupervisor.checkpoint.sharded.storage import ShardedStorageWriter
 
-    fs = fs or LOCAL_FS
+    storage = storage_for(prefix, storage)
     clock = clock or REAL_CLOCK
     found: BaseException | None = None
     tensors: dict[str, torch.Tensor] = {}
@@ -393,7 +394,7 @@ def save_sharded(
         wall_time=clock.time(),
         write_state=write_state,
         latest_filename=latest_filename,
-        fs=fs,
+        storage=storage,
         stager=stager,
         error=found,
     )
@@ -438,7 +439,7 @@ def load_sharded(
     *,
     process_group: Any = None,
     allow_missing: Collection[str] = (),
-    fs: FileSystem | None = None,
+    storage: Storage | None = None,
 ) -> ShardedManifest:
     """Restore the state from checkpoint ``prefix``, each rank reading only what it needs.
 
@@ -455,7 +456,7 @@ def load_sharded(
         process_group: The group of the ranks that restore; None: the default group.
         allow_missing: Names of state entries that the checkpoint may lack (they keep their
             value, with a warning).
-        fs: The file-system seam; None: the local file system.
+        storage: Where the checkpoint lives; None: chosen by the prefix.
 
     Returns:
         The checkpoint's manifest (its ``global_step``, ...).
@@ -479,16 +480,16 @@ def load_sharded(
 
     from torchsupervisor.checkpoint.sharded.storage import ShardedStorageReader
 
-    fs = fs or LOCAL_FS
+    storage = storage_for(prefix, storage)
     found: BaseException | None = None
     manifest: ShardedManifest | None = None
     targets: dict[str, torch.Tensor] = {}
     try:
-        manifest = _read_manifest(prefix, fs)
+        manifest = _read_manifest(prefix, storage)
         targets = _targets(state, manifest, prefix)
     except (CheckpointError, NotFoundError, InvalidArgumentError, TypeError, ValueError) as e:
         found, targets = e, {}
-    reader = ShardedStorageReader(prefix, manifest, fs=fs, error=found)
+    reader = ShardedStorageReader(prefix, manifest, storage=storage, error=found)
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     failure: BaseException | None = None
     try:
@@ -649,8 +650,8 @@ def _agree(error: BaseException | None, process_group: Any, no_dist: bool) -> No
             raise copy
 
 
-def _read_manifest(prefix: str, fs: FileSystem) -> ShardedManifest:
-    reader = CheckpointReader(prefix, fs=fs)
+def _read_manifest(prefix: str, storage: Storage) -> ShardedManifest:
+    reader = CheckpointReader(prefix, storage=storage)
     manifest = reader.manifest
     if isinstance(manifest, ShardedManifest):
         return manifest

@@ -7,8 +7,8 @@ decide how and where the bytes go, and they do it in our format and under our co
 (``format.py``, ``commit.py``) instead of DCP's (which pickles its metadata):
 
 * ``ShardedStorageWriter``: every rank stages its chunks in a host buffer, computes their
-  CRC-32C, and writes its own safetensors shard ``P.data-<i>-of-<N>`` (temporary name, fsync,
-  rename, fsync of the directory); then the coordinator writes the manifest ``P.index`` last:
+  CRC-32C, and puts its own safetensors shard ``P.data-<i>-of-<N>`` (``commit.put_shard``);
+  then the coordinator publishes the manifest ``P.index`` last (``commit.publish``):
   the commit point. It also updates the ``checkpoint`` state file.
 * ``ShardedStorageReader``: rebuilds DCP's metadata from the manifest's JSON, then every rank
   reads the chunks that overlap its local shards, each one verified against its CRC-32C.
@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +50,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from torchsupervisor._version import __version__
+from torchsupervisor.checkpoint import commit
 from torchsupervisor.checkpoint.format import (
     ShardEntry,
     TensorEntry,
@@ -59,7 +59,6 @@ from torchsupervisor.checkpoint.format import (
     shard_checksum,
 )
 from torchsupervisor.checkpoint.reader import check_shard, open_shard
-from torchsupervisor.checkpoint.references import referenced_data_files
 from torchsupervisor.checkpoint.sharded.metadata import (
     ChunkEntry,
     ShardedManifest,
@@ -67,25 +66,13 @@ from torchsupervisor.checkpoint.sharded.metadata import (
     chunk_entry_name,
 )
 from torchsupervisor.checkpoint.snapshot import Stager
-from torchsupervisor.checkpoint.state_file import (
-    get_checkpoint_state,
-    update_checkpoint_state_internal,
-)
-from torchsupervisor.checkpoint.storage import (
-    LOCAL_FS,
-    FileSystem,
-    temporary_name,
-    write_all,
-    write_file_atomically,
-)
+from torchsupervisor.checkpoint.state_file import record_newest
 from torchsupervisor.errors import CheckpointSaveError, CorruptCheckpointError
+from torchsupervisor.storage import LOCAL, Readable, Storage, read_exactly
 
 __all__ = ["SaveOutcome", "ShardedStorageReader", "ShardedStorageWriter", "to_dcp_metadata"]
 
 logger = logging.getLogger("torchsupervisor")
-
-_DATA_RE = re.compile(r"\.data-\d{5}-of-\d{5}")
-_DIRECT_MIN_BYTES = 1 << 20  # Smaller shards gain nothing from O_DIRECT.
 
 _ChunkKey = tuple[str, tuple[int, ...]]
 
@@ -159,7 +146,7 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
        rank that has something to write, and remove an older ``P.index`` of the same prefix
        (from then on the old ``P`` counts as incomplete);
     4. (all ranks) ``write_data``: copy the chunks into a host buffer, compute their CRC-32C,
-       write the shard to a temporary name, fsync, rename, fsync the directory;
+       put the shard (``commit.put_shard``);
     5. (coordinator, only if every rank succeeded) ``finish``: write ``P.index`` (the commit
        point), then the state file; the outcome goes back to every rank in the metadata.
 
@@ -171,7 +158,7 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
         wall_time: The time of the snapshot in seconds since the epoch.
         write_state: Make the coordinator record the checkpoint in the state file.
         latest_filename: The state file's name; None means ``"checkpoint"``.
-        fs: The file-system seam.
+        storage: Where the checkpoints live (tests inject faults here).
         stager: Staging buffers reused between saves; None: new buffers.
         error: An error this rank found before the save (raised in step 2 so that every rank
             learns of it).
@@ -194,7 +181,7 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
         wall_time: float,
         write_state: bool = True,
         latest_filename: str | None = None,
-        fs: FileSystem = LOCAL_FS,
+        storage: Storage = LOCAL,
         stager: Stager | None = None,
         error: BaseException | None = None,
     ) -> None:
@@ -205,14 +192,13 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
         self._wall_time = wall_time
         self._write_state = write_state
         self._latest_filename = latest_filename
-        self._fs = fs
+        self._storage = storage
         self._stager = stager or Stager()
         self._pending = error
         self._rank = 0
         self.is_coordinator = False
         self._world_size = 1
         self._num_files = 0
-        self._temps: list[str] = []
         self._written: list[str] = []
         self.committed = False
         self.error = None
@@ -240,7 +226,7 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
         with self._remembering():
             if self._pending is not None:
                 raise self._pending
-            if self._dir and not self._fs.exists(self._dir):
+            if self._dir and not self._storage.exists(self._dir):
                 raise ValueError(f"Parent directory of {self._prefix} doesn't exist, can't save.")
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
@@ -286,11 +272,11 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
                 index = writers.index(rank) if plan.items else None
                 assignment = _Assignment(index, self._num_files, names)
                 out.append(dataclasses.replace(plan, storage_data=assignment))
-            self._retire_previous()
+            commit.retire(self._storage, self._prefix, [])
             return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's shard: stage, checksum, temporary name, fsync, rename, fsync dir.
+        """Write this rank's shard: stage, checksum, put (``commit.put_shard``).
 
         Raises:
             CheckpointSaveError: If writing fails (its ``OSError`` is the cause); this rank's
@@ -354,20 +340,9 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
         ]
 
     def _persist(self, final: str, view: memoryview) -> None:
-        fs = self._fs
-        tmp = temporary_name(final)
         try:
-            fd = fs.open_for_write(tmp, direct=len(view) >= _DIRECT_MIN_BYTES)
-            self._temps.append(tmp)
-            try:
-                write_all(fs, fd, view)
-                fs.fsync(fd)
-            finally:
-                fs.close(fd)
-            fs.rename(tmp, final)
-            self._temps.remove(tmp)
+            commit.put_shard(self._storage, final, view)
             self._written.append(final)
-            fs.fsync_dir(self._dir)
         except OSError as e:
             self.roll_back()
             raise CheckpointSaveError(
@@ -388,24 +363,14 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
         with self._remembering():
             manifest = self._manifest(metadata, results)
             data = manifest.to_bytes()
-            index = self._prefix + ".index"
             try:
-                write_file_atomically(index, [data], self._fs)
+                commit.publish(self._storage, self._prefix, data)
             except OSError as e:
-                self._unpublish(index)
                 raise CheckpointSaveError(
-                    f"Saving checkpoint {self._prefix} failed: {e}", path=index
+                    f"Saving checkpoint {self._prefix} failed: {e}", path=self._prefix + ".index"
                 ) from e
             self.committed = True
         metadata.storage_data = SaveOutcome(data, self._after_commit())
-
-    def _unpublish(self, index: str) -> None:
-        """After a failed index write: if the rename happened anyway, take the index back."""
-        try:
-            if self._fs.exists(index):
-                self._fs.remove(index)
-        except OSError as e:
-            logger.warning("Could not remove %s of a failed save: %s", index, e)
 
     def _manifest(self, metadata: Metadata, results: list[list[WriteResult]]) -> ShardedManifest:
         shards: dict[int, ShardEntry] = {}
@@ -450,77 +415,23 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
             sharded_tensors=dict(sorted(sharded.items())),
         )
 
-    def _retire_previous(self) -> None:
-        """Before any rank writes: refuse shared data files, then remove an older index."""
-        existing = self._same_prefix_shards()
-        if existing:
-            used = referenced_data_files(self._dir, exclude=[self._prefix], fs=self._fs)
-            clash = sorted(os.path.basename(p) for p in existing if os.path.basename(p) in used)
-            if clash:
-                raise ValueError(
-                    f"cannot overwrite {self._prefix}: its data files {clash} still hold tensors "
-                    "of newer incremental checkpoints"
-                )
-        index = self._prefix + ".index"
-        if self._fs.exists(index):
-            logger.info("Overwriting checkpoint %s", self._prefix)
-            self._fs.remove(index)
-            self._fs.fsync_dir(self._dir)
-
-    def _same_prefix_shards(self) -> list[str]:
-        base = os.path.basename(self._prefix)
-        try:
-            names = self._fs.listdir(self._dir or ".")
-        except OSError:
-            return []
-        return [
-            os.path.join(self._dir, name)
-            for name in names
-            if name.startswith(base) and _DATA_RE.fullmatch(name[len(base) :])
-        ]
-
     def _after_commit(self) -> str | None:
         """Remove stale shards and update the state file; never raises (it is committed)."""
         keep = {data_filename(self._prefix, i, self._num_files) for i in range(self._num_files)}
-        for path in self._same_prefix_shards():
-            if path not in keep:
-                try:
-                    self._fs.remove(path)
-                except OSError as e:
-                    logger.warning("Could not remove stale shard %s: %s", path, e)
+        commit.remove_stale_shards(self._storage, self._prefix, keep)
         if not self._write_state:
             return None
         try:
-            try:
-                state = get_checkpoint_state(self._dir, self._latest_filename)
-            except ValueError:
-                state = None
-            own = os.path.normpath(self._prefix)
-            paths = [] if state is None else list(state.all_model_checkpoint_paths)
-            paths = [p for p in paths if os.path.normpath(p) != own] + [self._prefix]
-            update_checkpoint_state_internal(
-                save_dir=self._dir,
-                model_checkpoint_path=self._prefix,
-                all_model_checkpoint_paths=paths,
-                latest_filename=self._latest_filename,
-                fs=self._fs,
-            )
+            record_newest(self._prefix, self._latest_filename, storage=self._storage)
         except Exception as e:  # Reported to every rank through the outcome.
             return f"{type(e).__name__}: {e}"
         return None
 
     def roll_back(self) -> None:
-        """Remove this rank's temporary and shard files, unless the checkpoint is committed."""
+        """Remove this rank's shard files, unless the checkpoint is committed."""
         if self.committed:
             return
-        for path in self._temps + self._written:
-            try:
-                self._fs.remove(path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                logger.warning("Could not remove %s of a failed save: %s", path, e)
-        self._temps.clear()
+        commit.delete_quietly(self._storage, self._written)
         self._written.clear()
 
 
@@ -554,7 +465,7 @@ class ShardedStorageReader(StorageReader, _RememberErrors):
     Args:
         prefix: The checkpoint prefix.
         manifest: Its parsed manifest (None only together with ``error``).
-        fs: The file-system seam.
+        storage: Where the checkpoints live (tests inject faults here).
         error: An error this rank found before the load (raised in step 1 so that every rank
             learns of it).
 
@@ -570,13 +481,13 @@ class ShardedStorageReader(StorageReader, _RememberErrors):
         prefix: str,
         manifest: ShardedManifest | None,
         *,
-        fs: FileSystem = LOCAL_FS,
+        storage: Storage = LOCAL,
         error: BaseException | None = None,
     ) -> None:
         self._prefix = prefix
         self._dir = os.path.dirname(prefix)
         self._manifest = manifest
-        self._fs = fs
+        self._storage = storage
         self._pending = error
         self.error = None
 
@@ -636,9 +547,8 @@ class ShardedStorageReader(StorageReader, _RememberErrors):
                 names.sort(key=lambda n: self._manifest.tensors[n].begin)
                 with self._open_shard(shard_index) as f:
                     for name in names:
-                        self._load_chunk(f.fileno(), shard_index, name, wanted[name], planner)
-                    shard = self._manifest.shards[shard_index]
-                    check_shard(f.fileno(), shard, self._shard_path(shard_index), {})
+                        self._load_chunk(f, shard_index, name, wanted[name], planner)
+                    check_shard(f, self._manifest.shards[shard_index], {})
             future: Future[None] = Future()
             future.set_result(None)
             return future
@@ -651,10 +561,10 @@ class ShardedStorageReader(StorageReader, _RememberErrors):
         assert self._manifest is not None
         path = self._shard_path(shard_index)
         expected = self._manifest.shards[shard_index].size_bytes
-        return open_shard(path, expected, self._fs, directory=self._dir)
+        return open_shard(path, expected, self._storage, directory=self._dir)
 
     def _load_chunk(
-        self, fd: int, shard_index: int, name: str, items: list[Any], planner: LoadPlanner
+        self, f: Readable, shard_index: int, name: str, items: list[Any], planner: LoadPlanner
     ) -> None:
         assert self._manifest is not None
         entry = self._manifest.tensors[name]
@@ -676,14 +586,12 @@ class ShardedStorageReader(StorageReader, _RememberErrors):
         crc = 0
         if raw is not None:
             view = memoryview(raw.numpy())
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], offset + done)
-                if not n:
-                    raise CorruptCheckpointError(
-                        f"Checkpoint shard {path} is truncated", path=path, reason="truncated"
-                    )
-                done += n
+            try:
+                read_exactly(f, view, offset)
+            except EOFError:
+                raise CorruptCheckpointError(
+                    f"Checkpoint shard {path} is truncated", path=path, reason="truncated"
+                ) from None
             crc = crc32c.crc32c(view)
         if crc != entry.crc32c:
             raise CorruptCheckpointError(

@@ -1,4 +1,4 @@
-"""One writer per log directory: an advisory lock that the operating system releases on a crash.
+"""One writer per local directory: an advisory lock the operating system releases on a crash.
 
 Two runs writing to one directory corrupt each other quietly: each deletes the other's
 checkpoints through retention, they overwrite one state file, and an incremental checkpoint can
@@ -40,6 +40,7 @@ import threading
 from dataclasses import dataclass
 
 from torchsupervisor.errors import LogdirLockedError
+from torchsupervisor.storage import base
 
 __all__ = ["LOCK_FILENAME", "DirectoryLock", "acquire", "read_owner"]
 
@@ -62,7 +63,7 @@ _lock = threading.Lock()
 _held: dict[str, _Held] = {}
 
 
-class DirectoryLock:
+class DirectoryLock(base.DirectoryLock):
     """A handle on a directory's writer lock; ``release`` it once (later calls do nothing).
 
     Thread safety: ``release`` may be called from any thread.
@@ -96,12 +97,6 @@ class DirectoryLock:
                 fcntl.lockf(held.fd, fcntl.LOCK_UN)
             finally:
                 os.close(held.fd)
-
-    def __enter__(self) -> DirectoryLock:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
 
 
 def acquire(directory: str) -> DirectoryLock:

@@ -1,0 +1,358 @@
+"""``LocalStorage``: the storage seam on a POSIX file system.
+
+``put`` writes to a temporary name in the same directory (``<name>.tmp`` + 32 hex digits),
+fsyncs it, renames it over the final name and fsyncs the directory: the object is the old file
+or the complete new one, and a crash leaves at most a temporary file, which ``list`` never
+shows and ``clean_leftovers`` removes at the next start.
+
+Writes go straight from the caller's buffer to the kernel with ``os.write`` (which releases the
+GIL), so a background writer does not slow the training thread. A large object given as one
+buffer is written with ``O_DIRECT`` where the file system supports it: the device reads the
+staging buffer itself, so the write costs almost no CPU (no copy into the page cache), which on
+a machine with few cores is CPU taken from training.
+
+Reads are ``preadv`` at an offset, after checking that the file is a regular one (a FIFO is
+opened without blocking and refused; a device such as ``/dev/zero`` is refused).
+
+Every system call goes through ``_before(operation, path)`` first, which does nothing here:
+``torchsupervisor.testing.FaultyStorage`` overrides it to fail, delay or hold any stage.
+
+TF name: none (TF's ``gfile`` on a local disk).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import stat
+import threading
+import uuid
+from collections.abc import Iterable
+
+import numpy as np
+
+from torchsupervisor.storage import lock as lock_module
+from torchsupervisor.storage.base import (
+    Appendable,
+    Buffer,
+    DirectoryLock,
+    NotRegularFileError,
+    OutsideDirectoryError,
+    Readable,
+    Storage,
+    WriteCancelled,
+    file_kind,
+)
+
+__all__ = [
+    "DIRECT_IO_ALIGNMENT",
+    "OPERATIONS",
+    "LocalStorage",
+    "is_temporary_name",
+    "temporary_name",
+]
+
+OPERATIONS = (
+    "makedirs",
+    "open",
+    "write",
+    "fsync",
+    "close",
+    "rename",
+    "fsync_dir",
+    "delete",
+    "list",
+    "read",
+)
+"""The system calls ``LocalStorage._before`` sees (``open``: a create for writing; ``read``:
+an open for reading)."""
+
+# Temporary files carry ".tmp" + 32 hex digits after the final name (TF's state-file habit).
+_TEMP_SUFFIX_RE = re.compile(r"\.tmp[0-9a-f]{32}$")
+
+_WRITE_CHUNK_BYTES = 64 << 20
+
+DIRECT_IO_ALIGNMENT = 4096
+"""Alignment (bytes) of buffer addresses, file offsets and lengths for ``O_DIRECT`` writes."""
+
+_DIRECT_MIN_BYTES = 1 << 20  # Smaller objects gain nothing from O_DIRECT.
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def temporary_name(path: str) -> str:
+    """Return a fresh temporary name for ``path`` in the same directory."""
+    return f"{path}.tmp{uuid.uuid4().hex}"
+
+
+def is_temporary_name(name: str) -> bool:
+    """Return True if ``name`` was made by ``temporary_name``."""
+    return _TEMP_SUFFIX_RE.search(name) is not None
+
+
+class LocalStorage(Storage):
+    """Files on a local (POSIX) file system; see the module docstring.
+
+    Thread safety: stateless but for the process-wide writer locks; share it freely.
+    """
+
+    def _before(self, operation: str, path: str) -> None:
+        """Called before each system call (one of ``OPERATIONS``) on ``path``; no-op here."""
+
+    # ------------------------------------------------------------------------------ writing
+
+    def put(
+        self, path: str, chunks: Iterable[Buffer], *, cancel: threading.Event | None = None
+    ) -> None:
+        """Write ``path`` atomically: temporary name, write, fsync, rename, fsync directory.
+
+        A single chunk of at least 1 MiB is written with ``O_DIRECT`` where supported. See
+        ``Storage.put``.
+        """
+        parts = [memoryview(c).cast("B") for c in chunks]
+        direct = len(parts) == 1 and len(parts[0]) >= _DIRECT_MIN_BYTES
+        tmp = temporary_name(path)
+        renamed = False
+        try:
+            fd = self._create(tmp, direct=direct)
+            try:
+                for part in parts:
+                    self._write_all(fd, tmp, part, cancel)
+                self._before("fsync", tmp)
+                os.fsync(fd)
+            finally:
+                try:
+                    self._before("close", tmp)
+                finally:
+                    os.close(fd)
+            if cancel is not None and cancel.is_set():
+                raise WriteCancelled()
+            self._before("rename", path)
+            os.replace(tmp, path)
+            renamed = True
+            self._fsync_dir(os.path.dirname(path))
+        except BaseException:
+            # Take the attempt back: the temporary file, or a renamed file whose directory
+            # entry could not be made durable (it must not be mistaken for a committed one).
+            _remove_quietly(path if renamed else tmp)
+            raise
+
+    def delete(self, path: str) -> None:
+        """Unlink ``path`` and fsync its directory."""
+        self._before("delete", path)
+        os.remove(path)
+        self._fsync_dir(os.path.dirname(path))
+
+    def makedirs(self, path: str) -> None:
+        """``os.makedirs(path, exist_ok=True)``."""
+        self._before("makedirs", path)
+        os.makedirs(path, exist_ok=True)
+
+    def open_append(self, path: str) -> Appendable:
+        """Create ``path`` exclusively and return it for appends (``sync`` is an fsync)."""
+        fd = self._create(path, direct=False)
+        return _LocalAppendable(self, path, fd)
+
+    # ------------------------------------------------------------------------------ reading
+
+    def open_read(self, path: str, *, inside: str | None = None) -> Readable:
+        """Open the regular file ``path`` without blocking; see ``Storage.open_read``."""
+        if inside is not None:
+            real = os.path.dirname(os.path.realpath(path))
+            if real != os.path.realpath(inside or os.curdir):
+                raise OutsideDirectoryError(path, inside or os.curdir, real)
+        self._before("read", path)
+        fd = os.open(path, os.O_RDONLY | _O_NONBLOCK | _O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegularFileError(path, file_kind(st.st_mode))
+            return _LocalReadable(path, fd, st.st_size)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def list(self, directory: str) -> list[str]:
+        """The names in ``directory`` but temporary files; see ``Storage.list``."""
+        self._before("list", directory)
+        return [n for n in os.listdir(directory or os.curdir) if not is_temporary_name(n)]
+
+    def list_tree(self, directory: str) -> list[str]:
+        """Every file below ``directory`` (``os.walk``), but temporary files."""
+        self._before("list", directory)
+        if not os.path.isdir(directory or os.curdir):
+            raise FileNotFoundError(errno.ENOENT, "no such directory", directory)
+        found = []
+        for root, _, files in os.walk(directory or os.curdir):
+            rel = os.path.relpath(root, directory or os.curdir)
+            for name in files:
+                if not is_temporary_name(name):
+                    found.append(name if rel == os.curdir else os.path.join(rel, name))
+        return sorted(found)
+
+    def exists(self, path: str) -> bool:
+        """True if anything (a file, a directory, a dangling link) is at ``path``."""
+        return os.path.lexists(path)
+
+    def is_file(self, path: str) -> bool:
+        """True if ``path`` is a regular file (after symbolic links)."""
+        try:
+            return stat.S_ISREG(os.stat(path).st_mode)
+        except (OSError, ValueError):
+            return False
+
+    def is_dir(self, path: str) -> bool:
+        """True if ``path`` is a directory (after symbolic links)."""
+        return os.path.isdir(path or os.curdir)
+
+    def size(self, path: str) -> int:
+        """``os.path.getsize``."""
+        return os.path.getsize(path)
+
+    def mtime(self, path: str) -> float:
+        """The modification time in seconds (``st_mtime_ns / 1e9``)."""
+        return os.stat(path).st_mtime_ns / 1e9
+
+    def canonical(self, path: str) -> str:
+        """``os.path.realpath`` (the empty path is the current directory)."""
+        return os.path.realpath(path or os.curdir)
+
+    # ----------------------------------------------------------------------- one writer
+
+    def lock(self, directory: str) -> DirectoryLock:
+        """A POSIX record lock on ``<directory>/.torchsupervisor-writer.lock`` (``lock.py``)."""
+        return lock_module.acquire(directory)
+
+    def lock_owner(self, directory: str) -> dict[str, object]:
+        """What the lock file says about its writer; see ``lock.read_owner``."""
+        return lock_module.read_owner(directory)
+
+    def leftovers(self, directory: str) -> list[str]:
+        """The temporary files interrupted writes left (never a directory)."""
+        self._before("list", directory)
+        try:
+            names = os.listdir(directory or os.curdir)
+        except FileNotFoundError:
+            return []
+        paths = (os.path.join(directory, n) for n in sorted(names) if is_temporary_name(n))
+        return [p for p in paths if not os.path.isdir(p)]
+
+    # ----------------------------------------------------------------------- system calls
+
+    def _create(self, path: str, *, direct: bool) -> int:
+        """Create ``path`` exclusively; with ``O_DIRECT`` if asked and supported."""
+        self._before("open", path)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
+        if direct and _O_DIRECT:
+            try:
+                return os.open(path, flags | _O_DIRECT, 0o644)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                _remove_quietly(path)  # Some file systems create the file, then refuse.
+        return os.open(path, flags, 0o644)
+
+    def _write_all(
+        self, fd: int, path: str, data: memoryview, cancel: threading.Event | None
+    ) -> None:
+        """Write ``data``; its aligned part straight to the device if ``fd`` is ``O_DIRECT``."""
+        view = data
+        if _O_DIRECT and fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT:
+            aligned = len(view) // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
+            if _address(view) % DIRECT_IO_ALIGNMENT == 0 and aligned:
+                self._write_chunks(fd, path, view[:aligned], cancel)
+                view = view[aligned:]
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        self._write_chunks(fd, path, view, cancel)
+
+    def _write_chunks(
+        self, fd: int, path: str, view: memoryview, cancel: threading.Event | None
+    ) -> None:
+        for start in range(0, len(view), _WRITE_CHUNK_BYTES):
+            if cancel is not None and cancel.is_set():
+                raise WriteCancelled()
+            self._write(fd, path, view[start : start + _WRITE_CHUNK_BYTES])
+
+    def _write(self, fd: int, path: str, view: memoryview) -> None:
+        """Write all of ``view`` (loops over short writes)."""
+        self._before("write", path)
+        while view:
+            written = os.write(fd, view)
+            if written <= 0:
+                raise OSError(errno.EIO, "write returned 0 bytes")
+            view = view[written:]
+
+    def _fsync_dir(self, directory: str) -> None:
+        """Make renames and deletions inside ``directory`` durable."""
+        self._before("fsync_dir", directory)
+        try:
+            fd = os.open(directory or os.curdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:
+            return  # Platforms that cannot open directories (Windows) have nothing to sync.
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+                raise
+        finally:
+            os.close(fd)
+
+
+class _LocalReadable(Readable):
+    def __init__(self, path: str, fd: int, size: int) -> None:
+        super().__init__(path, size)
+        if _O_NONBLOCK:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_NONBLOCK)
+        self._fd = fd
+
+    def readinto(self, view: memoryview, offset: int) -> int:
+        return os.preadv(self._fd, [view], offset)
+
+    def read_ahead(self, offset: int) -> None:
+        advise = getattr(os, "posix_fadvise", None)
+        if advise is not None:
+            try:
+                advise(self._fd, offset, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _LocalAppendable(Appendable):
+    def __init__(self, storage: LocalStorage, path: str, fd: int) -> None:
+        self._storage = storage
+        self.path = path
+        self._fd = fd
+
+    def write(self, data: Buffer) -> None:
+        self._storage._write(self._fd, self.path, memoryview(data).cast("B"))
+
+    def sync(self) -> None:
+        self._storage._before("fsync", self.path)
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            try:
+                self._storage._before("close", self.path)
+            finally:
+                os.close(fd)
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
