@@ -112,7 +112,8 @@ from torchsupervisor.summary import (
     summary_iterator,
 )
 from torchsupervisor.supervisor.session_manager import SessionManager
-from torchsupervisor.supervisor.supervisor import Supervisor, basic_train_loop
+from torchsupervisor.supervisor.supervisor import Supervisor
+from torchsupervisor.supervisor.train_loop import basic_train_loop
 from torchsupervisor.training.clip_ops import (
     clip_by_average_norm,
     clip_by_global_norm,

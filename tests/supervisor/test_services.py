@@ -305,7 +305,7 @@ def test_each_checkpoint_commit_flushes_the_events_file(tmp_path):
     sv = Supervisor(logdir=logdir, state=c.state, save_summaries_secs=0, save_model_secs=3600)
     with sv.managed_session() as sess:
         wait_for_checkpoint(sv, 0)
-        sv._checkpoint_service.wait()  # The step-0 commit and its CHECKPOINT event are done.
+        sv._mode.driver.wait()  # The step-0 commit and its CHECKPOINT event are done.
         writer = sv.summary_writer
         requests = []
         request_flush = writer.request_flush
@@ -601,17 +601,17 @@ def test_a_request_while_a_save_is_in_flight_is_served_after_it_without_blocking
     )
     with sv.managed_session() as sess:
         wait_for_checkpoint(sv, 0)
-        service = sv._checkpoint_service  # What the timer thread calls on schedule.
+        driver = sv._mode.driver  # What the timer thread calls on schedule.
         gate = storage.hold("fsync")  # The next save is held in its first fsync.
         watchdog = threading.Timer(30, gate.open)  # Fails the test below, never hangs.
         watchdog.start()
         try:
             sess.run(c.step)
-            service.request()
+            driver.request(sess)
             sess.run(c.step)  # Its boundary, at step 1: the save starts and is held.
             assert gate.reached.wait(30)
             assert sv.saver.in_flight
-            service.request()  # Arrives while the save of step 1 is being written.
+            driver.request(sess)  # Arrives while the save of step 1 is being written.
             for _ in range(5):
                 sess.run(c.step)  # Not blocked by the held save...
             assert not gate.opened.is_set()  # ...(the watchdog did not have to free it).

@@ -52,7 +52,13 @@ from torchsupervisor.errors import (
     InvalidArgumentError,
 )
 
-__all__ = ["ReplicaAbort", "ReplicaGroup", "StopAgreement", "communication_device"]
+__all__ = [
+    "ReplicaAbort",
+    "ReplicaGroup",
+    "StopAgreement",
+    "agree",
+    "communication_device",
+]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -338,6 +344,31 @@ class ReplicaGroup:
                 header["tree"], lambda n, nd: received[n].cpu().numpy() if nd else received[n]
             )
             load_state(state, tree, source=f"rank {src}")
+
+
+def agree(
+    replicas: ReplicaGroup,
+    name: str,
+    value: Any,
+    timeout_secs: float,
+    *,
+    what: str,
+    abort: str | None = None,
+) -> None:
+    """Post ``value`` and check that every rank posted the same; raise on every rank if not.
+
+    Raises:
+        FailedPreconditionError: If the ranks posted different values (all of them listed),
+            or (``ReplicaAbort``) if a rank raised the ``abort`` flag.
+        DeadlineExceededError: If a rank did not post within ``timeout_secs``.
+
+    Distributed: every rank calls it with the same ``name``.
+    """
+    replicas.post(name, value)
+    values = replicas.gather(name, timeout_secs, what=f"Agreeing on {what}", abort=abort)
+    if any(v != values[0] for v in values):
+        listed = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        raise FailedPreconditionError(None, None, f"The replicas disagree on {what}: {listed}")
 
 
 class StopAgreement:

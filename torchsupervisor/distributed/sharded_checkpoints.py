@@ -58,15 +58,14 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any
 
-from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
-
+from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.session import Session
 from torchsupervisor.distributed.replicas import ReplicaAbort, ReplicaGroup
+from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 from torchsupervisor.errors import CheckpointSaveError, DeadlineExceededError
 
 __all__ = ["DEFAULT_AGREEMENT_SECS", "ShardedCheckpointService"]
@@ -115,6 +114,7 @@ class ShardedCheckpointService:
         poll_secs: How often the poller looks for requests, in seconds.
         agreement_secs: How long to wait for the other ranks' answers and votes of a
             periodic or explicit checkpoint, in seconds.
+        clock: Time for the agreement's deadlines and polls; None: the real clock.
 
     Raises:
         ValueError: If ``global_step`` is None.
@@ -138,20 +138,30 @@ class ShardedCheckpointService:
         on_error: Any = None,
         poll_secs: float = 0.1,
         agreement_secs: float = DEFAULT_AGREEMENT_SECS,
+        clock: Clock | None = None,
     ) -> None:
         if global_step is None:
             raise ValueError("Sharded checkpoints of replicas need a global step to agree on")
         self._sess = sess
         self._saver = saver
-        self._save_path = save_path
         self._global_step = global_step
         self._group = group
-        self._writer = writer
         self._on_error = on_error
         self._poll_secs = poll_secs
         self._agreement_secs = agreement_secs
         self._is_chief = group.rank == group.chief_rank
-        self._last_step = read_step(global_step) if sess.restored_checkpoint else None
+        self._clock = clock or REAL_CLOCK
+        self.driver = CheckpointDriver(
+            saver,
+            save_path,
+            global_step,
+            writer=writer if self._is_chief else None,
+            clock=clock,
+            stop_on_error=on_error is not None,
+            last_step=read_step(global_step) if sess.restored_checkpoint else None,
+            last_prefix=sess.restored_checkpoint,
+        )
+        """Saves and reports (the chief writes the events); this service decides the step."""
         self._lock = threading.Lock()
         self._tasks: dict[int, _SaveTask] = {}
         self._seen = 0  # Requests announced by this rank's poller.
@@ -166,7 +176,7 @@ class ShardedCheckpointService:
     @property
     def last_step(self) -> int | None:
         """The step of the last checkpoint written or restored by this session (or None)."""
-        return self._last_step
+        return self.driver.last_step
 
     def start(self) -> None:
         """Start the poller thread."""
@@ -294,7 +304,7 @@ class ShardedCheckpointService:
         """
         if veto is not None:
             vote = f"no: {veto}"
-        elif step == self._last_step:
+        elif self.driver.unchanged(step):
             vote = _SAME
         else:
             vote = _SAVE
@@ -310,7 +320,7 @@ class ShardedCheckpointService:
 
     def _decide(self, tag: str, timeout_secs: float) -> str:
         group = self._group
-        deadline = time.monotonic() + timeout_secs
+        deadline = self._clock.monotonic() + timeout_secs
         decision_key = f"{tag}/decision"
         while True:
             decided = group.flag(decision_key)
@@ -322,42 +332,22 @@ class ShardedCheckpointService:
                 proposal = _SKIP + vetoed
             elif votes is not None:
                 proposal = _combine(votes)
-            elif time.monotonic() > deadline:
+            elif self._clock.monotonic() > deadline:
                 missing = group.missing(f"{tag}/vote")
                 proposal = f"{_SKIP}{_NO_VOTE} within {timeout_secs:g} s: rank(s) {missing}"
             else:
-                time.sleep(0.01)
+                self._clock.sleep(0.01)
                 continue
             return group.decide(decision_key, proposal)
 
     def _save(self, step: int) -> str | None:
-        logger.info("Saving checkpoint to path %s (rank %d)", self._save_path, self._group.rank)
+        """Every rank saves its shard (a collective); the driver reports it."""
         try:
-            prefix = self._saver.save(self._sess, self._save_path, global_step=step)
+            return self.driver.save(self._sess, step)
         except CheckpointSaveError as e:
-            self._failed(e, step)
             if self._on_error is not None:
                 self._on_error(e)
             raise
-        self._last_step = step
-        if self._is_chief and self._writer is not None:
-            self._writer.add_session_log(
-                SessionLog(status=SessionLog.CHECKPOINT, checkpoint_path=self._save_path), step
-            )
-            # The summaries of the steps up to this checkpoint go to disk with it.
-            self._writer.request_flush()
-        return prefix
-
-    def _failed(self, error: BaseException, step: int) -> None:
-        logger.error("Sharded checkpoint at step %s failed: %s", step, error)
-        if self._is_chief and self._writer is not None:
-            event = Event(
-                step=step,
-                log_message=LogMessage(
-                    level=LogMessage.ERROR, message=f"Checkpoint at step {step} failed: {error}"
-                ),
-            )
-            self._writer.add_event(event)
 
     # ---------------------------------------------------------------- training-thread API
 
@@ -414,10 +404,10 @@ class ShardedCheckpointService:
         Raises:
             CheckpointSaveError: If writing failed (on every rank).
         """
-        start = time.monotonic()
+        start = self._clock.monotonic()
 
         def left() -> float:
-            spent = time.monotonic() - start
+            spent = self._clock.monotonic() - start
             limit = timeout_secs if budget_secs is None else min(timeout_secs, budget_secs)
             return max(0.0, limit - spent)
 
@@ -435,7 +425,7 @@ class ShardedCheckpointService:
         veto = None
         if budget_secs is not None:
             last = getattr(self._saver, "last_save", None)
-            remaining = budget_secs - (time.monotonic() - start)
+            remaining = budget_secs - (self._clock.monotonic() - start)
             if last is not None and last.total_secs > remaining:
                 veto = (
                     f"rank {self._group.rank}'s last save took {last.total_secs:.1f} s and "

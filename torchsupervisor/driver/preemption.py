@@ -35,6 +35,7 @@ __all__ = [
     "DEFAULT_PREEMPTION_SIGNALS",
     "WORKER_IGNORED_SIGNALS",
     "IgnorePreemptionSignals",
+    "Preemption",
     "PreemptionHandler",
     "final_checkpoint_failed",
 ]
@@ -145,6 +146,110 @@ class PreemptionHandler:
             return signal.Signals(self.received).name
         except ValueError:
             return str(self.received)
+
+
+class Preemption:
+    """What a front end does about preemption signals; the Supervisor and MonitoredSession
+    each hold one.
+
+    While a session runs (``install``/``uninstall``) the handler records the first signal.
+    The front end's ``should_stop()`` calls ``notice``, which logs one line the first time
+    and tells it to stop; the final checkpoint then gets ``budget()`` seconds
+    (``CheckpointDriver.grace_budget_secs``); after the stop, ``outcome`` says whether work
+    was lost (the exit to raise: a stop that loses work never exits with status 0), and
+    ``exit`` raises ``SystemExit(exit_code)`` for schedulers that requeue on a status.
+
+    Args:
+        signals: The signals that mean "stop and save"; empty: keep the current handlers.
+        grace_secs: Time budget of the final checkpoint after a signal, in seconds.
+        exit_code: ``SystemExit`` code after a preemption stop; None: return normally.
+
+    Thread safety: as ``PreemptionHandler``; ``notice`` on the training thread.
+
+    TF name: none (TF did not handle preemption signals).
+    """
+
+    def __init__(
+        self, signals: Iterable[int], grace_secs: float, exit_code: int | None = None
+    ) -> None:
+        self.handler = PreemptionHandler(signals)
+        self.grace_secs = grace_secs
+        self.exit_code = exit_code
+        self._noticed = False
+
+    @property
+    def received(self) -> int | None:
+        """The first signal received while installed, or None."""
+        return self.handler.received
+
+    @property
+    def aborted(self) -> bool:
+        """True once a second Ctrl-C aborted (``KeyboardInterrupt`` was raised)."""
+        return self.handler.aborted
+
+    def describe(self) -> str:
+        """The name of the signal received (``"SIGTERM"``), or ``""``."""
+        return self.handler.describe()
+
+    def install(self) -> None:
+        """Install the handlers (main thread only) and forget an earlier signal."""
+        self.handler.install()
+        self._noticed = False
+
+    def uninstall(self) -> None:
+        """Restore the handlers that were there before ``install``."""
+        self.handler.uninstall()
+
+    def notice(self, step: int | None, *, saving: bool) -> bool:
+        """Return True the first time a received signal is seen, logging one line.
+
+        Args:
+            step: The step training stops at (None without a global step).
+            saving: Whether a final checkpoint will be written (said in the line).
+        """
+        if self.handler.received is None or self._noticed:
+            return False
+        self._noticed = True
+        logger.warning(
+            "Received %s: stopping at step %s%s%s",
+            self.describe(),
+            step,
+            " with a final checkpoint" if saving else "",
+            " (press Ctrl-C again to abort at once)"
+            if self.handler.received in ABORT_SIGNALS
+            else "",
+        )
+        return True
+
+    def budget(self) -> float | None:
+        """The final checkpoint's time budget in seconds: ``grace_secs`` after a signal."""
+        return self.grace_secs if self.handler.received is not None else None
+
+    def outcome(self, step: int | None, driver: Any) -> SystemExit | None:
+        """After a clean stop by a signal: the exit to raise if the final checkpoint is missing.
+
+        Args:
+            step: The step training stopped at.
+            driver: The ``CheckpointDriver`` that wrote the final checkpoint (its
+                ``last_step``, ``last_prefix``, ``last_error``); None: no checkpoints.
+
+        Returns:
+            None when no signal stopped the run, there are no checkpoints, or the newest
+            checkpoint is at ``step``; else the ``SystemExit`` of ``final_checkpoint_failed``
+            (its line is logged).
+        """
+        name = self.describe()
+        if not name or driver is None or step is None or driver.last_step == step:
+            return None
+        reason = driver.last_error or "it was not written"
+        return final_checkpoint_failed(
+            name, step, driver.last_step, driver.last_prefix, reason, self.exit_code
+        )
+
+    def exit(self) -> None:
+        """Raise ``SystemExit(exit_code)`` after a preemption stop, if an exit code is set."""
+        if self.handler.received is not None and self.exit_code is not None:
+            raise SystemExit(self.exit_code)
 
 
 class IgnorePreemptionSignals:

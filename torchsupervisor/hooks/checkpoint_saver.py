@@ -18,28 +18,27 @@ Checkpoints keep the library's guarantees (SPEC section 4):
   preemption signal, within the grace period (``set_final_save_budget``): a checkpoint that
   cannot finish in time is cancelled, never left half-written.
 
+The skip rule, the one save in flight, the reports and the grace budget are the
+``CheckpointDriver``'s (``checkpoint_driver``, the capability sessions look for); this hook only
+keeps TF's schedule and calls the listeners.
+
 TF names: ``tf.compat.v1.train.CheckpointSaverHook``, ``CheckpointSaverListener``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
 import os
-import threading
-import time
 from collections.abc import Iterable
 from typing import Any
-
-from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
 
 from torchsupervisor.core.checks import check_bool, check_int, check_number, check_path, check_str
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.registry import GraphKeys, get_collection
 from torchsupervisor.core.timers import SecondOrStepTimer
-from torchsupervisor.errors import CheckpointSaveError
+from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 from torchsupervisor.hooks._global_step import require_global_step, session_global_step
 from torchsupervisor.hooks.session_run_hook import (
     SessionRunContext,
@@ -185,14 +184,13 @@ class CheckpointSaverHook(SessionRunHook):
         self._timer = SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
         self._listeners = list(listeners or [])
         self._stop_on_checkpoint_error = stop_on_checkpoint_error
-        self._summary_writer: Any = None
-        self._global_step: Any = None
+        # The saver is resolved at the first save (scaffold, then the SAVERS collection).
+        self._driver = CheckpointDriver(
+            saver, self._save_path, clock=clock, stop_on_error=stop_on_checkpoint_error
+        )
         # The save being written in the background (no listeners), until the training thread
-        # sees it finished.
-        self._pending: _PendingSave | None = None
-        self._last_saved_step: int | None = None
-        self._last_error: str | None = None
-        self._final_budget_secs: float | None = None
+        # has seen it end.
+        self._pending: tuple[concurrent.futures.Future, int, Any] | None = None
         self.final_save_failure: str | None = None
         """After ``end()`` under a budget: why the final checkpoint is missing; else None."""
 
@@ -204,6 +202,14 @@ class CheckpointSaverHook(SessionRunHook):
         """
         return self._save_path
 
+    @property
+    def checkpoint_driver(self) -> CheckpointDriver:
+        """The ``CheckpointDriver`` of this hook (the capability sessions look for).
+
+        TF name: none.
+        """
+        return self._driver
+
     def begin(self) -> None:
         """Find the writer and the global step; call the listeners' ``begin``.
 
@@ -212,8 +218,8 @@ class CheckpointSaverHook(SessionRunHook):
 
         TF name: ``tf.compat.v1.train.CheckpointSaverHook.begin``.
         """
-        self._summary_writer = SummaryWriterCache.get(self._checkpoint_dir)
-        self._global_step = require_global_step("CheckpointSaverHook")
+        self._driver.writer = SummaryWriterCache.get(self._checkpoint_dir)
+        self._driver.global_step = require_global_step("CheckpointSaverHook")
         for listener in self._listeners:
             listener.begin()
 
@@ -233,14 +239,15 @@ class CheckpointSaverHook(SessionRunHook):
         TF name: ``tf.compat.v1.train.CheckpointSaverHook.after_create_session``.
         """
         del coord
-        self._global_step = session_global_step(session, self._global_step)
-        step = read_step(self._global_step)
+        driver = self._driver
+        driver.global_step = session_global_step(session, driver.global_step)
+        step = read_step(driver.global_step)
         self._finish_pending()
         restored = getattr(session, "restored_checkpoint", None)
         if restored is not None and os.path.abspath(restored) == os.path.abspath(
             f"{self._save_path}-{step}"
         ):
-            self._last_saved_step = step
+            driver.last_step, driver.last_prefix = step, restored
         else:
             self._save(session, step)
         self._timer.update_last_triggered_step(step)
@@ -257,9 +264,9 @@ class CheckpointSaverHook(SessionRunHook):
         TF name: ``tf.compat.v1.train.CheckpointSaverHook.after_run``.
         """
         del run_values
-        if self._pending is not None and self._pending.future.done():
+        if self._pending is not None and not self._driver.in_flight:
             self._finish_pending()
-        step = read_step(self._global_step)
+        step = read_step(self._driver.global_step)
         if self._timer.should_trigger_for_step(step):
             self._timer.update_last_triggered_step(step)
             if self._save(run_context.session, step):
@@ -279,23 +286,37 @@ class CheckpointSaverHook(SessionRunHook):
 
         TF name: ``tf.compat.v1.train.CheckpointSaverHook.end``.
         """
-        last_step = read_step(self._global_step)
+        driver = self._driver
+        last_step = read_step(driver.global_step)
         self.final_save_failure = None
+        budget = driver.grace_budget_secs
         try:
-            if self._final_budget_secs is None:
+            self._get_saver()
+            if budget is None:
                 self._finish_pending()
-                if last_step != self._last_saved_step:
-                    self._save_sync(session, last_step)
-            else:
-                self._save_within(session, last_step, self._final_budget_secs)
-                if last_step != self._last_saved_step:
-                    self.final_save_failure = self._last_error or "it was not written"
+            # Under a budget, final() waits for the save in flight (or abandons it); it is
+            # finished here once it has ended, its failure logged and not raised.
+
+            def before_save(step: int | None) -> None:
+                self._finish_pending(raise_error=budget is None)
+                self._before_save(session)(step)
+
+            prefix = driver.final(session, last_step, before_save=before_save)
+            if self._pending is not None:
+                if driver.in_flight:  # Abandoned and stuck: it will commit nothing.
+                    self._pending = None
+                else:
+                    self._finish_pending(raise_error=False)
+            if prefix is not None:
+                self._after_save(session, last_step)
+            if driver.grace_budget_secs is not None and driver.last_step != last_step:
+                self.final_save_failure = driver.last_error or "it was not written"
             for listener in self._listeners:
                 listener.end(session, last_step)
         finally:  # Also after a failed final save: its error event reaches the disk.
-            self._get_saver().close()  # No idle writer thread outlives the session.
-            if self._summary_writer is not None:
-                self._summary_writer.flush()
+            driver.close()  # No idle writer thread outlives the session.
+            if driver.writer is not None:
+                driver.writer.flush()
 
     @property
     def last_saved_step(self) -> int | None:
@@ -303,7 +324,7 @@ class CheckpointSaverHook(SessionRunHook):
 
         TF name: none.
         """
-        return self._last_saved_step
+        return self._driver.last_step
 
     def abandon(self, timeout_secs: float = 5.0) -> None:
         """Cancel the save in flight and close the saver, without a final checkpoint.
@@ -317,9 +338,9 @@ class CheckpointSaverHook(SessionRunHook):
         TF name: none.
         """
         self._pending = None
-        saver = self._get_saver()
-        if saver.cancel(timeout_secs):
-            saver.close()
+        self._get_saver()
+        if self._driver.abandon(timeout_secs):
+            self._driver.close()
 
     def set_final_save_budget(self, timeout_secs: float | None) -> None:
         """Bound the time ``end()`` spends on checkpoints, in seconds (a grace period).
@@ -327,26 +348,22 @@ class CheckpointSaverHook(SessionRunHook):
         Within the budget ``end()`` waits for the save being written and writes the final
         checkpoint; a save that cannot finish in time is cancelled (``Saver.cancel``): it
         commits nothing and leaves no file, and the last committed checkpoint stays the
-        newest. ``MonitoredSession`` sets its ``preemption_grace_secs`` here after a
-        preemption signal.
+        newest. (``CheckpointDriver.grace_budget_secs``.)
 
         Args:
-            timeout_secs: The budget (real time); None: no limit.
+            timeout_secs: The budget (the driver's clock); None: no limit.
 
         TF name: none (TF had no preemption grace period).
         """
-        self._final_budget_secs = timeout_secs
+        self._driver.grace_budget_secs = timeout_secs
 
     def wait_for_save(self, timeout_secs: float | None = None) -> bool:
         """Wait until the checkpoint being written in the background (if any) is committed.
 
-        A ``MonitoredSession`` calls it before it re-creates a session after a recoverable
-        error, so that the new session restores the newest checkpoint, not an older one. The
-        save's outcome is handled at the hook's next call.
+        The save's outcome is handled at the hook's next call.
 
         Args:
-            timeout_secs: Longest wait, in seconds, for the write and again for its commit
-                callback; None: no limit.
+            timeout_secs: Longest wait, in seconds; None: no limit.
 
         Returns:
             True when no save is being written any more, False on timeout.
@@ -355,152 +372,79 @@ class CheckpointSaverHook(SessionRunHook):
 
         TF name: none (TF's saves were synchronous).
         """
-        pending = self._pending
-        if pending is None:
-            return True
-        done, _ = concurrent.futures.wait([pending.future], timeout=timeout_secs)
-        return bool(done) and pending.committed.wait(timeout_secs)
+        return self._driver.wait(timeout_secs)
 
     # ------------------------------------------------------------------------------ saving
 
     def _get_saver(self) -> Any:
-        if self._saver is not None:
-            return self._saver
-        if self._scaffold is not None:
-            self._saver = self._scaffold.saver
-            return self._saver
-        savers = get_collection(GraphKeys.SAVERS)
-        if not savers:
-            raise RuntimeError(
-                "No items in collection savers. Please add a saver to the collection or "
-                "provide a saver or scaffold."
-            )
-        if len(savers) > 1:
-            raise RuntimeError(
-                "More than one item in collection savers. Please indicate which one to use by "
-                "passing it to the constructor."
-            )
-        self._saver = savers[0]
+        if self._saver is None:
+            if self._scaffold is not None:
+                self._saver = self._scaffold.saver
+            else:
+                savers = get_collection(GraphKeys.SAVERS)
+                if not savers:
+                    raise RuntimeError(
+                        "No items in collection savers. Please add a saver to the collection "
+                        "or provide a saver or scaffold."
+                    )
+                if len(savers) > 1:
+                    raise RuntimeError(
+                        "More than one item in collection savers. Please indicate which one to "
+                        "use by passing it to the constructor."
+                    )
+                self._saver = savers[0]
+        self._driver.saver = self._saver
         return self._saver
 
-    def _save(self, session: Any, step: int, wait: bool = True) -> bool:
-        """Save at ``step``; return True if a listener asked to stop.
+    def _before_save(self, session: Any) -> Any:
+        def before(step: int | None) -> None:
+            logger.info("Saving checkpoints for %d into %s.", step, self._save_path)
+            for listener in self._listeners:
+                listener.before_save(session, step)
 
-        Waits for the previous save first. Without listeners (or ``wait``) the new save is
-        left in flight; with listeners it is waited for and ``after_save`` is called.
+        return before
+
+    def _save(self, session: Any, step: int) -> bool:
+        """Save at ``step`` in the background; return True if a listener asked to stop.
+
+        Waits for the previous save first. With listeners the new save is waited for and
+        ``after_save`` is called.
         """
         self._finish_pending()
-        saver = self._get_saver()
-        logger.info("Saving checkpoints for %d into %s.", step, self._save_path)
-        for listener in self._listeners:
-            listener.before_save(session, step)
-        future = saver.save_async(session, self._save_path, global_step=step)
-        pending = _PendingSave(future, step, session)
-        self._pending = pending
-        future.add_done_callback(functools.partial(self._on_done, pending))
-        if not (self._listeners and wait):
-            return False
-        return self._finish_pending()
+        self._get_saver()
+        self._before_save(session)(step)
+        future = self._driver.start(session, step)
+        if future is not None:
+            self._pending = (future, step, session)
+        return bool(self._listeners) and self._finish_pending()
 
-    def _on_done(self, pending: _PendingSave, future: concurrent.futures.Future) -> None:
-        """On the writer thread: write the CHECKPOINT event, or report the failure."""
-        try:
-            error = future.exception()
-            if error is None:
-                if future.result() is not None:  # None: an empty state saved nothing.
-                    self._write_checkpoint_event(pending.step)
-                return
-            self._report_failure(pending.step, error)
-        finally:
-            pending.committed.set()
-
-    def _report_failure(self, step: int, error: BaseException) -> None:
-        """Log a failed save and write it to the event file (an ERROR ``LogMessage``)."""
-        self._last_error = f"{type(error).__name__}: {error}"
-        logger.error("Checkpoint at step %s failed: %s", step, error)
-        if self._summary_writer is not None:
-            event = Event(
-                step=step,
-                log_message=LogMessage(
-                    level=LogMessage.ERROR, message=f"Checkpoint at step {step} failed: {error}"
-                ),
-            )
-            self._summary_writer.add_event(event)
-
-    def _write_checkpoint_event(self, step: int) -> None:
-        if self._summary_writer is not None:
-            self._summary_writer.add_session_log(
-                SessionLog(status=SessionLog.CHECKPOINT, checkpoint_path=self._save_path), step
-            )
-            # The summaries of the steps up to this checkpoint go to disk with it.
-            flush = getattr(self._summary_writer, "request_flush", None)
-            if flush is not None:
-                flush()
-
-    def _finish_pending(self) -> bool:
+    def _finish_pending(self, raise_error: bool = True) -> bool:
         """Wait for the save in flight (if any) and finish it on the training thread.
+
+        Args:
+            raise_error: Raise the save's error with ``stop_on_checkpoint_error``; False: it
+                was reported (logged, an event), nothing more.
 
         Returns:
             True if a listener's ``after_save`` asked to stop.
 
         Raises:
-            CheckpointSaveError: With ``stop_on_checkpoint_error``, if the save failed.
+            CheckpointSaveError: With ``stop_on_checkpoint_error`` and ``raise_error``, if the
+                save failed.
         """
-        pending = self._pending
+        self._driver.wait()  # The save and its report (CHECKPOINT event, or failure).
+        pending, self._pending = self._pending, None
         if pending is None:
             return False
-        error = pending.future.exception()  # Waits for the save.
-        pending.committed.wait()  # The commit callback is running or has run: a short wait.
-        self._pending = None
+        future, step, session = pending
+        error = future.exception()
         if error is not None:
-            if self._stop_on_checkpoint_error:
+            if self._stop_on_checkpoint_error and raise_error:
                 raise error
             return False
-        self._last_saved_step = pending.step
-        self._last_error = None
-        return self._after_save(pending.session, pending.step)
-
-    def _save_within(self, session: Any, step: int, budget_secs: float) -> None:
-        """Save at ``step`` (unless saved), cancelling whatever does not commit in time."""
-        deadline = time.monotonic() + budget_secs
-
-        def remaining() -> float:
-            return max(0.0, deadline - time.monotonic())
-
-        saver = self._get_saver()
-        pending = self._pending
-        if pending is not None:
-            if self.wait_for_save(remaining()):
-                self._finish_pending()
-            else:
-                self._pending = None
-                logger.warning(
-                    "The checkpoint at step %s being written did not finish in time: abandoned",
-                    pending.step,
-                )
-                if not saver.cancel(remaining()):
-                    self._last_error = f"a save stuck in a file-system call for {budget_secs:g} s"
-                    logger.error(
-                        "The checkpoint being written is stuck in a file-system call; no final "
-                        "checkpoint within %.1f s (the last committed checkpoint is kept)",
-                        budget_secs,
-                    )
-                    return
-        if step == self._last_saved_step:
-            return
-        self._save(session, step, wait=False)
-        if self.wait_for_save(remaining()):
-            self._finish_pending()
-            return
-        self._pending = None
-        self._last_error = f"not written within the {budget_secs:g} s grace period"
-        logger.error(
-            "The final checkpoint at step %s could not be written within %.1f s: abandoned "
-            "(the last committed checkpoint is kept)",
-            step,
-            budget_secs,
-        )
-        saver.cancel(remaining())
+        if future.result() is None:  # An empty state saved nothing.
+            return False
+        return self._after_save(session, step)
 
     def _after_save(self, session: Any, step: int) -> bool:
         stop = False
@@ -512,31 +456,3 @@ class CheckpointSaverHook(SessionRunHook):
                 )
                 stop = True
         return stop
-
-    def _save_sync(self, session: Any, step: int) -> None:
-        saver = self._get_saver()
-        logger.info("Saving checkpoints for %d into %s.", step, self._save_path)
-        for listener in self._listeners:
-            listener.before_save(session, step)
-        try:
-            prefix = saver.save(session, self._save_path, global_step=step)
-        except CheckpointSaveError as e:
-            self._report_failure(step, e)
-            raise
-        if prefix is not None:
-            self._write_checkpoint_event(step)
-        self._last_saved_step = step
-        self._after_save(session, step)
-
-
-class _PendingSave:
-    """A save handed to the saver's writer thread, until the training thread finishes it."""
-
-    __slots__ = ("committed", "future", "session", "step")
-
-    def __init__(self, future: concurrent.futures.Future, step: int, session: Any) -> None:
-        self.future = future
-        self.step = step
-        self.session = session
-        self.committed = threading.Event()
-        """Set once the commit callback (CHECKPOINT event, or failure report) has run."""

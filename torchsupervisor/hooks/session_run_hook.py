@@ -30,7 +30,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-__all__ = ["SessionRunArgs", "SessionRunContext", "SessionRunHook", "SessionRunValues"]
+__all__ = [
+    "SessionRunArgs",
+    "SessionRunContext",
+    "SessionRunHook",
+    "SessionRunValues",
+    "checkpoint_drivers",
+]
 
 
 class SessionRunHook:
@@ -39,8 +45,16 @@ class SessionRunHook:
     Thread safety: every method is called on the thread that calls ``MonitoredSession.run``
     (``begin`` and ``end`` on the thread that creates and closes the session).
 
+    Capabilities: a hook that writes checkpoints exposes its ``CheckpointDriver`` as
+    ``checkpoint_driver`` (None here). Sessions look for that attribute, never for a hook
+    class: they wait for its save in flight before re-creating a session, give its final
+    checkpoint the preemption grace budget, and abandon its save on an abort.
+
     TF name: ``tf.compat.v1.train.SessionRunHook``.
     """
+
+    checkpoint_driver: Any = None
+    """The hook's ``CheckpointDriver`` if it writes checkpoints; None otherwise."""
 
     def begin(self) -> None:
         """Prepare before the session is created (called once per ``MonitoredSession``).
@@ -186,3 +200,13 @@ class SessionRunContext:
         TF name: ``tf.compat.v1.train.SessionRunContext.request_stop``.
         """
         self._stop_requested = True
+
+
+def checkpoint_drivers(hooks: Any) -> list[Any]:
+    """The ``checkpoint_driver`` of every hook that has one, in the hooks' order."""
+    drivers = []
+    for hook in hooks:
+        driver = getattr(hook, "checkpoint_driver", None)
+        if driver is not None:
+            drivers.append(driver)
+    return drivers

@@ -60,16 +60,11 @@ from torchsupervisor.core.registry import USE_DEFAULT, Graph, GraphKeys, get_def
 from torchsupervisor.core.rng import RNGState
 from torchsupervisor.core.session import Session
 from torchsupervisor.distributed import env as distributed
-from torchsupervisor.driver.preemption import (
-    ABORT_SIGNALS,
-    DEFAULT_PREEMPTION_SIGNALS,
-    PreemptionHandler,
-    final_checkpoint_failed,
-)
+from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
 from torchsupervisor.errors import OutOfRangeError
 from torchsupervisor.hooks._global_step import session_global_step
 from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook
-from torchsupervisor.hooks.session_run_hook import SessionRunHook
+from torchsupervisor.hooks.session_run_hook import SessionRunHook, checkpoint_drivers
 from torchsupervisor.hooks.step_counter import StepCounterHook
 from torchsupervisor.hooks.summary_saver import SummarySaverHook
 from torchsupervisor.monitored.creators import (
@@ -128,9 +123,8 @@ class _CoordinatedSessionCreator:
     def create_session(self) -> _CoordinatedSession:
         # A checkpoint still being written (a recovery) is committed before the new session
         # looks for the newest checkpoint to restore.
-        for hook in self._hooks:
-            if isinstance(hook, CheckpointSaverHook):
-                hook.wait_for_save()
+        for driver in checkpoint_drivers(self._hooks):
+            driver.wait()
         sess = self._session_creator.create_session()
         coord = Coordinator(clean_stop_exception_types=[])
         try:
@@ -191,10 +185,9 @@ class _MonitoredSession:
         self._stop_requested = False
         self._checked_step_fn: Any = None
         self._sess: Any = None
-        self._preemption = PreemptionHandler(preemption_signals or ())
-        self._preemption_grace_secs = preemption_grace_secs
-        self._preemption_exit_code = preemption_exit_code
-        self._preemption_seen = False
+        self._preemption = Preemption(
+            preemption_signals or (), preemption_grace_secs, preemption_exit_code
+        )
         # Installed first, so that a signal during start-up (a long restore) is recorded too.
         self._preemption.install()
         try:
@@ -301,30 +294,18 @@ class _MonitoredSession:
 
         TF name: ``MonitoredSession.should_stop``.
         """
-        if self._preemption.received is not None and not self._preemption_seen:
-            self._on_preemption()
+        if self._preemption.received is not None and self._preemption.notice(
+            self._current_step(), saving=bool(checkpoint_drivers(self._hooks))
+        ):
+            self._stop_requested = True
         if self._stop_requested:
             return True
         sess = self._sess
         return sess is None or sess.should_stop()
 
-    def _on_preemption(self) -> None:
-        self._preemption_seen = True
-        self._stop_requested = True
-        step = None
-        raw = self._tf_sess()
-        global_step = session_global_step(raw, get_global_step())
-        if global_step is not None:
-            step = read_step(global_step)
-        logger.warning(
-            "Received %s: stopping at step %s; leaving the session runs the hooks' end() (the "
-            "final checkpoint)%s",
-            self._preemption.describe(),
-            step,
-            " (press Ctrl-C again to abort at once)"
-            if self._preemption.received in ABORT_SIGNALS
-            else "",
-        )
+    def _current_step(self) -> int | None:
+        global_step = session_global_step(self._tf_sess(), get_global_step())
+        return None if global_step is None else read_step(global_step)
 
     @property
     def preempted(self) -> str | None:
@@ -363,21 +344,23 @@ class _MonitoredSession:
 
     def _close_internal(self, exception_type: type[BaseException] | None) -> None:
         lost: SystemExit | None = None
+        drivers = checkpoint_drivers(self._hooks)
         try:
             try:
                 if exception_type is None:
-                    if self._preemption.received is not None:
+                    budget = self._preemption.budget()
+                    if budget is not None:
                         # The scheduler's SIGKILL follows: the final checkpoint gets a budget.
-                        for hook in self._hooks:
-                            if isinstance(hook, CheckpointSaverHook):
-                                hook.set_final_save_budget(self._preemption_grace_secs)
+                        for driver in drivers:
+                            driver.grace_budget_secs = budget
                     for hook in self._hooks:
                         hook.end(self._coordinated_creator.tf_sess)
-                    lost = self._preemption_outcome()
+                    if drivers:
+                        lost = self._preemption.outcome(self._current_step(), drivers[0])
                 elif self._preemption.aborted:  # A second Ctrl-C: abandon, do not wait.
-                    for hook in self._hooks:
-                        if isinstance(hook, CheckpointSaverHook):
-                            hook.abandon()
+                    for driver in drivers:
+                        if driver.saver is not None and driver.abandon(5.0):
+                            driver.close()
             finally:
                 try:
                     if self._sess is None:
@@ -392,32 +375,8 @@ class _MonitoredSession:
             self._preemption.uninstall()
         if lost is not None:
             raise lost
-        if (
-            exception_type is None
-            and self._preemption.received is not None
-            and self._preemption_exit_code is not None
-        ):
-            raise SystemExit(self._preemption_exit_code)
-
-    def _preemption_outcome(self) -> SystemExit | None:
-        """After a preemption stop: the exit to raise if a final checkpoint is missing."""
-        signal_name = self._preemption.describe()
-        if not signal_name:
-            return None
-        for hook in self._hooks:
-            reason = getattr(hook, "final_save_failure", None)
-            if reason is None:
-                continue
-            step = None
-            global_step = session_global_step(self._tf_sess(), get_global_step())
-            if global_step is not None:
-                step = read_step(global_step)
-            committed = hook.last_saved_step
-            prefix = None if committed is None else f"{hook.save_path}-{committed}"
-            return final_checkpoint_failed(
-                signal_name, step, committed, prefix, reason, self._preemption_exit_code
-            )
-        return None
+        if exception_type is None:
+            self._preemption.exit()
 
     def _tf_sess(self) -> Session | None:
         return self._coordinated_creator.tf_sess

@@ -1,0 +1,359 @@
+"""``CheckpointDriver``: the one place that decides *when* a checkpoint is taken, and reports it.
+
+Every front end checkpoints through one driver: the Supervisor (its timer thread asks, the
+training thread snapshots at its next step boundary), ``CheckpointSaverHook`` (its schedule
+runs on the training thread), and every rank of a sharded save (the ranks' agreement decides
+the step, ``distributed/sharded_checkpoints.py``). The driver owns:
+
+* the skip rule: a checkpoint at the step of the last one committed (or restored) is not
+  written again;
+* at most one save in flight: a request that arrives while a save is being written is served
+  at the first step boundary after that save ends (never lost, never blocking the caller);
+* the report of every save: once committed, a ``SessionLog.CHECKPOINT`` event and a flush
+  request to the summary writer (the summaries of the steps up to a checkpoint reach disk
+  with it); on failure, one log line and an ERROR ``LogMessage`` event, then ``on_error``;
+* the final checkpoint within a grace budget (``grace_budget_secs``, set after a preemption
+  signal): the save in flight and the final one get what is left of the budget, measured on
+  the driver's clock (``core.clock.Deadline``); a save that cannot finish in time is
+  cancelled (nothing half-written; the last committed checkpoint stays the newest), even one
+  stuck in a file-system call, which later waits then skip.
+
+It decides and reports; writing is the ``Saver``'s (the commit protocol); the schedule (a
+timer, steps, an agreement between ranks) is the caller's.
+
+Thread safety: ``request`` may be called from any thread; ``start``, ``save``, ``final`` and
+``abandon`` on the training thread; the report runs on the saver's writer thread.
+
+TF name: none (TF's ``SVTimerCheckpointThread`` and ``CheckpointSaverHook`` saved themselves).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
+
+from torchsupervisor.core.clock import REAL_CLOCK, Clock, Deadline
+from torchsupervisor.core.global_step import read_step
+
+__all__ = ["CheckpointDriver"]
+
+logger = logging.getLogger("torchsupervisor")
+
+
+class CheckpointDriver:
+    """Decide when to save, keep one save in flight, report each save (module docstring).
+
+    Args:
+        saver: The ``Saver`` (``save``, ``save_async``, ``wait``, ``cancel``, ``in_flight``).
+        save_path: Prefix without step, e.g. ``logdir/model.ckpt``.
+        global_step: The global step (``GlobalStep`` or integer tensor), or None.
+        writer: Summary writer for the CHECKPOINT and error events; None: no events. May be
+            set later (``writer`` attribute).
+        clock: Time for the grace budget; None: the real clock.
+        on_error: Called with the exception of a failed save after it was reported (the
+            Supervisor stops training with it when asked to); None: training goes on.
+        stop_on_error: Only changes the log line (``"...; training continues"`` without).
+        last_step: The step of a checkpoint restored or known committed (it is not saved
+            again); None: none.
+        last_prefix: That checkpoint's prefix.
+
+    Attributes:
+        grace_budget_secs: Time budget of ``final`` in seconds, set after a preemption
+            signal; None: no limit.
+        last_step: The step of the newest checkpoint committed (or restored).
+        last_prefix: Its prefix.
+        last_error: Why the last save failed (``"<ErrorType>: <message>"``); None after a
+            success.
+
+    Thread safety: see the module docstring.
+    """
+
+    def __init__(
+        self,
+        saver: Any,
+        save_path: str,
+        global_step: Any = None,
+        *,
+        writer: Any = None,
+        clock: Clock | None = None,
+        on_error: Callable[[BaseException], Any] | None = None,
+        stop_on_error: bool = False,
+        last_step: int | None = None,
+        last_prefix: str | None = None,
+    ) -> None:
+        self.saver = saver
+        self.save_path = save_path
+        self.global_step = global_step
+        self.writer = writer
+        self.clock = clock or REAL_CLOCK
+        self.on_error = on_error
+        self.stop_on_error = stop_on_error
+        self.grace_budget_secs: float | None = None
+        self.last_step = last_step
+        self.last_prefix = last_prefix
+        self.last_error: str | None = None
+        self._lock = threading.Lock()
+        self._requested = False
+        self._deferred = False
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stuck = False  # An abandoned save is stuck in a file-system call.
+        self._deferred_session: Any = None
+
+    # ------------------------------------------------------------------------------ queries
+
+    def current_step(self) -> int | None:
+        """The global step now (None without one)."""
+        return None if self.global_step is None else read_step(self.global_step)
+
+    def unchanged(self, step: int | None) -> bool:
+        """True if ``step`` is the step of the last checkpoint (saving it again is skipped)."""
+        return step is not None and step == self.last_step
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a save this driver started is being written or reported."""
+        return not self._idle.is_set()
+
+    # ------------------------------------------------------------------- background saves
+
+    def request(self, session: Any) -> None:
+        """Ask for a checkpoint at ``session``'s next step boundary (from any thread).
+
+        At the boundary (the training thread) the checkpoint is skipped when the step did
+        not move, and deferred while a save is in flight: it is then taken at the first
+        boundary after that save ends. Requests made before it is served are one request.
+        """
+        with self._lock:
+            if self._requested:
+                return
+            self._requested = True
+        session.boundary.call_soon(lambda: self._at_boundary(session))
+
+    def _at_boundary(self, session: Any) -> None:
+        with self._lock:
+            self._requested = False
+            if self.saver.in_flight or self.in_flight:
+                self._deferred = True
+                self._deferred_session = session
+                return
+        step = self.current_step()
+        if not self.unchanged(step):
+            self.start(session, step)
+
+    def start(self, session: Any, step: int | None) -> concurrent.futures.Future | None:
+        """Start a background save at ``step`` (the snapshot is taken now).
+
+        A failure found before the copy (the directory vanished, ...) is reported like any
+        failed save and None is returned. Otherwise the returned future resolves to the
+        prefix (or the save's error) once written; ``wait`` returns once it is reported.
+
+        Raises:
+            TypeError: For a state entry the format cannot hold (on the training thread, at
+                the first save).
+            LogdirLockedError: Another process writes to the directory.
+        """
+        logger.info("Saving checkpoint to path %s", self.save_path)
+        self._idle.clear()
+        try:
+            future = self.saver.save_async(session, self.save_path, global_step=step)
+        except (OSError, ValueError) as error:
+            self._finished(step, None, error)
+            return None
+        except BaseException:
+            self._idle.set()
+            raise
+        future.add_done_callback(lambda f: self._done(f, step))
+        return future
+
+    def _done(self, future: concurrent.futures.Future, step: int | None) -> None:
+        error = future.exception()
+        self._finished(step, None if error is not None else future.result(), error)
+
+    def _finished(self, step: int | None, prefix: str | None, error: BaseException | None) -> None:
+        """Report a save that ended and let the next one start (on the writer thread)."""
+        try:
+            if error is None:
+                self._committed(step, prefix)
+            else:
+                self._failed(step, error)
+        finally:
+            with self._lock:
+                deferred, self._deferred = self._deferred, False
+            self._idle.set()
+        if error is not None and self.on_error is not None:
+            self.on_error(error)
+        if deferred:
+            self.request(self._deferred_session)
+
+    def _committed(self, step: int | None, prefix: str | None) -> None:
+        if prefix is None:  # An empty state (allow_empty) saved nothing.
+            return
+        self.last_step = step
+        self.last_prefix = prefix
+        self.last_error = None
+        writer = self.writer
+        if writer is None:
+            return
+        if step is not None:
+            writer.add_session_log(
+                SessionLog(status=SessionLog.CHECKPOINT, checkpoint_path=self.save_path), step
+            )
+        # The summaries of the steps up to this checkpoint go to disk with it.
+        flush = getattr(writer, "request_flush", None)
+        if flush is not None:
+            flush()
+
+    def _failed(self, step: int | None, error: BaseException) -> None:
+        self.last_error = f"{type(error).__name__}: {error}"
+        if self.stop_on_error:
+            logger.error("Checkpoint at step %s failed: %s", step, error)
+        else:
+            logger.error("Checkpoint at step %s failed; training continues: %s", step, error)
+        if self.writer is not None:
+            event = Event(
+                log_message=LogMessage(
+                    level=LogMessage.ERROR, message=f"Checkpoint at step {step} failed: {error}"
+                )
+            )
+            if step is not None:
+                event.step = step
+            self.writer.add_event(event)
+
+    # ------------------------------------------------------------------- synchronous saves
+
+    def save(self, session: Any, step: int | None) -> str | None:
+        """Save at ``step`` now and wait until it is committed (after the save in flight).
+
+        Skipped (returns None) when ``step`` is the step of the last checkpoint.
+
+        Returns:
+            The prefix, or None.
+
+        Raises:
+            CheckpointSaveError: If writing fails (after it was reported; ``on_error`` is
+                not called: the caller gets the error).
+        """
+        self.wait()
+        if self.unchanged(step):
+            return None
+        logger.info("Saving checkpoint to path %s", self.save_path)
+        try:
+            prefix = self.saver.save(session, self.save_path, global_step=step)
+        except Exception as e:
+            self._failed(step, e)
+            raise
+        self._committed(step, prefix)
+        return prefix
+
+    def final(
+        self,
+        session: Any,
+        step: int | None,
+        before_save: Callable[[int | None], Any] | None = None,
+    ) -> str | None:
+        """Save the final checkpoint at ``step``, within ``grace_budget_secs`` if set.
+
+        Without a budget this is ``save``. With one, the save in flight and this one share
+        the budget: whatever does not commit in time is cancelled and None is returned, with
+        ``last_error`` saying why (a failure is not raised either: the caller reports it).
+
+        Args:
+            session: The session whose state is saved.
+            step: The step to save.
+            before_save: Called with ``step`` just before the snapshot, if one is taken.
+
+        Returns:
+            The prefix, or None (skipped, failed or out of time).
+
+        Raises:
+            CheckpointSaveError: Without a budget, if writing fails.
+        """
+        if self.grace_budget_secs is None:
+            self.wait()
+            if self.unchanged(step):
+                return None
+            if before_save is not None:
+                before_save(step)
+            return self.save(session, step)
+        budget = self.grace_budget_secs
+        deadline = Deadline(self.clock, budget)
+        if not self._wait(deadline):
+            logger.warning("The checkpoint being written did not finish in time: abandoned")
+            if not self._abandon(deadline):
+                self.last_error = f"a save stuck in a file-system call for {budget:g} s"
+                logger.error(
+                    "The checkpoint being written is stuck in a file-system call; no final "
+                    "checkpoint within %.1f s (the last committed checkpoint is kept)",
+                    budget,
+                )
+                return None
+        if self.unchanged(step):
+            return None
+        if before_save is not None:
+            before_save(step)
+        future = self.start(session, step)
+        if future is None:
+            return None
+        if not self._wait(deadline):
+            self.last_error = f"not written within the {budget:g} s grace period"
+            logger.error(
+                "The final checkpoint at step %s could not be written within %.1f s: "
+                "abandoned (the last committed checkpoint is kept)",
+                step,
+                budget,
+            )
+            self._abandon(deadline)
+            return None
+        return None if future.exception() is not None else future.result()
+
+    # ------------------------------------------------------------------------ waiting, ending
+
+    def wait(self, timeout_secs: float | None = None) -> bool:
+        """Wait for the save in flight, if any, and for its report.
+
+        A save abandoned by ``final``/``abandon`` that is still stuck in a file-system call
+        is not waited for.
+
+        Args:
+            timeout_secs: Longest wait, in seconds of the driver's clock; None: no limit.
+
+        Returns:
+            True if no save is in flight any more (or only an abandoned, stuck one).
+        """
+        return self._wait(Deadline(self.clock, timeout_secs))
+
+    def _wait(self, deadline: Deadline) -> bool:
+        if self._stuck:
+            if self.in_flight:
+                logger.warning("Not waiting for the abandoned checkpoint save (stuck)")
+                return True
+            self._stuck = False
+        return deadline.wait(self._idle)
+
+    def abandon(self, timeout_secs: float) -> bool:
+        """Cancel the save in flight (a second Ctrl-C): it commits nothing, leaves no file.
+
+        Args:
+            timeout_secs: Longest wait for the writer to stop, in seconds.
+
+        Returns:
+            True if it ended in time; otherwise later waits skip it.
+        """
+        return self._abandon(Deadline(self.clock, timeout_secs))
+
+    def _abandon(self, deadline: Deadline) -> bool:
+        ended = self.saver.cancel(deadline.remaining()) and deadline.wait(self._idle)
+        if not ended:
+            self._stuck = True
+        return ended
+
+    def close(self) -> None:
+        """Wait for the save in flight (unless stuck) and end the saver's writer thread."""
+        self.wait()
+        self.saver.close()

@@ -1,0 +1,442 @@
+"""How the Supervisor prepares a session and checkpoints it, by the shape of the run.
+
+One mode is chosen at each ``prepare_or_wait_for_session``, from the process group and the
+state (``choose_mode``):
+
+* ``ChiefMode``: one process, or the chief of replicas with a replicated state (DDP). It
+  cleans what a crash left, restores the newest valid checkpoint or initializes, and with
+  replicas publishes the resume point and broadcasts its state. Its checkpoints are taken by a
+  ``CheckpointDriver`` asked by a timer thread (``SVTimerCheckpointThread``).
+* ``WorkerMode``: a non-chief. It waits until the chief made the state ready and, with
+  replicas, receives the chief's state. It never checkpoints.
+* ``ShardedMode``: every rank of a sharded state (FSDP2 / DTensor). Every rank restores its
+  shards of the same checkpoint, and saves them together with the other ranks at steps they
+  agree on (``distributed/sharded_checkpoints.py``).
+
+A mode reads the Supervisor's settings (its private attributes) and holds what one session
+needs: the driver of its checkpoints, the stop agreement between replicas, the sharded
+checkpoint service. The Supervisor facade calls it; the mode never touches the facade's
+session bookkeeping.
+
+Thread safety: used on the training thread, as the Supervisor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, restore_candidates
+from torchsupervisor.checkpoint.sharded.collective import is_sharded
+from torchsupervisor.core.coordinator import LooperThread
+from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.session import Session
+from torchsupervisor.distributed import env as distributed
+from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement, agree
+from torchsupervisor.distributed.sharded_checkpoints import ShardedCheckpointService
+from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
+from torchsupervisor.errors import InvalidArgumentError
+from torchsupervisor.supervisor.services import SVTimerCheckpointThread
+
+__all__ = [
+    "ChiefMode",
+    "Mode",
+    "ShardedMode",
+    "WorkerMode",
+    "agreed_stop",
+    "choose_mode",
+    "current_step",
+    "start_mode",
+]
+
+logger = logging.getLogger("torchsupervisor")
+
+
+class Mode:
+    """What differs between the shapes of a run; the defaults are a non-checkpointing rank.
+
+    Attributes:
+        driver: The ``CheckpointDriver`` of this session's checkpoints (None: none here).
+        agreement: The stop agreement between replicas (None without replicas).
+    """
+
+    def __init__(self, sv: Any, replicas: ReplicaGroup | None) -> None:
+        self.sv = sv
+        self.settings = sv._settings
+        self.replicas = replicas
+        self.driver: CheckpointDriver | None = None
+        self.agreement: StopAgreement | None = None
+        self.sess: Session | None = None
+
+    def prepare(
+        self, master: str, config: Any, wait_for_checkpoint: bool, max_wait_secs: float
+    ) -> Session:
+        """Create this rank's session, its state restored, initialized or received."""
+        raise NotImplementedError
+
+    def start_services(self, sess: Session) -> None:
+        """Start what every rank of this mode runs (before the chief's standard services)."""
+
+    def checkpoint_threads(self, sess: Session) -> list[LooperThread]:
+        """The chief's checkpoint timer threads (not started); none here."""
+        return []
+
+    def final_checkpoint(self, clean_exit: bool) -> BaseException | None:
+        """Save the final checkpoint of a stop; return (not raise) a failure."""
+        return None
+
+    def finish(self, clean_exit: bool) -> BaseException | None:
+        """The final checkpoint; after a preemption, the exit to raise if it is missing."""
+        error = self.final_checkpoint(clean_exit)
+        if error is not None or not clean_exit or _thread_failed(self.sv):
+            return error  # A thread's error is raised instead.
+        return self.sv._preemption.outcome(current_step(self.sv), self.driver)
+
+    def checkpoint(self) -> str | None:
+        """Save now (``Supervisor.checkpoint``)."""
+        raise RuntimeError("checkpoint() needs a running checkpoint service on the chief")
+
+    def stop(self, aborted: bool) -> None:
+        """End the checkpoints of the session (a second Ctrl-C ``aborted``: abandon)."""
+
+    def end_agreement(self, clean_exit: bool, failure: BaseException | None) -> None:
+        """At the end of the session: tell the other replicas why it ended, stop polling.
+
+        A rank that leaves with an error records it; the other ranks log it, so the root
+        cause appears next to their own errors.
+        """
+        if self.agreement is None:
+            return
+        if not clean_exit:
+            self.agreement.request(
+                "error" if failure is None else f"{type(failure).__name__}: {failure}"
+            )
+        self.agreement.close()
+        self.agreement = None
+
+    def _stop_agreement(self) -> None:
+        if self.replicas is not None:
+            self.agreement = StopAgreement(self.replicas, self.settings.global_step)
+
+    def _check_training_thread(self) -> None:
+        if self.sess is not None and threading.get_ident() != self.sess.boundary.owner_ident:
+            raise RuntimeError(
+                "checkpoint() must be called from the training thread (the thread that created "
+                "the session), between steps"
+            )
+
+
+class ChiefMode(Mode):
+    """One process, or the chief of replicas with a replicated state (module docstring)."""
+
+    def prepare(
+        self, master: str, config: Any, wait_for_checkpoint: bool, max_wait_secs: float
+    ) -> Session:
+        sv = self.sv
+        st = sv._settings
+        if st.logdir:
+            clean_checkpoint_dir(st.logdir)
+        sess = _prepare_session(sv, master, config, wait_for_checkpoint, max_wait_secs)
+        self.sess = sess
+        if self.replicas is not None:
+            self.replicas.publish_ready(
+                {"checkpoint": sess.restored_checkpoint, "step": current_step(sv)}
+            )
+            self.replicas.broadcast_state(sess.state)
+            self._stop_agreement()
+        return sess
+
+    def checkpoint_threads(self, sess: Session) -> list[LooperThread]:
+        sv = self.sv
+        st = sv._settings
+        if st.saver is None or not st.save_model_secs or not st.save_path:
+            return []
+        restored = sess.restored_checkpoint
+        self.sess = sess
+        self.driver = CheckpointDriver(
+            st.saver,
+            st.save_path,
+            st.global_step,
+            writer=st.summary_writer,
+            clock=st.clock,
+            on_error=sv._stop_on_error if st.stop_on_checkpoint_error else None,
+            stop_on_error=st.stop_on_checkpoint_error,
+            last_step=current_step(sv) if restored else None,
+            last_prefix=restored,
+        )
+        return [SVTimerCheckpointThread(sv._coord, st.save_model_secs, self.driver, sess)]
+
+    def final_checkpoint(self, clean_exit: bool) -> BaseException | None:
+        """The chief saves the last step after a clean end (within a preemption's budget).
+
+        Nothing is saved when a service or thread reported an error: the state may then be
+        the half-updated state of an interrupted step.
+        """
+        driver = self.driver
+        if driver is None or not clean_exit or _thread_failed(self.sv):
+            return None
+        driver.grace_budget_secs = self.sv._preemption.budget()
+        try:
+            driver.final(self.sess, driver.current_step())
+        except Exception as e:
+            logger.error("The final checkpoint failed: %s", e)
+            return e
+        return None
+
+    def checkpoint(self) -> str | None:
+        if self.driver is None:
+            return super().checkpoint()
+        self._check_training_thread()
+        return self.driver.save(self.sess, self.driver.current_step())
+
+    def stop(self, aborted: bool) -> None:
+        if self.driver is None:
+            return
+        if aborted:  # A second Ctrl-C: abandon, do not wait.
+            self.driver.abandon(timeout_secs=5.0)
+        self.driver.close()  # No idle writer thread outlives the session.
+
+
+class WorkerMode(Mode):
+    """A non-chief: waits for the chief's state; never checkpoints (module docstring)."""
+
+    def prepare(
+        self, master: str, config: Any, wait_for_checkpoint: bool, max_wait_secs: float
+    ) -> Session:
+        sv = self.sv
+        st = sv._settings
+        info: dict[str, Any] = {}
+        if self.replicas is not None:
+            info = self.replicas.wait_ready(st.recovery_wait_secs, max_wait_secs, clock=st.clock)
+        sess = st.session_manager.wait_for_session(
+            master, config=config, max_wait_secs=max_wait_secs
+        )
+        if self.replicas is not None:
+            self.replicas.broadcast_state(sess.state)
+            sess.restored_checkpoint = info.get("checkpoint")
+            self._stop_agreement()
+        self.sess = sess
+        return sess
+
+
+class ShardedMode(Mode):
+    """Every rank of a sharded state restores and saves together (module docstring)."""
+
+    def __init__(self, sv: Any, replicas: ReplicaGroup) -> None:
+        super().__init__(sv, replicas)
+        self.service: ShardedCheckpointService | None = None
+
+    def prepare(
+        self, master: str, config: Any, wait_for_checkpoint: bool, max_wait_secs: float
+    ) -> Session:
+        """Every rank restores its shards of the same checkpoint, or initializes them.
+
+        The chief first cleans what a crash left in the logdir; the others wait for that
+        (``recovery_wait_secs`` polling, ``max_wait_secs``). Every rank then lists the
+        checkpoints it would try; the lists must be equal (a logdir that is not shared, or a
+        save racing the start, is an error on every rank). Every rank then goes through the
+        SessionManager: ``Saver.restore`` is a collective whose errors reach every rank, so a
+        corrupt checkpoint makes every rank fall back to the same older one. With nothing to
+        restore, each rank runs ``init_op`` and ``init_fn`` on its own shards. At the end the
+        ranks check that they resumed from the same checkpoint at the same step.
+        """
+        sv, replicas = self.sv, self.replicas
+        st = sv._settings
+        assert replicas is not None
+        logdir = st.replica_logdir
+        if st.is_chief:
+            if logdir:
+                clean_checkpoint_dir(logdir)
+            replicas.publish_ready({}, name="restore/open")
+        else:
+            replicas.wait_ready(
+                st.recovery_wait_secs, max_wait_secs, name="restore/open", clock=st.clock
+            )
+        candidates = restore_candidates(logdir) if logdir and st.saver is not None else []
+        agree(
+            replicas,
+            "restore/candidates",
+            {"logdir": bool(logdir), "candidates": [os.path.basename(c) for c in candidates]},
+            max_wait_secs,
+            what="the checkpoints to restore from (is the logdir shared by every replica?)",
+        )
+        try:
+            sess = _prepare_session(
+                sv, master, config, wait_for_checkpoint, max_wait_secs, checkpoint_dir=logdir
+            )
+        except Exception as e:
+            replicas.raise_flag("restore/failed", f"rank {replicas.rank}: {type(e).__name__}: {e}")
+            raise
+        restored = sess.restored_checkpoint
+        agree(
+            replicas,
+            "restore/result",
+            {
+                "checkpoint": os.path.basename(restored) if restored else None,
+                "step": current_step(sv),
+            },
+            max_wait_secs,
+            what="the resume point",
+            abort="restore/failed",
+        )
+        self.sess = sess
+        self._stop_agreement()
+        return sess
+
+    def start_services(self, sess: Session) -> None:
+        """Every rank takes part in each sharded checkpoint: start this rank's service."""
+        sv = self.sv
+        st = sv._settings
+        if st.saver is None or not st.replica_save_model_secs or not st.replica_save_path:
+            return
+        assert self.replicas is not None
+        self.service = ShardedCheckpointService(
+            sess,
+            st.saver,
+            st.replica_save_path,
+            st.global_step,
+            self.replicas,
+            writer=st.summary_writer,
+            on_error=sv._stop_on_error if st.stop_on_checkpoint_error else None,
+            clock=st.clock,
+        )
+        self.driver = self.service.driver
+        self.service.start()
+
+    def checkpoint_threads(self, sess: Session) -> list[LooperThread]:
+        """The chief's timer only asks, through the store; every rank then saves."""
+        sv = self.sv
+        st = sv._settings
+        if self.service is not None and st.save_model_secs:
+            return [self.service.timer(sv._coord, st.save_model_secs)]
+        if st.saver is not None and st.save_model_secs and st.save_path:
+            logger.warning(
+                "Sharded checkpoints need start_standard_services=True when the session "
+                "is prepared on every replica; no periodic checkpoints"
+            )
+        return []
+
+    def final_checkpoint(self, clean_exit: bool) -> BaseException | None:
+        """Every rank saves the last checkpoint together, or none does; never hangs.
+
+        A rank whose block failed, or whose threads reported an error, vetoes (its state may
+        be in the middle of a step); the others then skip at once. Otherwise every rank votes
+        and waits at most ``stop_grace_secs`` (or what is left of a preemption's grace period)
+        for the others.
+        """
+        service = self.service
+        if service is None:
+            return None
+        reason = None if clean_exit else "its session ended with an error"
+        if reason is None:
+            try:
+                self.sv._coord.raise_requested_exception()
+            except BaseException as e:
+                reason = f"a thread failed: {type(e).__name__}: {e}"
+        if reason is not None:
+            service.veto(reason)
+            return None
+        try:
+            service.final(self.settings.stop_grace_secs, self.sv._preemption.budget())
+        except Exception as e:
+            logger.error("The final checkpoint failed: %s", e)
+            return e
+        return None
+
+    def checkpoint(self) -> str | None:
+        if self.service is None:
+            return super().checkpoint()
+        self._check_training_thread()
+        return self.service.save_now()
+
+    def stop(self, aborted: bool) -> None:
+        if self.service is not None:
+            self.service.close()
+
+
+def start_mode(sv: Any, master: str, max_wait_secs: float, generation: int) -> Mode:
+    """Join the process group ``master`` names (if any) and choose the session's mode.
+
+    Args:
+        sv: The Supervisor.
+        master: The master string (``""``: this process alone).
+        max_wait_secs: Longest wait for the other replicas to join, in seconds.
+        generation: The number of this session of the Supervisor (the same on every rank).
+
+    Raises:
+        InvalidArgumentError: With replicas, if the chief is not rank 0.
+        DeadlineExceededError: If the other replicas did not join in time.
+    """
+    distributed.connect(master, timeout_secs=max_wait_secs)
+    replicas = None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if sv._settings.is_chief != (dist.get_rank() == 0):
+            raise InvalidArgumentError(
+                f"With replicas the chief is rank 0; this is rank {dist.get_rank()} with "
+                f"is_chief={sv._settings.is_chief}"
+            )
+        replicas = ReplicaGroup(generation)
+    return choose_mode(sv, replicas)
+
+
+def agreed_stop(sv: Any, agreement: StopAgreement) -> bool:
+    """With replicas: stop when every rank has completed the agreed number of steps."""
+    if sv._coord.should_stop():
+        agreement.request(sv._preemption.describe() or "stop requested")
+    if not agreement.pending:
+        return False
+    stop_at = agreement.stop_step()
+    step = current_step(sv)
+    if stop_at is None or step is None or step >= stop_at:
+        sv._coord.request_stop()
+        return True
+    return False
+
+
+def choose_mode(sv: Any, replicas: ReplicaGroup | None) -> Mode:
+    """The mode of a session: sharded replicas, the chief, or a worker."""
+    st = sv._settings
+    if replicas is not None and is_sharded(st.state):
+        return ShardedMode(sv, replicas)
+    return ChiefMode(sv, replicas) if st.is_chief else WorkerMode(sv, replicas)
+
+
+def _prepare_session(
+    sv: Any,
+    master: str,
+    config: Any,
+    wait_for_checkpoint: bool,
+    max_wait_secs: float,
+    *,
+    checkpoint_dir: str | None = None,
+) -> Session:
+    st = sv._settings
+    return st.session_manager.prepare_session(
+        master,
+        init_op=st.init_op,
+        saver=st.saver,
+        checkpoint_dir=checkpoint_dir if checkpoint_dir is not None else st.logdir,
+        wait_for_checkpoint=wait_for_checkpoint,
+        max_wait_secs=max_wait_secs,
+        config=config,
+        init_feed_dict=st.init_feed_dict,
+        init_fn=st.init_fn,
+    )
+
+
+def _thread_failed(sv: Any) -> bool:
+    try:
+        sv._coord.raise_requested_exception()
+    except BaseException:
+        return True
+    return False
+
+
+def current_step(sv: Any) -> int | None:
+    """The Supervisor's global step now (None without one)."""
+    st = sv._settings
+    return None if st.global_step is None else read_step(st.global_step)
