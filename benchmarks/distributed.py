@@ -76,7 +76,7 @@ def _build(total_bytes: int, world_size: int, kind: str) -> tuple[Any, Any, dict
     import torch
     from torch import nn
 
-    from torchsupervisor.checkpoint.sharded.collective import ShardedOptimizerState
+    from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState
 
     param_bytes = total_bytes / 3  # Parameters, exp_avg, exp_avg_sq.
     width = 1024 if param_bytes >= 4 * 1024 * 1024 else max(8, int(math.sqrt(param_bytes / 4)))

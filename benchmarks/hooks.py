@@ -46,7 +46,8 @@ import torch
 from torchsupervisor import GlobalStep, Graph, Session, SummaryWriterCache, Supervisor, summary
 from torchsupervisor.hooks import LoggingTensorHook, NanTensorHook, StopAtStepHook
 from torchsupervisor.monitored.creators import ChiefSessionCreator
-from torchsupervisor.monitored.session import MonitoredSession, MonitoredTrainingSession
+from torchsupervisor.monitored.session import MonitoredSession
+from torchsupervisor.monitored.training_session import MonitoredTrainingSession
 
 TARGET_US = 20.0
 TARGET_CASE = "MonitoredTrainingSession, 4 hooks"

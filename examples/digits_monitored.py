@@ -27,8 +27,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchsupervisor import GlobalStep, Graph, summary
 from torchsupervisor.demo.digits import DigitsData, accuracy, build_model
 from torchsupervisor.hooks import LoggingTensorHook, NanTensorHook, StopAtStepHook
-from torchsupervisor.input.queues import queue_from_iterable
-from torchsupervisor.monitored.session import MonitoredTrainingSession
+from torchsupervisor.input.queue_runner import queue_from_iterable
+from torchsupervisor.monitored.training_session import MonitoredTrainingSession
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import torchsupervisor as ts
-from torchsupervisor.checkpoint.sharded.collective import ShardedOptimizerState
+from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState
 from torchsupervisor.demo.digits import DigitsData, accuracy, build_model
 
 

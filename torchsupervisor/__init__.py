@@ -20,11 +20,8 @@ from torchsupervisor.checkpoint.reader import (
     load_variable,
 )
 from torchsupervisor.checkpoint.saver import Saver
-from torchsupervisor.checkpoint.sharded.collective import (
-    ShardedOptimizerState,
-    load_sharded,
-    save_sharded,
-)
+from torchsupervisor.checkpoint.sharded.collective import load_sharded, save_sharded
+from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState
 from torchsupervisor.checkpoint.state_file import (
     CheckpointState,
     generate_checkpoint_state_proto,
@@ -85,8 +82,8 @@ from torchsupervisor.hooks import (
     SummarySaverHook,
 )
 from torchsupervisor.input.data import ResumableDataLoader, ResumableSampler
-from torchsupervisor.input.queues import (
-    FIFOQueue,
+from torchsupervisor.input.queue import FIFOQueue
+from torchsupervisor.input.queue_runner import (
     QueueRunner,
     add_queue_runner,
     queue_from_iterable,
@@ -100,10 +97,10 @@ from torchsupervisor.monitored.creators import (
 from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.monitored.session import (
     MonitoredSession,
-    MonitoredTrainingSession,
     SingularMonitoredSession,
     StepContext,
 )
+from torchsupervisor.monitored.training_session import MonitoredTrainingSession
 from torchsupervisor.summary import (
     FileWriter,
     FileWriterCache,

@@ -12,6 +12,7 @@ TF name: ``tf.errors``.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 __all__ = [
@@ -44,15 +45,24 @@ __all__ = [
     "InternalError",
     "InvalidArgumentError",
     "LogdirLockedError",
+    "ManifestError",
+    "NanLossDuringTrainingError",
     "NotFoundError",
+    "NotRegularFileError",
     "OpError",
     "OutOfRangeError",
+    "OutsideDirectoryError",
     "PermissionDeniedError",
+    "ReplicaAbort",
     "ResourceExhaustedError",
+    "ShardedStateError",
+    "StaleReferenceError",
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",
     "UnknownError",
+    "WorldError",
+    "WriteCancelled",
     "error_code_from_exception_type",
     "exception_type_from_error_code",
 ]
@@ -414,3 +424,116 @@ def _rebuild_locked(
     message: str, path: str | None, directory: str | None, owner: dict[str, Any]
 ) -> LogdirLockedError:
     return LogdirLockedError(message, path=path, directory=directory, owner=owner)
+
+
+# ---------------------------------------------------------------------------------------------
+# The other errors of the library: TF's NaN loss, and the errors of its layers (storage,
+# checkpoint format, state, replicas, test helpers), each a subclass of the closest builtin.
+
+
+class NanLossDuringTrainingError(RuntimeError):
+    """The loss became NaN (raised by ``NanTensorHook`` with ``fail_on_nan_loss=True``).
+
+    ``str()`` is ``"NaN loss during training."``.
+
+    TF name: ``tf.compat.v1.train.NanLossDuringTrainingError``.
+    """
+
+    def __str__(self) -> str:
+        return "NaN loss during training."
+
+
+class NotRegularFileError(OSError):
+    """A checkpoint or events file is a FIFO, a device, a socket or a directory.
+
+    Such a file is damage, never data: reading a FIFO blocks forever and a device such as
+    ``/dev/zero`` never ends. ``Storage.open_read`` raises it before reading a byte.
+
+    Attributes:
+        filename: The path.
+        kind: What it is instead (``"a FIFO"``, ``"a directory"``, ...).
+    """
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"not a regular file ({kind})", path)
+        self.kind = kind
+
+
+class OutsideDirectoryError(PermissionError):
+    """An object opened with ``inside=DIR`` lies elsewhere (a symbolic link out of ``DIR``).
+
+    Attributes:
+        filename: The path.
+        directory: The directory it had to lie in.
+    """
+
+    def __init__(self, path: str, directory: str, actual: str) -> None:
+        super().__init__(errno.EACCES, f"a link out of {directory} (to {actual})", path)
+        self.directory = directory
+
+
+class WriteCancelled(Exception):
+    """Raised by ``Storage.put`` when its ``cancel`` event is set between two chunks."""
+
+
+class ReplicaAbort(FailedPreconditionError):
+    """A replica gave up on an agreement (its session failed): the others stop waiting.
+
+    Attributes:
+        reason: The text of the rank that gave up (``"rank 1: <why>"``).
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(None, None, f"A replica gave up: {reason}")
+        self.reason = reason
+
+
+class StaleReferenceError(CheckpointSaveError):
+    """Tensors changed without their version counter changing; the save was not committed.
+
+    The writer found that reused (referenced) CPU tensors no longer hold their committed
+    bytes although their version counter did not move (a write through ``.data`` or numpy).
+    Their value at the snapshot's step is lost, so the save cannot be completed.
+
+    Attributes:
+        names: The tensors concerned; the saver copies them at every later save.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, names: frozenset[str]):
+        super().__init__(message, path=path)
+        self.names = names
+
+
+class ManifestError(ValueError):
+    """A manifest or shard header does not follow the format (the reader names the file)."""
+
+
+class ShardedStateError(ValueError):
+    """``flatten_state`` met a ``DTensor``: the state is sharded between ranks.
+
+    Such a state is saved with ``checkpoint.sharded.save_sharded``, every rank writing its
+    part (``Saver`` chooses that writer for a state of DTensors).
+
+    Attributes:
+        path: The state path of the first DTensor met.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            f"Cannot save {path!r} as an unsharded tensor: it is a DTensor (a sharded state); "
+            "save it with save_sharded on every rank"
+        )
+        self.path = path
+
+
+class WorldError(RuntimeError):
+    """A rank of ``run_world`` failed or did not finish in time.
+
+    Attributes:
+        failures: ``{rank: traceback text}`` of the ranks that raised or timed out.
+    """
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        listed = "\n".join(f"--- rank {r} ---\n{text}" for r, text in sorted(failures.items()))
+        super().__init__(f"{len(failures)} rank(s) failed:\n{listed}")
+        self.failures = failures

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchsupervisor.core.clock import Clock
+from torchsupervisor.errors import WorldError
 from torchsupervisor.storage.local import OPERATIONS, LocalStorage
 
 __all__ = [
@@ -384,19 +385,6 @@ def _check_operation(operation: str) -> None:
 
 
 # ------------------------------------------------------------------------------ process groups
-
-
-class WorldError(RuntimeError):
-    """A rank of ``run_world`` failed or did not finish in time.
-
-    Attributes:
-        failures: ``{rank: traceback text}`` of the ranks that raised or timed out.
-    """
-
-    def __init__(self, failures: dict[int, str]) -> None:
-        listed = "\n".join(f"--- rank {r} ---\n{text}" for r, text in sorted(failures.items()))
-        super().__init__(f"{len(failures)} rank(s) failed:\n{listed}")
-        self.failures = failures
 
 
 def run_world(

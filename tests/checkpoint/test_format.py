@@ -15,13 +15,12 @@ from torchsupervisor.checkpoint.format import (
     ManifestError,
     ShardEntry,
     TensorEntry,
-    decode_tree,
     dtype_from_code,
     dtype_to_code,
-    encode_tree,
     safetensors_header,
 )
 from torchsupervisor.core.state import TensorRef
+from torchsupervisor.core.tree import decode_tree, encode_tree
 
 
 def _manifest(**overrides) -> Manifest:

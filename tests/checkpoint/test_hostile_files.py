@@ -18,9 +18,10 @@ from supervisor_helpers import Trainer
 
 import torchsupervisor as ts
 from torchsupervisor import CheckpointReader, Saver, Session
-from torchsupervisor.checkpoint.format import MAX_TREE_DEPTH, Manifest
+from torchsupervisor.checkpoint.format import Manifest
 from torchsupervisor.cli import main as cli_main
 from torchsupervisor.core.state import MAX_STATE_DEPTH
+from torchsupervisor.core.tree import MAX_TREE_DEPTH
 from torchsupervisor.errors import CorruptCheckpointError
 
 FALLBACK_SECS = 10.0

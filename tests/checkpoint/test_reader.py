@@ -325,7 +325,7 @@ def test_manifest_pointing_at_the_wrong_bytes_is_rejected(checkpoint):
 @pytest.fixture
 def pipelined(monkeypatch):
     """Make every read go through the reader thread, in small chunks."""
-    from torchsupervisor.checkpoint import reader as reader_module
+    from torchsupervisor.checkpoint import shard_io as reader_module
 
     monkeypatch.setattr(reader_module, "_PIPELINE_MIN_BYTES", 0)
     monkeypatch.setattr(reader_module, "_CHUNK_BYTES", 24)

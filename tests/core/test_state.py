@@ -7,14 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchsupervisor.core.state import (
-    TensorRef,
-    TensorSpec,
-    check_state,
-    find_subtree,
-    flatten_state,
-    load_state,
-)
+from torchsupervisor.core.state import TensorRef, TensorSpec, flatten_state
+from torchsupervisor.core.state_load import check_state, find_subtree, load_state
 from torchsupervisor.errors import InvalidArgumentError, NotFoundError
 
 

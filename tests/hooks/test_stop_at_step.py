@@ -9,7 +9,8 @@ from torchsupervisor import GlobalStep, Session
 from torchsupervisor.core.registry import GraphKeys, add_to_collection
 from torchsupervisor.hooks import StopAtStepHook
 from torchsupervisor.monitored.creators import ChiefSessionCreator
-from torchsupervisor.monitored.session import MonitoredSession, MonitoredTrainingSession
+from torchsupervisor.monitored.session import MonitoredSession
+from torchsupervisor.monitored.training_session import MonitoredTrainingSession
 from torchsupervisor.monitored.wrappers import _HookedSession
 
 

@@ -21,7 +21,8 @@ from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.core.rng import RNGState
 from torchsupervisor.hooks import CheckpointSaverHook, SessionRunHook, StopAtStepHook
 from torchsupervisor.monitored.scaffold import Scaffold
-from torchsupervisor.monitored.session import MonitoredTrainingSession, SingularMonitoredSession
+from torchsupervisor.monitored.session import SingularMonitoredSession
+from torchsupervisor.monitored.training_session import MonitoredTrainingSession
 from torchsupervisor.storage import is_temporary_name
 
 WORKER = repo_paths.worker("monitored_preemption_worker.py")

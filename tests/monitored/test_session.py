@@ -40,18 +40,15 @@ from torchsupervisor.hooks import (
     StopAtStepHook,
     SummarySaverHook,
 )
-from torchsupervisor.input.queues import queue_from_iterable
+from torchsupervisor.input.queue_runner import queue_from_iterable
 from torchsupervisor.monitored.creators import (
     ChiefSessionCreator,
     SessionCreator,
     WorkerSessionCreator,
 )
 from torchsupervisor.monitored.scaffold import Scaffold
-from torchsupervisor.monitored.session import (
-    MonitoredSession,
-    MonitoredTrainingSession,
-    SingularMonitoredSession,
-)
+from torchsupervisor.monitored.session import MonitoredSession, SingularMonitoredSession
+from torchsupervisor.monitored.training_session import MonitoredTrainingSession
 from torchsupervisor.storage import temporary_name
 from torchsupervisor.storage.lock import LOCK_FILENAME
 

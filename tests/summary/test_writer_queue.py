@@ -13,7 +13,8 @@ import torch
 
 from torchsupervisor.summary import SessionLog, SummaryWriter, summary_iterator
 from torchsupervisor.summary import event_file as event_file_mod
-from torchsupervisor.summary.event_file import DROP_REPORT_SECS, WRITE_BATCH, WriterCounters
+from torchsupervisor.summary.counters import WriterCounters
+from torchsupervisor.summary.event_file import DROP_REPORT_SECS, WRITE_BATCH
 from torchsupervisor.summary.queue_items import VECTORIZE_MIN_RUN
 from torchsupervisor.testing import FakeClock, FaultyStorage, GatedStorage
 

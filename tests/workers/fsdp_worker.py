@@ -39,10 +39,7 @@ from torch.distributed.tensor import DTensor
 from worker_exit import run_and_exit
 
 import torchsupervisor as ts
-from torchsupervisor.checkpoint.sharded.collective import (
-    ShardedOptimizerState,
-    flatten_sharded_state,
-)
+from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState, flatten_sharded_state
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.errors import OutOfRangeError
 

@@ -32,12 +32,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from worker_exit import run_and_exit
 
-from torchsupervisor.checkpoint.sharded.collective import (
+from torchsupervisor.checkpoint.sharded.collective import load_sharded, save_sharded
+from torchsupervisor.checkpoint.sharded.plan import (
     ShardedOptimizerState,
     flatten_sharded_state,
     is_sharded,
-    load_sharded,
-    save_sharded,
 )
 from torchsupervisor.testing import FaultyStorage
 

@@ -1,7 +1,7 @@
 """The commit protocol: a checkpoint appears complete, or not at all, on any ``Storage``.
 
 One protocol for the single-process writer (``persist``) and for every rank of a sharded save
-(``checkpoint/sharded/storage.py`` calls ``retire``, ``put_shard`` and ``publish``):
+(``checkpoint/sharded/writer.py`` calls ``retire``, ``put_shard`` and ``publish``):
 
 1. ``retire``: refuse to overwrite data files of ``P`` that other checkpoints still
    reference; if ``P.index`` already exists (a save at the same step), delete it first: from
@@ -40,13 +40,13 @@ from torchsupervisor.checkpoint.format import (
     ShardEntry,
     TensorEntry,
     data_filename,
-    encode_tree,
     shard_checksum,
 )
 from torchsupervisor.checkpoint.incremental import Committed
 from torchsupervisor.checkpoint.references import referenced_data_files
 from torchsupervisor.checkpoint.snapshot import Snapshot
 from torchsupervisor.core import threads as priority
+from torchsupervisor.core.tree import encode_tree
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import LOCAL, Storage, WriteCancelled
 

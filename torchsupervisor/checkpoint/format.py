@@ -29,7 +29,6 @@ everything else is an object with exactly one tag key: ``{"tensor": name}``,
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import struct
@@ -40,22 +39,25 @@ from typing import Any
 import crc32c
 import torch
 
-from torchsupervisor.core.state import MAX_STATE_DEPTH, TensorRef
+from torchsupervisor.core.tree import (
+    as_dict,
+    as_list,
+    as_str,
+    check_tree_depth,
+)
+from torchsupervisor.errors import ManifestError
 
 __all__ = [
     "DATA_ALIGNMENT_BYTES",
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "MAX_TREE_DEPTH",
     "Manifest",
     "ManifestError",
     "ShardEntry",
     "TensorEntry",
     "data_filename",
-    "decode_tree",
     "dtype_from_code",
     "dtype_to_code",
-    "encode_tree",
     "parse_safetensors_header",
     "safetensors_header",
     "shard_checksum",
@@ -67,16 +69,6 @@ DATA_ALIGNMENT_BYTES = 64
 CHECKSUM_ALGORITHM = "crc32c"
 MAX_INDEX_BYTES = 1 << 30
 """The largest ``P.index`` read (1 GiB: some 5 million tensors); a larger one is damage."""
-
-MAX_TREE_DEPTH = MAX_STATE_DEPTH + 1
-"""The deepest nesting of containers (dicts, lists, tuples) a manifest's tree may have.
-
-A real training state nests a few levels (``optimizer/state/0/exp_avg``); a manifest whose
-tree nests deeper is damage (decoding it would exhaust the interpreter's stack).
-``state.flatten_state`` refuses to save a state nested deeper than ``MAX_STATE_DEPTH`` below
-its entries (the tree adds one level: the mapping of the entries), so that every checkpoint
-written can be read back.
-"""
 
 _DTYPE_CODES: dict[torch.dtype, str] = {}
 for _name, _code in [
@@ -102,10 +94,6 @@ for _name, _code in [
     if hasattr(torch, _name):
         _DTYPE_CODES[getattr(torch, _name)] = _code
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-
-
-class ManifestError(ValueError):
-    """A manifest or shard header does not follow the format (the reader names the file)."""
 
 
 def dtype_to_code(dtype: torch.dtype) -> str:
@@ -252,25 +240,27 @@ class Manifest:
                     data_offset=_int(s["data_offset"]),
                     crc32c=_int(s["crc32c"]),
                     header_crc32c=(
-                        None if _dict(s).get("header_crc32c") is None else _int(s["header_crc32c"])
+                        None
+                        if as_dict(s).get("header_crc32c") is None
+                        else _int(s["header_crc32c"])
                     ),
                 )
-                for s in _list(body["shards"])
+                for s in as_list(body["shards"])
             )
             tensors = {}
-            for name, e in _dict(body["tensors"]).items():
-                begin, end = (_int(x) for x in _list(e["offsets"]))
+            for name, e in as_dict(body["tensors"]).items():
+                begin, end = (_int(x) for x in as_list(e["offsets"]))
                 entry = TensorEntry(
                     shard=_int(e["shard"]),
                     dtype=dtype_from_code(e["dtype"]),
-                    shape=tuple(_int(d) for d in _list(e["shape"])),
+                    shape=tuple(_int(d) for d in as_list(e["shape"])),
                     begin=begin,
                     end=end,
                     crc32c=_int(e["crc32c"]),
                 )
                 _check_entry(name, entry, shards)
                 tensors[name] = entry
-            _check_depth(body["tree"])
+            check_tree_depth(body["tree"])
             step = body["global_step"]
             return cls(
                 global_step=None if step is None else _int(step),
@@ -278,8 +268,8 @@ class Manifest:
                 tree=body["tree"],
                 tensors=tensors,
                 shards=shards,
-                library_version=_str(body["library_version"]),
-                torch_version=_str(body["torch_version"]),
+                library_version=as_str(body["library_version"]),
+                torch_version=as_str(body["torch_version"]),
                 world_size=_int(body.get("world_size", 1)),
                 format_version=version,
             )
@@ -319,56 +309,12 @@ def _int(x: Any) -> int:
     return x
 
 
-def _str(x: Any) -> str:
-    if not isinstance(x, str):
-        raise ManifestError(f"expected a string, got {x!r}")
-    return x
-
-
 def _shard_file(x: Any) -> str:
     """A shard's file name: a plain name inside the index's directory, nothing else."""
-    name = _str(x)
+    name = as_str(x)
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
         raise ManifestError(f"shard file {name!r} is not a plain file name in the directory")
     return name
-
-
-def _check_depth(tree: Any) -> None:
-    """Refuse a tree nested deeper than ``MAX_TREE_DEPTH`` containers (without recursing)."""
-    pending = [(tree, 0)]
-    while pending:
-        node, depth = pending.pop()
-        if isinstance(node, list):
-            children = node
-        elif isinstance(node, dict) and len(node) == 1:
-            ((tag, value),) = node.items()
-            if tag == "dict" and isinstance(value, dict):
-                children = list(value.values())
-            elif tag in ("tuple", "items") and isinstance(value, list):
-                children = value if tag == "tuple" else [v for p in value for v in _pair(p)]
-            else:
-                continue
-        else:
-            continue
-        if depth >= MAX_TREE_DEPTH:
-            raise ManifestError(f"the state tree nests deeper than {MAX_TREE_DEPTH} levels")
-        pending.extend((child, depth + 1) for child in children)
-
-
-def _pair(item: Any) -> list[Any]:
-    return item if isinstance(item, list) else []
-
-
-def _list(x: Any) -> list[Any]:
-    if not isinstance(x, list):
-        raise ManifestError(f"expected a list, got {type(x).__name__}")
-    return x
-
-
-def _dict(x: Any) -> dict[str, Any]:
-    if not isinstance(x, dict):
-        raise ManifestError(f"expected an object, got {type(x).__name__}")
-    return x
 
 
 def _check_entry(name: str, entry: TensorEntry, shards: tuple[ShardEntry, ...]) -> None:
@@ -408,7 +354,7 @@ def parse_safetensors_header(data: bytes) -> list[tuple[str, int, int]]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        offsets = _list(_dict(info).get("data_offsets"))
+        offsets = as_list(as_dict(info).get("data_offsets"))
         if len(offsets) != 2:
             raise ManifestError(f"bad data_offsets for {name!r} in the shard header")
         begin, end = (_int(x) for x in offsets)
@@ -440,97 +386,3 @@ def safetensors_header(entries: list[tuple[str, TensorEntry]]) -> bytes:
     padded = -(-(8 + len(text)) // DATA_ALIGNMENT_BYTES) * DATA_ALIGNMENT_BYTES - 8
     text += b" " * (padded - len(text))
     return struct.pack("<Q", len(text)) + text
-
-
-_FLOAT_TAGS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-
-def encode_tree(node: Any) -> Any:
-    """Encode a skeleton (from ``state.flatten_state``) as JSON-compatible data.
-
-    Raises:
-        TypeError: For a leaf type the format does not know.
-    """
-    if node is None or isinstance(node, (bool, int, str)):
-        return node
-    if isinstance(node, float):
-        if math.isfinite(node):
-            return node
-        return {"float": "nan" if math.isnan(node) else ("inf" if node > 0 else "-inf")}
-    if isinstance(node, TensorRef):
-        return {"ndarray" if node.ndarray else "tensor": node.name}
-    if isinstance(node, dict):
-        if all(isinstance(k, str) for k in node):
-            return {"dict": {k: encode_tree(v) for k, v in node.items()}}
-        return {"items": [[_encode_key(k), encode_tree(v)] for k, v in node.items()]}
-    if isinstance(node, list):
-        return [encode_tree(v) for v in node]
-    if isinstance(node, tuple):
-        return {"tuple": [encode_tree(v) for v in node]}
-    if isinstance(node, bytes):
-        return {"bytes": base64.b64encode(node).decode("ascii")}
-    if isinstance(node, torch.dtype):
-        return {"dtype": str(node).removeprefix("torch.")}
-    if isinstance(node, torch.device):
-        return {"device": str(node)}
-    raise TypeError(f"cannot encode {type(node).__name__} in a manifest")
-
-
-def _encode_key(key: Any) -> Any:
-    if isinstance(key, float) and not math.isfinite(key):
-        return encode_tree(key)
-    return key
-
-
-def decode_tree(node: Any, tensor: Any) -> Any:
-    """Rebuild the state tree from its JSON encoding.
-
-    Args:
-        node: The ``tree`` of a manifest.
-        tensor: Called as ``tensor(name, ndarray)`` for each tensor leaf; its result takes the
-            leaf's place (e.g. the restored tensor, or a numpy array when ``ndarray``).
-
-    Raises:
-        ManifestError: For anything that is not a valid encoding.
-    """
-    if node is None or isinstance(node, (bool, int, float, str)):
-        return node
-    if isinstance(node, list):
-        return [decode_tree(v, tensor) for v in node]
-    if not isinstance(node, dict) or len(node) != 1:
-        raise ManifestError(f"bad tree node {node!r:.80}")
-    ((tag, value),) = node.items()
-    if tag == "tensor" or tag == "ndarray":
-        return tensor(_str(value), tag == "ndarray")
-    if tag == "dict":
-        return {k: decode_tree(v, tensor) for k, v in _dict(value).items()}
-    if tag == "items":
-        out = {}
-        for pair in _list(value):
-            if not isinstance(pair, list) or len(pair) != 2:
-                raise ManifestError(f"bad dict item {pair!r:.80}")
-            key = pair[0] if not isinstance(pair[0], dict) else decode_tree(pair[0], tensor)
-            if isinstance(key, (list, dict)):
-                raise ManifestError(f"bad dict key {key!r:.80}")
-            out[key] = decode_tree(pair[1], tensor)
-        return out
-    if tag == "tuple":
-        return tuple(decode_tree(v, tensor) for v in _list(value))
-    if tag == "float" and value in _FLOAT_TAGS:
-        return _FLOAT_TAGS[value]
-    if tag == "bytes":
-        try:
-            return base64.b64decode(_str(value), validate=True)
-        except ValueError:
-            raise ManifestError("bad base64 bytes leaf") from None
-    if tag == "dtype":
-        dtype = getattr(torch, _str(value), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ManifestError(f"unknown dtype {value!r}")
-        return dtype
-    if tag == "device":
-        try:
-            return torch.device(_str(value))
-        except RuntimeError:
-            raise ManifestError(f"bad device {value!r}") from None
-    raise ManifestError(f"unknown tree tag {tag!r}")

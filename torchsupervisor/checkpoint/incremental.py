@@ -38,7 +38,9 @@ import crc32c
 import torch
 
 from torchsupervisor.checkpoint.format import ShardEntry, TensorEntry
-from torchsupervisor.errors import CheckpointSaveError
+from torchsupervisor.errors import (
+    StaleReferenceError,
+)
 
 __all__ = ["Committed", "StaleReferenceError", "is_unchanged", "tensor_version", "verify"]
 
@@ -59,22 +61,6 @@ class Committed:
     version: int
     shard: ShardEntry
     entry: TensorEntry
-
-
-class StaleReferenceError(CheckpointSaveError):
-    """Tensors changed without their version counter changing; the save was not committed.
-
-    The writer found that reused (referenced) CPU tensors no longer hold their committed
-    bytes although their version counter did not move (a write through ``.data`` or numpy).
-    Their value at the snapshot's step is lost, so the save cannot be completed.
-
-    Attributes:
-        names: The tensors concerned; the saver copies them at every later save.
-    """
-
-    def __init__(self, message: str, *, path: str | None = None, names: frozenset[str]):
-        super().__init__(message, path=path)
-        self.names = names
 
 
 def tensor_version(tensor: torch.Tensor) -> int | None:

@@ -17,51 +17,42 @@ from __future__ import annotations
 
 import errno
 import os
-import queue
-import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import crc32c
 import torch
 
-from torchsupervisor.checkpoint.format import (
-    MAX_INDEX_BYTES,
-    Manifest,
-    ManifestError,
-    ShardEntry,
-    TensorEntry,
-    decode_tree,
-    parse_safetensors_header,
-    shard_checksum,
+from torchsupervisor.checkpoint.format import MAX_INDEX_BYTES, Manifest, ManifestError, TensorEntry
+from torchsupervisor.checkpoint.shard_io import (
+    check_shard,
+    open_shard,
+    pipelined_reads,
+    read_tensor,
+    scratch_reads,
 )
 from torchsupervisor.checkpoint.sharded.metadata import (
     SHARDED_TENSORS_KEY,
     ShardedManifest,
     ShardedTensorEntry,
 )
+from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
 from torchsupervisor.storage import (
     LOCAL,
     NotRegularFileError,
-    OutsideDirectoryError,
-    Readable,
     Storage,
-    read_exactly,
     storage_for,
 )
 
 __all__ = [
     "CheckpointReader",
     "NewCheckpointReader",
-    "check_shard",
     "list_variables",
     "load_checkpoint",
     "load_variable",
 ]
 
-_CHUNK_BYTES = 16 << 20
-_PIPELINE_MIN_BYTES = 64 << 20
 
 # TF's name of the global step variable. A ``GlobalStep`` is saved as a plain int in the
 # manifest's tree (``global_step/value``) and as the manifest's step; the reader shows that step
@@ -244,7 +235,7 @@ class CheckpointReader:
         shard = self._manifest.shards[entry.shard]
         path = self._shard_path(entry.shard)
         with self._open_shard(entry.shard) as f:
-            tensor, crc = _read_tensor(f, shard.data_offset + entry.begin, entry)
+            tensor, crc = read_tensor(f, shard.data_offset + entry.begin, entry)
         if crc != entry.crc32c:
             raise CorruptCheckpointError(
                 f"Tensor {name!r} in {path} is corrupt: checksum mismatch",
@@ -392,7 +383,7 @@ class CheckpointReader:
             # One thread allocates and reads (a copy from the page cache or a wait on the disk)
             # while this one checksums what was read: both release the GIL.
             tensors = [(name, shard.data_offset + e.begin, e.nbytes) for name, e in entries]
-            reads = _pipelined_reads(f, tensors) if keep else _scratch_reads(f, tensors)
+            reads = pipelined_reads(f, tensors) if keep else scratch_reads(f, tensors)
             for name, raw, view in reads:
                 if keep:
                     raws[name] = raw
@@ -416,224 +407,8 @@ class CheckpointReader:
         }
 
 
-def check_shard(f: Readable, shard: ShardEntry, read: Mapping[tuple[int, int], int]) -> None:
-    """Verify the bytes of a shard that no tensor checksum covers: its header.
-
-    Reads the header (``shard.data_offset`` bytes, a few KiB) and compares its CRC with the
-    manifest's ``header_crc32c``: the header is then the one written, whose tensors tile the
-    data area exactly, so with the tensors' own checksums every byte read is verified (the
-    tensors of the shard this checkpoint does not use are not read). A manifest written
-    before ``header_crc32c`` existed: the header must have the right length field, be valid
-    safetensors JSON whose tensors tile the data area exactly, and list every tensor read at
-    the bytes it was read from; when all of the shard's tensors were read, the shard checksum
-    (``shard_checksum``: header and tensor CRCs) is compared with the manifest's.
-
-    Args:
-        f: The open shard (its size already checked against ``shard.size_bytes``).
-        shard: The shard's manifest entry.
-        read: ``{(begin, end): CRC-32C}`` of the tensors read from the shard (already
-            verified against their own checksums), by byte range relative to the data area.
-
-    Raises:
-        CorruptCheckpointError: Naming the file, ``reason="header damaged"``.
-    """
-
-    def damaged(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"Checkpoint shard {path} is corrupt: header damaged ({what})",
-            path=path,
-            reason="header damaged",
-        )
-
-    path = f.path
-    header = bytearray(shard.data_offset)
-    _pread_exactly(f, memoryview(header), 0)
-    if shard.header_crc32c is not None:
-        if crc32c.crc32c(header) != shard.header_crc32c:
-            raise damaged("checksum mismatch")
-        return
-    if len(header) < 8 or int.from_bytes(header[:8], "little") != len(header) - 8:
-        raise damaged("its length field does not match the data offset")
-    try:
-        ranges = parse_safetensors_header(memoryview(header)[8:])
-    except ManifestError as e:
-        raise damaged(str(e)) from None
-    end = 0
-    for _, begin, stop in ranges:
-        if begin != end:
-            raise damaged(f"its tensors do not tile the data area (a gap or overlap at {end})")
-        end = stop
-    if end != shard.size_bytes - shard.data_offset:
-        raise damaged(
-            f"its tensors end at data byte {end}; the data area has "
-            f"{shard.size_bytes - shard.data_offset} bytes"
-        )
-    listed = {(begin, stop) for _, begin, stop in ranges}
-    missing = [r for r in read if r[1] > r[0] and r not in listed]
-    if missing:
-        raise damaged(f"it does not list the tensor read at data bytes {list(missing[0])}")
-    if all(stop == begin or (begin, stop) in read for _, begin, stop in ranges):
-        crcs = [read.get((begin, stop), 0) for _, begin, stop in ranges]
-        if shard_checksum(header, crcs) != shard.crc32c:
-            raise damaged("shard checksum mismatch")
-
-
-def _pipelined_reads(
-    f: Readable, tensors: list[tuple[str, int, int]]
-) -> Iterator[tuple[str, torch.Tensor, memoryview]]:
-    """Read ``(name, file offset, size in bytes)`` tensors on a helper thread, by chunks.
-
-    Yields ``(name, buffer, chunk)`` as each chunk arrives; ``buffer`` is the tensor's uint8
-    buffer (allocated by the reader, just before its first read, so that the disk is busy
-    while memory is being allocated) and ``chunk`` a view of the bytes just read.
-
-    Raises:
-        CorruptCheckpointError: If the file ends early.
-        OSError: If a read fails.
-    """
-    ready: queue.SimpleQueue[tuple[str, torch.Tensor, memoryview] | BaseException | None]
-    ready = queue.SimpleQueue()
-    stop = threading.Event()
-
-    def chunks() -> Iterator[tuple[str, torch.Tensor, memoryview]]:
-        for name, offset, nbytes in tensors:
-            # Zero-filled, not just allocated: touching fresh pages in user space is several
-            # times cheaper than letting the kernel fault them in during read().
-            raw = torch.zeros(nbytes, dtype=torch.uint8)
-            view = memoryview(raw.numpy())
-            for start in range(0, nbytes, _CHUNK_BYTES):
-                chunk = view[start : start + _CHUNK_BYTES]
-                _pread_exactly(f, chunk, offset + start)
-                yield name, raw, chunk
-            if not nbytes:
-                yield name, raw, view
-
-    if sum(nbytes for _, _, nbytes in tensors) < _PIPELINE_MIN_BYTES:
-        yield from chunks()  # Not worth a thread.
-        return
-
-    def read_all() -> None:
-        try:
-            for item in chunks():
-                if stop.is_set():
-                    return
-                ready.put(item)
-            ready.put(None)
-        except BaseException as e:
-            ready.put(e)
-
-    reader = threading.Thread(target=read_all, name="torchsupervisor-checkpoint-reader")
-    reader.start()
-    try:
-        while True:
-            item = ready.get()
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        reader.join()
-
-
-def _scratch_reads(
-    f: Readable, tensors: list[tuple[str, int, int]]
-) -> Iterator[tuple[str, None, memoryview]]:
-    """Read ``(name, file offset, size in bytes)`` tensors by chunks into one reused buffer.
-
-    Yields ``(name, None, chunk)``: the chunk is valid until the next one is read (for
-    checksums that keep nothing).
-    """
-    buffer = memoryview(bytearray(min(_CHUNK_BYTES, max((n for _, _, n in tensors), default=0))))
-    for name, offset, nbytes in tensors:
-        if not nbytes:
-            yield name, None, buffer[:0]
-        for start in range(0, nbytes, _CHUNK_BYTES):
-            chunk = buffer[: min(_CHUNK_BYTES, nbytes - start)]
-            _pread_exactly(f, chunk, offset + start)
-            yield name, None, chunk
-
-
-def _pread_exactly(f: Readable, view: memoryview, offset: int) -> None:
-    try:
-        read_exactly(f, view, offset)
-    except EOFError:
-        raise _truncated(f.path, None) from None
-
-
-def _read_tensor(f: Readable, offset: int, entry: TensorEntry) -> tuple[torch.Tensor, int]:
-    """Read one tensor at ``offset``; return it and the CRC-32C of its bytes."""
-    if entry.nbytes == 0:
-        return torch.empty(entry.shape, dtype=entry.dtype), 0
-    raw = torch.empty(entry.nbytes, dtype=torch.uint8)
-    view = memoryview(raw.numpy())
-    _pread_exactly(f, view, offset)
-    return raw.view(entry.dtype).reshape(entry.shape), crc32c.crc32c(view)
-
-
-def open_shard(
-    path: str, expected_bytes: int, storage: Storage = LOCAL, *, directory: str | None = None
-) -> Readable:
-    """Open a checkpoint shard for reading after checking that it has the expected size.
-
-    Args:
-        path: The shard's path.
-        expected_bytes: Its size recorded in the manifest.
-        storage: Where the checkpoint lives.
-        directory: The checkpoint's directory: the shard, once symbolic links are resolved,
-            must lie in it. None: not checked.
-
-    Returns:
-        The open shard (the caller closes it).
-
-    Raises:
-        CorruptCheckpointError: If the file is missing, unreadable, not a regular file, a
-            link out of ``directory``, shorter (truncated) or longer than ``expected_bytes``,
-            naming the file.
-    """
-    try:
-        f = storage.open_read(path, inside=directory)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(
-            f"Checkpoint shard {path} is missing", path=path, reason="missing file"
-        ) from None
-    except NotRegularFileError as e:
-        raise CorruptCheckpointError(
-            f"Checkpoint shard {path} is not a regular file ({e.kind})",
-            path=path,
-            reason="not a file",
-        ) from None
-    except OutsideDirectoryError:
-        raise CorruptCheckpointError(
-            f"Checkpoint shard {path} is a link out of the checkpoint's directory",
-            path=path,
-            reason="outside the directory",
-        ) from None
-    except OSError as e:
-        raise CorruptCheckpointError(
-            f"Checkpoint shard {path} cannot be read: {e}", path=path, reason="unreadable"
-        ) from e
-    if f.size != expected_bytes:
-        f.close()
-        what = "is truncated" if f.size < expected_bytes else "is too long"
-        raise CorruptCheckpointError(
-            f"Checkpoint shard {path} {what}: {f.size} bytes, expected {expected_bytes}",
-            path=path,
-            reason="truncated" if f.size < expected_bytes else "wrong size",
-        )
-    return f
-
-
 def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
-
-
-def _truncated(path: str, expected: int | None) -> CorruptCheckpointError:
-    detail = f" (expected {expected} bytes)" if expected is not None else ""
-    return CorruptCheckpointError(
-        f"Checkpoint shard {path} is truncated{detail}", path=path, reason="truncated"
-    )
 
 
 def NewCheckpointReader(filepattern: str) -> CheckpointReader:

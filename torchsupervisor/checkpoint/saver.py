@@ -1,27 +1,16 @@
-"""``Saver``: TF's checkpoint API composed from the snapshot, commit and retention parts.
+"""``Saver``: TF's checkpoint API over the writers, the commit protocol and the keeper.
 
-Saving is split in two. ``stage`` (on the calling thread) copies the state into host staging
-buffers; ``persist`` (on the calling thread for ``save``, on the writer thread for
-``save_async``) writes the files with the commit protocol, then updates the ``checkpoint`` state
-file, then deletes the checkpoints that retention lets go. At most one save is in flight: a new
-save first waits until the one being written is committed (or failed), then takes its snapshot.
-(The Supervisor never makes the training thread wait: a checkpoint its timer asks for while a
-save is in flight is taken at the first step boundary after that save commits.)
+Saving is split in two: a writer stages the state on the calling thread (a copy into host
+staging buffers), then persists it with the commit protocol, on the calling thread for
+``save`` and on the background writer thread for ``save_async``; the ``Keeper`` then updates
+the state file and deletes what retention lets go (``writers.py``, ``commit.py``,
+``retention.py``). At most one save is in flight: a new save first waits until the one being
+written is committed (or failed).
 
-Saves are incremental by default: a frozen tensor (one nothing in the state trains or updates:
-``state.flatten_state``) unchanged since the last committed checkpoint of the same directory is
-neither copied nor written again; the new manifest references the bytes already on disk
-(``incremental.py``), and retention keeps data files as long as a kept
-checkpoint references them. A save is full (references nothing) whenever an incremental one
-would leave every kept checkpoint depending on one data file (``policy.may_reference``): the
-kept checkpoints always hold two independent copies of every tensor, so one damaged file
-never leaves a restart without a valid checkpoint.
-
-A state holding ``DTensor`` s (an FSDP2 model) is saved with ``sharded.save_sharded``: every rank
-of the process group calls ``save`` at the same step and writes its own part, synchronously
-(the call returns once the checkpoint is committed; ``save_async`` does the same). Rank 0 then
-updates the state file and applies retention. ``restore`` of such a state is a collective too
-(``sharded.load_sharded``); any world size restores any checkpoint of the format.
+Saves are incremental by default (unchanged frozen tensors are referenced, not copied), and a
+save is full whenever an incremental one would leave every kept checkpoint depending on one
+data file (``policy.may_reference``). A state holding ``DTensor`` s (FSDP2) is saved and
+restored by every rank together (``sharded/``); the writer is chosen once per state.
 
 TF name: ``tf.compat.v1.train.Saver``.
 """
@@ -34,206 +23,35 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from torchsupervisor._version import __version__
 from torchsupervisor.checkpoint import policy
-from torchsupervisor.checkpoint.commit import persist
-from torchsupervisor.checkpoint.engine import CheckpointEngine
 from torchsupervisor.checkpoint.files import (
     checkpoint_exists,
     get_checkpoint_mtimes,
-    list_checkpoint_files,
-    remove_checkpoint,
 )
-from torchsupervisor.checkpoint.format import ManifestError, decode_tree
-from torchsupervisor.checkpoint.incremental import Committed, StaleReferenceError
-from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.references import referenced_data_files
-from torchsupervisor.checkpoint.sharded.collective import is_sharded, load_sharded, save_sharded
-from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
-from torchsupervisor.checkpoint.state_file import (
-    state_file_path,
-    update_checkpoint_state_internal,
-)
+from torchsupervisor.checkpoint.restore import restore_state
+from torchsupervisor.checkpoint.retention import Keeper
+from torchsupervisor.checkpoint.sharded.collective import load_sharded
+from torchsupervisor.checkpoint.sharded.plan import is_sharded
+from torchsupervisor.checkpoint.snapshot import Snapshot
+from torchsupervisor.checkpoint.writers import SaveStats, ShardedWriter, SnapshotWriter
 from torchsupervisor.core.checks import check_bool, check_int, check_number, check_str
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.state import (
-    ShardedStateError,
-    TensorSpec,
-    check_state,
-    flatten_state,
-    load_state,
     select_state,
 )
-from torchsupervisor.errors import CheckpointSaveError, CorruptCheckpointError, NotFoundError
+from torchsupervisor.distributed.env import rank
+from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import LOCAL, DirectoryLock, Storage
 
-__all__ = ["SaveStats", "Saver"]
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _local_shard_bytes(prefix: str, storage: Storage) -> int:
-    """Bytes of the data shard this rank wrote for sharded checkpoint ``prefix``."""
-    directory, base = os.path.split(prefix)
-    mine = f"{base}.data-{_rank():05d}-of-"
-    try:
-        names = [n for n in storage.list(directory) if n.startswith(mine)]
-        return sum(storage.size(os.path.join(directory, n)) for n in names)
-    except OSError:
-        return 0
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
-
-
-def _report_differences(
-    manifest: Any, tree: Any, state: Mapping[str, Any], source: str, whole_state: bool
-) -> None:
-    """Warn about what differs between the run that saved a checkpoint and this one.
-
-    What would make the restore fail or change values (missing entries, shapes, dtypes) is
-    checked by ``state.check_state`` before anything is loaded; this reports the rest:
-    entries of the checkpoint that nothing restores (when the whole state is restored),
-    another world size, another torch or torchsupervisor version.
-    """
-    if whole_state and isinstance(tree, Mapping):
-        unused = sorted(str(k) for k in tree if k not in state)
-        if unused:
-            logger.warning("Checkpoint %s has entries the state does not use: %s", source, unused)
-    if manifest.world_size != _world_size():
-        logger.warning(
-            "Checkpoint %s was written by %d replicas; this run has %d",
-            source,
-            manifest.world_size,
-            _world_size(),
-        )
-    if manifest.torch_version.split("+")[0] != torch.__version__.split("+")[0]:
-        logger.warning(
-            "Checkpoint %s was written with torch %s; this is torch %s",
-            source,
-            manifest.torch_version,
-            torch.__version__,
-        )
-    if manifest.library_version != __version__:
-        logger.warning(
-            "Checkpoint %s was written with torchsupervisor %s; this is torchsupervisor %s",
-            source,
-            manifest.library_version,
-            __version__,
-        )
-
-
-def _spec_tree(reader: CheckpointReader) -> Any:
-    """The checkpoint's state tree with ``TensorSpec`` leaves, from its manifest alone.
-
-    Raises:
-        CorruptCheckpointError: If the tree names a tensor the manifest does not list.
-    """
-    dtypes = reader.get_variable_to_dtype_map()
-    shapes = reader.get_variable_to_shape_map()
-
-    def leaf(name: str, ndarray: bool) -> TensorSpec:
-        if name not in dtypes:
-            raise ManifestError(f"the tree names an unknown tensor {name!r}")
-        return TensorSpec(name, dtypes[name], tuple(shapes[name]), ndarray)
-
-    try:
-        return decode_tree(reader.manifest.tree, leaf)
-    except ManifestError as e:
-        index = reader.prefix + ".index"
-        raise CorruptCheckpointError(
-            f"Checkpoint index {index} is corrupt: {e}", path=index, reason=str(e)
-        ) from None
+__all__ = ["SaveStats", "Saver"]  # SaveStats: see writers.py
 
 
 logger = logging.getLogger("torchsupervisor")
 
 _DEFAULT_SHARD_BYTES = 1 << 30
-
-
-def _family_key(save_path: str) -> str:
-    return os.path.normpath(os.path.abspath(save_path))
-
-
-def _state_key(save_path: str, latest_filename: str | None) -> tuple[str, str]:
-    directory = os.path.normpath(os.path.abspath(os.path.dirname(save_path) or os.curdir))
-    return directory, latest_filename or "checkpoint"
-
-
-def _in_directory(path: str, directory: str, storage: Storage) -> bool:
-    """True if checkpoint ``path`` lies in ``directory`` (symbolic links resolved)."""
-    return storage.canonical(os.path.dirname(path)) == storage.canonical(directory)
-
-
-def _in_family(prefix: str, save_path: str) -> bool:
-    """True if ``prefix`` is ``save_path`` or ``save_path-<step>``."""
-    prefix, save_path = os.path.normpath(prefix), os.path.normpath(save_path)
-    return prefix == save_path or (
-        prefix.startswith(save_path + "-") and prefix[len(save_path) + 1 :].isdigit()
-    )
-
-
-@dataclass
-class _Family:
-    """The incremental bookkeeping of one prefix family (one ``save_path``).
-
-    Attributes:
-        committed: The tensors of the last committed save, which the next may reference.
-        chain: The full save the last committed save's data starts from
-            (``policy.may_reference``); None: none (first save, or the last one failed).
-        chain_saves: Saves in that chain, the full one included.
-        chain_of: The chain of every checkpoint of the family recorded in a state file.
-    """
-
-    committed: dict[str, Committed] = field(default_factory=dict)
-    chain: str | None = None
-    chain_saves: int = 0
-    chain_of: dict[str, str] = field(default_factory=dict)
-
-    def link(self, prefix: str, full: bool, recorded: bool) -> None:
-        """Note which chain the save just committed to ``prefix`` belongs to."""
-        if full or self.chain is None:
-            self.chain, self.chain_saves = prefix, 1
-        else:
-            self.chain_saves += 1
-        self.chain_of.pop(prefix, None)
-        if recorded:
-            self.chain_of[prefix] = self.chain
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """What the last committed save cost.
-
-    Attributes:
-        prefix: The checkpoint written.
-        stall_secs: Time the calling (training) thread spent in the snapshot.
-        commit_secs: Time from the end of the snapshot until the index was committed.
-        total_secs: ``commit_secs`` plus the state file and the deletion of old checkpoints.
-        bytes_written: Bytes of shard data written (headers included, the index excluded).
-        bytes_reused: Bytes of unchanged tensors referenced instead of written (incremental).
-    """
-
-    prefix: str
-    stall_secs: float
-    commit_secs: float
-    total_secs: float
-    bytes_written: int
-    bytes_reused: int
 
 
 class Saver:
@@ -334,35 +152,39 @@ class Saver:
         )
         self._var_list = var_list
         self._sharded = sharded
-        self._max_to_keep = max_to_keep
-        self._keep_every_secs = float(keep_checkpoint_every_n_hours) * 3600.0
         self._name = name or "save"
         self._allow_empty = allow_empty
         self._pad_step_number = pad_step_number
-        self._save_relative_paths = save_relative_paths
-        self._max_shard_bytes = max_shard_bytes or (_DEFAULT_SHARD_BYTES if sharded else None)
         self._storage = storage or LOCAL
         self._clock = clock or REAL_CLOCK
         self._lock = threading.Lock()
-        # Retention is kept per state file (directory and file name): each lists only its
-        # own directory's checkpoints. ``_retention`` is the one of the last save (or, before
-        # any save, the list given to ``set_last_checkpoints*``, bound at the first save).
-        self._retention = policy.Retention(
-            next_keep_time=self._clock.time() + self._keep_every_secs
+        self._keeper = Keeper(
+            self._storage,
+            self._clock,
+            max_to_keep=max_to_keep,
+            keep_every_secs=float(keep_checkpoint_every_n_hours) * 3600.0,
+            save_relative_paths=save_relative_paths,
+            incremental=incremental,
+            full_every=full_save_every_n_saves or policy.default_full_save_interval(max_to_keep),
         )
-        self._retention_key: tuple[str, str] | None = None
-        self._retentions: dict[tuple[str, str], policy.Retention] = {}
-        self._stager = Stager()
-        self._engine = CheckpointEngine()
-        self._cancel = threading.Event()
+        self._writer = SnapshotWriter(
+            self._storage,
+            self._clock,
+            self._keeper,
+            incremental=incremental,
+            max_shard_bytes=max_shard_bytes or (_DEFAULT_SHARD_BYTES if sharded else None),
+        )
+        self._sharded_writer = ShardedWriter(
+            self._storage, self._clock, self._keeper, self._writer.stager
+        )
+        self._engine = self._writer.engine
+        self._cancel = self._writer.cancel
         self._optional: set[str] = set()
-        self._incremental = incremental
-        self._full_every = full_save_every_n_saves or policy.default_full_save_interval(max_to_keep)
-        # Incremental saves, per prefix family (save path): references never cross families.
-        self._families: dict[str, _Family] = {}
-        self._always_copy: set[str] = set()
-        self._orphans: set[str] = set()
-        self._state_file_failures: set[str] = set()
+        # The writer: sharded (every rank writes its part) or this process's snapshot; chosen
+        # once per state (at construction for a ``var_list`` mapping), with that state.
+        self._writer_choice: tuple[Any, bool] | None = None
+        if isinstance(var_list, Mapping):
+            self._writer_choice = (var_list, is_sharded(var_list))
         self._dir_locks: dict[str, DirectoryLock] = {}
         self.last_save: SaveStats | None = None
         """What the last committed save cost (None before the first)."""
@@ -414,19 +236,16 @@ class Saver:
         """
         del meta_graph_suffix, write_meta_graph, strip_default_attrs, save_debug_info
         start = time.perf_counter()
-        try:
-            prefix, snapshot = self._stage(
-                sess, save_path, global_step, latest_filename, check_dir=True
-            )
-        except ShardedStateError:  # DTensors: a collective, every rank writes its part.
-            state = self._state_for(sess)
+        state = self._state_for(sess)
+        if self._is_sharded(state, sess):  # DTensors: a collective, every rank writes its part.
             return self._save_sharded(state, save_path, global_step, latest_filename, write_state)
+        prefix, snapshot = self._stage(
+            state, save_path, global_step, latest_filename, check_dir=True
+        )
         if snapshot is None:
             return None
         stall = time.perf_counter() - start
-        return self._persist(
-            snapshot, prefix, save_path, latest_filename, write_state, stall, False
-        )
+        return self._persist(snapshot, prefix, save_path, latest_filename, write_state, stall)
 
     def save_async(
         self,
@@ -456,13 +275,8 @@ class Saver:
         """
         start = time.perf_counter()
         done: concurrent.futures.Future[str | None]
-        try:
-            # The directory is checked by the writer: a stat is not worth a stall.
-            prefix, snapshot = self._stage(
-                sess, save_path, global_step, latest_filename, check_dir=False
-            )
-        except ShardedStateError:  # DTensors: a collective, written now on every rank.
-            state = self._state_for(sess)
+        state = self._state_for(sess)
+        if self._is_sharded(state, sess):  # DTensors: a collective, written now on every rank.
             done = concurrent.futures.Future()
             try:
                 done.set_result(
@@ -471,13 +285,17 @@ class Saver:
             except CheckpointSaveError as e:
                 done.set_exception(e)
             return done
+        # The directory is checked by the writer: a stat is not worth a stall.
+        prefix, snapshot = self._stage(
+            state, save_path, global_step, latest_filename, check_dir=False
+        )
         if snapshot is None:
             done = concurrent.futures.Future()
             done.set_result(None)
             return done
         stall = time.perf_counter() - start
         return self._engine.submit(
-            self._persist, snapshot, prefix, save_path, latest_filename, write_state, stall, True
+            self._checked_persist, snapshot, prefix, save_path, latest_filename, write_state, stall
         )
 
     def close(self) -> None:
@@ -568,6 +386,21 @@ class Saver:
         """
         self._optional.update(names)
 
+    def _is_sharded(self, state: Mapping[str, Any], sess: Any = None) -> bool:
+        """Whether ``state`` is written by every rank (DTensors): decided once per state.
+
+        The decision is remembered with the state it was made for (the ``var_list`` mapping,
+        or the session's state), so a run decides at its first save, not at every one.
+        """
+        if isinstance(self._var_list, Mapping):
+            source: Any = self._var_list
+        else:
+            source = getattr(sess, "state", state)
+        known = self._writer_choice
+        if known is None or known[0] is not source:
+            known = self._writer_choice = (source, is_sharded(state))
+        return known[1]
+
     def _state_for(self, sess: Any) -> Mapping[str, Any]:
         if isinstance(self._var_list, Mapping):
             return self._var_list
@@ -598,7 +431,7 @@ class Saver:
 
     def _stage(
         self,
-        sess: Any,
+        state: Mapping[str, Any],
         save_path: str,
         global_step: Any,
         latest_filename: str | None,
@@ -608,91 +441,13 @@ class Saver:
         prefix, step = self._checkpoint_prefix(save_path, global_step, latest_filename)
         if check_dir:
             self._check_dir(save_path)
-        state = self._state_for(sess)
-        frozen: set[str] = set()
-        skeleton, tensors = flatten_state(state, frozen=frozen if self._incremental else None)
-        if not skeleton:
+        flat = self._writer.flatten(state)
+        if not flat[0]:
             if self._allow_empty:
                 return prefix, None
             raise ValueError("No variables to save")
-        self._lock_directory(save_path)  # Not for a sharded state: flatten_state raised.
-        self._engine.wait()
-        self._cancel.clear()  # A cancellation is for the save it was aimed at only.
-        with self._lock:
-            frozen -= self._always_copy
-        snapshot = self._stager.stage(
-            skeleton,
-            tensors,
-            step=step,
-            wall_time=self._clock.time(),
-            max_shard_bytes=self._max_shard_bytes,
-            committed=self._reusable(save_path, prefix, frozen, latest_filename),
-            reusable=frozen,
-        )
-        return prefix, snapshot
-
-    def _reusable(
-        self, save_path: str, prefix: str, frozen: set[str], latest_filename: str | None
-    ) -> dict[str, Committed] | None:
-        """The committed tensors a save to ``prefix`` may reference instead of copying.
-
-        Only tensors of the same prefix family (the same ``save_path``: references never
-        cross from one family to another, so deleting one family's checkpoints never breaks
-        another's) that are frozen now (``frozen``: see ``state.flatten_state``) and were
-        frozen when they were copied (the snapshot records versions for those alone): a
-        trainable parameter or an optimizer's state may be updated in place without a
-        version-counter bump (``Adam(fused=True)``), so its counter proves nothing. Never the
-        numpy arrays of the state (new wrappers at every save), nor the data of ``prefix``
-        itself (overwritten). None (a full save) when referencing would leave every kept
-        checkpoint depending on the same data (``policy.may_reference``).
-        """
-        with self._lock:
-            family = self._families.get(_family_key(save_path))
-            if not self._incremental or family is None or not family.committed:
-                return None
-            kept = self._kept_chains(family, save_path, prefix, latest_filename)
-            if not policy.may_reference(kept, family.chain, family.chain_saves, self._full_every):
-                return None
-            own = os.path.basename(prefix) + ".data-"
-            return {
-                name: c
-                for name, c in family.committed.items()
-                if name in frozen and not c.shard.file.startswith(own)
-            }
-
-    def _kept_chains(
-        self, family: _Family, save_path: str, prefix: str, latest_filename: str | None
-    ) -> list[str | None]:
-        """The chains of the family's checkpoints still kept once ``prefix`` is saved.
-
-        With ``max_to_keep``: the family's checkpoints among the newest ``max_to_keep - 1``
-        tracked by the state file of ``prefix`` other than ``prefix`` (checkpoints kept by
-        ``keep_checkpoint_every_n_hours`` are not counted: the rule stays on the safe side).
-        Keeping everything: every checkpoint of the family known. Lock held.
-        """
-        target = os.path.normpath(prefix)
-        retention = self._retentions.get(_state_key(save_path, latest_filename))
-        if retention is None and self._retention_key is None:
-            retention = self._retention
-        tracked = [
-            p
-            for p, _ in (retention.tracked if retention is not None else ())
-            if os.path.normpath(p) != target and _in_family(p, save_path)
-        ]
-        if self._max_to_keep:
-            kept = tracked[-(self._max_to_keep - 1) :] if self._max_to_keep > 1 else []
-        else:
-            kept = list(dict.fromkeys([*tracked, *family.chain_of]))
-            kept = [p for p in kept if os.path.normpath(p) != target]
-        return [family.chain_of.get(p) for p in kept]
-
-    def _family(self, save_path: str) -> _Family:
-        """The incremental bookkeeping of ``save_path``'s prefix family (lock held)."""
-        key = _family_key(save_path)
-        family = self._families.get(key)
-        if family is None:
-            family = self._families[key] = _Family()
-        return family
+        self._lock_directory(save_path)
+        return prefix, self._writer.stage(flat, prefix, step, save_path, latest_filename)
 
     def _persist(
         self,
@@ -702,58 +457,29 @@ class Saver:
         latest_filename: str | None,
         write_state: bool,
         stall_secs: float,
-        check_dir: bool,
     ) -> str:
-        """Write ``snapshot`` (on the writer thread for ``save_async``, which left the check
-        of the directory to it: ``check_dir``), then record it and apply retention."""
-        start = time.perf_counter()
-        try:
-            if check_dir:
-                try:
-                    self._check_dir(save_path)
-                except ValueError as e:
-                    raise CheckpointSaveError(str(e), path=prefix) from None
-            result = persist(
-                snapshot,
-                prefix,
-                library_version=__version__,
-                torch_version=torch.__version__,
-                world_size=_world_size(),
-                storage=self._storage,
-                cancel=self._cancel,
-            )
-        except CheckpointSaveError as e:
-            with self._lock:
-                family = self._family(save_path)
-                family.committed = {}  # The next save copies everything.
-                family.chain = None
-                if isinstance(e, StaleReferenceError):
-                    self._always_copy |= e.names
-            raise
-        finally:
-            self._stager.release(snapshot)
-        committed = time.perf_counter()
-        with self._lock:
-            family = self._family(save_path)
-            family.committed = result.committed
-            family.link(prefix, full=not snapshot.references, recorded=write_state)
-        if write_state:
-            self._record_and_sweep(prefix, save_path, latest_filename)
-        self.last_save = SaveStats(
-            prefix=prefix,
-            stall_secs=stall_secs,
-            commit_secs=committed - start,
-            total_secs=time.perf_counter() - start,
-            bytes_written=result.bytes_written,
-            bytes_reused=sum(c.entry.nbytes for c in snapshot.references.values()),
+        self.last_save = self._writer.persist(
+            snapshot, prefix, save_path, latest_filename, write_state, stall_secs
         )
         logger.debug("Checkpoint %s: %s", prefix, self.last_save)
         return prefix
 
-    def _check_dir(self, save_path: str) -> None:
-        save_dir = os.path.dirname(save_path)
-        if save_dir and not self._storage.exists(save_dir):
-            raise ValueError(f"Parent directory of {save_path} doesn't exist, can't save.")
+    def _checked_persist(
+        self,
+        snapshot: Snapshot,
+        prefix: str,
+        save_path: str,
+        latest_filename: str | None,
+        write_state: bool,
+        stall_secs: float,
+    ) -> str:
+        """``_persist`` on the writer thread, which checks the directory first."""
+        try:
+            self._check_dir(save_path)
+        except ValueError as e:
+            self._writer.stager.release(snapshot)
+            raise CheckpointSaveError(str(e), path=prefix) from None
+        return self._persist(snapshot, prefix, save_path, latest_filename, write_state, stall_secs)
 
     def _save_sharded(
         self,
@@ -766,179 +492,18 @@ class Saver:
         """Save a state of DTensors with every rank writing its part (a collective)."""
         prefix, _ = self._checkpoint_prefix(save_path, global_step, latest_filename)
         self._check_dir(save_path)
-        if _rank() == 0:  # The other ranks write their shards under rank 0's lock.
+        if rank() == 0:  # The other ranks write their shards under rank 0's lock.
             self._lock_directory(save_path)
         self._engine.wait()
-        start = time.perf_counter()
-        save_sharded(
-            state,
-            prefix,
-            global_step=global_step,
-            write_state=False,
-            storage=self._storage,
-            clock=self._clock,
-            stager=self._stager,
-        )
-        committed = time.perf_counter()
-        with self._lock:
-            family = self._family(save_path)
-            family.committed = {}  # Sharded saves are never incremental.
-            family.link(prefix, full=True, recorded=write_state)
-        if write_state:
-            if _rank() == 0:
-                self._record_and_sweep(prefix, save_path, latest_filename)
-            else:  # Same bookkeeping; files are rank 0's business.
-                self._record(prefix, save_path, latest_filename)
-        total = time.perf_counter() - start
-        self.last_save = SaveStats(
-            prefix=prefix,
-            stall_secs=total,
-            commit_secs=committed - start,
-            total_secs=total,
-            bytes_written=_local_shard_bytes(prefix, self._storage),
-            bytes_reused=0,
+        self.last_save = self._sharded_writer.save(
+            state, prefix, global_step, save_path, latest_filename, write_state
         )
         return prefix
 
-    def _record(
-        self, prefix: str, save_path: str, latest_filename: str | None
-    ) -> tuple[list[str], list[str], list[str]]:
-        """Record ``prefix`` in the retention of its state file; return what retention says.
-
-        Returns:
-            ``(tracked, to_delete, preserved)``: the prefixes the state file lists (oldest
-            first), those to delete now and those kept for good
-            (``keep_checkpoint_every_n_hours``).
-        """
-        key = _state_key(save_path, latest_filename)
-        with self._lock:
-            self._switch_retention(key)
-            retention = policy.record(
-                self._retention, prefix, self._clock.time(), self._max_to_keep
-            )
-            retention, to_delete, preserved = policy.sweep(retention, self._keep_every_secs)
-            self._retention = self._retentions[key] = retention
-            family = self._family(save_path)
-            for path in to_delete + preserved:  # No longer counted by the chain rule.
-                family.chain_of.pop(path, None)
-            return [path for path, _ in retention.tracked], to_delete, preserved
-
-    def _switch_retention(self, key: tuple[str, str]) -> None:
-        """Make ``key``'s state file the current one (lock held).
-
-        Before the first save, the list given to ``set_last_checkpoints*`` (or
-        ``recover_last_checkpoints``) is bound to the state file of that save; its entries in
-        another directory are dropped (never deleted: see ``_record_and_sweep``).
-        """
-        if self._retention_key == key:
-            return
-        if self._retention_key is None:
-            entries = tuple(
-                e for e in self._retention.tracked if _in_directory(e[0], key[0], self._storage)
-            )
-            for path, _ in self._retention.tracked:
-                if not _in_directory(path, key[0], self._storage):
-                    logger.info("Not tracking %s: it is not in %s", path, key[0])
-            retention = policy.Retention(
-                tracked=entries, next_keep_time=self._retention.next_keep_time
-            )
-        else:
-            retention = self._retentions.get(key) or policy.Retention(
-                next_keep_time=self._clock.time() + self._keep_every_secs
-            )
-        self._retentions[key] = retention
-        self._retention, self._retention_key = retention, key
-
-    def _record_and_sweep(self, prefix: str, save_path: str, latest_filename: str | None) -> None:
-        """Record the committed ``prefix``, write the state file, then delete what retention
-        lets go: only checkpoints of the directory of ``save_path``, never a file elsewhere.
-
-        A state file that cannot be written (a directory in its place, an immutable file, a
-        full disk) does not undo the commit and does not stop retention: the error is logged
-        once, naming the state file, and a restart finds the checkpoints by scanning the
-        directory (``recovery.plan_restore``).
-        """
+    def _check_dir(self, save_path: str) -> None:
         save_dir = os.path.dirname(save_path)
-        tracked, to_delete, preserved = self._record(prefix, save_path, latest_filename)
-
-        def write_state_file(pending: list[str]) -> bool:
-            try:
-                update_checkpoint_state_internal(
-                    save_dir=save_dir,
-                    model_checkpoint_path=prefix,
-                    all_model_checkpoint_paths=tracked,
-                    latest_filename=latest_filename,
-                    save_relative_paths=self._save_relative_paths,
-                    pending_deletions=pending,
-                    storage=self._storage,
-                )
-            except OSError as e:
-                self._state_file_failed(state_file_path(save_dir, latest_filename), prefix, e)
-                return False
-            self._state_file_failures.discard(state_file_path(save_dir, latest_filename))
-            return True
-
-        # What retention deletes is named in the state file first: a crash before it is gone
-        # does not leak it (the next start finishes the deletion). Once it is gone, the file
-        # is written again without the names: exactly TF's text.
-        pending = [p for p in to_delete if _in_directory(p, save_dir, self._storage)]
-        written = write_state_file(pending)
-        for path in preserved:
-            logger.info("Keeping checkpoint %s (keep_checkpoint_every_n_hours)", path)
-        for path in to_delete:
-            if not _in_directory(path, save_dir, self._storage):
-                logger.warning(
-                    "Not deleting checkpoint %s: it is not in %s, the directory of this "
-                    "saver's save path",
-                    path,
-                    save_dir or os.curdir,
-                )
-                continue
-            try:
-                remove_checkpoint(path, storage=self._storage)
-            except OSError as e:
-                logger.warning("Ignoring: %s", e)
-            # Data files still referenced by a newer incremental checkpoint were kept.
-            self._orphans.update(list_checkpoint_files(path, self._storage))
-        if written and pending:
-            write_state_file([p for p in pending if self._storage.exists(p + ".index")])
-        self._collect_orphans()
-
-    def _state_file_failed(self, state_path: str, prefix: str, error: OSError) -> None:
-        """Log, once per state file until it can be written again, that it could not be."""
-        if state_path in self._state_file_failures:
-            logger.debug("State file %s still cannot be written: %s", state_path, error)
-            return
-        self._state_file_failures.add(state_path)
-        logger.error(
-            "Cannot write the checkpoint state file %s (%s). Checkpoint %s is committed and "
-            "kept; a restart finds the checkpoints by scanning the directory. (Logged once "
-            "until the state file can be written again.)",
-            state_path,
-            error.strerror or error,
-            prefix,
-        )
-
-    def _collect_orphans(self) -> None:
-        """Delete kept data files of deleted checkpoints once no checkpoint references them.
-
-        Each file is checked against the checkpoints of its own directory.
-        """
-        if not self._orphans:
-            return
-        needed: dict[str, set[str]] = {}
-        for path in sorted(self._orphans):
-            directory = os.path.dirname(path)
-            if directory not in needed:
-                needed[directory] = referenced_data_files(directory, storage=self._storage)
-            if not self._storage.exists(path):
-                self._orphans.discard(path)
-            elif os.path.basename(path) not in needed[directory]:
-                try:
-                    self._storage.delete(path)
-                    self._orphans.discard(path)
-                except OSError as e:
-                    logger.warning("Ignoring: %s", e)
+        if save_dir and not self._storage.exists(save_dir):
+            raise ValueError(f"Parent directory of {save_path} doesn't exist, can't save.")
 
     # ---------------------------------------------------------------------------- restoring
 
@@ -980,32 +545,16 @@ class Saver:
             raise ValueError("The passed save_path is not a valid checkpoint: " + save_path)
         logger.info("Restoring parameters from %s", save_path)
         state = self._state_for(sess)
-        if is_sharded(state):  # A collective: every rank reads the chunks it needs.
+        if self._is_sharded(state, sess):  # A collective: every rank reads the chunks it needs.
             load_sharded(state, save_path, allow_missing=self._optional, storage=self._storage)
             return
-        reader = CheckpointReader(save_path, storage=self._storage)
-        # The files must hold what the manifest claims before its shapes are believed: a
-        # damaged manifest (a 2**40-byte tensor) is damage, not a mismatch with the state.
-        reader.check_files()
-        specs = _spec_tree(reader)
-
-        def required(name: str) -> None:
-            if name not in self._optional:
-                raise NotFoundError(f"Key {name} not found in checkpoint {save_path}")
-
-        warnings = check_state(state, specs, source=save_path, on_missing=required)
-        _report_differences(reader.manifest, specs, state, save_path, self._var_list is None)
-        for message in warnings:
-            logger.warning("%s", message)
-        tree = reader.read_tree()
-
-        def missing(name: str) -> None:
-            required(name)
-            logger.warning(
-                "Checkpoint %s has no %r entry; it keeps its current value", save_path, name
-            )
-
-        load_state(state, tree, source=save_path, on_missing=missing)
+        restore_state(
+            state,
+            save_path,
+            storage=self._storage,
+            optional=self._optional,
+            whole_state=self._var_list is None,
+        )
 
     # ------------------------------------------------------------------------- bookkeeping
 
@@ -1015,8 +564,7 @@ class Saver:
 
         TF name: ``tf.compat.v1.train.Saver.last_checkpoints``.
         """
-        with self._lock:
-            return [path for path, _ in self._retention.tracked]
+        return self._keeper.last_checkpoints
 
     def set_last_checkpoints(self, last_checkpoints: Iterable[str]) -> None:
         """Replace the tracked list; these checkpoints are never deleted (infinite timestamp).
@@ -1035,12 +583,7 @@ class Saver:
         TF name: ``tf.compat.v1.train.Saver.set_last_checkpoints_with_time``.
         """
         entries = tuple((str(path), float(ts)) for path, ts in last_checkpoints_with_time)
-        with self._lock:
-            self._retention = policy.Retention(
-                tracked=entries, next_keep_time=self._retention.next_keep_time
-            )
-            if self._retention_key is not None:
-                self._retentions[self._retention_key] = self._retention
+        self._keeper.set_last_checkpoints_with_time(entries)
 
     def recover_last_checkpoints(self, checkpoint_paths: Iterable[str]) -> None:
         """Track existing checkpoints after a restart, timestamped with their files' mtimes.

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchsupervisor.checkpoint.format import decode_tree
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.cli._format import human_bytes, local_time, print_table
 from torchsupervisor.cli._survey import restart_order
+from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.errors import NotFoundError
 from torchsupervisor.storage import storage_for
 

@@ -37,19 +37,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchsupervisor.checkpoint.format import (
-    decode_tree,
-    dtype_from_code,
-    dtype_to_code,
-    encode_tree,
-)
+from torchsupervisor.checkpoint.format import dtype_from_code, dtype_to_code
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import read_step
-from torchsupervisor.core.state import flatten_state, load_state
+from torchsupervisor.core.state import flatten_state
+from torchsupervisor.core.state_load import load_state
+from torchsupervisor.core.tree import decode_tree, encode_tree
 from torchsupervisor.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
+    ReplicaAbort,
 )
 
 __all__ = [
@@ -91,18 +89,6 @@ def communication_device(
     if str(backend).lower() == "nccl":
         return torch.device("cuda", cuda_device())
     return torch.device("cpu")
-
-
-class ReplicaAbort(FailedPreconditionError):
-    """A replica gave up on an agreement (its session failed): the others stop waiting.
-
-    Attributes:
-        reason: The text of the rank that gave up (``"rank 1: <why>"``).
-    """
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(None, None, f"A replica gave up: {reason}")
-        self.reason = reason
 
 
 class ReplicaGroup:

@@ -23,6 +23,7 @@ from torchsupervisor.core.checks import check_bool, check_number
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.session import evaluate_fetches
 from torchsupervisor.core.timers import NeverTriggerTimer, SecondOrStepTimer
+from torchsupervisor.errors import NanLossDuringTrainingError
 from torchsupervisor.hooks.session_run_hook import (
     SessionRunArgs,
     SessionRunContext,
@@ -33,18 +34,6 @@ from torchsupervisor.hooks.session_run_hook import (
 __all__ = ["LoggingTensorHook", "NanLossDuringTrainingError", "NanTensorHook"]
 
 logger = logging.getLogger("torchsupervisor")
-
-
-class NanLossDuringTrainingError(RuntimeError):
-    """The loss became NaN (raised by ``NanTensorHook`` with ``fail_on_nan_loss=True``).
-
-    ``str()`` is ``"NaN loss during training."``.
-
-    TF name: ``tf.compat.v1.train.NanLossDuringTrainingError``.
-    """
-
-    def __str__(self) -> str:
-        return "NaN loss during training."
 
 
 def _is_nan(value: Any) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir
-from torchsupervisor.checkpoint.sharded.collective import is_sharded
+from torchsupervisor.checkpoint.sharded.plan import is_sharded
 from torchsupervisor.core.checks import check_number
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.registry import get_default_graph

@@ -38,6 +38,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from torchsupervisor.errors import NotRegularFileError, OutsideDirectoryError, WriteCancelled
+
 __all__ = [
     "Appendable",
     "DirectoryLock",
@@ -52,39 +54,6 @@ __all__ = [
 
 Buffer = Any
 """Bytes-like: ``bytes``, ``bytearray``, ``memoryview`` (a staging buffer's view)."""
-
-
-class NotRegularFileError(OSError):
-    """A checkpoint or events file is a FIFO, a device, a socket or a directory.
-
-    Such a file is damage, never data: reading a FIFO blocks forever and a device such as
-    ``/dev/zero`` never ends. ``Storage.open_read`` raises it before reading a byte.
-
-    Attributes:
-        filename: The path.
-        kind: What it is instead (``"a FIFO"``, ``"a directory"``, ...).
-    """
-
-    def __init__(self, path: str, kind: str) -> None:
-        super().__init__(errno.EINVAL, f"not a regular file ({kind})", path)
-        self.kind = kind
-
-
-class OutsideDirectoryError(PermissionError):
-    """An object opened with ``inside=DIR`` lies elsewhere (a symbolic link out of ``DIR``).
-
-    Attributes:
-        filename: The path.
-        directory: The directory it had to lie in.
-    """
-
-    def __init__(self, path: str, directory: str, actual: str) -> None:
-        super().__init__(errno.EACCES, f"a link out of {directory} (to {actual})", path)
-        self.directory = directory
-
-
-class WriteCancelled(Exception):
-    """Raised by ``Storage.put`` when its ``cancel`` event is set between two chunks."""
 
 
 def file_kind(mode: int) -> str:

@@ -26,8 +26,8 @@ from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 from tensorboard.compat.proto.histogram_pb2 import HistogramProto
 from tensorboard.compat.proto.summary_pb2 import Summary
 
+from torchsupervisor.summary.counters import WriterCounters
 from torchsupervisor.summary.encoders import audio_pb, histogram_pb, image_pb, scalar_pb, text_pb
-from torchsupervisor.summary.event_file import WriterCounters
 from torchsupervisor.summary.ops import (
     SummaryOp,
     audio,

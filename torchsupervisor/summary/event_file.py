@@ -34,40 +34,30 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
-import errno
 import logging
-import os
-import socket
 import sys
 import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from tensorboard.compat.proto import event_pb2
-
 from torchsupervisor.core import threads as priority
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.storage import Appendable, Storage, storage_for
-from torchsupervisor.summary import records
+from torchsupervisor.summary.counters import WriterCounters
+from torchsupervisor.summary.events_file import create_events_file
 
 __all__ = [
     "BLOCK",
     "DROP",
     "DROP_REPORT_SECS",
-    "FILE_VERSION",
     "WRITE_BATCH",
     "WRITE_DELAY_SECS",
     "BatchEncoder",
     "EventFileWriter",
-    "WriterCounters",
 ]
 
 logger = logging.getLogger("torchsupervisor")
-
-FILE_VERSION = "brain.Event:2"
-"""The ``file_version`` of the first record of every events file."""
 
 BLOCK = "block"
 """Full-queue policy: the caller waits until the writer thread takes the pending events."""
@@ -85,16 +75,7 @@ and anything a flush, close or ``write_batch`` pending events ask for are writte
 WRITE_BATCH = 4096
 """Pending events that make the thread write at once (or half of ``max_queue`` if smaller)."""
 
-_HOSTNAME: str | None = None
-_MAX_NAME_PROBES = 100_000
 _UNBOUNDED = sys.maxsize
-
-
-def _hostname() -> str:
-    global _HOSTNAME
-    if _HOSTNAME is None:
-        _HOSTNAME = socket.gethostname()
-    return _HOSTNAME
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,42 +98,6 @@ class BatchEncoder(Protocol):
     def forget_batch(self) -> None:
         """Note that the events of the last batch were lost."""
         ...
-
-
-@dataclasses.dataclass(frozen=True)
-class WriterCounters:
-    """What a summary writer has done so far (cumulative over ``reopen()``).
-
-    Attributes:
-        events_written: Events written to an events file.
-        events_pending: Events waiting for the writer thread.
-        events_dropped: Events discarded because the queue was full (``on_full="drop"``).
-        events_lost: Events that could not be encoded or written (each failure is logged).
-        blocked_calls: ``add_*`` calls that waited for room in a full queue (``"block"``).
-        blocked_secs: Seconds those calls waited in total.
-        bytes_written: Bytes written to events files, first records included.
-        batches: Write calls (one per batch of events).
-        flushes: fsyncs of an events file.
-
-    Thread safety: immutable.
-
-    TF name: none (TF's writers count nothing).
-    """
-
-    events_written: int = 0
-    events_pending: int = 0
-    events_dropped: int = 0
-    events_lost: int = 0
-    blocked_calls: int = 0
-    blocked_secs: float = 0.0
-    bytes_written: int = 0
-    batches: int = 0
-    flushes: int = 0
-
-    def __add__(self, other: WriterCounters) -> WriterCounters:
-        return WriterCounters(
-            *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self))
-        )
 
 
 class _Flush:
@@ -537,31 +482,15 @@ class EventFileWriter:
 
     def _open_file(self) -> bool:
         """Create a new events file; True on success (failures are logged)."""
-        host = _hostname()
         try:
-            self.storage.makedirs(self.logdir)
-            seconds = int(self.clock.time())
-            for _ in range(_MAX_NAME_PROBES):
-                path = os.path.join(
-                    self.logdir, f"events.out.tfevents.{seconds:010d}.{host}{self.suffix}"
-                )
-                try:
-                    file = self.storage.open_append(path)
-                    break
-                except FileExistsError:
-                    seconds += 1  # same second as another file: keep names in time order
-            else:
-                raise FileExistsError(
-                    errno.EEXIST, f"{_MAX_NAME_PROBES} consecutive event file names exist", path
-                )
+            self.file, self.path, self.header = create_events_file(
+                self.storage, self.logdir, self.suffix, self.clock
+            )
         except OSError as e:
             logger.error("Failed to create an events file in %s: %s", self.logdir, e)
             return False
-        self.file, self.path = file, path
-        first = event_pb2.Event(wall_time=float(seconds), file_version=FILE_VERSION)
-        self.header = records.encode_record(first.SerializeToString())
         self.next_flush = float("-inf")
-        logger.debug("Writing summaries to %s", path)
+        logger.debug("Writing summaries to %s", self.path)
         return True
 
     def _flush_file(self) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, restore_candidates
-from torchsupervisor.checkpoint.sharded.collective import is_sharded
+from torchsupervisor.checkpoint.sharded.plan import is_sharded
 from torchsupervisor.core.coordinator import LooperThread
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.session import Session

@@ -18,8 +18,8 @@ from torchsupervisor.errors import (
     OutOfRangeError,
     UnimplementedError,
 )
-from torchsupervisor.input.queues import (
-    FIFOQueue,
+from torchsupervisor.input.queue import FIFOQueue
+from torchsupervisor.input.queue_runner import (
     QueueRunner,
     add_queue_runner,
     queue_from_iterable,

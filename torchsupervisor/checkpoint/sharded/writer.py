@@ -1,30 +1,22 @@
-"""``torch.distributed.checkpoint`` storage plugins that write and read our checkpoint format.
+"""``ShardedStorageWriter``: DCP's storage half of a sharded save, in our format and protocol.
 
 DCP is the planning engine of sharded checkpoints: its planners decide which rank writes which
-chunk of which tensor (replicated tensors once), and which chunks each rank must read to fill
-its local shards when the world size changed. These two classes are the *storage* half: they
-decide how and where the bytes go, and they do it in our format and under our commit protocol
-(``format.py``, ``commit.py``) instead of DCP's (which pickles its metadata):
-
-* ``ShardedStorageWriter``: every rank stages its chunks in a host buffer, computes their
-  CRC-32C, and puts its own safetensors shard ``P.data-<i>-of-<N>`` (``commit.put_shard``);
-  then the coordinator publishes the manifest ``P.index`` last (``commit.publish``):
-  the commit point. It also updates the ``checkpoint`` state file.
-* ``ShardedStorageReader``: rebuilds DCP's metadata from the manifest's JSON, then every rank
-  reads the chunks that overlap its local shards, each one verified against its CRC-32C.
+chunk of which tensor (replicated tensors once). This writer decides how and where the bytes
+go: every rank stages its chunks in a host buffer, computes their CRC-32C and puts its own
+safetensors shard ``P.data-<i>-of-<N>`` (``commit.put_shard``); then the coordinator
+publishes the manifest ``P.index`` last (``commit.publish``): the commit point. Nothing is
+pickled (DCP's own metadata is).
 
 Errors raised in any of these calls reach DCP, which reports them to every rank (a
 ``CheckpointException`` after the step's collective), so no rank waits for a failed one;
-``sharded.py`` turns them back into our errors.
+``collective.py`` turns them back into our errors.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,33 +24,21 @@ import crc32c
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
     SavePlan,
     SavePlanner,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from torchsupervisor._version import __version__
 from torchsupervisor.checkpoint import commit
-from torchsupervisor.checkpoint.format import (
-    ShardEntry,
-    TensorEntry,
-    data_filename,
-    decode_tree,
-    shard_checksum,
-)
-from torchsupervisor.checkpoint.reader import check_shard, open_shard
+from torchsupervisor.checkpoint.format import ShardEntry, TensorEntry, data_filename, shard_checksum
+from torchsupervisor.checkpoint.sharded.common import ChunkKey, RememberErrors, chunk_key
 from torchsupervisor.checkpoint.sharded.metadata import (
     ChunkEntry,
     ShardedManifest,
@@ -67,18 +47,13 @@ from torchsupervisor.checkpoint.sharded.metadata import (
 )
 from torchsupervisor.checkpoint.snapshot import Stager
 from torchsupervisor.checkpoint.state_file import record_newest
-from torchsupervisor.errors import CheckpointSaveError, CorruptCheckpointError
-from torchsupervisor.storage import LOCAL, Readable, Storage, read_exactly
+from torchsupervisor.core.tree import decode_tree
+from torchsupervisor.errors import CheckpointSaveError
+from torchsupervisor.storage import LOCAL, Storage
 
-__all__ = ["SaveOutcome", "ShardedStorageReader", "ShardedStorageWriter", "to_dcp_metadata"]
+__all__ = ["SaveOutcome", "ShardedStorageWriter"]
 
 logger = logging.getLogger("torchsupervisor")
-
-_ChunkKey = tuple[str, tuple[int, ...]]
-
-
-def _key(index: MetadataIndex) -> _ChunkKey:
-    return index.fqn, tuple(index.offset or ())
 
 
 @dataclass(frozen=True)
@@ -94,7 +69,7 @@ class _Assignment:
 
     file_index: int | None
     num_files: int
-    names: dict[_ChunkKey, str]
+    names: dict[ChunkKey, str]
 
 
 @dataclass(frozen=True)
@@ -119,22 +94,7 @@ class SaveOutcome:
     state_file_error: str | None = None
 
 
-class _RememberErrors:
-    """Keeps the exception a call raised on this rank (DCP hands other ranks only a copy)."""
-
-    error: BaseException | None = None
-
-    @contextlib.contextmanager
-    def _remembering(self) -> Iterator[None]:
-        try:
-            yield
-        except BaseException as e:
-            if self.error is None:
-                self.error = e
-            raise
-
-
-class ShardedStorageWriter(StorageWriter, _RememberErrors):
+class ShardedStorageWriter(StorageWriter, RememberErrors):
     """Write a ``torch.distributed.checkpoint.save`` as a checkpoint of our format.
 
     DCP calls, in this order:
@@ -255,7 +215,7 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
             taken: set[str] = set()
             out = []
             for rank, plan in enumerate(plans):
-                names: dict[_ChunkKey, str] = {}
+                names: dict[ChunkKey, str] = {}
                 for item in plan.items:
                     fqn, data = item.index.fqn, item.tensor_data
                     assert data is not None  # Tensor items always carry it.
@@ -268,7 +228,7 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
                             "another tensor of the state"
                         )
                     taken.add(name)
-                    names[_key(item.index)] = name
+                    names[chunk_key(item.index)] = name
                 index = writers.index(rank) if plan.items else None
                 assignment = _Assignment(index, self._num_files, names)
                 out.append(dataclasses.replace(plan, storage_data=assignment))
@@ -298,7 +258,7 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
         tensors: dict[str, torch.Tensor] = {}
         indexes: dict[str, MetadataIndex] = {}
         for item in plan.items:
-            name = assignment.names[_key(item.index)]
+            name = assignment.names[chunk_key(item.index)]
             data = planner.resolve_data(item)
             if not isinstance(data, torch.Tensor):
                 raise TypeError(f"Cannot save {item.index.fqn!r}: it is not a tensor")
@@ -375,14 +335,14 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
     def _manifest(self, metadata: Metadata, results: list[list[WriteResult]]) -> ShardedManifest:
         shards: dict[int, ShardEntry] = {}
         tensors: dict[str, TensorEntry] = {}
-        names: dict[_ChunkKey, str] = {}
+        names: dict[ChunkKey, str] = {}
         for result in (r for rank_results in results for r in rank_results):
             stored = result.storage_data
             if not isinstance(stored, _StoredChunk):
                 raise TypeError(f"unexpected write result for {result.index.fqn!r}")
             shards[stored.entry.shard] = stored.shard
             tensors[stored.name] = stored.entry
-            names[_key(result.index)] = stored.name
+            names[chunk_key(result.index)] = stored.name
         if sorted(shards) != list(range(self._num_files)):
             raise ValueError(f"expected {self._num_files} shards, got results for {sorted(shards)}")
         sharded: dict[str, ShardedTensorEntry] = {}
@@ -433,179 +393,3 @@ class ShardedStorageWriter(StorageWriter, _RememberErrors):
             return
         commit.delete_quietly(self._storage, self._written)
         self._written.clear()
-
-
-def to_dcp_metadata(manifest: ShardedManifest) -> Metadata:
-    """Return DCP's ``Metadata`` for a manifest: every tensor's dtype, shape and chunks."""
-    state: dict[str, Any] = {}
-    for name, (dtype, shape) in manifest.tensor_specs().items():
-        state[name] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=dtype),
-            size=torch.Size(shape),
-            chunks=[
-                ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
-                for c in manifest.chunks_of(name)
-            ],
-        )
-    return Metadata(state_dict_metadata=state)
-
-
-class ShardedStorageReader(StorageReader, _RememberErrors):
-    """Read a checkpoint of our format for ``torch.distributed.checkpoint.load``.
-
-    DCP calls, in this order:
-
-    1. (all ranks) ``read_metadata``: raise the error found before the load, if any; else
-       DCP's metadata rebuilt from the manifest's JSON;
-    2. (all ranks) ``set_up_storage_reader``;
-    3. (all ranks) ``prepare_local_plan`` and (coordinator) ``prepare_global_plan``: unchanged;
-    4. (all ranks) ``read_data``: read each chunk the plan needs once, verify its CRC-32C,
-       and copy the parts that overlap the local destinations into them.
-
-    Args:
-        prefix: The checkpoint prefix.
-        manifest: Its parsed manifest (None only together with ``error``).
-        storage: Where the checkpoints live (tests inject faults here).
-        error: An error this rank found before the load (raised in step 1 so that every rank
-            learns of it).
-
-    Attributes:
-        error: The exception this rank raised, if any.
-
-    Thread safety: one load per instance, on one thread.
-    Distributed: every rank of the group makes its own instance for the same prefix.
-    """
-
-    def __init__(
-        self,
-        prefix: str,
-        manifest: ShardedManifest | None,
-        *,
-        storage: Storage = LOCAL,
-        error: BaseException | None = None,
-    ) -> None:
-        self._prefix = prefix
-        self._dir = os.path.dirname(prefix)
-        self._manifest = manifest
-        self._storage = storage
-        self._pending = error
-        self.error = None
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """Do nothing: the prefix is given to the constructor."""
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """Return False: this reader is never picked automatically from a checkpoint id."""
-        return False
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Return DCP's metadata of the checkpoint, or raise this rank's earlier error."""
-        with self._remembering():
-            if self._pending is not None:
-                raise self._pending
-            assert self._manifest is not None
-            return to_dcp_metadata(self._manifest)
-
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
-        """Nothing to set up."""
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Return ``plan`` unchanged."""
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Return ``plans`` unchanged."""
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read the chunks ``plan`` needs, shard by shard, verifying each one's CRC-32C.
-
-        Raises:
-            CorruptCheckpointError: Naming the shard file, for a missing or truncated file,
-                a chunk whose bytes do not match its checksum, or a damaged header
-                (``reader.check_shard``).
-        """
-        with self._remembering():
-            assert self._manifest is not None
-            entry_of = {
-                (name, c.offsets): c.entry
-                for name in self._manifest.tensor_specs()
-                for c in self._manifest.chunks_of(name)
-            }
-            wanted: dict[str, list[Any]] = {}
-            for item in plan.items:
-                if item.type != LoadItemType.TENSOR:
-                    raise TypeError(f"{item.dest_index.fqn!r} is not a tensor in {self._prefix}")
-                wanted.setdefault(entry_of[_key(item.storage_index)], []).append(item)
-            by_shard: dict[int, list[str]] = {}
-            for name in wanted:
-                by_shard.setdefault(self._manifest.tensors[name].shard, []).append(name)
-            for shard_index, names in sorted(by_shard.items()):
-                names.sort(key=lambda n: self._manifest.tensors[n].begin)
-                with self._open_shard(shard_index) as f:
-                    for name in names:
-                        self._load_chunk(f, shard_index, name, wanted[name], planner)
-                    check_shard(f, self._manifest.shards[shard_index], {})
-            future: Future[None] = Future()
-            future.set_result(None)
-            return future
-
-    def _shard_path(self, shard_index: int) -> str:
-        assert self._manifest is not None
-        return os.path.join(self._dir, self._manifest.shards[shard_index].file)
-
-    def _open_shard(self, shard_index: int) -> Any:
-        assert self._manifest is not None
-        path = self._shard_path(shard_index)
-        expected = self._manifest.shards[shard_index].size_bytes
-        return open_shard(path, expected, self._storage, directory=self._dir)
-
-    def _load_chunk(
-        self, f: Readable, shard_index: int, name: str, items: list[Any], planner: LoadPlanner
-    ) -> None:
-        assert self._manifest is not None
-        entry = self._manifest.tensors[name]
-        offset = self._manifest.shards[shard_index].data_offset + entry.begin
-        path = self._shard_path(shard_index)
-        # Read straight into the destination when it wants the whole chunk as it is stored.
-        direct = None
-        if len(items) == 1 and tuple(items[0].lengths) == entry.shape:
-            target = planner.resolve_tensor(items[0]).detach()
-            if (
-                target.dtype == entry.dtype
-                and target.device.type == "cpu"
-                and target.is_contiguous()
-                and type(target) is torch.Tensor
-            ):
-                direct = target
-        chunk = direct if direct is not None else torch.empty(entry.shape, dtype=entry.dtype)
-        raw = chunk.reshape(-1).view(torch.uint8) if chunk.numel() else None
-        crc = 0
-        if raw is not None:
-            view = memoryview(raw.numpy())
-            try:
-                read_exactly(f, view, offset)
-            except EOFError:
-                raise CorruptCheckpointError(
-                    f"Checkpoint shard {path} is truncated", path=path, reason="truncated"
-                ) from None
-            crc = crc32c.crc32c(view)
-        if crc != entry.crc32c:
-            raise CorruptCheckpointError(
-                f"Checkpoint shard {path} is corrupt: checksum mismatch (damaged chunk: {name})",
-                path=path,
-                reason="checksum mismatch",
-            )
-        if direct is not None:
-            planner.commit_tensor(items[0], direct)
-            return
-        for item in items:
-            source = chunk[
-                tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
-            ]
-            target = planner.resolve_tensor(item).detach()
-            target.copy_(source)
-            planner.commit_tensor(item, target)

@@ -1,0 +1,227 @@
+"""What a sharded state is, and its plan: the entries every rank flattens for DCP.
+
+``is_sharded`` tells whether a state holds ``DTensor`` s (FSDP2): such a state is saved and
+restored by every rank together (``collective.py``). ``flatten_sharded_state`` turns it into
+the flat mapping DCP plans from (tensors by state path, DTensors as they are) and the tree the
+manifest records. ``ShardedOptimizerState`` gives an optimizer of a sharded model a
+``state_dict`` keyed by parameter names, which any world size can load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchsupervisor.core.state import TensorRef, check_saveable
+
+__all__ = ["ShardedOptimizerState", "flatten_sharded_state", "is_sharded"]
+
+
+def _dtensor_class() -> type | None:
+    """The DTensor class if it was imported (no DTensor can exist otherwise), else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+# ------------------------------------------------------------------------------ the state
+
+
+class ShardedOptimizerState:
+    """The state of an optimizer of a sharded model, keyed by parameter names.
+
+    ``optimizer.state_dict()`` keys its state by parameter position, and loading it needs an
+    optimizer whose state already exists with the same sharding. This adapter uses
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` /
+    ``set_optimizer_state_dict`` instead: the state is keyed by parameter names, its tensors
+    are DTensors sharded like the parameters (so they reshard on restore), and a fresh
+    optimizer gets its state created before it is loaded. Put it in the state next to the
+    model: ``{"model": model, "optimizer": ShardedOptimizerState(model, optimizer)}``.
+
+    Args:
+        model: The (FSDP2-sharded, or plain) model whose parameters the optimizer updates.
+        optimizer: The optimizer.
+        options: ``torch.distributed.checkpoint.state_dict.StateDictOptions``; None: the
+            defaults (sharded state, not offloaded to the CPU).
+
+    Thread safety: like the optimizer itself (the training thread).
+    Distributed: ``state_dict`` and ``load_state_dict`` may run collectives for some
+    wrappings (FSDP1); call them on every rank.
+
+    TF name: none (the optimizer's slot variables were ordinary variables in TF).
+    """
+
+    is_sharded_state = True
+    """Tells ``flatten_state`` (the unsharded path) that this entry needs ``save_sharded``."""
+
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, options: Any = None
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the optimizer's state keyed by parameter names (creating it if empty).
+
+        Returns:
+            ``{"state": {param_name: {...}}, "param_groups": [...]}``, the tensors of a
+            sharded model's parameters as DTensors.
+        """
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        with _without_step_hooks(self.optimizer):
+            return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state returned by ``state_dict`` (possibly of another world size)."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        with _without_step_hooks(self.optimizer):
+            set_optimizer_state_dict(
+                self.model, self.optimizer, dict(state_dict), options=self.options
+            )
+
+
+@contextlib.contextmanager
+def _without_step_hooks(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Silence the optimizer's step hooks while DCP creates an empty optimizer's state.
+
+    DCP creates the state of an optimizer that has not stepped yet by calling ``step()`` once
+    with zero gradients and a zero learning rate. That is not a training step: a
+    ``GlobalStep`` bound to the optimizer (``GlobalStep.bind``, a step post-hook) must not
+    count it.
+    """
+    hooks = getattr(optimizer, "_optimizer_step_post_hooks", None)
+    if optimizer.state or not isinstance(hooks, dict) or not hooks:
+        yield
+        return
+    saved = hooks.copy()
+    hooks.clear()
+    try:
+        yield
+    finally:
+        hooks.update(saved)
+
+
+def is_sharded(state: Mapping[str, Any]) -> bool:
+    """Return True if the state holds a ``DTensor`` (and so needs ``save_sharded``).
+
+    Cheap (it runs at every save): modules are checked through their parameters and buffers
+    and optimizers through their parameters (the state of a DTensor parameter is made of
+    DTensors), without collecting state dicts; other entries through their state dicts. False
+    at once when DTensors were never imported.
+
+    Args:
+        state: Mapping of names to stateful objects (a session's state, a saver's var_list).
+    """
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return False
+    from torchsupervisor.core.state import iter_state_tensors
+
+    for name, value in state.items():
+        if isinstance(value, ShardedOptimizerState):
+            value = value.model
+        if isinstance(value, torch.nn.Module):
+            tensors = itertools.chain(value.parameters(), value.buffers())
+            if any(isinstance(t, dtensor) for t in tensors):
+                return True
+            continue
+        if isinstance(value, torch.optim.Optimizer):
+            params = (p for group in value.param_groups for p in group["params"])
+            if any(isinstance(p, dtensor) for p in params):
+                return True
+            continue
+        if any(isinstance(t, dtensor) for _, t in iter_state_tensors({name: value})):
+            return True
+    return False
+
+
+_PLAIN = (str, int, float, bool, type(None), bytes, torch.dtype, torch.device)
+
+
+def flatten_sharded_state(
+    state: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Split the state into a skeleton and a flat table of tensors, DTensors included.
+
+    The same as ``state.flatten_state`` (same names, same skeleton, same errors), except that
+    ``DTensor`` leaves are accepted and kept as they are (detached): each rank holds only its
+    local shard of them.
+
+    Args:
+        state: Mapping of names (str) to stateful objects, tensors, arrays or values.
+
+    Returns:
+        ``(skeleton, tensors)``: the skeleton with ``TensorRef`` leaves, and ``{name: tensor}``.
+
+    Raises:
+        TypeError: For a leaf that cannot be saved without pickle, or a bad dict key.
+        ValueError: For a tensor that cannot be saved (uninitialized, sparse, quantized, or a
+            tensor subclass other than DTensor).
+    """
+    dtensor = _dtensor_class()
+    tensors: dict[str, torch.Tensor] = {}
+
+    def add(path: str, tensor: torch.Tensor, ndarray: bool) -> TensorRef:
+        name, k = path, 0
+        while name in tensors:
+            k += 1
+            name = f"{path}#{k}"
+        tensors[name] = tensor
+        return TensorRef(name, ndarray)
+
+    def walk(obj: Any, path: str) -> Any:
+        if dtensor is not None and isinstance(obj, dtensor):
+            check_saveable(obj.to_local(), path)
+            return add(path, obj.detach(), False)
+        if isinstance(obj, torch.Tensor):
+            check_saveable(obj, path)
+            return add(path, obj.detach(), False)
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.kind not in "biufc":
+                raise TypeError(
+                    f"Cannot save {path!r}: numpy arrays of dtype {obj.dtype} need pickle"
+                )
+            return add(path, torch.from_numpy(np.ascontiguousarray(obj)), True)
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, torch.Size):
+            return tuple(int(d) for d in obj)
+        if isinstance(obj, _PLAIN):
+            return obj
+        if isinstance(obj, Mapping):
+            out = {}
+            for key, value in obj.items():
+                if not isinstance(key, (str, int, float, bool, type(None))):
+                    raise TypeError(
+                        f"Cannot save {path!r}: dict key {key!r} has type {type(key).__name__}; "
+                        "keys must be str, int, float, bool or None"
+                    )
+                out[key] = walk(value, f"{path}/{key}")
+            return out
+        if isinstance(obj, list):
+            return [walk(value, f"{path}/{i}") for i, value in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return tuple(walk(value, f"{path}/{i}") for i, value in enumerate(obj))
+        state_dict = getattr(obj, "state_dict", None)
+        if callable(state_dict):
+            return walk(state_dict(), path)
+        raise TypeError(
+            f"Cannot save {path!r}: objects of type "
+            f"{type(obj).__module__}.{type(obj).__qualname__} have no state_dict() and are not "
+            "tensors, arrays, containers or plain values (checkpoints never use pickle)"
+        )
+
+    skeleton = {}
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise TypeError(f"State names must be str, got {type(key).__name__}: {key!r}")
+        skeleton[key] = walk(value, key)
+    return skeleton, tensors

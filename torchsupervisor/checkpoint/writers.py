@@ -1,0 +1,243 @@
+"""The two writers of a ``Saver``: one process's snapshot, or every rank's shards.
+
+A ``Saver`` chooses one per state, once (``Saver._is_sharded``):
+
+* ``SnapshotWriter``: the state of this process. ``stage`` copies it into host staging buffers
+  on the calling thread (incremental: frozen tensors unchanged since the last commit of the
+  same prefix family are referenced, not copied); ``persist`` writes it with the commit
+  protocol (``commit.persist``), on the calling thread or the background writer thread, then
+  hands it to the ``Keeper`` (state file, retention).
+* ``ShardedWriter``: a state of DTensors (FSDP2). Every rank calls ``save`` at the same step
+  and writes its own part with ``sharded.save_sharded`` (the same commit protocol), then rank
+  0 applies retention and the others keep the same bookkeeping.
+
+Both return ``SaveStats``: what the save cost.
+
+Thread safety: ``stage``/``save`` on the training thread; ``persist`` on the writer thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchsupervisor._version import __version__
+from torchsupervisor.checkpoint.commit import persist
+from torchsupervisor.checkpoint.engine import CheckpointEngine
+from torchsupervisor.checkpoint.incremental import StaleReferenceError
+from torchsupervisor.checkpoint.retention import Keeper
+from torchsupervisor.checkpoint.sharded.collective import save_sharded
+from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
+from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.state import flatten_state
+from torchsupervisor.distributed.env import rank, world_size
+from torchsupervisor.errors import CheckpointSaveError
+from torchsupervisor.storage import Storage
+
+__all__ = ["SaveStats", "ShardedWriter", "SnapshotWriter"]
+
+logger = logging.getLogger("torchsupervisor")
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What the last committed save cost.
+
+    Attributes:
+        prefix: The checkpoint written.
+        stall_secs: Time the calling (training) thread spent in the snapshot.
+        commit_secs: Time from the end of the snapshot until the index was committed.
+        total_secs: ``commit_secs`` plus the state file and the deletion of old checkpoints.
+        bytes_written: Bytes of shard data written (headers included, the index excluded).
+        bytes_reused: Bytes of unchanged tensors referenced instead of written (incremental).
+    """
+
+    prefix: str
+    stall_secs: float
+    commit_secs: float
+    total_secs: float
+    bytes_written: int
+    bytes_reused: int
+
+
+class SnapshotWriter:
+    """Stage this process's state now, persist it later (see the module docstring).
+
+    Args:
+        storage: Where the checkpoints go.
+        clock: Time for the manifest's wall time.
+        keeper: The Saver's ``Keeper``.
+        incremental: Reference unchanged frozen tensors instead of copying them.
+        max_shard_bytes: Largest shard in bytes; None: one shard.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        clock: Clock,
+        keeper: Keeper,
+        *,
+        incremental: bool,
+        max_shard_bytes: int | None,
+    ) -> None:
+        self._storage = storage
+        self._clock = clock
+        self._keeper = keeper
+        self._incremental = incremental
+        self._max_shard_bytes = max_shard_bytes
+        self.stager = Stager()
+        self.engine = CheckpointEngine()
+        self.cancel = threading.Event()
+
+    def flatten(self, state: Mapping[str, Any]) -> tuple[Any, dict[str, Any], set[str]]:
+        """Flatten ``state``: its skeleton, its tensors, and the names of the frozen ones."""
+        frozen: set[str] = set()
+        skeleton, tensors = flatten_state(state, frozen=frozen if self._incremental else None)
+        return skeleton, tensors, frozen
+
+    def stage(
+        self,
+        flat: tuple[Any, dict[str, Any], set[str]],
+        prefix: str,
+        step: int | None,
+        save_path: str,
+        latest_filename: str | None,
+    ) -> Snapshot:
+        """Copy the flattened state into staging buffers (after the save in flight)."""
+        skeleton, tensors, frozen = flat
+        self.engine.wait()
+        self.cancel.clear()  # A cancellation is for the save it was aimed at only.
+        frozen = self._keeper.copied_always(frozen)
+        return self.stager.stage(
+            skeleton,
+            tensors,
+            step=step,
+            wall_time=self._clock.time(),
+            max_shard_bytes=self._max_shard_bytes,
+            committed=self._keeper.reusable(save_path, prefix, frozen, latest_filename),
+            reusable=frozen,
+        )
+
+    def persist(
+        self,
+        snapshot: Snapshot,
+        prefix: str,
+        save_path: str,
+        latest_filename: str | None,
+        write_state: bool,
+        stall_secs: float,
+    ) -> SaveStats:
+        """Write ``snapshot`` with the commit protocol, then record it and apply retention.
+
+        Raises:
+            CheckpointSaveError: If writing fails (the next save copies everything).
+        """
+        start = time.perf_counter()
+        try:
+            result = persist(
+                snapshot,
+                prefix,
+                library_version=__version__,
+                torch_version=torch.__version__,
+                world_size=world_size(),
+                storage=self._storage,
+                cancel=self.cancel,
+            )
+        except CheckpointSaveError as e:
+            stale = e.names if isinstance(e, StaleReferenceError) else ()
+            self._keeper.failed(save_path, stale)  # The next save copies everything.
+            raise
+        finally:
+            self.stager.release(snapshot)
+        committed = time.perf_counter()
+        self._keeper.committed(
+            save_path, prefix, result.committed, full=not snapshot.references, recorded=write_state
+        )
+        if write_state:
+            self._keeper.record_and_sweep(prefix, save_path, latest_filename)
+        return SaveStats(
+            prefix=prefix,
+            stall_secs=stall_secs,
+            commit_secs=committed - start,
+            total_secs=time.perf_counter() - start,
+            bytes_written=result.bytes_written,
+            bytes_reused=sum(c.entry.nbytes for c in snapshot.references.values()),
+        )
+
+
+class ShardedWriter:
+    """Every rank saves its part of a state of DTensors (see the module docstring).
+
+    Args:
+        storage: Where the checkpoints go.
+        clock: Time for the manifest's wall time.
+        keeper: The Saver's ``Keeper``.
+        stager: Staging buffers reused between saves (the snapshot writer's).
+
+    Distributed: every rank calls ``save`` at the same step.
+    """
+
+    def __init__(self, storage: Storage, clock: Clock, keeper: Keeper, stager: Stager) -> None:
+        self._storage = storage
+        self._clock = clock
+        self._keeper = keeper
+        self._stager = stager
+
+    def save(
+        self,
+        state: Mapping[str, Any],
+        prefix: str,
+        global_step: Any,
+        save_path: str,
+        latest_filename: str | None,
+        write_state: bool,
+    ) -> SaveStats:
+        """Save every rank's part as checkpoint ``prefix`` (a collective), then retention.
+
+        Raises:
+            CheckpointSaveError: On every rank, if any rank failed (nothing committed).
+        """
+        start = time.perf_counter()
+        save_sharded(
+            state,
+            prefix,
+            global_step=global_step,
+            write_state=False,
+            storage=self._storage,
+            clock=self._clock,
+            stager=self._stager,
+        )
+        committed = time.perf_counter()
+        # Sharded saves are never incremental.
+        self._keeper.committed(save_path, prefix, {}, full=True, recorded=write_state)
+        if write_state:
+            if rank() == 0:
+                self._keeper.record_and_sweep(prefix, save_path, latest_filename)
+            else:  # Same bookkeeping; files are rank 0's business.
+                self._keeper.record(prefix, save_path, latest_filename)
+        total = time.perf_counter() - start
+        return SaveStats(
+            prefix=prefix,
+            stall_secs=total,
+            commit_secs=committed - start,
+            total_secs=total,
+            bytes_written=self._local_bytes(prefix),
+            bytes_reused=0,
+        )
+
+    def _local_bytes(self, prefix: str) -> int:
+        """Bytes of the data shard this rank wrote for ``prefix``."""
+        directory, base = os.path.split(prefix)
+        mine = f"{base}.data-{rank():05d}-of-"
+        try:
+            names = [n for n in self._storage.list(directory) if n.startswith(mine)]
+            return sum(self._storage.size(os.path.join(directory, n)) for n in names)
+        except OSError:
+            return 0

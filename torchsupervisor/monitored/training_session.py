@@ -1,0 +1,285 @@
+"""``MonitoredTrainingSession``: TF's one-call MonitoredSession with the standard hooks.
+
+It creates the session creator (chief or worker), adds the standard hooks by its arguments
+(``StepCounterHook``, ``SummarySaverHook``, ``CheckpointSaverHook``) and the RNG state to the
+state, and returns a ``MonitoredSession``.
+
+TF name: ``tf.compat.v1.train.MonitoredTrainingSession``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torchsupervisor.core.checks import (
+    check_bool,
+    check_int,
+    check_number,
+    check_path,
+    check_signals,
+    check_state,
+)
+from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.registry import USE_DEFAULT
+from torchsupervisor.core.rng import RNGState
+from torchsupervisor.distributed import env as distributed
+from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS
+from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook
+from torchsupervisor.hooks.session_run_hook import SessionRunHook
+from torchsupervisor.hooks.step_counter import StepCounterHook
+from torchsupervisor.hooks.summary_saver import SummarySaverHook
+from torchsupervisor.monitored.creators import ChiefSessionCreator, WorkerSessionCreator
+from torchsupervisor.monitored.scaffold import Scaffold
+from torchsupervisor.monitored.session import MonitoredSession
+
+__all__ = ["USE_DEFAULT", "MonitoredTrainingSession"]
+
+logger = logging.getLogger("torchsupervisor")
+
+
+def MonitoredTrainingSession(
+    master: str = "",
+    is_chief: bool | None = None,
+    checkpoint_dir: str | None = None,
+    scaffold: Scaffold | None = None,
+    hooks: Iterable[SessionRunHook] | None = None,
+    chief_only_hooks: Iterable[SessionRunHook] | None = None,
+    save_checkpoint_secs: Any = USE_DEFAULT,
+    save_summaries_steps: Any = USE_DEFAULT,
+    save_summaries_secs: Any = USE_DEFAULT,
+    config: Any = None,
+    stop_grace_period_secs: float = 120,
+    log_step_count_steps: int | None = 100,
+    max_wait_secs: float = 7200,
+    save_checkpoint_steps: Any = USE_DEFAULT,
+    summary_dir: str | None = None,
+    save_graph_def: bool = True,
+    *,
+    state: Mapping[str, Any] | None = None,
+    device: Any = None,
+    clock: Clock | None = None,
+    save_rng_state: bool = True,
+    preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
+    preemption_grace_secs: float = 30.0,
+    preemption_exit_code: int | None = None,
+) -> MonitoredSession:
+    """Create a ``MonitoredSession`` for training, with the standard hooks on the chief.
+
+    The chief restores the newest valid checkpoint of ``checkpoint_dir`` (or initializes) and
+    runs, in this order: ``chief_only_hooks``; if ``summary_dir`` (default ``checkpoint_dir``)
+    is set, ``StepCounterHook(every_n_steps=log_step_count_steps)`` when that is > 0 and
+    ``SummarySaverHook`` when summaries are enabled; ``CheckpointSaverHook`` when
+    ``checkpoint_dir`` is set and checkpoints are enabled; then ``hooks``. A non-chief waits
+    for a ready state and runs ``hooks`` only. The session is created here: the restore (or
+    initialization) happens before this function returns.
+
+    For an exact continuation after a restart, the state gets an ``RNGState`` under ``"rng"``
+    (the Python, NumPy, torch CPU and CUDA generators), as the Supervisor's does; a
+    preemption signal stops training with a final checkpoint (see ``MonitoredSession``).
+
+    Args:
+        master: ``""`` for an in-process session; ``"env://"`` (under ``torchrun``) or a
+            ``Server.target`` to join a process group.
+        is_chief: The chief initializes/restores and saves; others wait, then start from the
+            chief's state (broadcast). None (TF's default is True): the replica of rank 0 is
+            the chief (rank from the process group, else ``$RANK`` as set by ``torchrun``,
+            else 0), as for the Supervisor.
+        checkpoint_dir: Directory to restore from and save checkpoints to.
+        scaffold: The ``Scaffold``; None: a default one.
+        hooks: Hooks of every replica, after the standard ones.
+        chief_only_hooks: Hooks of the chief only, before the standard ones.
+        save_checkpoint_secs: Seconds between checkpoints; when neither this nor
+            ``save_checkpoint_steps`` is given: 600. 0 or None (with no steps): none.
+        save_summaries_steps: Steps between summaries; when neither this nor
+            ``save_summaries_secs`` is given: 100. 0 or None (with no secs): none.
+        save_summaries_secs: Seconds between summaries.
+        config: Passed to the session.
+        stop_grace_period_secs: Seconds the threads get to stop at ``close()``.
+        log_step_count_steps: Steps between ``global_step/sec`` summaries (0 or None: none).
+        max_wait_secs: The longest wait of a non-chief for a ready state, in seconds.
+        save_checkpoint_steps: Steps between checkpoints.
+        summary_dir: Directory of the summaries; None: ``checkpoint_dir``.
+        save_graph_def: Accepted for TF compatibility; there is no graph to write.
+        state: The training state (a mapping of names to stateful objects: modules,
+            optimizers, a ``GlobalStep``, ...), as ``Supervisor(state=...)``.
+        device: Where the init op materializes meta-device modules.
+        clock: Time source of the standard hooks' timers and of waits.
+        save_rng_state: Add ``state["rng"] = RNGState()`` (to the given state, or to the
+            scaffold's) when the state is not empty and has no ``"rng"`` entry, so that a
+            resumed run draws the same random numbers as an uninterrupted one. A checkpoint
+            without it (from an older run) restores with a warning. False: leave the state
+            as given.
+        preemption_signals: Signals that stop training cleanly with a final checkpoint
+            (default SIGTERM, SIGUSR1 and SIGINT for Ctrl-C; empty or None:
+            none); see ``MonitoredSession``.
+        preemption_grace_secs: Time budget of the final checkpoint after a preemption signal,
+            in seconds; a save that cannot finish in time is cancelled cleanly.
+        preemption_exit_code: If set, leaving the session's ``with`` block after a preemption
+            signal raises ``SystemExit`` with this code, once everything is saved and closed;
+            None: exit normally (status 0).
+
+    Returns:
+        A ``MonitoredSession`` (recovering from preemption errors).
+
+    Raises:
+        ValueError: If ``state`` differs from a state the scaffold already has; for an
+            argument out of range (naming it and the value).
+        TypeError: For an argument of the wrong type (naming it and the value).
+        LogdirLockedError: (Chief) another process is writing to ``checkpoint_dir``.
+        RuntimeError: From the hooks' ``begin()`` when there is no global step (``"Global
+            step should be created to use StepCounterHook."``, ... ``SummarySaverHook``,
+            ... ``CheckpointSaverHook``); from ``Scaffold.finalize`` when a collection holds
+            more than one item for a field; when the init op does not make the state ready
+            (``SessionManager``'s texts).
+        DataLossError: If ``checkpoint_dir`` holds checkpoints and none is valid.
+        NotFoundError: If an entry of the state is missing from the checkpoint restored
+            (other than the ``"rng"`` entry added here).
+        InvalidArgumentError: If a value of the checkpoint does not fit its state entry.
+        DeadlineExceededError: On a non-chief, if the state is not ready after
+            ``max_wait_secs`` (``"Session was not ready after waiting %d secs."``).
+        Exception: What the given hooks' ``begin`` and ``after_create_session`` raise.
+
+    Thread safety: use the session from one (training) thread.
+
+    TF name: ``tf.compat.v1.train.MonitoredTrainingSession``.
+    """
+    del save_graph_def
+    is_chief = distributed.rank() == 0 if is_chief is None else check_bool("is_chief", is_chief)
+    checkpoint_dir = check_path("checkpoint_dir", checkpoint_dir)
+    summary_dir = check_path("summary_dir", summary_dir)
+    for name, value in (
+        ("save_checkpoint_secs", save_checkpoint_secs),
+        ("save_summaries_secs", save_summaries_secs),
+    ):
+        if value is not USE_DEFAULT:
+            check_number(name, value, allow_none=True)
+    for name, value in (
+        ("save_checkpoint_steps", save_checkpoint_steps),
+        ("save_summaries_steps", save_summaries_steps),
+    ):
+        if value is not USE_DEFAULT:
+            check_int(name, value, allow_none=True)
+    check_int("log_step_count_steps", log_step_count_steps, minimum=None, allow_none=True)
+    check_number("stop_grace_period_secs", stop_grace_period_secs)
+    check_number("max_wait_secs", max_wait_secs)
+    check_state("state", state)
+    save_rng_state = check_bool("save_rng_state", save_rng_state)
+    check_signals("preemption_signals", preemption_signals)
+    check_number("preemption_grace_secs", preemption_grace_secs)
+    check_int("preemption_exit_code", preemption_exit_code, allow_none=True)
+    if save_summaries_steps is USE_DEFAULT and save_summaries_secs is USE_DEFAULT:
+        save_summaries_steps, save_summaries_secs = 100, None
+    elif save_summaries_steps is USE_DEFAULT:
+        save_summaries_steps = None
+    elif save_summaries_secs is USE_DEFAULT:
+        save_summaries_secs = None
+    if save_checkpoint_steps is USE_DEFAULT and save_checkpoint_secs is USE_DEFAULT:
+        save_checkpoint_steps, save_checkpoint_secs = None, 600
+    elif save_checkpoint_secs is USE_DEFAULT:
+        save_checkpoint_secs = None
+    elif save_checkpoint_steps is USE_DEFAULT:
+        save_checkpoint_steps = None
+
+    scaffold = scaffold or Scaffold(clock=clock)
+    rng_added = False
+    if save_rng_state:
+        state, rng_added = _with_rng_state(scaffold, state)
+    if not is_chief:
+        worker_creator = WorkerSessionCreator(
+            scaffold=scaffold,
+            master=master,
+            config=config,
+            max_wait_secs=max_wait_secs,
+            state=state,
+            device=device,
+            clock=clock,
+        )
+        return MonitoredSession(
+            session_creator=worker_creator,
+            hooks=list(hooks or []),
+            stop_grace_period_secs=stop_grace_period_secs,
+            preemption_signals=preemption_signals,
+            preemption_grace_secs=preemption_grace_secs,
+            preemption_exit_code=preemption_exit_code,
+        )
+
+    all_hooks: list[SessionRunHook] = list(chief_only_hooks or [])
+    session_creator = ChiefSessionCreator(
+        scaffold=scaffold,
+        master=master,
+        config=config,
+        checkpoint_dir=checkpoint_dir,
+        state=state,
+        device=device,
+        clock=clock,
+    )
+    if rng_added:
+        session_creator.allow_missing("rng")  # Checkpoints of runs that did not save it.
+    summary_dir = summary_dir or checkpoint_dir
+    if summary_dir:
+        if log_step_count_steps and log_step_count_steps > 0:
+            all_hooks.append(
+                StepCounterHook(
+                    output_dir=summary_dir, every_n_steps=log_step_count_steps, clock=clock
+                )
+            )
+        if (save_summaries_steps and save_summaries_steps > 0) or (
+            save_summaries_secs and save_summaries_secs > 0
+        ):
+            all_hooks.append(
+                SummarySaverHook(
+                    scaffold=scaffold,
+                    save_steps=save_summaries_steps,
+                    save_secs=save_summaries_secs,
+                    output_dir=summary_dir,
+                    clock=clock,
+                )
+            )
+    if checkpoint_dir and (
+        (save_checkpoint_secs and save_checkpoint_secs > 0)
+        or (save_checkpoint_steps and save_checkpoint_steps > 0)
+    ):
+        all_hooks.append(
+            CheckpointSaverHook(
+                checkpoint_dir,
+                save_steps=save_checkpoint_steps,
+                save_secs=save_checkpoint_secs,
+                scaffold=scaffold,
+                clock=clock,
+            )
+        )
+    all_hooks.extend(hooks or [])
+    return MonitoredSession(
+        session_creator=session_creator,
+        hooks=all_hooks,
+        stop_grace_period_secs=stop_grace_period_secs,
+        preemption_signals=preemption_signals,
+        preemption_grace_secs=preemption_grace_secs,
+        preemption_exit_code=preemption_exit_code,
+    )
+
+
+def _with_rng_state(
+    scaffold: Scaffold, state: Mapping[str, Any] | None
+) -> tuple[Mapping[str, Any] | None, bool]:
+    """Add an ``RNGState`` under ``"rng"`` to the state of the session to create.
+
+    The state is ``state`` when given (a new dict is returned; the caller's is not changed),
+    else the scaffold's (changed in place). Nothing is added to an empty state or one that has
+    an ``"rng"`` entry.
+
+    Returns:
+        The state to pass on, and whether an entry was added.
+    """
+    own = scaffold.state
+    base = state if state is not None else own
+    if not base or "rng" in base or (own is not None and "rng" in own):
+        return state, False
+    rng = RNGState()
+    if own is not None:
+        own["rng"] = rng  # The scaffold's own copy of the mapping it was given.
+    if state is not None:
+        state = {**state, "rng": rng}
+    return state, True
