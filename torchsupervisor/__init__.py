@@ -5,7 +5,7 @@ A flat namespace like ``tf.train``: ``Supervisor``, ``Coordinator``, ``Saver``,
 ``torchsupervisor.errors``. Importing the package has no side effects.
 """
 
-from torchsupervisor import distributed, errors, summary
+from torchsupervisor import distributed, errors, hooks, summary
 from torchsupervisor._version import __version__
 from torchsupervisor.checkpoint.files import (
     checkpoint_exists,
@@ -64,23 +64,7 @@ from torchsupervisor.driver.preemption import (
     IgnorePreemptionSignals,
     PreemptionHandler,
 )
-from torchsupervisor.hooks import (
-    CheckpointSaverHook,
-    CheckpointSaverListener,
-    FeedFnHook,
-    FinalOpsHook,
-    GlobalStepWaiterHook,
-    LoggingTensorHook,
-    NanLossDuringTrainingError,
-    NanTensorHook,
-    SessionRunArgs,
-    SessionRunContext,
-    SessionRunHook,
-    SessionRunValues,
-    StepCounterHook,
-    StopAtStepHook,
-    SummarySaverHook,
-)
+from torchsupervisor.hooks import *  # noqa: F403 (every hook; hooks.__all__)
 from torchsupervisor.input.data import ResumableDataLoader, ResumableSampler
 from torchsupervisor.input.queue import FIFOQueue
 from torchsupervisor.input.queue_runner import (
@@ -136,11 +120,10 @@ from torchsupervisor.training.optimizers import (
 )
 
 __all__ = [
+    *hooks.__all__,
     "DEFAULT_PREEMPTION_SIGNALS",
     "AdagradDAOptimizer",
     "CheckpointReader",
-    "CheckpointSaverHook",
-    "CheckpointSaverListener",
     "CheckpointState",
     "ChiefSessionCreator",
     "Clock",
@@ -148,23 +131,17 @@ __all__ = [
     "Coordinator",
     "ExponentialMovingAverage",
     "FIFOQueue",
-    "FeedFnHook",
     "FileWriter",
     "FileWriterCache",
-    "FinalOpsHook",
     "FtrlOptimizer",
     "GlobalStep",
     "GlobalStepLR",
-    "GlobalStepWaiterHook",
     "Graph",
     "GraphKeys",
     "IgnorePreemptionSignals",
-    "LoggingTensorHook",
     "LooperThread",
     "MonitoredSession",
     "MonitoredTrainingSession",
-    "NanLossDuringTrainingError",
-    "NanTensorHook",
     "NewCheckpointReader",
     "PreemptionHandler",
     "ProximalAdagradOptimizer",
@@ -180,16 +157,9 @@ __all__ = [
     "Session",
     "SessionCreator",
     "SessionManager",
-    "SessionRunArgs",
-    "SessionRunContext",
-    "SessionRunHook",
-    "SessionRunValues",
     "ShardedOptimizerState",
     "SingularMonitoredSession",
     "StepContext",
-    "StepCounterHook",
-    "StopAtStepHook",
-    "SummarySaverHook",
     "SummaryWriter",
     "SummaryWriterCache",
     "Supervisor",

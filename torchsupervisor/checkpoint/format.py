@@ -59,6 +59,7 @@ __all__ = [
     "dtype_from_code",
     "dtype_to_code",
     "parse_safetensors_header",
+    "pretty_json",
     "safetensors_header",
     "shard_checksum",
 ]
@@ -211,7 +212,7 @@ class Manifest:
             "tree": self.tree,
         }
         body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
-        return _pretty(body).encode("utf-8")
+        return pretty_json(body).encode("utf-8")
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
@@ -279,15 +280,16 @@ class Manifest:
             raise ManifestError(f"malformed manifest field ({type(e).__name__}: {e})") from None
 
 
-def _pretty(body: Mapping[str, Any]) -> str:
-    """One line per top-level field, per shard and per tensor; the tree on one line."""
+def pretty_json(body: Mapping[str, Any], expanded: tuple[str, ...] = ("shards", "tensors")) -> str:
+    """One line per top-level field and per item of the ``expanded`` fields; the tree on one
+    line (a manifest a person can read and diff)."""
 
     def dump(value: Any) -> str:
         return json.dumps(value, allow_nan=False)
 
     lines = []
     for key, value in body.items():
-        if key in ("shards", "tensors") and value:
+        if key in expanded and value:
             if isinstance(value, dict):
                 items = [f"  {dump(k)}: {dump(v)}" for k, v in value.items()]
                 lines.append(f" {dump(key)}: {{\n" + ",\n".join(items) + "\n }")

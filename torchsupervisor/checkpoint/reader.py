@@ -36,6 +36,7 @@ from torchsupervisor.checkpoint.sharded.metadata import (
     ShardedManifest,
     ShardedTensorEntry,
 )
+from torchsupervisor.core.state import TensorSpec
 from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
 from torchsupervisor.storage import (
@@ -287,6 +288,23 @@ class CheckpointReader:
         tensors = self.read_tensors()
         return self._decode_tree(
             tensors, lambda name, ndarray: tensors[name].numpy() if ndarray else tensors[name]
+        )
+
+    def read_specs(self) -> Any:
+        """Return the state tree with ``TensorSpec`` leaves (dtype, shape), from the manifest.
+
+        Nothing but the index is read: what a restore compares with the live state first.
+
+        Raises:
+            CorruptCheckpointError: Naming the index, if the tree names an unknown tensor.
+
+        TF name: none (``get_variable_to_shape_map`` is TF's flat view).
+        """
+        dtypes = self.get_variable_to_dtype_map()
+        shapes = self.get_variable_to_shape_map()
+        return self._decode_tree(
+            dtypes,
+            lambda name, ndarray: TensorSpec(name, dtypes[name], tuple(shapes[name]), ndarray),
         )
 
     def _decode_tree(self, known: Any, leaf: Any) -> Any:

@@ -18,13 +18,10 @@ from typing import Any
 import torch
 
 from torchsupervisor._version import __version__
-from torchsupervisor.checkpoint.format import ManifestError
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.core.state import TensorSpec
 from torchsupervisor.core.state_load import check_state, load_state
-from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.distributed.env import world_size
-from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
+from torchsupervisor.errors import NotFoundError
 from torchsupervisor.storage import Storage
 
 __all__ = ["restore_state"]
@@ -60,7 +57,7 @@ def restore_state(
     # The files must hold what the manifest claims before its shapes are believed: a
     # damaged manifest (a 2**40-byte tensor) is damage, not a mismatch with the state.
     reader.check_files()
-    specs = _spec_tree(reader)
+    specs = reader.read_specs()
 
     def required(name: str) -> None:
         if name not in optional:
@@ -114,26 +111,3 @@ def _report_differences(
             manifest.library_version,
             __version__,
         )
-
-
-def _spec_tree(reader: CheckpointReader) -> Any:
-    """The checkpoint's state tree with ``TensorSpec`` leaves, from its manifest alone.
-
-    Raises:
-        CorruptCheckpointError: If the tree names a tensor the manifest does not list.
-    """
-    dtypes = reader.get_variable_to_dtype_map()
-    shapes = reader.get_variable_to_shape_map()
-
-    def leaf(name: str, ndarray: bool) -> TensorSpec:
-        if name not in dtypes:
-            raise ManifestError(f"the tree names an unknown tensor {name!r}")
-        return TensorSpec(name, dtypes[name], tuple(shapes[name]), ndarray)
-
-    try:
-        return decode_tree(reader.manifest.tree, leaf)
-    except ManifestError as e:
-        index = reader.prefix + ".index"
-        raise CorruptCheckpointError(
-            f"Checkpoint index {index} is corrupt: {e}", path=index, reason=str(e)
-        ) from None

@@ -18,6 +18,7 @@ TF name: ``tf.compat.v1.train.Saver``.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
@@ -35,7 +36,7 @@ from torchsupervisor.checkpoint.retention import Keeper
 from torchsupervisor.checkpoint.sharded.collective import load_sharded
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
 from torchsupervisor.checkpoint.snapshot import Snapshot
-from torchsupervisor.checkpoint.writers import SaveStats, ShardedWriter, SnapshotWriter
+from torchsupervisor.checkpoint.writers import SaveStats, SaveTarget, ShardedWriter, SnapshotWriter
 from torchsupervisor.core.checks import check_bool, check_int, check_number, check_str
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import read_step
@@ -237,15 +238,13 @@ class Saver:
         del meta_graph_suffix, write_meta_graph, strip_default_attrs, save_debug_info
         start = time.perf_counter()
         state = self._state_for(sess)
+        target = self._target(save_path, global_step, latest_filename, write_state)
         if self._is_sharded(state, sess):  # DTensors: a collective, every rank writes its part.
-            return self._save_sharded(state, save_path, global_step, latest_filename, write_state)
-        prefix, snapshot = self._stage(
-            state, save_path, global_step, latest_filename, check_dir=True
-        )
+            return self._save_sharded(state, target, global_step)
+        snapshot = self._stage(state, target, global_step, check_dir=True)
         if snapshot is None:
             return None
-        stall = time.perf_counter() - start
-        return self._persist(snapshot, prefix, save_path, latest_filename, write_state, stall)
+        return self._persist(snapshot, target, time.perf_counter() - start, check_dir=False)
 
     def save_async(
         self,
@@ -276,26 +275,23 @@ class Saver:
         start = time.perf_counter()
         done: concurrent.futures.Future[str | None]
         state = self._state_for(sess)
+        target = self._target(save_path, global_step, latest_filename, write_state)
         if self._is_sharded(state, sess):  # DTensors: a collective, written now on every rank.
             done = concurrent.futures.Future()
             try:
-                done.set_result(
-                    self._save_sharded(state, save_path, global_step, latest_filename, write_state)
-                )
+                done.set_result(self._save_sharded(state, target, global_step))
             except CheckpointSaveError as e:
                 done.set_exception(e)
             return done
         # The directory is checked by the writer: a stat is not worth a stall.
-        prefix, snapshot = self._stage(
-            state, save_path, global_step, latest_filename, check_dir=False
-        )
+        snapshot = self._stage(state, target, global_step, check_dir=False)
         if snapshot is None:
             done = concurrent.futures.Future()
             done.set_result(None)
             return done
         stall = time.perf_counter() - start
         return self._engine.submit(
-            self._checked_persist, snapshot, prefix, save_path, latest_filename, write_state, stall
+            functools.partial(self._persist, check_dir=True), snapshot, target, stall
         )
 
     def close(self) -> None:
@@ -429,76 +425,49 @@ class Saver:
         pattern = "%s-%08d" if self._pad_step_number else "%s-%d"
         return pattern % (save_path, step), step
 
+    def _target(
+        self, save_path: str, global_step: Any, latest_filename: str | None, write_state: bool
+    ) -> SaveTarget:
+        prefix, _ = self._checkpoint_prefix(save_path, global_step, latest_filename)
+        return SaveTarget(prefix, save_path, latest_filename, write_state)
+
     def _stage(
-        self,
-        state: Mapping[str, Any],
-        save_path: str,
-        global_step: Any,
-        latest_filename: str | None,
-        *,
-        check_dir: bool,
-    ) -> tuple[str, Snapshot | None]:
-        prefix, step = self._checkpoint_prefix(save_path, global_step, latest_filename)
+        self, state: Mapping[str, Any], target: SaveTarget, global_step: Any, *, check_dir: bool
+    ) -> Snapshot | None:
         if check_dir:
-            self._check_dir(save_path)
+            self._check_dir(target.save_path)
         flat = self._writer.flatten(state)
         if not flat[0]:
             if self._allow_empty:
-                return prefix, None
+                return None
             raise ValueError("No variables to save")
-        self._lock_directory(save_path)
-        return prefix, self._writer.stage(flat, prefix, step, save_path, latest_filename)
+        self._lock_directory(target.save_path)
+        step = None if global_step is None else read_step(global_step)
+        return self._writer.stage(flat, target, step)
 
     def _persist(
-        self,
-        snapshot: Snapshot,
-        prefix: str,
-        save_path: str,
-        latest_filename: str | None,
-        write_state: bool,
-        stall_secs: float,
+        self, snapshot: Snapshot, target: SaveTarget, stall_secs: float, *, check_dir: bool
     ) -> str:
-        self.last_save = self._writer.persist(
-            snapshot, prefix, save_path, latest_filename, write_state, stall_secs
-        )
-        logger.debug("Checkpoint %s: %s", prefix, self.last_save)
-        return prefix
+        """Write ``snapshot`` (``check_dir``: on the writer thread, which checks the directory
+        first: the caller's stat is not worth a stall)."""
+        if check_dir:
+            try:
+                self._check_dir(target.save_path)
+            except ValueError as e:
+                self._writer.stager.release(snapshot)
+                raise CheckpointSaveError(str(e), path=target.prefix) from None
+        self.last_save = self._writer.persist(snapshot, target, stall_secs)
+        logger.debug("Checkpoint %s: %s", target.prefix, self.last_save)
+        return target.prefix
 
-    def _checked_persist(
-        self,
-        snapshot: Snapshot,
-        prefix: str,
-        save_path: str,
-        latest_filename: str | None,
-        write_state: bool,
-        stall_secs: float,
-    ) -> str:
-        """``_persist`` on the writer thread, which checks the directory first."""
-        try:
-            self._check_dir(save_path)
-        except ValueError as e:
-            self._writer.stager.release(snapshot)
-            raise CheckpointSaveError(str(e), path=prefix) from None
-        return self._persist(snapshot, prefix, save_path, latest_filename, write_state, stall_secs)
-
-    def _save_sharded(
-        self,
-        state: Mapping[str, Any],
-        save_path: str,
-        global_step: Any,
-        latest_filename: str | None,
-        write_state: bool,
-    ) -> str:
+    def _save_sharded(self, state: Mapping[str, Any], target: SaveTarget, global_step: Any) -> str:
         """Save a state of DTensors with every rank writing its part (a collective)."""
-        prefix, _ = self._checkpoint_prefix(save_path, global_step, latest_filename)
-        self._check_dir(save_path)
+        self._check_dir(target.save_path)
         if rank() == 0:  # The other ranks write their shards under rank 0's lock.
-            self._lock_directory(save_path)
+            self._lock_directory(target.save_path)
         self._engine.wait()
-        self.last_save = self._sharded_writer.save(
-            state, prefix, global_step, save_path, latest_filename, write_state
-        )
-        return prefix
+        self.last_save = self._sharded_writer.save(state, target, global_step)
+        return target.prefix
 
     def _check_dir(self, save_path: str) -> None:
         save_dir = os.path.dirname(save_path)

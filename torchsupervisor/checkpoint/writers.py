@@ -41,9 +41,26 @@ from torchsupervisor.distributed.env import rank, world_size
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import Storage
 
-__all__ = ["SaveStats", "ShardedWriter", "SnapshotWriter"]
+__all__ = ["SaveStats", "SaveTarget", "ShardedWriter", "SnapshotWriter"]
 
 logger = logging.getLogger("torchsupervisor")
+
+
+@dataclass(frozen=True)
+class SaveTarget:
+    """Where one save goes.
+
+    Attributes:
+        prefix: The checkpoint prefix (``save_path-<step>``).
+        save_path: The prefix family (``logdir/model.ckpt``).
+        latest_filename: The state file's name; None: ``"checkpoint"``.
+        write_state: Record the checkpoint in the state file and apply retention.
+    """
+
+    prefix: str
+    save_path: str
+    latest_filename: str | None
+    write_state: bool
 
 
 @dataclass(frozen=True)
@@ -96,6 +113,10 @@ class SnapshotWriter:
         self.engine = CheckpointEngine()
         self.cancel = threading.Event()
 
+    def _record(self, target: SaveTarget) -> None:
+        if target.write_state:
+            self._keeper.record_and_sweep(target.prefix, target.save_path, target.latest_filename)
+
     def flatten(self, state: Mapping[str, Any]) -> tuple[Any, dict[str, Any], set[str]]:
         """Flatten ``state``: its skeleton, its tensors, and the names of the frozen ones."""
         frozen: set[str] = set()
@@ -103,12 +124,7 @@ class SnapshotWriter:
         return skeleton, tensors, frozen
 
     def stage(
-        self,
-        flat: tuple[Any, dict[str, Any], set[str]],
-        prefix: str,
-        step: int | None,
-        save_path: str,
-        latest_filename: str | None,
+        self, flat: tuple[Any, dict[str, Any], set[str]], target: SaveTarget, step: int | None
     ) -> Snapshot:
         """Copy the flattened state into staging buffers (after the save in flight)."""
         skeleton, tensors, frozen = flat
@@ -121,19 +137,13 @@ class SnapshotWriter:
             step=step,
             wall_time=self._clock.time(),
             max_shard_bytes=self._max_shard_bytes,
-            committed=self._keeper.reusable(save_path, prefix, frozen, latest_filename),
+            committed=self._keeper.reusable(
+                target.save_path, target.prefix, frozen, target.latest_filename
+            ),
             reusable=frozen,
         )
 
-    def persist(
-        self,
-        snapshot: Snapshot,
-        prefix: str,
-        save_path: str,
-        latest_filename: str | None,
-        write_state: bool,
-        stall_secs: float,
-    ) -> SaveStats:
+    def persist(self, snapshot: Snapshot, target: SaveTarget, stall_secs: float) -> SaveStats:
         """Write ``snapshot`` with the commit protocol, then record it and apply retention.
 
         Raises:
@@ -143,7 +153,7 @@ class SnapshotWriter:
         try:
             result = persist(
                 snapshot,
-                prefix,
+                target.prefix,
                 library_version=__version__,
                 torch_version=torch.__version__,
                 world_size=world_size(),
@@ -152,18 +162,21 @@ class SnapshotWriter:
             )
         except CheckpointSaveError as e:
             stale = e.names if isinstance(e, StaleReferenceError) else ()
-            self._keeper.failed(save_path, stale)  # The next save copies everything.
+            self._keeper.failed(target.save_path, stale)  # The next save copies everything.
             raise
         finally:
             self.stager.release(snapshot)
         committed = time.perf_counter()
         self._keeper.committed(
-            save_path, prefix, result.committed, full=not snapshot.references, recorded=write_state
+            target.save_path,
+            target.prefix,
+            result.committed,
+            full=not snapshot.references,
+            recorded=target.write_state,
         )
-        if write_state:
-            self._keeper.record_and_sweep(prefix, save_path, latest_filename)
+        self._record(target)
         return SaveStats(
-            prefix=prefix,
+            prefix=target.prefix,
             stall_secs=stall_secs,
             commit_secs=committed - start,
             total_secs=time.perf_counter() - start,
@@ -190,15 +203,7 @@ class ShardedWriter:
         self._keeper = keeper
         self._stager = stager
 
-    def save(
-        self,
-        state: Mapping[str, Any],
-        prefix: str,
-        global_step: Any,
-        save_path: str,
-        latest_filename: str | None,
-        write_state: bool,
-    ) -> SaveStats:
+    def save(self, state: Mapping[str, Any], target: SaveTarget, global_step: Any) -> SaveStats:
         """Save every rank's part as checkpoint ``prefix`` (a collective), then retention.
 
         Raises:
@@ -207,7 +212,7 @@ class ShardedWriter:
         start = time.perf_counter()
         save_sharded(
             state,
-            prefix,
+            target.prefix,
             global_step=global_step,
             write_state=False,
             storage=self._storage,
@@ -216,19 +221,23 @@ class ShardedWriter:
         )
         committed = time.perf_counter()
         # Sharded saves are never incremental.
-        self._keeper.committed(save_path, prefix, {}, full=True, recorded=write_state)
-        if write_state:
+        self._keeper.committed(
+            target.save_path, target.prefix, {}, full=True, recorded=target.write_state
+        )
+        if target.write_state:
             if rank() == 0:
-                self._keeper.record_and_sweep(prefix, save_path, latest_filename)
+                self._keeper.record_and_sweep(
+                    target.prefix, target.save_path, target.latest_filename
+                )
             else:  # Same bookkeeping; files are rank 0's business.
-                self._keeper.record(prefix, save_path, latest_filename)
+                self._keeper.record(target.prefix, target.save_path, target.latest_filename)
         total = time.perf_counter() - start
         return SaveStats(
-            prefix=prefix,
+            prefix=target.prefix,
             stall_secs=total,
             commit_secs=committed - start,
             total_secs=total,
-            bytes_written=self._local_bytes(prefix),
+            bytes_written=self._local_bytes(target.prefix),
             bytes_reused=0,
         )
 

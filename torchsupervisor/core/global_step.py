@@ -18,6 +18,7 @@ from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
 __all__ = [
     "GlobalStep",
     "assert_global_step",
+    "check_step_source",
     "create_global_step",
     "get_global_step",
     "get_or_create_global_step",
@@ -155,6 +156,21 @@ def read_step(step: Any) -> int:
     if type(step) is GlobalStep or isinstance(step, GlobalStep):
         return step._value
     return _as_int(step, "global_step")
+
+
+def check_step_source(global_step: Any) -> Any:
+    """Return ``global_step`` if it is a ``GlobalStep`` or an integer scalar tensor.
+
+    Raises:
+        TypeError: For anything else, naming its type and value.
+    """
+    if not isinstance(global_step, GlobalStep | torch.Tensor):
+        raise TypeError(
+            "global_step must be a GlobalStep or an integer scalar tensor, got "
+            f"{type(global_step).__name__}: {global_step!r}"
+        )
+    read_step(global_step)  # TypeError for a tensor that is not an integer scalar.
+    return global_step
 
 
 def assert_global_step(global_step_tensor: Any) -> None:

@@ -40,7 +40,9 @@ __all__ = [
     "flatten_state",
     "is_materialized",
     "iter_state_tensors",
+    "not_saveable",
     "select_state",
+    "state_entries",
 ]
 
 _SCALARS = (str, int, float, bool, type(None), bytes)
@@ -113,6 +115,27 @@ def iter_state_tensors(state: Mapping[str, Any]) -> Iterator[tuple[str, torch.Te
 
     for key, value in state.items():
         yield from walk(value, str(key))
+
+
+def not_saveable(path: str, obj: Any) -> TypeError:
+    """The error for a state entry the format cannot hold (no pickle)."""
+    return TypeError(
+        f"Cannot save {path!r}: objects of type "
+        f"{type(obj).__module__}.{type(obj).__qualname__} have no state_dict() and are not "
+        "tensors, arrays, containers or plain values (checkpoints never use pickle)"
+    )
+
+
+def state_entries(state: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """The ``(name, object)`` entries of ``state``.
+
+    Raises:
+        TypeError: A name is not a ``str``.
+    """
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise TypeError(f"State names must be str, got {type(key).__name__}: {key!r}")
+        yield key, value
 
 
 def flatten_state(
@@ -226,17 +249,9 @@ def flatten_state(
             return tuple(
                 walk(value, join_path(path, i), origin, depth) for i, value in enumerate(obj)
             )
-        raise TypeError(
-            f"Cannot save {path!r}: objects of type "
-            f"{type(obj).__module__}.{type(obj).__qualname__} have no state_dict() and are not "
-            "tensors, arrays, containers or plain values (checkpoints never use pickle)"
-        )
+        raise not_saveable(path, obj)
 
-    skeleton = {}
-    for key, value in state.items():
-        if not isinstance(key, str):
-            raise TypeError(f"State names must be str, got {type(key).__name__}: {key!r}")
-        skeleton[key] = walk(value, key, _BARE)
+    skeleton = {key: walk(value, key, _BARE) for key, value in state_entries(state)}
     # A volatile tensor whose memory is unknown (a trainable wrapper subclass) may share it
     # with any candidate: then nothing is provably frozen.
     if frozen is not None and None not in volatile:

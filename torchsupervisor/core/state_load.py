@@ -11,7 +11,7 @@ TF name: the restore half of ``tf.compat.v1.train.Saver``'s restore ops.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -67,13 +67,30 @@ def _match_key(node: Mapping[Any, Any], part: str) -> Any:
     return MISSING
 
 
-def load_state(
-    state: Mapping[str, Any],
-    tree: Mapping[Any, Any],
-    *,
-    source: str,
-    on_missing: Callable[[str], None] | None = None,
-) -> None:
+OnMissing = Callable[[str], None] | None
+"""Called with the path of an entry the tree lacks (None: a missing entry is an error)."""
+
+
+def _present(
+    state: Mapping, tree: Mapping, source: str, on_missing: OnMissing
+) -> Iterator[tuple[str, Any, Any]]:
+    """``(name, object, restored value)`` of each entry of ``state`` that ``tree`` has.
+
+    Raises:
+        NotFoundError: An entry ``tree`` lacks, without ``on_missing`` (else it is told).
+    """
+    for name, obj in state.items():
+        try:
+            value = find_subtree(tree, name)
+        except KeyError:
+            if on_missing is None:
+                raise NotFoundError(f"Key {name} not found in checkpoint {source}") from None
+            on_missing(name)
+            continue
+        yield name, obj, value
+
+
+def load_state(state: Mapping, tree: Mapping, *, source: str, on_missing: OnMissing = None) -> None:
     """Load a restored tree into the live objects of ``state``.
 
     Objects with ``load_state_dict`` receive their sub-tree; tensors and numpy arrays are
@@ -93,14 +110,7 @@ def load_state(
         InvalidArgumentError: If a value does not fit its object (shape mismatch, a module's
             missing or unexpected keys, ...), naming the entry and the checkpoint.
     """
-    for name, obj in state.items():
-        try:
-            value = find_subtree(tree, name)
-        except KeyError:
-            if on_missing is None:
-                raise NotFoundError(f"Key {name} not found in checkpoint {source}") from None
-            on_missing(name)
-            continue
+    for name, obj, value in _present(state, tree, source, on_missing):
         _load_one(state, name, obj, value, name, source)
 
 
@@ -177,11 +187,7 @@ def _numpy_dtype(array: np.ndarray) -> torch.dtype | None:
 
 
 def check_state(
-    state: Mapping[str, Any],
-    tree: Mapping[Any, Any],
-    *,
-    source: str,
-    on_missing: Callable[[str], None] | None = None,
+    state: Mapping, tree: Mapping, *, source: str, on_missing: OnMissing = None
 ) -> list[str]:
     """Check that a checkpoint fits the live state, before loading anything.
 
@@ -212,14 +218,7 @@ def check_state(
     """
     warnings: list[str] = []
     checks = []
-    for name, obj in state.items():
-        try:
-            value = find_subtree(tree, name)
-        except KeyError:
-            if on_missing is None:
-                raise NotFoundError(f"Key {name} not found in checkpoint {source}") from None
-            on_missing(name)
-            continue
+    for name, obj, value in _present(state, tree, source, on_missing):
         checks.append((obj, value, name))
     for obj, value, name in checks:
         _check_one(obj, value, name, source, warnings)

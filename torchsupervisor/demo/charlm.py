@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from torchsupervisor import GlobalStep, Graph, Supervisor
+from torchsupervisor.demo.options import add_common_arguments, run_main
 
 __all__ = ["CharLM", "Corpus", "add_arguments", "main", "run"]
 
@@ -118,27 +119,12 @@ class CharLM(nn.Module):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's command-line options to ``parser``."""
-    parser.add_argument("--logdir", default="runs/charlm", help="checkpoints and events")
-    parser.add_argument("--max-steps", type=int, default=1200, help="train up to this step")
-    parser.add_argument("--save-model-secs", type=float, default=30.0)
-    parser.add_argument("--save-summaries-secs", type=float, default=10.0)
-    parser.add_argument("--batch-size", type=int, default=32)
+    add_common_arguments(parser, "charlm")
     parser.add_argument("--context", type=int, default=128, help="bytes per sequence")
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of random, numpy, torch and the data order"
-    )
-    parser.add_argument("--log-every", type=int, default=100, help="progress line every N steps")
     parser.add_argument("--sample-every", type=int, default=500, help="sample text every N steps")
-    parser.add_argument(
-        "--step-delay-secs",
-        type=float,
-        default=0.0,
-        help="sleep this long in every step (to watch a slow run, or stop it mid-way)",
-    )
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
@@ -236,9 +222,4 @@ def _run(args: argparse.Namespace) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point of ``torchsupervisor demo charlm``."""
-    parser = argparse.ArgumentParser(prog="torchsupervisor demo charlm", description=__doc__)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    run(args)
-    return 0
+    return run_main("torchsupervisor demo charlm", __doc__, add_arguments, run, argv)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from torchsupervisor import GlobalStep, Graph, Supervisor, summary
+from torchsupervisor.demo.options import add_common_arguments, run_main
 
 __all__ = ["DigitsData", "add_arguments", "build_model", "main", "run"]
 
@@ -119,22 +120,7 @@ class _Progress:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's command-line options to ``parser``."""
-    parser.add_argument("--logdir", default="runs/digits", help="checkpoints and events")
-    parser.add_argument("--max-steps", type=int, default=3000, help="train up to this step")
-    parser.add_argument("--save-model-secs", type=float, default=10.0)
-    parser.add_argument("--save-summaries-secs", type=float, default=5.0)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--learning-rate", type=float, default=2e-3)
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of random, numpy, torch and the data order"
-    )
-    parser.add_argument("--log-every", type=int, default=250, help="progress line every N steps")
-    parser.add_argument(
-        "--step-delay-secs",
-        type=float,
-        default=0.0,
-        help="sleep this long in every step (to watch a slow run, or kill it mid-way)",
-    )
+    add_common_arguments(parser, "digits")
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
@@ -214,9 +200,4 @@ def _run(args: argparse.Namespace) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point of ``torchsupervisor demo``."""
-    parser = argparse.ArgumentParser(prog="torchsupervisor demo", description=__doc__)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    run(args)
-    return 0
+    return run_main("torchsupervisor demo", __doc__, add_arguments, run, argv)

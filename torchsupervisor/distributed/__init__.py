@@ -9,20 +9,7 @@ every rank save its shard at the same agreed step.
 ``world_size``, ``default_backend``, ``is_distributed_master``, ``IN_PROCESS_MASTERS``.
 """
 
-from torchsupervisor.distributed.env import (
-    IN_PROCESS_MASTERS,
-    connect,
-    default_backend,
-    is_distributed_master,
-    rank,
-    world_size,
-)
+from torchsupervisor.distributed import env
+from torchsupervisor.distributed.env import *  # noqa: F403
 
-__all__ = [
-    "IN_PROCESS_MASTERS",
-    "connect",
-    "default_backend",
-    "is_distributed_master",
-    "rank",
-    "world_size",
-]
+__all__ = list(env.__all__)

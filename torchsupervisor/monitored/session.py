@@ -496,15 +496,9 @@ class SingularMonitoredSession(_MonitoredSession):
         preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
     ) -> None:
+        where = (checkpoint_dir, checkpoint_filename_with_path)
         session_creator = ChiefSessionCreator(
-            scaffold=scaffold,
-            master=master,
-            config=config,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_filename_with_path=checkpoint_filename_with_path,
-            state=state,
-            device=device,
-            clock=clock,
+            scaffold, master, config, *where, state=state, device=device, clock=clock
         )
         super().__init__(
             session_creator,

@@ -13,14 +13,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from torchsupervisor.core.checks import (
-    check_bool,
-    check_int,
-    check_number,
-    check_path,
-    check_signals,
-    check_state,
-)
+from torchsupervisor.core import checks
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.registry import USE_DEFAULT
 from torchsupervisor.core.rng import RNGState
@@ -146,29 +139,31 @@ def MonitoredTrainingSession(
     TF name: ``tf.compat.v1.train.MonitoredTrainingSession``.
     """
     del save_graph_def
-    is_chief = distributed.rank() == 0 if is_chief is None else check_bool("is_chief", is_chief)
-    checkpoint_dir = check_path("checkpoint_dir", checkpoint_dir)
-    summary_dir = check_path("summary_dir", summary_dir)
+    is_chief = (
+        distributed.rank() == 0 if is_chief is None else checks.check_bool("is_chief", is_chief)
+    )
+    checkpoint_dir = checks.check_path("checkpoint_dir", checkpoint_dir)
+    summary_dir = checks.check_path("summary_dir", summary_dir)
     for name, value in (
         ("save_checkpoint_secs", save_checkpoint_secs),
         ("save_summaries_secs", save_summaries_secs),
     ):
         if value is not USE_DEFAULT:
-            check_number(name, value, allow_none=True)
+            checks.check_number(name, value, allow_none=True)
     for name, value in (
         ("save_checkpoint_steps", save_checkpoint_steps),
         ("save_summaries_steps", save_summaries_steps),
     ):
         if value is not USE_DEFAULT:
-            check_int(name, value, allow_none=True)
-    check_int("log_step_count_steps", log_step_count_steps, minimum=None, allow_none=True)
-    check_number("stop_grace_period_secs", stop_grace_period_secs)
-    check_number("max_wait_secs", max_wait_secs)
-    check_state("state", state)
-    save_rng_state = check_bool("save_rng_state", save_rng_state)
-    check_signals("preemption_signals", preemption_signals)
-    check_number("preemption_grace_secs", preemption_grace_secs)
-    check_int("preemption_exit_code", preemption_exit_code, allow_none=True)
+            checks.check_int(name, value, allow_none=True)
+    checks.check_int("log_step_count_steps", log_step_count_steps, minimum=None, allow_none=True)
+    checks.check_number("stop_grace_period_secs", stop_grace_period_secs)
+    checks.check_number("max_wait_secs", max_wait_secs)
+    checks.check_state("state", state)
+    save_rng_state = checks.check_bool("save_rng_state", save_rng_state)
+    checks.check_signals("preemption_signals", preemption_signals)
+    checks.check_number("preemption_grace_secs", preemption_grace_secs)
+    checks.check_int("preemption_exit_code", preemption_exit_code, allow_none=True)
     if save_summaries_steps is USE_DEFAULT and save_summaries_secs is USE_DEFAULT:
         save_summaries_steps, save_summaries_secs = 100, None
     elif save_summaries_steps is USE_DEFAULT:
@@ -188,13 +183,7 @@ def MonitoredTrainingSession(
         state, rng_added = _with_rng_state(scaffold, state)
     if not is_chief:
         worker_creator = WorkerSessionCreator(
-            scaffold=scaffold,
-            master=master,
-            config=config,
-            max_wait_secs=max_wait_secs,
-            state=state,
-            device=device,
-            clock=clock,
+            scaffold, master, config, max_wait_secs, state=state, device=device, clock=clock
         )
         return MonitoredSession(
             session_creator=worker_creator,
@@ -207,13 +196,7 @@ def MonitoredTrainingSession(
 
     all_hooks: list[SessionRunHook] = list(chief_only_hooks or [])
     session_creator = ChiefSessionCreator(
-        scaffold=scaffold,
-        master=master,
-        config=config,
-        checkpoint_dir=checkpoint_dir,
-        state=state,
-        device=device,
-        clock=clock,
+        scaffold, master, config, checkpoint_dir, state=state, device=device, clock=clock
     )
     if rng_added:
         session_creator.allow_missing("rng")  # Checkpoints of runs that did not save it.

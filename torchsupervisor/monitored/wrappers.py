@@ -230,13 +230,8 @@ class _HookedSession(_WrappedSession):
     def _check_stop(self) -> bool:
         return self._should_stop
 
-    def run(
-        self,
-        fetches: Any,
-        feed_dict: Mapping[str, Any] | None = None,
-        options: Any = None,
-        run_metadata: Any = None,
-    ) -> Any:
+    def run(self, fetches, feed_dict=None, options=None, run_metadata=None) -> Any:
+        """Run ``fetches`` with the hooks' ``before_run``/``after_run`` around it (TF's args)."""
         if self._should_stop:
             raise RuntimeError("Run called even after should_stop requested.")
         sess = self._sess

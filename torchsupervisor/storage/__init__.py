@@ -11,32 +11,16 @@ CLI (which reads through it), so that an object store fits in one place.
 
 from __future__ import annotations
 
-from torchsupervisor.storage.base import (
-    Appendable,
-    DirectoryLock,
-    NotRegularFileError,
-    OutsideDirectoryError,
-    Readable,
-    Storage,
-    WriteCancelled,
-    file_kind,
-    read_exactly,
-)
+from torchsupervisor.storage import base
+from torchsupervisor.storage.base import *  # noqa: F403
+from torchsupervisor.storage.base import Storage
 from torchsupervisor.storage.local import LocalStorage, is_temporary_name, temporary_name
 
 __all__ = [
+    *base.__all__,
     "LOCAL",
-    "Appendable",
-    "DirectoryLock",
     "LocalStorage",
-    "NotRegularFileError",
-    "OutsideDirectoryError",
-    "Readable",
-    "Storage",
-    "WriteCancelled",
-    "file_kind",
     "is_temporary_name",
-    "read_exactly",
     "storage_for",
     "temporary_name",
 ]

@@ -33,18 +33,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from torchsupervisor.errors import NotRegularFileError, OutsideDirectoryError, WriteCancelled
 from torchsupervisor.storage import lock as lock_module
-from torchsupervisor.storage.base import (
-    Appendable,
-    Buffer,
-    DirectoryLock,
-    NotRegularFileError,
-    OutsideDirectoryError,
-    Readable,
-    Storage,
-    WriteCancelled,
-    file_kind,
-)
+from torchsupervisor.storage.base import Appendable, Buffer, DirectoryLock, Readable, Storage
+from torchsupervisor.storage.base import file_kind as _file_kind
 
 __all__ = [
     "DIRECT_IO_ALIGNMENT",
@@ -169,7 +161,7 @@ class LocalStorage(Storage):
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise NotRegularFileError(path, file_kind(st.st_mode))
+                raise NotRegularFileError(path, _file_kind(st.st_mode))
             return _LocalReadable(path, fd, st.st_size)
         except BaseException:
             os.close(fd)

@@ -51,6 +51,13 @@ class MediaMethods:
     def _wall_time(self, walltime: float | None) -> float:
         raise NotImplementedError
 
+    def _enqueue(
+        self, kind: int, tag: str, value: Any, extra: Any, global_step: Any, walltime: Any
+    ) -> None:
+        """Queue one item: its kind, wall time, step (checked here), tag, value, extra."""
+        step = snapshot_step(global_step)
+        self._put(Item((kind, self._wall_time(walltime), step, tag, value, extra)))
+
     def add_histogram(
         self,
         tag: str,
@@ -85,17 +92,14 @@ class MediaMethods:
         """
         check_tag(tag)
         check_bins(bins)
-        item = Item(
-            (
-                HISTOGRAM,
-                self._wall_time(walltime),
-                snapshot_step(global_step),
-                tag,
-                snapshot_array(values, f"histogram summary '{tag}'"),
-                snapshot_bins(bins),
-            )
+        self._enqueue(
+            HISTOGRAM,
+            tag,
+            snapshot_array(values, f"histogram summary '{tag}'"),
+            snapshot_bins(bins),
+            global_step,
+            walltime,
         )
-        self._put(item)
 
     def add_image(
         self,
@@ -127,17 +131,14 @@ class MediaMethods:
         """
         check_tag(tag)
         image_layout(_shape_of(img_tensor), dataformats)
-        item = Item(
-            (
-                IMAGE,
-                self._wall_time(walltime),
-                snapshot_step(global_step),
-                tag,
-                snapshot_array(img_tensor, f"image summary '{tag}'"),
-                dataformats,
-            )
+        self._enqueue(
+            IMAGE,
+            tag,
+            snapshot_array(img_tensor, f"image summary '{tag}'"),
+            dataformats,
+            global_step,
+            walltime,
         )
-        self._put(item)
 
     def add_audio(
         self,
@@ -170,17 +171,14 @@ class MediaMethods:
         if not (len(shape) == 1 or (len(shape) == 2 and shape[0] == 1)):
             raise ValueError(f"snd_tensor must have shape [L] or [1, L], got {list(shape)}")
         rate = sample_rate_value(sample_rate)
-        item = Item(
-            (
-                AUDIO,
-                self._wall_time(walltime),
-                snapshot_step(global_step),
-                tag,
-                snapshot_array(snd_tensor, f"audio summary '{tag}'"),
-                rate,
-            )
+        self._enqueue(
+            AUDIO,
+            tag,
+            snapshot_array(snd_tensor, f"audio summary '{tag}'"),
+            rate,
+            global_step,
+            walltime,
         )
-        self._put(item)
 
     def add_text(
         self,
@@ -209,5 +207,4 @@ class MediaMethods:
         text = string_array(tag, text_string)
         if text is text_string:
             text = text.copy()
-        item = Item((TEXT, self._wall_time(walltime), snapshot_step(global_step), tag, text, None))
-        self._put(item)
+        self._enqueue(TEXT, tag, text, None, global_step, walltime)

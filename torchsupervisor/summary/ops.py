@@ -10,8 +10,8 @@ concatenates ops; ``zero_fraction`` is the statistic TF code often summarizes.
 Nothing here does I/O; the Supervisor's summary service evaluates the ops and hands the protos
 to a ``SummaryWriter``.
 
-The encoders (``scalar_pb`` ... ``text_pb``, ``default_bucket_limits``) are re-exported here,
-next to the ops that use them.
+The ops encode through ``encoders/`` (``scalar_pb`` ... ``text_pb``), which
+``torchsupervisor.summary`` exports.
 
 TF names: ``tf.compat.v1.summary.{scalar,histogram,image,audio,text,merge,merge_all}``,
 ``tf.math.zero_fraction``.
@@ -34,7 +34,6 @@ from torchsupervisor.core import registry
 from torchsupervisor.core.registry import GraphKeys
 from torchsupervisor.summary.encoders import (
     audio_pb,
-    default_bucket_limits,
     histogram_pb,
     image_pb,
     scalar_pb,
@@ -44,18 +43,12 @@ from torchsupervisor.summary.encoders import (
 __all__ = [
     "SummaryOp",
     "audio",
-    "audio_pb",
-    "default_bucket_limits",
     "histogram",
-    "histogram_pb",
     "image",
-    "image_pb",
     "merge",
     "merge_all",
     "scalar",
-    "scalar_pb",
     "text",
-    "text_pb",
     "zero_fraction",
 ]
 

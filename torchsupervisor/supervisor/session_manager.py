@@ -166,15 +166,8 @@ class SessionManager:
 
         TF name: ``SessionManager.prepare_session``.
         """
-        sess, restored = self._restore_checkpoint(
-            master,
-            saver,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_filename_with_path=checkpoint_filename_with_path,
-            wait_for_checkpoint=wait_for_checkpoint,
-            max_wait_secs=max_wait_secs,
-            config=config,
-        )
+        where = (checkpoint_dir, checkpoint_filename_with_path, wait_for_checkpoint, max_wait_secs)
+        sess, restored = self._restore_checkpoint(master, saver, *where, config=config)
         if not restored:
             if init_op is None and not init_fn and self._local_init_op is None:
                 raise RuntimeError(
@@ -221,15 +214,8 @@ class SessionManager:
 
         TF name: ``SessionManager.recover_session``.
         """
-        sess, restored = self._restore_checkpoint(
-            master,
-            saver,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_filename_with_path=checkpoint_filename_with_path,
-            wait_for_checkpoint=wait_for_checkpoint,
-            max_wait_secs=max_wait_secs,
-            config=config,
-        )
+        where = (checkpoint_dir, checkpoint_filename_with_path, wait_for_checkpoint, max_wait_secs)
+        sess, restored = self._restore_checkpoint(master, saver, *where, config=config)
         ok, local_msg = self._try_run_local_init_op(sess)
         if not restored:
             return sess, False

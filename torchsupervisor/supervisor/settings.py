@@ -20,15 +20,7 @@ from typing import Any
 import torch
 
 from torchsupervisor.checkpoint.saver import Saver
-from torchsupervisor.core.checks import (
-    check_bool,
-    check_int,
-    check_number,
-    check_path,
-    check_signals,
-    check_state,
-    check_str,
-)
+from torchsupervisor.core import checks
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import GlobalStep
 from torchsupervisor.core.registry import (
@@ -134,25 +126,31 @@ def resolve_settings(
             ``state['global_step']`` is not the global step given.
     """
     if is_chief is not None:
-        is_chief = check_bool("is_chief", is_chief)
-    logdir = check_path("logdir", logdir)
-    save_summaries_secs = check_number("save_summaries_secs", save_summaries_secs, allow_none=True)
-    save_model_secs = check_number("save_model_secs", save_model_secs, allow_none=True)
-    recovery_wait_secs = check_number(
+        is_chief = checks.check_bool("is_chief", is_chief)
+    logdir = checks.check_path("logdir", logdir)
+    save_summaries_secs = checks.check_number(
+        "save_summaries_secs", save_summaries_secs, allow_none=True
+    )
+    save_model_secs = checks.check_number("save_model_secs", save_model_secs, allow_none=True)
+    recovery_wait_secs = checks.check_number(
         "recovery_wait_secs", recovery_wait_secs, positive=True, allow_inf=False
     )
-    stop_grace_secs = check_number("stop_grace_secs", stop_grace_secs)
-    check_str("checkpoint_basename", checkpoint_basename, allow_empty=False)
-    check_state("state", state)
+    stop_grace_secs = checks.check_number("stop_grace_secs", stop_grace_secs)
+    checks.check_str("checkpoint_basename", checkpoint_basename, allow_empty=False)
+    checks.check_state("state", state)
     if init_feed_dict is not None and not isinstance(init_feed_dict, Mapping):
         raise TypeError(f"init_feed_dict must be a mapping or None, got {init_feed_dict!r}")
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn must be callable or None, got {init_fn!r}")
-    stop_on_checkpoint_error = check_bool("stop_on_checkpoint_error", stop_on_checkpoint_error)
-    preemption_signals = check_signals("preemption_signals", preemption_signals)
-    preemption_grace_secs = check_number("preemption_grace_secs", preemption_grace_secs)
-    preemption_exit_code = check_int("preemption_exit_code", preemption_exit_code, allow_none=True)
-    save_rng_state = check_bool("save_rng_state", save_rng_state)
+    stop_on_checkpoint_error = checks.check_bool(
+        "stop_on_checkpoint_error", stop_on_checkpoint_error
+    )
+    preemption_signals = checks.check_signals("preemption_signals", preemption_signals)
+    preemption_grace_secs = checks.check_number("preemption_grace_secs", preemption_grace_secs)
+    preemption_exit_code = checks.check_int(
+        "preemption_exit_code", preemption_exit_code, allow_none=True
+    )
+    save_rng_state = checks.check_bool("save_rng_state", save_rng_state)
     if logdir and not state and saver is USE_DEFAULT:
         logger.warning(
             "Supervisor(logdir=%r) has no state=: its checkpoints hold only the global "
@@ -184,13 +182,13 @@ def resolve_settings(
     if is_chief is None:
         is_chief = distributed.rank() == 0
     if session_manager is None:
+        # TF's arguments in TF's order, then ours.
+        ops = (local_init_op, ready_op, ready_for_local_init_op)
         session_manager = SessionManager(
-            local_init_op=local_init_op,
-            ready_op=ready_op,
-            ready_for_local_init_op=ready_for_local_init_op,
-            graph=graph,
-            recovery_wait_secs=recovery_wait_secs,
-            local_init_run_options=local_init_run_options,
+            *ops,
+            graph,
+            recovery_wait_secs,
+            local_init_run_options,
             state=state,
             device=device,
             clock=clock,

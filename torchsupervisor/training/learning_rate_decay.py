@@ -47,7 +47,12 @@ import numpy as np
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from torchsupervisor.core.global_step import GlobalStep, get_global_step, read_step
+from torchsupervisor.core.global_step import (
+    GlobalStep,
+    check_step_source,
+    get_global_step,
+    read_step,
+)
 from torchsupervisor.errors import InvalidArgumentError
 
 __all__ = [
@@ -105,6 +110,28 @@ def _ieee(fn: Callable[[], Any]) -> float:
 # ------------------------------------------------------------------------------- schedules
 
 
+def _periods(
+    fn: str,
+    learning_rate: Any,
+    global_step: Any,
+    decay_steps: Any,
+    decay_rate: Any,
+    staircase: bool,
+) -> tuple[np.float64, np.float64, np.float64]:
+    """The checked ``(learning_rate, decay_rate, global_step / decay_steps)`` of a decay.
+
+    With ``staircase`` the ratio is floored. Errors name ``fn``.
+    """
+    step = _global_step(global_step, fn)
+    lr = _number(learning_rate, "learning_rate")
+    steps = _decay_steps(decay_steps, fn)
+    rate = _number(decay_rate, "decay_rate")
+    p = step / steps
+    if staircase:
+        p = math.floor(p)
+    return np.float64(lr), np.float64(rate), np.float64(p)
+
+
 def exponential_decay(
     learning_rate: Any,
     global_step: Any,
@@ -139,14 +166,10 @@ def exponential_decay(
     TF name: ``tf.compat.v1.train.exponential_decay``.
     """
     del name
-    step = _global_step(global_step, "exponential_decay")
-    lr = _number(learning_rate, "learning_rate")
-    steps = _decay_steps(decay_steps, "exponential_decay")
-    rate = _number(decay_rate, "decay_rate")
-    p = step / steps
-    if staircase:
-        p = math.floor(p)
-    return _ieee(lambda: np.float64(lr) * np.power(np.float64(rate), np.float64(p)))
+    lr, rate, p = _periods(
+        "exponential_decay", learning_rate, global_step, decay_steps, decay_rate, staircase
+    )
+    return _ieee(lambda: lr * np.power(rate, p))
 
 
 def inverse_time_decay(
@@ -157,38 +180,19 @@ def inverse_time_decay(
     staircase: bool = False,
     name: str | None = None,
 ) -> float:
-    """Return the learning rate decayed as ``1 / t`` at ``global_step``.
+    """Return the learning rate decayed as ``1 / t`` at ``global_step`` (a float).
 
     ``learning_rate / (1 + decay_rate * global_step / decay_steps)``; with ``staircase`` the
-    ratio ``global_step / decay_steps`` is floored.
-
-    Args:
-        learning_rate: The initial learning rate.
-        global_step: The step (``GlobalStep``, int, or one-element tensor).
-        decay_steps: How often to apply the decay; must be positive.
-        decay_rate: The decay rate.
-        staircase: Decay at discrete intervals instead of continuously.
-        name: Unused (TF's op name).
-
-    Returns:
-        The decayed learning rate (float).
-
-    Raises:
-        ValueError: ``"global_step is required for inverse_time_decay."`` if it is None.
-        InvalidArgumentError: If ``decay_steps`` is not positive.
-        TypeError: If an argument is not a real scalar.
+    ratio ``global_step / decay_steps`` is floored. Arguments and errors as
+    ``exponential_decay`` (the ValueError names ``inverse_time_decay``).
 
     TF name: ``tf.compat.v1.train.inverse_time_decay``.
     """
     del name
-    step = _global_step(global_step, "inverse_time_decay")
-    lr = _number(learning_rate, "learning_rate")
-    steps = _decay_steps(decay_steps, "inverse_time_decay")
-    rate = _number(decay_rate, "decay_rate")
-    p = step / steps
-    if staircase:
-        p = math.floor(p)
-    return _ieee(lambda: np.float64(lr) / (1.0 + np.float64(rate) * np.float64(p)))
+    lr, rate, p = _periods(
+        "inverse_time_decay", learning_rate, global_step, decay_steps, decay_rate, staircase
+    )
+    return _ieee(lambda: lr / (1.0 + rate * p))
 
 
 def natural_exp_decay(
@@ -199,38 +203,19 @@ def natural_exp_decay(
     staircase: bool = False,
     name: str | None = None,
 ) -> float:
-    """Return the learning rate decayed as ``exp(-k t)`` at ``global_step``.
+    """Return the learning rate decayed as ``exp(-k t)`` at ``global_step`` (a float).
 
     ``learning_rate * exp(-decay_rate * global_step / decay_steps)``; with ``staircase`` the
-    ratio ``global_step / decay_steps`` is floored.
-
-    Args:
-        learning_rate: The initial learning rate.
-        global_step: The step (``GlobalStep``, int, or one-element tensor).
-        decay_steps: How often to apply the decay; must be positive.
-        decay_rate: The decay rate.
-        staircase: Decay at discrete intervals instead of continuously.
-        name: Unused (TF's op name).
-
-    Returns:
-        The decayed learning rate (float).
-
-    Raises:
-        ValueError: ``"global_step is required for natural_exp_decay."`` if it is None.
-        InvalidArgumentError: If ``decay_steps`` is not positive.
-        TypeError: If an argument is not a real scalar.
+    ratio ``global_step / decay_steps`` is floored. Arguments and errors as
+    ``exponential_decay`` (the ValueError names ``natural_exp_decay``).
 
     TF name: ``tf.compat.v1.train.natural_exp_decay``.
     """
     del name
-    step = _global_step(global_step, "natural_exp_decay")
-    lr = _number(learning_rate, "learning_rate")
-    steps = _decay_steps(decay_steps, "natural_exp_decay")
-    rate = _number(decay_rate, "decay_rate")
-    p = step / steps
-    if staircase:
-        p = math.floor(p)
-    return _ieee(lambda: np.float64(lr) * np.exp(-np.float64(rate) * np.float64(p)))
+    lr, rate, p = _periods(
+        "natural_exp_decay", learning_rate, global_step, decay_steps, decay_rate, staircase
+    )
+    return _ieee(lambda: lr * np.exp(-rate * p))
 
 
 def polynomial_decay(
@@ -464,12 +449,7 @@ class GlobalStepLR(LRScheduler):
             global_step = get_global_step()
             if global_step is None:
                 raise ValueError("global_step is required for GlobalStepLR.")
-        if not isinstance(global_step, GlobalStep | torch.Tensor):
-            raise TypeError(
-                "global_step must be a GlobalStep or an integer scalar tensor, got "
-                f"{type(global_step).__name__}: {global_step!r}"
-            )
-        read_step(global_step)  # Validates an integer scalar tensor.
+        check_step_source(global_step)
         self._lr_fns = fns
         self._global_step = global_step
         self._pre_step_hook = None

@@ -74,6 +74,11 @@ logger = logging.getLogger("torchsupervisor")
 # --------------------------------------------------------------------------- save / load
 
 
+def _group(process_group: Any, no_dist: bool) -> dict[str, Any]:
+    """DCP's arguments naming the process group of a save or load."""
+    return {"process_group": process_group, "no_dist": no_dist}
+
+
 @contextlib.contextmanager
 def _dcp_call(process_group: Any) -> Iterator[bool]:
     """Yield DCP's ``no_dist`` (no process group initialized), silencing its warning then."""
@@ -195,11 +200,7 @@ def save_sharded(
     try:
         with _dcp_call(process_group) as no_dist:
             metadata = dcp_save(
-                tensors,
-                storage_writer=writer,
-                planner=planner,
-                process_group=process_group,
-                no_dist=no_dist,
+                tensors, storage_writer=writer, planner=planner, **_group(process_group, no_dist)
             )
     except CheckpointException as e:
         failure = _agreed_error(e, writer.error)
@@ -287,11 +288,7 @@ def load_sharded(
     try:
         with _dcp_call(process_group) as no_dist:
             dcp_load(
-                targets,
-                storage_reader=reader,
-                planner=planner,
-                process_group=process_group,
-                no_dist=no_dist,
+                targets, storage_reader=reader, planner=planner, **_group(process_group, no_dist)
             )
     except CheckpointException as e:
         failure = _agreed_error(e, reader.error)

@@ -43,6 +43,7 @@ from torchsupervisor.checkpoint.format import (
     _canonical,
     dtype_from_code,
     dtype_to_code,
+    pretty_json,
 )
 
 __all__ = [
@@ -165,7 +166,7 @@ class ShardedManifest(Manifest):
             }
             body["tree"] = tree
         body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
-        return _pretty(body).encode("utf-8")
+        return pretty_json(body, _EXPANDED).encode("utf-8")
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ShardedManifest:
@@ -246,23 +247,3 @@ def _check_chunk(
 
 
 _EXPANDED = ("shards", "tensors", SHARDED_TENSORS_KEY)
-
-
-def _pretty(body: dict[str, Any]) -> str:
-    """One line per top-level field, per shard, per tensor and per sharded tensor."""
-
-    def dump(value: Any) -> str:
-        return json.dumps(value, allow_nan=False)
-
-    lines = []
-    for key, value in body.items():
-        if key in _EXPANDED and value:
-            if isinstance(value, dict):
-                items = [f"  {dump(k)}: {dump(v)}" for k, v in value.items()]
-                lines.append(f" {dump(key)}: {{\n" + ",\n".join(items) + "\n }")
-            else:
-                items = [f"  {dump(v)}" for v in value]
-                lines.append(f" {dump(key)}: [\n" + ",\n".join(items) + "\n ]")
-        else:
-            lines.append(f" {dump(key)}: {dump(value)}")
-    return "{\n" + ",\n".join(lines) + "\n}\n"

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchsupervisor.core.state import TensorRef, check_saveable
+from torchsupervisor.core.state import TensorRef, check_saveable, not_saveable, state_entries
 
 __all__ = ["ShardedOptimizerState", "flatten_sharded_state", "is_sharded"]
 
@@ -213,15 +213,7 @@ def flatten_sharded_state(
         state_dict = getattr(obj, "state_dict", None)
         if callable(state_dict):
             return walk(state_dict(), path)
-        raise TypeError(
-            f"Cannot save {path!r}: objects of type "
-            f"{type(obj).__module__}.{type(obj).__qualname__} have no state_dict() and are not "
-            "tensors, arrays, containers or plain values (checkpoints never use pickle)"
-        )
+        raise not_saveable(path, obj)
 
-    skeleton = {}
-    for key, value in state.items():
-        if not isinstance(key, str):
-            raise TypeError(f"State names must be str, got {type(key).__name__}: {key!r}")
-        skeleton[key] = walk(value, key)
+    skeleton = {key: walk(value, key) for key, value in state_entries(state)}
     return skeleton, tensors

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from torchsupervisor.errors import InvalidArgumentError
+
 __all__: list[str] = []
 
 
@@ -23,6 +25,10 @@ class _TFOptimizer(torch.optim.Optimizer):
     - ``_begin_step()``: read what the update needs once per step (e.g. the global step),
       after the sparse check and before any parameter changes.
     - ``_update(param, grad, state, group)``: update ``param`` (and ``state``) in place.
+
+    Every such optimizer takes parameters of any shape, a floating dtype and any device; the
+    update is computed elementwise in the parameter's dtype, and state tensors have the
+    parameter's shape, dtype and device.
     """
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], name: str) -> None:
@@ -112,3 +118,10 @@ class _TFOptimizer(torch.optim.Optimizer):
                         self.state[param] = state
                 self._update(param, grad, state, group)
         return loss
+
+
+def check_l1_l2(group: dict[str, Any]) -> None:
+    """Raise TF's ``InvalidArgumentError`` for a negative L1 or L2 regularization strength."""
+    for key in ("l1_regularization_strength", "l2_regularization_strength"):
+        if group[key] < 0.0:
+            raise InvalidArgumentError(f"{key} {group[key]:f} needs to be positive or zero")

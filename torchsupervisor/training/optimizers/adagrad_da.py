@@ -10,9 +10,8 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.core.global_step import GlobalStep, read_step
-from torchsupervisor.errors import InvalidArgumentError
-from torchsupervisor.training.optimizers._base import _TFOptimizer
+from torchsupervisor.core.global_step import check_step_source, read_step
+from torchsupervisor.training.optimizers._base import _TFOptimizer, check_l1_l2
 
 __all__ = ["AdagradDAOptimizer"]
 
@@ -57,9 +56,7 @@ class AdagradDAOptimizer(_TFOptimizer):
     ``step()`` raises ``RuntimeError`` for a sparse gradient, before updating any parameter;
     parameters without a gradient are skipped. The accumulators are in ``state_dict()``; the
     global step is saved where it lives (the state's ``GlobalStep``).
-    Parameters may have any shape, a floating dtype and any device; the update is computed
-    elementwise in the parameter's dtype, and state tensors have the parameter's shape, dtype
-    and device.
+    Parameters, dtypes and devices: as every optimizer of ``training/optimizers/``.
 
     Thread safety: like any ``torch.optim`` optimizer, use from one thread.
 
@@ -89,12 +86,7 @@ class AdagradDAOptimizer(_TFOptimizer):
         self._check_options(defaults)  # the options' errors come before global_step's
         if global_step is None:
             raise ValueError("AdagradDAOptimizer needs global_step (a GlobalStep or a tensor)")
-        if not isinstance(global_step, GlobalStep | torch.Tensor):
-            raise TypeError(
-                "global_step must be a GlobalStep or an integer scalar tensor, got "
-                f"{type(global_step).__name__}: {global_step!r}"
-            )
-        read_step(global_step)  # TypeError for a tensor that is not an integer scalar.
+        check_step_source(global_step)
         self.global_step = global_step
         self._t = 1.0  # global_step + 1, read by _begin_step() at every step()
         super().__init__(params, defaults, name)
@@ -106,9 +98,7 @@ class AdagradDAOptimizer(_TFOptimizer):
             raise ValueError(
                 f"initial_gradient_squared_accumulator_value must be positive: {value}"
             )
-        for key in ("l1_regularization_strength", "l2_regularization_strength"):
-            if group[key] < 0.0:
-                raise InvalidArgumentError(f"{key} {group[key]:f} needs to be positive or zero")
+        check_l1_l2(group)
 
     def _initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         value = group["initial_gradient_squared_accumulator_value"]

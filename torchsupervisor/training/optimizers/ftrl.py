@@ -60,9 +60,7 @@ class FtrlOptimizer(_TFOptimizer):
     ``step()`` raises ``RuntimeError`` for a sparse gradient, before updating any parameter.
     Parameters without a gradient are skipped. The state (``accum``, ``linear`` per parameter)
     is in ``state_dict()``.
-    Parameters may have any shape, a floating dtype and any device; the update is computed
-    elementwise in the parameter's dtype, and state tensors have the parameter's shape, dtype
-    and device.
+    Parameters, dtypes and devices: as every optimizer of ``training/optimizers/``.
 
     Thread safety: like any ``torch.optim`` optimizer, use from one thread.
 

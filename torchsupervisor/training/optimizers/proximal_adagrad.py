@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.errors import InvalidArgumentError
-from torchsupervisor.training.optimizers._base import _TFOptimizer
+from torchsupervisor.training.optimizers._base import _TFOptimizer, check_l1_l2
 
 __all__ = ["ProximalAdagradOptimizer"]
 
@@ -49,9 +48,7 @@ class ProximalAdagradOptimizer(_TFOptimizer):
 
     ``step()`` raises ``RuntimeError`` for a sparse gradient, before updating any parameter;
     parameters without a gradient are skipped. The accumulators are in ``state_dict()``.
-    Parameters may have any shape, a floating dtype and any device; the update is computed
-    elementwise in the parameter's dtype, and state tensors have the parameter's shape, dtype
-    and device.
+    Parameters, dtypes and devices: as every optimizer of ``training/optimizers/``.
 
     Thread safety: like any ``torch.optim`` optimizer, use from one thread.
 
@@ -83,9 +80,7 @@ class ProximalAdagradOptimizer(_TFOptimizer):
             raise ValueError(
                 f"initial_accumulator_value must be positive: {group['initial_accumulator_value']}"
             )
-        for key in ("l1_regularization_strength", "l2_regularization_strength"):
-            if group[key] < 0.0:
-                raise InvalidArgumentError(f"{key} {group[key]:f} needs to be positive or zero")
+        check_l1_l2(group)
 
     def _initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         value = group["initial_accumulator_value"]

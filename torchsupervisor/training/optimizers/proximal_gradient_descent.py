@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.errors import InvalidArgumentError
-from torchsupervisor.training.optimizers._base import _TFOptimizer
+from torchsupervisor.training.optimizers._base import _TFOptimizer, check_l1_l2
 
 __all__ = ["ProximalGradientDescentOptimizer"]
 
@@ -42,9 +41,7 @@ class ProximalGradientDescentOptimizer(_TFOptimizer):
 
     ``step()`` raises ``RuntimeError`` for a sparse gradient, before updating any parameter;
     parameters without a gradient are skipped. The optimizer keeps no per-parameter state.
-    Parameters may have any shape, a floating dtype and any device; the update is computed
-    elementwise in the parameter's dtype, and state tensors have the parameter's shape, dtype
-    and device.
+    Parameters, dtypes and devices: as every optimizer of ``training/optimizers/``.
 
     Thread safety: like any ``torch.optim`` optimizer, use from one thread.
 
@@ -70,9 +67,7 @@ class ProximalGradientDescentOptimizer(_TFOptimizer):
 
     @staticmethod
     def _check_options(group: dict[str, Any]) -> None:
-        for key in ("l1_regularization_strength", "l2_regularization_strength"):
-            if group[key] < 0.0:
-                raise InvalidArgumentError(f"{key} {group[key]:f} needs to be positive or zero")
+        check_l1_l2(group)
 
     def _update(
         self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]

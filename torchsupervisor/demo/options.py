@@ -1,0 +1,74 @@
+"""The command-line options every demo has (each demo adds its own and its defaults)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["DEFAULTS", "Defaults", "add_common_arguments", "run_main"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """The defaults of a demo's common options."""
+
+    logdir: str
+    max_steps: int
+    save_model_secs: float
+    save_summaries_secs: float
+    batch_size: int
+    learning_rate: float
+    log_every: int
+
+
+DEFAULTS = {
+    "digits": Defaults("runs/digits", 3000, 10.0, 5.0, 64, 2e-3, 250),
+    "charlm": Defaults("runs/charlm", 1200, 30.0, 10.0, 32, 1e-3, 100),
+}
+"""Each demo's defaults (``logdir``, ``max_steps``, save intervals, batch, rate, log)."""
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, demo: str) -> None:
+    """Add ``--logdir``, ``--max-steps``, the save intervals, the batch size, the learning rate,
+    ``--seed``, ``--log-every`` and ``--step-delay-secs`` with ``DEFAULTS[demo]``."""
+    d = DEFAULTS[demo]
+    logdir, max_steps, log_every = d.logdir, d.max_steps, d.log_every
+    save_model_secs, save_summaries_secs = d.save_model_secs, d.save_summaries_secs
+    batch_size, learning_rate = d.batch_size, d.learning_rate
+    parser.add_argument("--logdir", default=logdir, help="checkpoints and events")
+    parser.add_argument("--max-steps", type=int, default=max_steps, help="train up to this step")
+    parser.add_argument("--save-model-secs", type=float, default=save_model_secs)
+    parser.add_argument("--save-summaries-secs", type=float, default=save_summaries_secs)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--learning-rate", type=float, default=learning_rate)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of random, numpy, torch and the data order"
+    )
+    parser.add_argument(
+        "--log-every", type=int, default=log_every, help="progress line every N steps"
+    )
+    parser.add_argument(
+        "--step-delay-secs",
+        type=float,
+        default=0.0,
+        help="sleep this long in every step (to watch a slow run, or stop it mid-way)",
+    )
+
+
+def run_main(
+    prog: str,
+    description: str | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], Any],
+    argv: list[str] | None,
+) -> int:
+    """Parse ``argv`` with the demo's options, set up logging, run it; return 0."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    run(args)
+    return 0
