@@ -151,8 +151,24 @@ def _rebuild(cls: type[OpError], node_def: Any, op: Any, message: str, code: int
     return err
 
 
+_CODE_TO_TYPE: dict[int, type[OpError]] = {}
+
+
 class _CodedError(OpError):
-    """An ``OpError`` with a fixed code: TF's constructor ``(node_def, op, message)``."""
+    """An ``OpError`` with a fixed code: TF's constructor ``(node_def, op, message)``.
+
+    A subclass names its code in the class statement, ``class X(_CodedError, code=N)``;
+    that registers it for ``exception_type_from_error_code`` and ends its docstring
+    with its TF name. Subclasses of those (ours, not TF's) keep their parent's code.
+    """
+
+    def __init_subclass__(cls, code: int | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is None:  # a subclass of a coded error keeps its parent's code
+            return
+        cls._default_code = code
+        _CODE_TO_TYPE[code] = cls
+        cls.__doc__ = f"{cls.__doc__}\n\nTF name: ``tf.errors.{cls.__name__}`` (error code {code})."
 
     def __init__(
         self, node_def: Any = None, op: Any = None, message: str | None = None, *args: Any
@@ -160,168 +176,68 @@ class _CodedError(OpError):
         OpError.__init__(self, node_def, op, message, self._default_code, *args)
 
 
-class CancelledError(_CodedError):
-    """An operation or step was cancelled.
+class CancelledError(_CodedError, code=CANCELLED):
+    """An operation or step was cancelled."""
 
-    TF name: ``tf.errors.CancelledError`` (error code 1).
-    """
 
-    _default_code = CANCELLED
+class UnknownError(_CodedError, code=UNKNOWN):
+    """An unknown error."""
 
 
-class UnknownError(_CodedError):
-    """An unknown error.
+class InvalidArgumentError(_CodedError, ValueError, code=INVALID_ARGUMENT):
+    """An operation received an invalid argument."""
 
-    TF name: ``tf.errors.UnknownError`` (error code 2).
-    """
 
-    _default_code = UNKNOWN
+class DeadlineExceededError(_CodedError, code=DEADLINE_EXCEEDED):
+    """A deadline expired before the operation finished."""
 
 
-class InvalidArgumentError(_CodedError, ValueError):
-    """An operation received an invalid argument.
+class NotFoundError(_CodedError, LookupError, code=NOT_FOUND):
+    """A requested entity (a file, a key) was not found."""
 
-    TF name: ``tf.errors.InvalidArgumentError`` (error code 3).
-    """
 
-    _default_code = INVALID_ARGUMENT
+class AlreadyExistsError(_CodedError, code=ALREADY_EXISTS):
+    """An entity that we attempted to create already exists."""
 
 
-class DeadlineExceededError(_CodedError):
-    """A deadline expired before the operation finished.
+class PermissionDeniedError(_CodedError, code=PERMISSION_DENIED):
+    """The caller lacks permission for the operation."""
 
-    TF name: ``tf.errors.DeadlineExceededError`` (error code 4).
-    """
 
-    _default_code = DEADLINE_EXCEEDED
+class ResourceExhaustedError(_CodedError, code=RESOURCE_EXHAUSTED):
+    """Some resource (memory, disk) is exhausted."""
 
 
-class NotFoundError(_CodedError, LookupError):
-    """A requested entity (a file, a key) was not found.
+class FailedPreconditionError(_CodedError, code=FAILED_PRECONDITION):
+    """The system is not in a state to execute the operation (e.g. an uninitialized variable)."""
 
-    TF name: ``tf.errors.NotFoundError`` (error code 5).
-    """
 
-    _default_code = NOT_FOUND
+class AbortedError(_CodedError, code=ABORTED):
+    """The operation was aborted; recoverable by creating a new session."""
 
 
-class AlreadyExistsError(_CodedError):
-    """An entity that we attempted to create already exists.
+class OutOfRangeError(_CodedError, code=OUT_OF_RANGE):
+    """An input was exhausted (end of a queue or of a dataset)."""
 
-    TF name: ``tf.errors.AlreadyExistsError`` (error code 6).
-    """
 
-    _default_code = ALREADY_EXISTS
+class UnimplementedError(_CodedError, NotImplementedError, code=UNIMPLEMENTED):
+    """The operation is not implemented."""
 
 
-class PermissionDeniedError(_CodedError):
-    """The caller lacks permission for the operation.
+class InternalError(_CodedError, code=INTERNAL):
+    """An internal invariant was broken."""
 
-    TF name: ``tf.errors.PermissionDeniedError`` (error code 7).
-    """
 
-    _default_code = PERMISSION_DENIED
+class UnavailableError(_CodedError, code=UNAVAILABLE):
+    """The service is unavailable; recoverable by retrying."""
 
 
-class ResourceExhaustedError(_CodedError):
-    """Some resource (memory, disk) is exhausted.
+class DataLossError(_CodedError, code=DATA_LOSS):
+    """Unrecoverable data loss or corruption (e.g. a bad checksum)."""
 
-    TF name: ``tf.errors.ResourceExhaustedError`` (error code 8).
-    """
 
-    _default_code = RESOURCE_EXHAUSTED
-
-
-class FailedPreconditionError(_CodedError):
-    """The system is not in a state to execute the operation (e.g. an uninitialized variable).
-
-    TF name: ``tf.errors.FailedPreconditionError`` (error code 9).
-    """
-
-    _default_code = FAILED_PRECONDITION
-
-
-class AbortedError(_CodedError):
-    """The operation was aborted; recoverable by creating a new session.
-
-    TF name: ``tf.errors.AbortedError`` (error code 10).
-    """
-
-    _default_code = ABORTED
-
-
-class OutOfRangeError(_CodedError):
-    """An input was exhausted (end of a queue or of a dataset).
-
-    TF name: ``tf.errors.OutOfRangeError`` (error code 11).
-    """
-
-    _default_code = OUT_OF_RANGE
-
-
-class UnimplementedError(_CodedError, NotImplementedError):
-    """The operation is not implemented.
-
-    TF name: ``tf.errors.UnimplementedError`` (error code 12).
-    """
-
-    _default_code = UNIMPLEMENTED
-
-
-class InternalError(_CodedError):
-    """An internal invariant was broken.
-
-    TF name: ``tf.errors.InternalError`` (error code 13).
-    """
-
-    _default_code = INTERNAL
-
-
-class UnavailableError(_CodedError):
-    """The service is unavailable; recoverable by retrying.
-
-    TF name: ``tf.errors.UnavailableError`` (error code 14).
-    """
-
-    _default_code = UNAVAILABLE
-
-
-class DataLossError(_CodedError):
-    """Unrecoverable data loss or corruption (e.g. a bad checksum).
-
-    TF name: ``tf.errors.DataLossError`` (error code 15).
-    """
-
-    _default_code = DATA_LOSS
-
-
-class UnauthenticatedError(_CodedError):
-    """The request lacks valid authentication.
-
-    TF name: ``tf.errors.UnauthenticatedError`` (error code 16).
-    """
-
-    _default_code = UNAUTHENTICATED
-
-
-_CODE_TO_TYPE: dict[int, type[OpError]] = {
-    CANCELLED: CancelledError,
-    UNKNOWN: UnknownError,
-    INVALID_ARGUMENT: InvalidArgumentError,
-    DEADLINE_EXCEEDED: DeadlineExceededError,
-    NOT_FOUND: NotFoundError,
-    ALREADY_EXISTS: AlreadyExistsError,
-    PERMISSION_DENIED: PermissionDeniedError,
-    RESOURCE_EXHAUSTED: ResourceExhaustedError,
-    FAILED_PRECONDITION: FailedPreconditionError,
-    ABORTED: AbortedError,
-    OUT_OF_RANGE: OutOfRangeError,
-    UNIMPLEMENTED: UnimplementedError,
-    INTERNAL: InternalError,
-    UNAVAILABLE: UnavailableError,
-    DATA_LOSS: DataLossError,
-    UNAUTHENTICATED: UnauthenticatedError,
-}
+class UnauthenticatedError(_CodedError, code=UNAUTHENTICATED):
+    """The request lacks valid authentication."""
 
 
 def exception_type_from_error_code(error_code: int) -> type[OpError]:

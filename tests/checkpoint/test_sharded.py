@@ -1,47 +1,141 @@
 """Sharded checkpoints of an FSDP2 model (CPU, gloo): every rank writes its part; any world
-size restores; damage and write failures reach every rank and commit nothing."""
+size restores; damage and write failures reach every rank and commit nothing.
+
+The ranks are real processes of a real process group (``testing.run_world``); each runs one of
+the ``*_rank`` functions below and returns what it saw."""
 
 from __future__ import annotations
 
+import errno
 import os
-import subprocess
-import sys
 
 import pytest
 import safetensors.torch
 import torch
-from repo_paths import worker
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from torchsupervisor import CheckpointReader, get_checkpoint_state
+from torchsupervisor.checkpoint.sharded.collective import load_sharded, save_sharded
+from torchsupervisor.checkpoint.sharded.plan import (
+    ShardedOptimizerState,
+    flatten_sharded_state,
+    is_sharded,
+)
 from torchsupervisor.errors import CorruptCheckpointError
+from torchsupervisor.testing import FaultyStorage, run_world
 
-WORKER = worker("sharded_worker.py")
+PREFIX = "model.ckpt-3"
+REFERENCE = "reference.safetensors"
 
-
-def _run(scenario: str, directory, world_size: int, arg: str | None = None) -> list[str]:
-    """Run ``world_size`` ranks of the worker; return each rank's stdout (all must exit 0)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    extra = [] if arg is None else [arg]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, scenario, str(directory), str(rank), str(world_size), *extra],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    outputs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err
-        outputs.append(out)
-    return outputs
+# ---------------------------------------------------------------- what each rank runs
 
 
-def _lines(out: str, kind: str) -> list[list[str]]:
-    return [line.split(" ", 3) for line in out.splitlines() if line.startswith(kind + " ")]
+def _build(seed: int, world_size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3), torch.nn.Tanh()
+    )
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01 if seed == 0 else 0.5)
+    return model, optimizer
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    generator = torch.Generator().manual_seed(100 + step)
+    model(torch.randn(8, 6, generator=generator)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
+    return {
+        "model": model,
+        "optimizer": ShardedOptimizerState(model, optimizer),
+        "global_step": step,
+        "extra": {"tag": "run-a" if step else "", "blob": b"\x00\xff" if step else b""},
+    }
+
+
+def _full_tensors(state: dict) -> dict[str, torch.Tensor]:
+    _, tensors = flatten_sharded_state(state)
+    out = {}
+    for name in sorted(tensors):  # The same order on every rank: full_tensor is a collective.
+        tensor = tensors[name]
+        out[name] = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return {name: t.contiguous().clone() for name, t in out.items()}
+
+
+def _created(storage: FaultyStorage) -> list[str]:
+    return [os.path.basename(path).split(".tmp")[0] for path in storage.operations("open")]
+
+
+def save_rank(rank: int, world_size: int, directory: str) -> tuple[list[str], bool]:
+    """Train 3 steps and save; rank 0 also writes every full tensor to ``REFERENCE``.
+
+    Returns the files this rank created, and whether the state was sharded."""
+    model, optimizer = _build(0, world_size)
+    for step in range(3):
+        _train_step(model, optimizer, step)
+    state = _state(model, optimizer, 3)
+    storage = FaultyStorage()
+    save_sharded(state, os.path.join(directory, PREFIX), global_step=3, storage=storage)
+    reference = _full_tensors(state)
+    if rank == 0:
+        safetensors.torch.save_file(reference, os.path.join(directory, REFERENCE))
+    return _created(storage), is_sharded(state)
+
+
+def load_rank(rank: int, world_size: int, directory: str) -> tuple[int, int]:
+    """Restore into other values and compare every full tensor with ``REFERENCE``.
+
+    Returns the number of tensors compared and the manifest's step."""
+    model, optimizer = _build(1, world_size)
+    state = _state(model, optimizer, 0)
+    manifest = load_sharded(state, os.path.join(directory, PREFIX))
+    restored = _full_tensors(state)
+    reference = safetensors.torch.load_file(os.path.join(directory, REFERENCE))
+    assert sorted(restored) == sorted(reference), (sorted(restored), sorted(reference))
+    for name, tensor in reference.items():
+        assert torch.equal(restored[name], tensor), name
+    assert state["global_step"] == 3 and state["extra"] == {"tag": "run-a", "blob": b"\x00\xff"}
+    assert optimizer.param_groups[0]["lr"] == 0.01
+    _train_step(model, optimizer, 3)  # The restored optimizer state works.
+    return len(reference), manifest.global_step
+
+
+def load_error_rank(rank: int, world_size: int, directory: str) -> tuple[str, str, str]:
+    """Restore a damaged checkpoint: the error's type, the path it names, and ``own`` or
+    ``copy`` (another rank's error, sent to this one)."""
+    model, optimizer = _build(1, world_size)
+    with pytest.raises(Exception) as caught:
+        load_sharded(_state(model, optimizer, 0), os.path.join(directory, PREFIX))
+    error = caught.value
+    origin = "copy" if getattr(error, "__notes__", None) else "own"
+    return type(error).__name__, str(getattr(error, "path", None)), origin
+
+
+def save_fail_rank(
+    rank: int, world_size: int, directory: str, operation: str, path_contains: str, on_rank: int
+) -> tuple[str, str, list[str]]:
+    """Save with ``operation`` on ``path_contains`` failing on rank ``on_rank`` (the error's
+    type and message, and the files this rank created)."""
+    model, optimizer = _build(0, world_size)
+    _train_step(model, optimizer, 0)
+    storage = FaultyStorage()
+    code = errno.ENOSPC if operation == "write" else errno.EIO
+    storage.fail(operation, path_contains=path_contains, errno=code, rank=on_rank)
+    with pytest.raises(Exception) as caught:
+        save_sharded(_state(model, optimizer, 3), os.path.join(directory, PREFIX), storage=storage)
+    return type(caught.value).__name__, str(caught.value), _created(storage)
+
+
+# ----------------------------------------------------------------------------- the tests
 
 
 def _files(directory) -> set[str]:
@@ -52,20 +146,19 @@ def _files(directory) -> set[str]:
 def saved_by_two(tmp_path_factory):
     """A checkpoint of an FSDP2 model + Adam state saved by 2 ranks, with its full values."""
     directory = tmp_path_factory.mktemp("sharded2")
-    outputs = _run("save", directory, 2)
-    return directory, outputs
+    return directory, run_world(save_rank, str(directory))
 
 
 def test_each_rank_writes_its_own_shard_and_the_coordinator_commits(saved_by_two):
-    directory, outputs = saved_by_two
-    created = [[line[1] for line in _lines(out, "CREATED")] for out in outputs]
-    assert [name.split(".tmp")[0] for name in created[0]] == [
+    directory, results = saved_by_two
+    (created0, sharded0), (created1, sharded1) = results
+    assert created0 == [
         "model.ckpt-3.data-00000-of-00002",
         "model.ckpt-3.index",  # The coordinator writes the manifest last ...
         "checkpoint",  # ... then the state file.
     ]
-    assert [name.split(".tmp")[0] for name in created[1]] == ["model.ckpt-3.data-00001-of-00002"]
-    assert all(_lines(out, "SAVED") == [["SAVED", "True"]] for out in outputs)
+    assert created1 == ["model.ckpt-3.data-00001-of-00002"]
+    assert sharded0 and sharded1
     assert _files(directory) == {
         "model.ckpt-3.data-00000-of-00002",
         "model.ckpt-3.data-00001-of-00002",
@@ -73,13 +166,13 @@ def test_each_rank_writes_its_own_shard_and_the_coordinator_commits(saved_by_two
         "checkpoint",
     }
     state = get_checkpoint_state(str(directory))
-    assert state.model_checkpoint_path == str(directory / "model.ckpt-3")
+    assert state.model_checkpoint_path == str(directory / PREFIX)
 
 
 def test_one_process_reads_the_whole_tensors_and_every_chunk_verifies(saved_by_two):
     directory, _ = saved_by_two
-    reference = safetensors.torch.load_file(str(directory / "reference.safetensors"))
-    reader = CheckpointReader(str(directory / "model.ckpt-3"))
+    reference = safetensors.torch.load_file(str(directory / REFERENCE))
+    reader = CheckpointReader(str(directory / PREFIX))
     assert reader.manifest.global_step == 3
     shapes = reader.get_variable_to_shape_map()
     for name, tensor in reference.items():
@@ -100,25 +193,21 @@ def test_one_process_reads_the_whole_tensors_and_every_chunk_verifies(saved_by_t
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_restores_with_the_same_or_another_world_size(saved_by_two, world_size):
     directory, _ = saved_by_two
-    outputs = _run("load", directory, world_size)
-    for out in outputs:
-        (match,) = _lines(out, "MATCH")
-        assert match[2] == "3"  # The step in the manifest.
-        assert int(match[1]) >= 10  # Parameters and Adam moments, all compared bitwise.
+    for compared, step in run_world(load_rank, str(directory), world_size=world_size):
+        assert step == 3  # The step in the manifest.
+        assert compared >= 10  # Parameters and Adam moments, all compared bitwise.
 
 
 def test_saved_by_one_rank_restores_on_two(tmp_path):
-    _run("save", tmp_path, 1)
+    run_world(save_rank, str(tmp_path), world_size=1)
     assert _files(tmp_path) >= {"model.ckpt-3.data-00000-of-00001", "model.ckpt-3.index"}
-    outputs = _run("load", tmp_path, 2)
-    assert all(_lines(out, "MATCH") for out in outputs)
+    assert len(run_world(load_rank, str(tmp_path))) == 2
 
 
 def _copy_checkpoint(source, target) -> None:
     for name in os.listdir(source):
-        if name.startswith("model.ckpt") or name in ("checkpoint", "reference.safetensors"):
-            with open(source / name, "rb") as f, open(target / name, "wb") as g:
-                g.write(f.read())
+        if name.startswith("model.ckpt") or name in ("checkpoint", REFERENCE):
+            (target / name).write_bytes((source / name).read_bytes())
 
 
 @pytest.mark.parametrize("where", ["payload", "header"])
@@ -134,42 +223,41 @@ def test_a_flipped_bit_in_one_rank_shard_fails_the_restore_on_every_rank(
     with pytest.raises(
         CorruptCheckpointError, match="header damaged" if where == "header" else "checksum mismatch"
     ):
-        CheckpointReader(str(tmp_path / "model.ckpt-3")).read_tensors()
-    outputs = _run("load-error", tmp_path, 2)
-    errors = [_lines(out, "ERROR")[0] for out in outputs]
-    assert {e[1] for e in errors} == {"CorruptCheckpointError"}
-    assert all(e[2] == str(shard) for e in errors), errors  # Names the file.
+        CheckpointReader(str(tmp_path / PREFIX)).read_tensors()
+    errors = run_world(load_error_rank, str(tmp_path))
+    assert {kind for kind, _, _ in errors} == {"CorruptCheckpointError"}
+    assert all(path == str(shard) for _, path, _ in errors), errors  # Names the file.
     # The rank that read the damaged chunk raises its own error; a rank that read only sound
     # chunks raises a copy of it (not a hang, not a partial load).
-    assert "own" in {e[3] for e in errors} and {e[3] for e in errors} <= {"own", "copy"}
+    origins = {origin for _, _, origin in errors}
+    assert "own" in origins and origins <= {"own", "copy"}
 
 
 def test_a_missing_shard_fails_the_restore_on_every_rank(saved_by_two, tmp_path):
     directory, _ = saved_by_two
     _copy_checkpoint(directory, tmp_path)
     os.remove(tmp_path / "model.ckpt-3.data-00000-of-00002")
-    outputs = _run("load-error", tmp_path, 2)
-    errors = [_lines(out, "ERROR")[0] for out in outputs]
-    assert {e[1] for e in errors} == {"CorruptCheckpointError"}, errors
+    errors = run_world(load_error_rank, str(tmp_path))
+    assert {kind for kind, _, _ in errors} == {"CorruptCheckpointError"}, errors
 
 
-@pytest.mark.parametrize("failing_rank", ["0", "1"])
+@pytest.mark.parametrize("failing_rank", [0, 1])
 def test_a_disk_full_on_one_rank_fails_the_save_everywhere_and_leaves_nothing(
     tmp_path, failing_rank
 ):
-    outputs = _run("save-fail", tmp_path, 2, failing_rank)
-    for out in outputs:
-        (error,) = [line.split(" ", 2) for line in out.splitlines() if line.startswith("ERROR")]
-        assert error[1] == "CheckpointSaveError", error
+    results = run_world(save_fail_rank, str(tmp_path), "write", ".data-", failing_rank)
+    for kind, message, _ in results:
+        assert kind == "CheckpointSaveError", message
         # Every rank names the rank that failed and why.
-        assert f"failed on rank {failing_rank}: [Errno 28] No space left" in error[2], error
+        assert f"failed on rank {failing_rank}: [Errno 28] No space left" in message, message
     assert _files(tmp_path) == set()  # No shard, no temporary, no index, no state file.
 
 
 def test_a_failed_manifest_write_commits_nothing(tmp_path):
-    outputs = _run("index-fail", tmp_path, 2)
-    for out in outputs:
-        (error,) = [line.split(" ", 2) for line in out.splitlines() if line.startswith("ERROR")]
-        assert error[1] == "CheckpointSaveError", error
-        assert "Input/output error" in error[2] and ".index" in error[2], error
+    results = run_world(save_fail_rank, str(tmp_path), "open", ".index.tmp", 0)
+    for kind, message, _ in results:
+        assert kind == "CheckpointSaveError", message
+        assert "Input/output error" in message and ".index" in message, message
+    (_, _, created0), _ = results
+    assert "checkpoint" not in created0  # The state file is never touched.
     assert _files(tmp_path) == set()

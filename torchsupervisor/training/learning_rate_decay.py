@@ -110,36 +110,46 @@ def _ieee(fn: Callable[[], Any]) -> float:
 # ------------------------------------------------------------------------------- schedules
 
 
-def _periods(
-    fn: str,
-    learning_rate: Any,
-    global_step: Any,
-    decay_steps: Any,
-    decay_rate: Any,
-    staircase: bool,
-) -> tuple[np.float64, np.float64, np.float64]:
-    """The checked ``(learning_rate, decay_rate, global_step / decay_steps)`` of a decay.
+_Curve = Callable[[np.float64, np.float64, np.float64], Any]
 
-    With ``staircase`` the ratio is floored. Errors name ``fn``.
+
+def _period_decay(curve: _Curve) -> Callable[..., float]:
+    """Make a TF decay function of ``curve(learning_rate, decay_rate, periods)``.
+
+    The result has TF's arguments ``(learning_rate, global_step, decay_steps, decay_rate,
+    staircase=False, name=None)`` and ``curve``'s name and docstring. ``periods`` is
+    ``global_step / decay_steps``, floored with ``staircase``; the arguments are checked
+    first, and the errors name the function.
     """
-    step = _global_step(global_step, fn)
-    lr = _number(learning_rate, "learning_rate")
-    steps = _decay_steps(decay_steps, fn)
-    rate = _number(decay_rate, "decay_rate")
-    p = step / steps
-    if staircase:
-        p = math.floor(p)
-    return np.float64(lr), np.float64(rate), np.float64(p)
+
+    def decay(
+        learning_rate: Any,
+        global_step: Any,
+        decay_steps: Any,
+        decay_rate: Any,
+        staircase: bool = False,
+        name: str | None = None,
+    ) -> float:
+        del name
+        fn = curve.__name__
+        step = _global_step(global_step, fn)
+        lr = _number(learning_rate, "learning_rate")
+        steps = _decay_steps(decay_steps, fn)
+        rate = _number(decay_rate, "decay_rate")
+        periods = step / steps
+        if staircase:
+            periods = math.floor(periods)
+        return _ieee(lambda: curve(np.float64(lr), np.float64(rate), np.float64(periods)))
+
+    decay.__name__ = curve.__name__
+    decay.__qualname__ = curve.__qualname__
+    decay.__doc__ = curve.__doc__
+    decay.__module__ = curve.__module__
+    return decay
 
 
-def exponential_decay(
-    learning_rate: Any,
-    global_step: Any,
-    decay_steps: Any,
-    decay_rate: Any,
-    staircase: bool = False,
-    name: str | None = None,
-) -> float:
+@_period_decay
+def exponential_decay(lr: np.float64, rate: np.float64, periods: np.float64) -> Any:
     """Return the learning rate decayed exponentially at ``global_step``.
 
     ``learning_rate * decay_rate ** (global_step / decay_steps)``; with ``staircase`` the
@@ -165,21 +175,11 @@ def exponential_decay(
 
     TF name: ``tf.compat.v1.train.exponential_decay``.
     """
-    del name
-    lr, rate, p = _periods(
-        "exponential_decay", learning_rate, global_step, decay_steps, decay_rate, staircase
-    )
-    return _ieee(lambda: lr * np.power(rate, p))
+    return lr * np.power(rate, periods)
 
 
-def inverse_time_decay(
-    learning_rate: Any,
-    global_step: Any,
-    decay_steps: Any,
-    decay_rate: Any,
-    staircase: bool = False,
-    name: str | None = None,
-) -> float:
+@_period_decay
+def inverse_time_decay(lr: np.float64, rate: np.float64, periods: np.float64) -> Any:
     """Return the learning rate decayed as ``1 / t`` at ``global_step`` (a float).
 
     ``learning_rate / (1 + decay_rate * global_step / decay_steps)``; with ``staircase`` the
@@ -188,21 +188,11 @@ def inverse_time_decay(
 
     TF name: ``tf.compat.v1.train.inverse_time_decay``.
     """
-    del name
-    lr, rate, p = _periods(
-        "inverse_time_decay", learning_rate, global_step, decay_steps, decay_rate, staircase
-    )
-    return _ieee(lambda: lr / (1.0 + rate * p))
+    return lr / (1.0 + rate * periods)
 
 
-def natural_exp_decay(
-    learning_rate: Any,
-    global_step: Any,
-    decay_steps: Any,
-    decay_rate: Any,
-    staircase: bool = False,
-    name: str | None = None,
-) -> float:
+@_period_decay
+def natural_exp_decay(lr: np.float64, rate: np.float64, periods: np.float64) -> Any:
     """Return the learning rate decayed as ``exp(-k t)`` at ``global_step`` (a float).
 
     ``learning_rate * exp(-decay_rate * global_step / decay_steps)``; with ``staircase`` the
@@ -211,11 +201,7 @@ def natural_exp_decay(
 
     TF name: ``tf.compat.v1.train.natural_exp_decay``.
     """
-    del name
-    lr, rate, p = _periods(
-        "natural_exp_decay", learning_rate, global_step, decay_steps, decay_rate, staircase
-    )
-    return _ieee(lambda: lr * np.exp(-rate * p))
+    return lr * np.exp(-rate * periods)
 
 
 def polynomial_decay(
