@@ -24,7 +24,7 @@ from torchsupervisor.core.state import MAX_STATE_DEPTH
 from torchsupervisor.core.tree import MAX_TREE_DEPTH
 from torchsupervisor.errors import CorruptCheckpointError
 
-FALLBACK_SECS = 10.0
+FALLBACK_SECS = 30.0  # "Quickly": a hang (a FIFO read, a huge header) would never end.
 
 
 def _three_checkpoints(logdir):

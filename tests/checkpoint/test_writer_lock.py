@@ -79,7 +79,7 @@ def test_a_second_writer_fails_at_once_naming_the_first(tmp_path):
         start = time.monotonic()
         with pytest.raises(LogdirLockedError) as caught, _supervisor(tmp_path).managed_session():
             pass
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 30  # No waiting for the lock (a busy machine: slack).
         error = caught.value
         assert isinstance(error, FailedPreconditionError)
         assert error.owner["pid"] == proc.pid and error.owner["host"] == socket.gethostname()

@@ -15,6 +15,7 @@ from torchsupervisor.core.global_step import GlobalStep, read_step
 from torchsupervisor.distributed.replicas import ReplicaAbort, ReplicaGroup
 from torchsupervisor.distributed.sharded_checkpoints import ShardedCheckpointService, _combine
 from torchsupervisor.errors import DeadlineExceededError
+from torchsupervisor.testing import FakeClock
 
 
 class FakeSession:
@@ -38,9 +39,12 @@ class RecordingSaver:
         return f"{save_path}-{step}"
 
 
-def _groups(world_size: int = 2) -> list[ReplicaGroup]:
+def _groups(world_size: int = 2, clock: FakeClock | None = None) -> list[ReplicaGroup]:
     store = dist.HashStore()
-    return [ReplicaGroup(1, store=store, rank=r, world_size=world_size) for r in range(world_size)]
+    return [
+        ReplicaGroup(1, store=store, rank=r, world_size=world_size, clock=clock)
+        for r in range(world_size)
+    ]
 
 
 def _service(group, *, step=0, restored=None, owner=None, **kwargs):
@@ -98,45 +102,61 @@ def test_a_rank_whose_last_checkpoint_is_at_that_step_makes_every_rank_skip():
     assert saver0.saved == saver1.saved == []
 
 
+# The waits below run on a fake clock: a timeout passes in no real time, and "at once" means
+# no fake time went by either (no wait for a vote that will not come).
+
+
 def test_a_veto_skips_the_final_checkpoint_at_once():
-    g0, g1 = _groups()
-    s0, saver0, *_ = _service(g0, step=3)
-    s1, saver1, *_ = _service(g1, step=3)
+    clock = FakeClock()
+    g0, g1 = _groups(clock=clock)
+    s0, saver0, *_ = _service(g0, step=3, clock=clock)
+    s1, saver1, *_ = _service(g1, step=3, clock=clock)
     s1.veto("its session ended with an error")
-    start = time.monotonic()
+    start = clock.monotonic()
     assert s0.final(timeout_secs=60) is None
-    assert time.monotonic() - start < 5
+    assert clock.monotonic() - start < 1
     assert saver0.saved == saver1.saved == []
 
 
 def test_a_rank_that_votes_after_the_deadline_follows_the_recorded_decision():
-    g0, g1 = _groups()
-    s0, saver0, *_ = _service(g0, step=3)
-    s1, saver1, *_ = _service(g1, step=3)
-    assert s0.final(timeout_secs=0.2) is None  # Rank 1 did not vote in time: skip.
-    start = time.monotonic()
+    clock = FakeClock()
+    g0, g1 = _groups(clock=clock)
+    s0, saver0, *_ = _service(g0, step=3, clock=clock)
+    s1, saver1, *_ = _service(g1, step=3, clock=clock)
+    start = clock.monotonic()
+    assert s0.final(timeout_secs=20) is None  # Rank 1 did not vote in time: skip.
+    assert 20 <= clock.monotonic() - start < 21  # It waited out its budget, no more.
+    start = clock.monotonic()
     assert s1.final(timeout_secs=60) is None  # Late: it must not save alone.
-    assert time.monotonic() - start < 5
+    assert clock.monotonic() - start < 1
     assert saver0.saved == saver1.saved == []
 
 
 def test_an_explicit_checkpoint_that_only_one_rank_asks_for_times_out():
-    s0, saver0, *_ = _service(_groups()[0], step=3, agreement_secs=0.2)
+    clock = FakeClock()
+    s0, saver0, *_ = _service(_groups(clock=clock)[0], step=3, agreement_secs=30, clock=clock)
+    start = clock.monotonic()
     with pytest.raises(DeadlineExceededError, match="not every rank called it at step 3"):
         s0.save_now()
+    assert 30 <= clock.monotonic() - start < 31
     assert saver0.saved == []
 
 
 def test_gather_names_the_ranks_that_did_not_answer_and_stops_on_an_abort_flag():
-    g0, g1, g2 = _groups(3)
+    clock = FakeClock()
+    g0, g1, g2 = _groups(3, clock=clock)
     g0.post("x", 1)
     g2.post("x", 3)
+    start = clock.monotonic()
     with pytest.raises(DeadlineExceededError, match=r"Agreeing: rank\(s\) \[1\] did not answer"):
-        g0.gather("x", 0.1, what="Agreeing")
+        g0.gather("x", 10, what="Agreeing")
+    assert 10 <= clock.monotonic() - start < 11
     g1.raise_flag("abort", "rank 1: broken")
     g2.raise_flag("abort", "rank 2: ignored, the first reason is kept")
+    start = clock.monotonic()
     with pytest.raises(ReplicaAbort, match="rank 1: broken"):
         g0.gather("y", 60, what="Agreeing", abort="abort")
+    assert clock.monotonic() - start < 1
     g1.post("x", 2)
     assert g2.gather("x", 1, what="Agreeing") == [1, 2, 3]
 

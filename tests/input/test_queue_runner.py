@@ -393,13 +393,20 @@ def test_queue_from_iterable_argument_errors():
 
 
 def test_a_restart_for_a_new_session_reopens_the_queue_and_loses_nothing():
-    queue = queue_from_iterable(range(10), capacity=2)
+    taken = []
+
+    def records():
+        for i in range(10):
+            taken.append(i)
+            yield i
+
+    queue = queue_from_iterable(records(), capacity=2)
     (runner,) = get_collection(GraphKeys.QUEUE_RUNNERS)
     coord = Coordinator()
     threads = runner.create_threads("first", coord=coord, start=True)
     assert queue.dequeue() == 0
-    wait_until(lambda: queue.size() == 2, "a full queue")  # A thread now waits with 3 in hand.
-    time.sleep(0.02)
+    # 1 and 2 fill the queue; the thread waits to enqueue 3, which it holds.
+    wait_until(lambda: queue.size() == 2 and len(taken) == 4, "a thread holding 3")
     coord.request_stop()
     coord.join(stop_grace_period_secs=JOIN_SECS)
     join_all(threads)

@@ -13,7 +13,7 @@ import threading
 import pytest
 import repo_paths
 import torch
-from monitored_helpers import JOIN_SECS, Counter, RecordingHook, slow_storage
+from monitored_helpers import JOIN_SECS, Counter, RecordingHook, gated_storage, slow_storage
 from supervisor_helpers import checkpoint_steps, read_checkpoint
 
 from torchsupervisor import GlobalStep, Saver, latest_checkpoint
@@ -24,6 +24,7 @@ from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.monitored.session import SingularMonitoredSession
 from torchsupervisor.monitored.training_session import MonitoredTrainingSession
 from torchsupervisor.storage import is_temporary_name
+from torchsupervisor.testing import FakeClock
 
 WORKER = repo_paths.worker("monitored_preemption_worker.py")
 STEPS = 60
@@ -117,28 +118,36 @@ def test_the_requeue_exit_code_comes_after_everything_is_saved(tmp_path, session
 
 def test_a_final_checkpoint_that_cannot_finish_in_the_grace_period_is_abandoned(tmp_path, caplog):
     counter = Counter()
-    saver = Saver(storage=slow_storage(0.5))  # Each fsync takes 0.5 s; the grace period is 0.2 s.
-    with (
-        caplog.at_level(logging.WARNING, logger="torchsupervisor"),
-        pytest.raises(SystemExit) as leaving,  # Work was lost: never a clean exit.
-        MonitoredTrainingSession(
-            checkpoint_dir=str(tmp_path),
-            scaffold=Scaffold(saver=saver),
-            state=counter.state,
-            preemption_grace_secs=0.2,
-        ) as sess,
-    ):
-        sess._hooks[-1].wait_for_save()  # Step 0 is committed.
-        sess.run(counter.step)
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert sess.should_stop()
+    # The final save (step 1) is held at its first file until the test opens the gate; the
+    # grace period passes on a fake clock, in no real time.
+    storage, gate = gated_storage("open", path_contains="model.ckpt-1.")
+    saver = Saver(storage=storage)
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="torchsupervisor"),
+            pytest.raises(SystemExit) as leaving,  # Work was lost: never a clean exit.
+            MonitoredTrainingSession(
+                checkpoint_dir=str(tmp_path),
+                scaffold=Scaffold(saver=saver),
+                state=counter.state,
+                preemption_grace_secs=30,
+                clock=FakeClock(),
+            ) as sess,
+        ):
+            sess._hooks[-1].wait_for_save()  # Step 0 is committed.
+            sess.run(counter.step)
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert sess.should_stop()
+        assert not gate.opened.is_set()  # Abandoned while it could not finish.
+    finally:
+        gate.open()
     assert leaving.value.code == 1
-    assert "The final checkpoint at step 1 could not be written within 0.2 s: abandoned" in (
+    assert "The final checkpoint at step 1 could not be written within 30 s: abandoned" in (
         caplog.text
     )
     assert (
         "Stopped by SIGTERM at step 1 but the final checkpoint failed (not written within the "
-        f"0.2 s grace period); the last committed checkpoint is step 0 "
+        f"30 s grace period); the last committed checkpoint is step 0 "
         f"({tmp_path / 'model.ckpt-0'}); 1 step will be redone"
     ) in caplog.text
     assert saver.wait(JOIN_SECS)  # The cancelled write ends at its next stage...

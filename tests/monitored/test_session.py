@@ -22,6 +22,7 @@ from supervisor_helpers import (
 )
 
 from torchsupervisor import GlobalStep, Saver, Session, SummaryWriterCache, summary
+from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.registry import GraphKeys, add_to_collection, get_collection
 from torchsupervisor.errors import (
     AbortedError,
@@ -545,27 +546,35 @@ def test_an_input_thread_error_leaves_the_with_block(tmp_path):
 # ------------------------------------------------------------------- recovery: details and state
 
 
+class _OpensTheGateWhenWaitedOn(Clock):
+    """The real clock, but once ``armed``, a wait for a save in flight opens ``gate``: the
+    save can only finish once someone waits for it, so a recovery that did not wait would
+    restore model.ckpt-0 (deterministic: no sleep decides the order)."""
+
+    def __init__(self, gate) -> None:
+        self.gate = gate
+        self.armed = False
+
+    def wait(self, event, timeout_secs):
+        if self.armed and not event.is_set():
+            self.gate.open()
+        return super().wait(event, timeout_secs)
+
+
 def test_recovery_waits_for_the_checkpoint_being_written(tmp_path):
     counter = Counter()
     # The save at step 3 stays in flight until the gate opens.
     storage, gate = gated_storage("open", path_contains="model.ckpt-3.")
     scaffold = Scaffold(saver=Saver(storage=storage, max_to_keep=None))
-    coord_hook = CoordHook()
-    hooks = [CheckpointSaverHook(str(tmp_path), save_steps=3, scaffold=scaffold), coord_hook]
-
-    def release_once_the_session_is_closed(coord):
-        coord.wait_for_stop(JOIN_SECS)  # The recovery has begun.
-        time.sleep(0.2)  # Without the wait, the new session would restore model.ckpt-0 now.
-        gate.open()
+    clock = _OpensTheGateWhenWaitedOn(gate)
+    hooks = [CheckpointSaverHook(str(tmp_path), save_steps=3, scaffold=scaffold, clock=clock)]
 
     def step():
         out = counter.step()
         if counter.calls == 5:
             assert gate.reached.wait(JOIN_SECS)  # The save at step 3 is being written...
             assert not gate.opened.is_set()  # ... and cannot finish yet.
-            threading.Thread(
-                target=release_once_the_session_is_closed, args=(coord_hook.coord,)
-            ).start()
+            clock.armed = True
             raise AbortedError("worker preempted")
         return out
 

@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -103,6 +102,8 @@ class ReplicaGroup:
             default process group's store, rank and size.
         rank: This rank (with ``store``).
         world_size: The number of ranks (with ``store``).
+        clock: Time for every wait and deadline of the agreements (tests pass a fake one);
+            None: the real clock.
 
     Raises:
         InvalidArgumentError: Without ``store``, if no process group is initialized.
@@ -118,6 +119,7 @@ class ReplicaGroup:
         store: Any = None,
         rank: int | None = None,
         world_size: int | None = None,
+        clock: Clock | None = None,
     ) -> None:
         if store is None:
             if not (dist.is_available() and dist.is_initialized()):
@@ -129,6 +131,7 @@ class ReplicaGroup:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._prefix = f"torchsupervisor/{restart}/{generation}/"
         self._store = store
+        self.clock = clock or REAL_CLOCK
 
     def key(self, name: str) -> str:
         """Return this session's store key for ``name``."""
@@ -156,7 +159,7 @@ class ReplicaGroup:
             recovery_wait_secs: Seconds between two looks at the store.
             max_wait_secs: Longest wait in seconds (None: forever).
             name: The key the chief publishes (``publish_ready`` uses ``"ready"``).
-            clock: The time source and sleep (tests pass a fake one); None: the real clock.
+            clock: The time source and sleep; None: the group's.
 
         Returns:
             The mapping the chief gave to ``publish_ready``.
@@ -167,7 +170,7 @@ class ReplicaGroup:
 
         Distributed: non-chief ranks; the chief calls ``publish_ready``.
         """
-        clock = clock or REAL_CLOCK
+        clock = clock or self.clock
         key = self.key(name)
         limit = float("inf") if max_wait_secs is None else max_wait_secs
         start = clock.monotonic()
@@ -220,7 +223,7 @@ class ReplicaGroup:
                 those ranks.
             ReplicaAbort: If the ``abort`` flag was raised (its text is the reason).
         """
-        deadline = time.monotonic() + timeout_secs
+        deadline = self.clock.monotonic() + timeout_secs
         while True:
             values = self.collect(name)
             if values is not None:
@@ -229,7 +232,7 @@ class ReplicaGroup:
                 reason = self.flag(abort)
                 if reason is not None:
                     raise ReplicaAbort(reason)
-            if time.monotonic() > deadline:
+            if self.clock.monotonic() > deadline:
                 missing = self.missing(name)
                 raise DeadlineExceededError(
                     None,
@@ -237,7 +240,7 @@ class ReplicaGroup:
                     f"{what}: rank(s) {missing} did not answer within {timeout_secs:g} s (a "
                     "replica stopped, or its training thread is stuck)",
                 )
-            time.sleep(poll_secs)
+            self.clock.sleep(poll_secs)
 
     def missing(self, name: str) -> list[int]:
         """The ranks that have not posted ``name``."""
@@ -451,13 +454,14 @@ class StopAgreement:
         if self._stop_at is not None:
             return self._stop_at
         keys = [self._group.key(f"progress/{r}") for r in range(self._group.world_size)]
-        deadline = time.monotonic() + timeout_secs
+        clock = self._group.clock
+        deadline = clock.monotonic() + timeout_secs
         try:
             while not self._store.check(keys):
-                if time.monotonic() > deadline:
+                if clock.monotonic() > deadline:
                     logger.error("Stop agreement: not every rank answered; stopping now")
                     return None
-                time.sleep(0.01)
+                clock.sleep(0.01)
             posted = [int(self._store.get(k)) for k in keys]
         except (RuntimeError, OSError) as e:
             logger.warning("Stop agreement: the store is unreachable (%s); stopping now", e)

@@ -303,10 +303,10 @@ class CheckpointDriver:
         if not self._wait(deadline):
             self.last_error = f"not written within the {budget:g} s grace period"
             logger.error(
-                "The final checkpoint at step %s could not be written within %.1f s: "
+                "The final checkpoint at step %s could not be written within %s s: "
                 "abandoned (the last committed checkpoint is kept)",
                 step,
-                budget,
+                f"{budget:g}",
             )
             self._abandon(deadline)
             return None

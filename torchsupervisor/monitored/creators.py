@@ -246,7 +246,7 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         )
         first, self._initialized = not self._initialized, True
         if first:
-            group = _replica_group(True, _AGREE_ROLES_SECS, sess.state)
+            group = _replica_group(True, _AGREE_ROLES_SECS, sess.state, self._clock)
             if group is not None:
                 group.publish_ready({"checkpoint": sess.restored_checkpoint})
                 group.broadcast_state(sess.state)
@@ -264,7 +264,7 @@ _READY_POLL_SECS = 0.5
 
 
 def _replica_group(
-    chief: bool, max_wait_secs: float, state: Mapping[str, Any]
+    chief: bool, max_wait_secs: float, state: Mapping[str, Any], clock: Clock | None
 ) -> ReplicaGroup | None:
     """The group in which the chief's state reaches the other ranks, or None.
 
@@ -287,7 +287,7 @@ def _replica_group(
             )
         return None
     _replica_sessions += 1
-    group = ReplicaGroup(f"monitored/{_replica_sessions}")
+    group = ReplicaGroup(f"monitored/{_replica_sessions}", clock=clock)
     group.post("chief", bool(chief))
     roles = group.gather("chief", max_wait_secs, what="Agreeing on the chief")
     if roles == [True] + [False] * (len(roles) - 1):
@@ -361,9 +361,9 @@ class WorkerSessionCreator(_ScaffoldedCreator):
         )
         first, self._created = not self._created, True
         if first:
-            group = _replica_group(False, self._max_wait_secs, sess.state)
+            group = _replica_group(False, self._max_wait_secs, sess.state, self._clock)
             if group is not None:  # Start from the chief's state, as every replica must.
-                info = group.wait_ready(_READY_POLL_SECS, self._max_wait_secs, clock=self._clock)
+                info = group.wait_ready(_READY_POLL_SECS, self._max_wait_secs)
                 group.broadcast_state(sess.state)
                 sess.restored_checkpoint = info.get("checkpoint")
         return sess

@@ -379,7 +379,7 @@ def start_mode(sv: Any, master: str, max_wait_secs: float, generation: int) -> M
                 f"With replicas the chief is rank 0; this is rank {dist.get_rank()} with "
                 f"is_chief={sv._settings.is_chief}"
             )
-        replicas = ReplicaGroup(generation)
+        replicas = ReplicaGroup(generation, clock=sv._settings.clock)
     return choose_mode(sv, replicas)
 
 
