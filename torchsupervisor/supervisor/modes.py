@@ -55,6 +55,13 @@ __all__ = [
 
 logger = logging.getLogger("torchsupervisor")
 
+OPEN_POLL_SECS = 0.05
+"""How often a sharded non-chief looks whether the chief has cleaned the logdir (seconds).
+
+The chief does that in milliseconds, so TF's ``recovery_wait_secs`` (30 s by default, meant
+for waiting on a model that another process initializes) would only make a rank that looked
+too early sleep half a minute for nothing."""
+
 
 class Mode:
     """What differs between the shapes of a run; the defaults are a non-checkpointing rank.
@@ -253,9 +260,8 @@ class ShardedMode(Mode):
                 clean_checkpoint_dir(logdir)
             replicas.publish_ready({}, name="restore/open")
         else:
-            replicas.wait_ready(
-                st.recovery_wait_secs, max_wait_secs, name="restore/open", clock=st.clock
-            )
+            interval = min(st.recovery_wait_secs, OPEN_POLL_SECS)
+            replicas.wait_ready(interval, max_wait_secs, name="restore/open", clock=st.clock)
         candidates = restore_candidates(logdir) if logdir and st.saver is not None else []
         agree(
             replicas,
