@@ -1,6 +1,6 @@
 """Hooks of ``MonitoredSession``: the base class and its values, and the standard hooks.
 
-Layout (one hook family per module)::
+Layout (one hook, or one family of hooks, per module)::
 
     session_run_hook.py  SessionRunHook, SessionRunArgs, SessionRunContext, SessionRunValues
     stop_at_step.py      StopAtStepHook
@@ -8,7 +8,9 @@ Layout (one hook family per module)::
     step_counter.py      StepCounterHook
     summary_saver.py     SummarySaverHook
     logging_hooks.py     NanTensorHook, NanLossDuringTrainingError, LoggingTensorHook
-    others.py            GlobalStepWaiterHook, FinalOpsHook, FeedFnHook
+    global_step_waiter.py  GlobalStepWaiterHook
+    final_ops.py         FinalOpsHook
+    feed_fn.py           FeedFnHook
 
 TF names: ``tf.compat.v1.train.SessionRunHook`` and the hooks of ``basic_session_run_hooks``.
 """
@@ -16,12 +18,14 @@ TF names: ``tf.compat.v1.train.SessionRunHook`` and the hooks of ``basic_session
 from __future__ import annotations
 
 from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook, CheckpointSaverListener
+from torchsupervisor.hooks.feed_fn import FeedFnHook
+from torchsupervisor.hooks.final_ops import FinalOpsHook
+from torchsupervisor.hooks.global_step_waiter import GlobalStepWaiterHook
 from torchsupervisor.hooks.logging_hooks import (
     LoggingTensorHook,
     NanLossDuringTrainingError,
     NanTensorHook,
 )
-from torchsupervisor.hooks.others import FeedFnHook, FinalOpsHook, GlobalStepWaiterHook
 from torchsupervisor.hooks.session_run_hook import (
     SessionRunArgs,
     SessionRunContext,

@@ -1,4 +1,4 @@
-"""GlobalStepWaiterHook, FinalOpsHook, FeedFnHook."""
+"""GlobalStepWaiterHook: a worker waits for the global step (on an injected clock)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,7 @@ from monitored_helpers import Counter
 from torchsupervisor import Session
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.registry import GraphKeys, add_to_collection
-from torchsupervisor.errors import OutOfRangeError
-from torchsupervisor.hooks import FeedFnHook, FinalOpsHook, GlobalStepWaiterHook
-from torchsupervisor.monitored.creators import ChiefSessionCreator
-from torchsupervisor.monitored.session import MonitoredSession
+from torchsupervisor.hooks import GlobalStepWaiterHook
 from torchsupervisor.monitored.wrappers import _HookedSession
 
 
@@ -63,34 +60,3 @@ def test_waiter_with_a_non_positive_step_never_waits():
     hook.begin()
     _HookedSession(Session(counter.state), [hook]).run(lambda: None)
     assert clock.sleeps == []
-
-
-def test_final_ops_are_evaluated_at_the_end():
-    counter = Counter()
-    hook = FinalOpsHook({"w": lambda scale: float(counter.w) * scale}, {"scale": 10})
-    with MonitoredSession(ChiefSessionCreator(state=counter.state), hooks=[hook]) as sess:
-        sess.run(counter.step)
-        sess.run(counter.step)
-        assert hook.final_ops_values is None
-    assert hook.final_ops_values == {"w": 20.0}
-
-
-def test_final_ops_reading_an_exhausted_input_warn_and_raise(caplog):
-    def exhausted():
-        raise OutOfRangeError("input exhausted")
-
-    hook = FinalOpsHook(exhausted)
-    with caplog.at_level(logging.WARNING, logger="torchsupervisor"), pytest.raises(OutOfRangeError):
-        hook.end(Session({}))
-    assert "dependency back to some input source" in caplog.text
-
-
-def test_feed_fn_feeds_every_run():
-    counter = Counter()
-    values = iter(range(10, 20))
-    seen = []
-    hook = FeedFnHook(lambda: {"x": next(values)})
-    with MonitoredSession(ChiefSessionCreator(state=counter.state), hooks=[hook]) as sess:
-        for _ in range(3):
-            sess.run(lambda x: seen.append(x))
-    assert seen == [10, 11, 12]

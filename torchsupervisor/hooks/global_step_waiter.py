@@ -1,26 +1,20 @@
-"""Small hooks: wait for a global step, evaluate final ops at the end, feed every run.
+"""``GlobalStepWaiterHook``: hold a worker back until the global step reaches a value.
 
-TF names: ``tf.compat.v1.train.GlobalStepWaiterHook``, ``FinalOpsHook``, ``FeedFnHook``.
+TF name: ``tf.compat.v1.train.GlobalStepWaiterHook``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchsupervisor.core.checks import check_int, check_number
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import read_step
-from torchsupervisor.errors import OutOfRangeError
 from torchsupervisor.hooks._global_step import require_global_step, session_global_step
-from torchsupervisor.hooks.session_run_hook import (
-    SessionRunArgs,
-    SessionRunContext,
-    SessionRunHook,
-)
+from torchsupervisor.hooks.session_run_hook import SessionRunContext, SessionRunHook
 
-__all__ = ["FeedFnHook", "FinalOpsHook", "GlobalStepWaiterHook"]
+__all__ = ["GlobalStepWaiterHook"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -110,90 +104,3 @@ class GlobalStepWaiterHook(SessionRunHook):
                 )
                 last_logged_step = current
             self._clock.sleep(self._poll_secs)
-
-
-class FinalOpsHook(SessionRunHook):
-    """Evaluate fetches once, at the end of the session; the values are kept.
-
-    Args:
-        final_ops: A fetch structure (as ``Session.run``) evaluated by ``end()``.
-        final_ops_feed_dict: Keyword arguments for the fetched callables.
-
-    Raises:
-        OutOfRangeError, StopIteration: From ``end()``, re-raised after a warning: a final op
-            should not read from the input.
-
-    Thread safety: used on the training thread only.
-
-    TF name: ``tf.compat.v1.train.FinalOpsHook``.
-    """
-
-    def __init__(
-        self, final_ops: Any, final_ops_feed_dict: Mapping[str, Any] | None = None
-    ) -> None:
-        self._final_ops = final_ops
-        self._final_ops_feed_dict = final_ops_feed_dict
-        self._final_ops_values: Any = None
-
-    @property
-    def final_ops_values(self) -> Any:
-        """The values of the final ops, shaped like them (None before ``end()``).
-
-        TF name: ``tf.compat.v1.train.FinalOpsHook.final_ops_values``.
-        """
-        return self._final_ops_values
-
-    def end(self, session: Any) -> None:
-        """Evaluate the final ops on ``session`` (nothing if ``final_ops`` is None).
-
-        Raises:
-            OutOfRangeError, StopIteration: Re-raised after a warning.
-
-        TF name: ``tf.compat.v1.train.FinalOpsHook.end``.
-        """
-        if self._final_ops is None:
-            return
-        try:
-            self._final_ops_values = session.run(
-                self._final_ops, feed_dict=self._final_ops_feed_dict
-            )
-        except (OutOfRangeError, StopIteration):
-            logger.warning(
-                "An OutOfRangeError or StopIteration was raised by the final ops of a "
-                "FinalOpsHook. A final op should not have a dependency back to some input "
-                "source: it should only read values (metrics computed during the run), not "
-                "read another batch from an input that is now exhausted."
-            )
-            raise
-
-
-class FeedFnHook(SessionRunHook):
-    """Feed the result of ``feed_fn()`` to every run.
-
-    Args:
-        feed_fn: Returns the ``feed_dict`` (keyword arguments of the fetched callables) of the
-            coming run.
-
-    Raises:
-        RuntimeError: From the run, if a key is also fed by the caller or another hook.
-
-    Thread safety: used on the training thread only.
-
-    TF name: ``tf.compat.v1.train.FeedFnHook``.
-    """
-
-    def __init__(self, feed_fn: Callable[[], Mapping[str, Any]]) -> None:
-        if not callable(feed_fn):
-            raise TypeError(f"feed_fn must be callable, got {feed_fn!r}")
-        self.feed_fn = feed_fn
-
-    def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
-        """Return ``feed_fn()`` as this run's feeds (no fetches).
-
-        Returns:
-            ``SessionRunArgs(fetches=None, feed_dict=feed_fn())``.
-
-        TF name: ``tf.compat.v1.train.FeedFnHook.before_run``.
-        """
-        del run_context
-        return SessionRunArgs(fetches=None, feed_dict=self.feed_fn())
