@@ -111,6 +111,29 @@ def test_a_failed_background_save_calls_on_error_after_its_report(tmp_path):
     assert isinstance(error, CheckpointSaveError) and events_then == 1
 
 
+def test_after_a_failure_that_stops_training_no_periodic_save_commits(tmp_path):
+    # The failing save is held at the gate while training goes on and asks again.
+    storage = GatedStorage()
+    gate = storage.hold("rename", timeout_secs=JOIN_SECS)
+    storage.fail("rename", errno=errno.ENOSPC)
+    stopped = []
+    _, step, sess, saver, driver = _setup(tmp_path, storage, on_error=stopped.append)
+    driver.request(sess)
+    sess.boundary.run_pending()  # The save of step 0 starts ...
+    assert gate.reached.wait(JOIN_SECS)
+    step.increment()
+    driver.request(sess)
+    sess.boundary.run_pending()  # ... a request while it is in flight is deferred ...
+    gate.open()
+    assert driver.wait(JOIN_SECS)  # ... and the save fails: training is told to stop.
+    assert len(stopped) == 1 and isinstance(stopped[0], CheckpointSaveError)
+    assert not sess.boundary.pending  # The deferred request was dropped,
+    driver.request(sess)  # and so is one made while training winds down.
+    sess.boundary.run_pending()
+    assert not driver.in_flight and not saver.in_flight
+    assert _steps(tmp_path) == []
+
+
 def test_a_request_during_a_save_is_served_after_it_at_the_step_reached_then(tmp_path):
     storage = GatedStorage()
     gate = storage.hold("fsync", timeout_secs=JOIN_SECS)  # The first save waits at the gate.

@@ -202,9 +202,14 @@ def test_a_plain_data_loader_with_the_worker_init_helper_survives_a_group_sigter
 def test_sigkill_then_restart_replays_bitwise_from_the_checkpoint(tmp_path, reference):
     ref_losses, ref_digest = reference
     logdir = str(tmp_path)
-    proc = _start(logdir, "--step-delay", "0.01")
+    proc = _start(logdir, "--step-delay", "0.05")
     _read_until(proc, "READY")
     _read_until(proc, "LOSS 30 ")
+    # Kill once a checkpoint past step 0 is committed: on a busy machine (fsyncs of other
+    # processes) the first saves can lag a second behind the steps. One line per step, so
+    # this loop is bounded.
+    while not [s for s in _valid_checkpoints(logdir, temporaries_allowed=True) if s > 0]:
+        assert not _read_until(proc, "LOSS ")[-1].startswith(f"LOSS {STEPS - 1} ")
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     # A kill during a save (one every 0.05 s) leaves its temporary files behind; make sure

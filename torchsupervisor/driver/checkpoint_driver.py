@@ -56,7 +56,8 @@ class CheckpointDriver:
             set later (``writer`` attribute).
         clock: Time for the grace budget; None: the real clock.
         on_error: Called with the exception of a failed save after it was reported (the
-            Supervisor stops training with it when asked to); None: training goes on.
+            Supervisor stops training with it when asked to), before another save can start;
+            requests are ignored from then on. None: training goes on.
         stop_on_error: Only changes the log line (``"...; training continues"`` without).
         last_step: The step of a checkpoint restored or known committed (it is not saved
             again); None: none.
@@ -103,6 +104,7 @@ class CheckpointDriver:
         self._idle = threading.Event()
         self._idle.set()
         self._stuck = False  # An abandoned save is stuck in a file-system call.
+        self._halted = False  # A failed save stopped training: no more periodic saves.
         self._deferred_session: Any = None
 
     # ------------------------------------------------------------------------------ queries
@@ -138,6 +140,8 @@ class CheckpointDriver:
     def _at_boundary(self, session: Any) -> None:
         with self._lock:
             self._requested = False
+            if self._halted:
+                return
             if self.saver.in_flight or self.in_flight:
                 self._deferred = True
                 self._deferred_session = session
@@ -176,19 +180,25 @@ class CheckpointDriver:
         self._finished(step, None if error is not None else future.result(), error)
 
     def _finished(self, step: int | None, prefix: str | None, error: BaseException | None) -> None:
-        """Report a save that ended and let the next one start (on the writer thread)."""
+        """Report a save that ended and let the next one start (on the writer thread).
+
+        A failure that stops training (``on_error``) is passed on before the driver is idle,
+        and ends the periodic saves: a request deferred behind the failed save, or made
+        while training winds down, never commits a checkpoint after the failure.
+        """
         try:
             if error is None:
                 self._committed(step, prefix)
             else:
                 self._failed(step, error)
+                if self.on_error is not None:
+                    self._halted = True
+                    self.on_error(error)
         finally:
             with self._lock:
                 deferred, self._deferred = self._deferred, False
             self._idle.set()
-        if error is not None and self.on_error is not None:
-            self.on_error(error)
-        if deferred:
+        if deferred and not self._halted:
             self.request(self._deferred_session)
 
     def _committed(self, step: int | None, prefix: str | None) -> None:
