@@ -136,7 +136,8 @@ def test_a_signal_on_one_rank_stops_both_at_the_same_step_with_one_final_checkpo
     procs[1].send_signal(signal.SIGTERM)
     start = time.monotonic()
     results = _outputs(procs)
-    assert time.monotonic() - start < 30
+    # Quickly: a rank left waiting would only give up after the 60 s stop agreement.
+    assert time.monotonic() - start < 50
     assert all(code == 0 for _, _, code in results), [err for _, err, _ in results]
     stops = {tuple(_lines(out, "DONE")[0][2:]) for out, _, _ in results}
     assert len(stops) == 1  # Same step, same parameters.
