@@ -1,10 +1,12 @@
-"""Shared fixtures: a clean default graph per test, no leaked threads, a fake clock."""
+"""Shared fixtures: a clean default graph per test, no leaked threads, a fake clock, a real S3
+server (SeaweedFS, started once per session on loopback) and ``memory://`` buckets."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -18,6 +20,36 @@ from torchsupervisor.testing import FakeClock
 @pytest.fixture
 def fake_clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """SeaweedFS serving S3 on 127.0.0.1 for the whole session (see ``s3_server.py``)."""
+    import s3_server as server_module
+
+    from torchsupervisor import storage
+
+    with server_module.running(str(tmp_path_factory.mktemp("seaweedfs"))) as server:
+        storage.configure(f"s3://{server_module.BUCKET}", **server.options())
+        yield server
+
+
+@pytest.fixture
+def s3_url(s3_server, request) -> str:
+    """A fresh prefix in the test bucket: ``s3://tsv-test/<test>-<8 hex>``."""
+    import s3_server as server_module
+
+    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")[:60]
+    return f"s3://{server_module.BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def memory_url(request) -> str:
+    """A fresh ``memory://`` bucket, forgotten after the test."""
+    from torchsupervisor.storage import memory
+
+    yield f"memory://test-{uuid.uuid4().hex[:8]}/run"
+    memory.clear_buckets()
 
 
 @pytest.fixture(autouse=True)

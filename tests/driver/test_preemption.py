@@ -321,7 +321,10 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     start = time.monotonic()
     proc.send_signal(signal.SIGINT)  # ... and the user does not want to wait.
     lines, err, code = _finish(proc)
-    assert time.monotonic() - start < 20
+    # By design at most ABANDONED_EXIT_WAIT_SECS (5 s) for the stuck save to clean up, then
+    # the exit; waiting for the save would take the gate's 120 s. The margin is for the exit
+    # of a torch process on a busy 2-core machine (16 s seen there).
+    assert time.monotonic() - start < 45
     assert code != 0 and "Second interrupt: aborting now" in err
     assert not [x for x in lines if x.startswith("DONE")]
     assert _valid_checkpoints(logdir, temporaries_allowed=True) == [0]

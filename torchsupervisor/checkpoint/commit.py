@@ -48,7 +48,7 @@ from torchsupervisor.checkpoint.snapshot import Snapshot
 from torchsupervisor.core import threads as priority
 from torchsupervisor.core.tree import encode_tree
 from torchsupervisor.errors import CheckpointSaveError
-from torchsupervisor.storage import LOCAL, Storage, WriteCancelled
+from torchsupervisor.storage import BY_PATH, Storage, WriteCancelled
 
 __all__ = [
     "Commit",
@@ -88,7 +88,7 @@ def persist(
     library_version: str,
     torch_version: str,
     world_size: int = 1,
-    storage: Storage = LOCAL,
+    storage: Storage = BY_PATH,
     cancel: threading.Event | None = None,
 ) -> Commit:
     """Write ``snapshot`` as the checkpoint ``prefix`` with the commit protocol.

@@ -28,6 +28,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -42,12 +43,15 @@ BACKGROUND_NICENESS = 19
 """The ``nice`` value of writer threads, which also run under ``SCHED_IDLE`` (0: as the caller)."""
 
 ABANDONED_EXIT_WAIT_SECS = 5.0
-"""How long the interpreter's exit waits for a cancelled save to remove its files (a writer
-stuck in a system call must not keep the process alive; what it leaves is cleaned at the next
-start)."""
+"""How long after it was abandoned the interpreter's exit still waits for a cancelled save to
+remove its files (a writer stuck in a system call must not keep the process alive; what it
+leaves is cleaned at the next start). Time already spent waiting for it counts."""
 
 _in_flight: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
-_abandoned: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
+# Each abandoned save, with the monotonic time until which the exit waits for it.
+_abandoned: weakref.WeakKeyDictionary[concurrent.futures.Future[Any], float] = (
+    weakref.WeakKeyDictionary()
+)
 _engines: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
 _atexit_lock = threading.Lock()
 _atexit_registered = False
@@ -57,7 +61,8 @@ _Job = tuple[concurrent.futures.Future, Callable[..., Any], tuple]
 
 def _wait_for_saves_at_exit() -> None:
     concurrent.futures.wait(list(_in_flight))
-    concurrent.futures.wait(list(_abandoned), timeout=ABANDONED_EXIT_WAIT_SECS)
+    for future, until in list(_abandoned.items()):
+        concurrent.futures.wait([future], timeout=max(0.0, until - time.monotonic()))
 
 
 def _register_atexit() -> None:
@@ -136,7 +141,7 @@ class CheckpointEngine:
         return bool(done)
 
     def abandon(self) -> None:
-        """Wait at most ``ABANDONED_EXIT_WAIT_SECS`` for the job in flight at interpreter exit.
+        """Wait at most ``ABANDONED_EXIT_WAIT_SECS`` from now for the job in flight at exit.
 
         For a cancelled save: it stops at its next chunk or stage and removes its files, unless
         the writer is stuck in a system call (a hung fsync); the process must still be able to
@@ -144,7 +149,7 @@ class CheckpointEngine:
         """
         future = self._future
         if future is not None and not future.done():
-            _abandoned.add(future)
+            _abandoned.setdefault(future, time.monotonic() + ABANDONED_EXIT_WAIT_SECS)
             _in_flight.discard(future)
 
     def close(self) -> None:

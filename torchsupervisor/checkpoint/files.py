@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable
 
 from torchsupervisor.checkpoint.references import referenced_data_files
-from torchsupervisor.storage import LOCAL, Storage, storage_for
+from torchsupervisor.storage import BY_PATH, Storage, storage_for
 
 __all__ = [
     "checkpoint_exists",
@@ -274,7 +274,9 @@ def _unreferenced_data_files(prefix: str, storage: Storage, *, log: bool = False
     return out
 
 
-def clean_stale_temporaries(directory: str | os.PathLike, *, storage: Storage = LOCAL) -> list[str]:
+def clean_stale_temporaries(
+    directory: str | os.PathLike, *, storage: Storage = BY_PATH
+) -> list[str]:
     """Delete what interrupted writes left in ``directory`` (``Storage.clean_leftovers``).
 
     Locally these are temporary files (``<name>.tmp`` + 32 hex digits), never a committed
@@ -303,7 +305,7 @@ def clean_stale_temporaries(directory: str | os.PathLike, *, storage: Storage = 
 
 
 def find_incomplete_checkpoints(
-    directory: str | os.PathLike, *, storage: Storage = LOCAL
+    directory: str | os.PathLike, *, storage: Storage = BY_PATH
 ) -> list[str]:
     """Return the prefixes in ``directory`` that have shards but no index.
 

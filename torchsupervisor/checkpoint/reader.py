@@ -40,7 +40,7 @@ from torchsupervisor.core.state import TensorSpec
 from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
 from torchsupervisor.storage import (
-    LOCAL,
+    BY_PATH,
     NotRegularFileError,
     Storage,
     storage_for,
@@ -85,7 +85,7 @@ class CheckpointReader:
     TF name: ``tf.train.NewCheckpointReader`` / ``py_checkpoint_reader.CheckpointReader``.
     """
 
-    def __init__(self, prefix: str, *, storage: Storage = LOCAL) -> None:
+    def __init__(self, prefix: str, *, storage: Storage = BY_PATH) -> None:
         self._prefix = prefix
         self._storage = storage
         self._dir = os.path.dirname(prefix)

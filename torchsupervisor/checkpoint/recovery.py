@@ -48,7 +48,8 @@ from torchsupervisor.checkpoint.files import (
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.state_file import read_checkpoint_state, read_pending_deletions
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
-from torchsupervisor.storage import LOCAL, Storage
+from torchsupervisor.storage import BY_PATH, Storage
+from torchsupervisor.storage import paths as url_paths
 
 __all__ = [
     "RestorePlan",
@@ -91,7 +92,7 @@ def _scan(directory: str, storage: Storage) -> list[tuple[_Key, str]]:
     return keyed
 
 
-def scan_checkpoints(directory: str, *, storage: Storage = LOCAL) -> list[str]:
+def scan_checkpoints(directory: str, *, storage: Storage = BY_PATH) -> list[str]:
     """Return the prefixes of every committed checkpoint (``*.index``) in ``directory``.
 
     Sorted newest first by the global step in the manifest, then the manifest's wall time;
@@ -125,7 +126,7 @@ class RestorePlan:
     has_state_file: bool
 
 
-def clean_checkpoint_dir(directory: str | os.PathLike, *, storage: Storage = LOCAL) -> None:
+def clean_checkpoint_dir(directory: str | os.PathLike, *, storage: Storage = BY_PATH) -> None:
     """Remove what a crash left in ``directory``: temporaries, uncommitted checkpoints, and the
     checkpoints retention was deleting.
 
@@ -178,11 +179,11 @@ def _finish_pending_deletions(directory: str, storage: Storage) -> None:
     state, _ = read_checkpoint_state(directory, storage=storage)
     if state is None:
         return
-    listed = {os.path.normpath(p) for p in state.all_model_checkpoint_paths}
-    listed.add(os.path.normpath(state.model_checkpoint_path))
+    listed = {url_paths.normpath(p) for p in state.all_model_checkpoint_paths}
+    listed.add(url_paths.normpath(state.model_checkpoint_path))
     head = _sort_key(state.model_checkpoint_path, storage)
     for prefix in pending:
-        if os.path.normpath(prefix) in listed or not _committed(prefix, storage):
+        if url_paths.normpath(prefix) in listed or not _committed(prefix, storage):
             continue
         if not _sort_key(prefix, storage) < head:
             continue  # Never newer than the state file's head: the list is not trusted.
@@ -192,7 +193,7 @@ def _finish_pending_deletions(directory: str, storage: Storage) -> None:
 
 
 def plan_restore(
-    checkpoint_dir: str, latest_filename: str | None = None, *, storage: Storage = LOCAL
+    checkpoint_dir: str, latest_filename: str | None = None, *, storage: Storage = BY_PATH
 ) -> RestorePlan:
     """Read ``checkpoint_dir`` once: the checkpoints to try, and those to keep track of.
 
@@ -217,7 +218,7 @@ def plan_restore(
             checkpoint_dir,
         )
     scanned = _scan(checkpoint_dir, storage)
-    keys = {os.path.normpath(prefix): key for key, prefix in scanned}
+    keys = {url_paths.normpath(prefix): key for key, prefix in scanned}
     listed: list[str] = []
     if state is not None:
         for path in [state.model_checkpoint_path, *reversed(state.all_model_checkpoint_paths)]:
@@ -225,16 +226,16 @@ def plan_restore(
 
     newer: list[tuple[_Key, str]] = []
     if state is not None or error is None:
-        known = {os.path.normpath(p) for p in listed}
+        known = {url_paths.normpath(p) for p in listed}
         head: _Key | None = None
         if listed:
-            head = keys.get(os.path.normpath(listed[0]))
+            head = keys.get(url_paths.normpath(listed[0]))
             if head is None:
                 head = (
                     _sort_key(listed[0], storage) if _committed(listed[0], storage) else _UNREADABLE
                 )
         for key, prefix in scanned:
-            if os.path.normpath(prefix) in known or key == _UNREADABLE:
+            if url_paths.normpath(prefix) in known or key == _UNREADABLE:
                 continue
             if head is None or key > head:
                 newer.append((key, prefix))
@@ -275,7 +276,7 @@ def plan_restore(
 
 
 def restore_candidates(
-    checkpoint_dir: str, latest_filename: str | None = None, *, storage: Storage = LOCAL
+    checkpoint_dir: str, latest_filename: str | None = None, *, storage: Storage = BY_PATH
 ) -> list[str]:
     """Return the checkpoint prefixes a restart should try, in order, without duplicates.
 
@@ -296,7 +297,7 @@ def _unique(paths) -> list[str]:
     seen: set[str] = set()
     out = []
     for path in paths:
-        key = os.path.normpath(path)
+        key = url_paths.normpath(path)
         if key not in seen:
             seen.add(key)
             out.append(path)
@@ -316,7 +317,7 @@ def _relocate(path: str, checkpoint_dir: str, storage: Storage) -> str:
     directory, on purpose, or missing).
     """
     directory = checkpoint_dir or os.curdir
-    if os.path.normpath(os.path.dirname(path) or os.curdir) == os.path.normpath(directory):
+    if url_paths.normpath(os.path.dirname(path) or os.curdir) == url_paths.normpath(directory):
         return path
     local = os.path.join(checkpoint_dir, os.path.basename(path))
     if storage.canonical(os.path.dirname(path) or os.curdir) == storage.canonical(directory):

@@ -13,7 +13,8 @@ import os
 from collections.abc import Iterable
 
 from torchsupervisor.checkpoint.format import MAX_INDEX_BYTES, Manifest, ManifestError
-from torchsupervisor.storage import LOCAL, Storage
+from torchsupervisor.storage import BY_PATH, Storage
+from torchsupervisor.storage import paths as url_paths
 
 __all__ = ["referenced_data_files"]
 
@@ -21,7 +22,7 @@ logger = logging.getLogger("torchsupervisor")
 
 
 def referenced_data_files(
-    directory: str, *, exclude: Iterable[str] = (), storage: Storage = LOCAL
+    directory: str, *, exclude: Iterable[str] = (), storage: Storage = BY_PATH
 ) -> set[str]:
     """Return the base names of the data files referenced by committed checkpoints.
 
@@ -36,7 +37,7 @@ def referenced_data_files(
         read (damaged, or another format such as TF's) is skipped: it cannot be restored
         from anyway.
     """
-    excluded = {os.path.normpath(p) for p in exclude}
+    excluded = {url_paths.normpath(p) for p in exclude}
     try:
         names = storage.list(directory or ".")
     except OSError:
@@ -46,7 +47,7 @@ def referenced_data_files(
         if not name.endswith(".index"):
             continue
         prefix = os.path.join(directory, name[: -len(".index")])
-        if os.path.normpath(prefix) in excluded:
+        if url_paths.normpath(prefix) in excluded:
             continue
         try:
             data = storage.read_bytes(prefix + ".index", max_bytes=MAX_INDEX_BYTES)

@@ -41,6 +41,7 @@ from torchsupervisor.checkpoint.state_file import (
 )
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.storage import Storage
+from torchsupervisor.storage import paths as url_paths
 
 __all__ = ["Keeper"]
 
@@ -48,11 +49,11 @@ logger = logging.getLogger("torchsupervisor")
 
 
 def _family_key(save_path: str) -> str:
-    return os.path.normpath(os.path.abspath(save_path))
+    return url_paths.normpath(url_paths.abspath(save_path))
 
 
 def _state_key(save_path: str, latest_filename: str | None) -> tuple[str, str]:
-    directory = os.path.normpath(os.path.abspath(os.path.dirname(save_path) or os.curdir))
+    directory = url_paths.normpath(url_paths.abspath(os.path.dirname(save_path) or os.curdir))
     return directory, latest_filename or "checkpoint"
 
 
@@ -63,7 +64,7 @@ def _in_directory(path: str, directory: str, storage: Storage) -> bool:
 
 def _in_family(prefix: str, save_path: str) -> bool:
     """True if ``prefix`` is ``save_path`` or ``save_path-<step>``."""
-    prefix, save_path = os.path.normpath(prefix), os.path.normpath(save_path)
+    prefix, save_path = url_paths.normpath(prefix), url_paths.normpath(save_path)
     return prefix == save_path or (
         prefix.startswith(save_path + "-") and prefix[len(save_path) + 1 :].isdigit()
     )
@@ -210,20 +211,20 @@ class Keeper:
         ``keep_checkpoint_every_n_hours`` are not counted: the rule stays on the safe side).
         Keeping everything: every checkpoint of the family known. Lock held.
         """
-        target = os.path.normpath(prefix)
+        target = url_paths.normpath(prefix)
         retention = self._retentions.get(_state_key(save_path, latest_filename))
         if retention is None and self._retention_key is None:
             retention = self._retention
         tracked = [
             p
             for p, _ in (retention.tracked if retention is not None else ())
-            if os.path.normpath(p) != target and _in_family(p, save_path)
+            if url_paths.normpath(p) != target and _in_family(p, save_path)
         ]
         if self._max_to_keep:
             kept = tracked[-(self._max_to_keep - 1) :] if self._max_to_keep > 1 else []
         else:
             kept = list(dict.fromkeys([*tracked, *family.chain_of]))
-            kept = [p for p in kept if os.path.normpath(p) != target]
+            kept = [p for p in kept if url_paths.normpath(p) != target]
         return [family.chain_of.get(p) for p in kept]
 
     def family(self, save_path: str) -> _Family:

@@ -45,7 +45,7 @@ from torchsupervisor.core.state import (
 )
 from torchsupervisor.distributed.env import rank
 from torchsupervisor.errors import CheckpointSaveError
-from torchsupervisor.storage import LOCAL, DirectoryLock, Storage
+from torchsupervisor.storage import BY_PATH, DirectoryLock, Storage
 
 __all__ = ["SaveStats", "Saver"]  # SaveStats: see writers.py
 
@@ -156,7 +156,7 @@ class Saver:
         self._name = name or "save"
         self._allow_empty = allow_empty
         self._pad_step_number = pad_step_number
-        self._storage = storage or LOCAL
+        self._storage = storage or BY_PATH
         self._clock = clock or REAL_CLOCK
         self._lock = threading.Lock()
         self._keeper = Keeper(
@@ -325,7 +325,7 @@ class Saver:
         directory = os.path.dirname(save_path)
         if directory in self._dir_locks:  # One dict lookup per save: the training thread's.
             return
-        if not self._storage.is_dir(directory):
+        if not self._storage.accepts_objects(directory):
             return  # The save reports the missing directory.
         lock = self._storage.lock(directory)  # Shared with other handles on the same dir.
         with self._lock:
@@ -471,7 +471,7 @@ class Saver:
 
     def _check_dir(self, save_path: str) -> None:
         save_dir = os.path.dirname(save_path)
-        if save_dir and not self._storage.exists(save_dir):
+        if save_dir and not self._storage.accepts_objects(save_dir):
             raise ValueError(f"Parent directory of {save_path} doesn't exist, can't save.")
 
     # ---------------------------------------------------------------------------- restoring

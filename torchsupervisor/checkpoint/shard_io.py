@@ -28,7 +28,7 @@ from torchsupervisor.checkpoint.format import (
 )
 from torchsupervisor.errors import CorruptCheckpointError
 from torchsupervisor.storage import (
-    LOCAL,
+    BY_PATH,
     NotRegularFileError,
     OutsideDirectoryError,
     Readable,
@@ -205,7 +205,7 @@ def read_tensor(f: Readable, offset: int, entry: TensorEntry) -> tuple[torch.Ten
 
 
 def open_shard(
-    path: str, expected_bytes: int, storage: Storage = LOCAL, *, directory: str | None = None
+    path: str, expected_bytes: int, storage: Storage = BY_PATH, *, directory: str | None = None
 ) -> Readable:
     """Open a checkpoint shard for reading after checking that it has the expected size.
 

@@ -31,7 +31,8 @@ from typing import Any
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
 
 from torchsupervisor.checkpoint.files import first_matching_file
-from torchsupervisor.storage import LOCAL, Storage, storage_for
+from torchsupervisor.storage import BY_PATH, Storage, storage_for
+from torchsupervisor.storage import paths as url_paths
 
 __all__ = [
     "DEFAULT_STATE_FILENAME",
@@ -139,7 +140,7 @@ def generate_checkpoint_state_proto(
 
     If ``all_model_checkpoint_paths`` is empty or does not end with ``model_checkpoint_path``,
     the model path is appended (logged at INFO). When ``save_dir`` is relative, every relative
-    path is rewritten relative to ``save_dir`` (``os.path.relpath(p, save_dir)``) so that the
+    path is rewritten relative to ``save_dir`` (``url_paths.relpath(p, save_dir)``) so that the
     reader, which joins stored relative paths with the directory, finds the same files;
     absolute paths, and everything when ``save_dir`` is absolute, are stored unchanged.
 
@@ -184,14 +185,14 @@ def generate_checkpoint_state_proto(
             f"(got paths {paths} and timestamps {timestamps})"
         )
 
-    if not os.path.isabs(save_dir):
+    if not url_paths.isabs(save_dir):
         base = save_dir or os.curdir
-        if not os.path.isabs(model_path):
-            model_path = os.path.relpath(model_path, base)
+        if not url_paths.isabs(model_path):
+            model_path = url_paths.relpath(model_path, base)
         for i, p in enumerate(paths):
             p = os.fspath(p)
-            if not os.path.isabs(p):
-                paths[i] = os.path.relpath(p, base)
+            if not url_paths.isabs(p):
+                paths[i] = url_paths.relpath(p, base)
 
     state = CheckpointState()
     state.model_checkpoint_path = model_path
@@ -257,7 +258,7 @@ def update_checkpoint_state_internal(
     last_preserved_timestamp: float | None = None,
     *,
     pending_deletions: Sequence[_PathLike] = (),
-    storage: Storage = LOCAL,
+    storage: Storage = BY_PATH,
 ) -> None:
     """Write the state file of ``save_dir`` atomically.
 
@@ -306,7 +307,7 @@ def update_checkpoint_state_internal(
 
         def relative(p: _PathLike) -> str:
             p = os.fspath(p)
-            return os.path.relpath(p, base) if os.path.isabs(p) else p
+            return url_paths.relpath(p, base) if url_paths.isabs(p) else p
 
         state = generate_checkpoint_state_proto(
             save_dir,
@@ -325,8 +326,8 @@ def update_checkpoint_state_internal(
         )
 
     stored = state.model_checkpoint_path
-    resolved = stored if os.path.isabs(stored) else os.path.join(save_dir, stored)
-    if os.path.abspath(resolved) == os.path.abspath(state_path):
+    resolved = stored if url_paths.isabs(stored) else os.path.join(save_dir, stored)
+    if url_paths.abspath(resolved) == url_paths.abspath(state_path):
         raise RuntimeError(
             f"Save path '{model_path}' conflicts with path used for checkpoint state.  "
             "Please use a different save path."
@@ -339,7 +340,7 @@ def update_checkpoint_state_internal(
 
 
 def record_newest(
-    prefix: str, latest_filename: str | None = None, *, storage: Storage = LOCAL
+    prefix: str, latest_filename: str | None = None, *, storage: Storage = BY_PATH
 ) -> None:
     """Make ``prefix`` the newest checkpoint of its directory's state file, keeping the rest.
 
@@ -358,9 +359,9 @@ def record_newest(
     """
     save_dir = os.path.dirname(prefix)
     state, _ = read_checkpoint_state(save_dir, latest_filename, storage=storage)
-    own = os.path.normpath(prefix)
+    own = url_paths.normpath(prefix)
     paths = [] if state is None else list(state.all_model_checkpoint_paths)
-    paths = [p for p in paths if os.path.normpath(p) != own] + [prefix]
+    paths = [p for p in paths if url_paths.normpath(p) != own] + [prefix]
     update_checkpoint_state_internal(
         save_dir=save_dir,
         model_checkpoint_path=prefix,
@@ -371,7 +372,7 @@ def record_newest(
 
 
 def read_pending_deletions(
-    checkpoint_dir: _PathLike, latest_filename: str | None = None, *, storage: Storage = LOCAL
+    checkpoint_dir: _PathLike, latest_filename: str | None = None, *, storage: Storage = BY_PATH
 ) -> list[str]:
     """Return the checkpoints the last state-file update was about to delete.
 
@@ -459,17 +460,17 @@ def _read_state_bytes(state_path: str, storage: Storage) -> bytes | None:
 
 
 def _resolve(state: Any, checkpoint_dir: str) -> Any:
-    if not os.path.isabs(state.model_checkpoint_path):
+    if not url_paths.isabs(state.model_checkpoint_path):
         state.model_checkpoint_path = os.path.join(checkpoint_dir, state.model_checkpoint_path)
     paths = state.all_model_checkpoint_paths
     for i, p in enumerate(paths):
-        if not os.path.isabs(p):
+        if not url_paths.isabs(p):
             paths[i] = os.path.join(checkpoint_dir, p)
     return state
 
 
 def read_checkpoint_state(
-    checkpoint_dir: _PathLike, latest_filename: str | None = None, *, storage: Storage = LOCAL
+    checkpoint_dir: _PathLike, latest_filename: str | None = None, *, storage: Storage = BY_PATH
 ) -> tuple[Any, str | None]:
     """Read the state file of ``checkpoint_dir`` without ever raising: for restarts and tools.
 

@@ -27,7 +27,8 @@ from tensorboard.compat.proto.event_pb2 import SessionLog
 
 from torchsupervisor.cli._format import local_time, print_table, short_value
 from torchsupervisor.errors import DataLossError, NotFoundError
-from torchsupervisor.storage import LOCAL, NotRegularFileError
+from torchsupervisor.storage import BY_PATH, NotRegularFileError
+from torchsupervisor.storage import paths as url_paths
 from torchsupervisor.summary.reader import summary_iterator
 
 __all__ = ["HELP", "add_arguments", "read_runs", "run"]
@@ -86,7 +87,7 @@ class Run:
 def _check_regular(path: str) -> None:
     """Raise ``DataLossError`` if the events file ``path`` is not a regular file."""
     try:
-        LOCAL.open_read(path).close()
+        BY_PATH.open_read(path).close()
     except NotRegularFileError as e:
         kind = e.kind
     except FileNotFoundError:
@@ -100,7 +101,7 @@ def _check_regular(path: str) -> None:
 
 def _run_dirs(logdir: str) -> list[str]:
     """The directories below ``logdir`` (itself included) that hold events files, sorted."""
-    found = {os.path.dirname(p) for p in LOCAL.list_tree(logdir) if "tfevents" in p}
+    found = {os.path.dirname(p) for p in BY_PATH.list_tree(logdir) if "tfevents" in p}
     return [os.path.join(logdir, d) if d else logdir for d in sorted(found)]
 
 
@@ -197,7 +198,7 @@ def read_run(path: str, name: str, patterns: list[str] | None = None) -> Run:
         if s.kind == "scalar" and s.values:
             s.last = short_value(s.values[-1])
     series.sort(key=lambda s: s.tag)
-    files = sorted(os.path.join(path, n) for n in LOCAL.list(path) if "tfevents" in n)
+    files = sorted(os.path.join(path, n) for n in BY_PATH.list(path) if "tfevents" in n)
     damaged: list[str] = []
     sessions, checkpoints = _session_logs(files, damaged)
     return Run(name, path, files, series, sessions, checkpoints, damaged)
@@ -210,17 +211,17 @@ def read_runs(logdir: str, patterns: list[str] | None = None) -> list[Run]:
         NotFoundError: ``logdir`` is not a directory or holds no events file.
         DataLossError: An events file is not a regular file (a FIFO, a device, a directory).
     """
-    if not LOCAL.is_dir(logdir):
+    if not BY_PATH.is_dir(logdir):
         raise NotFoundError(f"{logdir} is not a directory")
     dirs = _run_dirs(logdir)
     if not dirs:
         raise NotFoundError(f"No events files in {logdir}")
     for directory in dirs:  # TensorBoard's loader would block on a FIFO, or read /dev/zero.
-        for name in sorted(LOCAL.list(directory)):
+        for name in sorted(BY_PATH.list(directory)):
             path = os.path.join(directory, name)
             if "tfevents" in name:
                 _check_regular(path)
-    return [read_run(d, os.path.relpath(d, logdir), patterns) for d in dirs]
+    return [read_run(d, url_paths.relpath(d, logdir), patterns) for d in dirs]
 
 
 def print_runs(runs: list[Run]) -> None:

@@ -45,6 +45,7 @@ from torchsupervisor.hooks.session_run_hook import (
     SessionRunHook,
     SessionRunValues,
 )
+from torchsupervisor.storage import paths as url_paths
 from torchsupervisor.summary.writer_cache import SummaryWriterCache
 
 __all__ = ["CheckpointSaverHook", "CheckpointSaverListener"]
@@ -244,7 +245,7 @@ class CheckpointSaverHook(SessionRunHook):
         step = read_step(driver.global_step)
         self._finish_pending()
         restored = getattr(session, "restored_checkpoint", None)
-        if restored is not None and os.path.abspath(restored) == os.path.abspath(
+        if restored is not None and url_paths.abspath(restored) == url_paths.abspath(
             f"{self._save_path}-{step}"
         ):
             driver.last_step, driver.last_prefix = step, restored

@@ -3,7 +3,9 @@
 ``base`` defines the interface (object-store operations: atomic put of a whole object, ranged
 reads, listing, delete, a writer lock); ``local`` implements it on a POSIX file system
 (temporary name, fsync, rename, fsync of the directory; ``O_DIRECT`` for large objects);
-``lock`` is the local writer lock. ``storage_for(path)`` picks the storage of a path.
+``lock`` is the local writer lock; ``objects`` implements it on an object store (``s3`` on
+boto3, ``memory`` inside the process); ``paths`` compares and rebases paths that may be URLs.
+``storage_for(path)`` picks the storage of a path; ``BY_PATH`` picks it at every call.
 
 It is a layer of its own, below ``checkpoint/`` and ``summary/`` (both write through it) and the
 CLI (which reads through it), so that an object store fits in one place.
@@ -11,15 +13,24 @@ CLI (which reads through it), so that an object store fits in one place.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
+from typing import Any
+
 from torchsupervisor.storage import base
 from torchsupervisor.storage.base import *  # noqa: F403
-from torchsupervisor.storage.base import Storage
+from torchsupervisor.storage.base import Appendable, Buffer, DirectoryLock, Readable, Storage
 from torchsupervisor.storage.local import LocalStorage, is_temporary_name, temporary_name
+from torchsupervisor.storage.objects import ObjectStorage
+from torchsupervisor.storage.paths import URL, is_url, parse_url
 
 __all__ = [
     *base.__all__,
+    "BY_PATH",
     "LOCAL",
     "LocalStorage",
+    "ObjectStorage",
+    "configure",
     "is_temporary_name",
     "storage_for",
     "temporary_name",
@@ -28,24 +39,157 @@ __all__ = [
 LOCAL: Storage = LocalStorage()
 """The local file system."""
 
+SCHEMES = ("s3", "memory")
+"""The URL schemes with a storage (``gs://`` and ``az://`` are not available yet)."""
+
+_mutex = threading.Lock()
+_options: dict[tuple[str, str], dict[str, Any]] = {}
+_stores: dict[tuple[str, str], ObjectStorage] = {}
+
+
+def configure(url: str, **options: Any) -> None:
+    """Set how the bucket of ``url`` is reached (instead of the standard environment).
+
+    Args:
+        url: Any URL in the bucket (``s3://bucket`` or ``s3://bucket/run``).
+        **options: For ``s3://``: ``endpoint_url``, ``aws_access_key_id``,
+            ``aws_secret_access_key``, ``aws_session_token``, ``region_name``,
+            ``connect_timeout`` and ``read_timeout`` (seconds), ``max_attempts``; for any
+            object store: ``part_bytes`` (multipart part size, bytes), ``max_concurrency``
+            (parts in flight), ``lock_ttl_secs`` (seconds).
+
+    Raises:
+        ValueError: ``url`` is not a URL.
+
+    Thread safety: safe from any thread; storages made before keep their options.
+    """
+    parsed = parse_url(url)
+    with _mutex:
+        _options[(parsed.scheme, parsed.bucket)] = dict(options)
+        _stores.pop((parsed.scheme, parsed.bucket), None)
+
 
 def storage_for(path: str, storage: Storage | None = None) -> Storage:
     """Return ``storage`` if given, else the storage that holds ``path``.
 
     Args:
-        path: A local path (a URL names an object store).
+        path: A local path, or a URL: ``s3://bucket/key`` (boto3, configured by the ``AWS_*``
+            environment variables or ``configure``) or ``memory://bucket/key``.
         storage: An explicit storage (tests inject faults this way); None: chosen by ``path``.
 
     Raises:
-        UnimplementedError: ``path`` is a URL (``s3://``, ``gs://``, ...): object stores are
-            not available yet.
+        UnimplementedError: A URL scheme without a storage (``gs://``, ``az://``, ...).
+        ImportError: ``s3://`` without boto3 (``pip install torchsupervisor[s3]``).
+        FileNotFoundError, PermissionError, ConnectionError: The bucket does not exist, the
+            credentials are missing or refused, or the endpoint cannot be reached (checked
+            once per bucket and process).
     """
     if storage is not None:
         return storage
-    if "://" in str(path):
-        from torchsupervisor.errors import UnimplementedError
+    if not is_url(path):
+        return LOCAL
+    url = parse_url(str(path))
+    key = (url.scheme, url.bucket)
+    with _mutex:
+        found = _stores.get(key)
+        options = dict(_options.get(key, {}))
+    if found is not None:
+        return found
+    made = _object_storage(url, options)
+    with _mutex:
+        return _stores.setdefault(key, made)
 
-        raise UnimplementedError(
-            None, None, f"{path}: checkpoints on object storage are not available yet"
-        )
-    return LOCAL
+
+def _object_storage(url: URL, options: dict[str, Any]) -> ObjectStorage:
+    tuning = {
+        k: options.pop(k)
+        for k in ("part_bytes", "max_concurrency", "lock_ttl_secs")
+        if k in options
+    }
+    if url.scheme == "memory":
+        from torchsupervisor.storage.memory import MemoryClient
+
+        if options:
+            raise ValueError(f"{url.root}: unknown storage options {sorted(options)}")
+        return ObjectStorage(MemoryClient(url.bucket), **tuning)
+    if url.scheme == "s3":
+        from torchsupervisor.storage.s3 import S3Client
+
+        client = S3Client(url.bucket, options)
+        client.check_bucket()
+        return ObjectStorage(client, **tuning)
+    from torchsupervisor.errors import UnimplementedError
+
+    raise UnimplementedError(
+        None,
+        None,
+        f"{url.root}: no storage for {url.scheme}:// (available: "
+        f"{', '.join(s + '://' for s in SCHEMES)})",
+    )
+
+
+class _ByPath(Storage):
+    """The storage of each path, chosen at every call (``storage_for``)."""
+
+    def put(
+        self, path: str, chunks: Iterable[Buffer], *, cancel: threading.Event | None = None
+    ) -> None:
+        storage_for(path).put(path, chunks, cancel=cancel)
+
+    def delete(self, path: str) -> None:
+        storage_for(path).delete(path)
+
+    def makedirs(self, path: str) -> None:
+        storage_for(path).makedirs(path)
+
+    def open_append(self, path: str) -> Appendable:
+        return storage_for(path).open_append(path)
+
+    def open_read(self, path: str, *, inside: str | None = None) -> Readable:
+        return storage_for(path).open_read(path, inside=inside)
+
+    def read_bytes(self, path: str, *, max_bytes: int) -> bytes:
+        return storage_for(path).read_bytes(path, max_bytes=max_bytes)
+
+    def list(self, directory: str) -> list[str]:
+        return storage_for(directory).list(directory)
+
+    def list_tree(self, directory: str) -> list[str]:
+        return storage_for(directory).list_tree(directory)
+
+    def exists(self, path: str) -> bool:
+        return storage_for(path).exists(path)
+
+    def is_file(self, path: str) -> bool:
+        return storage_for(path).is_file(path)
+
+    def is_dir(self, path: str) -> bool:
+        return storage_for(path).is_dir(path)
+
+    def accepts_objects(self, directory: str) -> bool:
+        return storage_for(directory).accepts_objects(directory)
+
+    def size(self, path: str) -> int:
+        return storage_for(path).size(path)
+
+    def mtime(self, path: str) -> float:
+        return storage_for(path).mtime(path)
+
+    def canonical(self, path: str) -> str:
+        return storage_for(path).canonical(path)
+
+    def lock(self, directory: str) -> DirectoryLock:
+        return storage_for(directory).lock(directory)
+
+    def lock_owner(self, directory: str) -> dict[str, object]:
+        return storage_for(directory).lock_owner(directory)
+
+    def leftovers(self, directory: str) -> list[str]:
+        return storage_for(directory).leftovers(directory)
+
+    def clean_leftovers(self, directory: str) -> list[str]:
+        return storage_for(directory).clean_leftovers(directory)
+
+
+BY_PATH: Storage = _ByPath()
+"""The storage of each path: ``LOCAL`` for a local path, the object store of a URL."""

@@ -336,6 +336,14 @@ class Storage(abc.ABC):
     def is_dir(self, path: str) -> bool:
         """Return True if ``path`` is a directory (a bucket: a prefix holding objects)."""
 
+    def accepts_objects(self, directory: str) -> bool:
+        """Return True if objects can be put in ``directory`` now.
+
+        Locally: it is a directory (``makedirs`` made it); on an object store: any prefix
+        (a prefix needs no directory object).
+        """
+        return self.is_dir(directory)
+
     @abc.abstractmethod
     def size(self, path: str) -> int:
         """Return the size of object ``path`` in bytes.

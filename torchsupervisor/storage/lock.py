@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from torchsupervisor.errors import LogdirLockedError
 from torchsupervisor.storage import base
 
-__all__ = ["LOCK_FILENAME", "DirectoryLock", "acquire", "read_owner"]
+__all__ = ["LOCK_FILENAME", "DirectoryLock", "acquire", "describe_owner", "read_owner"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -144,8 +144,8 @@ def _lock_file(directory: str) -> int | None:
             owner = _read_fd(fd)
             os.close(fd)
             raise LogdirLockedError(
-                f"Another process is writing to {directory}: {_describe(owner)}. One writer per "
-                "log directory: stop it, or use another directory.",
+                f"Another process is writing to {directory}: {describe_owner(owner)}. One "
+                "writer per log directory: stop it, or use another directory.",
                 path=path,
                 directory=directory,
                 owner=owner,
@@ -198,7 +198,8 @@ def read_owner(directory: str) -> dict[str, object]:
         os.close(fd)
 
 
-def _describe(owner: dict[str, object]) -> str:
+def describe_owner(owner: dict[str, object]) -> str:
+    """Name a lock's writer for a message: ``"pid 4242 on host gpu-3 since ... (cmd)"``."""
     if not owner:
         return "its writer did not say who it is"
     text = f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}"

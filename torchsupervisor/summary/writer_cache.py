@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 
+from torchsupervisor.storage import paths as url_paths
 from torchsupervisor.summary.writer import SERVICE_MAX_QUEUE, SummaryWriter
 
 __all__ = ["FileWriterCache", "SummaryWriterCache"]
@@ -40,7 +41,7 @@ class SummaryWriterCache:
 
         TF name: ``FileWriterCache.get``.
         """
-        key = os.path.abspath(os.fspath(logdir))
+        key = url_paths.abspath(os.fspath(logdir))
         with SummaryWriterCache._lock:
             writer = SummaryWriterCache._cache.get(key)
             if writer is None:

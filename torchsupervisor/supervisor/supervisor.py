@@ -10,11 +10,10 @@ Typical use::
 
 Inside ``managed_session`` the state was restored from the newest valid checkpoint of
 ``logdir`` (or initialized), and services run in the background: a checkpoint every
-``save_model_secs``, summaries and ``global_step/sec`` every ``save_summaries_secs``. Where this
-differs from TF on purpose is in the class docstring and SPEC section 4; how a single process,
-the chief and workers of replicas, and the ranks of a sharded state each prepare and checkpoint
-a session is in ``supervisor/modes.py``; the arguments are resolved in
-``supervisor/settings.py``; when to checkpoint is ``driver/checkpoint_driver.py``'s.
+``save_model_secs``, summaries and ``global_step/sec`` every ``save_summaries_secs``. On purpose
+unlike TF: the class docstring and SPEC section 4. The modes (one process, replicas, sharded
+state): ``supervisor/modes.py``; the arguments: ``supervisor/settings.py``; when to
+checkpoint: ``driver/checkpoint_driver.py``.
 
 TF name: ``tf.compat.v1.train.Supervisor``.
 """
@@ -197,8 +196,7 @@ class Supervisor:
         self._sess: Session | None = None
 
     # -------------------------------------------------------------------------- accessors
-    # What the Supervisor was built with; each is TF's ``Supervisor.<name>`` (``state`` is ours:
-    # TF's variables lived in the graph).
+    # What it was built with; each is TF's ``Supervisor.<name>`` (``state`` is ours).
 
     is_chief = _setting("is_chief", "True if this is the chief supervisor.")
     session_manager = _setting("session_manager", "The ``SessionManager`` creating sessions.")
@@ -268,7 +266,7 @@ class Supervisor:
             DataLossError: If ``logdir`` has checkpoints and none of them is valid.
             DeadlineExceededError: If a non-chief waited ``max_wait_secs`` in vain.
             LogdirLockedError: (Chief) another process is writing to ``logdir`` (one writer
-                per log directory; the lock is released when that process ends).
+                per log directory; released by ``stop`` or when that process ends).
             FailedPreconditionError: (Sharded state) if the ranks see different checkpoints
                 or resumed from different ones, or another rank failed to prepare.
 
@@ -467,6 +465,8 @@ class Supervisor:
     ) -> None:
         """Stop the services and join their threads; does not close the session.
 
+        The chief releases the logdir's writer lock (its saver's too: a later save retakes it).
+
         Args:
             threads: Extra threads to join besides the registered ones.
             close_summary_writer: Write ``SessionLog.STOP`` and close the writer.
@@ -495,6 +495,8 @@ class Supervisor:
                     writer.add_session_log(SessionLog(status=SessionLog.STOP))
                 writer.close()
             if self._logdir_lock is not None:
+                if self._settings.saver is not None and not self._settings.saver.in_flight:
+                    self._settings.saver.close()  # Its handles on the lock.
                 self._logdir_lock.release()
                 self._logdir_lock = None
 

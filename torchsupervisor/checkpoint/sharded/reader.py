@@ -32,7 +32,7 @@ from torchsupervisor.checkpoint.sharded.metadata import (
     ShardedManifest,
 )
 from torchsupervisor.errors import CorruptCheckpointError
-from torchsupervisor.storage import LOCAL, Readable, Storage, read_exactly
+from torchsupervisor.storage import BY_PATH, Readable, Storage, read_exactly
 
 __all__ = ["ShardedStorageReader", "to_dcp_metadata"]
 
@@ -83,7 +83,7 @@ class ShardedStorageReader(StorageReader, RememberErrors):
         prefix: str,
         manifest: ShardedManifest | None,
         *,
-        storage: Storage = LOCAL,
+        storage: Storage = BY_PATH,
         error: BaseException | None = None,
     ) -> None:
         self._prefix = prefix

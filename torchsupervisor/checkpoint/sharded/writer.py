@@ -49,7 +49,7 @@ from torchsupervisor.checkpoint.snapshot import Stager
 from torchsupervisor.checkpoint.state_file import record_newest
 from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.errors import CheckpointSaveError
-from torchsupervisor.storage import LOCAL, Storage
+from torchsupervisor.storage import BY_PATH, Storage
 
 __all__ = ["SaveOutcome", "ShardedStorageWriter"]
 
@@ -141,7 +141,7 @@ class ShardedStorageWriter(StorageWriter, RememberErrors):
         wall_time: float,
         write_state: bool = True,
         latest_filename: str | None = None,
-        storage: Storage = LOCAL,
+        storage: Storage = BY_PATH,
         stager: Stager | None = None,
         error: BaseException | None = None,
     ) -> None:
@@ -186,7 +186,7 @@ class ShardedStorageWriter(StorageWriter, RememberErrors):
         with self._remembering():
             if self._pending is not None:
                 raise self._pending
-            if self._dir and not self._storage.exists(self._dir):
+            if self._dir and not self._storage.accepts_objects(self._dir):
                 raise ValueError(f"Parent directory of {self._prefix} doesn't exist, can't save.")
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:

@@ -1,0 +1,248 @@
+"""``ObjectStorage`` on a real S3 server (SeaweedFS) and on ``memory://``: the Storage contract
+without rename, append or fsync."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import crc32c
+import pytest
+
+from torchsupervisor.errors import (
+    LogdirLockedError,
+    NotRegularFileError,
+    OutsideDirectoryError,
+    UnimplementedError,
+    WriteCancelled,
+)
+from torchsupervisor.storage import ObjectStorage, storage_for
+from torchsupervisor.storage.lock import LOCK_FILENAME
+from torchsupervisor.storage.objects import PreconditionFailed
+
+MIB = 1 << 20
+
+
+@pytest.fixture(params=["memory", "s3"])
+def url(request) -> str:
+    """A fresh prefix on each kind of object store."""
+    return request.getfixturevalue(f"{request.param}_url")
+
+
+def _storage(url: str, **tuning) -> ObjectStorage:
+    """A storage of its own on ``url``'s bucket (own tuning, own writer locks)."""
+    return ObjectStorage(storage_for(url).client, **tuning)
+
+
+def test_put_read_list_and_delete(url):
+    st = storage_for(url)
+    st.put(f"{url}/a", [b"hello ", memoryview(b"world")])
+    st.put(f"{url}/sub/b", [b""])
+    assert st.read_bytes(f"{url}/a", max_bytes=100) == b"hello world"
+    assert st.list(url) == ["a", "sub"] and st.list_tree(url) == ["a", "sub/b"]
+    assert st.is_file(f"{url}/a") and not st.is_dir(f"{url}/a")
+    assert st.is_dir(f"{url}/sub") and not st.is_file(f"{url}/sub")
+    assert st.exists(f"{url}/sub") and not st.exists(f"{url}/none")
+    assert st.size(f"{url}/a") == 11 and st.size(f"{url}/sub/b") == 0
+    assert abs(st.mtime(f"{url}/a") - time.time()) < 300
+    with st.open_read(f"{url}/a") as f:
+        view = memoryview(bytearray(5))
+        assert f.readinto(view, 6) == 5 and bytes(view) == b"world"
+        assert f.readinto(view, 11) == 0
+    st.delete(f"{url}/a")
+    assert not st.exists(f"{url}/a") and st.list(url) == ["sub"]
+    with pytest.raises(FileNotFoundError):
+        st.delete(f"{url}/a")
+    assert st.list(f"{url}/nothing-here") == []
+    with pytest.raises(FileNotFoundError):
+        st.list_tree(f"{url}/nothing-here")
+
+
+def test_open_read_refuses_missing_objects_prefixes_and_other_directories(url):
+    st = storage_for(url)
+    st.put(f"{url}/d/x", [b"1"])
+    with pytest.raises(FileNotFoundError):
+        st.open_read(f"{url}/missing")
+    with pytest.raises(NotRegularFileError):
+        st.open_read(f"{url}/d")
+    with pytest.raises(OutsideDirectoryError):
+        st.open_read(f"{url}/d/x", inside=url)
+    st.open_read(f"{url}/d/x", inside=f"{url}/d").close()
+
+
+def test_a_large_object_is_uploaded_in_parts_and_read_back_whole(url):
+    st = _storage(url, part_bytes=5 * MIB, max_concurrency=2)
+    data = os.urandom(12 * MIB + 123)
+    chunks = [memoryview(data)[i : i + 3 * MIB] for i in range(0, len(data), 3 * MIB)]
+    st.put(f"{url}/big", chunks)
+    assert st.size(f"{url}/big") == len(data)
+    assert st.read_bytes(f"{url}/big", max_bytes=len(data)) == data
+    assert st.leftovers(url) == []
+
+
+def test_a_failed_put_leaves_the_old_object_and_no_upload(url):
+    st = _storage(url, part_bytes=5 * MIB)
+    st.put(f"{url}/obj", [b"old"])
+
+    def failing():
+        yield os.urandom(6 * MIB)  # A whole part is sent before the failure.
+        raise OSError("disk read error in the middle of a save")
+
+    with pytest.raises(OSError, match="middle of a save"):
+        st.put(f"{url}/obj", failing())
+    assert st.read_bytes(f"{url}/obj", max_bytes=10) == b"old"
+    assert st.leftovers(url) == []
+
+
+def test_a_cancelled_put_commits_nothing(url):
+    st = _storage(url, part_bytes=5 * MIB)
+    cancel = threading.Event()
+
+    def chunks():
+        yield os.urandom(6 * MIB)
+        cancel.set()
+        yield b"more"
+
+    with pytest.raises(WriteCancelled):
+        st.put(f"{url}/obj", chunks(), cancel=cancel)
+    assert not st.exists(f"{url}/obj") and st.leftovers(url) == []
+
+
+def test_readers_see_the_old_object_until_a_multipart_upload_completes(url):
+    st = _storage(url, part_bytes=5 * MIB)
+    st.put(f"{url}/obj", [b"old"])
+    seen = []
+
+    def chunks():
+        for _ in range(3):
+            yield os.urandom(5 * MIB)
+            seen.append(st.read_bytes(f"{url}/obj", max_bytes=100))
+
+    st.put(f"{url}/obj", chunks())
+    assert seen == [b"old"] * 3 and st.size(f"{url}/obj") == 15 * MIB
+
+
+def test_the_store_refuses_a_body_whose_crc32c_does_not_match(url):
+    client = storage_for(url).client
+    key = storage_for(url)._key(f"{url}/obj")
+    with pytest.raises(OSError, match="BadDigest"):
+        client.put_object(key, b"payload", crc=crc32c.crc32c(b"payloaD"))
+    assert not storage_for(url).exists(f"{url}/obj")
+
+
+def test_unfinished_uploads_are_leftovers_and_cleaned(url):
+    st = storage_for(url)
+    client = st.client
+    upload = client.create_upload(st._key(f"{url}/crashed"))
+    client.upload_part(upload, 1, b"part", crc=crc32c.crc32c(b"part"))
+    deeper = client.create_upload(st._key(f"{url}/sub/other"))
+    assert st.leftovers(url) == [f"{url}/crashed"]
+    assert st.clean_leftovers(url) == [f"{url}/crashed"]
+    assert st.leftovers(url) == [] and not st.exists(f"{url}/crashed")
+    client.abort_upload(deeper)
+
+
+def test_conditional_puts(url):
+    client = storage_for(url).client
+    key = storage_for(url)._key(f"{url}/lock")
+    first = client.put_object(key, b"1", crc=crc32c.crc32c(b"1"), if_none_match=True)
+    with pytest.raises(PreconditionFailed):
+        client.put_object(key, b"2", crc=crc32c.crc32c(b"2"), if_none_match=True)
+    second = client.put_object(key, b"3", crc=crc32c.crc32c(b"3"), if_match=first)
+    with pytest.raises(PreconditionFailed):
+        client.put_object(key, b"4", crc=crc32c.crc32c(b"4"), if_match=first)
+    with pytest.raises(PreconditionFailed):
+        client.delete(key, if_match=first)
+    client.delete(key, if_match=second)
+    assert not storage_for(url).exists(f"{url}/lock")
+
+
+def test_one_writer_per_prefix(url):
+    mine = _storage(url)
+    lock = mine.lock(url)
+    owner = mine.lock_owner(url)
+    assert owner["pid"] == os.getpid() and owner["host"]
+    other = _storage(url)  # Another writer: its own lock table, as another process has.
+    with pytest.raises(LogdirLockedError, match=f"Another process is writing to {url}: pid"):
+        other.lock(url)
+    again = mine.lock(url)  # Shared within the writer.
+    lock.release()
+    with pytest.raises(LogdirLockedError):
+        other.lock(url)
+    again.release()
+    assert not storage_for(url).exists(f"{url}/{LOCK_FILENAME}")
+    other.lock(url).release()
+
+
+def _write_lock(url: str, owner: dict) -> None:
+    storage_for(url).put(f"{url}/{LOCK_FILENAME}", [json.dumps(owner).encode()])
+
+
+def test_the_lock_of_a_dead_process_on_this_host_is_taken_over(url, caplog):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    import socket
+
+    _write_lock(
+        url, {"pid": int(dead.stdout), "host": socket.gethostname(), "heartbeat": time.time()}
+    )
+    with caplog.at_level("WARNING", logger="torchsupervisor"):
+        lock = _storage(url).lock(url)
+    assert "Taking over the writer lock" in caplog.text
+    assert storage_for(url).lock_owner(url)["pid"] == os.getpid()
+    lock.release()
+
+
+def test_a_lock_whose_heartbeat_stopped_expires(url):
+    _write_lock(url, {"pid": 1, "host": "elsewhere", "heartbeat": time.time() - 100})
+    _storage(url, lock_ttl_secs=30).lock(url).release()
+    _write_lock(url, {"pid": 1, "host": "elsewhere", "heartbeat": time.time()})
+    with pytest.raises(LogdirLockedError, match="pid 1 on host elsewhere"):
+        _storage(url, lock_ttl_secs=30).lock(url)
+
+
+def test_the_holder_renews_its_heartbeat(url):
+    lock = _storage(url, lock_ttl_secs=0.3).lock(url)
+    try:
+        first = storage_for(url).lock_owner(url)["heartbeat"]
+        deadline = time.monotonic() + 30
+        while storage_for(url).lock_owner(url)["heartbeat"] == first:
+            assert time.monotonic() < deadline, "the heartbeat was never renewed"
+            time.sleep(0.05)
+    finally:
+        lock.release()
+
+
+def test_an_appended_object_is_uploaded_whole_at_each_sync(url):
+    st = storage_for(url)
+    f = st.open_append(f"{url}/events")
+    f.write(b"one ")
+    assert not st.exists(f"{url}/events")
+    f.sync()
+    assert st.read_bytes(f"{url}/events", max_bytes=100) == b"one "
+    f.write(b"two")
+    f.sync()
+    f.close()
+    assert st.read_bytes(f"{url}/events", max_bytes=100) == b"one two"
+    with pytest.raises(FileExistsError):
+        st.open_append(f"{url}/events")
+
+
+def test_any_prefix_accepts_objects_and_urls_of_another_bucket_are_refused(url):
+    st = storage_for(url)
+    assert st.accepts_objects(f"{url}/new/prefix") and not st.is_dir(f"{url}/new/prefix")
+    with pytest.raises(ValueError, match="is not in"):
+        st.put("memory://another-bucket/x" if url.startswith("s3") else "s3://b/x", [b""])
+
+
+def test_unknown_schemes_are_refused_with_the_available_ones():
+    with pytest.raises(UnimplementedError, match=r"no storage for gs:// \(available: s3://"):
+        storage_for("gs://bucket/run")
