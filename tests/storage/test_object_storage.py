@@ -246,3 +246,69 @@ def test_any_prefix_accepts_objects_and_urls_of_another_bucket_are_refused(url):
 def test_unknown_schemes_are_refused_with_the_available_ones():
     with pytest.raises(UnimplementedError, match=r"no storage for gs:// \(available: s3://"):
         storage_for("gs://bucket/run")
+
+
+def _fresh(url: str, **options):
+    """A storage made anew for the bucket of ``url`` with ``options`` (not the cached one)."""
+    from torchsupervisor.storage import _object_storage
+    from torchsupervisor.storage.paths import parse_url
+
+    return _object_storage(parse_url(url), dict(options))
+
+
+def test_a_missing_bucket_is_named(s3_server):
+    with pytest.raises(FileNotFoundError, match="the bucket 'no-such-bucket' does not exist"):
+        _fresh("s3://no-such-bucket/run", **s3_server.options())
+
+
+def test_refused_credentials_are_a_permission_error(s3_server):
+    options = {**s3_server.options(), "aws_secret_access_key": "wrong"}
+    with pytest.raises(PermissionError):
+        _fresh("s3://tsv-test/run", **options)
+
+
+def test_an_unreachable_endpoint_fails_quickly_and_names_it(s3_server):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # Nothing listens there once it is closed.
+    options = {
+        **s3_server.options(),
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "connect_timeout": 1.0,
+        "max_attempts": 2,
+    }
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port} is unreachable"):
+        _fresh("s3://tsv-test/run", **options)
+    assert time.monotonic() - start < 60  # Bounded by attempts x timeout, never a hang.
+
+
+def test_unknown_options_are_refused(s3_server):
+    with pytest.raises(ValueError, match="unknown storage options \\['endpoint'\\]"):
+        _fresh("s3://tsv-test/run", endpoint="http://x")
+
+
+def test_sequential_and_random_reads_of_a_large_object(url):
+    from torchsupervisor.storage.objects import READ_PART_BYTES
+
+    st = _storage(url, part_bytes=5 * MIB)
+    data = os.urandom(3 * READ_PART_BYTES + 12345)
+    st.put(f"{url}/big", [data])
+    with st.open_read(f"{url}/big") as f:
+        f.read_ahead(100)
+        got, offset, step = bytearray(), 100, 3 * MIB + 7  # Reads that straddle parts.
+        while True:
+            view = memoryview(bytearray(step))
+            n = f.readinto(view, offset)
+            if not n:
+                break
+            got += view[:n]
+            offset += n
+        assert bytes(got) == data[100:]
+        view = memoryview(bytearray(10))
+        assert f.readinto(view, READ_PART_BYTES - 5) == 10  # Back, across a part boundary.
+        assert bytes(view) == data[READ_PART_BYTES - 5 : READ_PART_BYTES + 5]
+    with pytest.raises(ValueError, match="closed"):
+        f.readinto(memoryview(bytearray(1)), 0)

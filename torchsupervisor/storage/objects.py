@@ -68,6 +68,12 @@ DEFAULT_PART_BYTES = 16 << 20
 DEFAULT_MAX_CONCURRENCY = 4
 """Parts of one object uploaded at once."""
 
+READ_PART_BYTES = 8 << 20
+"""Bytes per ranged GET of a read."""
+
+READ_AHEAD_PARTS = 4
+"""Parts fetched ahead of a sequential reader (with the one being read: the GETs in flight)."""
+
 DEFAULT_LOCK_TTL_SECS = 30.0
 """A writer lock whose heartbeat is older than this (seconds) is stale."""
 
@@ -420,24 +426,85 @@ class _MultipartUpload:
 
 
 class _ObjectReadable(Readable):
+    """Ranged GETs with read-ahead: aligned parts fetched by a few threads ahead of the reader.
+
+    A read is served from parts of ``READ_PART_BYTES`` (aligned on that size), fetched in
+    parallel. Once reads are sequential (each starts where the last ended, or ``read_ahead``
+    named the start), the ``READ_AHEAD_PARTS`` parts after the one read are fetched too, so a
+    restore keeps several requests in flight, as a multipart download does; a lone small read
+    (a header, one tensor) fetches only its own part. Parts behind the reader are dropped.
+    """
+
     def __init__(self, client: ObjectClient, path: str, key: str, size: int) -> None:
         super().__init__(path, size)
         self._client = client
         self._key = key
+        self._mutex = threading.Lock()
+        self._parts: dict[int, concurrent.futures.Future[bytes]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._expected = -1  # Where a sequential reader reads next.
         self._closed = False
 
+    def _part(self, index: int) -> concurrent.futures.Future[bytes]:
+        """The future of part ``index``, submitted if needed (call with the mutex held)."""
+        found = self._parts.get(index)
+        if found is None:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    READ_AHEAD_PARTS + 1, thread_name_prefix="torchsupervisor-download"
+                )
+            start = index * READ_PART_BYTES
+            length = min(READ_PART_BYTES, self.size - start)
+            found = self._pool.submit(self._client.get_range, self._key, start, length)
+            self._parts[index] = found
+        return found
+
     def readinto(self, view: memoryview, offset: int) -> int:
-        if self._closed:
-            raise ValueError(f"{self.path} is closed")
         length = min(len(view), self.size - offset)
         if length <= 0:
             return 0
-        data = self._client.get_range(self._key, offset, length)
-        view[: len(data)] = data
-        return len(data)
+        first, last = offset // READ_PART_BYTES, (offset + length - 1) // READ_PART_BYTES
+        with self._mutex:
+            if self._closed:
+                raise ValueError(f"{self.path} is closed")
+            for stale in [i for i in self._parts if i < first]:
+                del self._parts[stale]  # Not cancelled: a reader on another thread may wait.
+            wanted = [self._part(i) for i in range(first, last + 1)]
+            if offset == self._expected:  # A sequential reader: fetch ahead of it.
+                self._ahead(last + 1)
+            self._expected = offset + length
+        done = 0
+        for index, future in zip(range(first, last + 1), wanted, strict=True):
+            data = future.result()
+            begin = max(offset, index * READ_PART_BYTES) - index * READ_PART_BYTES
+            piece = data[begin : begin + length - done]
+            if not piece:
+                break
+            view[done : done + len(piece)] = piece
+            done += len(piece)
+        return done
+
+    def read_ahead(self, offset: int) -> None:
+        """Start fetching the parts from ``offset`` on (a reader about to read from there)."""
+        with self._mutex:
+            if not self._closed and 0 <= offset < self.size:
+                self._ahead(offset // READ_PART_BYTES)
+                self._expected = offset
+
+    def _ahead(self, index: int) -> None:
+        end = (self.size - 1) // READ_PART_BYTES
+        for i in range(index, min(index + READ_AHEAD_PARTS, end + 1)):
+            self._part(i)
 
     def close(self) -> None:
-        self._closed = True
+        with self._mutex:
+            self._closed = True
+            for future in self._parts.values():
+                future.cancel()
+            self._parts.clear()
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 class _CachedAppendable(Appendable):
