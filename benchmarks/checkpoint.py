@@ -298,12 +298,17 @@ def measure_training(state, directory: str, rounds: int) -> dict[str, float]:
     more: on a shared virtual machine the speed of the loop itself drifts by several percent
     between seconds).
     """
+    path = os.path.join(directory, "training", "model.ckpt")
+    os.makedirs(os.path.dirname(path))
+    return measure_training_at(state, path, rounds)
+
+
+def measure_training_at(state, path: str, rounds: int) -> dict[str, float]:
+    """``measure_training`` with checkpoints saved to ``path`` (a prefix; a URL too)."""
     loop = TrainingLoop()
     loop.steps_per_sec(0.5)  # Warm-up.
     saver = Saver(max_to_keep=1)
     sess = Session(state)
-    path = os.path.join(directory, "training", "model.ckpt")
-    os.makedirs(os.path.dirname(path))
     t0 = time.perf_counter()
     saver.save(sess, path, global_step=0)  # Allocates the staging buffers.
     window = max(0.5, 2 * (time.perf_counter() - t0))

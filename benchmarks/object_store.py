@@ -13,8 +13,8 @@ as the tests do) and measures, for each state size (an MLP and its Adam state), 
 * restore: ``Saver.restore`` from ``s3://`` (ranged reads, every checksum checked) against
   ``download_fileobj`` of the same bytes into memory; target at most 1.2x the time;
 * training: steps/s of a small training loop while checkpoints are uploaded back to back,
-  against steps/s with nothing in flight (alternating rounds, paired medians); target at least
-  0.95.
+  against steps/s with nothing in flight (``checkpoint.measure_training_at``: alternating
+  rounds, paired medians); target at least 0.95.
 
 The server shares this machine's cores with the training loop (on a 2-core machine it takes
 CPU a remote store would not), so the training ratio here is a lower bound.
@@ -29,10 +29,8 @@ import io
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
-import time
 import uuid
 from typing import Any
 
@@ -103,55 +101,12 @@ def measure_transfers(state, client, url: str, repeat: int) -> dict[str, float]:
     }
 
 
-def measure_training(state, url: str, rounds: int) -> dict[str, float]:
-    """Steps/s of the loop while checkpoints are uploaded back to back, and with none."""
-    loop = ckbench.TrainingLoop()
-    loop.steps_per_sec(0.5)  # Warm-up.
-    saver, sess = Saver(max_to_keep=1), Session(state)
-    path = f"{url}/training/model.ckpt"
-    t0 = time.perf_counter()
-    saver.save(sess, path, global_step=0)
-    window = max(1.0, 2 * (time.perf_counter() - t0))
-    step = 0
-
-    def timed_steps(keep_saving: bool) -> float:
-        nonlocal step
-        steps, secs, future = 0, 0.0, None
-        start = time.perf_counter()
-        while time.perf_counter() - start < window:
-            if keep_saving and (future is None or future.done()):
-                step += 1
-                future = saver.save_async(sess, path, global_step=step)
-            t = time.perf_counter()
-            loop.step()
-            secs += time.perf_counter() - t
-            steps += 1
-        if future is not None:
-            future.result()
-        return steps / secs
-
-    try:
-        busy, idle = [], []
-        for _ in range(rounds):
-            busy.append(timed_steps(True))
-            idle.append(timed_steps(False))
-        idle.append(timed_steps(False))
-    finally:
-        saver.close()
-    paired = [b / ((idle[i] + idle[i + 1]) / 2) for i, b in enumerate(busy)]
-    return {
-        "steps_per_sec_idle": statistics.median(idle),
-        "steps_per_sec_uploading": statistics.median(busy),
-        "paired_ratio": statistics.median(paired),
-    }
-
-
 def run_size(size_bytes: int, server, client, repeat: int, rounds: int) -> dict[str, Any]:
     state = ckbench.build_state(size_bytes)
     url = f"s3://{s3_server.BUCKET}/bench-{uuid.uuid4().hex[:8]}"
     row = {"state_bytes": _state_bytes(state)}
     row.update(measure_transfers(state, client, url, repeat))
-    row.update(measure_training(state, url, rounds))
+    row.update(ckbench.measure_training_at(state, f"{url}/training/model.ckpt", rounds))
     row["ratios"] = {
         "persist_vs_upload": row["upload_secs"] / row["save_secs"],
         "restore_vs_download": row["restore_secs"] / row["download_secs"],
@@ -176,7 +131,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(
             f"{r['state_bytes'] / mb:9.0f} {r['steps_per_sec_idle']:9.1f}"
-            f" {r['steps_per_sec_uploading']:10.1f} {r['ratios']['steps_per_sec_ratio']:6.3f}"
+            f" {r['steps_per_sec_persisting']:10.1f} {r['ratios']['steps_per_sec_ratio']:6.3f}"
         )
     print("\nTargets (issue 15) at every size:")
     for name, target in TARGETS.items():
