@@ -95,3 +95,27 @@ def test_the_supervisor_writes_checkpoints_and_events_to_the_store(url):
     with sv.managed_session():
         assert again["global_step"].value == 3
     assert torch.equal(again["model"].weight, model.weight)
+
+
+def test_a_start_cleans_what_a_crash_left(url, caplog):
+    storage = storage_for(url)
+    sess = Session({"w": torch.ones(8), "global_step": ts.GlobalStep()})
+    saver = Saver()
+    try:
+        saver.save(sess, f"{url}/model.ckpt", 1)
+    finally:
+        saver.close()
+    # A crash after the shards of step 2 and before its manifest, and one in an upload.
+    storage.put(f"{url}/model.ckpt-2.data-00000-of-00001", [b"shard without a manifest"])
+    upload = storage.client.create_upload(storage._key(f"{url}/model.ckpt-3.data-00000-of-00001"))
+    assert storage.leftovers(url) == [f"{url}/model.ckpt-3.data-00000-of-00001"]
+
+    state = {"w": torch.zeros(8), "global_step": ts.GlobalStep()}
+    sv = ts.Supervisor(logdir=url, state=state, save_model_secs=0, save_summaries_secs=0)
+    with caplog.at_level("WARNING", logger="torchsupervisor"), sv.managed_session():
+        assert torch.equal(state["w"], torch.ones(8))  # Restored from model.ckpt-1.
+    names = storage.list(url)
+    assert "model.ckpt-2.data-00000-of-00001" not in names
+    assert "model.ckpt-1.data-00000-of-00001" in names and storage.leftovers(url) == []
+    assert "incomplete checkpoint" in caplog.text
+    assert upload.key not in [u.key for u in storage.client.list_uploads("")]
