@@ -22,7 +22,7 @@ from torchsupervisor.errors import (
 )
 from torchsupervisor.storage import ObjectStorage, storage_for
 from torchsupervisor.storage.lock import LOCK_FILENAME
-from torchsupervisor.storage.objects import PreconditionFailed
+from torchsupervisor.storage.objects import ABSENT, PreconditionFailed
 
 MIB = 1 << 20
 
@@ -149,12 +149,12 @@ def test_unfinished_uploads_are_leftovers_and_cleaned(url):
 def test_conditional_puts(url):
     client = storage_for(url).client
     key = storage_for(url)._key(f"{url}/lock")
-    first = client.put_object(key, b"1", crc=crc32c.crc32c(b"1"), if_none_match=True)
+    first = client.put_object(key, b"1", crc=crc32c.crc32c(b"1"), only_if=ABSENT)
     with pytest.raises(PreconditionFailed):
-        client.put_object(key, b"2", crc=crc32c.crc32c(b"2"), if_none_match=True)
-    second = client.put_object(key, b"3", crc=crc32c.crc32c(b"3"), if_match=first)
+        client.put_object(key, b"2", crc=crc32c.crc32c(b"2"), only_if=ABSENT)
+    second = client.put_object(key, b"3", crc=crc32c.crc32c(b"3"), only_if=first)
     with pytest.raises(PreconditionFailed):
-        client.put_object(key, b"4", crc=crc32c.crc32c(b"4"), if_match=first)
+        client.put_object(key, b"4", crc=crc32c.crc32c(b"4"), only_if=first)
     with pytest.raises(PreconditionFailed):
         client.delete(key, if_match=first)
     client.delete(key, if_match=second)

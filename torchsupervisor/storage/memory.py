@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 
 import crc32c
 
-from torchsupervisor.storage.objects import ObjectClient, ObjectInfo, PreconditionFailed, Upload
+from torchsupervisor.storage.objects import (
+    ABSENT,
+    ObjectClient,
+    ObjectInfo,
+    PreconditionFailed,
+    Upload,
+)
 from torchsupervisor.storage.paths import URL
 
 __all__ = ["MemoryClient", "clear_buckets"]
@@ -68,22 +74,14 @@ class MemoryClient(ObjectClient):
         with _mutex:
             self._bucket = _buckets.setdefault(bucket, _Bucket())
 
-    def put_object(
-        self,
-        key: str,
-        data: object,
-        *,
-        crc: int,
-        if_none_match: bool = False,
-        if_match: str | None = None,
-    ) -> str:
+    def put_object(self, key: str, data: object, *, crc: int, only_if: str | None = None) -> str:
         body = bytes(data)  # type: ignore[call-overload]
         _check_crc(key, body, crc)
         with _mutex:
             old = self._bucket.objects.get(key)
-            if if_none_match and old is not None:
+            if only_if == ABSENT and old is not None:
                 raise PreconditionFailed(key)
-            if if_match is not None and (old is None or old.etag != if_match):
+            if only_if not in (None, ABSENT) and (old is None or old.etag != only_if):
                 raise PreconditionFailed(key)
             etag = f"v{next(_versions)}"
             self._bucket.objects[key] = _Object(body, time.time(), etag)

@@ -58,7 +58,7 @@ from torchsupervisor.storage.base import Appendable, Buffer, DirectoryLock, Read
 from torchsupervisor.storage.lock import LOCK_FILENAME, describe_owner
 from torchsupervisor.storage.paths import URL, parse_url
 
-__all__ = ["ObjectClient", "ObjectInfo", "ObjectStorage", "PreconditionFailed", "Upload"]
+__all__ = ["ABSENT", "ObjectClient", "ObjectInfo", "ObjectStorage", "PreconditionFailed", "Upload"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -79,6 +79,10 @@ DEFAULT_LOCK_TTL_SECS = 30.0
 
 _MAX_LOCK_BYTES = 4096
 _EXIT_GRACE_SECS = 2.0  # How long a holder on this host may take to die after a kill.
+
+
+ABSENT = "*"
+"""``put_object(only_if=ABSENT)``: create the object only if it does not exist."""
 
 
 class PreconditionFailed(Exception):
@@ -123,16 +127,12 @@ class ObjectClient(abc.ABC):
     """The bucket (``key`` is empty)."""
 
     @abc.abstractmethod
-    def put_object(
-        self,
-        key: str,
-        data: Buffer,
-        *,
-        crc: int,
-        if_none_match: bool = False,
-        if_match: str | None = None,
-    ) -> str:
-        """Store ``data`` as ``key`` (CRC-32C ``crc`` checked by the store); return its etag."""
+    def put_object(self, key: str, data: Buffer, *, crc: int, only_if: str | None = None) -> str:
+        """Store ``data`` as ``key`` (CRC-32C ``crc`` checked by the store); return its etag.
+
+        ``only_if``: None, unconditional; ``ABSENT``, only if ``key`` does not exist
+        (``If-None-Match: *``); an etag, only if ``key`` is that version (``If-Match``).
+        """
 
     @abc.abstractmethod
     def create_upload(self, key: str) -> Upload:
@@ -655,20 +655,14 @@ class _HeldLock:
     def _body(self) -> bytes:
         return json.dumps({**self._owner, "heartbeat": time.time(), "ttl": self._ttl}).encode()
 
-    def _put(self, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+    def _put(self, only_if: str) -> str:
         body = self._body()
-        return self._client.put_object(
-            self._key,
-            body,
-            crc=crc32c.crc32c(body),
-            if_none_match=if_none_match,
-            if_match=if_match,
-        )
+        return self._client.put_object(self._key, body, crc=crc32c.crc32c(body), only_if=only_if)
 
     def _take(self) -> str:
         for _ in range(3):  # Each turn loses only to a writer that took the lock meanwhile.
             try:
-                return self._put(if_none_match=True)
+                return self._put(ABSENT)
             except PreconditionFailed:
                 pass
             try:
@@ -694,7 +688,7 @@ class _HeldLock:
                 describe_owner(owner),
             )
             try:
-                return self._put(if_match=etag)
+                return self._put(etag)
             except (PreconditionFailed, FileNotFoundError):
                 continue
         raise LogdirLockedError(
@@ -708,7 +702,7 @@ class _HeldLock:
     def _beat(self) -> None:
         while not self._stop.wait(self._ttl / 3):
             try:
-                self._etag = self._put(if_match=self._etag)
+                self._etag = self._put(self._etag)
             except PreconditionFailed:
                 logger.error(
                     "The writer lock of %s was taken by another writer: two runs may now "

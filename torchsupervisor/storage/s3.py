@@ -22,7 +22,13 @@ import errno
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from torchsupervisor.storage.objects import ObjectClient, ObjectInfo, PreconditionFailed, Upload
+from torchsupervisor.storage.objects import (
+    ABSENT,
+    ObjectClient,
+    ObjectInfo,
+    PreconditionFailed,
+    Upload,
+)
 from torchsupervisor.storage.paths import URL
 
 __all__ = ["S3Client"]
@@ -150,20 +156,12 @@ class S3Client(ObjectClient):
         except self._errors.BotoCoreError as e:
             raise OSError(errno.EIO, f"S3: {e}", where) from None
 
-    def put_object(
-        self,
-        key: str,
-        data: Any,
-        *,
-        crc: int,
-        if_none_match: bool = False,
-        if_match: str | None = None,
-    ) -> str:
+    def put_object(self, key: str, data: Any, *, crc: int, only_if: str | None = None) -> str:
         kwargs: dict[str, Any] = {"ChecksumCRC32C": _crc_header(crc)}
-        if if_none_match:
+        if only_if == ABSENT:
             kwargs["IfNoneMatch"] = "*"
-        if if_match is not None:
-            kwargs["IfMatch"] = if_match
+        elif only_if is not None:
+            kwargs["IfMatch"] = only_if
         body = bytes(data)
         response = self._call(
             key,
