@@ -23,40 +23,39 @@ once its manifest exists.
 * ``open_append`` (events files): appends go to a local cache file; ``sync`` uploads the whole
   file as the object.
 
-The wire operations are those of ``ObjectClient``; ``s3.S3Client`` and ``memory.MemoryClient``
-implement them.
+The wire operations are those of ``ObjectClient`` (``object_client.py``); ``s3.S3Client`` and
+``memory.MemoryClient`` implement them. The lock is ``object_lock.py``.
 
 TF name: none (TF's ``gfile`` on ``gs://`` and ``s3://``).
 """
 
 from __future__ import annotations
 
-import abc
 import concurrent.futures
-import datetime
 import errno
-import json
 import logging
 import os
-import socket
-import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import crc32c
 
 from torchsupervisor.errors import (
-    LogdirLockedError,
     NotRegularFileError,
     OutsideDirectoryError,
     WriteCancelled,
 )
 from torchsupervisor.storage.base import Appendable, Buffer, DirectoryLock, Readable, Storage
-from torchsupervisor.storage.lock import LOCK_FILENAME, describe_owner
-from torchsupervisor.storage.paths import URL, parse_url
+from torchsupervisor.storage.object_client import (
+    ABSENT,
+    ObjectClient,
+    ObjectInfo,
+    PreconditionFailed,
+    Upload,
+)
+from torchsupervisor.storage.object_lock import LockTable, lock_key, read_lock
+from torchsupervisor.storage.paths import parse_url
 
 __all__ = ["ABSENT", "ObjectClient", "ObjectInfo", "ObjectStorage", "PreconditionFailed", "Upload"]
 
@@ -75,101 +74,7 @@ READ_AHEAD_PARTS = 4
 """Parts fetched ahead of a sequential reader (with the one being read: the GETs in flight)."""
 
 DEFAULT_LOCK_TTL_SECS = 30.0
-"""A writer lock whose heartbeat is older than this (seconds) is stale."""
-
-_MAX_LOCK_BYTES = 4096
-_EXIT_GRACE_SECS = 2.0  # How long a holder on this host may take to die after a kill.
-
-
-ABSENT = "*"
-"""``put_object(only_if=ABSENT)``: create the object only if it does not exist."""
-
-
-class PreconditionFailed(Exception):
-    """A conditional request failed: the object exists (``If-None-Match``) or changed
-    (``If-Match``)."""
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """What a HEAD request tells of an object.
-
-    Attributes:
-        size: Bytes.
-        mtime: Last modification, seconds since the epoch.
-        etag: The version tag (for ``If-Match``).
-    """
-
-    size: int
-    mtime: float
-    etag: str
-
-
-@dataclass(frozen=True)
-class Upload:
-    """A multipart upload in progress: ``key`` and the store's ``upload_id``."""
-
-    key: str
-    upload_id: str
-
-
-class ObjectClient(abc.ABC):
-    """The wire operations of one bucket; keys are relative to it.
-
-    Errors: a missing object raises ``FileNotFoundError``; a failed condition
-    ``PreconditionFailed``; anything else an ``OSError`` whose message names the key (and the
-    store's error code). Transient errors are retried inside the client.
-
-    Thread safety: every method may be called from any thread.
-    """
-
-    url: URL
-    """The bucket (``key`` is empty)."""
-
-    @abc.abstractmethod
-    def put_object(self, key: str, data: Buffer, *, crc: int, only_if: str | None = None) -> str:
-        """Store ``data`` as ``key`` (CRC-32C ``crc`` checked by the store); return its etag.
-
-        ``only_if``: None, unconditional; ``ABSENT``, only if ``key`` does not exist
-        (``If-None-Match: *``); an etag, only if ``key`` is that version (``If-Match``).
-        """
-
-    @abc.abstractmethod
-    def create_upload(self, key: str) -> Upload:
-        """Start a multipart upload of ``key`` (parts checked by CRC-32C)."""
-
-    @abc.abstractmethod
-    def upload_part(self, upload: Upload, number: int, data: Buffer, *, crc: int) -> object:
-        """Send part ``number`` (1-based); return what ``complete_upload`` needs of it."""
-
-    @abc.abstractmethod
-    def complete_upload(self, upload: Upload, parts: list[object]) -> None:
-        """Make the object of ``upload`` from ``parts`` (in order) visible."""
-
-    @abc.abstractmethod
-    def abort_upload(self, upload: Upload) -> None:
-        """Discard ``upload`` and its parts."""
-
-    @abc.abstractmethod
-    def list_uploads(self, prefix: str) -> list[Upload]:
-        """The multipart uploads in progress of keys starting with ``prefix``."""
-
-    @abc.abstractmethod
-    def get_range(self, key: str, offset: int, length: int) -> bytes:
-        """Up to ``length`` bytes of ``key`` from ``offset`` (fewer at the end)."""
-
-    @abc.abstractmethod
-    def head(self, key: str) -> ObjectInfo:
-        """Size, time and version of ``key``."""
-
-    @abc.abstractmethod
-    def list(self, prefix: str, *, delimiter: bool) -> tuple[list[str], list[str]]:
-        """``(keys, common prefixes)`` under ``prefix``; with ``delimiter``, one level
-        (prefixes end with ``/``); without, every key below."""
-
-    @abc.abstractmethod
-    def delete(self, key: str, *, if_match: str | None = None) -> None:
-        """Delete ``key`` (no error if it is missing, unless ``if_match`` is given)."""
+"""A writer lock whose heartbeat is older than this (seconds) is stale (``object_lock``)."""
 
 
 class ObjectStorage(Storage):
@@ -200,7 +105,7 @@ class ObjectStorage(Storage):
         self.part_bytes = part_bytes
         self.max_concurrency = max_concurrency
         self.lock_ttl_secs = lock_ttl_secs
-        self._locks = _LockTable(self)
+        self._locks = LockTable(self)
 
     def _key(self, path: str) -> str:
         url = parse_url(os.fspath(path))
@@ -344,7 +249,7 @@ class ObjectStorage(Storage):
     def lock_owner(self, directory: str) -> dict[str, object]:
         """What the lock object says about its writer; {} if there is none."""
         try:
-            return _read_lock(self.client, _lock_key(self._key(directory)))[0]
+            return read_lock(self.client, lock_key(self._key(directory)))[0]
         except (FileNotFoundError, PreconditionFailed):
             return {}
 
@@ -526,205 +431,3 @@ class _CachedAppendable(Appendable):
 
     def close(self) -> None:
         self._file.close()
-
-
-# ------------------------------------------------------------------------------ the lock
-
-
-def _lock_key(directory_key: str) -> str:
-    return f"{_as_prefix(directory_key)}{LOCK_FILENAME}"
-
-
-def _read_lock(client: ObjectClient, key: str) -> tuple[dict[str, object], str]:
-    info = client.head(key)
-    data = client.get_range(key, 0, min(info.size, _MAX_LOCK_BYTES))
-    try:
-        owner = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        owner = {}
-    return (owner if isinstance(owner, dict) else {}), info.etag
-
-
-def _stale(owner: dict[str, object], ttl: float, now: float) -> bool:
-    pid = _local_pid(owner)
-    if pid is not None and pid != os.getpid() and not _alive(pid):
-        return True
-    beat = owner.get("heartbeat")
-    return not isinstance(beat, (int, float)) or now - float(beat) > ttl
-
-
-def _local_pid(owner: dict[str, object]) -> int | None:
-    """The holder's pid if it ran on this host, else None."""
-    pid = owner.get("pid")
-    if owner.get("host") != socket.gethostname() or not isinstance(pid, int):
-        return None
-    return pid
-
-
-def _alive(pid: int) -> bool:
-    """True if process ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _wait_for_exit(pid: int, secs: float) -> None:
-    """Give a killed holder on this host ``secs`` seconds to finish dying."""
-    deadline = time.monotonic() + secs
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-class _LockTable:
-    """The writer locks this process holds on one bucket, shared and counted per prefix."""
-
-    def __init__(self, storage: ObjectStorage) -> None:
-        self._storage = storage
-        self._mutex = threading.Lock()
-        self._held: dict[str, _HeldLock] = {}
-
-    def acquire(self, directory: str) -> DirectoryLock:
-        with self._mutex:
-            held = self._held.get(directory)
-            if held is None or held.pid != os.getpid():
-                held = _HeldLock(self._storage, directory)
-                self._held[directory] = held
-            held.count += 1
-        return _ObjectLockHandle(self, directory)
-
-    def release(self, directory: str) -> None:
-        with self._mutex:
-            held = self._held.get(directory)
-            if held is None or held.pid != os.getpid():
-                return
-            held.count -= 1
-            if held.count > 0:
-                return
-            del self._held[directory]
-        held.release()
-
-
-class _ObjectLockHandle(DirectoryLock):
-    def __init__(self, table: _LockTable, directory: str) -> None:
-        self._table = table
-        self.directory = directory
-        self._released = False
-        self._mutex = threading.Lock()
-
-    def release(self) -> None:
-        with self._mutex:
-            if self._released:
-                return
-            self._released = True
-        self._table.release(self.directory)
-
-
-class _HeldLock:
-    """The lock object of one prefix, taken and kept alive by a heartbeat thread."""
-
-    def __init__(self, storage: ObjectStorage, directory: str) -> None:
-        self.pid = os.getpid()
-        self.count = 0
-        self._client = storage.client
-        self._ttl = storage.lock_ttl_secs
-        self._directory = directory
-        self._key = _lock_key(storage._key(directory))
-        self._owner: dict[str, object] = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(sys.argv)[:512],
-        }
-        self._etag = self._take()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._beat, name="torchsupervisor-lock-heartbeat", daemon=True
-        )
-        self._thread.start()
-
-    def _body(self) -> bytes:
-        return json.dumps({**self._owner, "heartbeat": time.time(), "ttl": self._ttl}).encode()
-
-    def _put(self, only_if: str) -> str:
-        body = self._body()
-        return self._client.put_object(self._key, body, crc=crc32c.crc32c(body), only_if=only_if)
-
-    def _take(self) -> str:
-        for _ in range(3):  # Each turn loses only to a writer that took the lock meanwhile.
-            try:
-                return self._put(ABSENT)
-            except PreconditionFailed:
-                pass
-            try:
-                owner, etag = _read_lock(self._client, self._key)
-            except FileNotFoundError:
-                continue  # Released meanwhile: try to create it again.
-            pid = _local_pid(owner)
-            if pid is not None and pid != os.getpid():
-                _wait_for_exit(pid, _EXIT_GRACE_SECS)  # A restart right after a kill -9.
-            if not _stale(owner, self._ttl, time.time()):
-                raise LogdirLockedError(
-                    f"Another process is writing to {self._directory}: "
-                    f"{describe_owner(owner)}. One writer per log directory: stop it, or use "
-                    f"another directory (a writer that died leaves a lock that expires "
-                    f"{self._ttl:g} s after its last heartbeat).",
-                    path=self._client.url.join(self._key),
-                    directory=self._directory,
-                    owner=owner,
-                )
-            logger.warning(
-                "Taking over the writer lock of %s from a writer that is gone: %s",
-                self._directory,
-                describe_owner(owner),
-            )
-            try:
-                return self._put(etag)
-            except (PreconditionFailed, FileNotFoundError):
-                continue
-        raise LogdirLockedError(
-            f"Another process is writing to {self._directory}: the writer lock changed hands "
-            "while this process tried to take it. One writer per log directory.",
-            path=self._client.url.join(self._key),
-            directory=self._directory,
-            owner={},
-        )
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self._ttl / 3):
-            try:
-                self._etag = self._put(self._etag)
-            except PreconditionFailed:
-                logger.error(
-                    "The writer lock of %s was taken by another writer: two runs may now "
-                    "write to it",
-                    self._directory,
-                )
-                return
-            except Exception as e:  # A transient failure: the next beat tries again.
-                logger.warning("Could not renew the writer lock of %s: %s", self._directory, e)
-
-    def release(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        try:
-            self._client.delete(self._key, if_match=self._etag)
-        except (PreconditionFailed, FileNotFoundError):
-            pass
-        except Exception as e:
-            logger.warning(
-                "Could not remove the writer lock of %s (it expires %g s after its last "
-                "heartbeat): %s",
-                self._directory,
-                self._ttl,
-                e,
-            )
