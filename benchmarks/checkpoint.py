@@ -567,6 +567,17 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"  {key:24s} {op} {bound:<5} {'met' if ok else 'NOT MET':8s} [{shown}]")
 
 
+def machine_facts() -> dict[str, Any]:
+    """What a report says of the machine it ran on."""
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="10MB,100MB,500MB,2GB")
@@ -581,13 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_size(parse_size(s), root, args.repeat) for s in args.sizes.split(",")]
     print_table(rows)
     report = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(),
-        },
+        "machine": machine_facts(),
         "rows": [{**row, "ratios": ratios(row)} for row in rows],
     }
     out = args.json or os.path.join(results_dir, "checkpoint.json")

@@ -28,13 +28,10 @@ import argparse
 import io
 import json
 import os
-import platform
 import sys
 import tempfile
 import uuid
 from typing import Any
-
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -164,11 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
     print_table(rows)
     report = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
+        "machine": ckbench.machine_facts(),
         "rows": rows,
         "targets": TARGETS,
     }

@@ -312,3 +312,17 @@ def test_sequential_and_random_reads_of_a_large_object(url):
         assert bytes(view) == data[READ_PART_BYTES - 5 : READ_PART_BYTES + 5]
     with pytest.raises(ValueError, match="closed"):
         f.readinto(memoryview(bytearray(1)), 0)
+
+
+def test_a_holder_notices_that_its_lock_was_taken(memory_url, caplog):
+    lock = _storage(memory_url, lock_ttl_secs=0.3).lock(memory_url)
+    try:
+        _write_lock(memory_url, {"pid": 1, "host": "elsewhere", "heartbeat": time.time()})
+        deadline = time.monotonic() + 30
+        with caplog.at_level("ERROR", logger="torchsupervisor"):
+            while "was taken by another writer" not in caplog.text:
+                assert time.monotonic() < deadline, "the lost lock was never noticed"
+                time.sleep(0.05)
+    finally:
+        lock.release()
+    assert storage_for(memory_url).lock_owner(memory_url)["host"] == "elsewhere"  # Not ours.
