@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--logdir", default="/tmp/torchsupervisor-ddp-digits")
     parser.add_argument("--max-steps", type=int, default=600)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument("--save-model-secs", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -49,7 +50,7 @@ def main() -> None:
     sv = ts.Supervisor(
         logdir=args.logdir,
         state={"model": model, "optimizer": optimizer, "global_step": step},
-        save_model_secs=5,
+        save_model_secs=args.save_model_secs,
         save_summaries_secs=5,
         # The other ranks look for the chief's "ready" in the store this often (TF's default,
         # 30 s, makes every start of a small run wait half a minute).
@@ -67,7 +68,10 @@ def main() -> None:
 
     with sv.managed_session("env://") as sess:
         if sess.restored_checkpoint:
-            print(f"rank {rank}: resumed at step {step.value}", flush=True)
+            print(
+                f"rank {rank}: resumed at step {step.value} from {sess.restored_checkpoint}",
+                flush=True,
+            )
         while not sv.should_stop() and step.value < args.max_steps:
             loss = sess.run(train_step)
             if sv.is_chief:

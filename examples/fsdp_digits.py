@@ -79,7 +79,10 @@ def main() -> None:
 
     with sv.managed_session("env://") as sess:
         if sess.restored_checkpoint:
-            print(f"rank {rank}: resumed at step {step.value}", flush=True)
+            print(
+                f"rank {rank}: resumed at step {step.value} from {sess.restored_checkpoint}",
+                flush=True,
+            )
         while not sv.should_stop() and step.value < args.max_steps:
             loss = sess.run(train_step)
             if sv.is_chief:

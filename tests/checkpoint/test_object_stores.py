@@ -3,14 +3,20 @@ protocol, retention, restore and fallback as on disk, with no rename."""
 
 from __future__ import annotations
 
+import errno
+import logging
+import threading
+
 import pytest
 import torch
+from supervisor_helpers import Counter, wait_until
 
 import torchsupervisor as ts
 from torchsupervisor import Saver, Session
+from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.recovery import restore_candidates
 from torchsupervisor.checkpoint.state_file import get_checkpoint_state, latest_checkpoint
-from torchsupervisor.storage import storage_for
+from torchsupervisor.storage import ObjectStorage, storage_for
 
 
 @pytest.fixture(params=["memory", "s3"])
@@ -119,3 +125,64 @@ def test_a_start_cleans_what_a_crash_left(url, caplog):
     assert "model.ckpt-1.data-00000-of-00001" in names and storage.leftovers(url) == []
     assert "incomplete checkpoint" in caplog.text
     assert upload.key not in [u.key for u in storage.client.list_uploads("")]
+
+
+class _FullBucket:
+    """A real client whose checkpoint uploads are refused while ``full`` is set, as a full
+    bucket (or a store refusing a part) refuses them; everything else goes through."""
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self.full = threading.Event()
+        self.refused = 0
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def _refuse(self, key: str) -> None:
+        if self.full.is_set() and "model.ckpt" in key:
+            self.refused += 1
+            raise OSError(errno.ENOSPC, "S3 QuotaExceeded: the bucket is full", key)
+
+    def put_object(self, key, data, **kwargs):
+        self._refuse(key)
+        return self._client.put_object(key, data, **kwargs)
+
+    def create_upload(self, key):
+        self._refuse(key)
+        return self._client.create_upload(key)
+
+    def upload_part(self, upload, number, data, **kwargs):
+        self._refuse(upload.key)
+        return self._client.upload_part(upload, number, data, **kwargs)
+
+
+def test_refused_uploads_leave_training_running_and_older_checkpoints_intact(url, caplog):
+    client = _FullBucket(storage_for(url).client)
+    c = Counter()
+    sv = ts.Supervisor(
+        logdir=url,
+        state=c.state,
+        saver=Saver(storage=ObjectStorage(client)),
+        save_summaries_secs=0,
+        save_model_secs=0.02,
+    )
+    caplog.set_level(logging.INFO, logger="torchsupervisor")
+    with sv.managed_session() as sess:
+        wait_until(lambda: latest_checkpoint(url) is not None, poll=sv.should_stop, what="ckpt")
+        client.full.set()
+        wait_until(
+            lambda: any("failed; training continues" in m for m in caplog.messages),
+            poll=lambda: sess.run(c.step),
+            what="the failed save",
+        )
+        assert client.refused > 0 and not sv.should_stop()
+        committed = latest_checkpoint(url)
+        client.full.clear()  # Space again: the next saves commit.
+        wait_until(lambda: latest_checkpoint(url) != committed, poll=lambda: sess.run(c.step))
+    final = f"{url}/model.ckpt-{c.global_step.value}"
+    assert latest_checkpoint(url) == final
+    # Every checkpoint left is whole (every byte checked), and nothing of a refused save stays.
+    for prefix in get_checkpoint_state(url).all_model_checkpoint_paths:
+        CheckpointReader(prefix).verify()
+    assert storage_for(url).leftovers(url) == []

@@ -22,6 +22,7 @@ from torchsupervisor.errors import (
 )
 from torchsupervisor.storage import ObjectStorage, storage_for
 from torchsupervisor.storage.lock import LOCK_FILENAME
+from torchsupervisor.storage.object_lock import LockTable
 from torchsupervisor.storage.objects import ABSENT, PreconditionFailed
 
 MIB = 1 << 20
@@ -166,16 +167,25 @@ def test_one_writer_per_prefix(url):
     lock = mine.lock(url)
     owner = mine.lock_owner(url)
     assert owner["pid"] == os.getpid() and owner["host"]
-    other = _storage(url)  # Another writer: its own lock table, as another process has.
+    other = LockTable()  # Another writer: its own lock table, as another process has.
     with pytest.raises(LogdirLockedError, match=f"Another process is writing to {url}: pid"):
-        other.lock(url)
-    again = mine.lock(url)  # Shared within the writer.
+        other.acquire(_storage(url), url)
+    again = mine.lock(url)  # Shared within the process.
     lock.release()
     with pytest.raises(LogdirLockedError):
-        other.lock(url)
+        other.acquire(_storage(url), url)
     again.release()
     assert not storage_for(url).exists(f"{url}/{LOCK_FILENAME}")
-    other.lock(url).release()
+    other.acquire(_storage(url), url).release()
+
+
+def test_two_storages_of_one_process_share_the_lock_of_a_prefix(url):
+    # A Supervisor's storage and a Saver's own on the same bucket: not two writers.
+    first, second = _storage(url).lock(url), _storage(url).lock(url)
+    first.release()
+    assert storage_for(url).lock_owner(url)["pid"] == os.getpid()
+    second.release()
+    assert storage_for(url).lock_owner(url) == {}
 
 
 def _write_lock(url: str, owner: dict) -> None:

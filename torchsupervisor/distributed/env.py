@@ -8,7 +8,8 @@ here are processes of one ``torch.distributed`` process group, usually launched 
   initialized by the program, which is then used as is);
 * ``'env://'``: the process group described by the environment ``torchrun`` sets
   (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``); under ``torchrun`` the rendezvous
-  keys of each restart attempt are kept apart, so that ``--max-restarts`` works with gloo;
+  keys of each restart attempt are kept apart (``attempt.py``), so that ``--max-restarts``
+  works with gloo, on one node or several;
 * ``'tcp://host:port?rank=R&world_size=W'`` (``rank`` and ``world_size`` may come from the
   environment instead): a rendezvous at ``host:port``, hosted by rank 0; this is what
   ``Server.target`` returns.
@@ -24,13 +25,15 @@ import datetime
 import logging
 import os
 import threading
+import weakref
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import torch
 import torch.distributed as dist
 
-from torchsupervisor.errors import DeadlineExceededError, InvalidArgumentError
+from torchsupervisor.distributed.attempt import DEFAULT_TIMEOUT_SECS, attempt_namespace
+from torchsupervisor.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 
 __all__ = [
     "IN_PROCESS_MASTERS",
@@ -83,25 +86,36 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _agent_store(timeout: datetime.timedelta | None) -> dict[str, Any]:
-    """The torchrun agent's store, under a prefix of its own for this restart attempt.
+def _agent_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """The torchrun agents' store, under a namespace of this restart attempt's own.
 
-    After ``torchrun --max-restarts`` restarts a group, the agent's store still holds the
-    addresses that the previous attempt's ranks published, and gloo connects to the dead
-    processes. A prefix per attempt (``TORCHELASTIC_RESTART_COUNT``) keeps attempts apart.
+    The store outlives a restart and still holds the keys of the dead workers (gloo's peer
+    addresses among them); ``attempt.attempt_namespace`` gives every attempt a fresh prefix
+    that all ranks agree on, on one node or many.
     """
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timeout or datetime.timedelta(minutes=30),
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {
-        "store": dist.PrefixStore(f"torchsupervisor/attempt_{attempt}", store),
-        "rank": int(os.environ["RANK"]),
-        "world_size": int(os.environ["WORLD_SIZE"]),
-    }
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    prefix = attempt_namespace(store, rank, size, timeout.total_seconds())
+    return {"store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": size}
+
+
+# The groups ``connect`` made on torchrun's agent store, under a namespace of their attempt.
+_NAMESPACED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def store_outlives_attempts(group: Any) -> bool:
+    """Whether ``group``'s store may hold keys of an earlier torchrun restart attempt.
+
+    True under torchrun's shared agent store (``TORCHELASTIC_USE_AGENT_STORE``) for a group
+    that ``connect`` did not make (``init_process_group`` by the program); False otherwise:
+    ``connect`` put its group under a namespace of its attempt, and other stores are new in
+    each run.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return False
+    return group not in _NAMESPACED
 
 
 _EXIT_HOOK: list[bool] = []
@@ -155,12 +169,15 @@ def connect(master: str, timeout_secs: float | None = None, backend: str | None 
             rank or world size is unknown.
         DeadlineExceededError: If the other replicas did not join within ``timeout_secs``
             (``"Session was not ready after waiting %d secs."``).
+        UnavailableError: If the group could not form for another reason (a replica that
+            went away while it formed), naming ``master`` and the cause.
     """
     if not is_distributed_master(master):
         return dist.is_available() and dist.is_initialized()
     if dist.is_initialized():
         return True
     kwargs: dict[str, Any] = {"backend": backend or default_backend(), "init_method": master}
+    namespaced = False
     if urlparse(master).scheme == "tcp":
         query = parse_qs(urlparse(master).query)
         rank_text = (query.get("rank") or [os.environ.get("RANK")])[0]
@@ -174,22 +191,30 @@ def connect(master: str, timeout_secs: float | None = None, backend: str | None 
         kwargs["rank"], kwargs["world_size"] = int(rank_text), int(size_text)
     if timeout_secs is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_secs)
+    waited = int(DEFAULT_TIMEOUT_SECS if timeout_secs is None else timeout_secs)
     if (
         urlparse(master).scheme == "env"
         and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     ):
-        kwargs.update(_agent_store(kwargs.get("timeout")))
+        kwargs.update(_agent_store(datetime.timedelta(seconds=waited)))
         del kwargs["init_method"]
+        namespaced = True
     try:
         dist.init_process_group(**kwargs)
     except (RuntimeError, TimeoutError) as e:
-        if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+        text = str(e).lower()
+        if "connection refused" in text or "connection reset" in text:
+            # A replica went away while the group formed.
+            raise UnavailableError(
+                None, None, f"Could not join the process group at {master}: {e}"
+            ) from e
+        if isinstance(e, TimeoutError) or "timeout" in text or "timed out" in text:
             raise DeadlineExceededError(
-                None,
-                None,
-                f"Session was not ready after waiting {int(timeout_secs or 0)} secs.",
+                None, None, f"Session was not ready after waiting {waited} secs."
             ) from e
         raise
+    if namespaced:
+        _NAMESPACED.add(dist.group.WORLD)
     _destroy_at_exit()
     logger.info(
         "Joined the process group as rank %d of %d (%s)",

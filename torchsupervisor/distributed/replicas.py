@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,6 +42,8 @@ from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.state import flatten_state
 from torchsupervisor.core.state_load import load_state
 from torchsupervisor.core.tree import decode_tree, encode_tree
+from torchsupervisor.distributed.attempt import DEFAULT_TIMEOUT_SECS, attempt_namespace
+from torchsupervisor.distributed.env import store_outlives_attempts
 from torchsupervisor.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -63,6 +65,25 @@ logger = logging.getLogger("torchsupervisor")
 def _store() -> Any:
     # The default group's store: the rendezvous every rank already shares.
     return dist.distributed_c10d._get_default_store()
+
+
+# The namespace of this restart attempt in each process group's store (agreed once per group).
+_ATTEMPTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _attempt_prefix(store: Any, rank: int, world_size: int) -> str:
+    """A prefix for the default group's store, fresh for each torchrun restart attempt.
+
+    Under torchrun the store can outlive an attempt with the dead workers' keys in it (a
+    group made by ``init_process_group`` rather than ``connect``); every rank of the group
+    reaches its first ``ReplicaGroup`` in the same order, where they agree on one.
+    """
+    group = dist.group.WORLD
+    if not store_outlives_attempts(group):
+        return "torchsupervisor/"
+    if group not in _ATTEMPTS:
+        _ATTEMPTS[group] = attempt_namespace(store, rank, world_size, DEFAULT_TIMEOUT_SECS)
+    return _ATTEMPTS[group]
 
 
 def communication_device(
@@ -99,7 +120,8 @@ class ReplicaGroup:
         chief_rank: The rank of the chief.
         store: A ``torch.distributed.Store`` to agree through, with ``rank`` and
             ``world_size`` (tests run several "ranks" in one process this way); None: the
-            default process group's store, rank and size.
+            default process group's store, rank and size, under a namespace of this torchrun
+            restart attempt (``attempt.py``) that the ranks agree on at their first group.
         rank: This rank (with ``store``).
         world_size: The number of ranks (with ``store``).
         clock: Time for every wait and deadline of the agreements (tests pass a fake one);
@@ -125,11 +147,13 @@ class ReplicaGroup:
             if not (dist.is_available() and dist.is_initialized()):
                 raise InvalidArgumentError("ReplicaGroup needs an initialized process group")
             store, rank, world_size = _store(), dist.get_rank(), dist.get_world_size()
+            attempt = _attempt_prefix(store, rank, world_size)
+        else:
+            attempt = "torchsupervisor/"
         self.rank = int(rank or 0)
         self.world_size = int(world_size or 1)
         self.chief_rank = chief_rank
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._prefix = f"torchsupervisor/{restart}/{generation}/"
+        self._prefix = f"{attempt}{generation}/"
         self._store = store
         self.clock = clock or REAL_CLOCK
 

@@ -33,7 +33,7 @@ from torchsupervisor.storage.object_client import ABSENT, ObjectClient, Precondi
 if TYPE_CHECKING:
     from torchsupervisor.storage.objects import ObjectStorage
 
-__all__ = ["LockTable", "lock_key", "read_lock"]
+__all__ = ["LOCKS", "LockTable", "lock_key", "read_lock"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -98,18 +98,24 @@ def _wait_for_exit(pid: int, secs: float) -> None:
 
 
 class LockTable:
-    """The writer locks this process holds on one bucket, shared and counted per prefix."""
+    """The writer locks this process holds, shared and counted per prefix (a URL).
 
-    def __init__(self, storage: ObjectStorage) -> None:
-        self._storage = storage
+    One table for the process (``LOCKS``): two ``ObjectStorage`` objects on one bucket (the
+    Supervisor's and a ``Saver``'s own) share the lock of a prefix instead of refusing each
+    other, as handles on one local directory do.
+    """
+
+    def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._held: dict[str, _HeldLock] = {}
 
-    def acquire(self, directory: str) -> DirectoryLock:
+    def acquire(self, storage: ObjectStorage, directory: str) -> DirectoryLock:
+        """A handle on the lock of ``directory`` (a canonical URL), taken with ``storage``
+        unless this process holds it already."""
         with self._mutex:
             held = self._held.get(directory)
             if held is None or held.pid != os.getpid():
-                held = _HeldLock(self._storage, directory)
+                held = _HeldLock(storage, directory)
                 self._held[directory] = held
             held.count += 1
         return _ObjectLockHandle(self, directory)
@@ -124,6 +130,10 @@ class LockTable:
                 return
             del self._held[directory]
         held.release()
+
+
+LOCKS = LockTable()
+"""The object-store writer locks of this process."""
 
 
 class _ObjectLockHandle(DirectoryLock):

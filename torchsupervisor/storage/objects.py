@@ -54,7 +54,7 @@ from torchsupervisor.storage.object_client import (
     PreconditionFailed,
     Upload,
 )
-from torchsupervisor.storage.object_lock import LockTable, lock_key, read_lock
+from torchsupervisor.storage.object_lock import LOCKS, lock_key, read_lock
 from torchsupervisor.storage.paths import parse_url
 
 __all__ = ["ABSENT", "ObjectClient", "ObjectInfo", "ObjectStorage", "PreconditionFailed", "Upload"]
@@ -105,7 +105,6 @@ class ObjectStorage(Storage):
         self.part_bytes = part_bytes
         self.max_concurrency = max_concurrency
         self.lock_ttl_secs = lock_ttl_secs
-        self._locks = LockTable(self)
 
     def _key(self, path: str) -> str:
         url = parse_url(os.fspath(path))
@@ -244,7 +243,7 @@ class ObjectStorage(Storage):
 
     def lock(self, directory: str) -> DirectoryLock:
         """The prefix's writer lock (a conditional PUT; see the module docstring)."""
-        return self._locks.acquire(self.canonical(directory))
+        return LOCKS.acquire(self, self.canonical(directory))
 
     def lock_owner(self, directory: str) -> dict[str, object]:
         """What the lock object says about its writer; {} if there is none."""

@@ -90,7 +90,8 @@ class S3Client(ObjectClient):
         config = botocore.config.Config(
             connect_timeout=opts["connect_timeout"],
             read_timeout=opts["read_timeout"],
-            retries={"max_attempts": int(opts["max_attempts"]), "mode": "standard"},
+            # Attempts in all, the first included (botocore's "max_attempts" counts retries only).
+            retries={"total_max_attempts": int(opts["max_attempts"]), "mode": "standard"},
             max_pool_connections=32,
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
