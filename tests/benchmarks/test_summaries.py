@@ -39,10 +39,10 @@ def test_the_summary_benchmark_writes_its_report(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "torch.utils.tensorboard" in proc.stdout
     report = json.loads(out.read_text())
-    writers = {"ours (max_queue=10)", "ours (max_queue=16384)", "torch.utils.tensorboard"}
+    writers = {"ours (defaults)", "ours (max_queue=10, TF)", "torch.utils.tensorboard"}
     for section in ("scalars_tight", "scalars_tensor_values", "histograms", "images"):
         assert set(report[section]) >= writers | {"tensorboardX"}, section
-    assert report["targets"]["supervisor_max_queue"] == 16384  # The Supervisor's own writer.
+    assert report["targets"]["default_max_queue"] == 16384  # SummaryWriter(logdir)'s queue.
     verdict = report["verdict"]
     assert verdict["caller_us"] > 0 and verdict["written_per_sec"] > 0
     assert set(verdict["met"]) == {"caller_us", "written_per_sec", "vs_torch"}

@@ -28,6 +28,7 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from torchsupervisor import errors
 from torchsupervisor.core.checks import check_int, check_number, check_path, check_str
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.registry import USE_DEFAULT
 from torchsupervisor.storage import Storage, storage_for
 from torchsupervisor.summary.counters import WriterCounters
 from torchsupervisor.summary.event_file import BLOCK, DROP, WRITE_DELAY_SECS, EventFileWriter
@@ -51,11 +52,15 @@ __all__ = ["DEFAULT_MAX_QUEUE_BYTES", "SERVICE_MAX_QUEUE", "FileWriter", "Summar
 DEFAULT_MAX_QUEUE_BYTES = 64 << 20
 """The default bound on the memory that queued histograms, images, ... may hold (64 MiB)."""
 
-SERVICE_MAX_QUEUE = 16384
-"""``max_queue`` of the writers torchsupervisor creates itself (the Supervisor's, the
-``SummaryWriterCache``'s, the hooks'): TF's default of 10 makes a loop that adds several values
-per step wait for the writer thread at almost every step (``docs/performance.md``). Scalars
-queued up to this bound hold about 2 MB; ``max_queue_bytes`` bounds everything else."""
+DEFAULT_MAX_QUEUE = 16384
+"""``max_queue`` when it is left to its default (``USE_DEFAULT``), and of the writers
+torchsupervisor creates itself (the Supervisor's, the ``SummaryWriterCache``'s, the hooks'):
+TF's default of 10 makes a loop that adds several values per step wait for the writer thread
+at almost every call, 7-9 us instead of about 1 (``docs/performance.md``). Scalars queued up
+to this bound hold about 2 MB; ``max_queue_bytes`` bounds everything else."""
+
+SERVICE_MAX_QUEUE = DEFAULT_MAX_QUEUE
+"""The same bound under its earlier name."""
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -97,11 +102,13 @@ class SummaryWriter(MediaMethods):
     thread has taken the pending events; ``"drop"`` discards the new event.
     Both are counted (``counters()``: ``blocked_calls``, ``blocked_secs``, ``events_dropped``)
     and reported in the log: a warning at the first drop and then at most once a minute, and a
-    summary when the file is closed. With TF's default ``max_queue=10``, a loop adding many
-    values per step blocks often; a long-running writer should allow thousands
-    (``max_queue=16384`` costs about 2 MB of scalars; ``max_queue_bytes`` bounds the rest).
-    The writers torchsupervisor creates itself (the Supervisor's, ``SummaryWriterCache``'s)
-    use ``SERVICE_MAX_QUEUE`` (16384).
+    summary when the file is closed.
+
+    Unlike TF, ``max_queue`` left to its default allows ``DEFAULT_MAX_QUEUE`` (16384) events,
+    about 2 MB of scalars (``max_queue_bytes`` bounds the rest): with TF's 10, a loop adding
+    several values per step waits for the writer thread at almost every call (7-9 us a call
+    instead of about 1). An explicit ``max_queue`` means what TF documents: ``max_queue=10``
+    gives TF's behaviour.
 
     A write error is logged with the file name; the events of that batch are lost and the next
     event opens a new file (as TF's re-initialization). Encoding errors (e.g. a NaN in a
@@ -117,7 +124,8 @@ class SummaryWriter(MediaMethods):
             eager PyTorch has no graph, so no graph or meta-graph event is written. Likewise
             ``add_graph``, ``add_meta_graph`` and ``add_run_metadata`` have no counterpart.
         max_queue: The number of events that may wait for the writer thread (one more per
-            producer thread racing for the last place); 0 means unbounded.
+            producer thread racing for the last place); 0 means unbounded; ``USE_DEFAULT``
+            (the default): ``DEFAULT_MAX_QUEUE`` (16384; TF's default is 10).
         flush_secs: Seconds between two flushes (fsync) of the file (>= 0).
         graph_def: Ignored, as ``graph`` (TF's deprecated argument).
         filename_suffix: Appended to the file name (``None`` means nothing).
@@ -171,7 +179,7 @@ class SummaryWriter(MediaMethods):
         self,
         logdir: str | os.PathLike[str],
         graph: Any = None,
-        max_queue: int = 10,
+        max_queue: Any = USE_DEFAULT,
         flush_secs: float = 120,
         graph_def: Any = None,
         filename_suffix: str | None = None,
@@ -186,6 +194,8 @@ class SummaryWriter(MediaMethods):
         if on_full not in (BLOCK, DROP):
             raise ValueError(f"on_full must be 'block' or 'drop', got {on_full!r}")
         logdir = check_path("logdir", logdir, allow_none=False)
+        if max_queue is USE_DEFAULT:
+            max_queue = DEFAULT_MAX_QUEUE
         max_queue = check_int("max_queue", max_queue)
         flush_secs = check_number("flush_secs", flush_secs)
         check_str("filename_suffix", filename_suffix, allow_none=True)

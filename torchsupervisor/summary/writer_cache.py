@@ -9,7 +9,7 @@ import os
 import threading
 
 from torchsupervisor.storage import paths as url_paths
-from torchsupervisor.summary.writer import SERVICE_MAX_QUEUE, SummaryWriter
+from torchsupervisor.summary.writer import SummaryWriter
 
 __all__ = ["FileWriterCache", "SummaryWriterCache"]
 
@@ -45,7 +45,7 @@ class SummaryWriterCache:
         with SummaryWriterCache._lock:
             writer = SummaryWriterCache._cache.get(key)
             if writer is None:
-                writer = SummaryWriter(logdir, max_queue=SERVICE_MAX_QUEUE)
+                writer = SummaryWriter(logdir)
                 SummaryWriterCache._cache[key] = writer
             return writer
 

@@ -39,7 +39,7 @@ from torchsupervisor.core.variables import (
 )
 from torchsupervisor.distributed import env as distributed
 from torchsupervisor.summary.ops import merge_all
-from torchsupervisor.summary.writer import SERVICE_MAX_QUEUE, SummaryWriter
+from torchsupervisor.summary.writer import SummaryWriter
 from torchsupervisor.supervisor.session_manager import SessionManager
 
 __all__ = ["Settings", "resolve_settings"]
@@ -199,7 +199,7 @@ def resolve_settings(
         if summary_writer is not USE_DEFAULT:
             writer = summary_writer
         elif logdir:
-            writer = SummaryWriter(logdir, max_queue=SERVICE_MAX_QUEUE, clock=clock)
+            writer = SummaryWriter(logdir, clock=clock)
     return Settings(
         graph=graph,
         state=state,
