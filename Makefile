@@ -11,11 +11,14 @@ LINT_PATHS := torchsupervisor tests examples benchmarks
 .PHONY: install demo test test-slow bench lint format clean
 
 $(VENV)/.installed: pyproject.toml
+	@echo "Setting up $(VENV) (first run only, about 1-2 minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# Pin torch before the project, whose "torch>=2.4" would otherwise take the newest release
 	@# (a multi-GB CUDA build on Linux). Our CI machines find a CPU wheel of 2.13.0 on their
 	@# disk; elsewhere pip takes PyPI's build: install the one you want first and it is kept.
+	@$(PY) -c "import torch" 2>/dev/null || echo "Installing torch==$(TORCH_VERSION)"
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	@echo "Installing torchsupervisor (editable) with its demo and test extras: scikit-learn, pytest, ruff, boto3, SeaweedFS, tensorboardX, ..."
 	$(PY) -m pip install -q -e ".[demo,test]"
 	touch $@
 
@@ -33,6 +36,7 @@ format: install
 	$(VENV)/bin/ruff format $(LINT_PATHS)
 
 test: lint
+	@echo "Running the test suite (about 10 minutes on 2 cores)"
 	$(PY) -m pytest -q
 
 test-slow: install

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 
 import torch
 from safetensors import safe_open
@@ -27,6 +28,10 @@ def test_exports_every_tensor_with_its_state_path(saver_run, tmp_path, capsys):
         metadata = f.metadata()
     assert metadata["global_step"] == "4"
     assert metadata["source"] == os.path.abspath(saver_run.prefix(4))
+    # Normal permissions, as a checkpoint's files (0644 under the usual umask 022).
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o644 & ~umask
 
 
 def test_only_gives_the_names_of_the_module_state_dict(saver_run, tmp_path, capsys):

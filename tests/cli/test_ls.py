@@ -239,7 +239,7 @@ def test_empty_and_missing_directories(tmp_path, capsys):
     assert "No checkpoint: a restart starts from scratch." in out
     status, out, err = cli(capsys, "ls", str(tmp_path / "nope"))
     assert status == 1
-    assert f"torchsupervisor ls: error: {tmp_path / 'nope'} is not a directory" in err
+    assert f"torchsupervisor ls: error: no such file or directory: {tmp_path / 'nope'}" in err
 
 
 def test_no_verify_reads_manifests_only(saver_run, capsys):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from torchsupervisor.cli import build_parser, main
@@ -53,3 +56,31 @@ def test_parser_is_built_from_the_command_modules():
     parser = build_parser()
     args = parser.parse_args(["verify", "runs/exp", "--all"])
     assert (args.command, args.logdir, args.all) == ("verify", "runs/exp", True)
+
+
+def test_demo_help_gives_every_option_a_help_text_and_its_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    options = [line.split()[0] for line in out.splitlines() if line.startswith("  --")]
+    assert "--logdir" in options and "--save-model-secs" in options
+    # Every option but --help shows "(default: ...)" after a help text.
+    blocks = out.split("\n  --")[1:]
+    assert len(blocks) == len(options)
+    for block in blocks:
+        assert "(default: " in block, block
+    assert "``" not in out
+
+
+def test_the_demo_without_scikit_learn_says_what_to_install(tmp_path):
+    # As after `pip install torchsupervisor` without the [demo] extra.
+    code = (
+        "import sys; sys.modules['sklearn'] = None\n"
+        "from torchsupervisor.cli import main\n"
+        f"sys.exit(main(['demo', '--logdir', {str(tmp_path / 'run')!r}, '--max-steps', '3']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("torchsupervisor demo: error: ")
+    assert 'pip install "torchsupervisor[demo]"' in proc.stderr
+    assert "Traceback" not in proc.stderr

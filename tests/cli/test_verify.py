@@ -63,9 +63,9 @@ def test_no_checkpoint_and_missing_paths(tmp_path, capsys):
     status, out, _ = cli(capsys, "verify", str(tmp_path))
     assert status == 1
     assert "No checkpoint in" in out and "starts from scratch" in out
-    status, out, _ = cli(capsys, "verify", str(tmp_path / "nope"))
-    assert status == 1
-    assert "is neither a directory nor a checkpoint prefix" in out
+    status, out, err = cli(capsys, "verify", str(tmp_path / "nope"))
+    assert status == 1 and out == ""
+    assert err == f"torchsupervisor verify: error: no such file or directory: {tmp_path / 'nope'}\n"
 
 
 def test_a_single_prefix(saver_run, capsys):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from types import ModuleType
 
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             return demo.main(argv[1:])
         except KeyboardInterrupt:  # A second Ctrl-C: the handler already said so.
             return 130
+        except ImportError as e:  # An extra that is not installed: say which.
+            print(f"torchsupervisor demo: error: {e}", file=sys.stderr)
+            return 1
     parser = build_parser()
     if not argv:
         parser.print_help()
@@ -84,10 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     from torchsupervisor import errors
 
     try:
-        return _module(args.command).run(args)
+        status = _module(args.command).run(args)
+        sys.stdout.flush()  # Here, so that a closed pipe is handled below, not at exit.
+        return status
+    except BrokenPipeError:  # e.g. `torchsupervisor events --csv ... | head`: not an error.
+        _discard_stdout()
+        return 0
     except (errors.OpError, OSError, ValueError, ImportError) as e:
         message = getattr(e, "message", None) or str(e)
         print(f"torchsupervisor {args.command}: error: {message}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # e.g. `torchsupervisor events --csv ... | head`
-        return 0
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null: the reader went away, and the interpreter's last flush at
+    exit must not fail again ("Exception ignored ... BrokenPipeError")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

@@ -194,7 +194,9 @@ def survey(logdir: str, *, verify: bool = True) -> Survey:
     """
     storage = storage_for(logdir)
     if not storage.is_dir(logdir):
-        raise NotFoundError(f"{logdir} is not a directory")
+        if storage.exists(logdir):
+            raise NotFoundError(f"{logdir} is not a directory")
+        raise NotFoundError(f"no such file or directory: {logdir}")
     state_file_error = None
     state = None
     with _quiet_library():  # the survey reports what the library would log

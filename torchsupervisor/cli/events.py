@@ -212,7 +212,9 @@ def read_runs(logdir: str, patterns: list[str] | None = None) -> list[Run]:
         DataLossError: An events file is not a regular file (a FIFO, a device, a directory).
     """
     if not BY_PATH.is_dir(logdir):
-        raise NotFoundError(f"{logdir} is not a directory")
+        if BY_PATH.exists(logdir):
+            raise NotFoundError(f"{logdir} is not a directory")
+        raise NotFoundError(f"no such file or directory: {logdir}")
     dirs = _run_dirs(logdir)
     if not dirs:
         raise NotFoundError(f"No events files in {logdir}")

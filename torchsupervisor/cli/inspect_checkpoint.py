@@ -26,9 +26,9 @@ import torch
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.cli._format import human_bytes, local_time, print_table
 from torchsupervisor.cli._survey import restart_order
+from torchsupervisor.cli._target import resolve
 from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.errors import NotFoundError
-from torchsupervisor.storage import storage_for
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -45,7 +45,9 @@ EPILOG = """examples:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``inspect`` to ``parser``."""
     parser.add_argument(
-        "prefix", metavar="PREFIX", help="a checkpoint prefix, or a log directory (its newest)"
+        "prefix",
+        metavar="PATH",
+        help="a checkpoint (its prefix, .index or a .data-* file), or a log directory (its newest)",
     )
     parser.add_argument("--tensor", metavar="NAME", help="print the values of this tensor")
     parser.add_argument("--all-tensors", action="store_true", help="print every tensor's values")
@@ -81,14 +83,16 @@ def _leaves(node: Any, path: str, out: list[tuple[str, Any]]) -> None:
         out.append((path, node))
 
 
-def _resolve(prefix: str) -> tuple[str, str | None]:
-    storage = storage_for(prefix)
-    if storage.is_dir(prefix) and not storage.is_file(prefix + ".index"):
-        candidates = restart_order(prefix)
-        if not candidates:
-            raise NotFoundError(f"No checkpoint in {prefix}")
-        return candidates[0], f"the newest checkpoint of {prefix}"
-    return prefix, None
+def _resolve(path: str) -> tuple[str, str | None]:
+    """The checkpoint ``path`` names (a prefix or one of its files), or a log directory's
+    newest, with a note saying which was taken for a directory."""
+    target = resolve(path)
+    if target.prefix is not None:
+        return target.prefix, None
+    candidates = restart_order(target.logdir)
+    if not candidates:
+        raise NotFoundError(f"No checkpoint in {target.logdir}")
+    return candidates[0], f"the newest checkpoint of {target.logdir}"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

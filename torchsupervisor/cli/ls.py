@@ -31,6 +31,7 @@ import os
 
 from torchsupervisor.cli._format import human_bytes, local_time, print_table
 from torchsupervisor.cli._survey import CORRUPT, Survey, survey
+from torchsupervisor.cli._target import resolve
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -45,7 +46,11 @@ EPILOG = """examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``ls`` to ``parser``."""
-    parser.add_argument("logdir", metavar="LOGDIR", help="the log directory (the Supervisor's)")
+    parser.add_argument(
+        "logdir",
+        metavar="PATH",
+        help="the log directory (the Supervisor's), or a checkpoint of it (prefix or file)",
+    )
     parser.add_argument(
         "--no-verify",
         action="store_true",
@@ -127,7 +132,7 @@ def restart_summary(found: Survey) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``torchsupervisor ls``; returns the exit status (0, or 1 for a missing logdir)."""
-    found = survey(args.logdir, verify=not args.no_verify)
+    found = survey(resolve(args.logdir).logdir, verify=not args.no_verify)
     if args.json:
         out = dataclasses.asdict(found)
         out["restore"] = found.restore.prefix if found.restore else None

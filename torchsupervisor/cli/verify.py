@@ -24,7 +24,7 @@ import os
 from torchsupervisor.checkpoint.recovery import scan_checkpoints
 from torchsupervisor.cli._format import human_bytes
 from torchsupervisor.cli._survey import VALID, CheckpointInfo, check, restart_order
-from torchsupervisor.storage import storage_for
+from torchsupervisor.cli._target import resolve
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -40,7 +40,9 @@ EPILOG = """examples:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``verify`` to ``parser``."""
     parser.add_argument(
-        "logdir", metavar="LOGDIR", help="the log directory, or one checkpoint's prefix"
+        "logdir",
+        metavar="PATH",
+        help="the log directory, or one checkpoint (its prefix, .index or a .data-* file)",
     )
     parser.add_argument(
         "--all", action="store_true", help="check every committed checkpoint, not only the first"
@@ -61,15 +63,12 @@ def _report(info: CheckpointInfo) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``torchsupervisor verify``; returns the exit status."""
-    target = args.logdir
-    storage = storage_for(target)
-    if not storage.is_dir(target):
-        if storage.is_file(target + ".index"):
-            info = check(target)
-            _report(info)
-            return 0 if info.status == VALID else 1
-        print(f"error: {target} is neither a directory nor a checkpoint prefix")
-        return 1
+    resolved = resolve(args.logdir)
+    if resolved.prefix is not None:  # One checkpoint: its prefix or one of its files.
+        info = check(resolved.prefix)
+        _report(info)
+        return 0 if info.status == VALID else 1
+    target = resolved.logdir
     if args.all:
         prefixes = scan_checkpoints(target)
         if not prefixes:

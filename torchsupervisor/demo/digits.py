@@ -51,8 +51,18 @@ class DigitsData:
 
     @classmethod
     def load(cls, seed: int = 0, held_out: int = 360) -> DigitsData:
-        """Load scikit-learn's bundled digits and split off ``held_out`` examples."""
-        from sklearn.datasets import load_digits
+        """Load scikit-learn's bundled digits and split off ``held_out`` examples.
+
+        Raises:
+            ImportError: scikit-learn is not installed, saying what to install.
+        """
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError as e:
+            raise ImportError(
+                "the demo trains on scikit-learn's bundled digits dataset, and scikit-learn "
+                'is not installed: pip install "torchsupervisor[demo]"'
+            ) from e
 
         digits = load_digits()
         x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0

@@ -40,10 +40,22 @@ def add_common_arguments(parser: argparse.ArgumentParser, demo: str) -> None:
     batch_size, learning_rate = d.batch_size, d.learning_rate
     parser.add_argument("--logdir", default=logdir, help="checkpoints and events")
     parser.add_argument("--max-steps", type=int, default=max_steps, help="train up to this step")
-    parser.add_argument("--save-model-secs", type=float, default=save_model_secs)
-    parser.add_argument("--save-summaries-secs", type=float, default=save_summaries_secs)
-    parser.add_argument("--batch-size", type=int, default=batch_size)
-    parser.add_argument("--learning-rate", type=float, default=learning_rate)
+    parser.add_argument(
+        "--save-model-secs",
+        type=float,
+        default=save_model_secs,
+        help="seconds between two checkpoints (written in the background)",
+    )
+    parser.add_argument(
+        "--save-summaries-secs",
+        type=float,
+        default=save_summaries_secs,
+        help="seconds between two summaries (weight histograms, global_step/sec)",
+    )
+    parser.add_argument("--batch-size", type=int, default=batch_size, help="examples per step")
+    parser.add_argument(
+        "--learning-rate", type=float, default=learning_rate, help="Adam's learning rate"
+    )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of random, numpy, torch and the data order"
     )
@@ -58,6 +70,12 @@ def add_common_arguments(parser: argparse.ArgumentParser, demo: str) -> None:
     )
 
 
+class _DefaultsAndRawDescription(
+    argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter
+):
+    """``--help`` shows every option's default and the description as written."""
+
+
 def run_main(
     prog: str,
     description: str | None,
@@ -66,7 +84,11 @@ def run_main(
     argv: list[str] | None,
 ) -> int:
     """Parse ``argv`` with the demo's options, set up logging, run it; return 0."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=(description or "").replace("``", ""),
+        formatter_class=_DefaultsAndRawDescription,
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

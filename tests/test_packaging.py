@@ -1,0 +1,57 @@
+"""What pip users get: the sdist and the wheel built from this tree, and their metadata."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+import zipfile
+from email.parser import Parser
+
+import pytest
+from repo_paths import repo
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    proc = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), repo()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return out
+
+
+def _wheel(dist) -> zipfile.ZipFile:
+    return zipfile.ZipFile(next(dist.glob("*.whl")))
+
+
+def test_the_wheel_carries_the_license_the_typing_marker_and_metadata(dist):
+    wheel = _wheel(dist)
+    names = wheel.namelist()
+    assert "torchsupervisor/py.typed" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    meta_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    meta = Parser().parsestr(wheel.read(meta_name).decode())
+    assert meta["License-Expression"] == "Apache-2.0"  # SPDX, not the deprecated table
+    assert not [c for c in meta.get_all("Classifier") if c.startswith("License ::")]
+    assert "Typing :: Typed" in meta.get_all("Classifier")
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
+    assert {"Homepage", "Documentation", "Source", "Issues"} <= set(urls)
+    # The long description is written for pip users: pip commands, not make targets.
+    body = meta.get_payload()
+    assert "pip install torchsupervisor" in body and 'pip install "torchsupervisor[demo]"' in body
+    assert "make demo" not in body and "make test" not in body
+    assert meta["Description-Content-Type"] == "text/markdown"
+
+
+def test_the_sdist_has_no_tests_that_could_not_run(dist):
+    with tarfile.open(next(dist.glob("*.tar.gz"))) as sdist:
+        names = [n.split("/", 1)[1] for n in sdist.getnames() if "/" in n]
+    assert "LICENSE" in names and "pyproject.toml" in names
+    assert any(n.startswith("torchsupervisor/") for n in names)
+    # The tests need the repository (fixtures, workers, a SeaweedFS server): left out whole.
+    assert not [n for n in names if n.startswith(("tests/", "benchmarks/", ".ci/"))]
