@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import os
 import shutil
 
@@ -69,11 +70,15 @@ def restarted(tmp_path) -> str:
     return crashed
 
 
-def test_listing_after_a_restart(restarted, capsys):
-    status, out, _ = cli(capsys, "events", restarted)
+def test_listing_after_a_restart(restarted, capsys, caplog):
+    with caplog.at_level(logging.WARNING):
+        status, out, err = cli(capsys, "events", restarted)
     assert status == 0
     assert f"Run . ({restarted}): 2 events file(s)" in out
     assert "sessions: 2 start(s) at step 0, 5; 1 clean stop(s)" in out
+    # The restart is in our listing, not in TensorBoard's warning.
+    assert "  restart: resumed at step 5\n" in out
+    assert "out of order" not in err + caplog.text
     assert "checkpoints:" in out and "the last at step 10" in out
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
     loss = lines["train/loss"]

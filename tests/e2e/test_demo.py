@@ -123,3 +123,10 @@ def test_tensorboard_reads_the_demo_logdir(tmp_path):
     assert [e.step for e in losses] == list(range(200))  # One continuous series.
     accuracies = [e.step for e in accumulator.Scalars("eval/accuracy")]
     assert accuracies == [0, 50, 100, 120, 150, 200]
+    # Run again once finished (its start and restore span many 0.05 s summary intervals): it
+    # trains nothing and writes no global_step/sec of 0 (TF's first value, or a "stall").
+    rates = len(accumulator.Scalars("global_step/sec"))
+    _run(logdir, "--max-steps", "200", "--save-summaries-secs", "0.05")
+    accumulator = EventAccumulator(logdir, size_guidance={"scalars": 0})
+    accumulator.Reload()
+    assert len(accumulator.Scalars("global_step/sec")) == rates

@@ -24,6 +24,7 @@ from supervisor_helpers import (
     Counter,
     Trainer,
     accumulator,
+    all_events,
     checkpoint_steps,
     event_files,
     read_checkpoint,
@@ -39,6 +40,7 @@ from tensorboard.compat.proto.event_pb2 import LogMessage
 from tensorboard.compat.proto.summary_pb2 import Summary
 
 from torchsupervisor import (
+    GlobalStep,
     Graph,
     Saver,
     Supervisor,
@@ -46,8 +48,10 @@ from torchsupervisor import (
     latest_checkpoint,
     summary,
 )
+from torchsupervisor.core.coordinator import Coordinator
 from torchsupervisor.errors import CheckpointSaveError, OutOfRangeError
-from torchsupervisor.testing import FaultyStorage, GatedStorage
+from torchsupervisor.supervisor.services import SVStepCounterThread
+from torchsupervisor.testing import FakeClock, FaultyStorage, GatedStorage
 
 
 def _only_events(logdir):
@@ -65,7 +69,6 @@ def test_very_simple_loop_leaves_checkpoints_and_a_tensorboard_log(tmp_path):
     with sv.managed_session() as sess:
         # The first run of each service is immediate: before any training step.
         wait_for_checkpoint(sv, 0)
-        wait_for_tag(sv, "global_step/sec")
         for _ in range(7):
             if sv.should_stop():
                 break
@@ -85,8 +88,9 @@ def test_very_simple_loop_leaves_checkpoints_and_a_tensorboard_log(tmp_path):
     for name, value in t.weights().items():
         assert torch.equal(tree["model"][name], value)
 
-    # The events file: START at the start step, global_step/sec starting at 0.0, CHECKPOINT
-    # with the prefix without its step, STOP without a step, last.
+    # The events file: START at the start step, CHECKPOINT with the prefix without its step,
+    # STOP without a step, last; no global_step/sec, since no interval of it ended (TF wrote a
+    # 0.0 at the start).
     events = _only_events(logdir)
     logs = session_logs(events)
     assert logs[0] == (0, START, "")
@@ -96,11 +100,10 @@ def test_very_simple_loop_leaves_checkpoints_and_a_tensorboard_log(tmp_path):
     ]
     assert logs[-1] == (0, STOP, "")
     assert events[-1].HasField("session_log")  # nothing after STOP
-    rates = scalars(events, "global_step/sec")
-    assert rates[0] == (0, 0.0)
+    assert scalars(events, "global_step/sec") == []
 
     acc = accumulator(logdir)
-    assert [(s.step, s.value) for s in acc.Scalars("global_step/sec")][:1] == [(0, 0.0)]
+    assert "global_step/sec" not in acc.Tags()["scalars"]
     # No graph in eager PyTorch: no graph.pbtxt, no graph or meta-graph event.
     assert not os.path.exists(os.path.join(logdir, "graph.pbtxt"))
     assert not any(e.graph_def or e.meta_graph_def for e in events)
@@ -136,13 +139,49 @@ def test_without_global_step_checkpoints_have_no_suffix_and_no_start_is_written(
 def test_integer_tensor_global_step_counts_as_global_step_per_sec(tmp_path):
     step = torch.zeros((), dtype=torch.int64)
     sv = Supervisor(
-        logdir=str(tmp_path), state={"global_step": step, "w": torch.zeros(1)}, save_model_secs=0
+        logdir=str(tmp_path),
+        state={"global_step": step, "w": torch.zeros(1)},
+        save_model_secs=0,
+        save_summaries_secs=0.05,
     )
     with sv.managed_session() as sess:
-        sess.run(lambda: step.add_(1))
-        wait_for_tag(sv, "global_step/sec")
+
+        def written() -> bool:
+            sv.summary_writer.flush()
+            return bool(scalars(all_events(str(tmp_path)), "global_step/sec"))
+
+        wait_until(written, poll=lambda: sess.run(lambda: step.add_(1)), what="a rate")
     tags = {v.tag for e in _only_events(tmp_path) for v in e.summary.value}
     assert tags == {"global_step/sec"}
+    rates = scalars(_only_events(tmp_path), "global_step/sec")
+    assert all(at > 0 for at, _ in rates)  # No 0.0 written at the start.
+
+
+class _Rates:
+    def __init__(self) -> None:
+        self.written: list[tuple[int, float]] = []
+
+    def add_summary(self, summary, step) -> None:
+        self.written.append((step, summary.value[0].simple_value))
+
+
+def test_no_step_rate_is_written_before_training_steps_then_a_stall_shows_as_zero():
+    clock = FakeClock()
+    step, rates = GlobalStep(), _Rates()
+    step.assign(40)  # A resumed run.
+    thread = SVStepCounterThread(Coordinator(clock=clock), 10.0, step, rates)
+    thread.start_loop()
+    thread.run_loop()  # The run at the start: nothing measured, nothing written.
+    clock.advance(10.0)
+    thread.run_loop()  # Restoring, evaluating: no step yet, and not a stall.
+    assert rates.written == []
+    step.assign(60)
+    clock.advance(10.0)
+    thread.run_loop()
+    step.assign(60)
+    clock.advance(10.0)
+    thread.run_loop()  # No step in this interval: a stall, written as 0.0.
+    assert rates.written == [(60, 2.0), (60, 0.0)]
 
 
 def test_services_follow_the_intervals_and_summary_op(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import fnmatch
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -138,6 +139,14 @@ def _scalar_tensor(event: Any) -> float | None:
     return float(array.reshape(()))
 
 
+class _RestartWarnings(logging.Filter):
+    """Drops TensorBoard's "Detected out of order event.step" warning: a restart, which the
+    listing reports itself (``restarts:``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Detected out of order event.step" not in record.getMessage()
+
+
 def read_run(path: str, name: str, patterns: list[str] | None = None) -> Run:
     """Read one run directory with TensorBoard's ``EventAccumulator``."""
     from tensorboard.backend.event_processing import event_accumulator as ea
@@ -153,7 +162,13 @@ def read_run(path: str, name: str, patterns: list[str] | None = None) -> Run:
             ea.TENSORS: 0,
         },
     )
-    acc.Reload()
+    quiet = _RestartWarnings()
+    tensorboard_logger = logging.getLogger("tensorboard")
+    tensorboard_logger.addFilter(quiet)
+    try:
+        acc.Reload()
+    finally:
+        tensorboard_logger.removeFilter(quiet)
     tags = acc.Tags()
     series: list[Series] = []
     for tag in tags.get(ea.SCALARS, []):
@@ -237,6 +252,8 @@ def print_runs(runs: list[Run]) -> None:
         if starts:
             steps = ", ".join(str(s) for s in starts)
             print(f"  sessions: {len(starts)} start(s) at step {steps}; {stops} clean stop(s)")
+            for step in starts[1:]:
+                print(f"  restart: resumed at step {step}")
         if run_.checkpoints:
             print(
                 f"  checkpoints: {len(run_.checkpoints)}, the last at step {run_.checkpoints[-1]}"

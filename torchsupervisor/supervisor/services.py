@@ -65,7 +65,10 @@ class SVSummaryThread(LooperThread):
 class SVStepCounterThread(LooperThread):
     """Every ``interval_secs``: write the training speed as ``<global step name>/sec``.
 
-    The first value, written at once when training starts, is 0.0 (nothing trained yet).
+    Nothing is written until a step has run in this session. TF wrote a value at once,
+    always 0.0 (nothing trained yet): after every resume, and at every start of a run that had
+    already reached its last step, the curve dropped to zero for no reason. Once training has
+    stepped, an interval in which no step ran is written as 0.0: a stalled run shows.
 
     TF name: ``tf.compat.v1.train.Supervisor``'s ``SVStepCounterThread``.
     """
@@ -82,6 +85,7 @@ class SVStepCounterThread(LooperThread):
         self._last_time = 0.0
         self._last_step = 0
         self._logged = 0
+        self._stepped = False  # A step ran since the session started.
 
     def start_loop(self) -> None:
         self._last_time = self._clock.monotonic()
@@ -92,6 +96,9 @@ class SVStepCounterThread(LooperThread):
         step = read_step(self._global_step)
         added, elapsed = step - self._last_step, now - self._last_time
         self._last_time, self._last_step = now, step
+        self._stepped = self._stepped or added > 0
+        if not self._stepped:  # Not a stall: training has not begun (or had already ended).
+            return
         rate = added / elapsed if elapsed > 0.0 else float("inf")
         summary = Summary(value=[Summary.Value(tag=self._tag, simple_value=rate)])
         self._writer.add_summary(summary, step)
