@@ -1,6 +1,6 @@
 """The documentation's code: every torchsupervisor Python block compiles, every
 torchsupervisor name it uses exists, and the README's example runs (on a temporary log
-directory, for fewer steps)."""
+directory, for fewer steps), as do the quickstart's and the PyPI description's."""
 
 from __future__ import annotations
 
@@ -56,13 +56,24 @@ def test_python_blocks_compile_and_name_real_api(doc):
                 pytest.fail(f"{doc} block {i} uses {name}, which torchsupervisor does not have")
 
 
-def test_readme_example_runs(tmp_path, monkeypatch):
-    (block,) = [b for b in _python_blocks("README.md") if "managed_session" in b]
+@pytest.mark.parametrize("doc", ["README.md", "docs/quickstart.md", "docs/pypi.md"])
+def test_the_first_example_runs(tmp_path, monkeypatch, doc):
+    block = next(b for b in _python_blocks(doc) if "managed_session" in b)
     assert "10_000" in block
     monkeypatch.chdir(tmp_path)
     code = block.replace("10_000", "30")
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, doc, "exec"), namespace)
     step = namespace["step"]
     assert step.value == 30
     assert ts.latest_checkpoint(str(tmp_path / "runs" / "exp")).endswith("model.ckpt-30")
+
+
+def test_every_doc_is_linked_from_the_readme():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    docs = [n for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md")]
+    assert "quickstart.md" in docs
+    assert [n for n in docs if f"docs/{n}" not in readme] == []
+    # The quickstart is the first document the README points to.
+    assert readme.index("docs/quickstart.md") == readme.index("docs/")

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
 import random
 import re
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
 
 from torchsupervisor.checkpoint.reader import CheckpointReader
@@ -130,3 +135,38 @@ def test_tensorboard_reads_the_demo_logdir(tmp_path):
     accumulator = EventAccumulator(logdir, size_guidance={"scalars": 0})
     accumulator.Reload()
     assert len(accumulator.Scalars("global_step/sec")) == rates
+
+
+def test_the_demo_draws_a_live_line_on_a_terminal(tmp_path):
+    master, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    seen = bytearray()
+
+    def read_terminal() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the demo closed its end.
+                return
+            if not chunk:
+                return
+            seen.extend(chunk)
+
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
+    try:
+        proc = subprocess.run(
+            _demo(str(tmp_path / "run"), "--max-steps", "60", "--step-delay-secs", "0.02"),
+            stdout=subprocess.PIPE,
+            stderr=terminal,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(terminal)
+        reader.join(30)
+        os.close(master)
+    assert proc.returncode == 0
+    assert "Done at step 60" in proc.stdout  # The plain lines stay on stdout.
+    line = seen.decode(errors="replace")
+    assert "%|" in line and "step 60/60" in line and "steps/s" in line and "loss " in line

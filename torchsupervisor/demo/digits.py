@@ -27,6 +27,7 @@ from torch import nn
 
 from torchsupervisor import GlobalStep, Graph, Supervisor, summary
 from torchsupervisor.demo.options import add_common_arguments, run_main
+from torchsupervisor.hooks.progress import Progress
 
 __all__ = ["DigitsData", "add_arguments", "build_model", "main", "run"]
 
@@ -111,20 +112,21 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 class _Progress:
     """Prints a progress line and writes the held-out accuracy at the current step."""
 
-    def __init__(self, model: nn.Module, data: DigitsData, writer, step: int) -> None:
+    def __init__(self, model: nn.Module, data: DigitsData, writer, step: int, say) -> None:
         self._model, self._data, self._writer = model, data, writer
         self._time, self._step = time.monotonic(), step
+        self._say = say
 
     def report(self, step: int, loss: torch.Tensor | None) -> None:
         acc = accuracy(self._model, self._data.test_x, self._data.test_y)
         self._writer.add_scalar("eval/accuracy", acc, step)
         now = time.monotonic()
         rate = (step - self._step) / max(now - self._time, 1e-9)
+        rate_text = f"{rate:8.1f}" if step > self._step else "       -"
         self._time, self._step = now, step
         loss_text = "   -  " if loss is None else f"{loss.item():.4f}"
-        print(
-            f"step {step:6d}  loss {loss_text}  held-out accuracy {acc:6.2%}  {rate:8.1f} steps/s",
-            flush=True,
+        self._say(
+            f"step {step:6d}  loss {loss_text}  held-out accuracy {acc:6.2%}  {rate_text} steps/s"
         )
 
 
@@ -185,15 +187,22 @@ def _run(args: argparse.Namespace) -> dict[str, float]:
             print(f"Starting from scratch in {args.logdir}", flush=True)
         if start >= args.max_steps:
             print(f"Already at step {start} >= --max-steps {args.max_steps}; nothing to do.")
-        progress = _Progress(model, data, writer, start)
+        # A live line on a terminal (step, steps/s, loss, ETA, checkpoints); the lines below
+        # every --log-every steps either way.
+        live = Progress.for_supervisor(sv, args.max_steps)
+        progress = _Progress(model, data, writer, start, say=live.write)
         progress.report(step.value, None)
         loss = None
-        while not sv.should_stop() and step.value < args.max_steps:
-            current = step.value
-            loss = sess.run(train_step).detach()
-            writer.add_scalar("train/loss", loss, current)
-            if step.value % args.log_every == 0 or step.value == args.max_steps:
-                progress.report(step.value, loss)
+        try:
+            while not sv.should_stop() and step.value < args.max_steps:
+                current = step.value
+                loss = sess.run(train_step).detach()
+                writer.add_scalar("train/loss", loss, current)
+                live.update(step.value, loss)
+                if step.value % args.log_every == 0 or step.value == args.max_steps:
+                    progress.report(step.value, loss)
+        finally:
+            live.close()
         result["step"] = float(step.value)
         result["accuracy"] = accuracy(model, data.test_x, data.test_y)
         if loss is not None:

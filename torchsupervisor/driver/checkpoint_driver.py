@@ -70,6 +70,8 @@ class CheckpointDriver:
         last_prefix: Its prefix.
         last_error: Why the last save failed (``"<ErrorType>: <message>"``); None after a
             success.
+        last_commit_time: When the newest checkpoint committed (the clock's monotonic
+            seconds); None before the first commit of this driver.
 
     Thread safety: see the module docstring.
     """
@@ -98,6 +100,7 @@ class CheckpointDriver:
         self.last_step = last_step
         self.last_prefix = last_prefix
         self.last_error: str | None = None
+        self.last_commit_time: float | None = None
         self._lock = threading.Lock()
         self._requested = False
         self._deferred = False
@@ -207,6 +210,7 @@ class CheckpointDriver:
         self.last_step = step
         self.last_prefix = prefix
         self.last_error = None
+        self.last_commit_time = self.clock.monotonic()
         writer = self.writer
         if writer is None:
             return

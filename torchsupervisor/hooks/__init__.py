@@ -11,6 +11,7 @@ Layout (one hook, or one family of hooks, per module)::
     global_step_waiter.py  GlobalStepWaiterHook
     final_ops.py         FinalOpsHook
     feed_fn.py           FeedFnHook
+    progress.py          Progress, ProgressHook (a live progress line)
 
 TF names: ``tf.compat.v1.train.SessionRunHook`` and the hooks of ``basic_session_run_hooks``.
 """
@@ -26,6 +27,7 @@ from torchsupervisor.hooks.logging_hooks import (
     NanLossDuringTrainingError,
     NanTensorHook,
 )
+from torchsupervisor.hooks.progress import Progress, ProgressHook
 from torchsupervisor.hooks.session_run_hook import (
     SessionRunArgs,
     SessionRunContext,
@@ -45,6 +47,8 @@ __all__ = [
     "LoggingTensorHook",
     "NanLossDuringTrainingError",
     "NanTensorHook",
+    "Progress",
+    "ProgressHook",
     "SessionRunArgs",
     "SessionRunContext",
     "SessionRunHook",
