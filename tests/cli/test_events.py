@@ -102,7 +102,7 @@ def test_plot(restarted, tmp_path, capsys):
     out_png = str(tmp_path / "curves.png")
     status, _, err = cli(capsys, "events", restarted, "--plot", out_png)
     assert status == 0
-    assert f"Wrote {out_png} (1 scalar series)" in err
+    assert f"Wrote {out_png} (2 scalar series)" in err  # loss, torchsupervisor/steps_lost
     with Image.open(out_png) as image:
         assert image.format == "PNG" and image.width > 100 and image.height > 100
         pixels = np.asarray(image.convert("L"))

@@ -116,10 +116,12 @@ def test_after_a_crash_tensorboard_shows_one_continuous_series(tmp_path):
     files = event_files(crashed)
     assert len(files) == 2 and files[0] == crashed_file  # name order = creation order
     assert _starts(read_events(files[1])) == [5]
-    # Read raw, the stale points of steps 5-7 are still in the first file ...
+    # Read raw, the stale points of steps 5-7 are gone from the first file (the restart
+    # removed them: TensorBoard's default loader ignores START) ...
     raw = [s for path in files for s, _ in scalars(read_events(path), "loss")]
-    assert raw == [0, 1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8, 9]
-    # ... but TensorBoard purges them at START and shows the run continuing at step 5.
+    assert raw == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert scalars(read_events(files[1]), "torchsupervisor/steps_lost") == [(5, 2.0)]
+    # ... and TensorBoard shows the run continuing at step 5.
     series = [(s.step, s.value) for s in accumulator(crashed).Scalars("loss")]
     assert series == [(s, 100.0 + s) for s in range(5)] + [(s, 200.0 + s) for s in range(5, 10)]
 

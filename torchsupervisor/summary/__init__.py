@@ -11,6 +11,7 @@ Layout (data flows down)::
     scalar_event.py  hand-written wire encoding of one scalar Event (short runs)
     event_file.py    the thread owning one events file: bounded queue, batches, flushes
     records.py       TFRecord framing with masked CRC-32C
+    restarts.py      at a restart: the lost segment removed from older files, the restart recorded
     reader.py        summary_iterator
     writer_cache.py  one shared writer per log directory
 

@@ -55,6 +55,7 @@ __all__ = [
     "WRITE_DELAY_SECS",
     "BatchEncoder",
     "EventFileWriter",
+    "live_workers",
 ]
 
 logger = logging.getLogger("torchsupervisor")
@@ -531,6 +532,13 @@ class EventFileWriter:
 
 
 _live_workers: weakref.WeakSet[EventFileWriter] = weakref.WeakSet()
+
+
+def live_workers() -> list[EventFileWriter]:
+    """The writer threads of this process that have not been closed."""
+    return list(_live_workers)
+
+
 _atexit_lock = threading.Lock()
 _atexit_registered = False
 _EXIT_JOIN_SECS = 10.0

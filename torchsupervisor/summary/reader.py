@@ -41,7 +41,7 @@ def summary_iterator(path: str | os.PathLike[str]) -> Iterator[event_pb2.Event]:
     """
     name = os.fspath(path)
     with io.BufferedReader(storage_for(name).open_read(name).stream()) as f:  # Never a FIFO.
-        for offset, payload in records._iter_records_with_offsets(f, name):
+        for offset, payload in records.iter_records_with_offsets(f, name):
             try:
                 event = event_pb2.Event.FromString(payload)
             except DecodeError as e:

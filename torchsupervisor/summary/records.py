@@ -36,6 +36,7 @@ __all__ = [
     "encode_record",
     "encode_records",
     "iter_records",
+    "iter_records_with_offsets",
     "masked_crc32c",
     "read_records",
     "unmask_crc32c",
@@ -134,7 +135,8 @@ def _read_exact(f: BinaryIO, n: int) -> bytes:
     return b"".join(parts)
 
 
-def _iter_records_with_offsets(f: BinaryIO, name: str) -> Iterator[tuple[int, bytes]]:
+def iter_records_with_offsets(f: BinaryIO, name: str) -> Iterator[tuple[int, bytes]]:
+    """``iter_records`` with each record's byte offset: ``(offset, payload)`` pairs."""
     offset = 0
     while True:
         header = f.read(HEADER_BYTES)
@@ -188,7 +190,7 @@ def iter_records(f: BinaryIO, name: str | None = None) -> Iterator[bytes]:
     TF name: ``tf.compat.v1.io.tf_record_iterator`` (uncompressed records).
     """
     label = name if name is not None else str(getattr(f, "name", "<stream>"))
-    for _offset, data in _iter_records_with_offsets(f, label):
+    for _offset, data in iter_records_with_offsets(f, label):
         yield data
 
 

@@ -31,7 +31,13 @@ from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.registry import USE_DEFAULT
 from torchsupervisor.storage import Storage, storage_for
 from torchsupervisor.summary.counters import WriterCounters
-from torchsupervisor.summary.event_file import BLOCK, DROP, WRITE_DELAY_SECS, EventFileWriter
+from torchsupervisor.summary.event_file import (
+    BLOCK,
+    DROP,
+    WRITE_DELAY_SECS,
+    EventFileWriter,
+    live_workers,
+)
 from torchsupervisor.summary.media import MediaMethods, check_tag
 from torchsupervisor.summary.queue_items import (
     RAW_EVENT,
@@ -40,6 +46,7 @@ from torchsupervisor.summary.queue_items import (
     ItemEncoder,
     queued_bytes,
 )
+from torchsupervisor.summary.restarts import drop_lost_segment
 from torchsupervisor.summary.snapshot import (
     INT64_MAX,
     INT64_MIN,
@@ -312,9 +319,13 @@ class SummaryWriter(MediaMethods):
     def add_session_log(self, session_log: event_pb2.SessionLog, global_step: Any = None) -> None:
         """Enqueue a ``SessionLog`` (START, STOP, CHECKPOINT) as an event.
 
-        TensorBoard purges every point with ``step >= s`` when it reads ``START`` at step ``s``,
-        so writing START with the restored step on restart hides the stale tail of a crashed
-        run.
+        ``START`` at step ``s`` marks a restart at ``s``. TensorBoard's legacy loader purges
+        the points after it, its default loader does not; so the writer first removes the
+        events after ``s`` from the directory's other events files (those no writer of this
+        process has open) and, after START, records the restart at ``s``: a text summary
+        ``torchsupervisor/restart`` and a scalar ``torchsupervisor/steps_lost`` (the steps
+        logged but not checkpointed). See ``summary/restarts.py``. Called on the caller's
+        thread, this reads the directory's events files once.
 
         Args:
             session_log: A ``SessionLog`` proto (copied).
@@ -332,7 +343,16 @@ class SummaryWriter(MediaMethods):
                 f"session_log must be an event_pb2.SessionLog, got {type(session_log).__name__}"
             )
         event = event_pb2.Event(wall_time=self._clock.time(), session_log=session_log)
-        self._put(Item((RAW_EVENT, event, snapshot_step(global_step))))
+        step = snapshot_step(global_step)
+        lost = None
+        if session_log.status == event_pb2.SessionLog.START and isinstance(step, int):
+            open_paths = {w.path for w in live_workers() if w.file is not None and w.path}
+            lost = drop_lost_segment(self._storage, self._logdir, step, open_paths)
+        self._put(Item((RAW_EVENT, event, step)))
+        if lost is not None and lost.last_step is not None:  # A restart, not a fresh start.
+            logger.info("%s", lost.describe())
+            self.add_text("torchsupervisor/restart", lost.describe(), step)
+            self.add_scalar("torchsupervisor/steps_lost", float(lost.steps_lost), step)
 
     def flush(self) -> None:
         """Block until every event added before this call is written and flushed to disk.

@@ -1,0 +1,193 @@
+"""A restart removes the lost segment from the events files and records itself, so that
+neither of TensorBoard's loaders shows a point the resumed run does not stand behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+from tensorboard.compat.proto.event_pb2 import SessionLog
+
+from torchsupervisor import SummaryWriter, summary_iterator
+from torchsupervisor.storage import storage_for
+from torchsupervisor.summary.restarts import drop_lost_segment
+
+KILLED_AFTER, RESTORED = 29, 20
+
+
+def _crashed_run(logdir) -> None:
+    """Run 1: steps 0-29 logged (loss every step, a rare tag once, at 25), no checkpoint
+    after step 20, no STOP: what a SIGKILL leaves."""
+    w = SummaryWriter(logdir)
+    w.add_session_log(SessionLog(status=SessionLog.START), 0)
+    for step in range(KILLED_AFTER + 1):
+        w.add_scalar("loss", 1000.0 + step, step)
+    w.add_scalar("eval/rare", 0.5, 25)
+    w.close()
+
+
+def _resumed_run(logdir, until: int) -> None:
+    """Run 2: resumes at step 20 and stops again before step 25."""
+    w = SummaryWriter(logdir)
+    w.add_session_log(SessionLog(status=SessionLog.START), RESTORED)
+    for step in range(RESTORED, until):
+        w.add_scalar("loss", 2000.0 + step, step)
+    w.close()
+
+
+def _points(logdir, tag: str) -> list[tuple[int, float]]:
+    points = []
+    for name in sorted(os.listdir(logdir)):
+        for event in summary_iterator(os.path.join(logdir, name)):
+            for value in event.summary.value:
+                if value.tag == tag:
+                    points.append((event.step, value.simple_value))
+    return points
+
+
+def test_the_lost_segment_is_removed_and_the_restart_recorded(tmp_path):
+    logdir = str(tmp_path)
+    _crashed_run(logdir)
+    _resumed_run(logdir, 25)
+    loss = _points(logdir, "loss")
+    assert loss == [(s, 1000.0 + s) for s in range(20)] + [(s, 2000.0 + s) for s in range(20, 25)]
+    assert _points(logdir, "eval/rare") == []  # Logged only in the lost segment.
+    assert _points(logdir, "torchsupervisor/steps_lost") == [(RESTORED, 9.0)]
+    texts = [
+        v.tensor.string_val[0].decode()
+        for name in sorted(os.listdir(logdir))
+        for e in summary_iterator(os.path.join(logdir, name))
+        for v in e.summary.value
+        if v.tag == "torchsupervisor/restart"
+    ]
+    assert texts == [
+        "Resumed at step 20 after a stop at step 29: 9 steps were not checkpointed "
+        "and are trained again (11 events from step 20 on removed)."
+    ]
+
+
+def test_a_fresh_start_records_no_restart_and_a_clean_resume_loses_nothing(tmp_path):
+    logdir = str(tmp_path)
+    w = SummaryWriter(logdir)
+    w.add_session_log(SessionLog(status=SessionLog.START), 0)  # A fresh directory.
+    w.add_scalar("loss", 1.0, 0)
+    w.close()
+    assert _points(logdir, "torchsupervisor/steps_lost") == []
+    _resumed_run(logdir, 21)  # Resumes at 20 > everything logged: nothing to remove.
+    assert _points(logdir, "torchsupervisor/steps_lost") == [(RESTORED, 0.0)]
+
+
+def test_files_open_in_this_process_and_damaged_tails(tmp_path):
+    logdir = str(tmp_path)
+    live = SummaryWriter(logdir)  # Another writer of this process, still open.
+    live.add_scalar("other", 1.0, 50)
+    live.flush()
+    _crashed_run(logdir)
+    crashed_file = next(
+        os.path.join(logdir, n)
+        for n in sorted(os.listdir(logdir))
+        if any(
+            v.tag == "eval/rare"
+            for e in summary_iterator(os.path.join(logdir, n))
+            for v in e.summary.value
+        )
+    )
+    with open(crashed_file, "ab") as f:
+        f.write(b"\x07\x00\x00")  # A torn record: the writer was killed mid-write.
+    lost = drop_lost_segment(storage_for(logdir), logdir, RESTORED, {live._worker.path})
+    assert lost.files == [crashed_file] and lost.last_step == KILLED_AFTER
+    assert lost.events_dropped == 11 and lost.steps_lost == 9
+    assert _points(logdir, "other") == [(50, 1.0)]  # The open file was left alone.
+    steps = [e.step for e in summary_iterator(crashed_file)]
+    assert max(steps) == RESTORED - 1  # Readable to the end: the torn tail went too.
+    live.close()
+
+
+def test_on_an_object_store(memory_url):
+    _crashed_run(memory_url)
+    _resumed_run(memory_url, 25)
+    st = storage_for(memory_url)
+    steps = []
+    for name in st.list(memory_url):
+        if ".tfevents." in name:
+            data = st.read_bytes(f"{memory_url}/{name}", max_bytes=1 << 20)
+            path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tsv-{os.getpid()}-{name}")
+            with open(path, "wb") as f:
+                f.write(data)
+            steps += [e.step for e in summary_iterator(path)]
+            os.remove(path)
+    assert max(steps) == 24 and 29 not in steps
+
+
+# ----------------------------------------------------------- a real TensorBoard server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read().decode("utf-8"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("load_fast", ["true", "false"])  # The data server, the legacy loader.
+def test_both_tensorboard_loaders_show_no_point_of_the_lost_segment(tmp_path, load_fast):
+    logdir = str(tmp_path / "run")
+    _crashed_run(logdir)
+    _resumed_run(logdir, 25)
+    port = _free_port()
+    log = open(tmp_path / "tensorboard.log", "w")  # noqa: SIM115 (closed in the finally)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            *("-m", "tensorboard.main", "--logdir", logdir, "--host", "127.0.0.1"),
+            *("--port", str(port), "--reload_interval", "1", f"--load_fast={load_fast}"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def series(tag: str) -> list[tuple[int, float]]:
+        query = urllib.parse.urlencode({"run": ".", "tag": tag})
+        return [
+            (int(s), float(v))
+            for _, s, v in _get_json(f"{base}/data/plugin/scalars/scalars?{query}")
+        ]
+
+    try:
+        deadline = time.monotonic() + 240
+        tags: dict = {}
+        while time.monotonic() < deadline:
+            assert server.poll() is None, (tmp_path / "tensorboard.log").read_text()
+            try:
+                tags = _get_json(f"{base}/data/plugin/scalars/tags").get(".", {})
+                if "torchsupervisor/steps_lost" in tags and len(series("loss")) >= 25:
+                    break
+            except (urllib.error.URLError, ConnectionError, OSError, ValueError):
+                pass  # Not listening, or not loaded yet.
+            time.sleep(0.5)
+        assert "eval/rare" not in tags  # Its only point was in the lost segment.
+        expected = [(s, 1000.0 + s) for s in range(20)] + [(s, 2000.0 + s) for s in range(20, 25)]
+        assert series("loss") == expected
+        assert series("torchsupervisor/steps_lost") == [(RESTORED, 9.0)]
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(30)
+        log.close()
