@@ -9,20 +9,17 @@ real ``tensorboard`` server queried over its HTTP data API.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
-import urllib.parse
-import urllib.request
 
 import pytest
 from repo_paths import worker
 from tensorboard.backend.event_processing import event_accumulator
+from tensorboard_server import get_json, serve
 
 from torchsupervisor import CheckpointReader, summary_iterator
 
@@ -103,54 +100,16 @@ def test_event_accumulator_shows_one_continuous_series(resumed_logdir):
     assert evals == _expected(EVAL_STEPS)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get_json(url: str):
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.loads(response.read().decode("utf-8"))
-
-
 @pytest.mark.timeout(300)
 def test_tensorboard_server_shows_one_continuous_series(resumed_logdir, tmp_path):
-    port = _free_port()
-    log = open(tmp_path / "tensorboard.log", "w")  # noqa: SIM115  (closed in the finally)
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tensorboard.main",
-            "--logdir",
-            resumed_logdir,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--reload_interval",
-            "1",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=_env(),
-    )
-    base = f"http://127.0.0.1:{port}"
-
-    def series(tag: str) -> list[tuple[int, float]]:
-        query = urllib.parse.urlencode({"run": ".", "tag": tag})
-        points = _get_json(f"{base}/data/plugin/scalars/scalars?{query}")
-        return [(int(step), float(value)) for _, step, value in points]
-
-    try:
+    with serve(resumed_logdir, str(tmp_path), env=_env()) as server:
         deadline = time.monotonic() + 240
         loss = evals = None
         while time.monotonic() < deadline:
-            assert server.poll() is None, (tmp_path / "tensorboard.log").read_text()
+            assert server.process.poll() is None, server.log()
             try:
-                if "." in _get_json(f"{base}/data/runs"):
-                    loss, evals = series("loss"), series("eval")
+                if "." in get_json(f"{server.base}/data/runs"):
+                    loss, evals = server.scalars("loss"), server.scalars("eval")
                     if len(loss) >= len(LOSS_STEPS) and len(evals) >= len(EVAL_STEPS):
                         break
             except (urllib.error.URLError, ConnectionError, OSError, ValueError):
@@ -160,11 +119,3 @@ def test_tensorboard_server_shows_one_continuous_series(resumed_logdir, tmp_path
         assert evals == _expected(EVAL_STEPS)
         steps = [step for step, _ in loss]
         assert len(steps) == len(set(steps))  # no duplicate step
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(30)
-        log.close()

@@ -3,18 +3,13 @@ neither of TensorBoard's loaders shows a point the resumed run does not stand be
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
-import urllib.parse
-import urllib.request
 
 import pytest
 from tensorboard.compat.proto.event_pb2 import SessionLog
+from tensorboard_server import get_json, serve
 
 from torchsupervisor import SummaryWriter, summary_iterator
 from torchsupervisor.storage import storage_for
@@ -130,64 +125,25 @@ def test_on_an_object_store(memory_url):
 # ----------------------------------------------------------- a real TensorBoard server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get_json(url: str):
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.loads(response.read().decode("utf-8"))
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("load_fast", ["true", "false"])  # The data server, the legacy loader.
 def test_both_tensorboard_loaders_show_no_point_of_the_lost_segment(tmp_path, load_fast):
     logdir = str(tmp_path / "run")
     _crashed_run(logdir)
     _resumed_run(logdir, 25)
-    port = _free_port()
-    log = open(tmp_path / "tensorboard.log", "w")  # noqa: SIM115 (closed in the finally)
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            *("-m", "tensorboard.main", "--logdir", logdir, "--host", "127.0.0.1"),
-            *("--port", str(port), "--reload_interval", "1", f"--load_fast={load_fast}"),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-
-    def series(tag: str) -> list[tuple[int, float]]:
-        query = urllib.parse.urlencode({"run": ".", "tag": tag})
-        return [
-            (int(s), float(v))
-            for _, s, v in _get_json(f"{base}/data/plugin/scalars/scalars?{query}")
-        ]
-
-    try:
+    with serve(logdir, str(tmp_path), f"--load_fast={load_fast}") as server:
         deadline = time.monotonic() + 240
         tags: dict = {}
         while time.monotonic() < deadline:
-            assert server.poll() is None, (tmp_path / "tensorboard.log").read_text()
+            assert server.process.poll() is None, server.log()
             try:
-                tags = _get_json(f"{base}/data/plugin/scalars/tags").get(".", {})
-                if "torchsupervisor/steps_lost" in tags and len(series("loss")) >= 25:
+                tags = get_json(f"{server.base}/data/plugin/scalars/tags").get(".", {})
+                if "torchsupervisor/steps_lost" in tags and len(server.scalars("loss")) >= 25:
                     break
             except (urllib.error.URLError, ConnectionError, OSError, ValueError):
                 pass  # Not listening, or not loaded yet.
             time.sleep(0.5)
         assert "eval/rare" not in tags  # Its only point was in the lost segment.
         expected = [(s, 1000.0 + s) for s in range(20)] + [(s, 2000.0 + s) for s in range(20, 25)]
-        assert series("loss") == expected
-        assert series("torchsupervisor/steps_lost") == [(RESTORED, 9.0)]
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(30)
-        log.close()
+        assert server.scalars("loss") == expected
+        assert server.scalars("torchsupervisor/steps_lost") == [(RESTORED, 9.0)]

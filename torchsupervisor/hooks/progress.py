@@ -56,7 +56,12 @@ class Progress:
         checkpoint_every_secs: The checkpoint interval, for "next in"; None: not shown.
         clock: Time source; None: the real clock.
 
-    Thread safety: ``update`` and ``close`` from one thread (the training thread).
+    Raises:
+        ValueError: ``refresh_secs`` < 0 or ``log_every_secs`` <= 0 (naming both).
+
+    Thread safety: ``update``, ``write`` and ``close`` from one thread (the training thread).
+
+    TF name: none.
     """
 
     def __init__(

@@ -535,7 +535,10 @@ _live_workers: weakref.WeakSet[EventFileWriter] = weakref.WeakSet()
 
 
 def live_workers() -> list[EventFileWriter]:
-    """The writer threads of this process that have not been closed."""
+    """The writer threads of this process that have not been closed.
+
+    TF name: none.
+    """
     return list(_live_workers)
 
 

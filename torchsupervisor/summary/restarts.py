@@ -57,6 +57,8 @@ class LostSegment:
         events_dropped: Events removed: those of later steps, and the summaries of
             ``restored_step`` itself (the resumed run logs them again).
         files: The events files rewritten.
+
+    TF name: none.
     """
 
     restored_step: int
@@ -103,6 +105,8 @@ def drop_lost_segment(
     A file that cannot be read or rewritten is logged and left as it is (the restart goes on:
     TensorBoard may then show its stale points). A damaged record ends the reading of its
     file; the rewritten copy keeps what came before it.
+
+    TF name: none.
     """
     found = LostSegment(restored_step)
     try:
