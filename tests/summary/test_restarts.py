@@ -147,3 +147,16 @@ def test_both_tensorboard_loaders_show_no_point_of_the_lost_segment(tmp_path, lo
         expected = [(s, 1000.0 + s) for s in range(20)] + [(s, 2000.0 + s) for s in range(20, 25)]
         assert server.scalars("loss") == expected
         assert server.scalars("torchsupervisor/steps_lost") == [(RESTORED, 9.0)]
+
+
+def test_after_a_clean_stop_nothing_is_removed_not_even_the_restored_steps_summaries(tmp_path):
+    logdir = str(tmp_path)
+    w = SummaryWriter(logdir)
+    w.add_session_log(SessionLog(status=SessionLog.START), 0)
+    for step in range(RESTORED + 1):  # Up to the restored step itself, then a clean stop.
+        w.add_scalar("loss", 1000.0 + step, step)
+    w.add_session_log(SessionLog(status=SessionLog.CHECKPOINT), RESTORED)
+    w.close()
+    lost = drop_lost_segment(storage_for(logdir), logdir, RESTORED, set())
+    assert (lost.files, lost.events_dropped, lost.steps_lost) == ([], 0, 0)
+    assert _points(logdir, "loss")[-1] == (RESTORED, 1000.0 + RESTORED)

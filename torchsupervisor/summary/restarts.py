@@ -9,12 +9,13 @@ and its out-of-order purge works per tag, when the tag is logged again: a rarely
 
 So at a restart the writer removes them itself: every events file of the log directory that
 no writer of this process has open is read, and one holding events of the lost segment
-is replaced (one atomic put) by a copy without the events of later steps and the summaries
-of the restored step (the resumed run logs them again; TensorBoard's purge at START removes
-the same). Events without a step (the file version, ``STOP``) stay. Then the restart is
-written at the restored step: a text summary (``torchsupervisor/restart``) and a scalar
-(``torchsupervisor/steps_lost``) saying how many logged steps were lost, so each restart
-shows in TensorBoard.
+is replaced (one atomic put) by a copy without the events of later steps and, in a file that
+went past the restored step, the summaries of that step (the resumed run logs them again;
+TensorBoard's purge at START removes the same). A file that ended at or before the restored
+step (a clean stop) is left as it is. Events without a step (the file version, ``STOP``)
+stay. Then the restart is written at the restored step: a text summary
+(``torchsupervisor/restart``) and a scalar (``torchsupervisor/steps_lost``) saying how many
+logged steps were lost, so each restart shows in TensorBoard.
 
 Files that another *process* is appending to (an evaluator sharing the directory) cannot be
 told apart from a dead run's: write such summaries to a directory of their own (TF's
@@ -54,8 +55,9 @@ class LostSegment:
         restored_step: The step training resumes at.
         last_step: The highest step the earlier sessions logged; None: no earlier events
             (a fresh log directory).
-        events_dropped: Events removed: those of later steps, and the summaries of
-            ``restored_step`` itself (the resumed run logs them again).
+        events_dropped: Events removed: those of later steps, and, from a file that went
+            past it, the summaries of ``restored_step`` itself (the resumed run logs them
+            again).
         files: The events files rewritten.
 
     TF name: none.
@@ -125,10 +127,10 @@ def drop_lost_segment(
 
 
 def _prune(storage: Storage, path: str, restored_step: int, found: LostSegment) -> None:
-    """Scan ``path``; replace it by a copy without the events from ``restored_step`` on."""
-    first_lost: int | None = None  # Byte offset of the first record dropped.
-    kept_after: list[bytes] = []  # Records kept that come after it (steps <= restored).
-    dropped = 0
+    """Scan ``path``; replace it by a copy without its lost segment, if it has one."""
+    first_candidate: int | None = None  # Offset of the first record that may be dropped.
+    tail: list[tuple[int, bytes | None]] = []  # From there: (offset, data if kept else None)
+    past = False  # The file holds events of steps after the restored one.
     readable = storage.open_read(path)
     try:
         raw = readable.stream()  # Kept: closing (or collecting) it closes ``readable``.
@@ -136,21 +138,24 @@ def _prune(storage: Storage, path: str, restored_step: int, found: LostSegment) 
         try:
             for offset, data in iter_records_with_offsets(f, path):
                 event = event_pb2.Event.FromString(data)
-                step = event.step
-                if found.last_step is None or step > found.last_step:
-                    found.last_step = step
-                if _lost(event, restored_step):
-                    dropped += 1
-                    if first_lost is None:
-                        first_lost = offset
-                elif first_lost is not None:
-                    kept_after.append(data)
+                if found.last_step is None or event.step > found.last_step:
+                    found.last_step = event.step
+                kind = _kind(event, restored_step)
+                past = past or kind == _AFTER
+                if first_candidate is None and kind is None:
+                    continue
+                if first_candidate is None:
+                    first_candidate = offset
+                tail.append((offset, data if kind is None else None))
         except errors.DataLossError:
             pass  # A torn last record (a killed writer): keep what came before it.
         finally:
             f.detach()  # The file stays open: the copy is read from it below.
-        if first_lost is None:
+        if not past:  # Ended at or before the restored step (a clean stop): nothing lost.
             return
+        dropped = sum(1 for _, data in tail if data is None)
+        first_lost = next(offset for offset, data in tail if data is None)
+        kept_after = [data for offset, data in tail if data is not None and offset > first_lost]
         # Streamed: the copy is read from the old file while it is written (one atomic put).
         storage.put(
             path,
@@ -164,22 +169,27 @@ def _prune(storage: Storage, path: str, restored_step: int, found: LostSegment) 
     found.files.append(path)
 
 
-def _lost(event: event_pb2.Event, restored_step: int) -> bool:
-    """Whether ``event`` belongs to the lost segment: anything about a later step (a summary,
-    a log message, START, CHECKPOINT; not the file version, nor STOP, which has no step),
-    and the summaries of the restored step itself, which the resumed run logs again (as
-    TensorBoard's purge at START does). A CHECKPOINT at the restored step stays: it is the
-    checkpoint restored."""
-    if event.HasField("summary"):
-        return event.step >= restored_step
-    if event.step <= restored_step:
-        return False
-    if event.HasField("log_message"):
-        return True
-    return event.HasField("session_log") and event.session_log.status in (
-        event_pb2.SessionLog.START,
-        event_pb2.SessionLog.CHECKPOINT,
-    )
+_AFTER = "after"  # An event of a later step.
+_AT = "at"  # A summary of the restored step.
+
+
+def _kind(event: event_pb2.Event, restored_step: int) -> str | None:
+    """``_AFTER`` for an event about a later step (a summary, a log message, START,
+    CHECKPOINT; not the file version, nor STOP, which has no step); ``_AT`` for a summary of
+    the restored step, which the resumed run logs again (dropped only from a file that went
+    past it, as TensorBoard's purge at START drops it); None for the rest."""
+    if event.step > restored_step:
+        if event.HasField("summary") or event.HasField("log_message"):
+            return _AFTER
+        if event.HasField("session_log") and event.session_log.status in (
+            event_pb2.SessionLog.START,
+            event_pb2.SessionLog.CHECKPOINT,
+        ):
+            return _AFTER
+        return None
+    if event.step == restored_step and event.HasField("summary"):
+        return _AT
+    return None
 
 
 def _prefix_chunks(readable: object, size: int) -> Iterator[bytes]:
