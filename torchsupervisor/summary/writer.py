@@ -319,10 +319,11 @@ class SummaryWriter(MediaMethods):
     def add_session_log(self, session_log: event_pb2.SessionLog, global_step: Any = None) -> None:
         """Enqueue a ``SessionLog`` (START, STOP, CHECKPOINT) as an event.
 
-        ``START`` at step ``s`` marks a restart at ``s``. TensorBoard's legacy loader purges
-        the points after it, its default loader does not; so the writer first removes the
-        events after ``s`` from the directory's other events files (those no writer of this
-        process has open) and, after START, records the restart at ``s``: a text summary
+        ``START`` at step ``s``, as the first thing this writer writes, marks a restart at
+        ``s``. TensorBoard's legacy loader purges the points after it, its default loader
+        does not; so the writer first removes the lost segment from the directory's other
+        events files (not those of this process's writers) and, after START, records the
+        restart at ``s``: a text summary
         ``torchsupervisor/restart`` and a scalar ``torchsupervisor/steps_lost`` (the steps
         logged but not checkpointed). See ``summary/restarts.py``. Called on the caller's
         thread, this reads the directory's events files once.
@@ -345,8 +346,12 @@ class SummaryWriter(MediaMethods):
         event = event_pb2.Event(wall_time=self._clock.time(), session_log=session_log)
         step = snapshot_step(global_step)
         lost = None
-        if session_log.status == event_pb2.SessionLog.START and isinstance(step, int):
-            open_paths = {w.path for w in live_workers() if w.file is not None and w.path}
+        worker = self._holder[0]
+        # A restart is a START before this writer wrote anything (a START in the middle of a
+        # writer's own stream is not); files of this process's writers are never touched.
+        fresh = worker.path is None and worker.file is None and not worker.queue
+        if session_log.status == event_pb2.SessionLog.START and isinstance(step, int) and fresh:
+            open_paths = {w.path for w in live_workers() if w.path and not w.closed}
             lost = drop_lost_segment(self._storage, self._logdir, step, open_paths)
         self._put(Item((RAW_EVENT, event, step)))
         if lost is not None and lost.last_step is not None:  # A restart, not a fresh start.
