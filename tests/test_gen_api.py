@@ -44,7 +44,7 @@ def test_script_writes_a_section_for_every_public_name(tmp_path):
         for name in module.__all__:
             assert f"### `{module.__name__}.{name}`" in text, name
     # Signatures and docstrings, rendered as Markdown.
-    assert "class Saver(var_list=None, *, sharded=False" in text
+    assert "class Saver(var_list=None, reshape=False, sharded=False" in text
     assert "#### `Supervisor.managed_session`" in text
     assert "Alias of [`SummaryWriter`](#torchsupervisorsummarywriter)." in text
     assert "- `logdir`: The directory for the events file; created if missing." in text

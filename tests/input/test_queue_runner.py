@@ -47,9 +47,9 @@ class ObservedQueue(FIFOQueue):
         super().__init__(*args, **kwargs)
         self.waiting = threading.Event()
 
-    def _wait(self, condition, deadline):
+    def _wait(self, deadline):
         self.waiting.set()
-        super()._wait(condition, deadline)
+        super()._wait(deadline)
 
 
 def drain(queue):

@@ -64,6 +64,9 @@ class Saver:
             then be None); a name may be a ``/`` path into a bigger checkpoint on restore
             (``{"model/backbone": net.backbone}``). A list of names: those entries of the
             session's state.
+        reshape, restore_sequentially, saver_def, builder, defer_build, write_version,
+            filename: Accepted in TF's positional order and ignored: they configure TF's
+            graph (restore ops, the ``SaverDef``, the V1/V2 format); nothing here needs them.
         sharded: Split the data into shards of at most ``max_shard_bytes`` (default 1 GiB).
         max_to_keep: How many recent checkpoints to keep (0 or None: keep all; the state file
             then lists only the newest). Counted per state file: each directory saved to
@@ -115,20 +118,28 @@ class Saver:
     def __init__(
         self,
         var_list: Mapping[str, Any] | list[str] | tuple[str, ...] | None = None,
-        *,
+        reshape: bool = False,
         sharded: bool = False,
         max_to_keep: int | None = 5,
         keep_checkpoint_every_n_hours: float = 10000.0,
         name: str | None = None,
+        restore_sequentially: bool = False,
+        saver_def: Any = None,
+        builder: Any = None,
+        defer_build: bool = False,
         allow_empty: bool = False,
+        write_version: int = 2,
         pad_step_number: bool = False,
         save_relative_paths: bool = True,
+        filename: str | None = None,
+        *,
         max_shard_bytes: int | None = None,
         incremental: bool = True,
         full_save_every_n_saves: int | None = None,
         storage: Storage | None = None,
         clock: Clock | None = None,
     ) -> None:
+        del reshape, restore_sequentially, saver_def, builder, defer_build, write_version, filename
         if var_list is not None:
             if not isinstance(var_list, (Mapping, list, tuple)):
                 raise TypeError(

@@ -80,6 +80,25 @@ class Graph:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._collections: dict[str, list[Any]] = {}
+        self._names: set[str] = set()
+
+    def unique_name(self, name: str, mark_as_used: bool = True) -> str:
+        """Return ``name``, or ``name_1``, ``name_2``, ... if it was already used in this graph.
+
+        Args:
+            name: The wanted name.
+            mark_as_used: Reserve the returned name (later calls get another).
+
+        TF name: ``tf.Graph.unique_name``.
+        """
+        with self._lock:
+            candidate, i = name, 0
+            while candidate in self._names:
+                i += 1
+                candidate = f"{name}_{i}"
+            if mark_as_used:
+                self._names.add(candidate)
+            return candidate
 
     def add_to_collection(self, name: str, value: Any) -> None:
         """Append ``value`` to the collection ``name`` (created when missing).

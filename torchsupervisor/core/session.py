@@ -167,22 +167,32 @@ def session_op(fn: Any) -> Any:
 
 
 _SESSION = "session"  # The memo's key of the running session (the other keys are ids).
+_CONSTANTS = "constants"  # The memo's key of ``evaluate_fetches(constants=...)``.
 
 
 def evaluate_fetches(
-    fetches: Any, feed_dict: Mapping[str, Any] | None = None, *, session: Any = None
+    fetches: Any,
+    feed_dict: Mapping[str, Any] | None = None,
+    *,
+    session: Any = None,
+    constants: bool = False,
 ) -> Any:
     """Evaluate a fetch structure (see ``Session.run``) without a step boundary.
+
+    A fetch with an ``output_of`` attribute is one output of a shared op: the op is run once
+    per evaluation and ``fetch.select(value)`` picks the output (the outputs of one dequeue).
 
     Args:
         fetches: What to evaluate.
         feed_dict: Keyword arguments for the fetched callables.
         session: Passed to the fetched ops marked with ``session_op``.
+        constants: Return leaves of other types as they are (an input pipeline's element
+            may hold strings and numbers) instead of raising ``TypeError``.
 
     Raises:
         TypeError: As ``Session.run``.
     """
-    if not feed_dict:
+    if not feed_dict and not constants:
         if (
             callable(fetches)
             and not isinstance(fetches, (torch.Tensor, GlobalStep))
@@ -190,11 +200,14 @@ def evaluate_fetches(
         ):
             return fetches()
         return _evaluate(fetches, None, {_SESSION: session})
+    if not feed_dict:
+        return _evaluate(fetches, None, {_SESSION: session, _CONSTANTS: True})
     for key in feed_dict:
         if not isinstance(key, str):
             raise TypeError(f"feed_dict keys must be strings naming keyword arguments, got {key!r}")
     used: set[str] = set()
-    result = _evaluate(fetches, (feed_dict, used), {_SESSION: session})
+    memo = {_SESSION: session, _CONSTANTS: constants}
+    result = _evaluate(fetches, (feed_dict, used), memo)
     unused = sorted(set(feed_dict) - used)
     if unused:
         raise TypeError(f"feed_dict keys {unused} are not arguments of any fetched callable")
@@ -221,13 +234,16 @@ def _kwargs_for(fn: Any, feed: tuple[Mapping[str, Any], set[str]]) -> dict[str, 
     return kwargs
 
 
-def _evaluate(fetch: Any, feed: Any, memo: dict[int, Any]) -> Any:
+def _evaluate(fetch: Any, feed: Any, memo: dict[Any, Any]) -> Any:
     if fetch is None:
         return None
     if isinstance(fetch, torch.Tensor):
         return fetch
     if isinstance(fetch, GlobalStep):
         return fetch.value
+    op = getattr(fetch, "output_of", None)
+    if op is not None:  # One output of an op that several fetches share: run it once.
+        return fetch.select(_evaluate(op, feed, memo))
     if callable(fetch):
         key = id(fetch)
         if key not in memo:
@@ -249,6 +265,8 @@ def _evaluate(fetch: Any, feed: Any, memo: dict[int, Any]) -> Any:
         return type(fetch)(*[_evaluate(v, feed, memo) for v in fetch])
     if isinstance(fetch, (list, tuple)):
         return type(fetch)([_evaluate(v, feed, memo) for v in fetch])
+    if memo.get(_CONSTANTS):
+        return fetch
     raise TypeError(
         f"Fetch argument {fetch!r} has invalid type {type(fetch).__name__}: a fetch must be a "
         "callable, a Tensor, a GlobalStep, None, or a list/tuple/dict of them"

@@ -1,1 +1,2 @@
-"""Input pipelines: TF's queues and queue runners, and resumable PyTorch data loading."""
+"""Input pipelines: TF's queues, queue runners, producers and batching (resumable), and
+resumable PyTorch data loading."""

@@ -1,11 +1,25 @@
-"""``FIFOQueue``: TF 1's input queue, holding any Python objects; its end raises
-``OutOfRangeError``.
+"""``QueueBase`` and ``FIFOQueue``: TF 1's input queues, holding any Python objects; the end of
+the input raises ``OutOfRangeError``.
 
-Threads (``QueueRunner``, ``queue_runner.py``) fill it with *enqueue ops*; the training step
-dequeues; closing it (the end of the input) makes a dequeue on an empty queue raise
+Threads (``QueueRunner``, ``queue_runner.py``) fill a queue with *enqueue ops*; the training
+step dequeues; closing it (the end of the input) makes a dequeue on an empty queue raise
 ``OutOfRangeError``, the normal end of training. Tensors are kept as they are (no copy).
 
-TF name: ``tf.queue.FIFOQueue``.
+As in TF, waiting operations are served in arrival order: the elements of one ``enqueue_many``
+enter the queue together, in order, before those of a later one; the oldest waiting dequeue
+takes elements first, one by one as they arrive, so a ``dequeue_many(n)`` larger than the
+capacity completes. A dequeue that fails (the queue closed with too few elements, or its
+timeout) gives back what it gathered.
+
+The other queues (``RandomShuffleQueue``, ``PaddingFIFOQueue``, ``PriorityQueue``,
+``queues.py``) change only which element leaves next and how a batch is made.
+
+Resumable: ``state_dict()`` gives the elements in the queue, the elements of enqueues waiting
+for room (kept even when the queue is closed with ``cancel_pending_enqueues``: nothing taken
+from upstream is lost) and the shuffling generator; ``load_state_dict`` puts them back
+(``InputPipelineState`` does this for a whole pipeline, consistently).
+
+TF names: ``tf.queue.QueueBase``, ``tf.queue.FIFOQueue``.
 """
 
 from __future__ import annotations
@@ -20,32 +34,57 @@ import torch
 
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.errors import CancelledError, DeadlineExceededError, OutOfRangeError
+from torchsupervisor.input.gate import GATE
 
-__all__ = ["FIFOQueue"]
+__all__ = ["FIFOQueue", "QueueBase", "collate"]
 
 logger = logging.getLogger("torchsupervisor")
 
 _TIMEOUT_TEXT = "Timed out waiting for notification"
 
 
-def _collate(elements: list[Any]) -> Any:
-    """Batch elements: tensors are stacked; tuples and dicts per component; others listed."""
+def collate(elements: list[Any]) -> Any:
+    """Batch elements: tensors are stacked; tuples and dicts per component; others listed.
+
+    Raises:
+        RuntimeError: From ``torch.stack`` if tensors of one component differ in shape.
+    """
     first = elements[0]
     if all(isinstance(e, torch.Tensor) for e in elements):
         return torch.stack(elements)
     if isinstance(first, tuple) and all(
         isinstance(e, tuple) and len(e) == len(first) for e in elements
     ):
-        return tuple(_collate(list(column)) for column in zip(*elements))
+        return tuple(collate(list(column)) for column in zip(*elements))
     if isinstance(first, Mapping) and all(isinstance(e, Mapping) for e in elements):
-        return {key: _collate([e[key] for e in elements]) for key in first}
+        return {key: collate([e[key] for e in elements]) for key in first}
     return list(elements)
 
 
-class FIFOQueue:
-    """A bounded first-in first-out queue of Python objects that can be closed.
+class _Enqueue:
+    """An enqueue waiting for room: how many of its elements are still pending."""
 
-    ``enqueue`` blocks while the queue is full, ``dequeue`` while it is empty. After
+    __slots__ = ("remaining",)
+
+    def __init__(self, remaining: int) -> None:
+        self.remaining = remaining
+
+
+class _Dequeue:
+    """A dequeue gathering elements: what it took so far, and the generator's state before."""
+
+    __slots__ = ("held", "n", "rng_before")
+
+    def __init__(self, n: int, rng_before: Any) -> None:
+        self.n = n
+        self.held: list[Any] = []
+        self.rng_before = rng_before
+
+
+class QueueBase:
+    """A bounded queue of Python objects that can be closed; the base of TF's queues.
+
+    ``enqueue`` waits while the queue is full, ``dequeue`` while it is empty. After
     ``close()``, new enqueues fail with ``CancelledError`` while enqueues already waiting for
     room still complete (unless ``cancel_pending_enqueues``), and dequeues drain what is left,
     then fail with ``OutOfRangeError``: the signal that the input is exhausted.
@@ -54,7 +93,7 @@ class FIFOQueue:
         capacity: The most elements the queue holds (> 0).
         dtypes: Accepted for TF's signature; a list or tuple gives the number of components of
             an element (what ``enqueue_many`` splits along); types are not checked.
-        shapes: Accepted for TF's signature; not checked.
+        shapes: Accepted for TF's signature; checked only by ``PaddingFIFOQueue``.
         names: Component names: elements are then dicts with these keys (for
             ``enqueue_many``); None: unnamed.
         shared_name: Accepted for TF's signature; unused.
@@ -66,8 +105,10 @@ class FIFOQueue:
 
     Thread safety: every method may be called from any thread.
 
-    TF name: ``tf.queue.FIFOQueue`` (``tf.FIFOQueue``).
+    TF name: ``tf.queue.QueueBase``.
     """
+
+    _kind = "FIFOQueue"
 
     def __init__(
         self,
@@ -89,17 +130,58 @@ class FIFOQueue:
         self._name = name
         self._clock = clock or REAL_CLOCK
         self._lock = threading.Lock()
-        self._not_empty = threading.Condition(self._lock)
-        self._not_full = threading.Condition(self._lock)
-        self._items: collections.deque[Any] = collections.deque()
+        self._changed = threading.Condition(self._lock)
+        self._pending: collections.deque[tuple[Any, _Enqueue | None]] = collections.deque()
+        self._dequeues: collections.deque[_Dequeue] = collections.deque()
+        self._seq = 0
         self._closed = False
         self._cancelled = False
+
+    # -- What a kind of queue decides (called with the lock held) ---------------------------
+
+    def _count(self) -> int:
+        raise NotImplementedError
+
+    def _add(self, element: Any, seq: int) -> None:
+        raise NotImplementedError
+
+    def _can_take(self) -> bool:
+        return self._count() > 0
+
+    def _remove(self) -> Any:
+        """Remove the entry that leaves next and return it."""
+        raise NotImplementedError
+
+    def _element(self, entry: Any) -> Any:
+        return entry
+
+    def _give_back(self, entries: list[Any]) -> None:
+        """Put back entries a failed dequeue took, where they were."""
+        raise NotImplementedError
+
+    def _entries(self, held: list[Any]) -> list[Any]:
+        """The elements in the queue, ``held`` (taken by a waiting dequeue) put back, in order."""
+        raise NotImplementedError
+
+    def _rng_state(self) -> Any:
+        return None
+
+    def _set_rng_state(self, state: Any) -> None:
+        del state
+
+    def _check(self, element: Any) -> Any:
+        return element
+
+    def _batch(self, elements: list[Any]) -> Any:
+        return collate(elements)
+
+    # -- Public API ---------------------------------------------------------------------------
 
     @property
     def name(self) -> str:
         """The queue's name.
 
-        TF name: ``tf.queue.FIFOQueue.name``.
+        TF name: ``tf.queue.QueueBase.name``.
         """
         return self._name
 
@@ -115,27 +197,72 @@ class FIFOQueue:
     def names(self) -> list[str] | None:
         """The component names, or None for unnamed components.
 
-        TF name: ``tf.queue.FIFOQueue.names``.
+        TF name: ``tf.queue.QueueBase.names``.
         """
         return self._names
 
     def __repr__(self) -> str:
-        return f"FIFOQueue(name={self._name!r}, capacity={self._capacity})"
+        return f"{type(self).__name__}(name={self._name!r}, capacity={self._capacity})"
 
     def _deadline(self, timeout_secs: float | None) -> float | None:
         return None if timeout_secs is None else self._clock.monotonic() + timeout_secs
 
-    def _wait(self, condition: threading.Condition, deadline: float | None) -> None:
-        if deadline is None:
-            condition.wait()
-            return
-        remaining = deadline - self._clock.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceededError(_TIMEOUT_TEXT)
-        condition.wait(remaining)
+    def _wait(self, deadline: float | None) -> None:
+        """Wait for a change (lock held); a runner thread gives back its gate share meanwhile."""
+        timeout = None
+        if deadline is not None:
+            timeout = deadline - self._clock.monotonic()
+            if timeout <= 0:
+                raise DeadlineExceededError(_TIMEOUT_TEXT)
+        shared = GATE.give_back()
+        try:
+            self._changed.wait(timeout)
+        finally:
+            if shared:
+                # Never wait for the gate holding the queue's lock: a snapshot holding the
+                # gate reads this queue.
+                self._lock.release()
+                try:
+                    GATE.take_again()
+                finally:
+                    self._lock.acquire()
 
     def _closed_error(self) -> CancelledError:
-        return CancelledError(f"FIFOQueue '{self._name}' is closed.")
+        return CancelledError(f"{self._kind} '{self._name}' is closed.")
+
+    def _fill(self) -> None:
+        """Move pending elements in while there is room (lock held)."""
+        moved = False
+        while self._pending and not self._cancelled and self._count() < self._capacity:
+            element, enqueue = self._pending.popleft()
+            self._add(element, self._seq)
+            self._seq += 1
+            if enqueue is not None:
+                enqueue.remaining -= 1
+            moved = True
+        if moved:
+            self._changed.notify_all()
+
+    def _enqueue(self, elements: list[Any], timeout_secs: float | None) -> None:
+        deadline = self._deadline(timeout_secs)
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            if not elements:
+                return
+            enqueue = _Enqueue(len(elements))
+            self._pending.extend((element, enqueue) for element in elements)
+            self._fill()
+            while enqueue.remaining:
+                if self._cancelled:
+                    # Its elements stay pending: a snapshot keeps them, a reopen enqueues them.
+                    raise CancelledError("Enqueue operation was cancelled")
+                try:
+                    self._wait(deadline)
+                except DeadlineExceededError:
+                    others = [p for p in self._pending if p[1] is not enqueue]
+                    self._pending = collections.deque(others)
+                    raise
 
     def enqueue(self, vals: Any, *, timeout_secs: float | None = None) -> None:
         """Add one element, waiting while the queue is full.
@@ -146,28 +273,16 @@ class FIFOQueue:
             timeout_secs: The longest wait for room, in seconds; None waits as long as needed.
 
         Raises:
-            CancelledError: ``"FIFOQueue '<name>' is closed."`` if the queue is closed;
+            CancelledError: ``"<Kind> '<name>' is closed."`` if the queue is closed;
                 ``"Enqueue operation was cancelled"`` if it is closed with
                 ``cancel_pending_enqueues`` while waiting.
             DeadlineExceededError: If ``timeout_secs`` passed without room.
+            ValueError: If the element does not fit the queue (``PaddingFIFOQueue`` shapes,
+                ``PriorityQueue`` priorities).
 
-        TF name: ``tf.queue.FIFOQueue.enqueue``.
+        TF name: ``tf.queue.QueueBase.enqueue``.
         """
-        deadline = self._deadline(timeout_secs)
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            self._put(vals, deadline)
-
-    def _put(self, vals: Any, deadline: float | None) -> None:
-        while len(self._items) >= self._capacity:
-            if self._cancelled:
-                raise CancelledError("Enqueue operation was cancelled")
-            self._wait(self._not_full, deadline)
-        if self._cancelled:
-            raise CancelledError("Enqueue operation was cancelled")
-        self._items.append(vals)
-        self._not_empty.notify()
+        self._enqueue([self._check(vals)], timeout_secs)
 
     def enqueue_many(self, vals: Any, *, timeout_secs: float | None = None) -> None:
         """Add several elements, in order, waiting for room as needed.
@@ -177,24 +292,18 @@ class FIFOQueue:
                 dimension); for a queue of several components (``dtypes``), a tuple of
                 components of equal first dimension, zipped into tuples; for a queue with
                 ``names``, a dict of such components, zipped into dicts.
-            timeout_secs: The longest wait for room for each element; None: no limit.
+            timeout_secs: The longest wait for room, in seconds; None: no limit.
 
         Raises:
-            CancelledError, DeadlineExceededError: As ``enqueue`` (elements added before the
-                error stay in the queue).
+            CancelledError, DeadlineExceededError: As ``enqueue`` (elements that entered
+                before a timeout stay in the queue).
             ValueError: If a tuple or list for a queue of several components has another
-                number of components.
+                number of components, or an element does not fit the queue.
             KeyError: If a dict for a queue with ``names`` lacks one of them.
 
-        TF name: ``tf.queue.FIFOQueue.enqueue_many``.
+        TF name: ``tf.queue.QueueBase.enqueue_many``.
         """
-        elements = self._split(vals)
-        deadline = self._deadline(timeout_secs)
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            for element in elements:
-                self._put(element, deadline)
+        self._enqueue([self._check(e) for e in self._split(vals)], timeout_secs)
 
     def _split(self, vals: Any) -> list[Any]:
         if self._names is not None and isinstance(vals, Mapping):
@@ -213,20 +322,35 @@ class FIFOQueue:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
         with self._lock:
-            while len(self._items) < n and not self._closed:
-                self._wait(self._not_empty, deadline)
-            size = len(self._items)
-            if size < n and not (up_to and size > 0):
-                raise OutOfRangeError(
-                    f"FIFOQueue '{self._name}' is closed and has insufficient elements "
-                    f"(requested {n}, current size {size})"
-                )
-            taken = [self._items.popleft() for _ in range(min(n, size))]
-            self._not_full.notify(len(taken))
-            return taken
+            dequeue = _Dequeue(n, self._rng_state())
+            self._dequeues.append(dequeue)
+            done = False
+            try:
+                while True:
+                    if self._dequeues[0] is dequeue:
+                        while len(dequeue.held) < n and self._can_take():
+                            dequeue.held.append(self._remove())
+                            self._fill()
+                        if len(dequeue.held) == n or (
+                            up_to and dequeue.held and self._closed and not self._count()
+                        ):
+                            done = True
+                            return [self._element(e) for e in dequeue.held]
+                        if self._closed and not self._count():
+                            raise OutOfRangeError(
+                                f"{self._kind} '{self._name}' is closed and has insufficient "
+                                f"elements (requested {n}, current size {len(dequeue.held)})"
+                            )
+                    self._wait(deadline)
+            finally:
+                self._dequeues.remove(dequeue)
+                if not done and dequeue.held:
+                    self._give_back(dequeue.held)
+                    self._fill()
+                self._changed.notify_all()
 
     def dequeue(self, *, timeout_secs: float | None = None) -> Any:
-        """Remove and return the oldest element, waiting while the queue is empty.
+        """Remove and return the next element, waiting while there is none.
 
         Args:
             timeout_secs: The longest wait, in seconds; None waits as long as needed.
@@ -235,16 +359,18 @@ class FIFOQueue:
             The element, as it was enqueued.
 
         Raises:
-            OutOfRangeError: ``"FIFOQueue '<name>' is closed and has insufficient elements
+            OutOfRangeError: ``"<Kind> '<name>' is closed and has insufficient elements
                 (requested 1, current size 0)"`` once the queue is closed and drained.
             DeadlineExceededError: If ``timeout_secs`` passed first.
 
-        TF name: ``tf.queue.FIFOQueue.dequeue``.
+        TF name: ``tf.queue.QueueBase.dequeue``.
         """
         return self._take(1, self._deadline(timeout_secs), up_to=False)[0]
 
     def dequeue_many(self, n: int, *, timeout_secs: float | None = None) -> Any:
-        """Remove ``n`` elements at once and return them batched.
+        """Remove ``n`` elements and return them batched.
+
+        Elements are taken one by one as they arrive, so ``n`` may exceed the capacity.
 
         Args:
             n: How many elements.
@@ -252,17 +378,19 @@ class FIFOQueue:
 
         Returns:
             The batch: stacked tensors for tensor elements (tuples and dicts batched per
-            component), else a list; ``[]`` for ``n == 0``.
+            component; ``PaddingFIFOQueue`` pads), else a list; ``[]`` for ``n == 0``.
 
         Raises:
             ValueError: If ``n`` is not a non-negative int.
-            OutOfRangeError: If the queue is closed with fewer than ``n`` elements left.
-            DeadlineExceededError: If ``timeout_secs`` passed first.
+            OutOfRangeError: If the queue is closed with fewer than ``n`` elements left (they
+                stay in the queue).
+            DeadlineExceededError: If ``timeout_secs`` passed first (the elements gathered
+                stay in the queue).
 
-        TF name: ``tf.queue.FIFOQueue.dequeue_many``.
+        TF name: ``tf.queue.QueueBase.dequeue_many``.
         """
         taken = self._take(n, self._deadline(timeout_secs), up_to=False)
-        return _collate(taken) if taken else []
+        return self._batch(taken) if taken else []
 
     def dequeue_up_to(self, n: int, *, timeout_secs: float | None = None) -> Any:
         """Like ``dequeue_many``, but a closed queue gives what is left (at least one).
@@ -278,46 +406,134 @@ class FIFOQueue:
             OutOfRangeError: If the queue is closed and empty.
             DeadlineExceededError: If ``timeout_secs`` passed first.
 
-        TF name: ``tf.queue.FIFOQueue.dequeue_up_to``.
+        TF name: ``tf.queue.QueueBase.dequeue_up_to``.
         """
         taken = self._take(n, self._deadline(timeout_secs), up_to=True)
-        return _collate(taken) if taken else []
+        return self._batch(taken) if taken else []
 
     def close(self, cancel_pending_enqueues: bool = False, name: str | None = None) -> None:
         """Close the queue now (idempotent).
 
         Args:
             cancel_pending_enqueues: Also fail the enqueues waiting for room
-                (``CancelledError``) instead of letting them complete.
+                (``CancelledError``) instead of letting them complete. Their elements stay
+                in the queue's state (not dequeued): a reopened queue (``QueueRunner``
+                starting again) or a restored snapshot enqueues them first.
             name: Accepted for TF's signature; unused.
 
-        TF name: ``tf.queue.FIFOQueue.close`` (which returns an op; this closes at once).
+        TF name: ``tf.queue.QueueBase.close`` (which returns an op; this closes at once).
         """
         del name
         with self._lock:
             self._closed = True
             if cancel_pending_enqueues:
                 self._cancelled = True
-            self._not_empty.notify_all()
-            self._not_full.notify_all()
+            self._changed.notify_all()
 
     def _reopen(self) -> None:
         """Accept enqueues again (a runner restarting for a new session); elements are kept."""
         with self._lock:
             self._closed = False
             self._cancelled = False
+            for i, (element, _) in enumerate(self._pending):
+                self._pending[i] = (element, None)  # Their enqueues failed; the queue owns them.
+            self._fill()
 
     def size(self) -> int:
-        """Return the number of elements in the queue.
+        """Return the number of elements in the queue (not counting waiting enqueues).
 
-        TF name: ``tf.queue.FIFOQueue.size``.
+        TF name: ``tf.queue.QueueBase.size``.
         """
         with self._lock:
-            return len(self._items)
+            return self._count() + sum(len(d.held) for d in self._dequeues)
 
     def is_closed(self) -> bool:
         """Return True once the queue is closed.
 
-        TF name: ``tf.queue.FIFOQueue.is_closed``.
+        TF name: ``tf.queue.QueueBase.is_closed``.
         """
         return self._closed
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the queue's contents: its elements, waiting enqueues' elements, generator.
+
+        Take it with the pipeline quiet (``InputPipelineState`` holds the pipeline gate);
+        elements a waiting ``dequeue_many`` gathered count as still in the queue, and the
+        generator is the one from before it took them.
+
+        Returns:
+            ``{"kind", "name", "elements", "pending", "rng"}`` (elements as enqueued).
+
+        TF name: none (TF's queues were not checkpointed).
+        """
+        with self._lock:
+            held = self._dequeues[0].held if self._dequeues else []
+            rng = self._dequeues[0].rng_before if held else self._rng_state()
+            return {
+                "kind": self._kind,
+                "name": self._name,
+                "elements": [self._element(e) for e in self._entries(held)],
+                "pending": [element for element, _ in self._pending],
+                "rng": rng,
+            }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace the contents by a ``state_dict``'s; call before the runners start.
+
+        Raises:
+            ValueError: If the state is of another kind of queue, or the queue is in use
+                (elements or waiting operations).
+
+        TF name: none.
+        """
+        if state.get("kind") != self._kind:
+            raise ValueError(
+                f"queue '{self._name}': the state is of a {state.get('kind')!r}, not a {self._kind}"
+            )
+        with self._lock:
+            if self._count() or self._pending or self._dequeues:
+                raise ValueError(f"queue '{self._name}' is in use; load its state before it is")
+            self._set_rng_state(state.get("rng"))
+            for element in state["elements"]:
+                self._add(element, self._seq)
+                self._seq += 1
+            self._pending.extend((element, None) for element in state["pending"])
+            self._fill()
+
+
+class FIFOQueue(QueueBase):
+    """A bounded first-in first-out queue of Python objects that can be closed.
+
+    See ``QueueBase`` for the arguments, the waiting rules and the errors.
+
+    TF name: ``tf.queue.FIFOQueue`` (``tf.FIFOQueue``).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        dtypes: Any = None,
+        shapes: Any = None,
+        names: Sequence[str] | None = None,
+        shared_name: str | None = None,
+        name: str = "fifo_queue",
+        *,
+        clock: Clock | None = None,
+    ) -> None:
+        super().__init__(capacity, dtypes, shapes, names, shared_name, name, clock=clock)
+        self._items: collections.deque[Any] = collections.deque()
+
+    def _count(self) -> int:
+        return len(self._items)
+
+    def _add(self, element: Any, seq: int) -> None:
+        self._items.append(element)
+
+    def _remove(self) -> Any:
+        return self._items.popleft()
+
+    def _give_back(self, entries: list[Any]) -> None:
+        self._items.extendleft(reversed(entries))
+
+    def _entries(self, held: list[Any]) -> list[Any]:
+        return [*held, *self._items]

@@ -30,7 +30,6 @@ TF names: ``tf.queue.FIFOQueue``, ``tf.compat.v1.train.QueueRunner``, ``add_queu
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 import logging
@@ -40,7 +39,8 @@ from typing import Any
 
 from torchsupervisor.core.coordinator import Coordinator
 from torchsupervisor.core.registry import GraphKeys, get_default_graph
-from torchsupervisor.errors import CancelledError, OutOfRangeError
+from torchsupervisor.errors import OutOfRangeError
+from torchsupervisor.input.gate import GATE
 from torchsupervisor.input.queue import FIFOQueue
 
 __all__ = [
@@ -294,7 +294,8 @@ class QueueRunner:
             closed_types = self._queue_closed_exception_types
             while coord is None or not coord.should_stop():
                 try:
-                    enqueue()
+                    with GATE.share():
+                        enqueue()
                 except closed_types:
                     counted = True
                     if self._thread_done(sess):
@@ -364,7 +365,8 @@ class _IterableFeeder:
 
     ``next()`` is serialized by a lock (iterators, ``DataLoader`` ones included, are not
     thread-safe); ``map_fn`` and the enqueue run outside it. An element whose enqueue was
-    cancelled (a stop) is kept and enqueued first when the runner restarts, so nothing is lost.
+    cancelled (a stop) stays pending in the queue, which enqueues it first when the runner
+    restarts, so nothing is lost.
     """
 
     def __init__(
@@ -382,13 +384,11 @@ class _IterableFeeder:
         self._iterator: Any = None
         self._epoch = 0
         self._yielded = 0
-        self._carry: collections.deque[Any] = collections.deque()
         self.__name__ = f"feed_{queue.name}"
+        self.resumable = False  # InputPipelineState refuses it: the position is not saved.
 
-    def _next(self) -> tuple[Any, bool]:
+    def _next(self) -> Any:
         with self._lock:
-            if self._carry:
-                return self._carry.popleft(), True
             while True:
                 if self._iterator is None:
                     if self._num_epochs is not None and self._epoch >= self._num_epochs:
@@ -407,18 +407,13 @@ class _IterableFeeder:
                         self._num_epochs = self._epoch  # Exhausted for good.
                     continue
                 self._yielded += 1
-                return item, False
+                return item
 
     def __call__(self) -> None:
-        item, ready = self._next()
-        if not ready and self._map_fn is not None:
+        item = self._next()
+        if self._map_fn is not None:
             item = self._map_fn(item)
-        try:
-            self._queue.enqueue(item)
-        except CancelledError:
-            with self._lock:
-                self._carry.append(item)
-            raise
+        self._queue.enqueue(item)
 
 
 def queue_from_iterable(
