@@ -76,7 +76,7 @@ from torchsupervisor.input.batching import (
     shuffle_batch_join,
 )
 from torchsupervisor.input.data import ResumableDataLoader, ResumableSampler
-from torchsupervisor.input.ops import limit_epochs
+from torchsupervisor.input.ops import limit_epochs, py_func
 from torchsupervisor.input.pipeline_state import InputPipelineState
 from torchsupervisor.input.producers import (
     input_producer,
@@ -234,6 +234,7 @@ __all__ = [
     "piecewise_constant",
     "piecewise_constant_decay",
     "polynomial_decay",
+    "py_func",
     "queue_from_iterable",
     "range_input_producer",
     "remove_checkpoint",

@@ -1,12 +1,15 @@
-"""``examples/digits.py`` runs, is resumable, and resumes at the restored step."""
+"""``examples/digits.py`` and ``examples/tf1_input_pipeline.py`` run, are resumable, and resume
+at the restored step."""
 
 from __future__ import annotations
 
 import collections
+import glob
 import os
 import signal
 import subprocess
 import sys
+import sysconfig
 
 from repo_paths import repo
 from supervisor_helpers import START, all_events, scalars, session_logs
@@ -60,3 +63,25 @@ def test_digits_example_runs_and_resumes_at_the_restored_step(tmp_path):
     assert set(counts.values()) == {1}
     accuracies = [value for _, value in scalars(events, "accuracy")]
     assert accuracies and accuracies[-1] > 0.5
+
+
+PIPELINE = os.path.join(ROOT, "examples", "tf1_input_pipeline.py")
+
+
+def test_tf1_input_pipeline_example_ends_with_its_input_and_resumes_exactly(tmp_path):
+    # Stopped by SIGTERM as soon as it trains, then run again: together the two runs train
+    # exactly the steps of the input (every file once per epoch), none twice.
+    logdir = str(tmp_path)
+    command = [sys.executable, PIPELINE, "--logdir", logdir, "--num-epochs", "2"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "starting at step 0\n"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    stopped = _latest_step(logdir)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"starting at step {stopped}"
+    files = min(200, len(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))))
+    assert lines[-1] == f"done at step {-(-files * 2 // 16)}"  # 2 epochs, batches of 16

@@ -177,7 +177,9 @@ def test_batch_dynamic_pad_pads_to_the_longest(runners):
 
 
 def test_an_example_of_another_shape_stops_training_with_the_error():
-    batch = ts.batch([torch.zeros(3)], batch_size=2, shapes=[[2]])
+    with pytest.raises(ValueError, match=r"Shape mismatch in tuple component 0 .* got \[3\]"):
+        ts.batch([torch.zeros(3)], batch_size=2, shapes=[[2]])  # A constant: checked now.
+    batch = ts.batch([lambda: torch.zeros(3)], batch_size=2, shapes=[[2]])
     coord = ts.Coordinator()
     threads = ts.start_queue_runners(coord=coord)
     with pytest.raises(OutOfRangeError):
@@ -308,3 +310,24 @@ def test_saver_takes_tf_positional_arguments(tmp_path):
         saver.save(None, str(tmp_path / "model.ckpt"), global_step=step)
     kept = ts.get_checkpoint_state(str(tmp_path)).all_model_checkpoint_paths
     assert [p.rsplit("/", 1)[-1] for p in kept] == ["model.ckpt-00000002", "model.ckpt-00000003"]
+
+
+def test_py_func_outputs_share_one_call_per_example(runners):
+    calls = []
+
+    def read(name):
+        calls.append(name)
+        return torch.tensor(len(name)), name.upper()
+
+    names = ts.string_input_producer(["a", "bb", "ccc"], num_epochs=1, shuffle=False)
+    length, upper = ts.py_func(read, [names.dequeue], [torch.int64, str])
+    lengths, uppers = ts.batch([length, upper], batch_size=3)
+    runners()
+    value = ts.Session().run([lengths, uppers])
+    assert value[0].tolist() == [1, 2, 3] and value[1] == ["A", "BB", "CCC"]
+    assert calls == ["a", "bb", "ccc"]
+    single = ts.py_func(lambda x: x * 2, [torch.tensor(4)], torch.int64)
+    assert single().item() == 8
+    wrong = ts.py_func(lambda: 1, [], [int, int], name="two")
+    with pytest.raises(ValueError, match="py_func 'two'.* must return 2 values"):
+        wrong()

@@ -131,6 +131,14 @@ class _Enqueue:
                     f"Expected {list(shape)}, got {list(value.shape)}"
                 )
 
+    def check_constants(self) -> None:
+        """Check the constant tensors against ``shapes`` now, as TF did when building."""
+        rows = [
+            (v[0] if self._enqueue_many and v.dim() else v) if isinstance(v, torch.Tensor) else None
+            for v in self._leaves
+        ]
+        self._check(tuple(rows))
+
     def __call__(self) -> None:
         values, keep = evaluate((self._leaves, self._keep_input))
         components = [_as_value(v) for v in values]
@@ -206,6 +214,7 @@ def _build(
         if shapes is not None and len(shapes) != len(leaves):
             raise ValueError(f"{fn}(): {len(shapes)} shapes for {len(leaves)} tensors")
         op = _Enqueue(queue, leaves, keep_input, enqueue_many, shapes)
+        op.check_constants()
         ops.extend([op] * threads_per_input)
     add_queue_runner(QueueRunner(queue, ops))
     dequeue = _Dequeue(queue, batch_size, allow_smaller_final_batch)

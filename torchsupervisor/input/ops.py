@@ -22,7 +22,7 @@ from typing import Any
 from torchsupervisor.core.session import evaluate_fetches
 from torchsupervisor.errors import OutOfRangeError
 
-__all__ = ["OpOutput", "evaluate", "limit_epochs", "outputs"]
+__all__ = ["OpOutput", "evaluate", "limit_epochs", "outputs", "py_func"]
 
 
 def evaluate(structure: Any) -> Any:
@@ -166,3 +166,70 @@ def limit_epochs(tensor: Any, num_epochs: int | None = None, name: str | None = 
     if num_epochs <= 0:
         raise ValueError(f"num_epochs must be > 0 not {num_epochs}.")
     return _LimitEpochs(tensor, num_epochs, name or "limit_epochs")
+
+
+class _PyFunc:
+    """The op of ``py_func``: its inputs evaluated, the function called once."""
+
+    def __init__(self, func: Callable[..., Any], inp: list[Any], count: int | None, name: str):
+        self._func = func
+        self._inp = inp
+        self._count = count
+        self.name = name
+
+    def pipeline_inputs(self) -> tuple[Any, ...]:
+        """What this op evaluates (for ``InputPipelineState``)."""
+        return (self._inp,)
+
+    def __call__(self) -> tuple[Any, ...]:
+        result = self._func(*evaluate(self._inp))
+        if self._count is None:
+            return (result,)
+        if not isinstance(result, (list, tuple)) or len(result) != self._count:
+            raise ValueError(
+                f"py_func '{self.name}': {getattr(self._func, '__name__', self._func)!r} must "
+                f"return {self._count} values, got {result!r:.100}"
+            )
+        return tuple(result)
+
+
+def py_func(
+    func: Callable[..., Any],
+    inp: list[Any],
+    Tout: Any,
+    stateful: bool = True,
+    name: str | None = None,
+) -> Any:
+    """Wrap a Python function as an op of an input pipeline (a reader, a decoder).
+
+    The outputs are lazy: each evaluation (one example of an enqueue op, one ``sess.run``)
+    evaluates ``inp`` (callables such as ``filename_queue.dequeue`` are called, constants
+    kept), calls ``func(*inp)`` once, and gives each output its part of the result::
+
+        image, label = ts.py_func(read_file, [filename_queue.dequeue], [torch.uint8, torch.int64])
+        images, labels = ts.shuffle_batch([image, label], 32, 1000, 100)
+
+    Args:
+        func: Called with the evaluated ``inp``; returns ``len(Tout)`` values if ``Tout`` is
+            a list or tuple, else one value.
+        inp: The inputs (a list).
+        Tout: The output types: a list or tuple gives that many outputs; a single type gives
+            one. Types are not checked.
+        stateful: Accepted for TF's signature (every call runs ``func``).
+        name: The op's name (in messages).
+
+    Returns:
+        A list of ``OpOutput`` s (``Tout`` a list or tuple; calling the list evaluates them
+        together), or one ``OpOutput``.
+
+    Raises:
+        ValueError: At evaluation, if ``func`` returns another number of values.
+
+    TF name: ``tf.compat.v1.py_func``.
+    """
+    del stateful
+    count = len(Tout) if isinstance(Tout, (list, tuple)) else None
+    op = _PyFunc(func, list(inp), count, name or getattr(func, "__name__", "py_func"))
+    if count is None:
+        return OpOutput(op, 0)
+    return OutputList(OpOutput(op, i) for i in range(count))

@@ -121,12 +121,14 @@ class QueueBase:
         *,
         clock: Clock | None = None,
     ) -> None:
-        del shapes, shared_name
+        del shared_name
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
         self._capacity = capacity
         self._num_components = len(dtypes) if isinstance(dtypes, (list, tuple)) else 1
         self._names = list(names) if names is not None else None
+        self._dtypes = dtypes
+        self._shapes_given = shapes
         self._name = name
         self._clock = clock or REAL_CLOCK
         self._lock = threading.Lock()
@@ -192,6 +194,22 @@ class QueueBase:
         TF name: none (TF takes ``capacity`` in the constructor only).
         """
         return self._capacity
+
+    @property
+    def dtypes(self) -> Any:
+        """The ``dtypes`` given at construction (not checked).
+
+        TF name: ``tf.queue.QueueBase.dtypes``.
+        """
+        return self._dtypes
+
+    @property
+    def shapes(self) -> Any:
+        """The ``shapes`` given at construction (checked only by ``PaddingFIFOQueue``).
+
+        TF name: ``tf.queue.QueueBase.shapes``.
+        """
+        return self._shapes_given
 
     @property
     def names(self) -> list[str] | None:

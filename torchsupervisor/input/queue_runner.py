@@ -25,7 +25,8 @@ Graph-only parts have no counterpart: ``QueueRunner.to_proto``/``from_proto`` an
 ``queue_runner_def`` (no protos), ``dtypes``/``shapes`` checks (elements are Python objects).
 
 TF names: ``tf.queue.FIFOQueue``, ``tf.compat.v1.train.QueueRunner``, ``add_queue_runner``,
-``start_queue_runners``; ``queue_from_iterable`` plays the part of TF's input producers.
+``start_queue_runners``. TF's input producers and batching functions are in ``producers.py``
+and ``batching.py``; ``queue_from_iterable`` feeds a queue from any iterable.
 """
 
 from __future__ import annotations
@@ -454,7 +455,9 @@ def queue_from_iterable(
     Raises:
         ValueError: If ``num_threads`` < 1 or ``num_epochs`` < 1.
 
-    TF name: none; it plays the part of ``tf.compat.v1.train.input_producer`` and friends.
+    TF name: none (TF's producers are ``input/producers.py``); its position is not resumable
+    (``InputPipelineState`` refuses it): for that, use an input producer or a
+    ``ResumableDataLoader``.
     """
     if num_threads < 1:
         raise ValueError(f"num_threads must be at least 1, got {num_threads}")
