@@ -329,5 +329,5 @@ def test_py_func_outputs_share_one_call_per_example(runners):
     single = ts.py_func(lambda x: x * 2, [torch.tensor(4)], torch.int64)
     assert single().item() == 8
     wrong = ts.py_func(lambda: 1, [], [int, int], name="two")
-    with pytest.raises(ValueError, match="py_func 'two'.* must return 2 values"):
+    with pytest.raises(ValueError, match=r"py_func 'two'.* must return 2 values"):
         wrong()
