@@ -62,7 +62,13 @@ def _generator(seed: int | None) -> torch.Generator:
 
 
 class _Producer:
-    """The enqueue op of ``input_producer``: one epoch of elements per run."""
+    """The enqueue op of ``input_producer``: one epoch of elements per run.
+
+    Its state is small whatever the input's size: the epochs started, the generator as it was
+    before the current epoch's permutation (which it draws again on a restore), and how many
+    elements of the epoch went to the queue (an element waiting for room is counted: the
+    queue's state holds it).
+    """
 
     def __init__(
         self,
@@ -77,32 +83,62 @@ class _Producer:
         self._num_epochs = num_epochs
         self._shuffle = shuffle
         self._generator = _generator(seed)
+        self._before_epoch = self._generator.get_state()
         self._epochs = 0
+        self._order: list[int] = []
+        self._position = 0
         self._lock = threading.Lock()
         self.name = f"{queue.name}_enqueue"
 
+    def _draw_order(self) -> None:
+        n = len(self._elements)
+        self._order = (
+            torch.randperm(n, generator=self._generator).tolist()
+            if self._shuffle
+            else list(range(n))
+        )
+
+    def _next(self) -> tuple[bool, Any]:
+        with self._lock:
+            if self._position >= len(self._order):
+                return False, None
+            element = self._elements[self._order[self._position]]
+            self._position += 1  # Before the enqueue: a waiting element is the queue's.
+            return True, element
+
     def __call__(self) -> None:
         with self._lock:
-            if self._num_epochs is not None and self._epochs >= self._num_epochs:
-                raise OutOfRangeError(f"Reached limit of {self._num_epochs}")
-            self._epochs += 1
-            n = len(self._elements)
-            order = (
-                torch.randperm(n, generator=self._generator).tolist() if self._shuffle else range(n)
-            )
-            epoch = [self._elements[i] for i in order]
-        self._queue.enqueue_many(epoch)
+            if self._position >= len(self._order):
+                if self._num_epochs is not None and self._epochs >= self._num_epochs:
+                    raise OutOfRangeError(f"Reached limit of {self._num_epochs}")
+                self._before_epoch = self._generator.get_state()
+                self._draw_order()
+                self._epochs += 1
+                self._position = 0
+        more, element = self._next()
+        while more:
+            self._queue.enqueue(element)
+            more, element = self._next()
 
     def state_dict(self) -> dict[str, Any]:
-        """Return ``{"epochs": epochs started, "rng": the generator's state}``."""
+        """Return ``{"epochs", "rng" (before this epoch's permutation), "position"}``."""
         with self._lock:
-            return {"epochs": self._epochs, "rng": self._generator.get_state()}
+            return {
+                "epochs": self._epochs,
+                "rng": self._before_epoch,
+                "position": self._position,
+            }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the epochs started and the generator."""
+        """Restore the epochs, the generator and the position in the current epoch."""
         with self._lock:
             self._epochs = int(state["epochs"])
             self._generator.set_state(state["rng"])
+            self._before_epoch = self._generator.get_state()
+            self._order, self._position = [], 0
+            if self._epochs:
+                self._draw_order()  # The current epoch's permutation, drawn again.
+                self._position = int(state["position"])
 
 
 def input_producer(

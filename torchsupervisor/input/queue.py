@@ -138,8 +138,12 @@ class QueueBase:
         self._seq = 0
         self._closed = False
         self._cancelled = False
+        self._init_storage()
 
     # -- What a kind of queue decides (called with the lock held) ---------------------------
+
+    def _init_storage(self) -> None:
+        raise NotImplementedError
 
     def _count(self) -> int:
         raise NotImplementedError
@@ -458,12 +462,15 @@ class QueueBase:
             self._fill()
 
     def size(self) -> int:
-        """Return the number of elements in the queue (not counting waiting enqueues).
+        """Return the number of elements in the queue.
+
+        As in TF, neither the elements of enqueues waiting for room nor those a waiting
+        ``dequeue_many`` already took count (those go back if it fails).
 
         TF name: ``tf.queue.QueueBase.size``.
         """
         with self._lock:
-            return self._count() + sum(len(d.held) for d in self._dequeues)
+            return self._count()
 
     def is_closed(self) -> bool:
         """Return True once the queue is closed.
@@ -527,18 +534,7 @@ class FIFOQueue(QueueBase):
     TF name: ``tf.queue.FIFOQueue`` (``tf.FIFOQueue``).
     """
 
-    def __init__(
-        self,
-        capacity: int,
-        dtypes: Any = None,
-        shapes: Any = None,
-        names: Sequence[str] | None = None,
-        shared_name: str | None = None,
-        name: str = "fifo_queue",
-        *,
-        clock: Clock | None = None,
-    ) -> None:
-        super().__init__(capacity, dtypes, shapes, names, shared_name, name, clock=clock)
+    def _init_storage(self) -> None:
         self._items: collections.deque[Any] = collections.deque()
 
     def _count(self) -> int:

@@ -79,6 +79,8 @@ class RandomShuffleQueue(QueueBase):
             )
         self._min_after_dequeue = min_after_dequeue
         self._rng = random.Random(seed)
+
+    def _init_storage(self) -> None:
         self._items: list[tuple[int, Any]] = []  # (arrival number, element), oldest first
 
     @property
@@ -285,6 +287,8 @@ class PriorityQueue(QueueBase):
     ) -> None:
         components = [None, *types] if isinstance(types, (list, tuple)) else [None, None]
         super().__init__(capacity, components, shapes, names, shared_name, name, clock=clock)
+
+    def _init_storage(self) -> None:
         self._heap: list[tuple[int, int, Any]] = []
 
     def _check(self, element: Any) -> Any:
