@@ -80,12 +80,17 @@ class PipelineGate:
     def exclusive(self) -> Iterator[None]:
         """Hold the gate alone for the block: every runner thread is between ops or waiting.
 
+        Reentrant: a thread holding it may enter again (the block then holds it already).
+
         Raises:
             RuntimeError: If the calling thread holds a share (an enqueue op taking a
                 snapshot would wait for itself).
         """
         if self.holds_share():
             raise RuntimeError("an enqueue op cannot snapshot the input pipeline")
+        if getattr(self._local, "exclusive", False):
+            yield  # Already held by this thread (a queue's state inside a pipeline's).
+            return
         with self._cond:
             self._exclusive_waiting += 1
             try:
@@ -94,9 +99,11 @@ class PipelineGate:
             finally:
                 self._exclusive_waiting -= 1
             self._exclusive = True
+        self._local.exclusive = True
         try:
             yield
         finally:
+            self._local.exclusive = False
             with self._cond:
                 self._exclusive = False
                 self._cond.notify_all()

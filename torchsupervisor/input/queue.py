@@ -482,16 +482,18 @@ class QueueBase:
     def state_dict(self) -> dict[str, Any]:
         """Return the queue's contents: its elements, waiting enqueues' elements, generator.
 
-        Take it with the pipeline quiet (``InputPipelineState`` holds the pipeline gate);
-        elements a waiting ``dequeue_many`` gathered count as still in the queue, and the
-        generator is the one from before it took them.
+        It is taken with the pipeline gate held (no runner thread holds an element in its
+        hands); elements a waiting ``dequeue_many`` gathered count as still in the queue, and
+        the generator is the one from before it took them. For a pipeline of several queues,
+        put ``InputPipelineState`` in the state rather than the queues: it takes them all at
+        one moment.
 
         Returns:
             ``{"kind", "name", "elements", "pending", "rng"}`` (elements as enqueued).
 
         TF name: none (TF's queues were not checkpointed).
         """
-        with self._lock:
+        with GATE.exclusive(), self._lock:
             held = self._dequeues[0].held if self._dequeues else []
             rng = self._dequeues[0].rng_before if held else self._rng_state()
             return {
