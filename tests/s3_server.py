@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from free_ports import free_ports
+
 START_TIMEOUT_SECS = 60.0
 ACCESS_KEY = "torchsupervisor-test"
 SECRET_KEY = "torchsupervisor-test-secret"
@@ -97,19 +99,6 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _ready(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5) as c:
         c.sendall(b"GET /status HTTP/1.0\r\n\r\n")
@@ -143,7 +132,7 @@ def start(data_dir: str) -> S3Server:
     Raises:
         RuntimeError: It did not serve S3 within ``START_TIMEOUT_SECS`` (its log attached).
     """
-    ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+    ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
     log_path = os.path.join(data_dir, "weed.log")
     args = [
         weed_binary(),

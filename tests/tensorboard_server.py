@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.parse
@@ -13,13 +12,9 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from free_ports import free_port
+
 STOP_TIMEOUT_SECS = 30
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str):
@@ -54,7 +49,7 @@ def serve(logdir: str, log_dir: str, *extra: str, env=None) -> Iterator[Server]:
     ``extra``: further flags (``--load_fast=false`` for the legacy loader). The server's
     output goes to ``log_dir/tensorboard.log``.
     """
-    port = _free_port()
+    port = free_port()
     log_path = os.path.join(log_dir, "tensorboard.log")
     with open(log_path, "w") as log:
         process = subprocess.Popen(

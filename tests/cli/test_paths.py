@@ -75,3 +75,29 @@ def test_output_into_a_closed_pipe_ends_quietly_with_status_0(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(120) == 0, err
     assert err == ""
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect", "verify"])
+@pytest.mark.parametrize("form", ["logdir", "prefix", "index", "data"])
+def test_urls_resolve_as_paths_do(s3_url, capsys, command, form):
+    from torchsupervisor.storage import storage_for
+
+    state = {"w": torch.arange(4.0), "global_step": GlobalStep()}
+    saver = Saver(state)
+    try:
+        prefix = saver.save(None, f"{s3_url}/model.ckpt", global_step=5)
+    finally:
+        saver.close()  # Gives back the prefix's writer lock.
+    (data,) = [n for n in storage_for(s3_url).list(s3_url) if ".data-" in n]
+    path = {
+        "logdir": s3_url,
+        "prefix": prefix,
+        "index": prefix + ".index",
+        "data": f"{s3_url}/{data}",
+    }[form]
+    status, out, err = cli(capsys, command, path)
+    assert (status, err) == (0, "")
+    if command == "ls":
+        assert f"Checkpoints in {s3_url}" in out
+    else:
+        assert "model.ckpt-5" in out

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from free_ports import free_port
 from repo_paths import worker
 from supervisor_helpers import all_events, session_logs
 
@@ -21,12 +21,6 @@ from torchsupervisor.errors import InvalidArgumentError, UnimplementedError
 from torchsupervisor.summary import SessionLog
 
 WORKER = worker("ddp_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(logdir, rank, port, *args):
@@ -50,7 +44,7 @@ def _lines(out, kind):
 
 
 def _both(logdir, *args):
-    port = _free_port()
+    port = free_port()
     return _outputs([_rank(logdir, r, port, *args) for r in (0, 1)])
 
 
@@ -90,7 +84,7 @@ def test_both_ranks_start_from_the_chiefs_state_and_resume_at_the_same_step(tmp_
 
 
 def test_a_non_chief_started_first_waits_for_the_chief(tmp_path):
-    port = _free_port()
+    port = free_port()
     worker = _rank(str(tmp_path), 1, port, 10)
     time.sleep(3)
     assert worker.poll() is None  # Still waiting.
@@ -101,7 +95,7 @@ def test_a_non_chief_started_first_waits_for_the_chief(tmp_path):
 
 def test_a_non_chief_whose_chief_never_comes_gives_up(tmp_path):
     start = time.monotonic()
-    worker = _rank(str(tmp_path), 1, _free_port(), 10, "--max-wait", 3)
+    worker = _rank(str(tmp_path), 1, free_port(), 10, "--max-wait", 3)
     _, err, code = _outputs([worker], timeout=120)[0]
     assert code != 0
     assert "DeadlineExceededError: Session was not ready after waiting 3 secs." in err
@@ -111,7 +105,7 @@ def test_a_non_chief_whose_chief_never_comes_gives_up(tmp_path):
 def test_a_non_chief_gives_up_when_the_chief_is_not_ready_within_max_wait_secs(tmp_path):
     """The process group forms; the chief's init_fn then takes longer than the non-chief's
     max_wait_secs: the Supervisor's own wait (ReplicaGroup.wait_ready) raises."""
-    port = _free_port()
+    port = free_port()
     chief = _rank(str(tmp_path), 0, port, 10, "--init-sleep", 120)
     worker = _rank(str(tmp_path), 1, port, 10, "--session-wait", 3)
     try:
@@ -128,7 +122,7 @@ def test_a_non_chief_gives_up_when_the_chief_is_not_ready_within_max_wait_secs(t
 
 def test_a_signal_on_one_rank_stops_both_at_the_same_step_with_one_final_checkpoint(tmp_path):
     logdir = str(tmp_path)
-    port = _free_port()
+    port = free_port()
     procs = [_rank(logdir, r, port, 10**6, "--step-delay", 0.01) for r in (0, 1)]
     for proc in procs:
         while not (proc.stdout.readline() or "").startswith("STEP"):
@@ -152,7 +146,7 @@ def test_a_signal_on_one_rank_stops_both_at_the_same_step_with_one_final_checkpo
 
 
 def test_an_error_on_one_rank_stops_every_rank_quickly(tmp_path):
-    port = _free_port()
+    port = free_port()
     procs = [
         _rank(str(tmp_path), r, port, 10**6, "--step-delay", 0.01, "--raise-at", 15) for r in (0, 1)
     ]
@@ -200,8 +194,8 @@ def test_torchrun_restarts_the_group_from_the_last_committed_checkpoint(tmp_path
 
 
 def test_two_tasks_of_a_cluster_spec_train_together_through_server_target(tmp_path):
-    port = _free_port()
-    cluster = f"127.0.0.1:{port},127.0.0.1:{_free_port()}"
+    port = free_port()
+    cluster = f"127.0.0.1:{port},127.0.0.1:{free_port()}"
     results = _both(str(tmp_path), 6, "--cluster", cluster)
     assert all(code == 0 for _, _, code in results), [err for _, err, _ in results]
     for rank, (out, _, _) in enumerate(results):
@@ -250,7 +244,7 @@ MONITORED_WORKER = worker("monitored_replica_worker.py")
 
 
 def _monitored_ranks(logdir, steps):
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in (0, 1):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))

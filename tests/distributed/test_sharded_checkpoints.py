@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from free_ports import free_port
 from repo_paths import worker
 
 from torchsupervisor import latest_checkpoint
@@ -20,12 +20,6 @@ from torchsupervisor.summary.reader import summary_iterator
 
 WORKER = worker("fsdp_worker.py")
 STEPS = 40  # Of the first run (at least 0.8 s: the first checkpoint request comes at once).
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(logdir, rank, port, *args, world_size=2):
@@ -45,7 +39,7 @@ def _outputs(procs, timeout=120):
 
 
 def _run(logdir, *args, world_size=2):
-    port = _free_port()
+    port = free_port()
     procs = [_rank(logdir, r, port, *args, world_size=world_size) for r in range(world_size)]
     return _outputs(procs)
 
@@ -157,7 +151,7 @@ def _stopped_together(logdir, results):
 
 
 def test_sigterm_on_one_rank_stops_both_with_one_final_sharded_checkpoint(tmp_path):
-    port = _free_port()
+    port = free_port()
     procs = [
         _rank(tmp_path, r, port, 10**6, "--step-delay", 0.01, "--save-secs", 60) for r in (0, 1)
     ]

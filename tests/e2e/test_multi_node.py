@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from free_ports import free_port
 from repo_paths import repo
 
 from torchsupervisor.checkpoint.state_file import latest_checkpoint
@@ -27,12 +27,6 @@ from torchsupervisor.storage import storage_for
 ROOT = repo()
 MAX_STEPS = 400
 _RESUMED = re.compile(r"rank (\d+): resumed at step (\d+) from (\S+)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _committed_steps(url: str) -> list[int]:
@@ -100,7 +94,7 @@ def _worker_with_rank(agents, rank: int, deadline: float) -> int:
 @pytest.mark.parametrize("example", ["ddp_digits.py", "fsdp_digits.py"])
 def test_two_nodes_resume_from_s3_after_the_chief_is_killed(s3_server, s3_url, tmp_path, example):
     env = {**os.environ, **s3_server.env, "OMP_NUM_THREADS": "1"}
-    port = _free_port()
+    port = free_port()
     nodes = [_node(example, s3_url, port, tmp_path / f"node{i}", env) for i in (0, 1)]
     agents = [process for process, _ in nodes]
     try:

@@ -40,7 +40,7 @@ def _resumed_run(logdir, until: int) -> None:
 
 def _points(logdir, tag: str) -> list[tuple[int, float]]:
     points = []
-    for name in sorted(os.listdir(logdir)):
+    for name in sorted(n for n in os.listdir(logdir) if ".tfevents." in n):
         for event in summary_iterator(os.path.join(logdir, name)):
             for value in event.summary.value:
                 if value.tag == tag:
@@ -160,3 +160,42 @@ def test_after_a_clean_stop_nothing_is_removed_not_even_the_restored_steps_summa
     lost = drop_lost_segment(storage_for(logdir), logdir, RESTORED, set())
     assert (lost.files, lost.events_dropped, lost.steps_lost) == ([], 0, 0)
     assert _points(logdir, "loss")[-1] == (RESTORED, 1000.0 + RESTORED)
+
+
+def test_a_monitored_training_session_killed_and_resumed_shows_each_step_once(tmp_path):
+    # MonitoredTrainingSession's SummarySaverHook writes START at its first run, as TF's:
+    # the restart is recorded there and the killed run's later points are removed.
+    import signal
+    import subprocess
+    import sys
+
+    from repo_paths import worker
+
+    logdir = str(tmp_path)
+    script = worker("monitored_preemption_worker.py")
+    options = ["--save-steps", "10", "--summaries"]
+    first = subprocess.Popen(
+        [sys.executable, script, logdir, "1000", *options, "--step-delay", "0.03"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    for _ in range(10_000):
+        line = first.stdout.readline()
+        assert line, "the first run ended early"
+        if line.startswith("LOSS 25 "):
+            break
+    first.send_signal(signal.SIGKILL)
+    first.communicate(timeout=60)
+    second = subprocess.run(
+        [sys.executable, script, logdir, "40", *options],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert second.returncode == 0, second.stderr
+    steps = [step for step, _ in _points(logdir, "loss")]
+    assert steps == list(range(1, 41))  # Every step once: the lost segment is gone.
+    (marker,) = _points(logdir, "torchsupervisor/steps_lost")
+    restored = int(second.stdout.split()[1])  # "READY <step>"
+    assert marker[0] == restored + 1 and marker[1] > 0

@@ -16,6 +16,8 @@ Options:
     --slow-start SECS    print STARTING, then sleep inside init_fn (a signal during start-up)
     --wait-go            print LOADED, then wait for a line on stdin before creating the
                          session (tests start workers early, so imports overlap)
+    --summaries          a ``loss`` summary op written every step (save_summaries_steps=1),
+                         the events flushed after every step
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("--exit-code", type=int, default=None)
     parser.add_argument("--slow-start", type=float, default=0.0)
     parser.add_argument("--wait-go", action="store_true")
+    parser.add_argument("--summaries", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)  # Several workers share the CPU; same numbers in every run.
 
@@ -71,6 +74,10 @@ def main() -> None:
     saver = ts.Saver(storage=slow_storage(args.slow_fsync)) if args.slow_fsync else None
     scaffold = ts.Scaffold(init_fn=slow_start if args.slow_start else None, saver=saver)
 
+    last = {"loss": 0.0}
+    if args.summaries:
+        ts.summary.scalar("loss", lambda: last["loss"])
+
     def train_step() -> float:
         start = step.value % BATCHES * BATCH_SIZE
         x, y = features[start : start + BATCH_SIZE], labels[start : start + BATCH_SIZE]
@@ -80,7 +87,8 @@ def main() -> None:
         optimizer.step()
         if args.step_delay:
             time.sleep(args.step_delay)
-        return loss.item()
+        last["loss"] = loss.item()
+        return last["loss"]
 
     if args.wait_go:
         print("LOADED", flush=True)
@@ -92,7 +100,7 @@ def main() -> None:
         state=state,
         hooks=[ts.StopAtStepHook(last_step=args.max_steps)],
         save_checkpoint_steps=args.save_steps,
-        save_summaries_steps=0,
+        save_summaries_steps=1 if args.summaries else 0,
         log_step_count_steps=0,
         preemption_exit_code=args.exit_code,
     ) as sess:
@@ -101,6 +109,8 @@ def main() -> None:
             current = step.value
             loss = sess.run(train_step)
             print(f"LOSS {current} {loss!r}", flush=True)
+            if args.summaries:
+                ts.SummaryWriterCache.get(args.logdir).flush()
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():
         digest.update(tensor.numpy().tobytes())
