@@ -98,12 +98,8 @@ class Progress:
     def for_supervisor(cls, sv: Any, last_step: int | None = None, **kwargs: Any) -> Progress:
         """A ``Progress`` that shows the checkpoints of ``sv`` (a ``Supervisor``)."""
 
-        def driver() -> Any:
-            mode = getattr(sv, "_mode", None)
-            return getattr(mode, "driver", None)
-
         kwargs.setdefault("checkpoint_every_secs", sv.save_model_secs or None)
-        return cls(last_step, checkpoint_driver=driver, **kwargs)
+        return cls(last_step, checkpoint_driver=lambda: sv.checkpoint_driver, **kwargs)
 
     def update(self, step: int, loss: Any = None) -> None:
         """Record the step reached and the loss (a number, a one-element tensor, or a callable

@@ -222,10 +222,10 @@ class Supervisor:
     )
     state = _setting("state", "The state the sessions are created over (with the global step).")
 
-    @property
-    def coord(self) -> Coordinator:
-        """The ``Coordinator`` of the services and of ``loop()`` threads."""
-        return self._coord
+    coord = property(lambda self: self._coord, doc="The ``Coordinator`` of the services.")
+    checkpoint_driver = property(
+        lambda self: getattr(self._mode, "driver", None), doc="The session's CheckpointDriver."
+    )
 
     # --------------------------------------------------------------------------- sessions
 
