@@ -108,3 +108,32 @@ def test_a_queue_fed_from_an_iterable_is_refused_with_the_reason():
     ts.queue_from_iterable([1, 2, 3], name="loader")
     with pytest.raises(TypeError, match="'loader' is fed by queue_from_iterable"):
         ts.InputPipelineState().state_dict()
+
+
+def test_a_monitored_training_session_resumes_the_pipeline(tmp_path):
+    def run(steps):
+        ts.reset_default_graph()
+        labels = ts.shuffle_batch(
+            [ts.range_input_producer(40, num_epochs=1, seed=1).dequeue],
+            batch_size=4,
+            capacity=16,
+            min_after_dequeue=4,
+            seed=2,
+        )
+        step = ts.GlobalStep()
+        state = {"global_step": step, "input": ts.InputPipelineState()}
+        seen = []
+        with ts.MonitoredTrainingSession(
+            checkpoint_dir=str(tmp_path / "run") if steps else None,
+            state=state,
+            hooks=[ts.StopAtStepHook(last_step=steps or 10)],
+            save_summaries_steps=0,
+            log_step_count_steps=0,
+        ) as sess:
+            while not sess.should_stop():
+                seen.append(sess.run(labels).tolist())
+                step.increment()
+        return seen
+
+    reference = run(None)  # Ten batches, no checkpoints.
+    assert run(4) + run(10) == reference
