@@ -148,3 +148,8 @@ def test_sess_run_of_the_initializers_works_as_in_tf():
     ]
     assert sess.run(report_uninitialized_variables()) == []
     assert model.weight.device.type == "cpu" and torch.isfinite(model.weight).all()
+
+
+def test_numbers_are_fetched_as_they_are():
+    # Eager values such as a queue's size() may be fetched, as TF's size tensors were.
+    assert Session().run([3, 2.5, True]) == [3, 2.5, True]

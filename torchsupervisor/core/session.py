@@ -110,8 +110,8 @@ class Session:
         On the thread that created the session, the work deferred to this step boundary (a
         checkpoint snapshot, say) runs first. A fetch is a callable (called once per ``run``
         even if it appears several times), a ``torch.Tensor`` (returned as is: no copy, no
-        device sync), a ``GlobalStep`` (its int value), None, or a list/tuple/namedtuple/dict
-        of fetches.
+        device sync), a number (returned as is: an eager value such as ``queue.size()``), a
+        ``GlobalStep`` (its int value), None, or a list/tuple/namedtuple/dict of fetches.
 
         Args:
             fetches: What to evaluate.
@@ -241,6 +241,8 @@ def _evaluate(fetch: Any, feed: Any, memo: dict[Any, Any]) -> Any:
         return fetch
     if isinstance(fetch, GlobalStep):
         return fetch.value
+    if isinstance(fetch, (bool, int, float)):
+        return fetch
     op = getattr(fetch, "output_of", None)
     if op is not None:  # One output of an op that several fetches share: run it once.
         return fetch.select(_evaluate(op, feed, memo))
@@ -269,7 +271,7 @@ def _evaluate(fetch: Any, feed: Any, memo: dict[Any, Any]) -> Any:
         return fetch
     raise TypeError(
         f"Fetch argument {fetch!r} has invalid type {type(fetch).__name__}: a fetch must be a "
-        "callable, a Tensor, a GlobalStep, None, or a list/tuple/dict of them"
+        "callable, a Tensor, a number, a GlobalStep, None, or a list/tuple/dict of them"
     )
 
 
