@@ -13,9 +13,12 @@ import collections
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from repo_paths import worker
+
+from torchsupervisor import latest_checkpoint
 
 WORKER = worker("input_pipeline_worker.py")
 STEPS = 1000  # More than the input holds: runs end at the end of the input (38 batches).
@@ -53,6 +56,19 @@ def _batches(lines):
     return {int(x.split()[1]): x.split()[2:] for x in lines if x.startswith("BATCH")}
 
 
+def _committed_step(logdir):
+    latest = latest_checkpoint(str(logdir))
+    return -1 if latest is None else int(latest.rsplit("-", 1)[1])
+
+
+def _wait_for_a_commit(logdir):
+    """Wait for a checkpoint after step 0 (the worker holds after step 12 meanwhile)."""
+    deadline = time.monotonic() + 120
+    while _committed_step(logdir) < 1:
+        assert time.monotonic() < deadline, "no checkpoint after step 0 committed in 120 s"
+        time.sleep(0.05)
+
+
 def _ready(lines):
     (ready,) = [x for x in lines if x.startswith("READY")]
     return int(ready.split()[1])
@@ -72,9 +88,10 @@ def test_a_stopped_pipeline_resumes_with_exactly_the_batches_of_an_uninterrupted
     tmp_path, reference, sig
 ):
     logdir = tmp_path / "logdir"
-    first = _start(logdir, tmp_path, "--step-delay", "0.05")
+    first = _start(logdir, tmp_path, "--step-delay", "0.05", "--hold-after", "12")
     lines = _read_until(first, "BATCH 12", tmp_path)
-    first.send_signal(sig)
+    _wait_for_a_commit(logdir)  # The writer thread runs at idle priority: on a busy machine
+    first.send_signal(sig)  # nothing may be committed yet by step 12.
     lines += first.communicate(timeout=300)[0].splitlines()
     second = _finish(_start(logdir, tmp_path), tmp_path)
     restored = _ready(second)
@@ -89,7 +106,7 @@ def test_a_stopped_pipeline_resumes_with_exactly_the_batches_of_an_uninterrupted
 
 def test_with_several_enqueue_threads_no_example_is_lost_or_repeated(tmp_path):
     logdir = tmp_path / "logdir"
-    first = _start(logdir, tmp_path, "--step-delay", "0.05", "--threads", "3")
+    first = _start(logdir, tmp_path, "--step-delay", "0.05", "--threads", "3", "--hold-after", "12")
     lines = _read_until(first, "BATCH 12", tmp_path)
     first.send_signal(signal.SIGTERM)
     lines += first.communicate(timeout=300)[0].splitlines()

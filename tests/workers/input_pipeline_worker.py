@@ -1,12 +1,15 @@
 """A run that reads its input through TF 1 style queues, for the resume tests.
 
 Usage: python input_pipeline_worker.py LOGDIR MAX_STEPS [--step-delay SECS] [--threads N]
+                                        [--hold-after STEP]
 
 The input: ``slice_input_producer`` over 100 examples (shuffled, seeded, 3 epochs), batched by
 ``shuffle_batch`` (seeded; ``--threads`` enqueue threads), with the pipeline's position in the
 checkpointed state (``InputPipelineState``). It prints ``READY <step>`` once the session is
 up, ``BATCH <step> <ids>`` for every step (the step the batch was trained at and the example
-ids of the batch), and ``DONE <step>`` at the end (the input's end, or MAX_STEPS).
+ids of the batch), and ``DONE <step>`` at the end (the input's end, or MAX_STEPS). With
+``--hold-after STEP`` it waits after that step's line (up to 300 s, or until a stop signal)
+so that a test can kill it once a checkpoint is committed, however busy the machine.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main() -> None:
     parser.add_argument("max_steps", type=int)
     parser.add_argument("--step-delay", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--hold-after", type=int, default=None)
     args = parser.parse_args()
 
     features = torch.arange(100, dtype=torch.float32).view(100, 1) / 100
@@ -78,6 +82,10 @@ def main() -> None:
             except ts.errors.OutOfRangeError:
                 break
             say(f"BATCH {current} {' '.join(map(str, batch))}")
+            if current == args.hold_after:
+                deadline = time.monotonic() + 300
+                while not sv.should_stop() and time.monotonic() < deadline:
+                    time.sleep(0.01)
     say(f"DONE {step.value}")
 
 
