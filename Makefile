@@ -36,8 +36,8 @@ format: install
 	$(VENV)/bin/ruff format $(LINT_PATHS)
 
 test: lint
-	@echo "Running the test suite in 2 workers (about 9 minutes on 2 cores)"
-	$(PY) -m pytest -q -n 2
+	@echo "Running the test suite (about 10 minutes on 2 cores)"
+	$(PY) -m pytest -q
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
