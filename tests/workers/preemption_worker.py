@@ -5,7 +5,8 @@ Usage: python preemption_worker.py LOGDIR MAX_STEPS [options]
 It trains a small MLP with dropout on a fixed synthetic dataset read through a shuffled
 ``ResumableDataLoader`` with two worker processes, under a Supervisor (RNG state saved by
 default). It prints ``READY <step>`` once the session is up, ``LOSS <step> <value>`` for every
-step (the step of the state the loss was computed on, and the exact float), and at the end
+step (the step of the state the loss was computed on, and the exact float), ``COMMITTED
+<step>`` once the first checkpoint save has finished (its last fsync included), and at the end
 ``DONE <step> <sha256 of the parameters>``.
 
 Options:
@@ -173,6 +174,7 @@ def main() -> None:
             time.sleep(args.step_delay)
         return loss.item()
 
+    committed = False
     with sv.managed_session() as sess:
         say(f"READY {step.value}")
         while not sv.should_stop() and step.value < args.max_steps:
@@ -182,6 +184,10 @@ def main() -> None:
                 current = step.value
                 loss = sess.run(train_step, feed_dict={"x": x, "y": y})
                 say(f"LOSS {current} {loss!r}")
+                driver = sv.checkpoint_driver
+                if not committed and driver is not None and driver.last_commit_time is not None:
+                    committed = True  # The first save finished, its last fsync included.
+                    say(f"COMMITTED {driver.last_step}")
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():
         digest.update(tensor.numpy().tobytes())
