@@ -331,3 +331,14 @@ def test_py_func_outputs_share_one_call_per_example(runners):
     wrong = ts.py_func(lambda: 1, [], [int, int], name="two")
     with pytest.raises(ValueError, match=r"py_func 'two'.* must return 2 values"):
         wrong()
+
+
+def test_maybe_batch_join_keeps_rows_of_every_input(runners):
+    a = ts.limit_epochs(torch.arange(4), 1)
+    b = ts.limit_epochs(torch.arange(10, 14), 1)
+    keep = torch.tensor([True, True, False, False])
+    batch = ts.maybe_batch_join(
+        [[a], [b]], keep, batch_size=8, enqueue_many=True, allow_smaller_final_batch=True
+    )
+    runners()
+    assert sorted(batch().tolist()) == [0, 1, 10, 11]

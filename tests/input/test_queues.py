@@ -276,3 +276,8 @@ def test_loading_refuses_another_kind_or_a_queue_in_use():
     queue.enqueue(1)
     with pytest.raises(ValueError, match="'q' is in use"):
         queue.load_state_dict(ts.FIFOQueue(4).state_dict())
+
+
+def test_an_enqueue_op_cannot_snapshot_the_pipeline():
+    with GATE.share(), pytest.raises(RuntimeError, match="cannot snapshot"):
+        ts.FIFOQueue(2).state_dict()

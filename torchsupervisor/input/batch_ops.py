@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from torchsupervisor.input.ops import evaluate, outputs
-from torchsupervisor.input.queue import QueueBase
+from torchsupervisor.input.queue import QueueBase, check_shapes
 from torchsupervisor.input.queue_runner import QueueRunner, add_queue_runner
 
 __all__ = ["build_batch"]
@@ -49,15 +49,6 @@ def _as_value(value: Any) -> Any:
         except (TypeError, ValueError, RuntimeError):
             return value
     return value
-
-
-def _fits(value: Any, shape: Any) -> bool:
-    if shape is None or not isinstance(value, torch.Tensor):
-        return True
-    shape = list(shape)
-    return value.dim() == len(shape) and all(
-        want is None or want == got for want, got in zip(shape, value.shape)
-    )
 
 
 def _keep(keep: Any, n: int | None) -> list[bool] | bool:
@@ -97,14 +88,8 @@ class _Enqueue:
         return (self._leaves, self._keep_input)
 
     def _check(self, example: tuple[Any, ...]) -> None:
-        if self._shapes is None:
-            return
-        for i, (value, shape) in enumerate(zip(example, self._shapes)):
-            if not _fits(value, shape):
-                raise ValueError(
-                    f"Shape mismatch in tuple component {i} of queue '{self._queue.name}'. "
-                    f"Expected {list(shape)}, got {list(value.shape)}"
-                )
+        if self._shapes is not None:
+            check_shapes(example, self._shapes, self._queue.name)
 
     def check_constants(self) -> None:
         """Check the constant tensors against ``shapes`` now, as TF did when building."""

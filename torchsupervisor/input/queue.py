@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,29 +36,55 @@ from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.errors import CancelledError, DeadlineExceededError, OutOfRangeError
 from torchsupervisor.input.gate import GATE
 
-__all__ = ["FIFOQueue", "QueueBase", "collate"]
+__all__ = ["FIFOQueue", "QueueBase", "check_shapes", "collate"]
 
 logger = logging.getLogger("torchsupervisor")
 
 _TIMEOUT_TEXT = "Timed out waiting for notification"
 
 
-def collate(elements: list[Any]) -> Any:
+def collate(elements: list[Any], stack: Callable[[list[Any]], Any] = torch.stack) -> Any:
     """Batch elements: tensors are stacked; tuples and dicts per component; others listed.
+
+    Args:
+        elements: The elements (at least one).
+        stack: Batches the tensors of one component (``PaddingFIFOQueue`` pads them).
 
     Raises:
         RuntimeError: From ``torch.stack`` if tensors of one component differ in shape.
     """
     first = elements[0]
     if all(isinstance(e, torch.Tensor) for e in elements):
-        return torch.stack(elements)
+        return stack(elements)
     if isinstance(first, tuple) and all(
         isinstance(e, tuple) and len(e) == len(first) for e in elements
     ):
-        return tuple(collate(list(column)) for column in zip(*elements))
+        return tuple(collate(list(column), stack) for column in zip(*elements))
     if isinstance(first, Mapping) and all(isinstance(e, Mapping) for e in elements):
-        return {key: collate([e[key] for e in elements]) for key in first}
+        return {key: collate([e[key] for e in elements], stack) for key in first}
     return list(elements)
+
+
+def check_shapes(components: Sequence[Any], shapes: Sequence[Any], queue: str) -> None:
+    """Check each tensor component against its shape (None sizes match any; a None shape or a
+    non-tensor component is not checked).
+
+    Raises:
+        ValueError: ``"Shape mismatch in tuple component <i> of queue '<queue>'. Expected
+            [...], got [...]"``.
+    """
+    for i, (value, shape) in enumerate(zip(components, shapes)):
+        if shape is None or not isinstance(value, torch.Tensor):
+            continue
+        shape = list(shape)
+        fits = value.dim() == len(shape) and all(
+            want is None or want == got for want, got in zip(shape, value.shape)
+        )
+        if not fits:
+            raise ValueError(
+                f"Shape mismatch in tuple component {i} of queue '{queue}'. "
+                f"Expected {shape}, got {list(value.shape)}"
+            )
 
 
 class _Enqueue:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from torchsupervisor.core.clock import Clock
-from torchsupervisor.input.queue import FIFOQueue, QueueBase, collate
+from torchsupervisor.input.queue import FIFOQueue, QueueBase, check_shapes, collate
 
 __all__ = ["PaddingFIFOQueue", "PriorityQueue", "RandomShuffleQueue"]
 
@@ -132,17 +132,6 @@ def _padded_stack(tensors: list[torch.Tensor], queue: str) -> torch.Tensor:
     return out
 
 
-def _pad_collate(elements: list[Any], queue: str) -> Any:
-    first = elements[0]
-    if all(isinstance(e, torch.Tensor) for e in elements):
-        return _padded_stack(elements, queue)
-    if isinstance(first, tuple):
-        return tuple(_pad_collate(list(column), queue) for column in zip(*elements))
-    if isinstance(first, Mapping):
-        return {key: _pad_collate([e[key] for e in elements], queue) for key in first}
-    return list(elements)
-
-
 def _components(element: Any) -> list[Any]:
     if isinstance(element, tuple):
         return list(element)
@@ -206,21 +195,11 @@ class PaddingFIFOQueue(FIFOQueue):
                 f"queue '{self._name}' expects {len(self._shapes)} components, "
                 f"got {len(components)}"
             )
-        for i, (value, shape) in enumerate(zip(components, self._shapes)):
-            if shape is None or not isinstance(value, torch.Tensor):
-                continue
-            fits = value.dim() == len(shape) and all(
-                want is None or want == got for want, got in zip(shape, value.shape)
-            )
-            if not fits:
-                raise ValueError(
-                    f"Shape mismatch in tuple component {i} of queue '{self._name}'. "
-                    f"Expected {shape}, got {list(value.shape)}"
-                )
+        check_shapes(components, self._shapes, self._name)
         return element
 
     def _batch(self, elements: list[Any]) -> Any:
-        return _pad_collate(elements, self._name)
+        return collate(elements, lambda tensors: _padded_stack(tensors, self._name))
 
 
 def _is_shape(value: Any) -> bool:
