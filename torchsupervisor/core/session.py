@@ -241,12 +241,10 @@ def _evaluate(fetch: Any, feed: Any, memo: dict[Any, Any]) -> Any:
         return fetch
     if isinstance(fetch, GlobalStep):
         return fetch.value
-    if isinstance(fetch, (bool, int, float)):
-        return fetch
-    op = getattr(fetch, "output_of", None)
-    if op is not None:  # One output of an op that several fetches share: run it once.
-        return fetch.select(_evaluate(op, feed, memo))
     if callable(fetch):
+        op = getattr(fetch, "output_of", None)
+        if op is not None:  # One output of an op that several fetches share: run it once.
+            return fetch.select(_evaluate(op, feed, memo))
         key = id(fetch)
         if key not in memo:
             if getattr(fetch, "takes_session", False):
@@ -267,7 +265,7 @@ def _evaluate(fetch: Any, feed: Any, memo: dict[Any, Any]) -> Any:
         return type(fetch)(*[_evaluate(v, feed, memo) for v in fetch])
     if isinstance(fetch, (list, tuple)):
         return type(fetch)([_evaluate(v, feed, memo) for v in fetch])
-    if memo.get(_CONSTANTS):
+    if memo.get(_CONSTANTS) or isinstance(fetch, (bool, int, float)):
         return fetch
     raise TypeError(
         f"Fetch argument {fetch!r} has invalid type {type(fetch).__name__}: a fetch must be a "
