@@ -10,6 +10,7 @@ TF name: none.
 
 from __future__ import annotations
 
+import argparse
 import os
 import posixpath
 import re
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from torchsupervisor.errors import InvalidArgumentError, NotFoundError
 from torchsupervisor.storage import is_url, storage_for
 
-__all__ = ["Target", "missing", "resolve"]
+__all__ = ["Target", "add_path_argument", "missing", "resolve"]
 
 _CHECKPOINT_FILE = re.compile(r"^(?P<prefix>.+)\.(?:index|data-\d{5}-of-\d{5})$")
 
@@ -29,6 +30,11 @@ class Target:
 
     logdir: str
     prefix: str | None
+
+
+def add_path_argument(parser: argparse.ArgumentParser, dest: str, help: str) -> None:
+    """Add the positional ``PATH`` argument (stored as ``dest``) that ``resolve`` reads."""
+    parser.add_argument(dest, metavar="PATH", help=help)
 
 
 def missing(path: str) -> NotFoundError:

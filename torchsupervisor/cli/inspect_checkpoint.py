@@ -26,7 +26,7 @@ import torch
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.cli._format import human_bytes, local_time, print_table
 from torchsupervisor.cli._survey import restart_order
-from torchsupervisor.cli._target import resolve
+from torchsupervisor.cli._target import add_path_argument, resolve
 from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.errors import NotFoundError
 
@@ -44,10 +44,10 @@ EPILOG = """examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``inspect`` to ``parser``."""
-    parser.add_argument(
+    add_path_argument(
+        parser,
         "prefix",
-        metavar="PATH",
-        help="a checkpoint (its prefix, .index or a .data-* file), or a log directory (its newest)",
+        "a checkpoint (its prefix, .index or a .data-* file), or a log directory (its newest)",
     )
     parser.add_argument("--tensor", metavar="NAME", help="print the values of this tensor")
     parser.add_argument("--all-tensors", action="store_true", help="print every tensor's values")

@@ -31,7 +31,7 @@ import os
 
 from torchsupervisor.cli._format import human_bytes, local_time, print_table
 from torchsupervisor.cli._survey import CORRUPT, Survey, survey
-from torchsupervisor.cli._target import resolve
+from torchsupervisor.cli._target import add_path_argument, resolve
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -46,10 +46,10 @@ EPILOG = """examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``ls`` to ``parser``."""
-    parser.add_argument(
+    add_path_argument(
+        parser,
         "logdir",
-        metavar="PATH",
-        help="the log directory (the Supervisor's), or a checkpoint of it (prefix or file)",
+        "the log directory (the Supervisor's), or a checkpoint of it (prefix or file)",
     )
     parser.add_argument(
         "--no-verify",

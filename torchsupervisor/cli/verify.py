@@ -24,7 +24,7 @@ import os
 from torchsupervisor.checkpoint.recovery import scan_checkpoints
 from torchsupervisor.cli._format import human_bytes
 from torchsupervisor.cli._survey import VALID, CheckpointInfo, check, restart_order
-from torchsupervisor.cli._target import resolve
+from torchsupervisor.cli._target import add_path_argument, resolve
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -39,10 +39,10 @@ EPILOG = """examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``verify`` to ``parser``."""
-    parser.add_argument(
+    add_path_argument(
+        parser,
         "logdir",
-        metavar="PATH",
-        help="the log directory, or one checkpoint (its prefix, .index or a .data-* file)",
+        "the log directory, or one checkpoint (its prefix, .index or a .data-* file)",
     )
     parser.add_argument(
         "--all", action="store_true", help="check every committed checkpoint, not only the first"

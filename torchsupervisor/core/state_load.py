@@ -20,7 +20,7 @@ import torch
 from torchsupervisor.core.state import MISSING, TensorSpec, join_path
 from torchsupervisor.errors import InvalidArgumentError, NotFoundError
 
-__all__ = ["check_state", "find_subtree", "load_state"]
+__all__ = ["check_state", "copy_tensor", "find_subtree", "load_state"]
 
 
 def find_subtree(tree: Mapping[Any, Any], name: str) -> Any:
@@ -114,19 +114,32 @@ def load_state(state: Mapping, tree: Mapping, *, source: str, on_missing: OnMiss
         _load_one(state, name, obj, value, name, source)
 
 
+def copy_tensor(dest: torch.Tensor, value: torch.Tensor, mismatch: str) -> None:
+    """Copy ``value`` into ``dest`` in place (any dtype/device conversion ``copy_`` does).
+
+    Raises:
+        InvalidArgumentError: With the message ``mismatch``, if the shapes differ.
+    """
+    if tuple(dest.shape) != tuple(value.shape):
+        raise InvalidArgumentError(mismatch)
+    with torch.no_grad():
+        dest.copy_(value)
+
+
 def _load_one(container: Any, key: Any, obj: Any, value: Any, path: str, source: str) -> None:
     if isinstance(obj, torch.Tensor):
         if not isinstance(value, torch.Tensor):
             raise InvalidArgumentError(
                 f"{path!r} is a tensor in the state but {type(value).__name__} in {source}"
             )
-        if tuple(obj.shape) != tuple(value.shape):
-            raise InvalidArgumentError(
+        copy_tensor(
+            obj,
+            value,
+            (
                 f"Shape of {path!r} in the state {tuple(obj.shape)} does not match the "
                 f"checkpoint {source}: {tuple(value.shape)}"
-            )
-        with torch.no_grad():
-            obj.copy_(value)
+            ),
+        )
         return
     if isinstance(obj, np.ndarray):
         array = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)

@@ -300,11 +300,10 @@ class CheckpointDriver:
         if not self._wait(deadline):
             logger.warning("The checkpoint being written did not finish in time: abandoned")
             if not self._abandon(deadline):
-                self.last_error = f"a save stuck in a file-system call for {budget:g} s"
-                logger.error(
+                self._give_up(
+                    f"a save stuck in a file-system call for {budget:g} s",
                     "The checkpoint being written is stuck in a file-system call; no final "
-                    "checkpoint within %.1f s (the last committed checkpoint is kept)",
-                    budget,
+                    f"checkpoint within {budget:.1f} s",
                 )
                 return None
         if self.unchanged(step):
@@ -315,16 +314,19 @@ class CheckpointDriver:
         if future is None:
             return None
         if not self._wait(deadline):
-            self.last_error = f"not written within the {budget:g} s grace period"
-            logger.error(
-                "The final checkpoint at step %s could not be written within %s s: "
-                "abandoned (the last committed checkpoint is kept)",
-                step,
-                f"{budget:g}",
+            self._give_up(
+                f"not written within the {budget:g} s grace period",
+                f"The final checkpoint at step {step} could not be written within {budget:g} s: "
+                "abandoned",
             )
             self._abandon(deadline)
             return None
         return None if future.exception() is not None else future.result()
+
+    def _give_up(self, error: str, message: str) -> None:
+        """Record ``error`` as ``last_error`` and log ``message`` (no final checkpoint)."""
+        self.last_error = error
+        logger.error("%s (the last committed checkpoint is kept)", message)
 
     # ------------------------------------------------------------------------ waiting, ending
 

@@ -123,7 +123,8 @@ class QueueBase:
         names: Component names: elements are then dicts with these keys (for
             ``enqueue_many``); None: unnamed.
         shared_name: Accepted for TF's signature; unused.
-        name: The queue's name (in messages and thread names).
+        name: The queue's name (in messages and thread names); None: the kind's default
+            (``fifo_queue``, ``padding_fifo_queue``, ...), as TF.
         clock: Time source for ``timeout_secs``; None means the real clock.
 
     Raises:
@@ -135,6 +136,7 @@ class QueueBase:
     """
 
     _kind = "FIFOQueue"
+    _default_name = "fifo_queue"
 
     def __init__(
         self,
@@ -143,7 +145,7 @@ class QueueBase:
         shapes: Any = None,
         names: Sequence[str] | None = None,
         shared_name: str | None = None,
-        name: str = "fifo_queue",
+        name: str | None = None,
         *,
         clock: Clock | None = None,
     ) -> None:
@@ -155,7 +157,7 @@ class QueueBase:
         self._names = list(names) if names is not None else None
         self._dtypes = dtypes
         self._shapes_given = shapes
-        self._name = name
+        self._name = self._default_name if name is None else name
         self._clock = clock or REAL_CLOCK
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)

@@ -42,7 +42,7 @@ class RandomShuffleQueue(QueueBase):
             a dequeue waits for more; the pick is among the oldest ``min_after_dequeue + 1``.
         dtypes, shapes, names, shared_name: As ``QueueBase``.
         seed: Seeds the queue's generator (Python's ``random.Random``); None: a fresh seed.
-        name: The queue's name.
+        name: The queue's name; None: the kind's default (TF's).
         clock: Time source for ``timeout_secs``.
 
     Raises:
@@ -55,6 +55,7 @@ class RandomShuffleQueue(QueueBase):
     """
 
     _kind = "RandomShuffleQueue"
+    _default_name = "random_shuffle_queue"
 
     def __init__(
         self,
@@ -65,7 +66,7 @@ class RandomShuffleQueue(QueueBase):
         names: Sequence[str] | None = None,
         seed: int | None = None,
         shared_name: str | None = None,
-        name: str = "random_shuffle_queue",
+        name: str | None = None,
         *,
         clock: Clock | None = None,
     ) -> None:
@@ -153,7 +154,7 @@ class PaddingFIFOQueue(FIFOQueue):
         shapes: One shape per component (a list of sizes, None for a size that varies), or
             None (any shape; only the rank must agree within a batch). Checked at enqueue.
         names, shared_name: As ``QueueBase``.
-        name: The queue's name.
+        name: The queue's name; None: the kind's default (TF's).
         clock: Time source for ``timeout_secs``.
 
     Raises:
@@ -167,23 +168,17 @@ class PaddingFIFOQueue(FIFOQueue):
     """
 
     _kind = "PaddingFIFOQueue"
+    _default_name = "padding_fifo_queue"
 
-    def __init__(
-        self,
-        capacity: int,
-        dtypes: Any = None,
-        shapes: Any = None,
-        names: Sequence[str] | None = None,
-        shared_name: str | None = None,
-        name: str = "padding_fifo_queue",
-        *,
-        clock: Clock | None = None,
-    ) -> None:
-        super().__init__(capacity, dtypes, shapes, names, shared_name, name, clock=clock)
+    def _init_storage(self) -> None:
+        super()._init_storage()
+        shapes = self._shapes_given
         if shapes is not None:
             shapes = [shapes] if self._num_components == 1 and _is_shape(shapes) else shapes
-            if isinstance(dtypes, (list, tuple)) and len(shapes) != len(dtypes):
-                raise ValueError(f"queue '{name}': {len(shapes)} shapes for {len(dtypes)} dtypes")
+            if isinstance(self._dtypes, (list, tuple)) and len(shapes) != len(self._dtypes):
+                raise ValueError(
+                    f"queue '{self._name}': {len(shapes)} shapes for {len(self._dtypes)} dtypes"
+                )
         self._shapes = None if shapes is None else [None if s is None else list(s) for s in shapes]
 
     def _check(self, element: Any) -> Any:
@@ -239,7 +234,7 @@ class PriorityQueue(QueueBase):
         types: The types of the components after the priority (their number is used by
             ``enqueue_many``); not checked.
         shapes, names, shared_name: As ``QueueBase``.
-        name: The queue's name.
+        name: The queue's name; None: the kind's default (TF's).
         clock: Time source for ``timeout_secs``.
 
     Raises:
@@ -252,6 +247,7 @@ class PriorityQueue(QueueBase):
     """
 
     _kind = "PriorityQueue"
+    _default_name = "priority_queue"
 
     def __init__(
         self,
@@ -260,7 +256,7 @@ class PriorityQueue(QueueBase):
         shapes: Any = None,
         names: Sequence[str] | None = None,
         shared_name: str | None = None,
-        name: str = "priority_queue",
+        name: str | None = None,
         *,
         clock: Clock | None = None,
     ) -> None:

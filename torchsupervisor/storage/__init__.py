@@ -14,12 +14,12 @@ CLI (which reads through it), so that an object store fits in one place.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import Any
 
 from torchsupervisor.storage import base
 from torchsupervisor.storage.base import *  # noqa: F403
-from torchsupervisor.storage.base import Appendable, Buffer, DirectoryLock, Readable, Storage
+from torchsupervisor.storage.base import Storage
 from torchsupervisor.storage.local import LocalStorage, is_temporary_name, temporary_name
 from torchsupervisor.storage.objects import ObjectStorage
 from torchsupervisor.storage.paths import URL, is_url, parse_url
@@ -128,67 +128,27 @@ def _object_storage(url: URL, options: dict[str, Any]) -> ObjectStorage:
     )
 
 
+def _forward(name: str) -> Callable[..., Any]:
+    def by_path(self: Storage, path: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(storage_for(path), name)(path, *args, **kwargs)
+
+    by_path.__name__ = by_path.__qualname__ = name
+    by_path.__doc__ = f"``storage_for(path).{name}(path, ...)``."
+    return by_path
+
+
 class _ByPath(Storage):
-    """The storage of each path, chosen at every call (``storage_for``)."""
+    """The storage of each path, chosen at every call (``storage_for``).
 
-    def put(
-        self, path: str, chunks: Iterable[Buffer], *, cancel: threading.Event | None = None
-    ) -> None:
-        storage_for(path).put(path, chunks, cancel=cancel)
+    Every public method of ``Storage`` (each takes the path or directory first) is forwarded,
+    so a method added to the interface cannot be forgotten here.
+    """
 
-    def delete(self, path: str) -> None:
-        storage_for(path).delete(path)
 
-    def makedirs(self, path: str) -> None:
-        storage_for(path).makedirs(path)
-
-    def open_append(self, path: str) -> Appendable:
-        return storage_for(path).open_append(path)
-
-    def open_read(self, path: str, *, inside: str | None = None) -> Readable:
-        return storage_for(path).open_read(path, inside=inside)
-
-    def read_bytes(self, path: str, *, max_bytes: int) -> bytes:
-        return storage_for(path).read_bytes(path, max_bytes=max_bytes)
-
-    def list(self, directory: str) -> list[str]:
-        return storage_for(directory).list(directory)
-
-    def list_tree(self, directory: str) -> list[str]:
-        return storage_for(directory).list_tree(directory)
-
-    def exists(self, path: str) -> bool:
-        return storage_for(path).exists(path)
-
-    def is_file(self, path: str) -> bool:
-        return storage_for(path).is_file(path)
-
-    def is_dir(self, path: str) -> bool:
-        return storage_for(path).is_dir(path)
-
-    def accepts_objects(self, directory: str) -> bool:
-        return storage_for(directory).accepts_objects(directory)
-
-    def size(self, path: str) -> int:
-        return storage_for(path).size(path)
-
-    def mtime(self, path: str) -> float:
-        return storage_for(path).mtime(path)
-
-    def canonical(self, path: str) -> str:
-        return storage_for(path).canonical(path)
-
-    def lock(self, directory: str) -> DirectoryLock:
-        return storage_for(directory).lock(directory)
-
-    def lock_owner(self, directory: str) -> dict[str, object]:
-        return storage_for(directory).lock_owner(directory)
-
-    def leftovers(self, directory: str) -> list[str]:
-        return storage_for(directory).leftovers(directory)
-
-    def clean_leftovers(self, directory: str) -> list[str]:
-        return storage_for(directory).clean_leftovers(directory)
+for _name, _member in vars(Storage).items():
+    if not _name.startswith("_") and callable(_member):
+        setattr(_ByPath, _name, _forward(_name))
+_ByPath.__abstractmethods__ = frozenset()
 
 
 BY_PATH: Storage = _ByPath()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -104,8 +105,26 @@ class Mode:
         return self.sv._preemption.outcome(current_step(self.sv), self.driver)
 
     def checkpoint(self) -> str | None:
-        """Save now (``Supervisor.checkpoint``)."""
-        raise RuntimeError("checkpoint() needs a running checkpoint service on the chief")
+        """Save now (``Supervisor.checkpoint``), from the training thread."""
+        save = self._save_now()
+        if save is None:
+            raise RuntimeError("checkpoint() needs a running checkpoint service on the chief")
+        self._check_training_thread()
+        return save()
+
+    def _save_now(self) -> Callable[[], str | None] | None:
+        """What saves a checkpoint now; None without checkpoints in this session."""
+        return None
+
+    @staticmethod
+    def _final(save: Callable[[], Any]) -> BaseException | None:
+        """Run ``save`` (the final checkpoint); log and return (not raise) its failure."""
+        try:
+            save()
+        except Exception as e:
+            logger.error("The final checkpoint failed: %s", e)
+            return e
+        return None
 
     def stop(self, aborted: bool) -> None:
         """End the checkpoints of the session (a second Ctrl-C ``aborted``: abandon)."""
@@ -187,18 +206,13 @@ class ChiefMode(Mode):
         if driver is None or not clean_exit or _thread_failed(self.sv):
             return None
         driver.grace_budget_secs = self.sv._preemption.budget()
-        try:
-            driver.final(self.sess, driver.current_step())
-        except Exception as e:
-            logger.error("The final checkpoint failed: %s", e)
-            return e
-        return None
+        return self._final(lambda: driver.final(self.sess, driver.current_step()))
 
-    def checkpoint(self) -> str | None:
-        if self.driver is None:
-            return super().checkpoint()
-        self._check_training_thread()
-        return self.driver.save(self.sess, self.driver.current_step())
+    def _save_now(self) -> Callable[[], str | None] | None:
+        driver = self.driver
+        if driver is None:
+            return None
+        return lambda: driver.save(self.sess, driver.current_step())
 
     def stop(self, aborted: bool) -> None:
         if self.driver is None:
@@ -346,18 +360,11 @@ class ShardedMode(Mode):
         if reason is not None:
             service.veto(reason)
             return None
-        try:
-            service.final(self.settings.stop_grace_secs, self.sv._preemption.budget())
-        except Exception as e:
-            logger.error("The final checkpoint failed: %s", e)
-            return e
-        return None
+        budget = self.sv._preemption.budget()
+        return self._final(lambda: service.final(self.settings.stop_grace_secs, budget))
 
-    def checkpoint(self) -> str | None:
-        if self.service is None:
-            return super().checkpoint()
-        self._check_training_thread()
-        return self.service.save_now()
+    def _save_now(self) -> Callable[[], str | None] | None:
+        return None if self.service is None else self.service.save_now
 
     def stop(self, aborted: bool) -> None:
         if self.service is not None:

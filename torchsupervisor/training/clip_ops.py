@@ -166,12 +166,7 @@ def clip_by_average_norm(t: Any, clip_norm: Any, name: str | None = None) -> tor
         clip_norm: The maximum average norm: a positive scalar.
         name: Unused (TF's op name).
 
-    Returns:
-        A new tensor with ``t``'s shape and dtype.
-
-    Raises:
-        ValueError: If ``clip_norm`` is not a scalar.
-        TypeError: If ``t`` is not floating point or complex.
+    Returns and raises: as ``clip_by_norm``.
 
     TF name: ``tf.compat.v1.clip_by_average_norm`` (deprecated in TF 2 for
     ``clip_by_norm(t, clip_norm * size(t))``).

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.state_load import copy_tensor
 from torchsupervisor.errors import InvalidArgumentError
 
 __all__ = ["ExponentialMovingAverage"]
@@ -423,10 +424,11 @@ class ExponentialMovingAverage:
             if shadow is None:
                 self._restored[name] = value.detach().clone()
                 continue
-            if tuple(shadow.shape) != tuple(value.shape):
-                raise ValueError(
-                    f"{self._name}: the moving average {name!r} has shape {tuple(shadow.shape)}, "
-                    f"the saved value {tuple(value.shape)}"
-                )
-            with torch.no_grad():
-                shadow.copy_(value)
+            copy_tensor(
+                shadow,
+                value,
+                (
+                    f"{self._name}: the moving average {name!r} has shape "
+                    f"{tuple(shadow.shape)}, the saved value {tuple(value.shape)}"
+                ),
+            )

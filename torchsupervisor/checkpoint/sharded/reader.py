@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from torchsupervisor.checkpoint.shard_io import check_shard, open_shard
-from torchsupervisor.checkpoint.sharded.common import RememberErrors, chunk_key
+from torchsupervisor.checkpoint.sharded.common import BoundToPrefix, RememberErrors, chunk_key
 from torchsupervisor.checkpoint.sharded.metadata import (
     ShardedManifest,
 )
@@ -52,7 +52,7 @@ def to_dcp_metadata(manifest: ShardedManifest) -> Metadata:
     return Metadata(state_dict_metadata=state)
 
 
-class ShardedStorageReader(StorageReader, RememberErrors):
+class ShardedStorageReader(BoundToPrefix, StorageReader, RememberErrors):
     """Read a checkpoint of our format for ``torch.distributed.checkpoint.load``.
 
     DCP calls, in this order:
@@ -92,14 +92,6 @@ class ShardedStorageReader(StorageReader, RememberErrors):
         self._storage = storage
         self._pending = error
         self.error = None
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """Do nothing: the prefix is given to the constructor."""
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """Return False: this reader is never picked automatically from a checkpoint id."""
-        return False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Return DCP's metadata of the checkpoint, or raise this rank's earlier error."""

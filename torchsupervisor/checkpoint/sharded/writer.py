@@ -38,7 +38,12 @@ from torch.futures import Future
 from torchsupervisor._version import __version__
 from torchsupervisor.checkpoint import commit
 from torchsupervisor.checkpoint.format import ShardEntry, TensorEntry, data_filename, shard_checksum
-from torchsupervisor.checkpoint.sharded.common import ChunkKey, RememberErrors, chunk_key
+from torchsupervisor.checkpoint.sharded.common import (
+    BoundToPrefix,
+    ChunkKey,
+    RememberErrors,
+    chunk_key,
+)
 from torchsupervisor.checkpoint.sharded.metadata import (
     ChunkEntry,
     ShardedManifest,
@@ -94,7 +99,7 @@ class SaveOutcome:
     state_file_error: str | None = None
 
 
-class ShardedStorageWriter(StorageWriter, RememberErrors):
+class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
     """Write a ``torch.distributed.checkpoint.save`` as a checkpoint of our format.
 
     DCP calls, in this order:
@@ -162,14 +167,6 @@ class ShardedStorageWriter(StorageWriter, RememberErrors):
         self._written: list[str] = []
         self.committed = False
         self.error = None
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """Do nothing: the prefix is given to the constructor."""
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """Return False: this writer is never picked automatically from a checkpoint id."""
-        return False
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record this rank's role and rank (DCP passes ``rank=``)."""
