@@ -232,10 +232,54 @@ def test_every_rank_stops_after_the_largest_posted_count_and_logs_the_first_reas
             agreements[1].request("RuntimeError: boom")
             _wait_until(lambda: all(a.pending for a in agreements))
             agreements[0].request("error")  # Later: the first reason is kept.
-        assert [a.stop_step() for a in agreements] == [8, 8]
+            assert [a.stop_step() for a in agreements] == [8, 8]
+            for agreement in agreements:  # A poller ends once it has reported the stop.
+                agreement._thread.join(30)
         assert g0.flag("stop") == "rank 1: RuntimeError: boom"
         reported = [m for m in (r.getMessage() for r in caplog.records) if "Every rank" in m]
         assert reported == ["Every rank stops: rank 1: RuntimeError: boom"]  # Rank 0, once.
+    finally:
+        for agreement in agreements:
+            agreement.close()
+
+
+def test_a_rank_that_fails_stops_the_others_at_once_and_they_learn_that_it_failed(
+    caplog, fake_clock
+):
+    g0, g1 = _groups(dist.HashStore(), clock=fake_clock)
+    steps = [GlobalStep(5), GlobalStep(3)]
+    agreements = [StopAgreement(g, s, poll_secs=0.005) for g, s in zip((g0, g1), steps)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
+            agreements[1].request("RuntimeError: boom", failed=True)
+            _wait_until(lambda: agreements[0].pending)
+            # Rank 1 takes no more steps: another step of rank 0 would wait for it in a
+            # collective. Rank 0 stops now, without waiting out the timeout for rank 1.
+            start = fake_clock.monotonic()
+            assert agreements[0].stop_step(timeout_secs=30) is None
+            assert fake_clock.monotonic() - start < 30
+        assert "left with an error; stopping now" in caplog.text
+        assert agreements[0].peer_failure() == "rank 1: RuntimeError: boom"
+        assert agreements[1].peer_failure() is None  # Its own failure is not a peer's.
+        # Rank 1's poller saw the flag too (it ends once it has), and did not post a count
+        # over its "gone".
+        agreements[1]._thread.join(30)
+        assert agreements[1].pending and not agreements[1]._thread.is_alive()
+        assert g0.flag("progress/1") == "-1"
+    finally:
+        for agreement in agreements:
+            agreement.close()
+
+
+def test_a_stop_that_a_rank_asked_for_without_failing_is_no_peer_failure():
+    g0, g1 = _groups(dist.HashStore())
+    agreements = [StopAgreement(g, GlobalStep(2), poll_secs=0.005) for g in (g0, g1)]
+    try:
+        agreements[1].request("SIGTERM")
+        _wait_until(lambda: all(a.pending for a in agreements))
+        agreements[0].request("RuntimeError: later", failed=True)  # Not the first reason.
+        assert agreements[1].stop_step() is None  # Rank 0 is gone: stop now.
+        assert [a.peer_failure() for a in agreements] == [None, None]
     finally:
         for agreement in agreements:
             agreement.close()

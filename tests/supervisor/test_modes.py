@@ -1,13 +1,16 @@
-"""How the Supervisor's modes start: a sharded non-chief does not sleep for nothing."""
+"""How the Supervisor's modes start and end: a sharded non-chief does not sleep for nothing;
+a rank stopped by another rank's error ends with an error too."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from torchsupervisor import GlobalStep, Supervisor
+from torchsupervisor import GlobalStep, Supervisor, latest_checkpoint
 from torchsupervisor.supervisor.modes import OPEN_POLL_SECS
 from torchsupervisor.testing import FakeClock, run_world
 
@@ -45,3 +48,41 @@ def test_a_sharded_non_chief_that_starts_first_looks_often_for_the_chief(tmp_pat
     # It waited (the chief had not started), in short looks: not TF's 30 s recovery wait,
     # which is for a model another process initializes, not for the chief's quick clean-up.
     assert sleeps and max(sleeps) <= OPEN_POLL_SECS
+
+
+def replicated_rank_that_fails(rank: int, world_size: int, logdir: str) -> tuple[str, int]:
+    """Rank 1 raises after 3 steps; rank 0 trains alone (no collectives) until told to stop.
+
+    Returns the error each rank's ``managed_session`` raised (``"Type: message"``) and the
+    step it stopped at.
+    """
+    step = GlobalStep()
+    sv = Supervisor(
+        logdir=logdir,
+        state={"w": torch.zeros(2), "global_step": step},
+        save_model_secs=3600,  # Only the final checkpoint.
+        save_summaries_secs=0,
+        recovery_wait_secs=0.1,
+    )
+    deadline = time.monotonic() + 60
+    try:
+        with sv.managed_session():
+            while not sv.should_stop() and time.monotonic() < deadline:
+                if rank == 1 and step.value == 3:
+                    raise RuntimeError("boom")
+                step.increment()
+                time.sleep(0.01)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}", step.value
+    return "no error", step.value
+
+
+def test_a_rank_stopped_by_another_ranks_error_saves_then_raises_aborted(tmp_path):
+    (error0, step0), (error1, _) = run_world(replicated_rank_that_fails, str(tmp_path))
+    assert error1 == "RuntimeError: boom"
+    # Rank 0 stopped at once (its poller saw the failure), not after its 60 s of training...
+    assert error0 == (
+        "AbortedError: Stopped because another rank failed: rank 1: RuntimeError: boom"
+    )
+    # ... and the chief first saved its own state, which is whole: nothing is lost.
+    assert latest_checkpoint(str(tmp_path)).endswith(f"model.ckpt-{step0}")

@@ -21,7 +21,8 @@ one step early leaves the others waiting in a collective forever.
   collective for a rank that already stopped. The poller marks the stop as pending *before*
   it posts, so that the training thread, which checks the mark at every ``should_stop()``,
   finishes at most one step between the post and its first look (see
-  ``docs/distributed.md``).
+  ``docs/distributed.md``). A rank that leaves with an error says so: the others stop at
+  once (another step would wait for it in a collective) and end with ``AbortedError``.
 """
 
 from __future__ import annotations
@@ -384,6 +385,10 @@ def agree(
         raise FailedPreconditionError(None, None, f"The replicas disagree on {what}: {listed}")
 
 
+_GONE = "-1"
+"""The step count a rank posts when it leaves with an error: the others do not wait for it."""
+
+
 class StopAgreement:
     """Agree on the step at which every rank stops, without a collective per step.
 
@@ -412,6 +417,8 @@ class StopAgreement:
         self._requested = False
         self._reported = False
         self._report_lock = threading.Lock()
+        self._post_lock = threading.Lock()
+        self._gone = False
         self._stop_at: int | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(
@@ -422,18 +429,26 @@ class StopAgreement:
     def _completed(self) -> int:
         return 0 if self._global_step is None else read_step(self._global_step)
 
-    def request(self, reason: str) -> None:
+    def request(self, reason: str, *, failed: bool = False) -> None:
         """Ask every rank to stop (idempotent; the first rank's reason is kept).
 
         Args:
             reason: Why, for the logs of the other ranks (``"<ErrorType>: <message>"`` for
                 an error).
+            failed: This rank leaves with an error and takes no more steps: the others stop
+                at once, and if its reason is the first, ``peer_failure()`` gives it to them.
         """
         if self._requested:
             return
         self._requested = True
-        mine = f"rank {self._group.rank}: {reason}"
+        rank = self._group.rank
+        mine = f"rank {rank}: {reason}"
         try:
+            if failed:
+                self._store.set(self._group.key(f"failed/{rank}"), mine)
+                with self._post_lock:
+                    self._gone = True
+                    self._store.set(self._group.key(f"progress/{rank}"), _GONE)
             first = self._store.compare_set(self._group.key("stop"), "", mine).decode("utf-8")
         except (RuntimeError, OSError) as e:  # The store went away with rank 0.
             logger.warning("Stop agreement: the store is unreachable (%s)", e)
@@ -449,6 +464,21 @@ class StopAgreement:
             self._reported = True
         logger.warning("Every rank stops: %s", first)
 
+    def peer_failure(self) -> str | None:
+        """The first reason to stop, if another rank gave it and left with an error.
+
+        Read from the store (not from the poller), so it is known as soon as this rank
+        stops. None: no stop, this rank's own reason, a plain stop request, or no store.
+        """
+        try:
+            first = self._group.flag("stop")
+            if first is None or first.startswith(f"rank {self._group.rank}: "):
+                return None
+            rank = first.split(":", 1)[0].removeprefix("rank ")
+            return first if self._group.flag(f"failed/{rank}") == first else None
+        except (RuntimeError, OSError):  # The store went away with rank 0.
+            return None
+
     def _poll(self) -> None:
         key = self._group.key("stop")
         while not self._closed.wait(self._poll_secs):
@@ -458,9 +488,12 @@ class StopAgreement:
                     # every ``should_stop()``, so it completes at most one step after the
                     # count it posts (docs/distributed.md).
                     self.pending = True
-                    self._store.set(
-                        self._group.key(f"progress/{self._group.rank}"), str(self._completed())
-                    )
+                    with self._post_lock:
+                        if not self._gone:
+                            self._store.set(
+                                self._group.key(f"progress/{self._group.rank}"),
+                                str(self._completed()),
+                            )
                     self._report(self._store.get(key).decode("utf-8"))
                     return
             except (RuntimeError, OSError) as e:  # The store went away with rank 0.
@@ -472,8 +505,9 @@ class StopAgreement:
         """The number of completed steps at which every rank stops (blocks until known).
 
         Returns:
-            The step, or None if the other ranks did not answer within ``timeout_secs`` (then
-            this rank stops at once).
+            The step, or None (then this rank stops at once) if a rank left with an error
+            (``request(..., failed=True)``: another step would wait for it in a collective)
+            or the other ranks did not answer within ``timeout_secs``.
         """
         if self._stop_at is not None:
             return self._stop_at
@@ -489,6 +523,11 @@ class StopAgreement:
             posted = [int(self._store.get(k)) for k in keys]
         except (RuntimeError, OSError) as e:
             logger.warning("Stop agreement: the store is unreachable (%s); stopping now", e)
+            return None
+        if int(_GONE) in posted:
+            # A rank left with an error: another step would wait in its collectives.
+            gone = [rank for rank, count in enumerate(posted) if count == int(_GONE)]
+            logger.warning("Stop agreement: rank(s) %s left with an error; stopping now", gone)
             return None
         self._stop_at = max(posted) + 1
         logger.info("Every rank stops after %d steps", self._stop_at)

@@ -40,7 +40,7 @@ from torchsupervisor.distributed import env as distributed
 from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement, agree
 from torchsupervisor.distributed.sharded_checkpoints import ShardedCheckpointService
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
-from torchsupervisor.errors import InvalidArgumentError
+from torchsupervisor.errors import AbortedError, InvalidArgumentError
 from torchsupervisor.supervisor.services import SVTimerCheckpointThread
 
 __all__ = [
@@ -78,6 +78,7 @@ class Mode:
         self.replicas = replicas
         self.driver: CheckpointDriver | None = None
         self.agreement: StopAgreement | None = None
+        self.peer_failure: str | None = None
         self.sess: Session | None = None
 
     def prepare(
@@ -102,6 +103,10 @@ class Mode:
         error = self.final_checkpoint(clean_exit)
         if error is not None or not clean_exit or _thread_failed(self.sv):
             return error  # A thread's error is raised instead.
+        if self.peer_failure is not None:
+            return AbortedError(
+                None, None, f"Stopped because another rank failed: {self.peer_failure}"
+            )
         return self.sv._preemption.outcome(current_step(self.sv), self.driver)
 
     def checkpoint(self) -> str | None:
@@ -133,14 +138,16 @@ class Mode:
         """At the end of the session: tell the other replicas why it ended, stop polling.
 
         A rank that leaves with an error records it; the other ranks log it, so the root
-        cause appears next to their own errors.
+        cause appears next to their own errors, and end with ``AbortedError`` (``finish``).
         """
         if self.agreement is None:
             return
         if not clean_exit:
             self.agreement.request(
-                "error" if failure is None else f"{type(failure).__name__}: {failure}"
+                "error" if failure is None else f"{type(failure).__name__}: {failure}",
+                failed=True,
             )
+        self.peer_failure = self.agreement.peer_failure()
         self.agreement.close()
         self.agreement = None
 

@@ -362,12 +362,11 @@ class Supervisor:
         cleanly and are not re-raised. On a clean exit the chief first saves a final
         checkpoint at the current step (when the checkpoint service runs).
 
-        Distributed: a stop on one rank stops every rank at the same step; a rank that leaves
-        the block with an error records ``"<ErrorType>: <message>"`` in the store and the
-        other ranks log it (``"Every rank stops: rank R: ..."``), so the root cause appears
-        next to their own errors. With a sharded state every rank saves the final checkpoint,
-        together or not at all: a rank that leaves the block with an error vetoes at once, and
-        the others wait at most ``stop_grace_secs`` (or what is left of
+        Distributed: a stop on one rank stops every rank at the same step. A rank leaving the
+        block with an error records ``"<ErrorType>: <message>"``; the others log it (``"Every
+        rank stops: rank R: ..."``) and, after their final checkpoint, raise ``AbortedError``
+        naming it. Sharded: every rank saves the final checkpoint or none does (a rank leaving
+        with an error vetoes; the others wait at most ``stop_grace_secs``, or what is left of
         ``preemption_grace_secs``).
 
         Args:
@@ -381,6 +380,7 @@ class Supervisor:
 
         Raises:
             RuntimeError: If this Supervisor's ``managed_session`` is already open.
+            AbortedError: With replicas, at exit, if another rank left with an error.
 
         TF name: ``Supervisor.managed_session``.
         """
