@@ -36,7 +36,10 @@ format: install
 	$(VENV)/bin/ruff format $(LINT_PATHS)
 
 test: lint
-	@echo "Running the test suite (about 10 minutes on 2 cores)"
+	@# The suite starts several hundred Python processes: compile the package once, not in
+	@# each of them (they would, where PYTHONDONTWRITEBYTECODE is set: about 0.4 s apiece).
+	$(PY) -m compileall -q torchsupervisor
+	@echo "Running the test suite (about 9 minutes on 2 cores)"
 	$(PY) -m pytest -q
 
 test-slow: install

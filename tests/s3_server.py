@@ -169,11 +169,11 @@ def start(data_dir: str) -> S3Server:
 
 
 def stop(server: S3Server) -> None:
-    """Stop the server: SIGTERM, then SIGKILL after 10 s."""
+    """Stop the server: SIGTERM, then SIGKILL after 3 s (its data is a temporary directory)."""
     if server.process.poll() is None:
         server.process.terminate()
         try:
-            server.process.wait(10)
+            server.process.wait(3)
         except subprocess.TimeoutExpired:
             server.process.kill()
             server.process.wait(10)

@@ -58,32 +58,41 @@ def _assert_equal(got, expected, path="rng"):
 
 @pytest.mark.parametrize("demo", sorted(DEMOS))
 def test_sigterm_stops_then_resume_give_bitwise_the_same_weights(tmp_path, demo):
+    # The uninterrupted reference runs beside the interrupted runs (which mostly sleep).
     reference = str(tmp_path / "reference")
-    done = subprocess.run(_command(demo, reference, 5), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    ref_step, ref_tensors, ref_rng = _final_weights(reference)
+    ref_log = tmp_path / "reference.log"
+    with open(ref_log, "w") as log:  # A file: a pipe nobody reads could fill and block it.
+        done = subprocess.Popen(_command(demo, reference, 5), stdout=log, stderr=log)
 
-    logdir = str(tmp_path / "interrupted")
-    rng = random.Random(9)
-    stops = []
-    for _ in range(2):
-        # 0.1 s per step: a signal sent within 0.5 s of the start lands tens of steps before
-        # the end, however busy the machine, so every one of these runs is interrupted.
-        proc = subprocess.Popen(
-            _command(demo, logdir, 5, "--step-delay-secs", "0.1"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        first = proc.stdout.readline()  # Starting / resumed: the session is up.
-        time.sleep(rng.uniform(0.1, 0.5))
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err
-        (stopped,) = re.findall(r"^Stopped by SIGTERM at step (\d+):", out, re.MULTILINE)
-        if stops:  # Each run resumes where the previous one stopped.
-            assert first.startswith(f"Resumed at step {stops[-1]} from "), first
-        stops.append(int(stopped))
+    try:
+        logdir = str(tmp_path / "interrupted")
+        rng = random.Random(9)
+        stops = []
+        for _ in range(2):
+            # 0.1 s per step: a signal sent within 0.5 s of the start lands tens of steps before
+            # the end, however busy the machine, so every one of these runs is interrupted.
+            proc = subprocess.Popen(
+                _command(demo, logdir, 5, "--step-delay-secs", "0.1"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            first = proc.stdout.readline()  # Starting / resumed: the session is up.
+            time.sleep(rng.uniform(0.1, 0.5))
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err
+            (stopped,) = re.findall(r"^Stopped by SIGTERM at step (\d+):", out, re.MULTILINE)
+            if stops:  # Each run resumes where the previous one stopped.
+                assert first.startswith(f"Resumed at step {stops[-1]} from "), first
+            stops.append(int(stopped))
+        done.wait(600)
+    finally:
+        if done.poll() is None:
+            done.kill()
+            done.wait(30)
+    assert done.returncode == 0, ref_log.read_text()[-3000:]
+    ref_step, ref_tensors, ref_rng = _final_weights(reference)
     assert stops[-1] < ref_step, stops
     last = subprocess.run(_command(demo, logdir, 5), capture_output=True, text=True, timeout=600)
     assert last.returncode == 0, last.stderr
