@@ -39,8 +39,8 @@ test: lint
 	@# The suite starts several hundred Python processes: compile the package once, not in
 	@# each of them (they would, where PYTHONDONTWRITEBYTECODE is set: about 0.4 s apiece).
 	$(PY) -m compileall -q torchsupervisor
-	@echo "Running the test suite (about 9 minutes on 2 cores)"
-	$(PY) -m pytest -q
+	@echo "Running the test suite in two workers (about 8-9 minutes on 2 cores)"
+	$(PY) -m pytest -q -n 2
 
 test-slow: install
 	$(PY) -m pytest -q -m slow

@@ -55,3 +55,56 @@ def test_the_sdist_has_no_tests_that_could_not_run(dist):
     assert any(n.startswith("torchsupervisor/") for n in names)
     # The tests need the repository (fixtures, workers, a SeaweedFS server): left out whole.
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/", ".ci/"))]
+
+
+@pytest.mark.slow
+def test_a_clean_virtual_environment_gets_a_working_cli_and_a_clear_demo_message(dist, tmp_path):
+    """``pip install torchsupervisor`` (no extras) in a fresh venv: the CLI works, and the
+    demo names the extra it needs instead of failing with ``ModuleNotFoundError``."""
+    import torch
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python, cli = str(venv / "bin" / "python"), str(venv / "bin" / "torchsupervisor")
+    # torch pinned to this environment's release first (as the Makefile does), not PyPI's
+    # newest (a multi-GB CUDA build); then the wheel, with its own dependencies only.
+    torch_pin = f"torch=={torch.__version__.split('+')[0]}"
+    wheel = str(next(dist.glob("*.whl")))
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", torch_pin, wheel],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    probe = subprocess.run([python, "-c", "import sklearn"], capture_output=True, timeout=60)
+    assert probe.returncode != 0, "scikit-learn came without the [demo] extra"
+
+    logdir = str(tmp_path / "run")
+    demo = subprocess.run(
+        [cli, "demo", "--logdir", logdir, "--max-steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert demo.returncode == 1
+    assert demo.stderr.startswith("torchsupervisor demo: error: "), demo.stderr
+    assert 'pip install "torchsupervisor[demo]"' in demo.stderr
+    assert "Traceback" not in demo.stderr
+
+    missing = str(tmp_path / "nowhere")
+    ls = subprocess.run([cli, "ls", missing], capture_output=True, text=True, timeout=300)
+    assert ls.returncode != 0
+    assert ls.stderr.startswith(
+        "torchsupervisor ls: "
+    ) and f"no such file or directory: {missing}" in (ls.stderr)
+    # A checkpoint written with the installed package lists and verifies with its CLI.
+    save = (
+        "import os, torch, torchsupervisor as ts\n"
+        f"os.makedirs({logdir!r})\n"
+        f"ts.Saver({{'w': torch.ones(3)}}).save(None, {logdir + '/model.ckpt'!r}, global_step=7)\n"
+    )
+    subprocess.run([python, "-c", save], check=True, timeout=300)
+    verify = subprocess.run([cli, "verify", logdir], capture_output=True, text=True, timeout=300)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "ok" in verify.stdout and "model.ckpt-7" in verify.stdout
