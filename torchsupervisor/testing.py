@@ -396,9 +396,9 @@ def run_world(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on every rank of a real gloo process group.
 
-    Each rank is a fresh process (``spawn``) that joins a process group on a free port of
-    127.0.0.1 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` are set, as
-    ``torchrun`` sets them), calls ``fn`` and destroys the group.
+    Each rank is a fresh process (forked from a clean fork server) that joins a process
+    group on a free port of 127.0.0.1 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT`` are set, as ``torchrun`` sets them), calls ``fn`` and destroys the group.
 
     Args:
         fn: A module-level (picklable) function.
@@ -416,7 +416,7 @@ def run_world(
 
     TF name: none.
     """
-    context = multiprocessing.get_context("spawn")
+    context = _rank_context()
     results: Any = context.Queue()
     port = _free_port()
     processes = [
@@ -457,6 +457,18 @@ def run_world(
     if failures:
         raise WorldError(failures)
     return [outcome[rank][1] for rank in range(world_size)]
+
+
+def _rank_context() -> Any:
+    """Where ranks come from: a fork server that has imported torch and this package once.
+
+    Each rank is then a fork of a process that did nothing else (no threads, no process
+    group, no CUDA), as clean as a spawned one, without paying their imports (seconds on a
+    busy machine) at every call.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "torchsupervisor"])
+    return context
 
 
 def _free_port() -> int:

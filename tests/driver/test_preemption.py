@@ -96,14 +96,14 @@ def test_sigterm_at_several_points_resumes_bitwise(tmp_path, reference):
     rng = random.Random(3)
     losses: dict[int, str] = {}
     stops: list[int] = []
-    for _ in range(3):
+    for _ in range(2):
         proc = _start(logdir, "--step-delay", "0.02")
         lines = _read_until(proc, "READY")
         resumed_at = int(lines[-1].split()[1])
         assert resumed_at == (stops[-1] if stops else 0)
         # Signal once the worker has reported a step a few steps on, not after a delay: the
-        # stop lands mid-run however busy the machine. The last target is at most 30 steps
-        # (plus two stops' overshoot) from the start; at 0.02 s a step, the signal would have
+        # stop lands mid-run however busy the machine. The last target is at most 20 steps
+        # (plus a stop's overshoot) from the start; at 0.02 s a step, the signal would have
         # to take more than a second to be handled for a stop to reach the end.
         target = resumed_at + rng.randint(3, 10)
         lines += _read_until(proc, f"LOSS {target} ")
@@ -121,7 +121,7 @@ def test_sigterm_at_several_points_resumes_bitwise(tmp_path, reference):
         assert max(_losses(lines)) == stopped - 1
         losses.update(_losses(lines))
         stops.append(stopped)
-    assert len(stops) == 3 and stops == sorted(set(stops)), stops  # Strictly increasing.
+    assert len(stops) == 2 and stops == sorted(set(stops)), stops  # Strictly increasing.
     lines, err, code = _finish(_start(logdir))
     assert code == 0, err
     assert lines[0] == f"READY {stops[-1]}"

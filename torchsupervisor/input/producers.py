@@ -340,14 +340,6 @@ def slice_input_producer(
         raise ValueError(
             f"slice_input_producer: the inputs differ in their first dimension: {lengths}"
         )
-    queue = range_input_producer(
-        lengths[0],
-        num_epochs=num_epochs,
-        shuffle=shuffle,
-        seed=seed,
-        capacity=capacity,
-        shared_name=shared_name,
-        name=name,
-    )
+    queue = range_input_producer(lengths[0], num_epochs, shuffle, seed, capacity, shared_name, name)
     op = _Slices(inputs, queue)
     return OutputList(OpOutput(op, i) for i in range(len(inputs)))
