@@ -56,7 +56,8 @@ def configure(url: str, **options: Any) -> None:
             ``aws_secret_access_key``, ``aws_session_token``, ``region_name``,
             ``connect_timeout`` and ``read_timeout`` (seconds), ``max_attempts``; for any
             object store: ``part_bytes`` (multipart part size, bytes), ``max_concurrency``
-            (parts in flight), ``lock_ttl_secs`` (seconds).
+            (parts in flight), ``lock_ttl_secs`` (seconds), ``events_roll_bytes`` (the size at
+            which an events file is rolled, bytes).
 
     Raises:
         ValueError: ``url`` is not a URL.
@@ -103,7 +104,7 @@ def storage_for(path: str, storage: Storage | None = None) -> Storage:
 def _object_storage(url: URL, options: dict[str, Any]) -> ObjectStorage:
     tuning = {
         k: options.pop(k)
-        for k in ("part_bytes", "max_concurrency", "lock_ttl_secs")
+        for k in ("part_bytes", "max_concurrency", "lock_ttl_secs", "events_roll_bytes")
         if k in options
     }
     if url.scheme == "memory":

@@ -156,10 +156,17 @@ class _Stream(io.RawIOBase):
 class Appendable(abc.ABC):
     """An object that grows by appends (an events file); durable up to the last ``sync``.
 
+    Attributes:
+        path: Where it lives.
+        roll_bytes: Advice to the writer: start a new file once this one holds this many
+            bytes (on an object store, where each ``sync`` uploads the file whole, it bounds
+            what one ``sync`` sends); None: never.
+
     Thread safety: one writer thread.
     """
 
     path: str
+    roll_bytes: int | None = None
 
     @abc.abstractmethod
     def write(self, data: Buffer) -> None:

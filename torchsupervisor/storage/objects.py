@@ -21,7 +21,8 @@ once its manifest exists.
   ``lock_ttl_secs``, is stale and taken over by a conditional PUT on its version, so a crashed
   run never blocks its own restart for long and two restarts cannot both take it.
 * ``open_append`` (events files): appends go to a local cache file; ``sync`` uploads the whole
-  file as the object.
+  file as the object. The writer rolls to a new file at ``events_roll_bytes``, so the bytes a
+  flush sends stay bounded however long the run (not the whole run's events each time).
 
 The wire operations are those of ``ObjectClient`` (``object_client.py``); ``s3.S3Client`` and
 ``memory.MemoryClient`` implement them. The lock is ``object_lock.py``.
@@ -76,6 +77,10 @@ READ_AHEAD_PARTS = 4
 DEFAULT_LOCK_TTL_SECS = 30.0
 """A writer lock whose heartbeat is older than this (seconds) is stale (``object_lock``)."""
 
+DEFAULT_EVENTS_ROLL_BYTES = 8 << 20
+"""An events file on an object store is rolled (a new one started) at about this size (bytes):
+each flush uploads the current file whole, so this bounds the bytes one flush sends."""
+
 
 class ObjectStorage(Storage):
     """The storage seam on one bucket of an object store; see the module docstring.
@@ -85,6 +90,9 @@ class ObjectStorage(Storage):
         part_bytes: Multipart part size in bytes (at least 5 MiB on S3).
         max_concurrency: Parts of one object in flight at once.
         lock_ttl_secs: Seconds after its last heartbeat that a writer lock is stale.
+        events_roll_bytes: Size in bytes at which an events file is rolled (a new file
+            started; TensorBoard reads a run's files in order), so that a flush, which
+            uploads the current file whole, sends at most about this much.
 
     Thread safety: every method may be called from any thread.
     """
@@ -96,6 +104,7 @@ class ObjectStorage(Storage):
         part_bytes: int = DEFAULT_PART_BYTES,
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
         lock_ttl_secs: float = DEFAULT_LOCK_TTL_SECS,
+        events_roll_bytes: int = DEFAULT_EVENTS_ROLL_BYTES,
     ) -> None:
         if part_bytes < 1:
             raise ValueError(f"part_bytes must be positive, not {part_bytes}")
@@ -105,6 +114,9 @@ class ObjectStorage(Storage):
         self.part_bytes = part_bytes
         self.max_concurrency = max_concurrency
         self.lock_ttl_secs = lock_ttl_secs
+        if events_roll_bytes < 1:
+            raise ValueError(f"events_roll_bytes must be positive, not {events_roll_bytes}")
+        self.events_roll_bytes = events_roll_bytes
 
     def _key(self, path: str) -> str:
         url = parse_url(os.fspath(path))
@@ -416,6 +428,7 @@ class _CachedAppendable(Appendable):
 
     def __init__(self, storage: ObjectStorage, path: str) -> None:
         self.path = path
+        self.roll_bytes = storage.events_roll_bytes
         self._storage = storage
         self._file = tempfile.TemporaryFile(prefix="torchsupervisor-cache-")  # noqa: SIM115
 

@@ -20,9 +20,11 @@ exclusively, at the first event; a taken name moves to the next second) and star
 ``Event(file_version="brain.Event:2")`` record, written with the first batch and flushed at
 once. Then the file is fsynced when ``flush_secs`` have passed since the last flush, when
 ``flush()`` or ``request_flush()`` asks (markers in the queue, so they cover exactly the items
-added before them), and at close. A failed create, write or fsync is logged; the batch is lost
-and the next batch opens a new file (TF's re-initialization). Writers still open at interpreter
-exit are drained and closed.
+added before them), and at close. Where the storage advises it (``Appendable.roll_bytes``: an
+object store, which uploads a file whole at each flush), a file that reached that size is
+flushed and closed, and the next batch starts a new file. A failed create, write or fsync is
+logged; the batch is lost and the next batch opens a new file (TF's re-initialization).
+Writers still open at interpreter exit are drained and closed.
 
 Every file operation goes through the storage seam (``Storage.open_append``; ``Appendable.write``,
 ``sync``, ``close``), where tests inject faults (``torchsupervisor.testing.FaultyStorage``).
@@ -192,6 +194,7 @@ class EventFileWriter:
         self.written = 0
         self.lost = 0
         self.bytes_written = 0
+        self.file_bytes = 0  # written to the current file
         self.batches = 0
         self.flushes = 0
         self.file: Appendable | None = None
@@ -477,9 +480,13 @@ class EventFileWriter:
             return
         self.written += count
         self.bytes_written += len(data)
+        self.file_bytes += len(data)
         self.batches += 1
         self.header = b""
         self.unflushed = True  # a new file's next_flush is -inf: its first batch is flushed
+        roll_bytes = self.file.roll_bytes
+        if roll_bytes is not None and self.file_bytes >= roll_bytes:
+            self._close_file()  # Flushed and closed: the next batch starts a new file.
 
     def _open_file(self) -> bool:
         """Create a new events file; True on success (failures are logged)."""
@@ -491,6 +498,7 @@ class EventFileWriter:
             logger.error("Failed to create an events file in %s: %s", self.logdir, e)
             return False
         self.next_flush = float("-inf")
+        self.file_bytes = 0
         logger.debug("Writing summaries to %s", self.path)
         return True
 
