@@ -4,6 +4,7 @@ neither of TensorBoard's loaders shows a point the resumed run does not stand be
 from __future__ import annotations
 
 import os
+import re
 import time
 import urllib.error
 
@@ -48,6 +49,16 @@ def _points(logdir, tag: str) -> list[tuple[int, float]]:
     return points
 
 
+def _restart_texts(logdir) -> list[str]:
+    return [
+        v.tensor.string_val[0].decode()
+        for name in sorted(n for n in os.listdir(logdir) if ".tfevents." in n)
+        for e in summary_iterator(os.path.join(logdir, name))
+        for v in e.summary.value
+        if v.tag == "torchsupervisor/restart"
+    ]
+
+
 def test_the_lost_segment_is_removed_and_the_restart_recorded(tmp_path):
     logdir = str(tmp_path)
     _crashed_run(logdir)
@@ -56,14 +67,7 @@ def test_the_lost_segment_is_removed_and_the_restart_recorded(tmp_path):
     assert loss == [(s, 1000.0 + s) for s in range(20)] + [(s, 2000.0 + s) for s in range(20, 25)]
     assert _points(logdir, "eval/rare") == []  # Logged only in the lost segment.
     assert _points(logdir, "torchsupervisor/steps_lost") == [(RESTORED, 9.0)]
-    texts = [
-        v.tensor.string_val[0].decode()
-        for name in sorted(os.listdir(logdir))
-        for e in summary_iterator(os.path.join(logdir, name))
-        for v in e.summary.value
-        if v.tag == "torchsupervisor/restart"
-    ]
-    assert texts == [
+    assert _restart_texts(logdir) == [
         "Resumed at step 20 after a stop at step 29: 9 steps were not checkpointed "
         "and are trained again (11 events from step 20 on removed)."
     ]
@@ -198,4 +202,10 @@ def test_a_monitored_training_session_killed_and_resumed_shows_each_step_once(tm
     assert steps == list(range(1, 41))  # Every step once: the lost segment is gone.
     (marker,) = _points(logdir, "torchsupervisor/steps_lost")
     restored = int(second.stdout.split()[1])  # "READY <step>"
-    assert marker[0] == restored + 1 and marker[1] > 0
+    # At the START (TF's placement: after the first step), naming the step it resumed at and
+    # counting the lost steps from there (the killed run's last logged step, on disk then).
+    (text,) = _restart_texts(logdir)
+    match = re.match(rf"Resumed at step {restored} after a stop at step (\d+): (\d+) steps ", text)
+    assert match, text
+    stopped, lost = map(int, match.groups())
+    assert marker == (restored + 1, float(lost)) and lost == stopped - restored > 0

@@ -20,6 +20,7 @@ from torchsupervisor.hooks.session_run_hook import (
     SessionRunHook,
     SessionRunValues,
 )
+from torchsupervisor.summary.writer import SummaryWriter
 from torchsupervisor.summary.writer_cache import SummaryWriterCache
 
 __all__ = ["SummarySaverHook"]
@@ -78,6 +79,7 @@ class SummarySaverHook(SessionRunHook):
         self._timer = SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
         self._global_step: Any = None
         self._next_step: int | None = None
+        self._start_step: int | None = None  # The step of the first run (before it).
         self._request_summary = False
 
     def begin(self) -> None:
@@ -123,6 +125,8 @@ class SummarySaverHook(SessionRunHook):
         if self._summary_writer is None:
             self._request_summary = False
             return None
+        if self._next_step is None:
+            self._start_step = read_step(self._global_step)
         self._request_summary = self._next_step is None or self._timer.should_trigger_for_step(
             self._next_step
         )
@@ -143,7 +147,13 @@ class SummarySaverHook(SessionRunHook):
             return
         step = read_step(self._global_step)
         if self._next_step is None:
-            writer.add_session_log(SessionLog(status=SessionLog.START), step)
+            # TF's placement: after the first step. The restart record names the step the
+            # session resumed at (read in before_run), not this one.
+            start = SessionLog(status=SessionLog.START)
+            if isinstance(writer, SummaryWriter):
+                writer.add_session_log(start, step, restored_step=self._start_step)
+            else:  # A writer of the user's, with TF's signature.
+                writer.add_session_log(start, step)
         if self._request_summary:
             self._timer.update_last_triggered_step(step)
             results = run_values.results

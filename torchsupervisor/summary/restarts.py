@@ -59,6 +59,9 @@ class LostSegment:
             past it, the summaries of ``restored_step`` itself (the resumed run logs them
             again).
         files: The events files rewritten.
+        first_step: The step whose events were removed on (the resumed run's START); None:
+            ``restored_step`` (a START written before the first step, as the Supervisor's;
+            TF's ``SummarySaverHook`` writes it after, at ``restored_step + 1``).
 
     TF name: none.
     """
@@ -67,6 +70,7 @@ class LostSegment:
     last_step: int | None = None
     events_dropped: int = 0
     files: list[str] = field(default_factory=list)
+    first_step: int | None = None
 
     @property
     def steps_lost(self) -> int:
@@ -82,7 +86,8 @@ class LostSegment:
         return (
             f"Resumed at step {self.restored_step} after a stop at step {self.last_step}: "
             f"{self.steps_lost} steps were not checkpointed and are trained again "
-            f"({self.events_dropped} events from step {self.restored_step} on removed)."
+            f"({self.events_dropped} events from step {self.first_step or self.restored_step} "
+            "on removed)."
         )
 
 

@@ -316,7 +316,13 @@ class SummaryWriter(MediaMethods):
         event = event_pb2.Event(wall_time=self._clock.time(), summary=parsed)
         self._put(Item((SUMMARY_EVENT, event, snapshot_step(global_step))))
 
-    def add_session_log(self, session_log: event_pb2.SessionLog, global_step: Any = None) -> None:
+    def add_session_log(
+        self,
+        session_log: event_pb2.SessionLog,
+        global_step: Any = None,
+        *,
+        restored_step: int | None = None,
+    ) -> None:
         """Enqueue a ``SessionLog`` (START, STOP, CHECKPOINT) as an event.
 
         ``START`` at step ``s``, as the first thing this writer writes, marks a restart at
@@ -331,6 +337,10 @@ class SummaryWriter(MediaMethods):
         Args:
             session_log: A ``SessionLog`` proto (copied).
             global_step: The step; ``None`` leaves it unset.
+            restored_step: For a START written after the first step of the resumed run (TF's
+                ``SummarySaverHook`` writes it at ``restored + 1``): the step it resumed at,
+                which the restart record names and counts the lost steps from. None: the
+                START's own step.
 
         Raises:
             TypeError: ``session_log`` is not a ``SessionLog``.
@@ -353,6 +363,8 @@ class SummaryWriter(MediaMethods):
         if session_log.status == event_pb2.SessionLog.START and isinstance(step, int) and fresh:
             open_paths = {w.path for w in live_workers() if w.path and not w.closed}
             lost = drop_lost_segment(self._storage, self._logdir, step, open_paths)
+            if restored_step is not None and restored_step != step:
+                lost.first_step, lost.restored_step = step, restored_step
         self._put(Item((RAW_EVENT, event, step)))
         if lost is not None and lost.last_step is not None:  # A restart, not a fresh start.
             logger.info("%s", lost.describe())
