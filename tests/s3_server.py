@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from free_ports import free_ports
 
@@ -168,8 +169,9 @@ def start(data_dir: str) -> S3Server:
     )
 
 
-def stop(server: S3Server) -> None:
-    """Stop the server: SIGTERM, then SIGKILL after 3 s (its data is a temporary directory)."""
+def stop(server: S3Server | Any) -> None:
+    """Stop the server (anything with a ``process``): SIGTERM, then SIGKILL after 3 s (its
+    data is temporary)."""
     if server.process.poll() is None:
         server.process.terminate()
         try:
