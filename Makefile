@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+AZURITE_VERSION ?= 3.37.0
 LINT_PATHS := torchsupervisor tests examples benchmarks
 
 .PHONY: install demo test test-slow bench lint format clean
@@ -18,8 +19,13 @@ $(VENV)/.installed: pyproject.toml
 	@# disk; elsewhere pip takes PyPI's build: install the one you want first and it is kept.
 	@$(PY) -c "import torch" 2>/dev/null || echo "Installing torch==$(TORCH_VERSION)"
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	@echo "Installing torchsupervisor (editable) with its demo and test extras: scikit-learn, pytest, ruff, boto3, google-cloud-storage, SeaweedFS, fake-gcs-server, tensorboardX, ..."
+	@echo "Installing torchsupervisor (editable) with its demo and test extras: scikit-learn, pytest, ruff, boto3, google-cloud-storage, azure-storage-blob, SeaweedFS, fake-gcs-server, tensorboardX, ..."
 	$(PY) -m pip install -q -e ".[demo,test]"
+	@# The Azure Blob emulator of the az:// tests (Node.js); without npm those tests are skipped.
+	@if command -v npm >/dev/null; then \
+		echo "Installing Azurite $(AZURITE_VERSION) (npm) into $(VENV)/azurite"; \
+		npm install --prefix $(VENV)/azurite --no-audit --no-fund --silent "azurite@$(AZURITE_VERSION)"; \
+	else echo "npm not found: the az:// tests will be skipped (install Node.js for them)"; fi
 	touch $@
 
 install: $(VENV)/.installed

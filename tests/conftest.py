@@ -55,6 +55,31 @@ def gs_url(gcs_server, request) -> str:
     return f"gs://{server_module.BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.fixture(scope="session")
+def azure_server():
+    """Azurite on 127.0.0.1 for the whole session (see ``azure_server.py``); the az:// tests
+    are skipped where it is not installed (no npm)."""
+    import azure_server as server_module
+
+    from torchsupervisor import storage
+
+    if server_module.binary() is None:
+        pytest.skip("Azurite is not installed (make install needs npm for it)")
+
+    with server_module.running() as server:
+        storage.configure(f"az://{server_module.CONTAINER}", **server.options())
+        yield server
+
+
+@pytest.fixture
+def az_url(azure_server, request) -> str:
+    """A fresh prefix in the Azure test container: ``az://tsv-test/<test>-<8 hex>``."""
+    import azure_server as server_module
+
+    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")[:60]
+    return f"az://{server_module.CONTAINER}/{name}-{uuid.uuid4().hex[:8]}"
+
+
 @pytest.fixture
 def s3_url(s3_server, request) -> str:
     """A fresh prefix in the test bucket: ``s3://tsv-test/<test>-<8 hex>``."""

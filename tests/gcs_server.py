@@ -13,15 +13,13 @@ import contextlib
 import glob
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from emulators import launch, stop
 from free_ports import free_port
-from s3_server import _die_with_parent, stop  # The same process handling as SeaweedFS.
 
 START_TIMEOUT_SECS = 30.0
 BUCKET = "tsv-test"
@@ -63,25 +61,18 @@ def start() -> GCSServer:
         RuntimeError: It did not serve within ``START_TIMEOUT_SECS``.
     """
     port = free_port()
-    process = subprocess.Popen(
-        [
-            *(binary(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)),
-            *("-backend", "memory", "-log-level", "error", "-public-host", f"127.0.0.1:{port}"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        preexec_fn=_die_with_parent,
-    )
+    args = [
+        *(binary(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)),
+        *("-backend", "memory", "-log-level", "error", "-public-host", f"127.0.0.1:{port}"),
+    ]
+    process = launch(args, port, START_TIMEOUT_SECS, "fake-gcs-server")
     server = GCSServer(f"http://127.0.0.1:{port}", process)
-    deadline = time.monotonic() + START_TIMEOUT_SECS
-    while time.monotonic() < deadline and process.poll() is None:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            _make_bucket(server)
-            return server
-        time.sleep(0.1)
-    stop(server)
-    raise RuntimeError(f"fake-gcs-server did not start within {START_TIMEOUT_SECS:g} s")
+    try:
+        _make_bucket(server)
+    except BaseException:
+        stop(server)
+        raise
+    return server
 
 
 def _make_bucket(server: GCSServer) -> None:

@@ -19,7 +19,7 @@ from torchsupervisor.checkpoint.state_file import get_checkpoint_state, latest_c
 from torchsupervisor.storage import ObjectStorage, storage_for
 
 
-@pytest.fixture(params=["memory", "s3", "gs"])
+@pytest.fixture(params=["memory", "s3", "gs", "az"])
 def url(request) -> str:
     return request.getfixturevalue(f"{request.param}_url")
 

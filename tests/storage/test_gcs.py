@@ -16,7 +16,7 @@ import crc32c
 import pytest
 
 from torchsupervisor.storage import ObjectStorage, _object_storage, storage_for
-from torchsupervisor.storage.gcs import UPLOADS_PREFIX
+from torchsupervisor.storage.object_client import UPLOADS_PREFIX
 from torchsupervisor.storage.objects import PreconditionFailed
 from torchsupervisor.storage.paths import parse_url
 

@@ -39,8 +39,8 @@ __all__ = [
 LOCAL: Storage = LocalStorage()
 """The local file system."""
 
-SCHEMES = ("s3", "gs", "memory")
-"""The URL schemes with a storage (``az://`` is not available yet)."""
+SCHEMES = ("s3", "gs", "az", "memory")
+"""The URL schemes with a storage."""
 
 _mutex = threading.Lock()
 _options: dict[tuple[str, str], dict[str, Any]] = {}
@@ -56,6 +56,8 @@ def configure(url: str, **options: Any) -> None:
             ``aws_secret_access_key``, ``aws_session_token``, ``region_name``,
             ``connect_timeout`` and ``read_timeout`` (seconds), ``max_attempts``; for
             ``gs://``: ``endpoint_url``, ``project``, ``credentials``, ``anonymous``,
+            ``connect_timeout`` and ``read_timeout`` (seconds), ``max_attempts``; for ``az://``:
+            ``connection_string``, or ``account_url`` and ``credential``,
             ``connect_timeout`` and ``read_timeout`` (seconds), ``max_attempts``; for any
             object store: ``part_bytes`` (multipart part size, bytes), ``max_concurrency``
             (parts in flight), ``lock_ttl_secs`` (seconds), ``events_roll_bytes`` (the size at
@@ -78,13 +80,16 @@ def storage_for(path: str, storage: Storage | None = None) -> Storage:
     Args:
         path: A local path, or a URL: ``s3://bucket/key`` (boto3, configured by the ``AWS_*``
             environment variables or ``configure``), ``gs://bucket/key`` (google-cloud-storage,
-            Application Default Credentials or ``configure``) or ``memory://bucket/key``.
+            Application Default Credentials or ``configure``), ``az://container/key``
+            (azure-storage-blob, ``AZURE_STORAGE_CONNECTION_STRING`` or ``configure``) or
+            ``memory://bucket/key``.
         storage: An explicit storage (tests inject faults this way); None: chosen by ``path``.
 
     Raises:
-        UnimplementedError: A URL scheme without a storage (``az://``, ...).
-        ImportError: ``gs://`` without google-cloud-storage (``pip install torchsupervisor[gcs]``).
-        ImportError: ``s3://`` without boto3 (``pip install torchsupervisor[s3]``).
+        UnimplementedError: A URL scheme without a storage (``hdfs://``, ...).
+        ImportError: The client library of the URL's store is not installed (``pip install
+            torchsupervisor[s3]``, ``[gcs]``, ``[azure]``).
+        ValueError: ``az://`` without an account (no connection string).
         FileNotFoundError, PermissionError, ConnectionError: The bucket does not exist, the
             credentials are missing or refused, or the endpoint cannot be reached (checked
             once per bucket and process).
@@ -129,6 +134,12 @@ def _object_storage(url: URL, options: dict[str, Any]) -> ObjectStorage:
         gcs_client = GCSClient(url.bucket, options)
         gcs_client.check_bucket()
         return ObjectStorage(gcs_client, **tuning)
+    if url.scheme == "az":
+        from torchsupervisor.storage.azure import AzureClient
+
+        azure_client = AzureClient(url.bucket, options)
+        azure_client.check_bucket()
+        return ObjectStorage(azure_client, **tuning)
     from torchsupervisor.errors import UnimplementedError
 
     raise UnimplementedError(

@@ -41,15 +41,16 @@ from torchsupervisor.storage.object_client import (
     ObjectInfo,
     PreconditionFailed,
     Upload,
+    UploadsAsObjects,
+    hide_uploads,
+    merge_options,
+    upload_prefix,
 )
 from torchsupervisor.storage.paths import URL
 
-__all__ = ["UPLOADS_PREFIX", "GCSClient"]
+__all__ = ["GCSClient"]
 
 _T = TypeVar("_T")
-
-UPLOADS_PREFIX = ".torchsupervisor-uploads/"
-"""Where the parts of multipart uploads live, outside any run's prefix."""
 
 _STARTED = "started"
 """The marker object of an upload (its parts are numbered ``00001``, ...)."""
@@ -73,7 +74,7 @@ def _crc_b64(crc: int) -> str:
     return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
 
 
-class GCSClient(ObjectClient):
+class GCSClient(UploadsAsObjects, ObjectClient):
     """One GCS bucket through google-cloud-storage (see the module docstring).
 
     Args:
@@ -106,10 +107,7 @@ class GCSClient(ObjectClient):
                 f"gs://{bucket}: checkpoints on GCS need google-cloud-storage: "
                 "pip install torchsupervisor[gcs]"
             ) from e
-        opts = {**DEFAULT_OPTIONS, **(options or {})}
-        unknown = set(opts) - set(DEFAULT_OPTIONS)
-        if unknown:
-            raise ValueError(f"gs://{bucket}: unknown storage options {sorted(unknown)}")
+        opts = merge_options(f"gs://{bucket}", DEFAULT_OPTIONS, options)
         self.url = URL("gs", bucket, "")
         self._api = api_errors
         self._auth = auth_errors
@@ -154,11 +152,7 @@ class GCSClient(ObjectClient):
             "", lambda: self._bucket.exists(timeout=self._timeout, retry=self._retry)
         )
         if not exists:
-            raise FileNotFoundError(
-                errno.ENOENT,
-                f"the bucket {self.url.bucket!r} does not exist at {self.endpoint}",
-                self.url.root,
-            )
+            raise self.missing_bucket()
 
     def _call(self, key: str, call: Callable[[], _T]) -> _T:
         """Run one request; translate its errors (see ``ObjectClient``)."""
@@ -218,14 +212,11 @@ class GCSClient(ObjectClient):
         upload = Upload(key, uuid.uuid4().hex)
         # An empty marker: an upload is listed (a leftover if a crash interrupts it) from its
         # start, before its first part, as on S3.
-        self.put_object(f"{self._parts_prefix(upload)}{_STARTED}", b"", crc=0)
+        self.put_object(f"{upload_prefix(upload)}{_STARTED}", b"", crc=0)
         return upload
 
-    def _parts_prefix(self, upload: Upload) -> str:
-        return f"{UPLOADS_PREFIX}{upload.key}/{upload.upload_id}/"
-
     def upload_part(self, upload: Upload, number: int, data: Any, *, crc: int) -> object:
-        name = f"{self._parts_prefix(upload)}{number:05d}"
+        name = f"{upload_prefix(upload)}{number:05d}"
         self.put_object(name, data, crc=crc)
         return name
 
@@ -235,7 +226,7 @@ class GCSClient(ObjectClient):
         while len(names) > _COMPOSE_MAX:  # Compose groups of 32 into larger parts first.
             grouped = []
             for i in range(0, len(names), _COMPOSE_MAX):
-                name = f"{self._parts_prefix(upload)}compose-{level}-{i // _COMPOSE_MAX:05d}"
+                name = f"{upload_prefix(upload)}compose-{level}-{i // _COMPOSE_MAX:05d}"
                 self._compose(name, names[i : i + _COMPOSE_MAX])
                 grouped.append(name)
             names, level = grouped, level + 1
@@ -251,17 +242,9 @@ class GCSClient(ObjectClient):
         )
 
     def abort_upload(self, upload: Upload) -> None:
-        keys, _ = self.list(self._parts_prefix(upload), delimiter=False)
+        keys, _ = self.list(upload_prefix(upload), delimiter=False)
         for key in keys:
             self.delete(key)
-
-    def list_uploads(self, prefix: str) -> list[Upload]:
-        keys, _ = self.list(f"{UPLOADS_PREFIX}{prefix}", delimiter=False)
-        found: dict[tuple[str, str], None] = {}
-        for key in keys:
-            target, upload_id, _part = key[len(UPLOADS_PREFIX) :].rsplit("/", 2)
-            found[(target, upload_id)] = None
-        return [Upload(target, upload_id) for target, upload_id in found]
 
     # ------------------------------------------------------------------------------ reading
 
@@ -306,11 +289,7 @@ class GCSClient(ObjectClient):
             keys = [blob.name for blob in found]  # Iterating fetches every page.
             return keys, sorted(found.prefixes)
 
-        keys, prefixes = self._call(prefix, pages)
-        if not prefix.startswith(UPLOADS_PREFIX):  # The parts are never part of a listing.
-            keys = [k for k in keys if not k.startswith(UPLOADS_PREFIX)]
-            prefixes = [p for p in prefixes if p != UPLOADS_PREFIX]
-        return keys, prefixes
+        return hide_uploads(prefix, *self._call(prefix, pages))
 
     def delete(self, key: str, *, if_match: str | None = None) -> None:
         blob = self._bucket.blob(key)

@@ -10,12 +10,27 @@ TF name: none.
 from __future__ import annotations
 
 import abc
+import errno
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from torchsupervisor.storage.base import Buffer
 from torchsupervisor.storage.paths import URL
 
-__all__ = ["ABSENT", "ObjectClient", "ObjectInfo", "PreconditionFailed", "Upload"]
+__all__ = [
+    "ABSENT",
+    "UPLOADS_PREFIX",
+    "ObjectClient",
+    "ObjectInfo",
+    "PreconditionFailed",
+    "Upload",
+    "UploadsAsObjects",
+    "hide_uploads",
+    "merge_options",
+    "upload_prefix",
+    "uploads_found",
+]
 
 
 ABSENT = "*"
@@ -63,6 +78,17 @@ class ObjectClient(abc.ABC):
     url: URL
     """The bucket (``key`` is empty)."""
 
+    endpoint: str = ""
+    """Where the store is reached (for messages)."""
+
+    def missing_bucket(self, what: str = "bucket") -> FileNotFoundError:
+        """The error for a bucket (or container) that does not exist, naming it and where."""
+        return FileNotFoundError(
+            errno.ENOENT,
+            f"the {what} {self.url.bucket!r} does not exist at {self.endpoint}",
+            self.url.root,
+        )
+
     @abc.abstractmethod
     def put_object(self, key: str, data: Buffer, *, crc: int, only_if: str | None = None) -> str:
         """Store ``data`` as ``key`` (CRC-32C ``crc`` checked by the store); return its etag.
@@ -107,3 +133,62 @@ class ObjectClient(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str, *, if_match: str | None = None) -> None:
         """Delete ``key`` (no error if it is missing, unless ``if_match`` is given)."""
+
+
+UPLOADS_PREFIX = ".torchsupervisor-uploads/"
+"""For stores without S3's listable multipart uploads (GCS, Azure): where an upload in progress
+leaves its trace (its parts, or a marker), at the top of the bucket, outside every run's
+prefix: ``UPLOADS_PREFIX + <key> + "/" + <upload id> + "/" + <name>``."""
+
+
+def upload_prefix(upload: Upload) -> str:
+    """Where the objects of ``upload`` live (below ``UPLOADS_PREFIX``), ending with ``/``."""
+    return f"{UPLOADS_PREFIX}{upload.key}/{upload.upload_id}/"
+
+
+def uploads_found(keys: list[str]) -> list[Upload]:
+    """The uploads that the keys below ``UPLOADS_PREFIX`` belong to (each once, in order)."""
+    found: dict[tuple[str, str], None] = {}
+    for key in keys:
+        target, upload_id, _name = key[len(UPLOADS_PREFIX) :].rsplit("/", 2)
+        found[(target, upload_id)] = None
+    return [Upload(target, upload_id) for target, upload_id in found]
+
+
+def hide_uploads(prefix: str, keys: list[str], prefixes: list[str]) -> tuple[list[str], list[str]]:
+    """A listing of ``prefix`` without the uploads' objects (unless ``prefix`` is theirs)."""
+    if prefix.startswith(UPLOADS_PREFIX):
+        return keys, prefixes
+    return (
+        [k for k in keys if not k.startswith(UPLOADS_PREFIX)],
+        [p for p in prefixes if p != UPLOADS_PREFIX],
+    )
+
+
+class UploadsAsObjects:
+    """``list_uploads`` for a store whose uploads in progress leave objects below
+    ``UPLOADS_PREFIX`` (their parts, or a marker) rather than a listable upload."""
+
+    def list_uploads(self, prefix: str) -> list[Upload]:
+        """The uploads in progress of keys starting with ``prefix``."""
+        keys, _ = self.list(f"{UPLOADS_PREFIX}{prefix}", delimiter=False)  # type: ignore[attr-defined]
+        return uploads_found(keys)
+
+
+def merge_options(
+    root: str,
+    defaults: Mapping[str, Any],
+    given: Mapping[str, Any] | None,
+    extra: Iterable[str] = (),
+) -> dict[str, Any]:
+    """A client's options: ``given`` over ``defaults``.
+
+    Raises:
+        ValueError: A given option is neither in ``defaults`` nor in ``extra`` (named, with
+            the bucket's ``root``).
+    """
+    opts = {**defaults, **(given or {})}
+    unknown = set(opts) - set(defaults) - set(extra)
+    if unknown:
+        raise ValueError(f"{root}: unknown storage options {sorted(unknown)}")
+    return opts

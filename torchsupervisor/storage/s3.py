@@ -22,6 +22,7 @@ import errno
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from torchsupervisor.storage.object_client import merge_options
 from torchsupervisor.storage.objects import (
     ABSENT,
     ObjectClient,
@@ -81,10 +82,7 @@ class S3Client(ObjectClient):
             raise ImportError(
                 f"s3://{bucket}: checkpoints on S3 need boto3: pip install torchsupervisor[s3]"
             ) from e
-        opts = {**DEFAULT_OPTIONS, **(options or {})}
-        unknown = set(opts) - set(DEFAULT_OPTIONS) - set(_CLIENT_KEYS)
-        if unknown:
-            raise ValueError(f"s3://{bucket}: unknown storage options {sorted(unknown)}")
+        opts = merge_options(f"s3://{bucket}", DEFAULT_OPTIONS, options, _CLIENT_KEYS)
         self.url = URL("s3", bucket, "")
         self._errors = botocore.exceptions
         config = botocore.config.Config(
@@ -111,11 +109,7 @@ class S3Client(ObjectClient):
         try:
             self._call("", lambda: self._s3.head_bucket(Bucket=self.url.bucket))
         except FileNotFoundError:
-            raise FileNotFoundError(
-                errno.ENOENT,
-                f"the bucket {self.url.bucket!r} does not exist at {self.endpoint}",
-                self.url.root,
-            ) from None
+            raise self.missing_bucket() from None
 
     def _call(self, key: str, call: Callable[[], _T]) -> _T:
         """Run one request; translate its errors (see ``ObjectClient``)."""
