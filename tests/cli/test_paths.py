@@ -101,3 +101,21 @@ def test_urls_resolve_as_paths_do(s3_url, capsys, command, form):
         assert f"Checkpoints in {s3_url}" in out
     else:
         assert "model.ckpt-5" in out
+
+
+@pytest.mark.parametrize("store", ["s3", "gs", "az"])
+def test_events_reads_a_run_on_any_object_store(request, capsys, store):
+    # Through our storage (a local copy of the events files), not TensorBoard's file layer,
+    # which knows only some schemes (gs:// would need gcsfs; az:// it does not know).
+    from torchsupervisor import SummaryWriter
+
+    url = request.getfixturevalue(f"{store}_url")
+    writer = SummaryWriter(url)
+    for step in range(12):
+        writer.add_scalar("loss", 1.0 / (step + 1), step)
+    writer.close()
+    status, out, err = cli(capsys, "events", url)
+    assert (status, err) == (0, "")
+    assert f"Run . ({url}): 1 events file(s)" in out
+    (row,) = [line.split() for line in out.splitlines() if line.startswith("loss ")]
+    assert row[:5] == ["loss", "scalar", "12", "0", "11"]

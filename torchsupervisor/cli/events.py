@@ -16,11 +16,14 @@ wildcards) keeps the matching tags only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import fnmatch
 import logging
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +34,8 @@ from torchsupervisor.errors import DataLossError, NotFoundError
 from torchsupervisor.storage import BY_PATH, NotRegularFileError
 from torchsupervisor.storage import paths as url_paths
 from torchsupervisor.summary.reader import summary_iterator
+
+_COPY_BYTES = 8 << 20
 
 __all__ = ["HELP", "add_arguments", "read_runs", "run"]
 
@@ -147,12 +152,42 @@ class _RestartWarnings(logging.Filter):
         return "Detected out of order event.step" not in record.getMessage()
 
 
+@contextlib.contextmanager
+def _readable_by_tensorboard(path: str) -> Iterator[str]:
+    """``path`` itself if local; for a URL, a temporary local copy of its events files,
+    read through our storage (so any store we reach, with its ``configure`` options:
+    TensorBoard's own file layer knows only some schemes and the standard environment)."""
+    if not url_paths.is_url(path):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="torchsupervisor-events-") as local:
+        for name in BY_PATH.list(path):
+            if "tfevents" in name:
+                source = os.path.join(path, name)
+                size = BY_PATH.size(source)
+                with BY_PATH.open_read(source) as f, open(os.path.join(local, name), "wb") as out:
+                    offset = 0
+                    while offset < size:
+                        view = memoryview(bytearray(min(_COPY_BYTES, size - offset)))
+                        n = f.readinto(view, offset)
+                        if n <= 0:
+                            break
+                        out.write(view[:n])
+                        offset += n
+        yield local
+
+
 def read_run(path: str, name: str, patterns: list[str] | None = None) -> Run:
     """Read one run directory with TensorBoard's ``EventAccumulator``."""
+    with _readable_by_tensorboard(path) as local:
+        return _read_run(local, path, name, patterns)
+
+
+def _read_run(local: str, path: str, name: str, patterns: list[str] | None) -> Run:
     from tensorboard.backend.event_processing import event_accumulator as ea
 
     acc = ea.EventAccumulator(
-        path,
+        local,
         size_guidance={
             ea.SCALARS: 0,
             ea.HISTOGRAMS: 0,
