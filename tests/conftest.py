@@ -34,6 +34,12 @@ def s3_server(tmp_path_factory):
         yield server
 
 
+def _fresh_prefix(scheme: str, bucket: str, request) -> str:
+    """``<scheme>://<bucket>/<test>-<8 hex>``: a prefix of this test's own in a test bucket."""
+    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")[:60]
+    return f"{scheme}://{bucket}/{name}-{uuid.uuid4().hex[:8]}"
+
+
 @pytest.fixture(scope="session")
 def gcs_server():
     """fake-gcs-server on 127.0.0.1 for the whole session (see ``gcs_server.py``)."""
@@ -51,8 +57,7 @@ def gs_url(gcs_server, request) -> str:
     """A fresh prefix in the GCS test bucket: ``gs://tsv-test/<test>-<8 hex>``."""
     import gcs_server as server_module
 
-    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")[:60]
-    return f"gs://{server_module.BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
+    return _fresh_prefix("gs", server_module.BUCKET, request)
 
 
 @pytest.fixture(scope="session")
@@ -76,8 +81,7 @@ def az_url(azure_server, request) -> str:
     """A fresh prefix in the Azure test container: ``az://tsv-test/<test>-<8 hex>``."""
     import azure_server as server_module
 
-    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")[:60]
-    return f"az://{server_module.CONTAINER}/{name}-{uuid.uuid4().hex[:8]}"
+    return _fresh_prefix("az", server_module.CONTAINER, request)
 
 
 @pytest.fixture
@@ -85,8 +89,7 @@ def s3_url(s3_server, request) -> str:
     """A fresh prefix in the test bucket: ``s3://tsv-test/<test>-<8 hex>``."""
     import s3_server as server_module
 
-    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")[:60]
-    return f"s3://{server_module.BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
+    return _fresh_prefix("s3", server_module.BUCKET, request)
 
 
 @pytest.fixture

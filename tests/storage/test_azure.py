@@ -2,7 +2,7 @@
 
 The Storage contract itself runs on ``az://`` with every other object store
 (``test_object_storage.py``, ``checkpoint/test_object_stores.py``); here: multipart uploads as
-staged blocks (invisible until committed, discarded on abort), a delete's precondition, and
+staged blocks (invisible until committed, discarded on abort), and
 the errors for a missing container, a missing account or an unreachable endpoint.
 """
 
@@ -17,7 +17,6 @@ import pytest
 
 from torchsupervisor.storage import ObjectStorage, _object_storage, storage_for
 from torchsupervisor.storage.object_client import UPLOADS_PREFIX
-from torchsupervisor.storage.objects import PreconditionFailed
 from torchsupervisor.storage.paths import parse_url
 
 
@@ -47,18 +46,6 @@ def test_an_aborted_upload_leaves_nothing(az_url):
     assert st.clean_leftovers(az_url) == [f"{az_url}/model.ckpt-1.data-00000-of-00001"]
     assert client.list_uploads(st._key(az_url)) == []
     assert client.list(UPLOADS_PREFIX + st._key(az_url), delimiter=False) == ([], [])
-
-
-def test_a_delete_on_a_stale_etag_is_refused(az_url):
-    st = storage_for(az_url)
-    client = st.client
-    key = st._key(f"{az_url}/lock")
-    first = client.put_object(key, b"1", crc=crc32c.crc32c(b"1"))
-    second = client.put_object(key, b"2", crc=crc32c.crc32c(b"2"), only_if=first)
-    with pytest.raises(PreconditionFailed):
-        client.delete(key, if_match=first)
-    client.delete(key, if_match=second)
-    assert not st.exists(f"{az_url}/lock")
 
 
 def test_a_missing_container_is_named(azure_server):

@@ -3,7 +3,7 @@
 The Storage contract itself runs on ``gs://`` with every other object store
 (``test_object_storage.py``, ``checkpoint/test_object_stores.py``); here: multipart uploads
 made of composed part objects (more parts than one compose takes), parts that never show in a
-listing, a delete's precondition, and the errors for a missing bucket or endpoint.
+listing, and the errors for a missing bucket or endpoint.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import pytest
 
 from torchsupervisor.storage import ObjectStorage, _object_storage, storage_for
 from torchsupervisor.storage.object_client import UPLOADS_PREFIX
-from torchsupervisor.storage.objects import PreconditionFailed
 from torchsupervisor.storage.paths import parse_url
 
 
@@ -41,18 +40,6 @@ def test_parts_of_an_unfinished_upload_never_show_in_a_listing(gs_url):
     assert st.leftovers(gs_url) == [f"{gs_url}/model.ckpt-1.data-00000-of-00001"]
     st.clean_leftovers(gs_url)
     assert client.list_uploads(st._key(gs_url)) == []
-
-
-def test_a_delete_on_a_stale_generation_is_refused(gs_url):
-    st = storage_for(gs_url)
-    client = st.client
-    key = st._key(f"{gs_url}/lock")
-    first = client.put_object(key, b"1", crc=crc32c.crc32c(b"1"))
-    second = client.put_object(key, b"2", crc=crc32c.crc32c(b"2"), only_if=first)
-    with pytest.raises(PreconditionFailed):
-        client.delete(key, if_match=first)
-    client.delete(key, if_match=second)
-    assert not st.exists(f"{gs_url}/lock")
 
 
 def test_a_missing_bucket_is_named(gcs_server):
