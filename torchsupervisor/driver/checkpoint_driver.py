@@ -135,10 +135,13 @@ class CheckpointDriver:
         boundary after that save ends. Requests made before it is served are one request.
         """
         with self._lock:
-            if self._requested:
-                return
+            self._ask(session)
+
+    def _ask(self, session: Any) -> None:
+        # Under self._lock. The boundary's own lock is only ever taken inside this one.
+        if not self._requested:
             self._requested = True
-        session.boundary.call_soon(lambda: self._at_boundary(session))
+            session.boundary.call_soon(lambda: self._at_boundary(session))
 
     def _at_boundary(self, session: Any) -> None:
         with self._lock:
@@ -198,11 +201,14 @@ class CheckpointDriver:
                     self._halted = True
                     self.on_error(error)
         finally:
+            # One step under the lock: a boundary sees either a save in flight (and defers
+            # again, to be re-asked here) or an idle driver whose deferred request is queued
+            # already; and ``wait`` never returns between the two.
             with self._lock:
                 deferred, self._deferred = self._deferred, False
-            self._idle.set()
-        if deferred and not self._halted:
-            self.request(self._deferred_session)
+                if deferred and not self._halted:
+                    self._ask(self._deferred_session)
+                self._idle.set()
 
     def _committed(self, step: int | None, prefix: str | None) -> None:
         if prefix is None:  # An empty state (allow_empty) saved nothing.
