@@ -4,6 +4,7 @@ and periodic requests saved at the same agreed step by every rank."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 
@@ -37,6 +38,14 @@ class RecordingSaver:
         step = read_step(global_step)
         self.saved.append(step)
         return f"{save_path}-{step}"
+
+    in_flight = False
+
+    def save_async(self, sess, save_path, global_step=None):
+        """Periodic checkpoints: done at once (the writer thread is the real Saver's)."""
+        future = concurrent.futures.Future()
+        future.set_result(self.save(sess, save_path, global_step))
+        return future
 
 
 def _groups(world_size: int = 2, clock: FakeClock | None = None) -> list[ReplicaGroup]:
@@ -203,3 +212,25 @@ def test_periodic_requests_are_saved_by_every_rank_at_the_same_agreed_step():
         assert not t.is_alive()
     assert len(savers[0].saved) == 3 and savers[0].saved == savers[1].saved
     assert savers[0].saved == sorted(set(savers[0].saved))
+
+
+def test_a_checkpoint_still_being_written_holds_the_next_request_and_votes_no_past_its_wait():
+    g0, g1 = _groups()
+    s0, saver0, _, sess0 = _service(g0, step=3)
+    s1, saver1, *_ = _service(g1, step=3)
+    pending: concurrent.futures.Future = concurrent.futures.Future()
+    saver0.save_async = lambda *args, **kwargs: pending  # Rank 0's writer is still busy.
+    s0.driver.start(sess0, 2)
+    s0.request()  # Not issued while the chief's checkpoint is being written.
+    assert g0.add("save/requests", 0) == 0
+    assert _in_threads(lambda: s0.final(timeout_secs=0.5), lambda: s1.final(timeout_secs=60)) == [
+        None,
+        None,
+    ]
+    decision = g1.flag("final/decision")
+    assert "rank 0: no: rank 0's previous checkpoint is still being written" in decision
+    assert saver0.saved == saver1.saved == []
+    pending.set_result("/ckpt/model.ckpt-2")  # Written: the next vote goes ahead.
+    assert s0.last_step == 2
+    assert _in_threads(s0.save_now, s1.save_now) == ["/ckpt/model.ckpt-3"] * 2
+    assert saver0.saved == saver1.saved == [3]

@@ -94,6 +94,12 @@ def main() -> None:
             say(f"SAVE {rank} {read_step(global_step)}")
             return prefix
 
+        def save_async(self, sess, save_path, global_step=None, **kwargs):
+            step = read_step(global_step)
+            future = super().save_async(sess, save_path, global_step=global_step, **kwargs)
+            future.add_done_callback(lambda f: f.exception() or say(f"SAVE {rank} {step}"))
+            return future
+
     state = {"model": model, "optimizer": ShardedOptimizerState(model, optimizer)}
     sv = ts.Supervisor(
         logdir=args.logdir,

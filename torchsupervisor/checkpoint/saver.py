@@ -35,6 +35,7 @@ from torchsupervisor.checkpoint.restore import restore_state
 from torchsupervisor.checkpoint.retention import Keeper
 from torchsupervisor.checkpoint.sharded.collective import load_sharded
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
+from torchsupervisor.checkpoint.sharded.staging import ShardedSave
 from torchsupervisor.checkpoint.snapshot import Snapshot
 from torchsupervisor.checkpoint.writers import SaveStats, SaveTarget, ShardedWriter, SnapshotWriter
 from torchsupervisor.core.checks import check_bool, check_int, check_number, check_str
@@ -270,6 +271,12 @@ class Saver:
         Blocks only for the copy into host staging buffers (and, if a previous save is still
         being written, until that one is committed: at most one save is in flight).
 
+        A state of DTensors (FSDP2) is saved by every rank: call it on every rank at the same
+        step. Each rank copies only its local shards here; planning, writing, checksums, the
+        ranks' agreement and the commit run on the writer threads, through a gloo group of
+        their own (made at the first such call). A failure on any rank commits nothing and
+        fails the future on every rank.
+
         Args:
             See ``save``.
 
@@ -287,13 +294,11 @@ class Saver:
         done: concurrent.futures.Future[str | None]
         state = self._state_for(sess)
         target = self._target(save_path, global_step, latest_filename, write_state)
-        if self._is_sharded(state, sess):  # DTensors: a collective, written now on every rank.
-            done = concurrent.futures.Future()
-            try:
-                done.set_result(self._save_sharded(state, target, global_step))
-            except CheckpointSaveError as e:
-                done.set_exception(e)
-            return done
+        if self._is_sharded(state, sess):  # DTensors: local shards copied, written by all.
+            self._prepare_sharded(target)
+            save = self._sharded_writer.stage(state, target, global_step)
+            stall = time.perf_counter() - start
+            return self._engine.submit(self._persist_sharded, save, target, stall)
         # The directory is checked by the writer: a stat is not worth a stall.
         snapshot = self._stage(state, target, global_step, check_dir=False)
         if snapshot is None:
@@ -473,11 +478,21 @@ class Saver:
 
     def _save_sharded(self, state: Mapping[str, Any], target: SaveTarget, global_step: Any) -> str:
         """Save a state of DTensors with every rank writing its part (a collective)."""
+        self._prepare_sharded(target)
+        self.last_save = self._sharded_writer.save(state, target, global_step)
+        return target.prefix
+
+    def _prepare_sharded(self, target: SaveTarget) -> None:
+        """Check and lock the directory; wait for the save in flight (one at a time)."""
         self._check_dir(target.save_path)
         if rank() == 0:  # The other ranks write their shards under rank 0's lock.
             self._lock_directory(target.save_path)
         self._engine.wait()
-        self.last_save = self._sharded_writer.save(state, target, global_step)
+
+    def _persist_sharded(self, save: ShardedSave, target: SaveTarget, stall_secs: float) -> str:
+        """Write a staged sharded save (on the writer thread; a collective of every rank)."""
+        self.last_save = self._sharded_writer.persist(save, target, stall_secs)
+        logger.debug("Checkpoint %s: %s", target.prefix, self.last_save)
         return target.prefix
 
     def _check_dir(self, save_path: str) -> None:

@@ -131,6 +131,26 @@ class Snapshot:
         start = self.layout.shards[shard].data_offset
         return self.shard_view(shard)[start + entry.begin : start + entry.end]
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Return every copied tensor as a host tensor over its staging buffer (no copy).
+
+        Valid until the snapshot is released; references (``references``) are not included.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for buffer, shard in zip(self.buffers, self.layout.shards, strict=True):
+            for name, entry in shard.entries:
+                if entry.end == entry.begin:
+                    out[name] = torch.empty(entry.shape, dtype=entry.dtype)
+                    continue
+                out[name] = _entry_view(buffer, shard.data_offset, entry)
+        return out
+
+
+def _entry_view(buffer: torch.Tensor, data_offset: int, entry: TensorEntry) -> torch.Tensor:
+    """One tensor of a shard's staging buffer, as a tensor of its dtype and shape (no copy)."""
+    data = buffer[data_offset + entry.begin : data_offset + entry.end]
+    return data.view(entry.dtype).view(entry.shape)
+
 
 def _aligned_empty(size_bytes: int, pin: bool) -> torch.Tensor:
     """A uint8 host buffer whose first byte is aligned for direct I/O."""
@@ -159,8 +179,7 @@ class _Staging:
             buffer[:base].copy_(header)
             for name, entry in shard_layout.entries:
                 if entry.end > entry.begin:
-                    dst = buffer[base + entry.begin : base + entry.end].view(entry.dtype)
-                    destinations.append((name, dst.view(entry.shape)))
+                    destinations.append((name, _entry_view(buffer, base, entry)))
             buffers.append(buffer)
         return cls(signature, layout, tuple(buffers), tuple(destinations))
 

@@ -7,9 +7,10 @@ A ``Saver`` chooses one per state, once (``Saver._is_sharded``):
   same prefix family are referenced, not copied); ``persist`` writes it with the commit
   protocol (``commit.persist``), on the calling thread or the background writer thread, then
   hands it to the ``Keeper`` (state file, retention).
-* ``ShardedWriter``: a state of DTensors (FSDP2). Every rank calls ``save`` at the same step
-  and writes its own part with ``sharded.save_sharded`` (the same commit protocol), then rank
-  0 applies retention and the others keep the same bookkeeping.
+* ``ShardedWriter``: a state of DTensors (FSDP2). Every rank calls ``save`` (or, for an
+  asynchronous save, ``stage`` then ``persist`` on the writer thread) at the same step and
+  writes its own part with ``sharded.write_sharded`` (the same commit protocol), then rank 0
+  applies retention and the others keep the same bookkeeping.
 
 Both return ``SaveStats``: what the save cost.
 
@@ -33,11 +34,12 @@ from torchsupervisor.checkpoint.commit import persist
 from torchsupervisor.checkpoint.engine import CheckpointEngine
 from torchsupervisor.checkpoint.incremental import StaleReferenceError
 from torchsupervisor.checkpoint.retention import Keeper
-from torchsupervisor.checkpoint.sharded.collective import save_sharded
+from torchsupervisor.checkpoint.sharded.collective import write_sharded
+from torchsupervisor.checkpoint.sharded.staging import ShardedSave, prepare, stage
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.state import flatten_state
-from torchsupervisor.distributed.env import rank, world_size
+from torchsupervisor.distributed.env import background_group, rank, world_size
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import Storage
 
@@ -188,13 +190,19 @@ class SnapshotWriter:
 class ShardedWriter:
     """Every rank saves its part of a state of DTensors (see the module docstring).
 
+    ``save`` writes on the calling thread. ``stage`` + ``persist`` split an asynchronous
+    save: ``stage`` (training thread) copies this rank's local shards into reusable host
+    buffers, ``persist`` (writer thread) writes and commits them through a process group of
+    its own (``env.background_group``), so it never interleaves with training's collectives.
+
     Args:
         storage: Where the checkpoints go.
         clock: Time for the manifest's wall time.
         keeper: The Saver's ``Keeper``.
-        stager: Staging buffers reused between saves (the snapshot writer's).
+        stager: Staging buffers of the shard layout, reused between saves (the snapshot
+            writer's).
 
-    Distributed: every rank calls ``save`` at the same step.
+    Distributed: every rank calls ``save`` (or ``stage``) at the same step.
     """
 
     def __init__(self, storage: Storage, clock: Clock, keeper: Keeper, stager: Stager) -> None:
@@ -202,6 +210,7 @@ class ShardedWriter:
         self._clock = clock
         self._keeper = keeper
         self._stager = stager
+        self._host = Stager()  # The asynchronous saves' copies of the local shards.
 
     def save(self, state: Mapping[str, Any], target: SaveTarget, global_step: Any) -> SaveStats:
         """Save every rank's part as checkpoint ``prefix`` (a collective), then retention.
@@ -210,13 +219,46 @@ class ShardedWriter:
             CheckpointSaveError: On every rank, if any rank failed (nothing committed).
         """
         start = time.perf_counter()
-        save_sharded(
-            state,
-            target.prefix,
-            global_step=global_step,
+        save = prepare(state, target.prefix, global_step=global_step, wall_time=self._clock.time())
+        return self._write(save, target, start, None, None)
+
+    def stage(self, state: Mapping[str, Any], target: SaveTarget, global_step: Any) -> ShardedSave:
+        """Copy this rank's local shards to host buffers (the training thread's whole part).
+
+        Also makes the background process group at the first call (a collective). What is
+        wrong with the state is raised by ``persist``, on every rank.
+        """
+        save = prepare(state, target.prefix, global_step=global_step, wall_time=self._clock.time())
+        background_group()
+        stage(save, self._host)
+        return save
+
+    def persist(self, save: ShardedSave, target: SaveTarget, stall_secs: float) -> SaveStats:
+        """Write and commit a staged save (writer thread), then retention; frees its buffers.
+
+        Raises:
+            CheckpointSaveError, TypeError, ValueError: As ``save`` (on every rank).
+        """
+        try:
+            start = time.perf_counter() - stall_secs  # The save began with its stall.
+            return self._write(save, target, start, background_group(), stall_secs)
+        finally:
+            save.release()
+
+    def _write(
+        self,
+        save: ShardedSave,
+        target: SaveTarget,
+        start: float,
+        group: Any,
+        stall_secs: float | None,
+    ) -> SaveStats:
+        """Write ``save`` through ``group``; ``stall_secs`` None: the whole save was the stall."""
+        write_sharded(
+            save,
+            process_group=group,
             write_state=False,
             storage=self._storage,
-            clock=self._clock,
             stager=self._stager,
         )
         committed = time.perf_counter()
@@ -234,7 +276,7 @@ class ShardedWriter:
         total = time.perf_counter() - start
         return SaveStats(
             prefix=target.prefix,
-            stall_secs=total,
+            stall_secs=total if stall_secs is None else stall_secs,
             commit_secs=committed - start,
             total_secs=total,
             bytes_written=self._local_bytes(target.prefix),

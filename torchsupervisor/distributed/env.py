@@ -37,6 +37,7 @@ from torchsupervisor.errors import DeadlineExceededError, InvalidArgumentError, 
 
 __all__ = [
     "IN_PROCESS_MASTERS",
+    "background_group",
     "connect",
     "default_backend",
     "is_distributed_master",
@@ -84,6 +85,31 @@ def world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+_BACKGROUND: list[tuple[Any, Any]] = []  # (default group, its background group), at most one.
+
+
+def background_group() -> Any:
+    """A gloo group of every rank for the collectives of a background thread, or None.
+
+    Collectives of two threads must not share a process group (their order would differ
+    between ranks), so a checkpoint written on the writer thread agrees through this group
+    while training uses the default one. It is made at the first call after the default group
+    exists (a collective: every rank calls it at the same point of its program, e.g. the
+    first asynchronous sharded save) and reused while that default group lives.
+
+    Returns:
+        The group, or None when no process group is initialized.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    if _BACKGROUND and _BACKGROUND[0][0] is world:
+        return _BACKGROUND[0][1]
+    group = dist.new_group(backend="gloo")
+    _BACKGROUND[:] = [(world, group)]
+    return group
 
 
 def _agent_store(timeout: datetime.timedelta) -> dict[str, Any]:

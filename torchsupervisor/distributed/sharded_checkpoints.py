@@ -1,10 +1,11 @@
 """Checkpoints of a sharded state (FSDP2 / DTensor) taken by every replica at the same step.
 
 With a sharded state no rank holds the whole model, so a checkpoint is a collective: every rank
-calls ``Saver.save`` (``sharded.save_sharded``) at the same step and writes its own shard in
-parallel. Such a save is synchronous: the training thread is blocked until the checkpoint is
-committed (the stall *is* the parallel write; there is no host copy to hand to a writer
-thread, since the collective must run on every rank's training thread anyway).
+saves (``Saver.save_async``, ``sharded.write_sharded``) at the same step and writes its own
+shard in parallel. A periodic checkpoint blocks training only while each rank copies its local
+shards into host buffers; the writer threads then write, agree and commit through a process
+group of their own, while training goes on. The explicit (``save_now``) and final checkpoints
+are written before they return.
 
 The difficulty is to make every rank save at the same step without a collective on every
 step. ``ShardedCheckpointService`` mirrors ``replicas.StopAgreement`` and talks only through the
@@ -27,8 +28,10 @@ process group's key-value store:
    checkpoint at the step of the last one is skipped) is applied identically everywhere:
    ``save`` only if every rank voted ``save``, nothing if every rank voted ``same``, and a
    logged skip for any mix. No rank can enter the collective save unless every rank will.
-5. **Save.** On ``save`` every rank calls ``saver.save``; the chief writes the
-   ``SessionLog.CHECKPOINT`` event and flushes the summary writer.
+5. **Save.** On ``save`` every rank starts its save (the copy of its local shards; a
+   checkpoint still being written was waited for before the vote, so one is in flight at a
+   time); the chief writes the ``SessionLog.CHECKPOINT`` event and flushes the summary writer
+   once it is committed. A failure on any rank fails it on every rank (``on_error``).
 
 Why no rank can pass step ``A`` before its task runs (the ordering argument). Take rank ``r``
 and let its poller queue the task at time ``t1`` and read ``c_r`` at ``t2 > t1``. At ``t2``
@@ -157,6 +160,7 @@ class ShardedCheckpointService:
             global_step,
             writer=writer if self._is_chief else None,
             clock=clock,
+            on_error=on_error,
             stop_on_error=on_error is not None,
             last_step=read_step(global_step) if sess.restored_checkpoint else None,
             last_prefix=sess.restored_checkpoint,
@@ -182,9 +186,16 @@ class ShardedCheckpointService:
         """Start the poller thread."""
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop the poller thread; pending requests are dropped."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the poller thread; pending requests are dropped.
+
+        Args:
+            wait: Wait (at most ``agreement_secs``) for a periodic checkpoint still being
+                written (the other ranks write it too); False: leave it (a second Ctrl-C).
+        """
         self._closed.set()
+        if wait and not self.driver.wait(self._agreement_secs):
+            logger.warning("Closing with a sharded checkpoint still being written")
         if self._thread.is_alive():
             self._thread.join(10)
         with self._lock:
@@ -201,10 +212,11 @@ class ShardedCheckpointService:
     def request(self) -> None:
         """(Chief) Ask every rank for a checkpoint at an agreed step.
 
-        Does nothing while the previous request is still being served on the chief.
+        Does nothing while the previous request is still being served on the chief, or its
+        checkpoint written.
         """
         with self._lock:
-            if self._served < self._issued:
+            if self._served < self._issued or self.driver.in_flight:
                 return
         issued = self._group.add("save/requests", 1)
         with self._lock:
@@ -279,7 +291,7 @@ class ShardedCheckpointService:
                 "(steps without a step boundary, or a global step that grows by more than one)"
             )
         try:
-            self._vote_and_save(f"save/{task.number}", step, timeout, veto=veto)
+            self._vote_and_save(f"save/{task.number}", step, timeout, veto=veto, background=True)
         except CheckpointSaveError:
             if final:
                 raise
@@ -295,13 +307,27 @@ class ShardedCheckpointService:
     # ------------------------------------------------------------------------ the vote
 
     def _vote_and_save(
-        self, tag: str, step: int, timeout_secs: float, *, veto: str | None = None
+        self,
+        tag: str,
+        step: int,
+        timeout_secs: float,
+        *,
+        veto: str | None = None,
+        background: bool = False,
     ) -> str | None:
         """Vote on saving at ``step``; save if every rank agrees. Returns the prefix or None.
+
+        The checkpoint still being written, if any, is waited for first (within
+        ``timeout_secs``; a rank whose write has not ended votes no): the vote needs its
+        outcome, and one save at a time is in flight. ``background``: the save only copies
+        this rank's local shards and returns (None); every rank's writer thread writes and
+        commits, and the driver reports it (``on_error`` for a failure, on every rank).
 
         Raises:
             CheckpointSaveError: If the collective save failed (after ``on_error``).
         """
+        if not self.driver.wait(timeout_secs) and veto is None:
+            veto = f"rank {self._group.rank}'s previous checkpoint is still being written"
         if veto is not None:
             vote = f"no: {veto}"
         elif self.driver.unchanged(step):
@@ -315,6 +341,9 @@ class ShardedCheckpointService:
             return None
         if decision != _SAVE:
             logger.warning("Checkpoint at step %d not taken: %s", step, decision[len(_SKIP) :])
+            return None
+        if background:
+            self.driver.start(self._sess, step)
             return None
         return self._save(step)
 

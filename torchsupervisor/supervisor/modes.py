@@ -375,7 +375,7 @@ class ShardedMode(Mode):
 
     def stop(self, aborted: bool) -> None:
         if self.service is not None:
-            self.service.close()
+            self.service.close(wait=not aborted)
 
 
 def start_mode(sv: Any, master: str, max_wait_secs: float, generation: int) -> Mode:

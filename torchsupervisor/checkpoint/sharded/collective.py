@@ -47,15 +47,13 @@ import torch
 from torchsupervisor.checkpoint.format import ManifestError
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
-from torchsupervisor.checkpoint.sharded.plan import (
-    flatten_sharded_state,
-)
+from torchsupervisor.checkpoint.sharded.plan import flatten_sharded_state
+from torchsupervisor.checkpoint.sharded.staging import ShardedSave, prepare
 from torchsupervisor.checkpoint.snapshot import Stager
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
-from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.state import TensorRef
 from torchsupervisor.core.state_load import find_subtree, load_state
-from torchsupervisor.core.tree import decode_tree, encode_tree
+from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.errors import (
     CheckpointError,
     CheckpointSaveError,
@@ -66,7 +64,7 @@ from torchsupervisor.errors import (
 )
 from torchsupervisor.storage import Storage, storage_for
 
-__all__ = ["load_sharded", "save_sharded"]
+__all__ = ["load_sharded", "save_sharded", "write_sharded"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -166,41 +164,64 @@ def save_sharded(
 
     TF name: none (``Saver(sharded=True).save`` for TF's parameter servers).
     """
+    save = prepare(state, prefix, global_step=global_step, wall_time=(clock or REAL_CLOCK).time())
+    return write_sharded(
+        save,
+        process_group=process_group,
+        write_state=write_state,
+        latest_filename=latest_filename,
+        storage=storage,
+        stager=stager,
+    )
+
+
+def write_sharded(
+    save: ShardedSave,
+    *,
+    process_group: Any = None,
+    write_state: bool = True,
+    latest_filename: str | None = None,
+    storage: Storage | None = None,
+    stager: Stager | None = None,
+) -> ShardedManifest:
+    """Write and commit a prepared sharded save (``staging.prepare``): the collective half.
+
+    Runs on the training thread (``save_sharded``) or on the writer thread for a save whose
+    local data was staged (``staging.stage``); every rank of ``process_group`` calls it for
+    the same save. Arguments, result and errors are ``save_sharded``'s; ``save.error`` is
+    raised on every rank.
+
+    Distributed: a collective of ``process_group``. A background save must use a group that
+    the training thread does not use at the same time (``Saver`` makes one).
+    """
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from torchsupervisor.checkpoint.sharded.writer import ShardedStorageWriter
 
+    prefix = save.prefix
     storage = storage_for(prefix, storage)
-    clock = clock or REAL_CLOCK
-    found: BaseException | None = None
-    tensors: dict[str, torch.Tensor] = {}
-    tree: Any = None
-    step = None
-    try:
-        step = None if global_step is None else read_step(global_step)
-        skeleton, tensors = flatten_sharded_state(state)
-        tree = encode_tree(skeleton)
-    except (TypeError, ValueError) as e:
-        found, tensors = e, {}
     writer = ShardedStorageWriter(
         prefix,
-        tree=tree,
-        global_step=step,
-        wall_time=clock.time(),
+        tree=save.tree,
+        global_step=save.step,
+        wall_time=save.wall_time,
         write_state=write_state,
         latest_filename=latest_filename,
         storage=storage,
         stager=stager,
-        error=found,
+        error=save.error,
     )
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     failure: BaseException | None = None
     try:
         with _dcp_call(process_group) as no_dist:
             metadata = dcp_save(
-                tensors, storage_writer=writer, planner=planner, **_group(process_group, no_dist)
+                save.tensors,
+                storage_writer=writer,
+                planner=planner,
+                **_group(process_group, no_dist),
             )
     except CheckpointException as e:
         failure = _agreed_error(e, writer.error)

@@ -20,10 +20,10 @@ import torch
 
 from torchsupervisor.core.state import TensorRef, check_saveable, not_saveable, state_entries
 
-__all__ = ["ShardedOptimizerState", "flatten_sharded_state", "is_sharded"]
+__all__ = ["ShardedOptimizerState", "dtensor_class", "flatten_sharded_state", "is_sharded"]
 
 
-def _dtensor_class() -> type | None:
+def dtensor_class() -> type | None:
     """The DTensor class if it was imported (no DTensor can exist otherwise), else None."""
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
@@ -120,7 +120,7 @@ def is_sharded(state: Mapping[str, Any]) -> bool:
     Args:
         state: Mapping of names to stateful objects (a session's state, a saver's var_list).
     """
-    dtensor = _dtensor_class()
+    dtensor = dtensor_class()
     if dtensor is None:
         return False
     from torchsupervisor.core.state import iter_state_tensors
@@ -166,7 +166,7 @@ def flatten_sharded_state(
         ValueError: For a tensor that cannot be saved (uninitialized, sparse, quantized, or a
             tensor subclass other than DTensor).
     """
-    dtensor = _dtensor_class()
+    dtensor = dtensor_class()
     tensors: dict[str, torch.Tensor] = {}
 
     def add(path: str, tensor: torch.Tensor, ndarray: bool) -> TensorRef:

@@ -1,0 +1,115 @@
+"""Asynchronous sharded saves: ``Saver.save_async`` of an FSDP2 state by 2 real gloo ranks.
+
+The training thread only copies its local shards; the write, the ranks' agreement and the
+commit run on the writer threads through their own process group, while training goes on
+(FSDP2's collectives on the default group at the same time).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import safetensors.torch
+import torch
+from test_sharded import REFERENCE, _build, _files, _full_tensors, _state, _train_step
+
+from torchsupervisor import Saver, latest_checkpoint
+from torchsupervisor.checkpoint.writers import ShardedWriter
+from torchsupervisor.testing import FaultyStorage, run_world
+
+WAIT_SECS = 60.0
+
+
+def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
+    """Save at step 3 asynchronously; change every tensor before the writer starts; train on
+    while a second save (step 5) is written; restore both into a fresh model."""
+    model, optimizer = _build(0, world_size)
+    for step in range(3):
+        _train_step(model, optimizer, step)
+    state = _state(model, optimizer, 3)
+    reference = _full_tensors(state)
+    if rank == 0:
+        safetensors.torch.save_file(reference, os.path.join(directory, REFERENCE))
+    # The writer waits until the training thread has changed the live state.
+    changed = threading.Event()
+    persist = ShardedWriter.persist
+
+    def gated(self, *args):
+        assert changed.wait(WAIT_SECS)
+        return persist(self, *args)
+
+    ShardedWriter.persist = gated
+    saver = Saver(var_list=state, max_to_keep=None)
+    save_path = os.path.join(directory, "model.ckpt")
+    future = saver.save_async(None, save_path, global_step=3)
+    in_flight = saver.in_flight
+    _train_step(model, optimizer, 3)  # FSDP2 collectives while the save is in flight.
+    state["global_step"] = 4
+    changed.set()
+    first = future.result(WAIT_SECS)
+    ShardedWriter.persist = persist
+    stats = saver.last_save
+    # Back to back, with training (and its collectives) running beside the writer.
+    _train_step(model, optimizer, 4)
+    state["global_step"] = 5
+    second = saver.save_async(None, save_path, global_step=5)
+    _train_step(model, optimizer, 5)
+    assert second.result(WAIT_SECS).endswith("model.ckpt-5")
+    saver.close()
+    # Restore step 3 into fresh values: the state of step 3, not the one changed after it.
+    model2, optimizer2 = _build(1, world_size)
+    fresh = _state(model2, optimizer2, 0)
+    Saver(var_list=fresh).restore(None, first)
+    restored = _full_tensors(fresh)
+    equal = all(torch.equal(restored[n], t) for n, t in reference.items())
+    return {
+        "in_flight": in_flight,
+        "first": os.path.basename(first),
+        "equal": equal and sorted(restored) == sorted(reference),
+        "step": fresh["global_step"],
+        "stall": stats.stall_secs,
+        "total": stats.total_secs,
+    }
+
+
+def async_fail_rank(rank: int, world_size: int, directory: str, on_rank: int) -> tuple:
+    """An asynchronous save whose shard write fails on ``on_rank``: what each rank's future
+    says, and whether training can save again afterwards."""
+    model, optimizer = _build(0, world_size)
+    _train_step(model, optimizer, 0)
+    storage = FaultyStorage()
+    storage.fail("write", path_contains=".data-", errno=errno.ENOSPC, rank=on_rank)
+    state = _state(model, optimizer, 1)
+    saver = Saver(var_list=state, storage=storage)
+    future = saver.save_async(None, os.path.join(directory, "model.ckpt"), global_step=1)
+    _train_step(model, optimizer, 1)
+    error = future.exception(WAIT_SECS)
+    state["global_step"] = 2
+    again = saver.save_async(None, os.path.join(directory, "model.ckpt"), global_step=2)
+    return type(error).__name__, str(error), os.path.basename(again.result(WAIT_SECS))
+
+
+def test_an_async_sharded_save_is_the_state_at_its_step_while_training_goes_on(tmp_path):
+    results = run_world(async_save_rank, str(tmp_path))
+    for result in results:
+        assert result["in_flight"]  # save_async returned before the save was written.
+        assert result["first"] == "model.ckpt-3"
+        assert result["equal"] and result["step"] == 3
+        assert result["stall"] < result["total"]
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-5")
+    names = _files(tmp_path)
+    assert {"model.ckpt-3.index", "model.ckpt-5.index", "checkpoint"} <= names
+    assert not [n for n in names if ".tmp" in n]
+
+
+def test_a_failed_async_sharded_save_fails_on_every_rank_and_commits_nothing(tmp_path):
+    results = run_world(async_fail_rank, str(tmp_path), 1)
+    for kind, message, again in results:
+        assert kind == "CheckpointSaveError", message
+        assert "failed on rank 1: [Errno 28] No space left" in message, message
+        assert again == "model.ckpt-2"  # The next save works.
+    names = _files(tmp_path)
+    assert not [n for n in names if n.startswith("model.ckpt-1")], names
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-2")

@@ -1,0 +1,118 @@
+"""The training thread's part of a sharded save: what to write, and (asynchronous) a host copy.
+
+A sharded save has two halves. ``prepare`` runs on the training thread at the step boundary:
+it flattens the state into its skeleton and its tensors (DTensors as they are), encodes the
+skeleton for the manifest and reads the step. The other half, ``collective.write_sharded``
+(DCP's planning, every rank's shard, the coordinator's commit), may run on the same thread
+(``Saver.save``) or on the background writer thread (``Saver.save_async``).
+
+In the second case the live tensors keep changing while the shards are written, so ``stage``
+first copies this rank's *local* data (a DTensor's local shard, a plain tensor whole) into
+reusable host staging buffers and replaces each tensor with one over its copy (a DTensor keeps
+its mesh, placements, global shape and stride, so DCP plans it exactly as the live one). That
+copy is the whole stall of an asynchronous sharded save; what the background writer copies
+again into the layout of its own shard (which DCP decides only when it plans) never holds up
+training.
+
+Thread safety: ``prepare`` and ``stage`` on the training thread; ``ShardedSave.release`` on any.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from torchsupervisor.checkpoint.sharded.plan import dtensor_class, flatten_sharded_state
+from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
+from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.tree import encode_tree
+
+__all__ = ["ShardedSave", "prepare", "stage"]
+
+
+@dataclasses.dataclass(eq=False)
+class ShardedSave:
+    """One sharded save as the training thread leaves it for the writer.
+
+    Attributes:
+        prefix: The checkpoint prefix.
+        tensors: The flat tensor table (``{name: Tensor or DTensor}``): the live tensors, or
+            after ``stage`` tensors over host copies of this rank's local data.
+        tree: The encoded state skeleton for the manifest (None when ``error`` is set).
+        step: The global step recorded in the manifest, or None.
+        wall_time: The time of the snapshot, in seconds since the epoch.
+        error: What this rank found wrong with its state (a ``TypeError`` or ``ValueError``):
+            raised by the writer inside the collective, so that every rank learns of it.
+        staged_bytes: Bytes copied by ``stage`` (0 before).
+    """
+
+    prefix: str
+    tensors: dict[str, torch.Tensor]
+    tree: Any
+    step: int | None
+    wall_time: float
+    error: BaseException | None = None
+    staged_bytes: int = 0
+    _snapshot: Snapshot | None = None
+    _stager: Stager | None = None
+
+    def release(self) -> None:
+        """Give the host staging buffers back for the next save (once it is written)."""
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is not None and self._stager is not None:
+            self._stager.release(snapshot)
+        self.tensors = {}
+
+
+def prepare(
+    state: Mapping[str, Any], prefix: str, *, global_step: Any, wall_time: float
+) -> ShardedSave:
+    """Flatten ``state`` and read its step (the training thread, at the step boundary).
+
+    A state this rank cannot save is not raised here but kept in ``error``: every rank must
+    still enter the collective, which then fails on every rank with that error.
+    """
+    try:
+        step = None if global_step is None else read_step(global_step)
+        skeleton, tensors = flatten_sharded_state(state)
+        tree = encode_tree(skeleton)
+    except (TypeError, ValueError) as e:
+        return ShardedSave(prefix, {}, None, None, wall_time, error=e)
+    return ShardedSave(prefix, tensors, tree, step, wall_time)
+
+
+def stage(save: ShardedSave, stager: Stager) -> None:
+    """Copy this rank's local data into ``stager``'s host buffers; point ``save`` at the copies.
+
+    Blocks until the copies are complete (device-to-host copies are fenced), so the training
+    step after it may change every tensor. Call ``save.release()`` once the save is written.
+    A dtype the format cannot hold (``complex128``) is kept in ``save.error``, as ``prepare``
+    does, for the collective to raise on every rank.
+    """
+    if save.error is not None or not save.tensors:
+        return
+    dtensor = dtensor_class()
+    local = {
+        name: t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+        for name, t in save.tensors.items()
+    }
+    try:
+        snapshot = stager.stage(None, local, step=save.step, wall_time=save.wall_time)
+    except TypeError as e:  # Raised inside the collective, so that every rank learns of it.
+        save.error, save.tensors = e, {}
+        return
+    copies = snapshot.tensors()
+    staged: dict[str, torch.Tensor] = {}
+    for name, t in save.tensors.items():
+        copy = copies[name]
+        if dtensor is not None and isinstance(t, dtensor):
+            copy = dtensor.from_local(
+                copy, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
+        staged[name] = copy
+    save.tensors = staged
+    save.staged_bytes = snapshot.layout.size_bytes
+    save._snapshot, save._stager = snapshot, stager
