@@ -137,6 +137,103 @@ def _dcp_save(state: dict[str, Any], directory: str) -> None:
     )
 
 
+def _train_step(model: Any, width: int) -> None:
+    """One FSDP2 training step (its all-gathers and reduce-scatters on the default group)."""
+    import torch
+
+    model(torch.randn(64, width)).sum().backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+def _local_memcpy_secs(state: dict[str, Any]) -> float:
+    """One host copy of this rank's local shards into buffers allocated beforehand."""
+    from torch.distributed.tensor import DTensor
+
+    from torchsupervisor.checkpoint.sharded.plan import flatten_sharded_state
+
+    _, tensors = flatten_sharded_state(state)
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]
+    buffers = [t.clone() for t in local]
+    start = time.perf_counter()
+    for dst, src in zip(buffers, local):
+        dst.copy_(src)
+    return time.perf_counter() - start
+
+
+def _steps_per_sec(model: Any, width: int, steps: int) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        _train_step(model, width)
+    return steps / (time.perf_counter() - start)
+
+
+def _async_case(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
+    """Asynchronous sharded saves: ours (``Saver.save_async``) against ``dcp.async_save`` of
+    the same state, the stall of each against one host memcpy of the local shards, and the
+    training steps/s while each persists against steps/s with nothing in flight."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from torchsupervisor import Saver
+
+    model, _, state = _build(args.bytes, world, "sharded")
+    width = model[0].weight.shape[1]
+    memcpy = [_local_memcpy_secs(state) for _ in range(args.repeat)]
+    saver = Saver(state, incremental=False, max_to_keep=1)
+    dcp_group = dist.new_group(backend="gloo")  # DCP's advice for async_save's collectives.
+    # DCP's default staging for a CPU state, one stager kept across saves so that it reuses
+    # its host copies (as ours reuses its buffers).
+    dcp_stager = DefaultStager(StagingOptions(False, False, False, False))
+
+    def ours(i: int) -> Any:
+        return saver.save_async(None, os.path.join(args.dir, "model.ckpt"), global_step=i)
+
+    def theirs(i: int) -> Any:
+        sd = {"model": state["model"].state_dict(), "optimizer": state["optimizer"].state_dict()}
+        return dcp.async_save(
+            sd,
+            storage_writer=dcp.FileSystemWriter(os.path.join(args.dir, f"dcp-{i % 2}")),
+            process_group=dcp_group,
+            async_stager=dcp_stager,
+        )
+
+    _steps_per_sec(model, width, 5)  # Warm-up.
+    out: dict[str, Any] = {"memcpy": memcpy}
+    for name, save in (("ours", ours), ("dcp", theirs)):
+        save(0).result()  # Warm-up: buffers, groups, caches.
+        stalls, totals, idle, busy = [], [], [], []
+        for i in range(args.repeat):
+            idle.append(_steps_per_sec(model, width, 5))
+            dist.barrier()
+            start = time.perf_counter()
+            future = save(1 + i)
+            stalls.append(time.perf_counter() - start)
+            future.result()
+            totals.append(time.perf_counter() - start)
+            # Steps while a save persists: as many as take about as long as the last save.
+            wanted = torch.tensor([max(3, min(200, round(idle[-1] * max(totals))))])
+            dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # Every rank runs the same steps.
+            steps = int(wanted)
+            dist.barrier()
+            start = time.perf_counter()
+            future = save(1 + args.repeat + i)
+            for _ in range(steps):
+                _train_step(model, width)
+            busy_secs = time.perf_counter() - start
+            in_flight = not future.done()
+            future.result()
+            busy.append({"rate": steps / busy_secs, "in_flight_at_end": in_flight})
+        out[name] = {"stalls": stalls, "totals": totals, "idle": idle, "busy": busy}
+    saver.close()
+    return out
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank: run the configuration and print ``RESULT <json>``."""
     import torch.distributed as dist
@@ -178,6 +275,8 @@ def worker(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         load_sharded(fresh, os.path.join(args.dir, f"model.ckpt-{args.repeat - 1}"))
         result.update(stalls=stalls, bytes=written, restore_secs=time.perf_counter() - start)
+    elif args.mode == "async":
+        result.update(_async_case(args, rank, world))
     elif args.mode == "load":
         _, _, state = _build(args.bytes, world, "sharded")
         dist.barrier()
@@ -312,9 +411,56 @@ def run_size(size: int, root: str, repeat: int) -> list[dict[str, Any]]:
             "aggregate_mb_per_sec": chief["bytes"] / MB / total,
         }
     )
-    for directory in [*dirs.values(), ddp_dir]:
+    async_dir = tempfile.mkdtemp(prefix="async-", dir=root)
+    rows.append(_async_row(size, launch(2, "--mode", "async", "--dir", async_dir, *common)))
+    for directory in [*dirs.values(), ddp_dir, async_dir]:
         shutil.rmtree(directory, ignore_errors=True)
     return rows
+
+
+def _async_row(size: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Asynchronous sharded saves on 2 ranks: stalls, totals and steps/s, ours and DCP's."""
+    row: dict[str, Any] = {"case": "async sharded, 2 ranks", "size_bytes": size, "world_size": 2}
+    memcpy = max(statistics.median(r["memcpy"]) for r in ranks)
+    row["memcpy_secs"] = memcpy
+    for name in ("ours", "dcp"):
+        stall = max(statistics.median(r[name]["stalls"]) for r in ranks)
+        total = max(statistics.median(r[name]["totals"]) for r in ranks)
+        idle = min(statistics.median(r[name]["idle"]) for r in ranks)
+        busy = min(statistics.median(b["rate"] for b in r[name]["busy"]) for r in ranks)
+        row[name] = {
+            "stall_secs": stall,
+            "total_secs": total,
+            "stall_vs_memcpy": stall / memcpy,
+            "steps_per_sec_idle": idle,
+            "steps_per_sec_persisting": busy,
+            "steps_ratio": busy / idle,
+            "in_flight_at_end": [b["in_flight_at_end"] for r in ranks for b in r[name]["busy"]],
+        }
+    row["stall_vs_dcp"] = row["ours"]["stall_secs"] / row["dcp"]["stall_secs"]
+    return row
+
+
+def print_async_table(rows: list[dict[str, Any]]) -> None:
+    """Print the asynchronous sharded saves: ours against ``dcp.async_save``."""
+    rows = [r for r in rows if r["case"].startswith("async")]
+    if not rows:
+        return
+    print(
+        f"\n{'async, 2 ranks':16s} {'state':>8s} {'memcpy s':>9s} {'stall s':>8s} "
+        f"{'x memcpy':>9s} {'x dcp':>6s} {'persist s':>9s} {'steps/s idle':>12s} "
+        f"{'persisting':>10s} {'ratio':>6s}"
+    )
+    for row in rows:
+        for name in ("ours", "dcp"):
+            r = row[name]
+            ratio = f"{row['stall_vs_dcp']:.2f}" if name == "ours" else "1.00"
+            print(
+                f"{name:16s} {row['size_bytes'] / MB:>6.0f}MB {row['memcpy_secs']:>9.4f} "
+                f"{r['stall_secs']:>8.4f} {r['stall_vs_memcpy']:>9.2f} {ratio:>6s} "
+                f"{r['total_secs']:>9.3f} {r['steps_per_sec_idle']:>12.1f} "
+                f"{r['steps_per_sec_persisting']:>10.1f} {r['steps_ratio']:>6.3f}"
+            )
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -324,6 +470,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         f"{'per rank MB/s':>16s} {'total MB/s':>10s} {'x dcp':>6s} {'restore s':>9s}"
     )
     for row in rows:
+        if row["case"].startswith("async"):
+            continue
         size = f"{row['state_bytes'] / MB:.0f}MB"
         if "per_rank_bytes" in row:
             per_mb = "/".join(f"{b / MB:.0f}" for b in row["per_rank_bytes"])
@@ -374,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     print_table(rows)
+    print_async_table(rows)
     report = {
         "machine": {
             "cpus": os.cpu_count(),

@@ -32,6 +32,7 @@ def test_the_distributed_benchmark_writes_its_report(tmp_path):
         "restore 2 -> 1 rank",
         "restore 1 -> 2 ranks",
         "ddp chief-only, 2 ranks",
+        "async sharded, 2 ranks",
     }
     two = rows["sharded, 2 ranks"]
     assert len(two["per_rank_bytes"]) == 2 and all(b > 0 for b in two["per_rank_bytes"])
@@ -45,3 +46,10 @@ def test_the_distributed_benchmark_writes_its_report(tmp_path):
     assert "x dcp" in proc.stdout and "dcp.save, 2 ranks" in proc.stdout
     assert rows["restore 2 -> 1 rank"]["restore_secs"] > 0
     assert rows["ddp chief-only, 2 ranks"]["per_rank_bytes"][0] > 0
+    # Asynchronous saves, ours and dcp.async_save's, with steps/s while each persists.
+    async_row = rows["async sharded, 2 ranks"]
+    for name in ("ours", "dcp"):
+        figures = async_row[name]
+        assert 0 < figures["stall_secs"] <= figures["total_secs"]
+        assert figures["steps_per_sec_idle"] > 0 and figures["steps_per_sec_persisting"] > 0
+    assert async_row["stall_vs_dcp"] > 0 and "async, 2 ranks" in proc.stdout

@@ -514,3 +514,14 @@ def test_restore_reports_what_differs(tmp_path, caplog):
     saver.restore(Session({"w": torch.zeros(2), "extra": extra, "old": torch.zeros(1)}), prefix)
     assert extra.item() == 5.0 and "has no 'extra' entry" in caplog.text
     assert CheckpointReader(prefix).manifest.world_size == 1
+
+
+@pytest.mark.parametrize("save", ["save", "save_async"])
+def test_a_negative_global_step_is_refused_before_anything_is_written(tmp_path, save):
+    # The manifest records the steps taken; a negative one could never be read back.
+    saver = Saver({"w": torch.zeros(2)})
+    with pytest.raises(
+        ValueError, match="global_step must be 0 or more to save a checkpoint, got -1"
+    ):
+        getattr(saver, save)(None, str(tmp_path / "model.ckpt"), global_step=GlobalStep(-1))
+    assert [n for n in os.listdir(tmp_path) if n != LOCK_FILENAME] == []

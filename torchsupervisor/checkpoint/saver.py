@@ -40,7 +40,7 @@ from torchsupervisor.checkpoint.snapshot import Snapshot
 from torchsupervisor.checkpoint.writers import SaveStats, SaveTarget, ShardedWriter, SnapshotWriter
 from torchsupervisor.core.checks import check_bool, check_int, check_number, check_str
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
-from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.global_step import read_checkpoint_step, read_step
 from torchsupervisor.core.state import (
     select_state,
 )
@@ -237,7 +237,8 @@ class Saver:
 
         Raises:
             ValueError: For a ``latest_filename`` with a directory part, one that collides with
-                ``save_path``, a missing parent directory, or nothing to save.
+                ``save_path``, a missing parent directory, a negative ``global_step``, or
+                nothing to save.
             TypeError: For a state entry that cannot be saved without pickle, or whose dtype
                 the format cannot hold (``complex128``).
             LogdirLockedError: Another process writes to the directory (at the first save
@@ -430,7 +431,7 @@ class Saver:
         latest_filename = latest_filename or "checkpoint"
         if os.path.split(latest_filename)[0]:
             raise ValueError("'latest_filename' must not contain path components")
-        step = None if global_step is None else read_step(global_step)
+        step = read_checkpoint_step(global_step)
         if step is None:
             if os.path.basename(save_path) == latest_filename and not self._sharded:
                 raise ValueError(

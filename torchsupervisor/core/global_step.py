@@ -23,6 +23,7 @@ __all__ = [
     "get_global_step",
     "get_or_create_global_step",
     "global_step",
+    "read_checkpoint_step",
     "read_step",
 ]
 
@@ -156,6 +157,22 @@ def read_step(step: Any) -> int:
     if type(step) is GlobalStep or isinstance(step, GlobalStep):
         return step._value
     return _as_int(step, "global_step")
+
+
+def read_checkpoint_step(global_step: Any) -> int | None:
+    """Return the step a checkpoint records: ``read_step`` of ``global_step``, or None.
+
+    Raises:
+        TypeError: As ``read_step``.
+        ValueError: For a negative step (a checkpoint records the steps taken, from 0), before
+            anything is written.
+    """
+    if global_step is None:
+        return None
+    step = read_step(global_step)
+    if step < 0:
+        raise ValueError(f"global_step must be 0 or more to save a checkpoint, got {step}")
+    return step
 
 
 def check_step_source(global_step: Any) -> Any:

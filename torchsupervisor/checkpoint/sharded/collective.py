@@ -154,7 +154,8 @@ def save_sharded(
     Raises:
         TypeError: For a value that cannot be saved without pickle (on every rank; nothing
             is written).
-        ValueError: For a missing directory or a tensor that cannot be saved (ditto).
+        ValueError: For a missing directory, a negative ``global_step`` or a tensor that
+            cannot be saved (ditto).
         CheckpointSaveError: If writing fails on any rank (disk full, permission denied):
             raised on every rank; nothing is committed and every rank has removed its files.
             Also when the checkpoint was committed but the state file could not be updated.

@@ -27,7 +27,7 @@ import torch
 
 from torchsupervisor.checkpoint.sharded.plan import dtensor_class, flatten_sharded_state
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
-from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.global_step import read_checkpoint_step
 from torchsupervisor.core.tree import encode_tree
 
 __all__ = ["ShardedSave", "prepare", "stage"]
@@ -76,7 +76,7 @@ def prepare(
     still enter the collective, which then fails on every rank with that error.
     """
     try:
-        step = None if global_step is None else read_step(global_step)
+        step = read_checkpoint_step(global_step)
         skeleton, tensors = flatten_sharded_state(state)
         tree = encode_tree(skeleton)
     except (TypeError, ValueError) as e:
