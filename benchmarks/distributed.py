@@ -205,31 +205,39 @@ def _async_case(args: argparse.Namespace, rank: int, world: int) -> dict[str, An
 
     _steps_per_sec(model, width, 5)  # Warm-up.
     out: dict[str, Any] = {"memcpy": memcpy}
+    number = iter(range(1, 1_000_000))  # Global steps of the saves.
     for name, save in (("ours", ours), ("dcp", theirs)):
-        save(0).result()  # Warm-up: buffers, groups, caches.
-        stalls, totals, idle, busy = [], [], [], []
-        for i in range(args.repeat):
-            idle.append(_steps_per_sec(model, width, 5))
+        save(next(number)).result()  # Warm-up: buffers, groups, caches.
+        stalls, totals = [], []
+        for _ in range(args.repeat):
             dist.barrier()
             start = time.perf_counter()
-            future = save(1 + i)
+            future = save(next(number))
             stalls.append(time.perf_counter() - start)
             future.result()
             totals.append(time.perf_counter() - start)
-            # Steps while a save persists: as many as take about as long as the last save.
-            wanted = torch.tensor([max(3, min(200, round(idle[-1] * max(totals))))])
-            dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # Every rank runs the same steps.
-            steps = int(wanted)
+        # Steps/s with saves back to back: each save is started at a step boundary and
+        # waited for (if still running) after as many steps as a save takes; rounds with
+        # and without saves alternate, and each busy round is compared with the idle round
+        # before it (the machine's speed drifts).
+        rate = _steps_per_sec(model, width, 3)
+        wanted = torch.tensor([max(1, math.ceil(rate * statistics.median(totals)))])
+        dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # Every rank runs the same steps.
+        per_save = int(wanted)
+        rounds = []
+        for _ in range(args.rounds):
+            idle = _steps_per_sec(model, width, 2 * per_save)
             dist.barrier()
             start = time.perf_counter()
-            future = save(1 + args.repeat + i)
-            for _ in range(steps):
-                _train_step(model, width)
-            busy_secs = time.perf_counter() - start
-            in_flight = not future.done()
-            future.result()
-            busy.append({"rate": steps / busy_secs, "in_flight_at_end": in_flight})
-        out[name] = {"stalls": stalls, "totals": totals, "idle": idle, "busy": busy}
+            for _ in range(2):
+                future = save(next(number))
+                for _ in range(per_save):
+                    _train_step(model, width)
+                future.result()
+            busy = 2 * per_save / (time.perf_counter() - start)
+            rounds.append({"idle": idle, "busy": busy, "ratio": busy / idle})
+        out[name] = {"stalls": stalls, "totals": totals, "steps_per_save": per_save}
+        out[name]["rounds"] = rounds
     saver.close()
     return out
 
@@ -363,11 +371,11 @@ def _save_row(
     }
 
 
-def run_size(size: int, root: str, repeat: int) -> list[dict[str, Any]]:
+def run_size(size: int, root: str, repeat: int, rounds: int) -> list[dict[str, Any]]:
     """Every configuration for one state size; rows for the table."""
     rows: list[dict[str, Any]] = []
     dirs = {}
-    common = ["--bytes", str(size), "--repeat", str(repeat)]
+    common = ["--bytes", str(size), "--repeat", str(repeat), "--rounds", str(rounds)]
     for world in (1, 2):
         directory = tempfile.mkdtemp(prefix=f"sharded{world}-", dir=root)
         dirs[world] = directory
@@ -426,16 +434,16 @@ def _async_row(size: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     for name in ("ours", "dcp"):
         stall = max(statistics.median(r[name]["stalls"]) for r in ranks)
         total = max(statistics.median(r[name]["totals"]) for r in ranks)
-        idle = min(statistics.median(r[name]["idle"]) for r in ranks)
-        busy = min(statistics.median(b["rate"] for b in r[name]["busy"]) for r in ranks)
+        rounds = ranks[0][name]["rounds"]  # The ranks step together: rank 0's clock.
         row[name] = {
             "stall_secs": stall,
             "total_secs": total,
             "stall_vs_memcpy": stall / memcpy,
-            "steps_per_sec_idle": idle,
-            "steps_per_sec_persisting": busy,
-            "steps_ratio": busy / idle,
-            "in_flight_at_end": [b["in_flight_at_end"] for r in ranks for b in r[name]["busy"]],
+            "steps_per_save": ranks[0][name]["steps_per_save"],
+            "steps_per_sec_idle": statistics.median(r["idle"] for r in rounds),
+            "steps_per_sec_persisting": statistics.median(r["busy"] for r in rounds),
+            "steps_ratio": statistics.median(r["ratio"] for r in rounds),
+            "rounds": rounds,
         }
     row["stall_vs_dcp"] = row["ours"]["stall_secs"] / row["dcp"]["stall_secs"]
     return row
@@ -496,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--sizes", default="50MB,200MB,1GB", help="total state sizes")
     parser.add_argument("--repeat", type=int, default=3, help="saves per configuration")
+    parser.add_argument(
+        "--rounds", type=int, default=6, help="busy/idle rounds of the steps/s measurement"
+    )
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary dir)")
     parser.add_argument("--json", default=None, help="output file")
     # Worker-side options (the launcher passes them).
@@ -517,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     try:
         for text in args.sizes.split(","):
-            rows.extend(run_size(parse_size(text), root, args.repeat))
+            rows.extend(run_size(parse_size(text), root, args.repeat, args.rounds))
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

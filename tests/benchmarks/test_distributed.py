@@ -15,7 +15,18 @@ SCRIPT = repo("benchmarks", "distributed.py")
 def test_the_distributed_benchmark_writes_its_report(tmp_path):
     out = tmp_path / "distributed.json"
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--sizes", "1MB", "--repeat", "1", "--json", str(out)],
+        [
+            sys.executable,
+            SCRIPT,
+            "--sizes",
+            "1MB",
+            "--repeat",
+            "1",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -211,6 +211,7 @@ class ShardedWriter:
         self._keeper = keeper
         self._stager = stager
         self._host = Stager()  # The asynchronous saves' copies of the local shards.
+        self._wrapped: dict[str, Any] = {}  # DTensors over them, reused (staging.stage).
 
     def save(self, state: Mapping[str, Any], target: SaveTarget, global_step: Any) -> SaveStats:
         """Save every rank's part as checkpoint ``prefix`` (a collective), then retention.
@@ -230,7 +231,7 @@ class ShardedWriter:
         """
         save = prepare(state, target.prefix, global_step=global_step, wall_time=self._clock.time())
         background_group()
-        stage(save, self._host)
+        stage(save, self._host, self._wrapped)
         return save
 
     def persist(self, save: ShardedSave, target: SaveTarget, stall_secs: float) -> SaveStats:
