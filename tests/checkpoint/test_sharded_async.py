@@ -119,3 +119,45 @@ def test_a_failed_async_sharded_save_fails_on_every_rank_and_commits_nothing(tmp
     names = _files(tmp_path)
     assert not [n for n in names if n.startswith("model.ckpt-1")], names
     assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-2")
+
+
+def stage_rank(rank: int, world_size: int) -> dict:
+    """Stage an FSDP2 state twice with the same buffers: what the staged tensors are."""
+    from torch.distributed.tensor import DTensor
+
+    from torchsupervisor.checkpoint.sharded.staging import prepare, stage
+    from torchsupervisor.checkpoint.snapshot import Stager
+
+    model, optimizer = _build(0, world_size)
+    state = _state(model, optimizer, 3)
+    stager, wrapped, seen, checks = Stager(), {}, [], []
+    for _ in range(2):
+        save = prepare(state, "unused", global_step=3, wall_time=0.0)
+        live = dict(save.tensors)
+        stage(save, stager, wrapped)
+        buffer = save._snapshot.buffers[0]
+        start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+        for name, staged in save.tensors.items():
+            source = live[name]
+            is_dtensor = isinstance(source, DTensor)
+            local = staged.to_local() if is_dtensor else staged
+            checks.append(
+                start <= local.data_ptr() < end  # Over the host staging buffer: no copy.
+                and local.device.type == "cpu"
+                and type(staged) is type(source)
+                and staged.shape == source.shape
+                and (
+                    not is_dtensor
+                    or (staged.placements, staged.device_mesh)
+                    == (source.placements, source.device_mesh)
+                )
+                and torch.equal(local, source.to_local() if is_dtensor else source)
+            )
+        seen.append({n: id(t) for n, t in save.tensors.items() if isinstance(t, DTensor)})
+        save.release()
+    return {"all": all(checks), "reused": bool(seen[0]) and seen[0] == seen[1]}
+
+
+def test_staging_copies_the_local_shards_into_host_buffers_and_reuses_the_dtensors():
+    (result,) = run_world(stage_rank, world_size=1)
+    assert result == {"all": True, "reused": True}

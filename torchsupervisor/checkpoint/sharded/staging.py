@@ -122,14 +122,7 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
             if known is not None and known[0] == key:
                 copy = known[1]
             else:
-                copy = dtensor.from_local(
-                    copy,
-                    t.device_mesh,
-                    t.placements,
-                    run_check=False,
-                    shape=t.shape,
-                    stride=t.stride(),
-                )
+                copy = _over(dtensor, copy, t)
                 cache[name] = (key, copy, t.device_mesh)  # The mesh: its id stays its own.
         staged[name] = copy
     for name in [n for n in cache if n not in staged]:
@@ -137,3 +130,25 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
     save.tensors = staged
     save.staged_bytes = snapshot.layout.size_bytes
     save._snapshot, save._stager = snapshot, stager
+
+
+def _over(dtensor: Any, local: torch.Tensor, live: Any) -> Any:
+    """A DTensor like ``live`` (mesh, placements, global shape and stride) over ``local``.
+
+    ``DTensor.from_local`` would move a host copy back to the mesh's device (a GPU), so the
+    DTensor is built from ``live``'s spec, as DCP builds its own staged copies; on a torch
+    whose DTensor takes other arguments, ``from_local`` does for a CPU mesh.
+    """
+    try:
+        return dtensor(local, live._spec, requires_grad=False)
+    except (AttributeError, TypeError):
+        if live.device_mesh.device_type != local.device.type:
+            raise
+        return dtensor.from_local(
+            local,
+            live.device_mesh,
+            live.placements,
+            run_check=False,
+            shape=live.shape,
+            stride=live.stride(),
+        )
