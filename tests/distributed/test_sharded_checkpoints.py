@@ -181,3 +181,20 @@ def test_a_rank_failing_in_the_body_writes_no_final_checkpoint_and_nothing_hangs
     # Rank 1 raises in its 16th step: a checkpoint agreed at step 15 (both ranks at the
     # boundary before it) is legitimate; none may come after.
     assert all(step <= 15 for step in saved) and all(s <= 15 for s in _committed_steps(tmp_path))
+
+
+def test_a_periodic_save_failing_on_one_rank_fails_on_both_and_training_goes_on(tmp_path):
+    # The write runs on the writer threads (asynchronous): the failure of rank 1's shard
+    # reaches rank 0's writer through their collective, and both report it.
+    results = _run(tmp_path, STEPS, "--step-delay", 0.02, "--save-secs", 0.3, "--fail-first-save")
+    _ok(results)
+    failed = []
+    for _, err, _ in results:
+        lines = [x for x in err.splitlines() if "failed; training continues" in x]
+        assert lines and "failed on rank 1: [Errno 28] No space left" in lines[0], err[-3000:]
+        failed.append(int(lines[0].split("Checkpoint at step ")[1].split()[0]))
+    assert failed[0] == failed[1]  # The same save, on both ranks.
+    saves = [[int(line[2]) for line in _lines(out, "SAVE")] for out, _, _ in results]
+    assert saves[0] == saves[1] and saves[0][-1] == STEPS and failed[0] not in saves[0]
+    assert _committed_steps(tmp_path) == saves[0]  # Nothing of the failed one.
+    assert not [n for n in os.listdir(tmp_path) if f"model.ckpt-{failed[0]}." in n]

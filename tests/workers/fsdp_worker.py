@@ -20,12 +20,14 @@ Options:
     --raise-at STEP         rank --only-rank raises RuntimeError at that step (inside a step)
     --end-input-at STEP     rank --only-rank reports the end of its input (OutOfRangeError,
                             through ``sv.stop_on_exception()``) at that step
+    --fail-first-save       the first shard write of rank --only-rank fails (disk full)
     --only-rank R           the rank the options above apply to (default 1)
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import faulthandler
 import hashlib
 import sys
@@ -42,6 +44,7 @@ import torchsupervisor as ts
 from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState, flatten_sharded_state
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.errors import OutOfRangeError
+from torchsupervisor.testing import FaultyStorage
 
 
 def say(line: str) -> None:
@@ -71,6 +74,7 @@ def main() -> None:
     parser.add_argument("--save-secs", type=float, default=0.3)
     parser.add_argument("--raise-at", type=int, default=None)
     parser.add_argument("--end-input-at", type=int, default=None)
+    parser.add_argument("--fail-first-save", action="store_true")
     parser.add_argument("--only-rank", type=int, default=1)
     args = parser.parse_args()
     faulthandler.dump_traceback_later(150, exit=True)  # Never outlive a broken test.
@@ -101,10 +105,13 @@ def main() -> None:
             return future
 
     state = {"model": model, "optimizer": ShardedOptimizerState(model, optimizer)}
+    storage = FaultyStorage()  # Relative paths: copies of the logdir restore.
+    if args.fail_first_save:
+        storage.fail("write", path_contains=".data-", errno=errno.ENOSPC, rank=args.only_rank)
     sv = ts.Supervisor(
         logdir=args.logdir,
         state={**state, "global_step": step},
-        saver=PrintingSaver(max_to_keep=None, save_relative_paths=True),  # Copies restore.
+        saver=PrintingSaver(max_to_keep=None, save_relative_paths=True, storage=storage),
         save_model_secs=args.save_secs,
         save_summaries_secs=0,
         recovery_wait_secs=0.2,
