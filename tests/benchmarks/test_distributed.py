@@ -2,39 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
-from repo_paths import repo
-
-SCRIPT = repo("benchmarks", "distributed.py")
-
-
-def test_the_distributed_benchmark_writes_its_report(tmp_path):
-    out = tmp_path / "distributed.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            SCRIPT,
-            "--sizes",
-            "1MB",
-            "--repeat",
-            "1",
-            "--rounds",
-            "1",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "sharded, 2 ranks" in proc.stdout and "ddp chief-only, 2 ranks" in proc.stdout
-    rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
+def test_the_distributed_benchmark_writes_its_report(run_benchmark):
+    stdout, report = run_benchmark("distributed", "--sizes", "1MB", "--repeat", 1, "--rounds", 1)
+    assert "sharded, 2 ranks" in stdout and "ddp chief-only, 2 ranks" in stdout
+    rows = {row["case"]: row for row in report["rows"]}
     assert set(rows) == {
         "sharded, 1 rank",
         "sharded, 2 ranks",
@@ -54,7 +26,7 @@ def test_the_distributed_benchmark_writes_its_report(tmp_path):
         s > 0 for s in dcp["per_rank_stall_secs"]
     )
     assert rows["sharded, 1 rank"]["stall_vs_dcp"] > 0 and two["stall_vs_dcp"] > 0
-    assert "x dcp" in proc.stdout and "dcp.save, 2 ranks" in proc.stdout
+    assert "x dcp" in stdout and "dcp.save, 2 ranks" in stdout
     assert rows["restore 2 -> 1 rank"]["restore_secs"] > 0
     assert rows["ddp chief-only, 2 ranks"]["per_rank_bytes"][0] > 0
     # Asynchronous saves, ours and dcp.async_save's, with steps/s while each persists.
@@ -63,4 +35,4 @@ def test_the_distributed_benchmark_writes_its_report(tmp_path):
         figures = async_row[name]
         assert 0 < figures["stall_secs"] <= figures["total_secs"]
         assert figures["steps_per_sec_idle"] > 0 and figures["steps_per_sec_persisting"] > 0
-    assert async_row["stall_vs_dcp"] > 0 and "async, 2 ranks" in proc.stdout
+    assert async_row["stall_vs_dcp"] > 0 and "async, 2 ranks" in stdout
