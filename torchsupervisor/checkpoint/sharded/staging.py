@@ -10,9 +10,9 @@ In the second case the live tensors keep changing while the shards are written, 
 first copies this rank's *local* data (a DTensor's local shard, a plain tensor whole) into
 reusable host staging buffers and replaces each tensor with one over its copy (a DTensor keeps
 its mesh, placements, global shape and stride, so DCP plans it exactly as the live one). That
-copy is the whole stall of an asynchronous sharded save, and the only copy: the writer then
-writes each rank's shard straight from these buffers (``writer.ShardedStorageWriter(staged=
-True)``).
+copy is the whole stall of an asynchronous sharded save; what the background writer copies
+again into the layout of its own shard (which DCP decides only when it plans) never holds up
+training.
 
 Thread safety: ``prepare`` and ``stage`` on the training thread; ``ShardedSave.release`` on any.
 """
