@@ -59,11 +59,6 @@ class ShardedSave:
     _snapshot: Snapshot | None = None
     _stager: Stager | None = None
 
-    @property
-    def staged(self) -> bool:
-        """True when ``tensors`` are host copies owned by this save (until ``release``)."""
-        return self._snapshot is not None
-
     def release(self) -> None:
         """Give the host staging buffers back for the next save (once it is written)."""
         snapshot, self._snapshot = self._snapshot, None

@@ -50,7 +50,7 @@ from torchsupervisor.checkpoint.sharded.metadata import (
     ShardedTensorEntry,
     chunk_entry_name,
 )
-from torchsupervisor.checkpoint.snapshot import ShardLayout, Stager, plan_layout
+from torchsupervisor.checkpoint.snapshot import Stager
 from torchsupervisor.checkpoint.state_file import record_newest
 from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.errors import CheckpointSaveError
@@ -125,9 +125,6 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         latest_filename: The state file's name; None means ``"checkpoint"``.
         storage: Where the checkpoints live (tests inject faults here).
         stager: Staging buffers reused between saves; None: new buffers.
-        staged: The tensors are host copies this save owns (``staging.stage``): each rank's
-            shard is written from them as they are, without a second copy into a staging
-            buffer (contiguous CPU chunks; others are still staged).
         error: An error this rank found before the save (raised in step 2 so that every rank
             learns of it).
 
@@ -151,11 +148,9 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         latest_filename: str | None = None,
         storage: Storage = BY_PATH,
         stager: Stager | None = None,
-        staged: bool = False,
         error: BaseException | None = None,
     ) -> None:
         self._prefix = prefix
-        self._staged = staged
         self._dir = os.path.dirname(prefix)
         self._tree = tree
         self._step = global_step
@@ -268,21 +263,30 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             indexes[name] = item.index
         assert assignment.file_index is not None
         final = data_filename(self._prefix, assignment.file_index, assignment.num_files)
-        if self._staged and all(_in_place(t) for t in tensors.values()):
-            # Host copies owned by this save: the file is the header and their bytes.
-            layout = plan_layout(tensors).shards[0]
-            views = {name: _bytes_of(tensors[name]) for name, _ in layout.entries}
-            entries, shard = self._shard_entries(final, assignment.file_index, layout, views)
-            self._persist(final, [layout.header, *views.values()])
-        else:
-            snapshot = self._stager.stage(None, tensors, step=None, wall_time=self._wall_time)
-            try:
-                layout = snapshot.layout.shards[0]
-                views = {name: snapshot.tensor_view(0, entry) for name, entry in layout.entries}
-                entries, shard = self._shard_entries(final, assignment.file_index, layout, views)
-                self._persist(final, [snapshot.shard_view(0)])
-            finally:
-                self._stager.release(snapshot)
+        snapshot = self._stager.stage(None, tensors, step=None, wall_time=self._wall_time)
+        try:
+            layout = snapshot.layout.shards[0]
+            entries = [
+                (
+                    name,
+                    dataclasses.replace(
+                        entry,
+                        shard=assignment.file_index,
+                        crc32c=crc32c.crc32c(snapshot.tensor_view(0, entry)),
+                    ),
+                )
+                for name, entry in layout.entries
+            ]
+            shard = ShardEntry(
+                file=os.path.basename(final),
+                size_bytes=layout.size_bytes,
+                data_offset=layout.data_offset,
+                crc32c=shard_checksum(layout.header, [e.crc32c for _, e in entries]),
+                header_crc32c=crc32c.crc32c(layout.header),
+            )
+            self._persist(final, snapshot.shard_view(0))
+        finally:
+            self._stager.release(snapshot)
         return [
             WriteResult(
                 index=indexes[name],
@@ -292,27 +296,9 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             for name, entry in entries
         ]
 
-    @staticmethod
-    def _shard_entries(
-        final: str, index: int, layout: ShardLayout, views: dict[str, memoryview]
-    ) -> tuple[list[tuple[str, TensorEntry]], ShardEntry]:
-        """Each chunk's entry with its CRC-32C, and the shard's entry, for the manifest."""
-        entries = [
-            (name, dataclasses.replace(entry, shard=index, crc32c=crc32c.crc32c(views[name])))
-            for name, entry in layout.entries
-        ]
-        shard = ShardEntry(
-            file=os.path.basename(final),
-            size_bytes=layout.size_bytes,
-            data_offset=layout.data_offset,
-            crc32c=shard_checksum(layout.header, [e.crc32c for _, e in entries]),
-            header_crc32c=crc32c.crc32c(layout.header),
-        )
-        return entries, shard
-
-    def _persist(self, final: str, chunks: list[memoryview | bytes]) -> None:
+    def _persist(self, final: str, view: memoryview) -> None:
         try:
-            commit.put_shard(self._storage, final, chunks)
+            commit.put_shard(self._storage, final, view)
             self._written.append(final)
         except OSError as e:
             self.roll_back()
@@ -404,15 +390,3 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             return
         commit.delete_quietly(self._storage, self._written)
         self._written.clear()
-
-
-def _in_place(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s bytes can be written as they are (contiguous, in host memory)."""
-    return tensor.device.type == "cpu" and tensor.is_contiguous()
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous host tensor (no copy; any dtype, bfloat16 included)."""
-    if tensor.numel() == 0:
-        return memoryview(b"")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
