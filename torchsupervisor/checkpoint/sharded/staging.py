@@ -46,7 +46,6 @@ class ShardedSave:
         wall_time: The time of the snapshot, in seconds since the epoch.
         error: What this rank found wrong with its state (a ``TypeError`` or ``ValueError``):
             raised by the writer inside the collective, so that every rank learns of it.
-        staged_bytes: Bytes copied by ``stage`` (0 before).
     """
 
     prefix: str
@@ -55,7 +54,6 @@ class ShardedSave:
     step: int | None
     wall_time: float
     error: BaseException | None = None
-    staged_bytes: int = 0
     _snapshot: Snapshot | None = None
     _stager: Stager | None = None
 
@@ -128,7 +126,6 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
     for name in [n for n in cache if n not in staged]:
         del cache[name]  # It would keep an old staging buffer alive.
     save.tensors = staged
-    save.staged_bytes = snapshot.layout.size_bytes
     save._snapshot, save._stager = snapshot, stager
 
 
