@@ -234,3 +234,19 @@ def test_a_checkpoint_still_being_written_holds_the_next_request_and_votes_no_pa
     assert s0.last_step == 2
     assert _in_threads(s0.save_now, s1.save_now) == ["/ckpt/model.ckpt-3"] * 2
     assert saver0.saved == saver1.saved == [3]
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_close_waits_for_a_checkpoint_being_written_unless_told_not_to(caplog, wait):
+    clock = FakeClock()
+    s0, saver0, _, sess0 = _service(_groups(clock=clock)[0], step=3, agreement_secs=30, clock=clock)
+    pending: concurrent.futures.Future = concurrent.futures.Future()
+    saver0.save_async = lambda *args, **kwargs: pending  # The writer never finishes.
+    s0.driver.start(sess0, 3)
+    start = clock.monotonic()
+    s0.close(wait=wait)
+    waited = clock.monotonic() - start
+    if wait:  # At most agreement_secs, then a warning; never forever.
+        assert 30 <= waited < 31 and "still being written" in caplog.text
+    else:  # A second Ctrl-C: not waited for at all.
+        assert waited < 1 and "still being written" not in caplog.text
