@@ -18,8 +18,9 @@ on the same machine and the same directory:
   fsync) against a raw sequential write of the same bytes with fsync in the same directory;
 * restore: ``Saver.restore`` into the model and optimizer against ``torch.load(weights_only=
   True)`` + ``load_state_dict``, each in a fresh process (a restart), with the files in the
-  page cache (a restart on the same machine; the target) and not (a new machine; unreliable on
-  a virtual machine whose host caches files: see ``measure_restore``);
+  page cache (a restart on the same machine) and evicted from it (a restart on another
+  machine; on a virtual machine the host's own cache makes these noisy: see
+  ``measure_restore``);
 * incremental: bytes written by a checkpoint of a model whose backbone (the state above) is
   frozen and only a small head trains, against the full checkpoint: one incremental save, and
   the average over a whole cycle of saves (incremental saves plus the full save that the
@@ -376,18 +377,22 @@ def measure_restore(
 ) -> dict[str, float]:
     """Restore time in fresh processes, cold and warm page cache, alternating ours/baseline.
 
-    Both files are read once first. "Cold" means: not in this machine's page cache. On a
+    Both files are read once first. "Cold" means: not in this machine's page cache (each file
+    is fsynced and evicted with ``POSIX_FADV_DONTNEED`` in the fresh process, before the
+    clock starts): a restart on another machine, the common case after a preemption. On a
     virtual machine the host has its own cache, which this machine cannot drop: a cold read
-    may come from the host's memory or from its disk, depending on which file the host read
-    last (measured here: the same file, cold, took 0.3 s or 1.4 s depending on what the
-    previous process read). Cold figures are therefore reported, not used for the target.
+    may come from the host's memory or from its disk, depending on what the host read last
+    (the same file, cold, took 0.3 s or 1.4 s depending on what the previous process read).
+    So the order alternates (ours first in even rounds, ``torch.load`` first in odd ones) and
+    the figures are medians of ``repeat`` rounds.
     """
     for path in (ours_prefix, torch_path):
         warm_page_cache(os.path.dirname(path))
     results: dict[str, list[float]] = {}
     for cold in (True, False):
-        for _ in range(repeat):
-            for which, source in (("ours", ours_prefix), ("torch_load", torch_path)):
+        for round_ in range(repeat):
+            pair = [("ours", ours_prefix), ("torch_load", torch_path)]
+            for which, source in pair if round_ % 2 == 0 else pair[::-1]:
                 key = f"{which}_{'cold' if cold else 'warm'}_secs"
                 secs = _restore_in_fresh_process(which, size_bytes, source, cold)
                 results.setdefault(key, []).append(secs)
@@ -491,12 +496,14 @@ def ratios(row: dict[str, Any]) -> dict[str, float]:
 
 
 TARGETS = {
-    "stall_vs_memcpy": ("<=", 1.5),
-    "steps_per_sec_ratio": (">=", 0.95),
-    "persist_vs_raw_write": (">=", 0.80),
-    "restore_vs_torch_load": ("<=", 1.2),
-    "incremental_fraction": ("<", 0.10),
+    "stall_vs_memcpy": ("<=", 1.5, 0),
+    "steps_per_sec_ratio": (">=", 0.95, 0),
+    "persist_vs_raw_write": (">=", 0.80, 0),
+    "restore_vs_torch_load": ("<=", 1.2, 0),
+    "restore_vs_torch_load_cold": ("<=", 1.0, 400 * MB),  # Issue 16: at 500 MB and 2 GB.
+    "incremental_fraction": ("<", 0.10, 0),
 }
+"""Each ratio's bound, checked at every measured state size of at least the third figure."""
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -546,7 +553,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{100 * r['incremental_cycle_fraction']:11.2f}"
         )
     print()
-    print("Restore from a cold page cache (ms; see the note in measure_restore)")
+    print("Restore from a cold page cache (ms, medians; see the note in measure_restore)")
     print(f"{'state MB':>9} {'ours':>9} {'torch.load':>10} {'ratio':>6}")
     for row in rows:
         restore = row["restore"]
@@ -556,9 +563,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{ratios(row)['restore_vs_torch_load_cold']:6.2f}"
         )
     print()
-    print("Targets (SPEC section 7) at every size:")
-    for key, (op, bound) in TARGETS.items():
-        values = [ratios(row)[key] for row in rows]
+    print("Targets (SPEC section 7, issue 16) at every size (cold restore: from 400 MB):")
+    for key, (op, bound, min_bytes) in TARGETS.items():
+        values = [ratios(row)[key] for row in rows if row["state_bytes"] >= min_bytes]
         ok = all(
             (v <= bound) if op == "<=" else (v >= bound) if op == ">=" else (v < bound)
             for v in values

@@ -322,13 +322,18 @@ def test_manifest_pointing_at_the_wrong_bytes_is_rejected(checkpoint):
         CheckpointReader(prefix).read_tensors()
 
 
-@pytest.fixture
-def pipelined(monkeypatch):
-    """Make every read go through the reader thread, in small chunks."""
+@pytest.fixture(params=["one reader thread", "several reads at once"])
+def pipelined(request, monkeypatch):
+    """Make every read go by small chunks: in order on the reader thread, or in parallel."""
     from torchsupervisor.checkpoint import shard_io as reader_module
+    from torchsupervisor.storage import local
 
-    monkeypatch.setattr(reader_module, "_PIPELINE_MIN_BYTES", 0)
-    monkeypatch.setattr(reader_module, "_CHUNK_BYTES", 24)
+    if request.param == "one reader thread":
+        monkeypatch.setattr(local._LocalReadable, "concurrent_reads", 1)
+        monkeypatch.setattr(reader_module, "_PIPELINE_MIN_BYTES", 0)
+        monkeypatch.setattr(reader_module, "_CHUNK_BYTES", 24)
+    else:
+        monkeypatch.setattr(reader_module, "_PARALLEL_CHUNK_BYTES", 24)
 
 
 def test_pipelined_reads_match(checkpoint, pipelined):

@@ -27,9 +27,9 @@ from torchsupervisor.checkpoint.format import MAX_INDEX_BYTES, Manifest, Manifes
 from torchsupervisor.checkpoint.shard_io import (
     check_shard,
     open_shard,
-    pipelined_reads,
     read_tensor,
     scratch_reads,
+    tensor_reads,
 )
 from torchsupervisor.checkpoint.sharded.metadata import (
     SHARDED_TENSORS_KEY,
@@ -397,11 +397,12 @@ class CheckpointReader:
         raws: dict[str, torch.Tensor] = {}
         crcs = dict.fromkeys((name for name, _ in entries), 0)
         with self._open_shard(shard_index) as f:
-            f.read_ahead(shard.data_offset + entries[0][1].begin)
-            # One thread allocates and reads (a copy from the page cache or a wait on the disk)
-            # while this one checksums what was read: both release the GIL.
+            # Helper threads read (a copy from the page cache or a wait on the disk) while
+            # this one checksums what was read, in order: all release the GIL.
             tensors = [(name, shard.data_offset + e.begin, e.nbytes) for name, e in entries]
-            reads = pipelined_reads(f, tensors) if keep else scratch_reads(f, tensors)
+            if not keep:
+                f.read_ahead(tensors[0][1])
+            reads = tensor_reads(f, tensors) if keep else scratch_reads(f, tensors)
             for name, raw, view in reads:
                 if keep:
                     raws[name] = raw

@@ -2,8 +2,10 @@
 
 ``open_shard`` opens a data file after checking that it is a regular file in the
 checkpoint's directory and has the size the manifest records. Tensors are read by ranges
-(``Readable.readinto``), on a helper thread for large reads (``pipelined_reads``) so that the
-disk stays busy while the caller checksums what arrived. ``check_shard`` verifies the bytes no
+(``Readable.readinto``) by ``tensor_reads``: several at once where the storage says that is
+faster (``parallel_reads``; local files: 8 MiB reads, 4 in flight), else in order on a helper
+thread (``pipelined_reads``); either way the disk stays busy while the caller checksums what
+arrived, in file order. ``check_shard`` verifies the bytes no
 tensor checksum covers: the shard's header. Anything wrong raises ``CorruptCheckpointError``
 naming the file.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 import torch
@@ -39,13 +42,16 @@ from torchsupervisor.storage import (
 __all__ = [
     "check_shard",
     "open_shard",
+    "parallel_reads",
     "pipelined_reads",
     "read_tensor",
     "scratch_reads",
+    "tensor_reads",
 ]
 
 _CHUNK_BYTES = 16 << 20
 _PIPELINE_MIN_BYTES = 64 << 20
+_PARALLEL_CHUNK_BYTES = 8 << 20
 
 
 def check_shard(f: Readable, shard: ShardEntry, read: Mapping[tuple[int, int], int]) -> None:
@@ -108,6 +114,58 @@ def check_shard(f: Readable, shard: ShardEntry, read: Mapping[tuple[int, int], i
         crcs = [read.get((begin, stop), 0) for _, begin, stop in ranges]
         if shard_checksum(header, crcs) != shard.crc32c:
             raise damaged("shard checksum mismatch")
+
+
+def tensor_reads(
+    f: Readable, tensors: list[tuple[str, int, int]]
+) -> Iterator[tuple[str, torch.Tensor, memoryview]]:
+    """Read ``(name, file offset, size in bytes)`` tensors the fastest way ``f`` allows.
+
+    ``parallel_reads`` if ``f.concurrent_reads`` is above 1 and there is more than one chunk
+    to read, else ``pipelined_reads`` (after ``f.read_ahead``). Yields as they do, in order.
+    """
+    total = sum(nbytes for _, _, nbytes in tensors)
+    if f.concurrent_reads > 1 and total > _PARALLEL_CHUNK_BYTES:
+        return parallel_reads(f, tensors)
+    if tensors:
+        f.read_ahead(tensors[0][1])
+    return pipelined_reads(f, tensors)
+
+
+def parallel_reads(
+    f: Readable, tensors: list[tuple[str, int, int]]
+) -> Iterator[tuple[str, torch.Tensor, memoryview]]:
+    """Read ``(name, file offset, size in bytes)`` tensors by chunks, several at once.
+
+    Up to ``f.concurrent_reads`` chunks of 8 MiB are read at a time on helper threads, each
+    straight into its tensor's own buffer (allocated here, not initialized: every byte is
+    read). Yields ``(name, buffer, chunk)`` in file order as each chunk is complete, like
+    ``pipelined_reads``; a generator closed early cancels the reads not started and waits for
+    the others.
+
+    Raises:
+        CorruptCheckpointError: If the file ends early.
+        OSError: If a read fails.
+    """
+    chunks: list[tuple[str, torch.Tensor, memoryview, int]] = []
+    for name, offset, nbytes in tensors:
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview(raw.numpy())
+        for start in range(0, nbytes, _PARALLEL_CHUNK_BYTES):
+            chunks.append((name, raw, view[start : start + _PARALLEL_CHUNK_BYTES], offset + start))
+        if not nbytes:
+            chunks.append((name, raw, view, offset))
+    with ThreadPoolExecutor(
+        f.concurrent_reads, thread_name_prefix="torchsupervisor-checkpoint-reader"
+    ) as pool:
+        futures = [pool.submit(_pread_exactly, f, chunk, at) for _, _, chunk, at in chunks]
+        try:
+            for (name, raw, chunk, _), future in zip(chunks, futures):
+                future.result()
+                yield name, raw, chunk
+        finally:
+            for future in futures:
+                future.cancel()
 
 
 def pipelined_reads(

@@ -78,10 +78,14 @@ class Readable(abc.ABC):
     Attributes:
         path: The object's path.
         size: Its size in bytes when it was opened.
+        concurrent_reads: How many ``readinto`` calls a reader of many bytes should keep in
+            flight at once (1: read in order, and say ``read_ahead`` first).
 
     Thread safety: ``readinto`` may be called from several threads at once (each read names
     its offset); ``close`` once, after the last read.
     """
+
+    concurrent_reads: int = 1
 
     def __init__(self, path: str, size: int) -> None:
         self.path = path
