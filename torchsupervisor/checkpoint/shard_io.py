@@ -5,9 +5,8 @@ checkpoint's directory and has the size the manifest records. Tensors are read b
 (``Readable.readinto``) by ``tensor_reads``: several at once where the storage says that is
 faster (``parallel_reads``; local files: 8 MiB reads, 4 in flight), else in order on a helper
 thread (``pipelined_reads``); either way the disk stays busy while the caller checksums what
-arrived, in file order. ``check_shard`` verifies the bytes no
-tensor checksum covers: the shard's header. Anything wrong raises ``CorruptCheckpointError``
-naming the file.
+arrived, in file order. ``check_shard`` verifies the bytes no tensor checksum covers: the
+shard's header. Anything wrong raises ``CorruptCheckpointError`` naming the file.
 
 Used by ``CheckpointReader`` and by every rank of a sharded restore.
 """
