@@ -65,18 +65,23 @@ def test_without_auto_advance_a_wait_blocks_until_the_test_moves_time_past_it():
 
 def test_the_nth_matching_call_fails_as_many_times_as_asked(tmp_path):
     storage = FaultyStorage()
-    fault = storage.fail("rename", nth=2, times=2, path_contains="b", errno=errno.ENOSPC)
+    # A name no temporary directory contains (pytest's --basetemp may hold any letter).
+    fault = storage.fail("rename", nth=2, times=2, path_contains="match-", errno=errno.ENOSPC)
     storage.put(str(tmp_path / "a"), [b"1"])  # Not matching: not counted.
-    storage.put(str(tmp_path / "b1"), [b"1"])  # The first match goes through.
-    for name in ("b2", "b3"):
+    storage.put(str(tmp_path / "match-b1"), [b"1"])  # The first match goes through.
+    for name in ("match-b2", "match-b3"):
         with pytest.raises(OSError) as caught:
             storage.put(str(tmp_path / name), [b"1"])
         assert caught.value.errno == errno.ENOSPC and name in caught.value.filename
-    storage.put(str(tmp_path / "b4"), [b"1"])  # Two failures asked for, two given.
+    storage.put(str(tmp_path / "match-b4"), [b"1"])  # Two failures asked for, two given.
     assert fault.raised == 2 and fault.seen == 4
-    assert sorted(os.listdir(tmp_path)) == ["a", "b1", "b4"]  # Failed puts left nothing.
+    assert sorted(os.listdir(tmp_path)) == [
+        "a",
+        "match-b1",
+        "match-b4",
+    ]  # Failed: nothing left.
     assert [os.path.basename(p) for p in storage.operations("rename")] == [
-        "a", "b1", "b2", "b3", "b4"
+        "a", "match-b1", "match-b2", "match-b3", "match-b4"
     ]  # fmt: skip
 
 
