@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import random
+import threading
 
 import pytest
 import torch
@@ -363,3 +364,46 @@ def _shrinking(open_shard, handle, new_size):
         return f
 
     return opened
+
+
+def test_an_error_while_checksumming_stops_every_read_before_the_shard_is_closed(
+    checkpoint, monkeypatch
+):
+    import crc32c
+
+    from torchsupervisor.checkpoint import shard_io
+
+    monkeypatch.setattr(shard_io, "_PARALLEL_CHUNK_BYTES", 24)  # Several reads at once.
+    prefix, _ = checkpoint
+    reader = CheckpointReader(prefix)
+    readers_at_close: list[list[str]] = []
+    open_shard = reader._open_shard
+
+    def opened(index):
+        f = open_shard(index)
+        close = f.close
+
+        def closing():
+            threads = [t.name for t in threading.enumerate() if "checkpoint-reader" in t.name]
+            readers_at_close.append(threads)
+            close()
+
+        f.close = closing
+        return f
+
+    class Interrupted(Exception):
+        pass
+
+    calls = iter(range(1_000))
+    checksum = crc32c.crc32c
+
+    def failing(data, value=0):
+        if next(calls) == 2:
+            raise Interrupted
+        return checksum(data, value)
+
+    reader._open_shard = opened
+    monkeypatch.setattr(crc32c, "crc32c", failing)
+    with pytest.raises(Interrupted):
+        reader.read_tensors()
+    assert readers_at_close == [[]]

@@ -15,6 +15,7 @@ TF names: ``tf.train.NewCheckpointReader`` / ``CheckpointReader``, ``tf.train.lo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from collections.abc import Iterable
@@ -403,10 +404,12 @@ class CheckpointReader:
             if not keep:
                 f.read_ahead(tensors[0][1])
             reads = tensor_reads(f, tensors) if keep else scratch_reads(f, tensors)
-            for name, raw, view in reads:
-                if keep:
-                    raws[name] = raw
-                crcs[name] = crc32c.crc32c(view, crcs[name])
+            # Closed before the file is, whatever happens: no read may outlive the file.
+            with contextlib.closing(reads):
+                for name, raw, view in reads:
+                    if keep:
+                        raws[name] = raw
+                    crcs[name] = crc32c.crc32c(view, crcs[name])
             damaged = [name for name, entry in entries if crcs[name] != entry.crc32c]
             if damaged:
                 raise CorruptCheckpointError(
