@@ -503,7 +503,7 @@ TARGETS = {
     "restore_vs_torch_load_cold": ("<=", 1.0, 400 * MB),  # Issue 16: at 500 MB and 2 GB.
     "incremental_fraction": ("<", 0.10, 0),
 }
-"""Each ratio's bound, checked at every measured state size of at least the third figure."""
+"""Each ratio's target: (comparison, bound, the smallest state in bytes it is checked at)."""
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

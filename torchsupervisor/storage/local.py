@@ -297,8 +297,8 @@ class _LocalReadable(Readable):
     # Four buffered reads in flight read a file that is not in the page cache about 1.5x
     # faster than one sequential reader here, and no hint beats the kernel's own read-ahead:
     # asking for the whole file at once (POSIX_FADV_WILLNEED) made a cold 2 GB restore 2.6x
-    # slower. O_DIRECT reads (8 of 4 MiB in flight) were slower still on this virtual disk
-    # (docs/performance.md, "Cold restores").
+    # slower. O_DIRECT reads (8 of 4 MiB in flight) were slower than the four buffered ones
+    # on this virtual disk (docs/performance.md, "Cold restores").
     concurrent_reads = 4
 
     def __init__(self, path: str, fd: int, size: int) -> None:
