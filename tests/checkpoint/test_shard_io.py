@@ -91,6 +91,28 @@ def test_closing_early_stops_the_readers():
     assert (name, bytes(chunk)) == ("a", DATA[:64])
     reads.close()
     assert not _readers()
+    # At most 2 x 4 chunks are asked for ahead of the one handed over; the rest never are.
+    assert len(f.offsets) <= 1 + 2 * f.concurrent_reads
+
+
+def test_a_local_shard_is_read_on_the_reader_threads(tmp_path, monkeypatch):
+    from torchsupervisor.storage import LocalStorage
+
+    path = tmp_path / "shard"
+    path.write_bytes(DATA)
+    threads: set[str] = set()
+    read = shard_io._pread_exactly
+
+    def recorded(f, view, offset):
+        threads.add(threading.current_thread().name)
+        read(f, view, offset)
+
+    monkeypatch.setattr(shard_io, "_pread_exactly", recorded)
+    with LocalStorage().open_read(str(path)) as f:
+        assert f.concurrent_reads == 4
+        got = b"".join(bytes(chunk) for _, _, chunk in tensor_reads(f, [("a", 0, len(DATA))]))
+    assert got == DATA
+    assert threads and all(name.startswith("torchsupervisor-checkpoint-reader") for name in threads)
 
 
 def test_the_storage_chooses_parallel_or_in_order_reads():

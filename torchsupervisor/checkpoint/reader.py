@@ -401,8 +401,6 @@ class CheckpointReader:
             # Helper threads read (a copy from the page cache or a wait on the disk) while
             # this one checksums what was read, in order: all release the GIL.
             tensors = [(name, shard.data_offset + e.begin, e.nbytes) for name, e in entries]
-            if not keep:
-                f.read_ahead(tensors[0][1])
             reads = tensor_reads(f, tensors) if keep else scratch_reads(f, tensors)
             # Closed before the file is, whatever happens: no read may outlive the file.
             with contextlib.closing(reads):

@@ -13,10 +13,12 @@ Used by ``CheckpointReader`` and by every rank of a sharded restore.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import queue
 import threading
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import crc32c
 import torch
@@ -121,13 +123,11 @@ def tensor_reads(
     """Read ``(name, file offset, size in bytes)`` tensors the fastest way ``f`` allows.
 
     ``parallel_reads`` if ``f.concurrent_reads`` is above 1 and there is more than one chunk
-    to read, else ``pipelined_reads`` (after ``f.read_ahead``). Yields as they do, in order.
+    to read, else ``pipelined_reads``. Yields as they do, in order.
     """
     total = sum(nbytes for _, _, nbytes in tensors)
     if f.concurrent_reads > 1 and total > _PARALLEL_CHUNK_BYTES:
         return parallel_reads(f, tensors)
-    if tensors:
-        f.read_ahead(tensors[0][1])
     return pipelined_reads(f, tensors)
 
 
@@ -137,8 +137,9 @@ def parallel_reads(
     """Read ``(name, file offset, size in bytes)`` tensors by chunks, several at once.
 
     Up to ``f.concurrent_reads`` chunks of 8 MiB are read at a time on helper threads, each
-    straight into its tensor's own buffer (allocated here, not initialized: every byte is
-    read). Yields ``(name, buffer, chunk)`` in file order as each chunk is complete, like
+    straight into its tensor's own buffer (not initialized: every byte is read), and at most
+    ``2 * f.concurrent_reads`` chunks are asked for ahead of the one being yielded. Yields
+    ``(name, buffer, chunk)`` in file order as each chunk is complete, like
     ``pipelined_reads``; a generator closed early cancels the reads not started and waits for
     the others.
 
@@ -146,31 +147,46 @@ def parallel_reads(
         CorruptCheckpointError: If the file ends early.
         OSError: If a read fails.
     """
-    chunks: list[tuple[str, torch.Tensor, memoryview, int]] = []
-    for name, offset, nbytes in tensors:
-        raw = torch.empty(nbytes, dtype=torch.uint8)
-        view = memoryview(raw.numpy())
-        for start in range(0, nbytes, _PARALLEL_CHUNK_BYTES):
-            chunks.append((name, raw, view[start : start + _PARALLEL_CHUNK_BYTES], offset + start))
-        if not nbytes:
-            chunks.append((name, raw, view, offset))
+    ahead = 2 * f.concurrent_reads
     with ThreadPoolExecutor(
         f.concurrent_reads, thread_name_prefix="torchsupervisor-checkpoint-reader"
     ) as pool:
-        futures = [pool.submit(_pread_exactly, f, chunk, at) for _, _, chunk, at in chunks]
+        pending: collections.deque[tuple[str, torch.Tensor, memoryview, Future[None]]]
+        pending = collections.deque()
+        chunks = _chunks(tensors, _PARALLEL_CHUNK_BYTES, torch.empty)
         try:
-            for (name, raw, chunk, _), future in zip(chunks, futures):
+            while True:
+                for name, raw, chunk, at in itertools.islice(chunks, ahead - len(pending)):
+                    pending.append((name, raw, chunk, pool.submit(_pread_exactly, f, chunk, at)))
+                if not pending:
+                    return
+                name, raw, chunk, future = pending.popleft()
                 future.result()
                 yield name, raw, chunk
         finally:
-            for future in futures:
+            for *_, future in pending:
                 future.cancel()
+
+
+def _chunks(
+    tensors: list[tuple[str, int, int]], chunk_bytes: int, allocate: Callable[..., torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor, memoryview, int]]:
+    """Each tensor's buffer (``allocate``d as its first chunk is asked for) by chunks:
+    ``(name, buffer, chunk of it, file offset of the chunk)``; one empty chunk for 0 bytes."""
+    for name, offset, nbytes in tensors:
+        raw = allocate(nbytes, dtype=torch.uint8)
+        view = memoryview(raw.numpy())
+        for start in range(0, nbytes, chunk_bytes):
+            yield name, raw, view[start : start + chunk_bytes], offset + start
+        if not nbytes:
+            yield name, raw, view, offset
 
 
 def pipelined_reads(
     f: Readable, tensors: list[tuple[str, int, int]]
 ) -> Iterator[tuple[str, torch.Tensor, memoryview]]:
-    """Read ``(name, file offset, size in bytes)`` tensors on a helper thread, by chunks.
+    """Read ``(name, file offset, size in bytes)`` tensors on a helper thread, by chunks,
+    after ``f.read_ahead`` from the first.
 
     Yields ``(name, buffer, chunk)`` as each chunk arrives; ``buffer`` is the tensor's uint8
     buffer (allocated by the reader, just before its first read, so that the disk is busy
@@ -180,22 +196,18 @@ def pipelined_reads(
         CorruptCheckpointError: If the file ends early.
         OSError: If a read fails.
     """
+    if tensors:
+        f.read_ahead(tensors[0][1])
     ready: queue.SimpleQueue[tuple[str, torch.Tensor, memoryview] | BaseException | None]
     ready = queue.SimpleQueue()
     stop = threading.Event()
 
     def chunks() -> Iterator[tuple[str, torch.Tensor, memoryview]]:
-        for name, offset, nbytes in tensors:
-            # Zero-filled, not just allocated: touching fresh pages in user space is several
-            # times cheaper than letting the kernel fault them in during read().
-            raw = torch.zeros(nbytes, dtype=torch.uint8)
-            view = memoryview(raw.numpy())
-            for start in range(0, nbytes, _CHUNK_BYTES):
-                chunk = view[start : start + _CHUNK_BYTES]
-                _pread_exactly(f, chunk, offset + start)
-                yield name, raw, chunk
-            if not nbytes:
-                yield name, raw, view
+        # Zero-filled, not just allocated: touching fresh pages in user space is several
+        # times cheaper than letting the kernel fault them in during read().
+        for name, raw, chunk, at in _chunks(tensors, _CHUNK_BYTES, torch.zeros):
+            _pread_exactly(f, chunk, at)
+            yield name, raw, chunk
 
     if sum(nbytes for _, _, nbytes in tensors) < _PIPELINE_MIN_BYTES:
         yield from chunks()  # Not worth a thread.
@@ -234,6 +246,8 @@ def scratch_reads(
     Yields ``(name, None, chunk)``: the chunk is valid until the next one is read (for
     checksums that keep nothing).
     """
+    if tensors:
+        f.read_ahead(tensors[0][1])
     buffer = memoryview(bytearray(min(_CHUNK_BYTES, max((n for _, _, n in tensors), default=0))))
     for name, offset, nbytes in tensors:
         if not nbytes:
