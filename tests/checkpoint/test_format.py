@@ -18,6 +18,7 @@ from torchsupervisor.checkpoint.format import (
     dtype_from_code,
     dtype_to_code,
     safetensors_header,
+    shard_files,
 )
 from torchsupervisor.core.state import TensorRef
 from torchsupervisor.core.tree import decode_tree, encode_tree
@@ -195,6 +196,54 @@ def test_semantically_bad_manifests_are_rejected(edit, match):
     edit(body)
     with pytest.raises(ManifestError, match=match):
         Manifest.from_bytes(_resigned(body))
+
+
+def test_shard_files_reads_the_shards_of_a_valid_manifest():
+    shards = (
+        ShardEntry("m.ckpt-12.data-00000-of-00002", 88, 64, 99),
+        ShardEntry("m.ckpt-10.data-00001-of-00002", 88, 64, 98),
+    )
+    assert shard_files(_manifest(shards=shards).to_bytes()) == (
+        "m.ckpt-12.data-00000-of-00002",
+        "m.ckpt-10.data-00001-of-00002",
+    )
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda b: b"not json", "not valid JSON"),
+        (lambda b: b"[1, 2]", "not a torchsupervisor"),
+        (lambda b: b.replace(b"m.ckpt-12.data", b"m.ckpt-13.data"), "checksum"),
+    ],
+)
+def test_shard_files_checks_the_checksum_and_format(mutate, match):
+    with pytest.raises(ManifestError, match=match):
+        shard_files(mutate(_manifest().to_bytes()))
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda b: b.update(format_version=2), "format_version"),
+        (lambda b: b["shards"][0].update(file="../elsewhere"), "plain file name"),
+        (lambda b: b["shards"][0].pop("file"), "malformed"),
+        (lambda b: b.update(shards={"file": "x"}), "list"),
+        (lambda b: b.pop("shards"), "malformed"),
+    ],
+)
+def test_shard_files_rejects_bad_shard_lists(edit, match):
+    body = json.loads(_manifest().to_bytes())
+    edit(body)
+    with pytest.raises(ManifestError, match=match):
+        shard_files(_resigned(body))
+
+
+def test_shard_files_does_not_check_the_tensor_table():
+    # Retention counts the references of such a manifest (it keeps more, never less).
+    body = json.loads(_manifest().to_bytes())
+    body["tensors"]["w"].update(shard=3)
+    assert shard_files(_resigned(body)) == ("m.ckpt-12.data-00000-of-00001",)
 
 
 def test_safetensors_header_is_padded_and_valid_json():

@@ -62,6 +62,8 @@ __all__ = [
     "pretty_json",
     "safetensors_header",
     "shard_checksum",
+    "shard_files",
+    "signed_json",
 ]
 
 FORMAT_NAME = "torchsupervisor-checkpoint"
@@ -180,7 +182,11 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """Serialize to the JSON text of ``P.index`` (UTF-8), with its own CRC-32C."""
-        body = {
+        return signed_json(self.body())
+
+    def body(self) -> dict[str, Any]:
+        """The fields of ``P.index`` as JSON values, in file order, without the checksum."""
+        return {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
             "global_step": self.global_step,
@@ -211,8 +217,6 @@ class Manifest:
             },
             "tree": self.tree,
         }
-        body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
-        return pretty_json(body).encode("utf-8")
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
@@ -221,18 +225,8 @@ class Manifest:
         Raises:
             ManifestError: If the text is not a valid manifest or its checksum does not match.
         """
-        try:
-            body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise ManifestError(f"not valid JSON ({e})") from None
-        if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
-            raise ManifestError(f"not a {FORMAT_NAME} manifest")
-        stored = body.pop("manifest_crc32c", None)
-        if stored != crc32c.crc32c(_canonical(body)):
-            raise ManifestError("manifest checksum mismatch")
-        version = body.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ManifestError(f"format_version {version!r} is not supported (expected 1)")
+        body = _checked_body(data)
+        version = body["format_version"]
         try:
             shards = tuple(
                 ShardEntry(
@@ -278,6 +272,55 @@ class Manifest:
             if isinstance(e, ManifestError):
                 raise
             raise ManifestError(f"malformed manifest field ({type(e).__name__}: {e})") from None
+
+
+def signed_json(body: dict[str, Any], expanded: tuple[str, ...] = ("shards", "tensors")) -> bytes:
+    """The text of ``P.index`` for ``body``: ``body`` + ``manifest_crc32c`` (the CRC-32C of
+    its canonical JSON), in ``pretty_json``'s layout, UTF-8."""
+    body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
+    return pretty_json(body, expanded).encode("utf-8")
+
+
+def shard_files(data: bytes) -> tuple[str, ...]:
+    """Return the data files that the manifest ``data`` (the bytes of ``P.index``) names.
+
+    For retention, which reads the manifest of every other checkpoint at each save to learn
+    which data files they still use: the JSON, the format and the manifest's checksum are
+    checked, the tensor table is not (``Manifest.from_bytes`` checks every entry, a cost that
+    grows with the number of tensors).
+
+    Returns:
+        The shard file names (plain names in the index's directory), in shard order.
+
+    Raises:
+        ManifestError: If the text is not a manifest, its checksum does not match, or a shard
+            file is not a plain file name.
+    """
+    body = _checked_body(data)
+    try:
+        return tuple(_shard_file(as_dict(s)["file"]) for s in as_list(body["shards"]))
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ManifestError):
+            raise
+        raise ManifestError(f"malformed manifest field ({type(e).__name__}: {e})") from None
+
+
+def _checked_body(data: bytes) -> dict[str, Any]:
+    """The JSON body of a manifest of our format and version whose checksum matches (the
+    checksum field removed)."""
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ManifestError(f"not valid JSON ({e})") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+        raise ManifestError(f"not a {FORMAT_NAME} manifest")
+    stored = body.pop("manifest_crc32c", None)
+    if stored != crc32c.crc32c(_canonical(body)):
+        raise ManifestError("manifest checksum mismatch")
+    version = body.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ManifestError(f"format_version {version!r} is not supported (expected 1)")
+    return body
 
 
 def pretty_json(body: Mapping[str, Any], expanded: tuple[str, ...] = ("shards", "tensors")) -> str:

@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Iterable
 
-from torchsupervisor.checkpoint.format import MAX_INDEX_BYTES, Manifest, ManifestError
+from torchsupervisor.checkpoint.format import MAX_INDEX_BYTES, ManifestError, shard_files
 from torchsupervisor.storage import BY_PATH, Storage
 from torchsupervisor.storage import paths as url_paths
 
@@ -34,8 +34,9 @@ def referenced_data_files(
     Returns:
         Base names (``model.ckpt-100.data-00000-of-00001``) referenced by the manifest of any
         ``*.index`` in ``directory`` other than the excluded ones. A manifest that cannot be
-        read (damaged, or another format such as TF's) is skipped: it cannot be restored
-        from anyway.
+        read (damaged: its checksum does not match; or another format such as TF's) is
+        skipped: it cannot be restored from anyway. Only the list of shards is read
+        (``format.shard_files``), not every tensor's entry.
     """
     excluded = {url_paths.normpath(p) for p in exclude}
     try:
@@ -51,9 +52,9 @@ def referenced_data_files(
             continue
         try:
             data = storage.read_bytes(prefix + ".index", max_bytes=MAX_INDEX_BYTES)
-            manifest = Manifest.from_bytes(data)
+            files = shard_files(data)
         except (OSError, ManifestError) as e:
             logger.debug("Ignoring the references of %s.index: %s", prefix, e)
             continue
-        referenced.update(shard.file for shard in manifest.shards)
+        referenced.update(files)
     return referenced

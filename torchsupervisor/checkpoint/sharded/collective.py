@@ -166,7 +166,7 @@ def save_sharded(
     TF name: none (``Saver(sharded=True).save`` for TF's parameter servers).
     """
     save = prepare(state, prefix, global_step=global_step, wall_time=(clock or REAL_CLOCK).time())
-    return write_sharded(
+    manifest = write_sharded(
         save,
         process_group=process_group,
         write_state=write_state,
@@ -174,6 +174,7 @@ def save_sharded(
         storage=storage,
         stager=stager,
     )
+    return ShardedManifest.from_bytes(manifest)
 
 
 def write_sharded(
@@ -184,13 +185,17 @@ def write_sharded(
     latest_filename: str | None = None,
     storage: Storage | None = None,
     stager: Stager | None = None,
-) -> ShardedManifest:
+) -> bytes:
     """Write and commit a prepared sharded save (``staging.prepare``): the collective half.
 
     Runs on the training thread (``save_sharded``) or on the writer thread for a save whose
     local data was staged (``staging.stage``); every rank of ``process_group`` calls it for
-    the same save. Arguments, result and errors are ``save_sharded``'s; ``save.error`` is
-    raised on every rank.
+    the same save. Arguments and errors are ``save_sharded``'s; ``save.error`` is raised on
+    every rank.
+
+    Returns:
+        The bytes of the committed ``P.index`` (on every rank; ``ShardedManifest.from_bytes``
+        parses them, which a background save has no use for).
 
     Distributed: a collective of ``process_group``. A background save must use a group that
     the training thread does not use at the same time (``Saver`` makes one).
@@ -238,14 +243,13 @@ def write_sharded(
         writer.roll_back()
         raise failure
     outcome = metadata.storage_data
-    manifest = ShardedManifest.from_bytes(outcome.manifest)
     if outcome.state_file_error is not None:
         raise CheckpointSaveError(
             f"Checkpoint {prefix} was committed but the state file could not be updated (a "
             f"restart still finds it by scanning the directory): {outcome.state_file_error}",
             path=prefix,
         )
-    return manifest
+    return outcome.manifest
 
 
 def load_sharded(

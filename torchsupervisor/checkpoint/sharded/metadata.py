@@ -34,16 +34,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c
 import torch
 
 from torchsupervisor.checkpoint.format import (
     Manifest,
     ManifestError,
-    _canonical,
     dtype_from_code,
     dtype_to_code,
-    pretty_json,
+    signed_json,
 )
 
 __all__ = [
@@ -149,8 +147,7 @@ class ShardedManifest(Manifest):
 
     def to_bytes(self) -> bytes:
         """Serialize to the JSON text of ``P.index``, the chunk layout included in its CRC."""
-        body = json.loads(super().to_bytes().decode("utf-8"))
-        body.pop("manifest_crc32c")
+        body = self.body()
         if self.sharded_tensors:
             tree = body.pop("tree")
             body[SHARDED_TENSORS_KEY] = {
@@ -165,8 +162,7 @@ class ShardedManifest(Manifest):
                 for name, t in self.sharded_tensors.items()
             }
             body["tree"] = tree
-        body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
-        return pretty_json(body, _EXPANDED).encode("utf-8")
+        return signed_json(body, _EXPANDED)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ShardedManifest:

@@ -152,8 +152,8 @@ def flatten_sharded_state(
     """Split the state into a skeleton and a flat table of tensors, DTensors included.
 
     The same as ``state.flatten_state`` (same names, same skeleton, same errors), except that
-    ``DTensor`` leaves are accepted and kept as they are (detached): each rank holds only its
-    local shard of them.
+    ``DTensor`` leaves are accepted and kept as they are (detached if they require
+    gradients): each rank holds only its local shard of them.
 
     Args:
         state: Mapping of names (str) to stateful objects, tensors, arrays or values.
@@ -179,8 +179,11 @@ def flatten_sharded_state(
 
     def walk(obj: Any, path: str) -> Any:
         if dtensor is not None and isinstance(obj, dtensor):
-            check_saveable(obj.to_local(), path)
-            return add(path, obj.detach(), False)
+            # Outside autograd ``to_local`` is an attribute read (1 us, not 11); ``detach`` of
+            # a DTensor is a dispatched operation (16 us) that state dicts have already done.
+            with torch.no_grad():
+                check_saveable(obj.to_local(), path)
+            return add(path, obj.detach() if obj.requires_grad else obj, False)
         if isinstance(obj, torch.Tensor):
             check_saveable(obj, path)
             return add(path, obj.detach(), False)

@@ -100,10 +100,11 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
     if save.error is not None or not save.tensors:
         return
     dtensor = dtensor_class()
-    local = {
-        name: t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
-        for name, t in save.tensors.items()
-    }
+    with torch.no_grad():  # ``to_local`` without an autograd node: 1 us a tensor, not 11.
+        local = {
+            name: t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+            for name, t in save.tensors.items()
+        }
     try:
         snapshot = stager.stage(None, local, step=save.step, wall_time=save.wall_time)
     except TypeError as e:  # Raised inside the collective, so that every rank learns of it.
