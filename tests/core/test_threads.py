@@ -39,9 +39,141 @@ def test_lower_sets_niceness_and_sched_idle_of_the_calling_thread_only():
 @linux_only
 def test_the_checkpoint_writer_and_its_checksum_helper_run_at_idle_priority(tmp_path):
     saver = Saver()
-    saver.save_async(Session({"w": torch.ones(1 << 20)}), str(tmp_path / "m"), 1).result(60)
+    future = saver.save_async(Session({"w": torch.ones(1 << 20)}), str(tmp_path / "m"), 1)
+    for _ in range(6000):  # Polled: a wait (result()) would raise them (threads.hurry).
+        if future.done():
+            break
+        threading.Event().wait(0.01)
+    assert future.done() and future.exception() is None
     threads = {t.name: t.native_id for t in threading.enumerate()}
     for name in ("torchsupervisor-checkpoint-writer", "torchsupervisor-checksums"):
         assert os.getpriority(os.PRIO_PROCESS, threads[name]) == 19, name
         assert os.sched_getscheduler(threads[name]) == os.SCHED_IDLE, name
     saver.close()
+
+
+def _lowered_thread(hurriable: bool):
+    """A thread lowered to nice 19 + SCHED_IDLE, waiting; returns (thread, tid, release, lower)."""
+    started, release, again = threading.Event(), threading.Event(), threading.Event()
+    tid: list[int] = []
+
+    def run():
+        priority.lower(19, idle=True, hurriable=hurriable)
+        tid.append(threading.get_native_id())
+        started.set()
+        while not release.wait(0.01):
+            if again.is_set():  # Lower again, as a background thread does at its next job.
+                again.clear()
+                priority.lower(19, idle=True, hurriable=hurriable)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(60)
+    return thread, tid[0], release, again
+
+
+def _can_raise_priorities() -> bool:
+    thread, tid, release, _ = _lowered_thread(hurriable=False)
+    try:
+        priority._apply(tid, priority.current())
+        return priority.current(tid) == priority.current()
+    finally:
+        release.set()
+        thread.join(60)
+
+
+@linux_only
+def test_hurry_raises_hurriable_threads_to_the_callers_priority_until_they_lower_again():
+    if not _can_raise_priorities():
+        pytest.skip("raising a thread's priority needs CAP_SYS_NICE here")
+    idle = priority.Priority(19, os.SCHED_IDLE)
+    hurriable, h_tid, h_release, h_again = _lowered_thread(hurriable=True)
+    other, o_tid, o_release, _ = _lowered_thread(hurriable=False)
+    try:
+        assert priority.current(h_tid) == idle
+        assert priority.hurry() is True
+        assert priority.current(h_tid) == priority.current()  # Raised to this thread's.
+        assert priority.current(o_tid) == idle  # Not hurriable: left alone.
+        h_again.set()  # Its next job: it lowers itself again.
+        for _ in range(6000):
+            if priority.current(h_tid) == idle:
+                break
+            threading.Event().wait(0.01)
+        assert priority.current(h_tid) == idle
+    finally:
+        h_release.set()
+        o_release.set()
+        hurriable.join(60)
+        other.join(60)
+
+
+@linux_only
+def test_a_refused_hurry_is_logged_once_and_reported(monkeypatch, caplog):
+    thread, _, release, _ = _lowered_thread(hurriable=True)
+
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(priority, "_refusal_logged", False)
+    monkeypatch.setattr(priority.os, "sched_setscheduler", refuse)
+    monkeypatch.setattr(priority.os, "setpriority", refuse)
+    try:
+        with caplog.at_level("WARNING", logger="torchsupervisor"):
+            assert priority.hurry() is False
+            assert priority.hurry() is False
+        warnings = [r for r in caplog.records if "CAP_SYS_NICE" in r.getMessage()]
+        assert len(warnings) == 1
+        assert "Operation not permitted" in warnings[0].getMessage()
+    finally:
+        monkeypatch.undo()
+        release.set()
+        thread.join(60)
+
+
+@linux_only
+@pytest.mark.parametrize("waiter", ["engine.wait", "future.result", "future.exception"])
+def test_a_save_waited_for_runs_at_the_waiters_priority_then_idle_again(waiter):
+    from torchsupervisor.checkpoint.engine import CheckpointEngine
+
+    if not _can_raise_priorities():
+        pytest.skip("raising a thread's priority needs CAP_SYS_NICE here")
+    engine = CheckpointEngine()
+    gate, running = threading.Event(), threading.Event()
+    seen: list[priority.Priority] = []
+
+    def job():
+        running.set()
+        assert gate.wait(60)
+        return priority.current()
+
+    try:
+        future = engine.submit(job)
+        future.add_done_callback(lambda f: seen.append(priority.current()))  # Writer thread.
+        assert running.wait(60)
+        assert priority.current(engine._thread.native_id) == priority.Priority(19, os.SCHED_IDLE)
+        if waiter == "engine.wait":
+            assert engine.wait(0.01) is False
+        else:
+            with pytest.raises(TimeoutError):
+                getattr(future, waiter.split(".")[1])(timeout=0.01)
+        gate.set()
+        assert future.result(60) == priority.current()  # The job ran raised to ours...
+        assert seen == [priority.Priority(19, os.SCHED_IDLE)]  # ...and idle once it ended.
+    finally:
+        gate.set()
+        engine.close()
+
+
+@linux_only
+def test_the_checksum_helper_takes_its_callers_priority_when_each_job_starts():
+    from torchsupervisor.checkpoint.commit import _Beside
+
+    idle = priority.Priority(19, os.SCHED_IDLE)
+
+    def from_lowered_thread():
+        priority.lower(19, idle=True)
+        return _Beside(priority.current).result()
+
+    assert _in_thread(from_lowered_thread) == idle
+    if _can_raise_priorities():  # Raising the helper back needs CAP_SYS_NICE.
+        assert _Beside(priority.current).result() == priority.current()

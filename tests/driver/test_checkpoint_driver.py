@@ -227,3 +227,23 @@ def test_abandon_cancels_the_save_in_flight(tmp_path):
     assert driver.abandon(JOIN_SECS)
     assert not driver.in_flight and driver.last_step is None
     assert _steps(tmp_path) == []
+
+
+def test_waiting_for_the_save_in_flight_hurries_it(tmp_path, monkeypatch):
+    """A wait (``wait``, ``final``) first raises the writer to the waiter's CPU priority."""
+    from torchsupervisor.core import threads
+
+    hurried: list[bool] = []
+    monkeypatch.setattr(threads, "hurry", lambda: hurried.append(True) or True)
+    storage = GatedStorage()
+    gate = storage.hold("fsync", timeout_secs=JOIN_SECS)
+    _, _, sess, _, driver = _setup(tmp_path, storage)
+    assert driver.wait(0) and hurried == []  # Nothing in flight: nothing to hurry.
+    driver.request(sess)
+    sess.boundary.run_pending()
+    assert gate.reached.wait(JOIN_SECS)
+    assert driver.wait(0) is False  # Timed out, after hurrying the save.
+    assert hurried
+    gate.open()
+    assert driver.wait(JOIN_SECS)
+    driver.close()

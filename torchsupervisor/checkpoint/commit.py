@@ -171,7 +171,8 @@ class _Beside:
     One daemon helper thread serves every save in turn (starting a thread per save costs
     milliseconds on a busy machine: the new thread must get a core and the GIL before
     ``start()`` returns). The checkpoint writer runs at a low priority so that training does
-    not wait for it; the helper runs at the writer's priority, never above it.
+    not wait for it; the helper runs at the writer's priority as it is when the job starts
+    (raised if training waits for the save: ``threads.hurry``), never above it.
 
     Thread safety: create from the writer thread; ``result()`` from the same thread.
     """
@@ -181,7 +182,7 @@ class _Beside:
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self._fn = fn
-        self._priority = priority.current()
+        self._caller = threading.get_native_id()  # Whose priority the job runs at.
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
@@ -228,14 +229,13 @@ class _Beside:
 
 
 def _serve(jobs: queue.SimpleQueue[_Beside | None]) -> None:
-    current = None
     while True:
         job = jobs.get()
         if job is None:
             return
-        if job._priority != current:
-            priority.restore(job._priority)
-            current = job._priority
+        # The caller's priority now (four system calls a job): ``threads.hurry`` may have
+        # raised the caller, or this thread, since the job was made.
+        priority.restore(priority.current(job._caller), hurriable=True)
         job._run()
         del job  # Do not keep the last snapshot alive while idle.
 

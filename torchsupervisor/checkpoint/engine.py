@@ -15,7 +15,10 @@ from the training loop's parallel operators, and an operator parallel over all c
 speed of its slowest thread: measured here, a background CRC pass at normal priority cut
 training to 36% of its speed, at nice 19 to 93-98%, under ``SCHED_IDLE`` to 97-99%. The write
 then progresses in the gaps the training leaves; when training stops (or a save is synchronous)
-it runs at full speed.
+it runs at full speed. On a machine that other processes keep busy the idle priority would
+starve a save that training waits for (the final checkpoint, the save before a synchronous one):
+``wait`` first raises the writer (and its checksum helper) to the waiting thread's priority
+(``threads.hurry``), and the writer lowers itself again at its next job.
 
 The thread is a daemon, but interpreter exit waits for a save being written (an ``atexit``
 hook registered at the first save) rather than abandoning it half-way.
@@ -113,18 +116,20 @@ class CheckpointEngine:
         with self._lock:
             if self.in_flight:
                 raise RuntimeError("A checkpoint is already being written")
-            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            future: concurrent.futures.Future[Any] = _Save()
             future.set_running_or_notify_cancel()
             self._future = future
             _in_flight.add(future)
             if self._thread is None:
+                lowered = threading.Event()
                 self._thread = threading.Thread(
                     target=_work,
-                    args=(self._jobs, self._niceness),
+                    args=(self._jobs, self._niceness, lowered),
                     name="torchsupervisor-checkpoint-writer",
                     daemon=True,
                 )
                 self._thread.start()
+                lowered.wait()  # A ``hurry`` from now on is not undone by the first lowering.
             self._jobs.put((future, job, args))
             return future
 
@@ -137,8 +142,19 @@ class CheckpointEngine:
         future = self._future
         if future is None or future.done():  # The usual case: nothing to wait for.
             return True
+        self.hurry()
         done, _ = concurrent.futures.wait([future], timeout=timeout_secs)
         return bool(done)
+
+    def hurry(self) -> None:
+        """Raise the writer to the calling thread's CPU priority until its job ends.
+
+        For a caller about to wait for the job in flight (``wait`` does it): under the idle
+        priority a busy machine would leave the job almost no CPU. Nothing happens when
+        nothing is in flight, or where the system refuses (logged once).
+        """
+        if self.in_flight:
+            priority.hurry()
 
     def abandon(self) -> None:
         """Wait at most ``ABANDONED_EXIT_WAIT_SECS`` from now for the job in flight at exit.
@@ -162,23 +178,49 @@ class CheckpointEngine:
             thread.join()
 
 
+class _Save(concurrent.futures.Future):
+    """A job's future whose ``result`` and ``exception`` hurry the job before waiting for it.
+
+    A caller waiting for a save (``future.result()``) should not wait for a thread that the
+    machine's other processes starve: see ``CheckpointEngine.hurry``.
+    """
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            priority.hurry()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            priority.hurry()
+        return super().exception(timeout)
+
+
 def _close_all() -> None:
     """End the writer threads of every engine (after their saves); for tests and forks."""
     for engine in list(_engines):
         engine.close()
 
 
-def _work(jobs: queue.SimpleQueue[_Job | None], niceness: int) -> None:
-    priority.lower(niceness, idle=True)
+def _work(jobs: queue.SimpleQueue[_Job | None], niceness: int, lowered: threading.Event) -> None:
+    priority.lower(niceness, idle=True, hurriable=True)
+    lowered.set()
     while True:
         item = jobs.get()
         if item is None:
             return
         future, job, args = item
+        result: Any = None
+        error: BaseException | None = None
         try:
             result = job(*args)
         except BaseException as e:
-            future.set_exception(e)
-        else:
+            error = e
+        # A wait for this job may have raised the thread (``hurry``): lower it again before
+        # the job is reported done, so that no wait for the next job can come in between.
+        priority.lower(niceness, idle=True, hurriable=True)
+        if error is None:
             future.set_result(result)
+        else:
+            future.set_exception(error)
         del item, future, job, args  # Do not keep the last snapshot alive while idle.

@@ -37,6 +37,7 @@ from typing import Any
 
 from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
 
+from torchsupervisor.core import threads
 from torchsupervisor.core.clock import REAL_CLOCK, Clock, Deadline
 from torchsupervisor.core.global_step import read_step
 
@@ -356,6 +357,8 @@ class CheckpointDriver:
                 logger.warning("Not waiting for the abandoned checkpoint save (stuck)")
                 return True
             self._stuck = False
+        if self.in_flight:
+            threads.hurry()  # Waited for: the save runs at this thread's CPU priority.
         return deadline.wait(self._idle)
 
     def abandon(self, timeout_secs: float) -> bool:
