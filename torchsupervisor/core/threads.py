@@ -40,6 +40,17 @@ _SCHED_IDLE = getattr(os, "SCHED_IDLE", None)
 
 # Background threads that ``hurry`` raises while another thread waits for their work.
 _hurriable: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_hurriable_lock = threading.Lock()  # Registrations and ``hurry``'s copy of the set.
+
+
+def _forget_threads() -> None:
+    """In a forked child only the forking thread exists (and the lock may be held)."""
+    global _hurriable, _hurriable_lock
+    _hurriable, _hurriable_lock = weakref.WeakSet(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_threads)
 _refusal_logged = False
 
 
@@ -103,7 +114,8 @@ def restore(priority: Priority, *, hurriable: bool = False) -> None:
     if not _LINUX:
         return
     if hurriable:
-        _hurriable.add(threading.current_thread())
+        with _hurriable_lock:
+            _hurriable.add(threading.current_thread())
     _apply(threading.get_native_id(), priority)
 
 
@@ -125,7 +137,9 @@ def hurry() -> bool:
     target = current()
     me = threading.current_thread()
     refused = None
-    for thread in list(_hurriable):
+    with _hurriable_lock:
+        hurriable = list(_hurriable)
+    for thread in hurriable:
         tid = thread.native_id
         if thread is me or tid is None or not thread.is_alive():
             continue
