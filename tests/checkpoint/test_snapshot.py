@@ -71,6 +71,33 @@ def test_snapshot_holds_exact_values_and_never_sees_later_mutations():
     assert snapshot.step == 5
 
 
+def test_tensors_are_the_staged_copies_made_once_per_buffer_set():
+    import dataclasses
+
+    stager = Stager()
+    tensors = _tensors()
+    first = stager.stage({}, tensors, step=1, wall_time=1.0)
+    copies = first.tensors()
+    assert copies.keys() == tensors.keys()
+    for name, value in tensors.items():
+        assert torch.equal(copies[name], value), name
+    # Without the views made at allocation, the same tensors are built from the layout.
+    built = dataclasses.replace(first, views=None).tensors()
+    assert built.keys() == copies.keys()
+    for name, copy in copies.items():
+        assert torch.equal(built[name], copy) and built[name].shape == copy.shape, name
+    stager.release(first)
+    second = stager.stage(
+        {},
+        {k: v + 1 if v.dtype.is_floating_point else v for k, v in tensors.items()},
+        step=2,
+        wall_time=2.0,
+    )
+    again = second.tensors()
+    assert all(again[n] is copies[n] for n in copies)  # The same views over reused buffers...
+    assert torch.equal(again["a_f32"], tensors["a_f32"] + 1)  # ...holding the new values.
+
+
 def test_buffers_are_reused_for_the_same_layout_only():
     stager = Stager()
     tensors = {"w": torch.randn(64), "b": torch.randn(8)}

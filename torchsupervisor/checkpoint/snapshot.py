@@ -112,6 +112,8 @@ class Snapshot:
             (None for a tensor without one, or one that is not reusable: a later snapshot
             never references it).
         references: Tensors not copied because they are unchanged since they were committed.
+        views: Every copied tensor as a host tensor over its staging buffer, made once per
+            buffer set (``tensors``).
     """
 
     step: int | None
@@ -121,6 +123,7 @@ class Snapshot:
     buffers: tuple[torch.Tensor, ...]
     sources: dict[str, tuple[torch.Tensor, int | None]] = field(default_factory=dict)
     references: dict[str, Committed] = field(default_factory=dict)
+    views: Mapping[str, torch.Tensor] | None = None
 
     def shard_view(self, shard: int) -> memoryview:
         """Return the bytes of shard ``shard`` (a view on its staging buffer, no copy)."""
@@ -136,6 +139,8 @@ class Snapshot:
 
         Valid until the snapshot is released; references (``references``) are not included.
         """
+        if self.views is not None:
+            return dict(self.views)
         out: dict[str, torch.Tensor] = {}
         for buffer, shard in zip(self.buffers, self.layout.shards, strict=True):
             for name, entry in shard.entries:
@@ -167,11 +172,13 @@ class _Staging:
     layout: Layout
     buffers: tuple[torch.Tensor, ...]
     destinations: tuple[tuple[str, torch.Tensor], ...]
+    views: dict[str, torch.Tensor]  # The destinations, and the tensors of no bytes.
 
     @classmethod
     def allocate(cls, signature: tuple[Any, ...], layout: Layout, pin: bool) -> _Staging:
         buffers = []
         destinations = []
+        views = {}
         for shard_layout in layout.shards:
             buffer = _aligned_empty(shard_layout.size_bytes, pin)
             base = shard_layout.data_offset
@@ -179,9 +186,12 @@ class _Staging:
             buffer[:base].copy_(header)
             for name, entry in shard_layout.entries:
                 if entry.end > entry.begin:
-                    destinations.append((name, _entry_view(buffer, base, entry)))
+                    views[name] = _entry_view(buffer, base, entry)
+                    destinations.append((name, views[name]))
+                else:
+                    views[name] = torch.empty(entry.shape, dtype=entry.dtype)
             buffers.append(buffer)
-        return cls(signature, layout, tuple(buffers), tuple(destinations))
+        return cls(signature, layout, tuple(buffers), tuple(destinations), views)
 
 
 def _signature(tensors: dict[str, torch.Tensor], max_shard_bytes: int | None) -> tuple[Any, ...]:
@@ -251,7 +261,14 @@ class Stager:
         if on_gpu:
             torch.cuda.synchronize()
         snapshot = Snapshot(
-            step, wall_time, tree, staging.layout, staging.buffers, sources, references
+            step,
+            wall_time,
+            tree,
+            staging.layout,
+            staging.buffers,
+            sources,
+            references,
+            staging.views,
         )
         with self._lock:
             self._in_use[id(snapshot)] = staging
