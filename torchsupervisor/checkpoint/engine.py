@@ -17,8 +17,9 @@ training to 36% of its speed, at nice 19 to 93-98%, under ``SCHED_IDLE`` to 97-9
 then progresses in the gaps the training leaves; when training stops (or a save is synchronous)
 it runs at full speed. On a machine that other processes keep busy the idle priority would
 starve a save that training waits for (the final checkpoint, the save before a synchronous one):
-``wait`` first raises the writer (and its checksum helper) to the waiting thread's priority
-(``threads.hurry``), and the writer lowers itself again at its next job.
+``wait`` (and the job's future, in ``result``) first raises the writer and its checksum helper to
+the waiting thread's priority (``threads.hurry``); the writer lowers itself again before it
+reports the job done.
 
 The thread is a daemon, but interpreter exit waits for a save being written (an ``atexit``
 hook registered at the first save) rather than abandoning it half-way.

@@ -284,7 +284,8 @@ class Saver:
         Returns:
             A future resolving to the prefix once committed, or to the error of the write
             (``CheckpointSaveError``; also for a directory that does not exist, which the
-            writer checks, with ``save``'s text).
+            writer checks, with ``save``'s text). While a thread waits in its ``result()``,
+            the write runs at that thread's CPU priority (``docs/checkpoints.md``).
 
         Raises:
             ValueError, TypeError: As ``save``, for problems found before the copy.

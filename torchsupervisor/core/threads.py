@@ -15,9 +15,9 @@ a 100 MB save that a synchronous write commits in 0.1 s took 2.5 to 5 s on the i
 writer while training waited for it. So a thread that waits for background work first raises
 the *hurriable* background threads to its own priority (``hurry``): the work it waits for
 runs as if the thread ran it itself (priority inheritance), and each such thread lowers itself
-again at its next job. Raising a priority needs ``CAP_SYS_NICE`` (root has it) or a
-``RLIMIT_NICE`` that allows it; where the system refuses, the refusal is logged once and the
-wait takes what the machine leaves.
+again once that job has ended. Raising a priority needs ``CAP_SYS_NICE`` (root outside a
+container has it; containers lack it unless granted) or a ``RLIMIT_NICE`` that allows it; where
+the system refuses, the refusal is logged once and the wait takes what the machine leaves.
 
 Elsewhere (macOS, Windows) these calls do nothing.
 """
@@ -41,6 +41,7 @@ _SCHED_IDLE = getattr(os, "SCHED_IDLE", None)
 # Background threads that ``hurry`` raises while another thread waits for their work.
 _hurriable: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 _hurriable_lock = threading.Lock()  # Registrations and ``hurry``'s copy of the set.
+_refusal_logged = False
 
 
 def _forget_threads() -> None:
@@ -51,7 +52,6 @@ def _forget_threads() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_threads)
-_refusal_logged = False
 
 
 class Priority(NamedTuple):
@@ -88,7 +88,7 @@ def lower(niceness: int, *, idle: bool = False, hurriable: bool = False) -> None
         niceness: The ``nice`` value (1 to 19); 0 or less leaves the thread as it is.
         idle: Also run the thread under ``SCHED_IDLE`` (only when a core would otherwise idle).
         hurriable: Let ``hurry`` raise the thread while another thread waits for its work
-            (it must then call ``lower`` again at the start of each job).
+            (it must then lower itself again when the job it was raised for has ended).
 
     Errors are logged at debug level and ignored: a thread that keeps its priority works.
 
@@ -123,7 +123,8 @@ def hurry() -> bool:
     """Raise the hurriable background threads to the calling thread's priority.
 
     For a thread about to wait for their work (a save in flight): see the module docstring.
-    Each raised thread keeps the priority until it lowers itself again at its next job.
+    Each raised thread keeps the priority until it lowers itself again (the checkpoint writer
+    when its job ends, the checksum helper when its next job starts).
 
     Returns:
         False if the system refused to raise a thread (no ``CAP_SYS_NICE``; logged once at
