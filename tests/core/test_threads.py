@@ -177,3 +177,42 @@ def test_the_checksum_helper_takes_its_callers_priority_when_each_job_starts():
     assert _in_thread(from_lowered_thread) == idle
     if _can_raise_priorities():  # Raising the helper back needs CAP_SYS_NICE.
         assert _Beside(priority.current).result() == priority.current()
+
+
+@linux_only
+def test_upload_parts_go_at_the_priority_of_the_sender_raised_when_it_is_hurried(memory_url):
+    from torchsupervisor.storage import ObjectStorage, storage_for
+
+    if not _can_raise_priorities():
+        pytest.skip("raising a thread's priority needs CAP_SYS_NICE here")
+    storage = ObjectStorage(storage_for(memory_url).client, part_bytes=5 << 20, max_concurrency=2)
+    client = storage.client
+    started, hurried = threading.Semaphore(0), threading.Event()
+    seen: list[priority.Priority] = []
+    send = client.upload_part
+
+    def recording(*args, **kwargs):
+        seen.append(priority.current())
+        started.release()
+        assert hurried.wait(60)
+        seen.append(priority.current())
+        return send(*args, **kwargs)
+
+    client.upload_part = recording
+
+    def put_from_the_writer():  # Lowered and hurriable, as the checkpoint writer is.
+        priority.lower(19, idle=True, hurriable=True)
+        storage.put(f"{memory_url}/model.bin", [bytes(12 << 20)])  # Three parts.
+
+    writer = threading.Thread(target=put_from_the_writer)
+    writer.start()
+    try:
+        assert started.acquire(timeout=60) and started.acquire(timeout=60)  # Two in flight.
+        idle = priority.Priority(19, os.SCHED_IDLE)
+        assert seen == [idle, idle]
+        assert priority.hurry() is True  # Training waits for the save.
+    finally:
+        hurried.set()
+        writer.join(60)
+    normal = priority.current()
+    assert seen[2:] == [normal] * 4  # The parts in flight raised, the third one too.

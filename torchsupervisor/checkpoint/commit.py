@@ -235,7 +235,7 @@ def _serve(jobs: queue.SimpleQueue[_Beside | None]) -> None:
             return
         # The caller's priority now (four system calls a job): ``threads.hurry`` may have
         # raised the caller, or this thread, since the job was made.
-        priority.restore(priority.current(job._caller), hurriable=True)
+        priority.follow(job._caller)
         job._run()
         del job  # Do not keep the last snapshot alive while idle.
 

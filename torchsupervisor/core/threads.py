@@ -31,7 +31,7 @@ import threading
 import weakref
 from typing import NamedTuple
 
-__all__ = ["Priority", "current", "hurry", "lower", "restore"]
+__all__ = ["Priority", "current", "follow", "hurry", "lower", "restore"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -117,6 +117,18 @@ def restore(priority: Priority, *, hurriable: bool = False) -> None:
         with _hurriable_lock:
             _hurriable.add(threading.current_thread())
     _apply(threading.get_native_id(), priority)
+
+
+def follow(tid: int) -> None:
+    """Take the priority that thread ``tid`` has now; be hurriable, as it is.
+
+    For a helper thread at the start of each job it does for ``tid`` (the checkpoint writer's
+    checksums, an object's upload parts): it runs at the writer's priority, raised if training
+    waits for the save (``hurry``), and lower again once the writer is.
+
+    Thread safety: changes the calling thread only.
+    """
+    restore(current(tid), hurriable=True)
 
 
 def hurry() -> bool:

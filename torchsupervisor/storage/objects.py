@@ -42,6 +42,7 @@ from collections.abc import Iterable
 
 import crc32c
 
+from torchsupervisor.core import threads as priority
 from torchsupervisor.errors import (
     NotRegularFileError,
     OutsideDirectoryError,
@@ -301,6 +302,7 @@ class _MultipartUpload:
         )
         self._room = threading.Semaphore(storage.max_concurrency)
         self._futures: list[concurrent.futures.Future[object]] = []
+        self._sender = threading.get_native_id()  # Whose CPU priority the parts go at.
 
     def send(self, part: bytearray) -> None:
         """Queue ``part`` (taken over, not copied); blocks while the pool is full."""
@@ -318,6 +320,9 @@ class _MultipartUpload:
 
     def _send(self, number: int, part: bytearray) -> object:
         try:
+            # At the sender's priority (the idle checkpoint writer's, or raised to training's
+            # while training waits for the save: ``threads.hurry``).
+            priority.follow(self._sender)
             return self._client.upload_part(self._upload, number, part, crc=crc32c.crc32c(part))
         finally:
             self._room.release()
