@@ -166,7 +166,7 @@ def save_sharded(
     TF name: none (``Saver(sharded=True).save`` for TF's parameter servers).
     """
     save = prepare(state, prefix, global_step=global_step, wall_time=(clock or REAL_CLOCK).time())
-    manifest = write_sharded(
+    committed = write_sharded(
         save,
         process_group=process_group,
         write_state=write_state,
@@ -174,7 +174,7 @@ def save_sharded(
         storage=storage,
         stager=stager,
     )
-    return ShardedManifest.from_bytes(manifest)
+    return ShardedManifest.from_bytes(committed)
 
 
 def write_sharded(
