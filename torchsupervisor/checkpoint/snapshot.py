@@ -123,7 +123,7 @@ class Snapshot:
     buffers: tuple[torch.Tensor, ...]
     sources: dict[str, tuple[torch.Tensor, int | None]] = field(default_factory=dict)
     references: dict[str, Committed] = field(default_factory=dict)
-    views: Mapping[str, torch.Tensor] | None = None
+    views: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def shard_view(self, shard: int) -> memoryview:
         """Return the bytes of shard ``shard`` (a view on its staging buffer, no copy)."""
@@ -139,16 +139,7 @@ class Snapshot:
 
         Valid until the snapshot is released; references (``references``) are not included.
         """
-        if self.views is not None:
-            return dict(self.views)
-        out: dict[str, torch.Tensor] = {}
-        for buffer, shard in zip(self.buffers, self.layout.shards, strict=True):
-            for name, entry in shard.entries:
-                if entry.end == entry.begin:
-                    out[name] = torch.empty(entry.shape, dtype=entry.dtype)
-                    continue
-                out[name] = _entry_view(buffer, shard.data_offset, entry)
-        return out
+        return dict(self.views)
 
 
 def _entry_view(buffer: torch.Tensor, data_offset: int, entry: TensorEntry) -> torch.Tensor:
