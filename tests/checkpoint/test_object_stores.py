@@ -127,6 +127,32 @@ def test_a_start_cleans_what_a_crash_left(url, caplog):
     assert upload.key not in [u.key for u in storage.client.list_uploads("")]
 
 
+def test_a_start_records_a_checkpoint_committed_after_the_state_file(url, caplog):
+    """A kill between a manifest and the state-file update (seen in the S3 demo test): the
+    restart resumes from the newer checkpoint and, even if it saves nothing, the state file
+    names it."""
+    sess = Session({"w": torch.ones(8), "global_step": ts.GlobalStep()})
+    saver = Saver()
+    try:
+        saver.save(sess, f"{url}/model.ckpt", 1)
+        sess.state["w"].fill_(2.0)
+        saver.save(sess, f"{url}/model.ckpt", 2, write_state=False)
+    finally:
+        saver.close()
+    assert latest_checkpoint(url) == f"{url}/model.ckpt-1"
+
+    state = {"w": torch.zeros(8), "global_step": ts.GlobalStep()}
+    sv = ts.Supervisor(logdir=url, state=state, save_model_secs=0, save_summaries_secs=0)
+    with caplog.at_level("WARNING", logger="torchsupervisor"), sv.managed_session():
+        assert torch.equal(state["w"], torch.full((8,), 2.0))
+    assert latest_checkpoint(url) == f"{url}/model.ckpt-2"
+    assert get_checkpoint_state(url).all_model_checkpoint_paths == [
+        f"{url}/model.ckpt-1",
+        f"{url}/model.ckpt-2",
+    ]
+    assert f"Recorded {url}/model.ckpt-2 in the state file" in caplog.text
+
+
 class _FullBucket:
     """A real client whose checkpoint uploads are refused while ``full`` is set, as a full
     bucket (or a store refusing a part) refuses them; everything else goes through."""

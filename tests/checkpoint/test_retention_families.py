@@ -22,7 +22,7 @@ from supervisor_helpers import Trainer
 
 import torchsupervisor as ts
 from torchsupervisor import CheckpointReader, Saver, Session, get_checkpoint_state
-from torchsupervisor.checkpoint.recovery import plan_restore
+from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, plan_restore
 from torchsupervisor.storage.lock import LOCK_FILENAME
 from torchsupervisor.testing import FakeClock, FaultyStorage
 
@@ -163,11 +163,56 @@ def test_a_checkpoint_committed_before_the_state_file_update_is_adopted(tmp_path
     with sv.managed_session() as sess:
         assert sess.restored_checkpoint == str(tmp_path / "model.ckpt-5")
         assert sv.saver.last_checkpoints[-2:] == plan.adopted
+        # Recorded at the start, before any save: a run with nothing left to do makes none.
+        assert ts.latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-5")
+        listed = get_checkpoint_state(str(tmp_path)).all_model_checkpoint_paths
+        assert [os.path.basename(p) for p in listed][-2:] == ["model.ckpt-4", "model.ckpt-5"]
         for _ in range(3):
             sess.run(trainer.train_step)
             sv.checkpoint()
     committed = sorted(n for n in os.listdir(tmp_path) if n.endswith(".index"))
     assert committed == ["model.ckpt-6.index", "model.ckpt-7.index", "model.ckpt-8.index"]
+
+
+def test_the_start_records_checkpoints_committed_after_the_state_file(tmp_path, caplog):
+    """``clean_checkpoint_dir`` (the chief's start) brings the state file up to date, with
+    relative paths, and says so; an unlisted older checkpoint leaves it alone."""
+    sess = Session({"w": torch.zeros(1)})
+    Saver().save(sess, str(tmp_path / "m"), 1, write_state=False)  # Older, unlisted: kept as is.
+    saver = Saver()
+    for step in (2, 3):
+        saver.save(sess, str(tmp_path / "m"), step)
+    state_file = tmp_path / "checkpoint"
+    before = (state_file.read_bytes(), state_file.stat().st_mtime_ns)
+    clean_checkpoint_dir(str(tmp_path))
+    assert (state_file.read_bytes(), state_file.stat().st_mtime_ns) == before
+
+    Saver().save(sess, str(tmp_path / "m"), 4, write_state=False)  # The crash came here.
+    with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
+        clean_checkpoint_dir(str(tmp_path))
+    assert state_file.read_text() == (
+        'model_checkpoint_path: "m-4"\n'
+        'all_model_checkpoint_paths: "m-2"\n'
+        'all_model_checkpoint_paths: "m-3"\n'
+        'all_model_checkpoint_paths: "m-4"\n'
+    )
+    assert f"Recorded {tmp_path / 'm-4'} in the state file of {tmp_path}" in caplog.text
+    caplog.clear()
+    clean_checkpoint_dir(str(tmp_path))  # Up to date now: not written again.
+    assert "Recorded" not in caplog.text
+
+
+def test_a_state_file_that_cannot_be_updated_at_the_start_is_reported(tmp_path, caplog):
+    sess = Session({"w": torch.zeros(1)})
+    Saver().save(sess, str(tmp_path / "m"), 1)
+    Saver().save(sess, str(tmp_path / "m"), 2, write_state=False)
+    storage = FaultyStorage()
+    storage.fail("rename", path_contains="checkpoint", errno=errno.EPERM, times=None)
+    with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
+        clean_checkpoint_dir(str(tmp_path), storage=storage)
+    assert f"Could not record {tmp_path / 'm-2'} in the state file of {tmp_path}" in caplog.text
+    assert get_checkpoint_state(str(tmp_path)).model_checkpoint_path == str(tmp_path / "m-1")
+    assert plan_restore(str(tmp_path)).candidates[0] == str(tmp_path / "m-2")
 
 
 def test_without_a_state_file_every_committed_checkpoint_is_adopted(tmp_path):

@@ -1,7 +1,8 @@
 """Restarting from a directory: what a crash left, the checkpoint to resume from, what to track.
 
 ``clean_checkpoint_dir`` removes what a crash left (temporary files, checkpoints without an
-index, checkpoints retention was deleting), at the chief's start.
+index, checkpoints retention was deleting) and brings a state file that a crash left behind
+up to date, at the chief's start.
 
 ``plan_restore`` reads a directory once and answers both questions of a restart. It is the one
 code path of every restart (``SessionManager``) and of the tools that predict one
@@ -46,7 +47,11 @@ from torchsupervisor.checkpoint.files import (
     remove_checkpoint,
 )
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.state_file import read_checkpoint_state, read_pending_deletions
+from torchsupervisor.checkpoint.state_file import (
+    read_checkpoint_state,
+    read_pending_deletions,
+    update_checkpoint_state_internal,
+)
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
 from torchsupervisor.storage import BY_PATH, Storage
 from torchsupervisor.storage import paths as url_paths
@@ -128,7 +133,8 @@ class RestorePlan:
 
 def clean_checkpoint_dir(directory: str | os.PathLike, *, storage: Storage = BY_PATH) -> None:
     """Remove what a crash left in ``directory``: temporaries, uncommitted checkpoints, and the
-    checkpoints retention was deleting.
+    checkpoints retention was deleting; record in the state file the checkpoints committed
+    after its last update.
 
     An uncommitted checkpoint is one with data files and no index (``find_incomplete_
     checkpoints``); its data files that a committed checkpoint still references (an
@@ -138,6 +144,10 @@ def clean_checkpoint_dir(directory: str | os.PathLike, *, storage: Storage = BY_
     the deletion) is deleted, if the state file does not list it and it is older than the
     state file's newest checkpoint. Each checkpoint whose files are really removed is logged
     at WARNING level with the files' count; failures to remove are logged and ignored.
+    Committed checkpoints newer than the state file's newest entry (the crash came between a
+    commit and the state-file update) are added to it, the newest as ``model_checkpoint_path``,
+    so that ``latest_checkpoint`` names the checkpoint a restart resumes from even before the
+    next save (logged at WARNING level; a failure to write is logged and ignored).
 
     Args:
         directory: The checkpoint directory (a missing one has nothing to clean).
@@ -158,6 +168,58 @@ def clean_checkpoint_dir(directory: str | os.PathLike, *, storage: Storage = BY_
     _finish_pending_deletions(directory, storage)
     for prefix in find_incomplete_checkpoints(directory, storage=storage):
         _remove(prefix, storage, "incomplete checkpoint", "no index: the save did not finish")
+    _record_adopted(directory, storage)
+
+
+def _record_adopted(directory: str, storage: Storage) -> None:
+    """Name in the state file the checkpoints committed after its last update.
+
+    A crash between a checkpoint's commit (its index) and the state-file update leaves a
+    state file that names an older checkpoint: a restart resumes from the newer one anyway
+    (``plan_restore``), but ``latest_checkpoint`` and every tool that reads the state file
+    would name the older one until the next save, and a restarted run with nothing left to do
+    makes none. The state file is rewritten as the restarted ``Saver`` will keep it: the
+    newest adopted checkpoint first, the tracked list oldest first (relative paths). A
+    missing or unusable state file is left alone (see the module docstring).
+    """
+    state, error = read_checkpoint_state(directory, storage=storage)
+    if state is None or error is not None:
+        return
+    listed = {url_paths.normpath(p) for p in state.all_model_checkpoint_paths}
+    listed.add(url_paths.normpath(state.model_checkpoint_path))
+    try:
+        names = storage.list(directory)
+    except OSError:
+        return
+    unlisted = [
+        name
+        for name in names
+        if name.endswith(".index")
+        and url_paths.normpath(os.path.join(directory, name[: -len(".index")])) not in listed
+    ]
+    if not unlisted:  # The usual start: no crash came between a commit and the state file.
+        return
+    plan = plan_restore(directory, storage=storage)
+    if not plan.adopted:
+        return
+    newest = plan.adopted[-1]
+    try:
+        update_checkpoint_state_internal(
+            directory,
+            newest,
+            all_model_checkpoint_paths=[p for p in plan.tracked if p != newest] + [newest],
+            save_relative_paths=True,
+            storage=storage,
+        )
+    except (OSError, RuntimeError) as e:
+        logger.warning("Could not record %s in the state file of %s: %s", newest, directory, e)
+        return
+    logger.warning(
+        "Recorded %s in the state file of %s: it was committed after the state file's last "
+        "update (the last run stopped in between)",
+        newest,
+        directory,
+    )
 
 
 def _remove(prefix: str, storage: Storage, what: str, why: str) -> None:
