@@ -15,7 +15,8 @@ import safetensors.torch
 import torch
 from test_sharded import REFERENCE, _build, _files, _full_tensors, _state, _train_step
 
-from torchsupervisor import Saver, latest_checkpoint
+from torchsupervisor import CheckpointReader, Saver, latest_checkpoint
+from torchsupervisor.checkpoint.sharded import writer as writer_module
 from torchsupervisor.checkpoint.writers import ShardedWriter
 from torchsupervisor.testing import FaultyStorage, run_world
 
@@ -41,6 +42,16 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
         return persist(self, *args)
 
     ShardedWriter.persist = gated
+    placed = []  # What each shard write found in place: (bytes in place, chunks copied after).
+    in_place_shard = writer_module.in_place_shard
+
+    def recorded(staged, tensors):
+        out = in_place_shard(staged, tensors)
+        end = out[0][-1][1].end if out else 0
+        placed.append(None if out is None else (out[2][0].nbytes, len(out[2]) - 1, end))
+        return out
+
+    writer_module.in_place_shard = recorded
     saver = Saver(var_list=state, max_to_keep=None)
     save_path = os.path.join(directory, "model.ckpt")
     future = saver.save_async(None, save_path, global_step=3)
@@ -59,6 +70,7 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
     _train_step(model, optimizer, 5)
     assert second.result(WAIT_SECS).endswith("model.ckpt-5")
     saver.close()
+    writer_module.in_place_shard = in_place_shard
     # Restore each into fresh values: the state of its step, not the one changed after it.
     equal = []
     for prefix, expected, step in ((first, reference, 3), (second.result(), reference5, 5)):
@@ -77,6 +89,7 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
         "equal": equal,
         "stall": stats.stall_secs,
         "total": stats.total_secs,
+        "placed": placed,
     }
 
 
@@ -104,7 +117,17 @@ def test_an_async_sharded_save_is_the_state_at_its_step_while_training_goes_on(t
         assert result["first"] == "model.ckpt-3"
         assert result["equal"] == [True, True]  # Steps 3 and 5, each as it was.
         assert result["stall"] < result["total"]
+        # Both shards of both saves were written from the staging buffers, the local shards
+        # in place (header + data, most of the file) and the replicated tensors that DCP
+        # gave the rank (Adam's steps) copied after them.
+        assert len(result["placed"]) == 2 and None not in result["placed"], result
+        for in_place, copied, data in result["placed"]:
+            assert in_place > data > 0 and copied in (0, 1)
     assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-5")
+    for prefix in ("model.ckpt-3", "model.ckpt-5"):
+        CheckpointReader(str(tmp_path / prefix)).verify()  # Every byte against its CRC-32C.
+        for shard in sorted(tmp_path.glob(f"{prefix}.data-*")):
+            assert safetensors.torch.load_file(str(shard))  # A valid safetensors file.
     names = _files(tmp_path)
     assert {"model.ckpt-3.index", "model.ckpt-5.index", "checkpoint"} <= names
     assert not [n for n in names if ".tmp" in n]

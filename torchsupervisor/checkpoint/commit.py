@@ -350,15 +350,18 @@ def retire(storage: Storage, prefix: str, finals: list[str]) -> None:
 
 
 def put_shard(
-    storage: Storage, path: str, view: memoryview, cancel: threading.Event | None = None
+    storage: Storage,
+    path: str,
+    view: memoryview | list[memoryview],
+    cancel: threading.Event | None = None,
 ) -> None:
-    """Put one data file of a checkpoint (see ``Storage.put``).
+    """Put one data file of a checkpoint (see ``Storage.put``): its bytes, or its parts in order.
 
     Raises:
         WriteCancelled: ``cancel`` was set.
         OSError: The write failed; nothing of it remains.
     """
-    storage.put(path, [view], cancel=cancel)
+    storage.put(path, view if isinstance(view, list) else [view], cancel=cancel)
 
 
 def publish(storage: Storage, prefix: str, manifest: bytes) -> None:

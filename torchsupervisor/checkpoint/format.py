@@ -410,15 +410,27 @@ def parse_safetensors_header(data: bytes) -> list[tuple[str, int, int]]:
     return out
 
 
-def safetensors_header(entries: list[tuple[str, TensorEntry]]) -> bytes:
+def safetensors_header(
+    entries: list[tuple[str, TensorEntry]],
+    *,
+    spare: int = 0,
+    alignment: int = DATA_ALIGNMENT_BYTES,
+    size: int | None = None,
+) -> bytes:
     """Return the 8-byte length plus the padded JSON header of a safetensors shard.
 
     Args:
         entries: ``(name, entry)`` in file order; the offsets must be contiguous from 0.
+        spare: Bytes of padding to keep at least, for a longer header written in its place
+            later (a sharded save's chunk names).
+        alignment: The header's length is a multiple of this many bytes.
+        size: The exact length wanted (``alignment`` and ``spare`` are then ignored).
 
     Returns:
-        The bytes that precede the tensor data; their length is a multiple of
-        ``DATA_ALIGNMENT_BYTES``.
+        The bytes that precede the tensor data: 8 + the JSON text padded with spaces.
+
+    Raises:
+        ValueError: The header is longer than ``size``.
     """
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     for name, e in entries:
@@ -428,6 +440,11 @@ def safetensors_header(entries: list[tuple[str, TensorEntry]]) -> bytes:
             "data_offsets": [e.begin, e.end],
         }
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    padded = -(-(8 + len(text)) // DATA_ALIGNMENT_BYTES) * DATA_ALIGNMENT_BYTES - 8
+    if size is None:
+        padded = -(-(8 + len(text) + spare) // alignment) * alignment - 8
+    elif 8 + len(text) > size:
+        raise ValueError(f"the shard header needs {8 + len(text)} bytes, more than {size}")
+    else:
+        padded = size - 8
     text += b" " * (padded - len(text))
     return struct.pack("<Q", len(text)) + text

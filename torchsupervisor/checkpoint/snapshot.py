@@ -24,7 +24,12 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.checkpoint.format import TensorEntry, dtype_to_code, safetensors_header
+from torchsupervisor.checkpoint.format import (
+    DATA_ALIGNMENT_BYTES,
+    TensorEntry,
+    dtype_to_code,
+    safetensors_header,
+)
 from torchsupervisor.checkpoint.incremental import Committed, is_unchanged, tensor_version
 from torchsupervisor.storage.local import DIRECT_IO_ALIGNMENT
 
@@ -61,18 +66,35 @@ class Layout:
         return sum(s.size_bytes for s in self.shards)
 
 
-def plan_layout(tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = None) -> Layout:
+def plan_layout(
+    tensors: dict[str, torch.Tensor],
+    max_shard_bytes: int | None = None,
+    *,
+    tail: Collection[str] = (),
+    header_spare: int = 0,
+) -> Layout:
     """Assign every tensor a shard and a byte range.
 
     Tensors are ordered by decreasing item size, then by name, so each one is aligned for its
     dtype inside a 64-byte-aligned data section. A new shard starts when adding a tensor would
     exceed ``max_shard_bytes`` (None: a single shard); one tensor is never split.
 
+    Args:
+        tensors: The flat tensor table.
+        max_shard_bytes: See above.
+        tail: Tensors placed after all the others of their shard, from a 64-byte boundary:
+            the staging of a sharded save, whose other tensors' bytes are written in place
+            (``sharded.writer``) while these (replicated, written by one rank) are copied.
+        header_spare: With a value above 0, each header keeps at least this many bytes of
+            padding and its length is a multiple of ``DIRECT_IO_ALIGNMENT``, so that a header
+            with longer names can take its place and the data stay aligned for direct I/O.
+
     Raises:
         TypeError: If a tensor's dtype has no safetensors code (``complex128``, say), naming
             the tensor's state path and the dtype.
     """
-    order = sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n))
+    tail = set(tail)
+    order = sorted(tensors, key=lambda n: (n in tail, -tensors[n].dtype.itemsize, n))
     groups: list[list[tuple[str, TensorEntry]]] = [[]]
     offset = 0
     for name in order:
@@ -85,6 +107,8 @@ def plan_layout(tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = 
         if max_shard_bytes is not None and groups[-1] and offset + nbytes > max_shard_bytes:
             groups.append([])
             offset = 0
+        if name in tail and groups[-1] and groups[-1][-1][0] not in tail:
+            offset = -(-offset // DATA_ALIGNMENT_BYTES) * DATA_ALIGNMENT_BYTES
         entry = TensorEntry(
             shard=len(groups) - 1,
             dtype=t.dtype,
@@ -94,7 +118,12 @@ def plan_layout(tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = 
         )
         groups[-1].append((name, entry))
         offset += nbytes
-    return Layout(tuple(ShardLayout(tuple(group), safetensors_header(group)) for group in groups))
+    if header_spare > 0:
+        spare = {"spare": header_spare, "alignment": DIRECT_IO_ALIGNMENT}
+        headers = [safetensors_header(group, **spare) for group in groups]
+    else:
+        headers = [safetensors_header(group) for group in groups]
+    return Layout(tuple(ShardLayout(tuple(g), h) for g, h in zip(groups, headers)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,8 +214,8 @@ class _Staging:
         return cls(signature, layout, tuple(buffers), tuple(destinations), views)
 
 
-def _signature(tensors: dict[str, torch.Tensor], max_shard_bytes: int | None) -> tuple[Any, ...]:
-    return (max_shard_bytes, *((n, t.dtype, t.shape) for n, t in tensors.items()))
+def _signature(tensors: dict[str, torch.Tensor], *layout: Any) -> tuple[Any, ...]:
+    return (*layout, *((n, t.dtype, t.shape) for n, t in tensors.items()))
 
 
 class Stager:
@@ -215,6 +244,8 @@ class Stager:
         max_shard_bytes: int | None = None,
         committed: Mapping[str, Committed] | None = None,
         reusable: Collection[str] | None = None,
+        tail: Collection[str] = (),
+        header_spare: int = 0,
     ) -> Snapshot:
         """Copy ``tensors`` into staging buffers and return the snapshot.
 
@@ -229,9 +260,11 @@ class Stager:
             reusable: The tensors a later snapshot may reference if they stay unchanged
                 (their version counters are recorded); the others are copied every time.
                 None: every tensor.
+            tail, header_spare: See ``plan_layout`` (a sharded save's staging).
 
         Returns:
-            A snapshot whose buffers hold the exact bytes of the shard files.
+            A snapshot whose buffers hold the exact bytes of the shard files (with ``tail``,
+            the bytes of the other tensors, and the tail's tensors after a gap).
         """
         references: dict[str, Committed] = {}
         if committed:
@@ -246,7 +279,8 @@ class Stager:
             for name, t in tensors.items()
         }
         on_gpu = any(t.device.type != "cpu" for t in tensors.values())
-        staging = self._take(_signature(tensors, max_shard_bytes), tensors, max_shard_bytes, on_gpu)
+        shape = (max_shard_bytes, tuple(sorted(tail)), header_spare)
+        staging = self._take(_signature(tensors, *shape), tensors, shape, on_gpu)
         for name, dst in staging.destinations:
             dst.copy_(tensors[name], non_blocking=on_gpu)
         if on_gpu:
@@ -276,12 +310,13 @@ class Stager:
         self,
         signature: tuple[Any, ...],
         tensors: dict[str, torch.Tensor],
-        max_shard_bytes: int | None,
+        shape: tuple[int | None, tuple[str, ...], int],
         on_gpu: bool,
     ) -> _Staging:
         with self._lock:
             free, self._free = self._free, None
         if free is not None and free.signature == signature:
             return free
-        layout = plan_layout(tensors, max_shard_bytes)
+        max_shard_bytes, tail, header_spare = shape
+        layout = plan_layout(tensors, max_shard_bytes, tail=tail, header_spare=header_spare)
         return _Staging.allocate(signature, layout, pin=on_gpu and torch.cuda.is_available())

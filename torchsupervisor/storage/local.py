@@ -101,11 +101,11 @@ class LocalStorage(Storage):
     ) -> None:
         """Write ``path`` atomically: temporary name, write, fsync, rename, fsync directory.
 
-        A single chunk of at least 1 MiB is written with ``O_DIRECT`` where supported. See
-        ``Storage.put``.
+        A first chunk of at least 1 MiB is written with ``O_DIRECT`` where supported (its
+        aligned part; the rest, and the other chunks, buffered). See ``Storage.put``.
         """
         parts = [memoryview(c).cast("B") for c in chunks]
-        direct = len(parts) == 1 and len(parts[0]) >= _DIRECT_MIN_BYTES
+        direct = bool(parts) and len(parts[0]) >= _DIRECT_MIN_BYTES
         tmp = temporary_name(path)
         renamed = False
         try:

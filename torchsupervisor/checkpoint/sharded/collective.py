@@ -217,6 +217,7 @@ def write_sharded(
         latest_filename=latest_filename,
         storage=storage,
         stager=stager,
+        staged=save.snapshot,
         error=save.error,
     )
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)

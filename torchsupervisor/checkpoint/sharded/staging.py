@@ -10,9 +10,9 @@ In the second case the live tensors keep changing while the shards are written, 
 first copies this rank's *local* data (a DTensor's local shard, a plain tensor whole) into
 reusable host staging buffers and replaces each tensor with one over its copy (a DTensor keeps
 its mesh, placements, global shape and stride, so DCP plans it exactly as the live one). That
-copy is the whole stall of an asynchronous sharded save; what the background writer copies
-again into the layout of its own shard (which DCP decides only when it plans) never holds up
-training.
+copy is the whole stall of an asynchronous sharded save. The copies are laid out as the rank's
+shard most likely will be (``in_place.py``), so that the writer puts the shard from them
+without copying the bytes again.
 
 Thread safety: ``prepare`` and ``stage`` on the training thread; ``ShardedSave.release`` on any.
 """
@@ -56,6 +56,11 @@ class ShardedSave:
     error: BaseException | None = None
     _snapshot: Snapshot | None = None
     _stager: Stager | None = None
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        """The host copies ``stage`` made (laid out for ``ShardedStorageWriter``), or None."""
+        return self._snapshot
 
     def release(self) -> None:
         """Give the host staging buffers back for the next save (once it is written)."""
@@ -105,8 +110,11 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
             name: t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
             for name, t in save.tensors.items()
         }
+    tail, spare = _in_place_layout(dtensor, save.tensors)
     try:
-        snapshot = stager.stage(None, local, step=save.step, wall_time=save.wall_time)
+        snapshot = stager.stage(
+            None, local, step=save.step, wall_time=save.wall_time, tail=tail, header_spare=spare
+        )
     except TypeError as e:  # Raised inside the collective, so that every rank learns of it.
         save.error, save.tensors = e, {}
         return
@@ -128,6 +136,28 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
         del cache[name]  # It would keep an old staging buffer alive.
     save.tensors = staged
     save._snapshot, save._stager = snapshot, stager
+
+
+def _in_place_layout(dtensor: Any, tensors: Mapping[str, Any]) -> tuple[list[str], int]:
+    """The staging layout that lets the writer put the shard from the staging buffer itself.
+
+    Each rank writes all of its sharded DTensors' local data, but a replicated tensor (a
+    plain tensor, a replicated DTensor) only on the rank DCP picks: those go to the layout's
+    tail (the writer copies the ones it writes after the others). The header keeps room
+    for the chunk names, ``name[o0:e0,...]``, that replace the state's names in the shard.
+
+    Returns:
+        ``(tail, header_spare)`` for ``Stager.stage``.
+    """
+    tail: list[str] = []
+    spare = 64
+    for name, t in tensors.items():
+        sharded = dtensor is not None and isinstance(t, dtensor)
+        if not sharded or not any(p.is_shard() for p in t.placements):
+            tail.append(name)
+        else:  # "[" + "o:e" per dimension, each as long as the dimension at most, "," + "]".
+            spare += 2 + sum(2 * len(str(size)) + 2 for size in t.shape)
+    return tail, spare
 
 
 def _over(dtensor: Any, local: torch.Tensor, live: Any) -> Any:

@@ -44,13 +44,14 @@ from torchsupervisor.checkpoint.sharded.common import (
     RememberErrors,
     chunk_key,
 )
+from torchsupervisor.checkpoint.sharded.in_place import in_place_shard
 from torchsupervisor.checkpoint.sharded.metadata import (
     ChunkEntry,
     ShardedManifest,
     ShardedTensorEntry,
     chunk_entry_name,
 )
-from torchsupervisor.checkpoint.snapshot import Stager
+from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.checkpoint.state_file import record_newest
 from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.errors import CheckpointSaveError
@@ -110,8 +111,9 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
     3. (coordinator) ``prepare_global_plan``: name every chunk, give a shard file to each
        rank that has something to write, and remove an older ``P.index`` of the same prefix
        (from then on the old ``P`` counts as incomplete);
-    4. (all ranks) ``write_data``: copy the chunks into a host buffer, compute their CRC-32C,
-       put the shard (``commit.put_shard``);
+    4. (all ranks) ``write_data``: compute the chunks' CRC-32C and put the shard
+       (``commit.put_shard``): from the staged copies where their layout allows
+       (``in_place_shard``), else from a copy of the chunks into a host buffer;
     5. (coordinator, only if every rank succeeded) ``finish``: write ``P.index`` (the commit
        point), then the state file; the outcome goes back to every rank in the metadata.
 
@@ -125,6 +127,9 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         latest_filename: The state file's name; None means ``"checkpoint"``.
         storage: Where the checkpoints live (tests inject faults here).
         stager: Staging buffers reused between saves; None: new buffers.
+        staged: The host copies of this rank's tensors made at the step boundary
+            (``staging.stage``): the part of the shard they hold in its layout is written
+            from them in place (``in_place_shard``), without a second copy.
         error: An error this rank found before the save (raised in step 2 so that every rank
             learns of it).
 
@@ -148,6 +153,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         latest_filename: str | None = None,
         storage: Storage = BY_PATH,
         stager: Stager | None = None,
+        staged: Snapshot | None = None,
         error: BaseException | None = None,
     ) -> None:
         self._prefix = prefix
@@ -159,6 +165,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         self._latest_filename = latest_filename
         self._storage = storage
         self._stager = stager or Stager()
+        self._staged = staged
         self._pending = error
         self._rank = 0
         self.is_coordinator = False
@@ -263,30 +270,35 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             indexes[name] = item.index
         assert assignment.file_index is not None
         final = data_filename(self._prefix, assignment.file_index, assignment.num_files)
-        snapshot = self._stager.stage(None, tensors, step=None, wall_time=self._wall_time)
+        placed = None if self._staged is None else in_place_shard(self._staged, tensors)
+        snapshot = None
+        if placed is None:  # Every chunk copied into a shard of its own.
+            snapshot = self._stager.stage(None, tensors, step=None, wall_time=self._wall_time)
         try:
-            layout = snapshot.layout.shards[0]
+            if snapshot is None:
+                assert placed is not None
+                entries, header, parts = placed
+            else:
+                layout = snapshot.layout.shards[0]
+                entries = [
+                    (name, dataclasses.replace(e, crc32c=crc32c.crc32c(snapshot.tensor_view(0, e))))
+                    for name, e in layout.entries
+                ]
+                header, parts = layout.header, [snapshot.shard_view(0)]
             entries = [
-                (
-                    name,
-                    dataclasses.replace(
-                        entry,
-                        shard=assignment.file_index,
-                        crc32c=crc32c.crc32c(snapshot.tensor_view(0, entry)),
-                    ),
-                )
-                for name, entry in layout.entries
+                (name, dataclasses.replace(e, shard=assignment.file_index)) for name, e in entries
             ]
             shard = ShardEntry(
                 file=os.path.basename(final),
-                size_bytes=layout.size_bytes,
-                data_offset=layout.data_offset,
-                crc32c=shard_checksum(layout.header, [e.crc32c for _, e in entries]),
-                header_crc32c=crc32c.crc32c(layout.header),
+                size_bytes=len(header) + (entries[-1][1].end if entries else 0),
+                data_offset=len(header),
+                crc32c=shard_checksum(header, [e.crc32c for _, e in entries]),
+                header_crc32c=crc32c.crc32c(header),
             )
-            self._persist(final, snapshot.shard_view(0))
+            self._persist(final, parts)
         finally:
-            self._stager.release(snapshot)
+            if snapshot is not None:
+                self._stager.release(snapshot)
         return [
             WriteResult(
                 index=indexes[name],
@@ -296,9 +308,9 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             for name, entry in entries
         ]
 
-    def _persist(self, final: str, view: memoryview) -> None:
+    def _persist(self, final: str, parts: list[memoryview]) -> None:
         try:
-            commit.put_shard(self._storage, final, view)
+            commit.put_shard(self._storage, final, parts)
             self._written.append(final)
         except OSError as e:
             self.roll_back()

@@ -1,0 +1,72 @@
+"""``in_place_shard``: a rank's shard written from the staging buffer, and when it is not."""
+
+from __future__ import annotations
+
+import crc32c
+import pytest
+import safetensors.torch
+import torch
+
+from torchsupervisor.checkpoint.sharded.in_place import in_place_shard
+from torchsupervisor.checkpoint.snapshot import Stager
+
+
+def _staged(tensors, tail=(), spare=256):
+    return Stager().stage(None, tensors, step=None, wall_time=0.0, tail=tail, header_spare=spare)
+
+
+def _file(tmp_path, placed):
+    path = tmp_path / "shard.safetensors"
+    path.write_bytes(b"".join(bytes(p) for p in placed[2]))
+    return path
+
+
+def test_the_staged_tensors_are_written_in_place_under_their_chunk_names(tmp_path):
+    state = {
+        "a": torch.arange(10.0),
+        "b": torch.ones(3, 4),
+        "s": torch.tensor(7, dtype=torch.int64),
+    }
+    snapshot = _staged(state, tail=["s"])
+    views = snapshot.tensors()
+    written = {"a[0:10]": views["a"], "b[0:3,0:4]": views["b"], "s": views["s"]}
+    entries, header, parts = in_place_shard(snapshot, written)
+    buffer = snapshot.buffers[0]
+    # The local shards straight from the staging buffer; the replicated step copied after.
+    assert parts[0].nbytes == len(header) + 88 and len(parts) == 2
+    assert torch.frombuffer(parts[0], dtype=torch.uint8).data_ptr() == buffer.data_ptr()
+    loaded = safetensors.torch.load_file(str(_file(tmp_path, (entries, header, parts))))
+    assert sorted(loaded) == sorted(written)
+    assert all(torch.equal(loaded[n], t) for n, t in written.items())
+    for name, entry in entries:  # Each CRC-32C is of the bytes in the file.
+        data = loaded[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        assert entry.crc32c == crc32c.crc32c(data)
+    assert len(header) % 4096 == 0
+
+
+def test_chunks_that_are_not_staged_views_are_copied_after_the_ones_in_place(tmp_path):
+    state = {"a": torch.arange(16.0), "b": torch.arange(4.0)}
+    snapshot = _staged(state)
+    other = torch.full((2, 2), 3.0)
+    written = {"a": snapshot.tensors()["a"], "b": snapshot.tensors()["b"][:2], "c": other}
+    entries, header, parts = in_place_shard(snapshot, written)
+    assert [name for name, _ in entries] == ["a", "b", "c"]  # "b" is a part: copied.
+    loaded = safetensors.torch.load_file(str(_file(tmp_path, (entries, header, parts))))
+    assert torch.equal(loaded["b"], torch.arange(2.0)) and torch.equal(loaded["c"], other)
+
+
+@pytest.mark.parametrize(
+    "case", ["nothing staged", "gap first", "header too long", "misaligned tail"]
+)
+def test_the_writer_copies_everything_when_the_layout_does_not_allow_it(case):
+    state = {"a": torch.arange(3.0), "b": torch.arange(5.0)}
+    snapshot = _staged(state, spare=0 if case == "header too long" else 256)
+    views = snapshot.tensors()
+    written = {
+        "nothing staged": {"a": torch.arange(3.0)},
+        "gap first": {"b": views["b"]},  # "a" comes first in the layout and is not written.
+        "header too long": {"a" * 5000: views["a"], "b": views["b"]},
+        "misaligned tail": {"a": views["a"], "z": torch.zeros(1, dtype=torch.float64)},
+    }[case]
+    assert snapshot.layout.shards[0].entries[0][0] == "a"
+    assert in_place_shard(snapshot, written) is None
