@@ -25,6 +25,11 @@ with gloo (the benchmark launches them itself, as ``torchrun`` would):
   state with ``Saver.save_async`` (what the Supervisor does with a replicated state): the stall
   is the host copy; the write runs in the background (throughput = bytes / time to commit).
   Incremental saves are off, so every save writes everything.
+* ``async``: the FSDP2 state on 2 ranks saved with ``Saver.save_async`` against
+  ``dcp.async_save`` in the same processes: the stall of each against one host copy of the
+  rank's local shards (*memcpy*: every rank at once, after a barrier, as the ranks stage at
+  the step boundary of a save; *alone*: each rank while the other waits), the time to commit,
+  and training steps/s while saves persist against steps/s with none in flight.
 * ``restore``: ``load_sharded`` of the last sharded checkpoint into a freshly built model, by
   the same world size (in the processes that saved, files in the page cache) and by the other
   world size (fresh processes: 2 ranks reading a 1-rank checkpoint, 1 rank reading a 2-rank
@@ -146,8 +151,14 @@ def _train_step(model: Any, width: int) -> None:
         p.grad = None
 
 
-def _local_memcpy_secs(state: dict[str, Any]) -> float:
-    """One host copy of this rank's local shards into buffers allocated beforehand."""
+def _local_memcpy_secs(state: dict[str, Any], together: bool = True) -> float:
+    """One host copy of this rank's local shards into buffers allocated beforehand.
+
+    ``together``: every rank copies at once, after a barrier, as every rank stages at once at
+    the step boundary of a save (the ranks of a machine share its memory bandwidth); else
+    each rank copies while the others wait (a rank alone).
+    """
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from torchsupervisor.checkpoint.sharded.plan import flatten_sharded_state
@@ -155,10 +166,16 @@ def _local_memcpy_secs(state: dict[str, Any]) -> float:
     _, tensors = flatten_sharded_state(state)
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]
     buffers = [t.clone() for t in local]
-    start = time.perf_counter()
-    for dst, src in zip(buffers, local):
-        dst.copy_(src)
-    return time.perf_counter() - start
+    secs = 0.0
+    for turn in [None] if together else range(dist.get_world_size()):
+        dist.barrier()
+        if turn is None or turn == dist.get_rank():
+            start = time.perf_counter()
+            for dst, src in zip(buffers, local):
+                dst.copy_(src)
+            secs = time.perf_counter() - start
+    dist.barrier()
+    return secs
 
 
 def _steps_per_sec(model: Any, width: int, steps: int) -> float:
@@ -185,6 +202,7 @@ def _async_case(args: argparse.Namespace, rank: int, world: int) -> dict[str, An
     model, _, state = _build(args.bytes, world, "sharded")
     width = model[0].weight.shape[1]
     memcpy = [_local_memcpy_secs(state) for _ in range(args.repeat)]
+    memcpy_alone = [_local_memcpy_secs(state, together=False) for _ in range(args.repeat)]
     saver = Saver(state, incremental=False, max_to_keep=1)
     dcp_group = dist.new_group(backend="gloo")  # DCP's advice for async_save's collectives.
     # DCP's default staging for a CPU state, one stager kept across saves so that it reuses
@@ -204,7 +222,7 @@ def _async_case(args: argparse.Namespace, rank: int, world: int) -> dict[str, An
         )
 
     _steps_per_sec(model, width, 5)  # Warm-up.
-    out: dict[str, Any] = {"memcpy": memcpy}
+    out: dict[str, Any] = {"memcpy": memcpy, "memcpy_alone": memcpy_alone}
     number = iter(range(1, 1_000_000))  # Global steps of the saves.
     for name, save in (("ours", ours), ("dcp", theirs)):
         save(next(number)).result()  # Warm-up: buffers, groups, caches.
@@ -431,6 +449,7 @@ def _async_row(size: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     row: dict[str, Any] = {"case": "async sharded, 2 ranks", "size_bytes": size, "world_size": 2}
     memcpy = max(statistics.median(r["memcpy"]) for r in ranks)
     row["memcpy_secs"] = memcpy
+    row["memcpy_alone_secs"] = max(statistics.median(r["memcpy_alone"]) for r in ranks)
     for name in ("ours", "dcp"):
         stall = max(statistics.median(r[name]["stalls"]) for r in ranks)
         total = max(statistics.median(r[name]["totals"]) for r in ranks)
@@ -439,6 +458,7 @@ def _async_row(size: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "stall_secs": stall,
             "total_secs": total,
             "stall_vs_memcpy": stall / memcpy,
+            "stall_vs_memcpy_alone": stall / row["memcpy_alone_secs"],
             "steps_per_save": ranks[0][name]["steps_per_save"],
             "steps_per_sec_idle": statistics.median(r["idle"] for r in rounds),
             "steps_per_sec_persisting": statistics.median(r["busy"] for r in rounds),
@@ -455,8 +475,9 @@ def print_async_table(rows: list[dict[str, Any]]) -> None:
     if not rows:
         return
     print(
-        f"\n{'async, 2 ranks':16s} {'state':>8s} {'memcpy s':>9s} {'stall s':>8s} "
-        f"{'x memcpy':>9s} {'x dcp':>6s} {'persist s':>9s} {'steps/s idle':>12s} "
+        f"\n{'async, 2 ranks':16s} {'state':>8s} {'memcpy s':>9s} {'alone s':>8s} "
+        f"{'stall s':>8s} {'x memcpy':>9s} {'x alone':>8s} {'x dcp':>6s} {'persist s':>9s} "
+        f"{'steps/s idle':>12s} "
         f"{'persisting':>10s} {'ratio':>6s}"
     )
     for row in rows:
@@ -465,7 +486,8 @@ def print_async_table(rows: list[dict[str, Any]]) -> None:
             ratio = f"{row['stall_vs_dcp']:.2f}" if name == "ours" else "1.00"
             print(
                 f"{name:16s} {row['size_bytes'] / MB:>6.0f}MB {row['memcpy_secs']:>9.4f} "
-                f"{r['stall_secs']:>8.4f} {r['stall_vs_memcpy']:>9.2f} {ratio:>6s} "
+                f"{row['memcpy_alone_secs']:>8.4f} {r['stall_secs']:>8.4f} "
+                f"{r['stall_vs_memcpy']:>9.2f} {r['stall_vs_memcpy_alone']:>8.2f} {ratio:>6s} "
                 f"{r['total_secs']:>9.3f} {r['steps_per_sec_idle']:>12.1f} "
                 f"{r['steps_per_sec_persisting']:>10.1f} {r['steps_ratio']:>6.3f}"
             )

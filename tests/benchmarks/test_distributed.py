@@ -35,4 +35,6 @@ def test_the_distributed_benchmark_writes_its_report(run_benchmark):
         figures = async_row[name]
         assert 0 < figures["stall_secs"] <= figures["total_secs"]
         assert figures["steps_per_sec_idle"] > 0 and figures["steps_per_sec_persisting"] > 0
-    assert async_row["stall_vs_dcp"] > 0 and "async, 2 ranks" in stdout
+        assert figures["stall_vs_memcpy"] > 0 and figures["stall_vs_memcpy_alone"] > 0
+    assert async_row["memcpy_secs"] > 0 and async_row["memcpy_alone_secs"] > 0
+    assert async_row["stall_vs_dcp"] > 0 and "async, 2 ranks" in stdout and "x alone" in stdout
