@@ -82,7 +82,7 @@ def plan_layout(
     Args:
         tensors: The flat tensor table.
         max_shard_bytes: See above.
-        tail: Tensors placed after all the others of their shard, from a 64-byte boundary:
+        tail: Tensors placed after all the others, from a 64-byte boundary:
             the staging of a sharded save, whose other tensors' bytes are written in place
             (``sharded.writer``) while these (replicated, written by one rank) are copied.
         header_spare: With a value above 0, each header keeps at least this many bytes of
@@ -214,8 +214,8 @@ class _Staging:
         return cls(signature, layout, tuple(buffers), tuple(destinations), views)
 
 
-def _signature(tensors: dict[str, torch.Tensor], *layout: Any) -> tuple[Any, ...]:
-    return (*layout, *((n, t.dtype, t.shape) for n, t in tensors.items()))
+def _signature(tensors: dict[str, torch.Tensor], *options: Any) -> tuple[Any, ...]:
+    return (*options, *((n, t.dtype, t.shape) for n, t in tensors.items()))
 
 
 class Stager:
@@ -279,8 +279,8 @@ class Stager:
             for name, t in tensors.items()
         }
         on_gpu = any(t.device.type != "cpu" for t in tensors.values())
-        shape = (max_shard_bytes, tuple(sorted(tail)), header_spare)
-        staging = self._take(_signature(tensors, *shape), tensors, shape, on_gpu)
+        options = (max_shard_bytes, tuple(sorted(tail)), header_spare)
+        staging = self._take(_signature(tensors, *options), tensors, options, on_gpu)
         for name, dst in staging.destinations:
             dst.copy_(tensors[name], non_blocking=on_gpu)
         if on_gpu:
@@ -310,13 +310,13 @@ class Stager:
         self,
         signature: tuple[Any, ...],
         tensors: dict[str, torch.Tensor],
-        shape: tuple[int | None, tuple[str, ...], int],
+        options: tuple[int | None, tuple[str, ...], int],
         on_gpu: bool,
     ) -> _Staging:
         with self._lock:
             free, self._free = self._free, None
         if free is not None and free.signature == signature:
             return free
-        max_shard_bytes, tail, header_spare = shape
+        max_shard_bytes, tail, header_spare = options  # The layout's, as given to ``stage``.
         layout = plan_layout(tensors, max_shard_bytes, tail=tail, header_spare=header_spare)
         return _Staging.allocate(signature, layout, pin=on_gpu and torch.cuda.is_available())
