@@ -299,7 +299,7 @@ def _write(
                 # Started now, so that its Python part (the manifest) runs while this thread
                 # waits in the write, without the GIL, rather than competing for it.
                 prepared = _Beside(prepare)
-            put_shard(storage, final, snapshot.shard_view(i), cancel)
+            put_shard(storage, final, [snapshot.shard_view(i)], cancel)
             written.append(final)
         manifest, encoded = (prepared or _Beside(prepare)).result()
         if cancel is not None and cancel.is_set():
@@ -350,18 +350,15 @@ def retire(storage: Storage, prefix: str, finals: list[str]) -> None:
 
 
 def put_shard(
-    storage: Storage,
-    path: str,
-    view: memoryview | list[memoryview],
-    cancel: threading.Event | None = None,
+    storage: Storage, path: str, parts: list[memoryview], cancel: threading.Event | None = None
 ) -> None:
-    """Put one data file of a checkpoint (see ``Storage.put``): its bytes, or its parts in order.
+    """Put one data file of a checkpoint, its parts in order (see ``Storage.put``).
 
     Raises:
         WriteCancelled: ``cancel`` was set.
         OSError: The write failed; nothing of it remains.
     """
-    storage.put(path, view if isinstance(view, list) else [view], cancel=cancel)
+    storage.put(path, parts, cancel=cancel)
 
 
 def publish(storage: Storage, prefix: str, manifest: bytes) -> None:

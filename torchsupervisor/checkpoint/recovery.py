@@ -207,7 +207,7 @@ def _record_adopted(directory: str, storage: Storage) -> None:
         update_checkpoint_state_internal(
             directory,
             newest,
-            all_model_checkpoint_paths=[p for p in plan.tracked if p != newest] + [newest],
+            all_model_checkpoint_paths=plan.tracked,  # Ends with ``newest``.
             save_relative_paths=True,
             storage=storage,
         )

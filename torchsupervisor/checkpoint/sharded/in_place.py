@@ -17,11 +17,13 @@ the start of the data, each with its CRC-32C.
 
 from __future__ import annotations
 
+import dataclasses
+
 import crc32c
 import torch
 
 from torchsupervisor.checkpoint.format import TensorEntry, safetensors_header
-from torchsupervisor.checkpoint.snapshot import Snapshot
+from torchsupervisor.checkpoint.snapshot import Snapshot, _entry_view, plan_layout
 
 __all__ = ["in_place_shard"]
 
@@ -72,29 +74,22 @@ def in_place_shard(
     if not head:
         return None
     placed = {name for name, _ in head}
-    rest = sorted(
-        (n for n in tensors if n not in placed),
-        key=lambda n: (-tensors[n].dtype.itemsize, n),
-    )
-    if rest and end % tensors[rest[0]].dtype.itemsize:
+    # The rest, laid out by the staging's own rule (decreasing item size, then name), copied.
+    rest = plan_layout({n: t for n, t in tensors.items() if n not in placed}).shards[0].entries
+    if rest and end % rest[0][1].dtype.itemsize:
         return None
-    data = buffer[base : base + end]
     entries = [
-        (name, TensorEntry(-1, e.dtype, e.shape, e.begin, e.end, crc32c.crc32c(_bytes(data, e))))
+        (name, dataclasses.replace(e, crc32c=crc32c.crc32c(staged.tensor_view(0, e))))
         for name, e in head
     ]
-    tail = torch.empty(sum(_nbytes(tensors[n]) for n in rest), dtype=torch.uint8)
-    offset = 0
-    for name in rest:
-        t = tensors[name]
-        local = TensorEntry(-1, t.dtype, tuple(t.shape), offset, offset + _nbytes(t))
-        if local.end > local.begin:
-            tail[local.begin : local.end].view(t.dtype).view(t.shape).copy_(t)
-        checksum = crc32c.crc32c(_bytes(tail, local))
+    tail = torch.empty(rest[-1][1].end if rest else 0, dtype=torch.uint8)
+    for name, e in rest:
+        if e.end > e.begin:
+            _entry_view(tail, 0, e).copy_(tensors[name])
+        checksum = crc32c.crc32c(memoryview(tail[e.begin : e.end].numpy()).cast("B"))
         entries.append(
-            (name, TensorEntry(-1, t.dtype, local.shape, end + offset, end + local.end, checksum))
+            (name, dataclasses.replace(e, begin=end + e.begin, end=end + e.end, crc32c=checksum))
         )
-        offset = local.end
     try:
         header = safetensors_header(entries, size=base)
     except ValueError:
@@ -104,12 +99,3 @@ def in_place_shard(
     if len(tail):
         parts.append(memoryview(tail.numpy()).cast("B"))
     return entries, header, parts
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.dtype.itemsize
-
-
-def _bytes(data: torch.Tensor, entry: TensorEntry) -> memoryview:
-    """The bytes of ``entry`` (offsets relative to ``data``, a uint8 tensor)."""
-    return memoryview(data[entry.begin : entry.end].numpy()).cast("B")

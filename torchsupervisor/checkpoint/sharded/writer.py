@@ -100,6 +100,16 @@ class SaveOutcome:
     state_file_error: str | None = None
 
 
+def _copied(snapshot: Snapshot) -> tuple[list[tuple[str, TensorEntry]], bytes, list[memoryview]]:
+    """``in_place_shard``'s result for a shard staged whole: entries with CRCs, header, bytes."""
+    layout = snapshot.layout.shards[0]
+    entries = [
+        (name, dataclasses.replace(e, crc32c=crc32c.crc32c(snapshot.tensor_view(0, e))))
+        for name, e in layout.entries
+    ]
+    return entries, layout.header, [snapshot.shard_view(0)]
+
+
 class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
     """Write a ``torch.distributed.checkpoint.save`` as a checkpoint of our format.
 
@@ -240,7 +250,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's shard: stage, checksum, put (``commit.put_shard``).
+        """Write this rank's shard: in place or copied, checksummed, put (``commit.put_shard``).
 
         Raises:
             CheckpointSaveError: If writing fails (its ``OSError`` is the cause); this rank's
@@ -275,16 +285,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         if placed is None:  # Every chunk copied into a shard of its own.
             snapshot = self._stager.stage(None, tensors, step=None, wall_time=self._wall_time)
         try:
-            if snapshot is None:
-                assert placed is not None
-                entries, header, parts = placed
-            else:
-                layout = snapshot.layout.shards[0]
-                entries = [
-                    (name, dataclasses.replace(e, crc32c=crc32c.crc32c(snapshot.tensor_view(0, e))))
-                    for name, e in layout.entries
-                ]
-                header, parts = layout.header, [snapshot.shard_view(0)]
+            entries, header, parts = placed or _copied(snapshot)
             entries = [
                 (name, dataclasses.replace(e, shard=assignment.file_index)) for name, e in entries
             ]
