@@ -65,9 +65,15 @@ class ShardedOptimizerState:
         self.model = model
         self.optimizer = optimizer
         self.options = options
+        self._names: _ParamNames | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """Return the optimizer's state keyed by parameter names (creating it if empty).
+
+        The first call asks DCP; later calls (default ``options``) remap
+        ``optimizer.state_dict()`` with the names DCP gave, as long as the optimizer's
+        parameters and the model's named parameters are the same objects under the same
+        names (DCP re-derives every name at each call: 0.15-0.3 ms of a save's stall).
 
         Returns:
             ``{"state": {param_name: {...}}, "param_groups": [...]}``, the tensors of a
@@ -75,8 +81,16 @@ class ShardedOptimizerState:
         """
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        if self._names is not None:
+            remapped = self._names.state_dict(self.model, self.optimizer)
+            if remapped is not None:
+                return remapped
         with _without_step_hooks(self.optimizer):
-            return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
+            result = get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
+        self._names = None
+        if self.options is None:
+            self._names = _ParamNames.learn(self.model, self.optimizer, result)
+        return result
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state returned by ``state_dict`` (possibly of another world size)."""
@@ -86,6 +100,89 @@ class ShardedOptimizerState:
             set_optimizer_state_dict(
                 self.model, self.optimizer, dict(state_dict), options=self.options
             )
+
+
+class _ParamNames:
+    """The names DCP gives an optimizer's parameters, kept while they cannot have changed.
+
+    DCP names a parameter after the model's module path, less the wrappers' parts
+    (``torch.compile``, activation checkpointing). The names are a function of the model's
+    named parameters and of the optimizer's parameter list; both are compared, by object
+    identity, at every call (about 10 us for a small model). ``learn`` keeps the names only
+    if remapping ``optimizer.state_dict()`` with them gives exactly what DCP returned (the
+    same keys in the same order, the same state objects): not so for FSDP1's flattened
+    parameters or a flattened optimizer state, which stay with DCP.
+    """
+
+    def __init__(self, key: tuple[Any, ...], held: list[Any], names: list[str]) -> None:
+        self._key = key
+        self._held = held  # Keeps the objects alive, so that their ids stay theirs.
+        self._names = names
+
+    @staticmethod
+    def identities(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
+        """The optimizer's parameters and the model's named parameters, by object id."""
+        params = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
+        named = tuple((name, id(p)) for name, p in model.named_parameters())
+        return params, named
+
+    @classmethod
+    def learn(
+        cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, result: Mapping[str, Any]
+    ) -> _ParamNames | None:
+        """The names in ``result`` (DCP's state dict), or None where remapping would differ."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if len({id(p) for p in params}) != len(params):
+            return None  # A parameter twice: torch and DCP number it differently.
+        try:
+            names = [name for group in result["param_groups"] for name in group["params"]]
+        except (KeyError, TypeError):
+            return None
+        if len(names) != len(params) or not all(isinstance(n, str) for n in names):
+            return None
+        held = [*params, *model.parameters()]
+        learnt = cls(cls.identities(model, optimizer), held, names)
+        remapped = learnt._remap(optimizer.state_dict())
+        try:
+            same = remapped is not None and _identical(remapped, result)
+        except (TypeError, ValueError, RuntimeError):  # A value whose == is not a bool.
+            same = False
+        return learnt if same else None
+
+    def state_dict(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any] | None:
+        """The state keyed by the known names; None if they may have changed (ask DCP)."""
+        if not optimizer.state or self.identities(model, optimizer) != self._key:
+            return None  # An empty state is created by DCP.
+        return self._remap(optimizer.state_dict())
+
+    def _remap(self, packed: Mapping[str, Any]) -> dict[str, Any] | None:
+        names = self._names
+        state = {}
+        for index, value in packed["state"].items():
+            if not isinstance(index, int) or not 0 <= index < len(names):
+                return None
+            state[names[index]] = value
+        groups = []
+        for group in packed["param_groups"]:
+            group = dict(group)
+            group["params"] = [names[i] for i in group["params"]]
+            groups.append(group)
+        return {"state": state, "param_groups": groups}
+
+
+def _identical(ours: Any, theirs: Any) -> bool:
+    """Same structure, same keys in the same order, tensors the very same objects."""
+    if isinstance(ours, torch.Tensor) or isinstance(theirs, torch.Tensor):
+        return ours is theirs
+    if type(ours) is not type(theirs):
+        return False
+    if isinstance(ours, dict):
+        return list(ours) == list(theirs) and all(_identical(ours[k], theirs[k]) for k in ours)
+    if isinstance(ours, (list, tuple)):
+        return len(ours) == len(theirs) and all(map(_identical, ours, theirs))
+    return bool(ours == theirs)
 
 
 @contextlib.contextmanager
