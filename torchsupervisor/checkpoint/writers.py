@@ -35,6 +35,7 @@ from torchsupervisor.checkpoint.engine import CheckpointEngine
 from torchsupervisor.checkpoint.incremental import StaleReferenceError
 from torchsupervisor.checkpoint.retention import Keeper
 from torchsupervisor.checkpoint.sharded.collective import write_sharded
+from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave, prepare, stage
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.core.clock import Clock
@@ -212,6 +213,7 @@ class ShardedWriter:
         self._stager = stager
         self._host = Stager()  # The asynchronous saves' copies of the local shards.
         self._wrapped: dict[str, Any] = {}  # DTensors over them, reused (staging.stage).
+        self._plans = PlanCache()  # The last save's plan, replayed while the layout holds.
 
     def save(self, state: Mapping[str, Any], target: SaveTarget, global_step: Any) -> SaveStats:
         """Save every rank's part as checkpoint ``prefix`` (a collective), then retention.
@@ -261,6 +263,7 @@ class ShardedWriter:
             write_state=False,
             storage=self._storage,
             stager=self._stager,
+            plans=self._plans,
         )
         committed = time.perf_counter()
         # Sharded saves are never incremental.

@@ -48,6 +48,7 @@ from torchsupervisor.checkpoint.format import ManifestError
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
 from torchsupervisor.checkpoint.sharded.plan import flatten_sharded_state
+from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave, prepare
 from torchsupervisor.checkpoint.snapshot import Stager
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
@@ -185,13 +186,15 @@ def write_sharded(
     latest_filename: str | None = None,
     storage: Storage | None = None,
     stager: Stager | None = None,
+    plans: PlanCache | None = None,
 ) -> bytes:
     """Write and commit a prepared sharded save (``staging.prepare``): the collective half.
 
     Runs on the training thread (``save_sharded``) or on the writer thread for a save whose
     local data was staged (``staging.stage``); every rank of ``process_group`` calls it for
     the same save. Arguments and errors are ``save_sharded``'s; ``save.error`` is raised on
-    every rank.
+    every rank. ``plans``: the plan of the previous save of the same state, replayed if no
+    rank's layout changed (``replay.PlanCache``; every rank passes one, or none does).
 
     Returns:
         The bytes of the committed ``P.index`` (on every rank; ``ShardedManifest.from_bytes``
@@ -222,28 +225,38 @@ def write_sharded(
     )
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     failure: BaseException | None = None
+    outcome = None
     try:
         with _dcp_call(process_group) as no_dist:
-            metadata = dcp_save(
-                save.tensors,
-                storage_writer=writer,
-                planner=planner,
-                **_group(process_group, no_dist),
-            )
+            if plans is not None and not no_dist:
+                outcome = plans.replay(save, writer, process_group)
+            if outcome is None:
+                metadata = dcp_save(
+                    save.tensors,
+                    storage_writer=writer,
+                    planner=planner,
+                    **_group(process_group, no_dist),
+                )
+                outcome = metadata.storage_data
+                if plans is not None:
+                    plans.remember(save, writer, process_group)
     except CheckpointException as e:
         failure = _agreed_error(e, writer.error)
     except BaseException:
         # A collective failed (a rank died, a timeout). Only the coordinator knows whether it
         # committed; the other ranks leave their shard to the clean-up at the next start.
+        if plans is not None:
+            plans.forget()
         if writer.is_coordinator and not writer.committed:
             writer.roll_back()
         else:
             logger.warning("Sharded save of %s was interrupted; files left to clean up", prefix)
         raise
     if failure is not None:
+        if plans is not None:
+            plans.forget()
         writer.roll_back()
         raise failure
-    outcome = metadata.storage_data
     if outcome.state_file_error is not None:
         raise CheckpointSaveError(
             f"Checkpoint {prefix} was committed but the state file could not be updated (a "

@@ -147,6 +147,11 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         is_coordinator: True on the rank that writes the manifest (once DCP has set it up).
         committed: True once this rank (the coordinator) has written ``P.index``.
         error: The exception this rank raised, if any.
+        final_plan: This rank's plan as ``write_data`` received it (its chunks' names and
+            shard file), for a later save to replay (``replay.PlanCache``).
+        tensors_metadata: The coordinator's global metadata of every tensor (``finish``).
+        world_size, num_files: The global plan's number of ranks and of shard files (set by
+            ``prepare_global_plan`` on the coordinator, by ``adopt_global_plan``).
 
     Thread safety: one save per instance, on one thread.
     Distributed: every rank of the group makes its own instance for the same prefix.
@@ -179,11 +184,13 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         self._pending = error
         self._rank = 0
         self.is_coordinator = False
-        self._world_size = 1
-        self._num_files = 0
+        self.world_size = 1
+        self.num_files = 0
         self._written: list[str] = []
         self.committed = False
         self.error = None
+        self.final_plan: SavePlan | None = None
+        self.tensors_metadata: dict[str, Any] | None = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record this rank's role and rank (DCP passes ``rank=``)."""
@@ -219,13 +226,13 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             OSError: If the older index cannot be removed.
         """
         with self._remembering():
-            self._world_size = len(plans)
+            self.world_size = len(plans)
             counts: dict[str, int] = {}
             for plan in plans:
                 for item in plan.items:
                     counts[item.index.fqn] = counts.get(item.index.fqn, 0) + 1
             writers = [rank for rank, plan in enumerate(plans) if plan.items]
-            self._num_files = len(writers)
+            self.num_files = len(writers)
             taken: set[str] = set()
             out = []
             for rank, plan in enumerate(plans):
@@ -244,10 +251,24 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
                     taken.add(name)
                     names[chunk_key(item.index)] = name
                 index = writers.index(rank) if plan.items else None
-                assignment = _Assignment(index, self._num_files, names)
+                assignment = _Assignment(index, self.num_files, names)
                 out.append(dataclasses.replace(plan, storage_data=assignment))
             commit.retire(self._storage, self._prefix, [])
             return out
+
+    def adopt_global_plan(self, world_size: int, num_files: int) -> None:
+        """Take the global plan of an earlier save instead of ``prepare_global_plan``'s.
+
+        For a save that replays an earlier plan (``replay.PlanCache``): records the plan's
+        sizes and, on the coordinator, retires an older ``P.index`` as
+        ``prepare_global_plan`` does. Call ``set_up_storage_writer`` first.
+
+        Raises:
+            OSError: If the older index cannot be removed.
+        """
+        self.world_size, self.num_files = world_size, num_files
+        if self.is_coordinator:
+            commit.retire(self._storage, self._prefix, [])
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's shard: in place or copied, checksummed, put (``commit.put_shard``).
@@ -258,6 +279,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             TypeError: For an entry that is not a tensor.
         """
         with self._remembering():
+            self.final_plan = plan
             assignment = plan.storage_data
             results: list[WriteResult] = []
             if isinstance(assignment, _Assignment) and assignment.file_index is not None:
@@ -331,6 +353,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
                 no rank wrote).
         """
         with self._remembering():
+            self.tensors_metadata = metadata.state_dict_metadata
             manifest = self._manifest(metadata, results)
             data = manifest.to_bytes()
             try:
@@ -353,8 +376,8 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             shards[stored.entry.shard] = stored.shard
             tensors[stored.name] = stored.entry
             names[chunk_key(result.index)] = stored.name
-        if sorted(shards) != list(range(self._num_files)):
-            raise ValueError(f"expected {self._num_files} shards, got results for {sorted(shards)}")
+        if sorted(shards) != list(range(self.num_files)):
+            raise ValueError(f"expected {self.num_files} shards, got results for {sorted(shards)}")
         sharded: dict[str, ShardedTensorEntry] = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
@@ -378,16 +401,16 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             wall_time=self._wall_time,
             tree=self._tree,
             tensors=dict(sorted(tensors.items())),
-            shards=tuple(shards[i] for i in range(self._num_files)),
+            shards=tuple(shards[i] for i in range(self.num_files)),
             library_version=__version__,
             torch_version=torch.__version__,
-            world_size=self._world_size,
+            world_size=self.world_size,
             sharded_tensors=dict(sorted(sharded.items())),
         )
 
     def _after_commit(self) -> str | None:
         """Remove stale shards and update the state file; never raises (it is committed)."""
-        keep = {data_filename(self._prefix, i, self._num_files) for i in range(self._num_files)}
+        keep = {data_filename(self._prefix, i, self.num_files) for i in range(self.num_files)}
         commit.remove_stale_shards(self._storage, self._prefix, keep)
         if not self._write_state:
             return None

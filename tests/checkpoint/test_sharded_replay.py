@@ -1,0 +1,237 @@
+"""Sharded saves that replay the previous save's plan (``replay.PlanCache``): the same files
+as a save DCP plans, DCP again whenever any rank's layout changed, and a failure on any rank
+still reaching every rank with nothing committed.
+
+The ranks are real processes of a real gloo process group (``testing.run_world``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from torchsupervisor import CheckpointReader
+from torchsupervisor.checkpoint.sharded.collective import load_sharded, write_sharded
+from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
+from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState, flatten_sharded_state
+from torchsupervisor.checkpoint.sharded.replay import PlanCache, layout_of
+from torchsupervisor.checkpoint.sharded.staging import prepare
+from torchsupervisor.testing import FaultyStorage, run_world
+
+
+def _build(seed: int, world_size: int) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    return {"model": model, "optimizer": ShardedOptimizerState(model, optimizer), "step": 0}
+
+
+def _train(state: dict) -> None:
+    model, optimizer = state["model"], state["optimizer"].optimizer
+    model(torch.randn(4, 6)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    state["step"] += 1
+
+
+def _save(state: dict, directory: str, step: int, plans: PlanCache | None, **kwargs) -> bytes:
+    save = prepare(
+        state, os.path.join(directory, f"model.ckpt-{step}"), global_step=step, wall_time=0.0
+    )
+    return write_sharded(save, plans=plans, write_state=False, **kwargs)
+
+
+def _full(state: dict) -> dict[str, torch.Tensor]:
+    _, tensors = flatten_sharded_state(state)
+    out = {}
+    for name in sorted(tensors):  # The same order on every rank: full_tensor is a collective.
+        t = tensors[name]
+        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).clone()
+    return out
+
+
+def _layout(manifest: bytes) -> tuple:
+    """A manifest without its step and its shard files' names (which name the step)."""
+    parsed = ShardedManifest.from_bytes(manifest)
+    shards = tuple(dataclasses.replace(s, file="") for s in parsed.shards)
+    return parsed.tensors, shards, parsed.sharded_tensors, parsed.world_size
+
+
+def replay_rank(rank: int, world_size: int, directory: str) -> tuple[int, bool]:
+    """Three saves with one layout: the 2nd and 3rd replay the plan; each verifies and
+    restores; the 3rd's manifest and shards are those of a save of the same state that DCP
+    plans."""
+    state = _build(0, world_size)
+    plans = PlanCache()
+    manifests = []
+    for step in (1, 2, 3):
+        _train(state)
+        manifests.append(_save(state, directory, step, plans))
+    assert plans.replayed == 2
+    planned = _save(state, directory, 4, None)  # The same state, planned by DCP.
+    same = _layout(manifests[-1]) == _layout(planned)
+    expected = _full(state)
+    for step in (1, 2, 3):
+        if rank == 0:
+            CheckpointReader(os.path.join(directory, f"model.ckpt-{step}")).verify()
+    fresh = _build(1, world_size)
+    load_sharded(fresh, os.path.join(directory, "model.ckpt-3"))
+    restored = _full(fresh)
+    assert sorted(restored) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(restored[name], tensor), name
+    return plans.replayed, same
+
+
+def test_saves_of_one_layout_replay_the_plan_and_write_what_dcp_would(tmp_path):
+    for replayed, same in run_world(replay_rank, str(tmp_path)):
+        assert replayed == 2 and same
+
+
+def changed_rank(rank: int, world_size: int, directory: str) -> list[int]:
+    """A new tensor in the state, a changed dtype, and one rank without a kept plan: each
+    sends every rank back to DCP; the next save of the same layout replays again."""
+    state = _build(0, world_size)
+    plans = PlanCache()
+    counts = []
+    _save(state, directory, 1, plans)
+    state["extra"] = torch.arange(4, dtype=torch.float32)
+    _save(state, directory, 2, plans)  # A new tensor: planned.
+    counts.append(plans.replayed)
+    _save(state, directory, 3, plans)  # Replayed.
+    counts.append(plans.replayed)
+    state["extra"] = state["extra"].to(torch.float64)
+    manifest = ShardedManifest.from_bytes(_save(state, directory, 4, plans))
+    counts.append(plans.replayed)
+    assert manifest.tensors["extra"].dtype == torch.float64
+    if rank == 1:
+        plans.forget()  # Only this rank: every rank must still plan with DCP.
+    _save(state, directory, 5, plans)
+    counts.append(plans.replayed)
+    _save(state, directory, 6, plans)
+    counts.append(plans.replayed)
+    if rank == 0:
+        for step in range(1, 7):
+            CheckpointReader(os.path.join(directory, f"model.ckpt-{step}")).verify()
+    return counts
+
+
+def test_a_changed_layout_on_any_rank_is_planned_again(tmp_path):
+    for counts in run_world(changed_rank, str(tmp_path)):
+        assert counts == [0, 1, 1, 1, 2]
+
+
+def fail_rank(
+    rank: int, world_size: int, directory: str, operation: str, path_contains: str, on_rank: int
+) -> tuple[str, str, int, int]:
+    """A replayed save whose ``operation`` fails on ``on_rank``: the error on this rank, and
+    the replay counts after it and after the next two saves (planned, then replayed)."""
+    state = _build(0, world_size)
+    plans = PlanCache()
+    _save(state, directory, 1, plans)
+    storage = FaultyStorage()
+    code = errno.ENOSPC if operation == "write" else errno.EIO
+    storage.fail(operation, path_contains=path_contains, errno=code, rank=on_rank)
+    with pytest.raises(Exception) as caught:
+        _save(state, directory, 2, plans, storage=storage)
+    failed = plans.replayed
+    _save(state, directory, 3, plans)
+    _save(state, directory, 4, plans)
+    if rank == 0:
+        CheckpointReader(os.path.join(directory, "model.ckpt-1")).verify()
+        CheckpointReader(os.path.join(directory, "model.ckpt-4")).verify()
+    return type(caught.value).__name__, str(caught.value), failed, plans.replayed
+
+
+@pytest.mark.parametrize(
+    "operation, path_contains, on_rank",
+    [("write", ".data-", 0), ("write", ".data-", 1), ("open", ".index.tmp", 0)],
+)
+def test_a_failed_replayed_save_fails_everywhere_and_commits_nothing(
+    tmp_path, operation, path_contains, on_rank
+):
+    results = run_world(fail_rank, str(tmp_path), operation, path_contains, on_rank)
+    for kind, message, failed, replayed in results:
+        assert kind == "CheckpointSaveError", message
+        if operation == "write":
+            assert f"failed on rank {on_rank}: [Errno 28] No space left" in message, message
+        else:
+            assert "Input/output error" in message and ".index" in message, message
+        assert (failed, replayed) == (1, 2)  # The failed save forgot the plan.
+    names = set(os.listdir(tmp_path))
+    assert not any(n.startswith("model.ckpt-2") for n in names), names
+    assert {"model.ckpt-1.index", "model.ckpt-3.index", "model.ckpt-4.index"} <= names
+
+
+def test_layout_names_what_a_plan_is_made_from():
+    tensors = {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.int64)}
+    layout, held = layout_of(tensors)
+    assert layout == (("a", torch.float32, (2, 3)), ("b", torch.int64, (4,)))
+    assert held == []
+    assert layout_of({"b": tensors["b"], "a": tensors["a"]})[0] != layout  # Order counts.
+
+
+def overwrite_rank(rank: int, world_size: int, directory: str) -> tuple[str, int]:
+    """The same step saved again: replayed, it overwrites the older checkpoint; a save of it
+    that fails on rank 1 before writing (a value that cannot be saved) leaves it whole."""
+    state = _build(0, world_size)
+    plans = PlanCache()
+    _save(state, directory, 1, plans)
+    _train(state)
+    _save(state, directory, 1, plans)  # Replayed over the older one.
+    assert plans.replayed == 1
+    expected = _full(state)
+    if rank == 1:
+        state["bad"] = object()  # Only this rank: its save fails before the collective.
+    with pytest.raises(Exception) as caught:
+        _save(state, directory, 1, plans)
+    state.pop("bad", None)
+    fresh = _build(1, world_size)
+    load_sharded(fresh, os.path.join(directory, "model.ckpt-1"))
+    restored = _full(fresh)
+    for name, tensor in expected.items():
+        assert torch.equal(restored[name], tensor), name
+    return type(caught.value).__name__, plans.replayed
+
+
+def test_a_failed_save_of_the_same_step_leaves_the_older_checkpoint(tmp_path):
+    for kind, replayed in run_world(overwrite_rank, str(tmp_path)):
+        assert kind == "TypeError" and replayed == 1
+
+
+def retire_fail_rank(rank: int, world_size: int, directory: str, times: int | None) -> tuple:
+    """The same step saved again while deleting its older index fails ``times`` times on the
+    coordinator: the replay gives way to DCP, which retires again (and reports a failure to
+    every rank)."""
+    state = _build(0, world_size)
+    plans = PlanCache()
+    _save(state, directory, 1, plans)
+    storage = FaultyStorage()
+    storage.fail("delete", path_contains=".index", errno=errno.EPERM, times=times, rank=0)
+    try:
+        _save(state, directory, 1, plans, storage=storage)
+        outcome = "saved"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    if rank == 0:
+        CheckpointReader(os.path.join(directory, "model.ckpt-1")).verify()
+    return outcome, plans.replayed
+
+
+@pytest.mark.parametrize("times", [1, None])
+def test_an_older_index_that_cannot_be_retired_sends_the_save_to_dcp(tmp_path, times):
+    for outcome, replayed in run_world(retire_fail_rank, str(tmp_path), times):
+        assert replayed == 0
+        if times == 1:
+            assert outcome == "saved"
+        else:
+            assert outcome.startswith("PermissionError") and "model.ckpt-1.index" in outcome

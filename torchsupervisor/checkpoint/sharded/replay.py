@@ -1,0 +1,184 @@
+"""Sharded saves that replay the previous save's plan while no rank's layout has changed.
+
+DCP plans every save from scratch: each rank builds its write items, the coordinator gathers
+the pickled plans, removes the duplicates, builds the global metadata and scatters the plans
+back, every step wrapped in DCP's logging. On 2 ranks at 50 MB that is 2.5 to 5 ms of CPU per
+rank and save, plus DCP's broadcast of the whole metadata after the commit: time a
+background save takes from training on a machine without a spare core.
+
+A plan depends only on what the ranks save: the tensors' names, dtypes and shapes, and each
+DTensor's mesh and placements (its local chunk follows from them). ``PlanCache`` keeps the
+plan of the last save that committed, with the layout it was made for. At the next save every
+rank compares its layout with the kept one and the ranks agree: if no rank's layout changed,
+the save replays the plan (each rank writes the same chunks under the same names into the
+same shard file; the coordinator builds the manifest from the kept metadata). Otherwise DCP
+plans again, and a failed save forgets the plan. The files are the same either way.
+
+The ranks agree in an all-reduce of one number; the coordinator then retires an older index
+of the same prefix (only once every rank will write, and before any rank puts its shard) and
+broadcasts whether it could. The write-and-commit step is DCP's own exception-safe collective
+(a gather of every rank's results or error, the commit, a broadcast of its outcome), so a
+failure on any rank still reaches every rank and commits nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchsupervisor.checkpoint.sharded.plan import dtensor_class
+from torchsupervisor.checkpoint.sharded.staging import ShardedSave
+
+__all__ = ["PlanCache", "layout_of"]
+
+
+def layout_of(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[Any, ...], list[Any]]:
+    """What a rank's part of a DCP save plan is made from, and the objects it names by id.
+
+    Returns:
+        ``(layout, held)``: per tensor, in order, its name, dtype and shape, and for a
+        DTensor its placements and the id of its mesh; ``held``: the meshes (kept alive
+        with the layout, so that their ids stay theirs).
+    """
+    dtensor = dtensor_class()
+    layout: list[tuple[Any, ...]] = []
+    held: list[Any] = []
+    for name, tensor in tensors.items():
+        entry: tuple[Any, ...] = (name, tensor.dtype, tuple(tensor.shape))
+        if dtensor is not None and isinstance(tensor, dtensor):
+            mesh = tensor.device_mesh
+            entry += (tuple(tensor.placements), id(mesh))
+            held.append(mesh)
+        layout.append(entry)
+    return tuple(layout), held
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A committed save's plan: what replaying it needs."""
+
+    layout: tuple[Any, ...]
+    held: tuple[Any, ...]  # The meshes and the process group, named in the layout by id.
+    group: Any
+    plan: Any  # This rank's final ``SavePlan``.
+    world_size: int
+    num_files: int
+    tensors_metadata: dict[str, Any] | None  # The coordinator's global metadata.
+
+
+class _Resolver:
+    """The part of DCP's planner that ``ShardedStorageWriter.write_data`` uses."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = dict(tensors)
+
+    def resolve_data(self, item: Any) -> Any:
+        """This rank's chunk of the item's tensor, as DCP's default planner resolves it."""
+        from torch.distributed.checkpoint.utils import find_state_dict_object
+
+        return find_state_dict_object(self._tensors, item.index)
+
+
+class PlanCache:
+    """The plan of the last committed sharded save of one state, for the next save to replay.
+
+    Kept by the caller between saves (``ShardedWriter``, one per ``Saver``); passed to
+    ``collective.write_sharded``.
+
+    Attributes:
+        replayed: How many saves replayed a kept plan (for tests and benchmarks).
+
+    Thread safety: one save at a time (the thread that writes the saves).
+    Distributed: every rank keeps its own; ``replay`` is a collective of the save's group.
+    """
+
+    def __init__(self) -> None:
+        self._kept: _Kept | None = None
+        self.replayed = 0
+
+    def forget(self) -> None:
+        """Drop the kept plan (after a failed save): the next save is planned by DCP."""
+        self._kept = None
+
+    def remember(self, save: ShardedSave, writer: Any, group: Any) -> None:
+        """Keep the plan of ``save``, just committed through DCP by ``writer``."""
+        if writer.final_plan is None or (writer.is_coordinator and writer.tensors_metadata is None):
+            self._kept = None
+            return
+        layout, held = layout_of(save.tensors)
+        self._kept = _Kept(
+            layout=layout,
+            held=(*held, group),
+            group=group,
+            plan=writer.final_plan,
+            world_size=writer.world_size,
+            num_files=writer.num_files,
+            tensors_metadata=writer.tensors_metadata,
+        )
+
+    def replay(self, save: ShardedSave, writer: Any, group: Any) -> Any:
+        """Write and commit ``save`` with the kept plan, if every rank's layout is unchanged.
+
+        A collective of ``group``: every rank calls it for the same save and all get None
+        together (nothing written yet: plan the save with DCP) or all replay.
+
+        Returns:
+            The coordinator's ``SaveOutcome`` (on every rank), or None.
+
+        Raises:
+            CheckpointException: If the write or the commit failed on any rank (on every
+                rank, with every rank's failure), as DCP raises it.
+        """
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.metadata import Metadata
+
+        try:  # DCP's exception-safe collectives; private, so a torch without them plans.
+            from torch.distributed.checkpoint.utils import _DistWrapper
+        except ImportError:  # pragma: no cover - every torch since 2.0 has it.
+            return None
+        kept = self._kept
+        wrapper = _DistWrapper(group, True, 0)
+        writer.set_up_storage_writer(wrapper.is_coordinator, rank=wrapper.rank)
+        usable = (
+            kept is not None
+            and save.error is None
+            and kept.group is group
+            and kept.layout == layout_of(save.tensors)[0]
+        )
+
+        # Two one-number collectives (DCP's pickled gather and scatter cost 3 times more):
+        # every rank's answer, then the coordinator's retirement of an older ``P.index``, which
+        # happens only once every rank will write and before any rank puts its shard. If it
+        # fails, DCP plans the save and retires again, and reports its error to every rank.
+        flag = torch.tensor([1 if usable else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        if not flag.item():
+            return None  # Some rank's layout changed (or it has no plan): DCP plans.
+        assert kept is not None
+        if wrapper.is_coordinator:
+            try:
+                writer.adopt_global_plan(kept.world_size, kept.num_files)
+            except Exception:
+                flag[0] = 0
+        coordinator = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast(flag, src=coordinator, group=group)
+        if not flag.item():
+            return None
+        if not wrapper.is_coordinator:
+            writer.adopt_global_plan(kept.world_size, kept.num_files)
+        self.replayed += 1
+        resolver = _Resolver(save.tensors)
+
+        def write() -> Any:
+            plan = writer.prepare_local_plan(kept.plan)
+            return writer.write_data(plan, resolver).value()
+
+        def commit(results: list[Any]) -> Any:
+            metadata = Metadata(state_dict_metadata=dict(kept.tensors_metadata or {}))
+            writer.finish(metadata, results)
+            return metadata.storage_data
+
+        return wrapper.all_reduce("write", write, commit)
