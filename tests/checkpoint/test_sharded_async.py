@@ -17,6 +17,7 @@ from test_sharded import REFERENCE, _build, _files, _full_tensors, _state, _trai
 
 from torchsupervisor import CheckpointReader, Saver, latest_checkpoint
 from torchsupervisor.checkpoint.sharded import writer as writer_module
+from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.writers import ShardedWriter
 from torchsupervisor.testing import FaultyStorage, run_world
 
@@ -52,6 +53,15 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
         return out
 
     writer_module.in_place_shard = recorded
+    replayed = []  # Whether each save replayed the plan of the one before (replay.PlanCache).
+    replay = PlanCache.replay
+
+    def noted(self, *args):
+        outcome = replay(self, *args)
+        replayed.append(outcome is not None)
+        return outcome
+
+    PlanCache.replay = noted
     saver = Saver(var_list=state, max_to_keep=None)
     save_path = os.path.join(directory, "model.ckpt")
     future = saver.save_async(None, save_path, global_step=3)
@@ -71,6 +81,7 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
     assert second.result(WAIT_SECS).endswith("model.ckpt-5")
     saver.close()
     writer_module.in_place_shard = in_place_shard
+    PlanCache.replay = replay
     # Restore each into fresh values: the state of its step, not the one changed after it.
     equal = []
     for prefix, expected, step in ((first, reference, 3), (second.result(), reference5, 5)):
@@ -90,6 +101,7 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
         "stall": stats.stall_secs,
         "total": stats.total_secs,
         "placed": placed,
+        "replayed": replayed,
     }
 
 
@@ -117,6 +129,9 @@ def test_an_async_sharded_save_is_the_state_at_its_step_while_training_goes_on(t
         assert result["first"] == "model.ckpt-3"
         assert result["equal"] == [True, True]  # Steps 3 and 5, each as it was.
         assert result["stall"] < result["total"]
+        # DCP planned the first save; the second (the same layout) replayed its plan, through
+        # the writers' own process group, and restores as its step was.
+        assert result["replayed"] == [False, True], result["replayed"]
         # Both shards of both saves were written from the staging buffers, the local shards
         # in place (header + data, most of the file) and the replicated tensors that DCP
         # gave the rank (Adam's steps) copied after them.
