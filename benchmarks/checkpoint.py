@@ -2,6 +2,7 @@
 
     python benchmarks/checkpoint.py                      # 10 MB, 100 MB, 500 MB, 2 GB
     python benchmarks/checkpoint.py --sizes 10MB,100MB   # quicker
+    python benchmarks/checkpoint.py --load 1             # + training speed beside a CPU hog
 
 For each state size (an MLP plus its Adam state: parameters, exp_avg, exp_avg_sq) it measures,
 on the same machine and the same directory:
@@ -13,7 +14,9 @@ on the same machine and the same directory:
 * training speed: steps/s of a training loop while our writer persists the state (saves back
   to back), against steps/s with no checkpoint in flight (the loop trains its own small model,
   so that the state size does not change the step); the ratio is the median, over rounds, of a
-  busy round's rate over that of the idle rounds beside it;
+  busy round's rate over that of the idle rounds beside it; with ``--load N``, the same with
+  N CPU-bound processes running beside the loop (a machine that is not idle), and a control
+  run without saves that shows how much the loaded loop's speed moves by itself;
 * persist throughput: bytes per second of our background write (commit protocol, CRC-32C,
   fsync) against a raw sequential write of the same bytes with fsync in the same directory;
 * restore: ``Saver.restore`` into the model and optimizer against ``torch.load(weights_only=
@@ -46,7 +49,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import safetensors.torch
@@ -304,8 +307,41 @@ def measure_training(state, directory: str, rounds: int) -> dict[str, float]:
     return measure_training_at(state, path, rounds)
 
 
-def measure_training_at(state, path: str, rounds: int) -> dict[str, float]:
-    """``measure_training`` with checkpoints saved to ``path`` (a prefix; a URL too)."""
+@contextlib.contextmanager
+def cpu_load(processes: int) -> Iterator[None]:
+    """``processes`` CPU-bound processes at normal priority beside the benchmark: a machine
+    that is not idle (another job, data-loader workers). Killed on exit."""
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)
+    ]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+        for burner in burners:
+            burner.wait()
+
+
+def measure_training_loaded(state, directory: str, rounds: int, load: int) -> dict[str, Any]:
+    """``measure_training`` with ``load`` CPU-bound processes beside the loop in every round.
+
+    Also a control: the same alternation with no save in the busy rounds either, which shows
+    how far the loaded loop's speed moves between rounds by itself.
+    """
+    path = os.path.join(directory, "training-loaded", "model.ckpt")
+    os.makedirs(os.path.dirname(path))
+    with cpu_load(load):
+        saving = measure_training_at(state, path, rounds)
+        control = measure_training_at(state, path, rounds, save=False)
+    return {**saving, "control_paired_ratio": control["paired_ratio"], "load_processes": load}
+
+
+def measure_training_at(state, path: str, rounds: int, save: bool = True) -> dict[str, float]:
+    """``measure_training`` with checkpoints saved to ``path`` (a prefix; a URL too).
+
+    ``save`` False: no save in the busy rounds either (a control of the alternation itself).
+    """
     loop = TrainingLoop()
     loop.steps_per_sec(0.5)  # Warm-up.
     saver = Saver(max_to_keep=1)
@@ -334,7 +370,7 @@ def measure_training_at(state, path: str, rounds: int) -> dict[str, float]:
 
     busy, idle = [], []
     for _ in range(rounds):
-        busy.append(timed_steps(True))
+        busy.append(timed_steps(save))
         idle.append(timed_steps(False))
     idle.append(timed_steps(False))
     # Each busy round against the idle rounds on either side of it: the machine's own speed
@@ -345,6 +381,7 @@ def measure_training_at(state, path: str, rounds: int) -> dict[str, float]:
         "steps_per_sec_persisting": statistics.median(busy),
         "paired_ratio": statistics.median(paired),
         "paired_ratios": paired,
+        "saves": step,
     }
 
 
@@ -444,7 +481,7 @@ def measure_incremental(size_bytes: int, directory: str) -> dict[str, Any]:
     }
 
 
-def run_size(size_bytes: int, root: str, repeat: int) -> dict[str, Any]:
+def run_size(size_bytes: int, root: str, repeat: int, load: int = 0) -> dict[str, Any]:
     directory = tempfile.mkdtemp(prefix="ckpt-bench-", dir=root)
     try:
         state = build_state(size_bytes)
@@ -467,6 +504,10 @@ def run_size(size_bytes: int, root: str, repeat: int) -> dict[str, Any]:
             row["ours"]["bytes"], directory, repeat * (4 if small else 1)
         )
         row["training"] = measure_training(state, directory, rounds=max(12, repeat))
+        if load:
+            row["training_loaded"] = measure_training_loaded(
+                state, directory, max(24, repeat), load
+            )
         row["restore"] = measure_restore(size_bytes, row["ours"]["prefix"], torch_path, repeat)
         del state, tensors
         gc.collect()
@@ -542,6 +583,21 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{ms(restore['torch_load_warm_secs']):>10} {r['restore_vs_torch_load']:6.2f} "
             f"{100 * r['incremental_fraction']:8.2f}"
         )
+    loaded = [row for row in rows if "training_loaded" in row]
+    if loaded:
+        print()
+        print("Training speed beside CPU-bound processes (control: no saves in either round)")
+        print(
+            f"{'state MB':>9} {'load':>5} {'steps/s':>8} {'while':>8} {'ratio':>6} "
+            f"{'saves':>6} {'control':>8}"
+        )
+        for row in loaded:
+            t = row["training_loaded"]
+            print(
+                f"{row['state_bytes'] / MB:9.0f} {t['load_processes']:5d} "
+                f"{t['steps_per_sec_idle']:8.1f} {t['steps_per_sec_persisting']:8.1f} "
+                f"{t['paired_ratio']:6.2f} {t['saves']:6d} {t['control_paired_ratio']:8.2f}"
+            )
     print()
     print("Incremental checkpoints of a frozen backbone (bytes written, % of a full save)")
     print(f"{'state MB':>9} {'full MB':>9} {'incr. %':>8} {'cycle':>6} {'cycle avg %':>11}")
@@ -591,12 +647,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: benchmarks/results)")
     parser.add_argument("--json", default=None, help="output file")
+    parser.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        help="also measure training speed with this many CPU-bound processes beside it",
+    )
     args = parser.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
     results_dir = os.path.join(here, "results")
     os.makedirs(results_dir, exist_ok=True)
     root = args.dir or results_dir
-    rows = [run_size(parse_size(s), root, args.repeat) for s in args.sizes.split(",")]
+    rows = [run_size(parse_size(s), root, args.repeat, args.load) for s in args.sizes.split(",")]
     print_table(rows)
     report = {
         "machine": machine_facts(),
