@@ -308,14 +308,14 @@ def measure_training(state, directory: str, rounds: int) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def cpu_load(processes: int) -> Iterator[None]:
+def cpu_load(processes: int) -> Iterator[list[subprocess.Popen]]:
     """``processes`` CPU-bound processes at normal priority beside the benchmark: a machine
-    that is not idle (another job, data-loader workers). Killed on exit."""
+    that is not idle (another job, data-loader workers). Yields them; killed on exit."""
     burners = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)
     ]
     try:
-        yield
+        yield burners
     finally:
         for burner in burners:
             burner.kill()
