@@ -12,34 +12,27 @@ import os
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from test_sharded import _build as build_model
+from test_sharded import _full_tensors
+from test_sharded import _train_step as train_step
 
 from torchsupervisor import CheckpointReader
 from torchsupervisor.checkpoint.sharded.collective import load_sharded, write_sharded
 from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
-from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState, flatten_sharded_state
+from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState
 from torchsupervisor.checkpoint.sharded.replay import PlanCache, layout_of
 from torchsupervisor.checkpoint.sharded.staging import prepare
 from torchsupervisor.testing import FaultyStorage, run_world
 
 
 def _build(seed: int, world_size: int) -> dict:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in (model[0], model[2], model):
-        fully_shard(layer, mesh=mesh)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    """``test_sharded``'s FSDP2 model and Adam, as a state with a step."""
+    model, optimizer = build_model(seed, world_size)
     return {"model": model, "optimizer": ShardedOptimizerState(model, optimizer), "step": 0}
 
 
 def _train(state: dict) -> None:
-    model, optimizer = state["model"], state["optimizer"].optimizer
-    model(torch.randn(4, 6)).pow(2).mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    train_step(state["model"], state["optimizer"].optimizer, state["step"])
     state["step"] += 1
 
 
@@ -48,15 +41,6 @@ def _save(state: dict, directory: str, step: int, plans: PlanCache | None, **kwa
         state, os.path.join(directory, f"model.ckpt-{step}"), global_step=step, wall_time=0.0
     )
     return write_sharded(save, plans=plans, write_state=False, **kwargs)
-
-
-def _full(state: dict) -> dict[str, torch.Tensor]:
-    _, tensors = flatten_sharded_state(state)
-    out = {}
-    for name in sorted(tensors):  # The same order on every rank: full_tensor is a collective.
-        t = tensors[name]
-        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).clone()
-    return out
 
 
 def _layout(manifest: bytes) -> tuple:
@@ -79,13 +63,13 @@ def replay_rank(rank: int, world_size: int, directory: str) -> tuple[int, bool]:
     assert plans.replayed == 2
     planned = _save(state, directory, 4, None)  # The same state, planned by DCP.
     same = _layout(manifests[-1]) == _layout(planned)
-    expected = _full(state)
+    expected = _full_tensors(state)
     for step in (1, 2, 3):
         if rank == 0:
             CheckpointReader(os.path.join(directory, f"model.ckpt-{step}")).verify()
     fresh = _build(1, world_size)
     load_sharded(fresh, os.path.join(directory, "model.ckpt-3"))
-    restored = _full(fresh)
+    restored = _full_tensors(fresh)
     assert sorted(restored) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(restored[name], tensor), name
@@ -189,7 +173,7 @@ def overwrite_rank(rank: int, world_size: int, directory: str) -> tuple[str, int
     _train(state)
     _save(state, directory, 1, plans)  # Replayed over the older one.
     assert plans.replayed == 1
-    expected = _full(state)
+    expected = _full_tensors(state)
     if rank == 1:
         state["bad"] = object()  # Only this rank: its save fails before the collective.
     with pytest.raises(Exception) as caught:
@@ -197,7 +181,7 @@ def overwrite_rank(rank: int, world_size: int, directory: str) -> tuple[str, int
     state.pop("bad", None)
     fresh = _build(1, world_size)
     load_sharded(fresh, os.path.join(directory, "model.ckpt-1"))
-    restored = _full(fresh)
+    restored = _full_tensors(fresh)
     for name, tensor in expected.items():
         assert torch.equal(restored[name], tensor), name
     return type(caught.value).__name__, plans.replayed

@@ -61,8 +61,8 @@ class _Kept:
     """A committed save's plan: what replaying it needs."""
 
     layout: tuple[Any, ...]
-    held: tuple[Any, ...]  # The meshes and the process group, named in the layout by id.
-    group: Any
+    held: tuple[Any, ...]  # The meshes, named in the layout by id.
+    group: Any  # Compared by identity (and so kept alive here).
     plan: Any  # This rank's final ``SavePlan``.
     world_size: int
     num_files: int
@@ -73,7 +73,7 @@ class _Resolver:
     """The part of DCP's planner that ``ShardedStorageWriter.write_data`` uses."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._tensors = dict(tensors)
+        self._tensors = tensors
 
     def resolve_data(self, item: Any) -> Any:
         """This rank's chunk of the item's tensor, as DCP's default planner resolves it."""
@@ -111,7 +111,7 @@ class PlanCache:
         layout, held = layout_of(save.tensors)
         self._kept = _Kept(
             layout=layout,
-            held=(*held, group),
+            held=tuple(held),
             group=group,
             plan=writer.final_plan,
             world_size=writer.world_size,
