@@ -194,7 +194,23 @@ def test_a_hung_fsync_cannot_overrun_the_grace_budget(tmp_path, caplog, hangs):
         driver.grace_budget_secs = 0.5
         start = clock.monotonic()
         with caplog.at_level("WARNING", "torchsupervisor"):
-            assert driver.final(sess, step.value) is None
+            if hangs == "the save in flight":
+                assert driver.final(sess, step.value) is None
+            else:
+                # The budget runs out only once the final save hangs in fsync: on a fake clock
+                # that advances by itself it would run out at once, and a writer that had not
+                # reached fsync yet (a busy machine) would stop at its next stage, cancelled.
+                clock.auto_advance = False
+                returned = []
+                final = threading.Thread(
+                    target=lambda: returned.append(driver.final(sess, step.value))
+                )
+                final.start()
+                assert gate.reached.wait(JOIN_SECS)  # The final save hangs in fsync...
+                clock.auto_advance = True
+                clock.advance(0.5)  # ...and the budget runs out.
+                final.join(JOIN_SECS)
+                assert not final.is_alive() and returned == [None]
             # On the driver's clock the budget was kept to the letter.
             assert clock.monotonic() - start == pytest.approx(0.5)
             # The Supervisor's stop then neither waits for the stuck writer nor joins it.
