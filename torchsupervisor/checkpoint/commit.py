@@ -181,7 +181,7 @@ class _Beside:
     _jobs: queue.SimpleQueue[_Beside | None] | None = None
 
     def __init__(self, fn: Callable[[], Any]) -> None:
-        self._fn = fn
+        self._fn: Callable[[], Any] | None = fn
         self._caller = threading.get_native_id()  # Whose priority the job runs at.
         self._done = threading.Event()
         self._result: Any = None
@@ -213,11 +213,16 @@ class _Beside:
         cls._lock = threading.Lock()
 
     def _run(self) -> None:
+        fn, self._fn = self._fn, None
         try:
-            self._result = self._fn()
+            self._result = fn()
         except BaseException as e:  # Re-raised by result() on the writer thread.
             self._error = e
         finally:
+            # What ``fn`` holds (views of the snapshot) is freed before the writer goes on:
+            # freed later, it could be freed after the interpreter began to shut down (see
+            # ``engine``'s docstring, "at exit").
+            del fn
             self._done.set()
 
     def result(self) -> Any:
