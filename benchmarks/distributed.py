@@ -29,7 +29,11 @@ with gloo (the benchmark launches them itself, as ``torchrun`` would):
   ``dcp.async_save`` in the same processes: the stall of each against one host copy of the
   rank's local shards (*memcpy*: every rank at once, after a barrier, as the ranks stage at
   the step boundary of a save; *alone*: each rank while the other waits), the time to commit,
-  and training steps/s while saves persist against steps/s with none in flight.
+  and training steps/s while saves persist against steps/s with none in flight. Also on a
+  state of many small tensors (``--blocks-sizes``, default 50 MB: blocks of ``LayerNorm`` +
+  ``Linear`` of width 256, about 1,000 tensors), where the per-tensor work of a save (state
+  dicts, flattening, one copy call each) weighs against the bytes; its memcpy is one
+  ``copy_`` call per tensor too.
 * ``restore``: ``load_sharded`` of the last sharded checkpoint into a freshly built model, by
   the same world size (in the processes that saved, files in the page cache) and by the other
   world size (fresh processes: 2 ranks reading a 1-rank checkpoint, 1 rank reading a 2-rank
@@ -76,19 +80,40 @@ def parse_size(text: str) -> int:
 # ------------------------------------------------------------------------- worker side
 
 
-def _build(total_bytes: int, world_size: int, kind: str) -> tuple[Any, Any, dict[str, Any]]:
-    """The model, its optimizer (with Adam state) and the state to save."""
+BLOCK_WIDTH = 256
+"""Width of the ``blocks`` model's layers (``--blocks-sizes``)."""
+
+
+def _build(
+    total_bytes: int, world_size: int, kind: str, model_kind: str = "mlp"
+) -> tuple[Any, Any, dict[str, Any]]:
+    """The model, its optimizer (with Adam state) and the state to save.
+
+    ``model_kind``: ``mlp``, square ``Linear`` layers without bias (few, large tensors); or
+    ``blocks``, blocks of ``LayerNorm`` + ``Linear`` of width 256 (each block 4 parameters,
+    16 tensors with Adam's state: many small tensors, as a transformer's state has).
+    """
     import torch
     from torch import nn
 
     from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState
 
     param_bytes = total_bytes / 3  # Parameters, exp_avg, exp_avg_sq.
-    width = 1024 if param_bytes >= 4 * 1024 * 1024 else max(8, int(math.sqrt(param_bytes / 4)))
-    width -= width % 8
-    layers = max(1, round(param_bytes / (width * width * 4)))
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+    if model_kind == "blocks":
+        width = BLOCK_WIDTH
+        per_block = (width * width + 3 * width) * 4
+        model = nn.Sequential(
+            *(
+                nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width))
+                for _ in range(max(1, round(param_bytes / per_block)))
+            )
+        )
+    else:
+        width = 1024 if param_bytes >= 4 * 1024 * 1024 else max(8, int(math.sqrt(param_bytes / 4)))
+        width -= width % 8
+        layers = max(1, round(param_bytes / (width * width * 4)))
+        model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
     if kind == "sharded":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -140,6 +165,13 @@ def _dcp_save(state: dict[str, Any], directory: str) -> None:
         {"model": state["model"].state_dict(), "optimizer": state["optimizer"].state_dict()},
         storage_writer=dcp.FileSystemWriter(directory),
     )
+
+
+def _width(model: Any) -> int:
+    """The input width of the model's first ``Linear`` layer (both kinds of ``_build``)."""
+    from torch import nn
+
+    return next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
 
 
 def _train_step(model: Any, width: int) -> None:
@@ -201,9 +233,10 @@ def _async_case(args: argparse.Namespace, rank: int, world: int) -> dict[str, An
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     from torchsupervisor import Saver
+    from torchsupervisor.checkpoint.sharded.plan import flatten_sharded_state
 
-    model, _, state = _build(args.bytes, world, "sharded")
-    width = model[0].weight.shape[1]
+    model, _, state = _build(args.bytes, world, "sharded", args.model)
+    width = _width(model)
 
     # Each copy and each save below follows a training step, as a save at a step boundary
     # does: copied in a loop of its own, the memcpy finds its buffers in the caches and
@@ -235,6 +268,7 @@ def _async_case(args: argparse.Namespace, rank: int, world: int) -> dict[str, An
 
     _steps_per_sec(model, width, 5)  # Warm-up.
     out: dict[str, Any] = {"memcpy": memcpy, "memcpy_alone": memcpy_alone}
+    out["tensors"] = len(flatten_sharded_state(state)[1])
     number = iter(range(1, 1_000_000))  # Global steps of the saves.
     for name, save in (("ours", ours), ("dcp", theirs)):
         save(next(number)).result()  # Warm-up: buffers, groups, caches.
@@ -450,16 +484,28 @@ def run_size(size: int, root: str, repeat: int, rounds: int) -> list[dict[str, A
             "aggregate_mb_per_sec": chief["bytes"] / MB / total,
         }
     )
-    async_dir = tempfile.mkdtemp(prefix="async-", dir=root)
-    rows.append(_async_row(size, launch(2, "--mode", "async", "--dir", async_dir, *common)))
-    for directory in [*dirs.values(), ddp_dir, async_dir]:
+    rows.append(run_async(size, root, repeat, rounds))
+    for directory in [*dirs.values(), ddp_dir]:
         shutil.rmtree(directory, ignore_errors=True)
     return rows
 
 
-def _async_row(size: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def run_async(size: int, root: str, repeat: int, rounds: int, model_kind: str = "mlp") -> dict:
+    """The asynchronous case on 2 ranks (``_async_case``), ours against ``dcp.async_save``."""
+    directory = tempfile.mkdtemp(prefix="async-", dir=root)
+    common = ["--bytes", str(size), "--repeat", str(repeat), "--rounds", str(rounds)]
+    try:
+        ranks = launch(2, "--mode", "async", "--model", model_kind, "--dir", directory, *common)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return _async_row(size, ranks, model_kind)
+
+
+def _async_row(size: int, ranks: list[dict[str, Any]], model_kind: str = "mlp") -> dict[str, Any]:
     """Asynchronous sharded saves on 2 ranks: stalls, totals and steps/s, ours and DCP's."""
-    row: dict[str, Any] = {"case": "async sharded, 2 ranks", "size_bytes": size, "world_size": 2}
+    case = "async sharded, 2 ranks" + (", blocks" if model_kind == "blocks" else "")
+    row: dict[str, Any] = {"case": case, "size_bytes": size, "world_size": 2}
+    row["model"], row["tensors"] = model_kind, ranks[0]["tensors"]
     memcpy = max(statistics.median(r["memcpy"]) for r in ranks)
     row["memcpy_secs"] = memcpy
     row["memcpy_alone_secs"] = max(statistics.median(r["memcpy_alone"]) for r in ranks)
@@ -488,7 +534,7 @@ def print_async_table(rows: list[dict[str, Any]]) -> None:
     if not rows:
         return
     print(
-        f"\n{'async, 2 ranks':16s} {'state':>8s} {'memcpy s':>9s} {'alone s':>8s} "
+        f"\n{'async, 2 ranks':16s} {'state':>8s} {'tensors':>7s} {'memcpy s':>9s} {'alone s':>8s} "
         f"{'stall s':>8s} {'x memcpy':>9s} {'x alone':>8s} {'x dcp':>6s} {'persist s':>9s} "
         f"{'steps/s idle':>12s} "
         f"{'persisting':>10s} {'ratio':>6s}"
@@ -497,8 +543,10 @@ def print_async_table(rows: list[dict[str, Any]]) -> None:
         for name in ("ours", "dcp"):
             r = row[name]
             ratio = f"{row['stall_vs_dcp']:.2f}" if name == "ours" else "1.00"
+            label = f"{name}{', blocks' if row.get('model') == 'blocks' else ''}"
             print(
-                f"{name:16s} {row['size_bytes'] / MB:>6.0f}MB {row['memcpy_secs']:>9.4f} "
+                f"{label:16s} {row['size_bytes'] / MB:>6.0f}MB {row.get('tensors', 0):>7d} "
+                f"{row['memcpy_secs']:>9.4f} "
                 f"{row['memcpy_alone_secs']:>8.4f} {r['stall_secs']:>8.4f} "
                 f"{r['stall_vs_memcpy']:>9.2f} {r['stall_vs_memcpy_alone']:>8.2f} {ratio:>6s} "
                 f"{r['total_secs']:>9.3f} {r['steps_per_sec_idle']:>12.1f} "
@@ -542,6 +590,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=6, help="busy/idle rounds of the steps/s measurement"
     )
+    parser.add_argument(
+        "--blocks-sizes",
+        default="50MB",
+        help="sizes of the asynchronous case on a state of many small tensors ('' for none)",
+    )
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary dir)")
     parser.add_argument("--json", default=None, help="output file")
     # Worker-side options (the launcher passes them).
@@ -549,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--bytes", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--prefix", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
@@ -564,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for text in args.sizes.split(","):
             rows.extend(run_size(parse_size(text), root, args.repeat, args.rounds))
+        for text in filter(None, args.blocks_sizes.split(",")):
+            rows.append(run_async(parse_size(text), root, args.repeat, args.rounds, "blocks"))
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 
 def test_the_distributed_benchmark_writes_its_report(run_benchmark):
-    stdout, report = run_benchmark("distributed", "--sizes", "1MB", "--repeat", 1, "--rounds", 1)
+    stdout, report = run_benchmark(
+        "distributed", "--sizes", "1MB", "--blocks-sizes", "1MB", "--repeat", 1, "--rounds", 1
+    )
     assert "sharded, 2 ranks" in stdout and "ddp chief-only, 2 ranks" in stdout
     rows = {row["case"]: row for row in report["rows"]}
     assert set(rows) == {
@@ -16,6 +18,7 @@ def test_the_distributed_benchmark_writes_its_report(run_benchmark):
         "restore 1 -> 2 ranks",
         "ddp chief-only, 2 ranks",
         "async sharded, 2 ranks",
+        "async sharded, 2 ranks, blocks",
     }
     two = rows["sharded, 2 ranks"]
     assert len(two["per_rank_bytes"]) == 2 and all(b > 0 for b in two["per_rank_bytes"])
@@ -38,3 +41,9 @@ def test_the_distributed_benchmark_writes_its_report(run_benchmark):
         assert figures["stall_vs_memcpy"] > 0 and figures["stall_vs_memcpy_alone"] > 0
     assert async_row["memcpy_secs"] > 0 and async_row["memcpy_alone_secs"] > 0
     assert async_row["stall_vs_dcp"] > 0 and "async, 2 ranks" in stdout and "x alone" in stdout
+    # The same on a state of many small tensors (LayerNorm + Linear blocks; 16 a block).
+    blocks = rows["async sharded, 2 ranks, blocks"]
+    assert blocks["model"] == "blocks" and blocks["tensors"] > 0 and blocks["tensors"] % 16 == 0
+    assert blocks["tensors"] > async_row["tensors"]
+    assert blocks["ours"]["stall_secs"] > 0 and blocks["stall_vs_dcp"] > 0
+    assert "ours, blocks" in stdout

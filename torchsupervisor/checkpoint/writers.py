@@ -231,9 +231,12 @@ class ShardedWriter:
         Also makes the background process group at the first call (a collective). What is
         wrong with the state is raised by ``persist``, on every rank.
         """
-        save = prepare(state, target.prefix, global_step=global_step, wall_time=self._clock.time())
+        wall_time = self._clock.time()
+        save = prepare(
+            state, target.prefix, global_step=global_step, wall_time=wall_time, keep_vars=True
+        )
         background_group()
-        stage(save, self._host, self._wrapped)
+        stage(save, self._host, self._wrapped)  # At once: the live parameters are not detached.
         return save
 
     def persist(self, save: ShardedSave, target: SaveTarget, stall_secs: float) -> SaveStats:

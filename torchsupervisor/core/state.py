@@ -323,6 +323,9 @@ def _check_key(key: Any, path: str) -> None:
         )
 
 
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def check_saveable(tensor: torch.Tensor, path: str) -> None:
     """Check that ``tensor`` (at state path ``path``) can be written to a checkpoint.
 
@@ -331,6 +334,13 @@ def check_saveable(tensor: torch.Tensor, path: str) -> None:
         ValueError: For a tensor that is uninitialized (meta device or lazy), not strided,
             quantized, or of a tensor subclass.
     """
+    if (  # The common case first (once per tensor per save): a plain strided tensor.
+        type(tensor) in _PLAIN_TENSOR_TYPES
+        and tensor.layout is torch.strided
+        and not tensor.is_meta
+        and not tensor.is_quantized
+    ):
+        return
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is not None and isinstance(tensor, getattr(dtensor, "DTensor", ())):
         raise ShardedStateError(path)
@@ -340,7 +350,7 @@ def check_saveable(tensor: torch.Tensor, path: str) -> None:
         raise ValueError(f"Cannot save {path!r}: layout {tensor.layout} is not supported")
     if tensor.is_quantized:
         raise ValueError(f"Cannot save {path!r}: quantized tensors are not supported")
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+    if type(tensor) not in _PLAIN_TENSOR_TYPES:
         raise ValueError(
             f"Cannot save {path!r}: tensor subclass {type(tensor).__name__} is not supported"
         )

@@ -71,16 +71,24 @@ class ShardedSave:
 
 
 def prepare(
-    state: Mapping[str, Any], prefix: str, *, global_step: Any, wall_time: float
+    state: Mapping[str, Any],
+    prefix: str,
+    *,
+    global_step: Any,
+    wall_time: float,
+    keep_vars: bool = False,
 ) -> ShardedSave:
     """Flatten ``state`` and read its step (the training thread, at the step boundary).
 
     A state this rank cannot save is not raised here but kept in ``error``: every rank must
     still enter the collective, which then fails on every rank with that error.
+    ``keep_vars``: the live parameters are kept undetached (``flatten_sharded_state``), for
+    a save that ``stage`` copies at once; a save written from the live tensors needs them
+    detached.
     """
     try:
         step = read_checkpoint_step(global_step)
-        skeleton, tensors = flatten_sharded_state(state)
+        skeleton, tensors = flatten_sharded_state(state, keep_vars=keep_vars)
         tree = encode_tree(skeleton)
     except (TypeError, ValueError) as e:
         return ShardedSave(prefix, {}, None, None, wall_time, error=e)
@@ -112,9 +120,16 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
         }
     tail, spare = _in_place_layout(dtensor, save.tensors)
     try:
-        snapshot = stager.stage(
-            None, local, step=save.step, wall_time=save.wall_time, tail=tail, header_spare=spare
-        )
+        with torch.no_grad():  # The live parameters are kept as they are (``keep_vars``).
+            snapshot = stager.stage(
+                None,
+                local,
+                step=save.step,
+                wall_time=save.wall_time,
+                tail=tail,
+                header_spare=spare,
+                keep_sources=False,  # No incremental saves of sharded states.
+            )
     except TypeError as e:  # Raised inside the collective, so that every rank learns of it.
         save.error, save.tensors = e, {}
         return
@@ -124,7 +139,7 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
     for name, t in save.tensors.items():
         copy = copies[name]
         if dtensor is not None and isinstance(t, dtensor):
-            key = (copy.data_ptr(), id(t.device_mesh), tuple(t.placements), t.shape, t.stride())
+            key = _wrap_key(copy, t)
             known = cache.get(name)
             if known is not None and known[0] == key:
                 copy = known[1]
@@ -151,13 +166,37 @@ def _in_place_layout(dtensor: Any, tensors: Mapping[str, Any]) -> tuple[list[str
     """
     tail: list[str] = []
     spare = 64
+    room: dict[tuple[Any, Any], int] = {}  # (placements, shape) -> header room; 0: the tail.
     for name, t in tensors.items():
-        sharded = dtensor is not None and isinstance(t, dtensor)
-        if not sharded or not any(p.is_shard() for p in t.placements):
+        if dtensor is None or not isinstance(t, dtensor):
             tail.append(name)
-        else:  # "[" + "o:e" per dimension, each as long as the dimension at most, "," + "]".
-            spare += 2 + sum(2 * len(str(size)) + 2 for size in t.shape)
+            continue
+        key = (t.placements, t.shape)
+        extra = room.get(key)
+        if extra is None:
+            # "[" + "o:e" per dimension, each as long as the dimension at most, "," + "]".
+            sharded = any(p.is_shard() for p in key[0])
+            extra = room[key] = 2 + sum(2 * len(str(n)) + 2 for n in key[1]) if sharded else 0
+        if extra:
+            spare += extra
+        else:
+            tail.append(name)
     return tail, spare
+
+
+def _wrap_key(copy: torch.Tensor, live: Any) -> tuple[Any, ...]:
+    """What a DTensor over ``copy`` like ``live`` depends on: the buffer, the mesh (by id),
+    the placements, the global shape and stride (and dtype)."""
+    spec = getattr(live, "_spec", None)  # Three attribute reads, not five dispatched ones.
+    if spec is not None and getattr(spec, "tensor_meta", None) is not None:
+        return (copy.data_ptr(), id(spec.mesh), spec.placements, spec.tensor_meta)
+    return (
+        copy.data_ptr(),
+        id(live.device_mesh),
+        tuple(live.placements),
+        live.shape,
+        live.stride(),
+    )
 
 
 def _over(dtensor: Any, local: torch.Tensor, live: Any) -> Any:
