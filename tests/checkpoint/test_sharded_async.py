@@ -212,10 +212,12 @@ def flatten_rank(rank: int, world_size: int) -> dict:
     from torchsupervisor.checkpoint.sharded.staging import _in_place_layout
 
     model, optimizer = _build(0, world_size)
-    state = _state(model, optimizer, 3)
+    state = {**_state(model, optimizer, 3), "head": torch.nn.Linear(2, 2)}  # Not sharded.
     params = {f"model/{n}": p for n, p in model.named_parameters()}
     _, kept = flatten_sharded_state(state, keep_vars=True)
     _, detached = flatten_sharded_state(state)
+    optimizer_state = {id(t) for s in optimizer.state.values() for t in s.values()}
+    plain = {n: t for n, t in kept.items() if not isinstance(t, DTensor)}
     mesh = init_device_mesh("cpu", (world_size,))
     values = torch.arange(8.0).reshape(4, 2)
     layout = _in_place_layout(
@@ -230,6 +232,11 @@ def flatten_rank(rank: int, world_size: int) -> dict:
     return {
         "kept": all(kept[n] is p for n, p in params.items()),
         "detached": all(not detached[n].requires_grad for n in params),
+        # Plain tensors: the optimizer's own (steps) as they are, a parameter detached.
+        "plain": sorted(
+            "optimizer" if id(t) in optimizer_state else ("detached" if not t.requires_grad else n)
+            for n, t in plain.items()
+        ),
         "same_names": list(kept) == list(detached),
         "layout": layout,
     }
@@ -237,10 +244,12 @@ def flatten_rank(rank: int, world_size: int) -> dict:
 
 def test_a_save_keeps_the_live_parameters_and_lays_replicated_tensors_in_the_tail():
     (result,) = run_world(flatten_rank, world_size=1)
+    assert result["plain"].count("optimizer") > 0  # Adam's steps.
     # Header room per sharded tensor: "[" + "o:e" per dimension ("0:4", "0:2") + "," + "]".
     assert result == {
         "kept": True,
         "detached": True,
+        "plain": ["detached"] * 2 + ["optimizer"] * result["plain"].count("optimizer"),
         "same_names": True,
         "layout": (["replicated", "plain"], 64 + 2 * (2 + (2 + 2) + (2 + 2))),
     }
