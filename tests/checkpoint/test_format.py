@@ -258,3 +258,12 @@ def test_safetensors_header_is_padded_and_valid_json():
     parsed = json.loads(header[8:])
     assert parsed["a"] == {"dtype": "F64", "shape": [2], "data_offsets": [0, 16]}
     assert parsed["__metadata__"] == {"format": "pt"}
+
+
+def test_tensor_entry_with_fields_changes_only_the_given_fields():
+    entry = TensorEntry(shard=1, dtype=torch.float32, shape=(2, 3), begin=8, end=32, crc32c=7)
+    assert entry.with_fields(crc32c=9) == TensorEntry(1, torch.float32, (2, 3), 8, 32, 9)
+    assert entry.with_fields(shard=0, begin=0, end=24) == TensorEntry(
+        0, torch.float32, (2, 3), 0, 24, 7
+    )
+    assert entry.with_fields() == entry

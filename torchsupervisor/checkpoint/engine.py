@@ -45,6 +45,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from torchsupervisor.core import collector
 from torchsupervisor.core import threads as priority
 
 __all__ = ["BACKGROUND_NICENESS", "CheckpointEngine"]
@@ -212,6 +215,10 @@ def _close_all() -> None:
 
 
 def _work(jobs: queue.SimpleQueue[_Job | None], niceness: int, lowered: threading.Event) -> None:
+    # No job records autograd history: outside it, reading a DTensor's local shard is an
+    # attribute read, not an autograd function (12 us; 756 of them in a save of 1,008
+    # tensors). The grad mode is the thread's own.
+    torch.set_grad_enabled(False)
     priority.lower(niceness, idle=True, hurriable=True)
     lowered.set()
     while True:
@@ -222,7 +229,8 @@ def _work(jobs: queue.SimpleQueue[_Job | None], niceness: int, lowered: threadin
         result: Any = None
         error: BaseException | None = None
         try:
-            result = job(*args)
+            with collector.paused():  # No full collections for the job's objects (collector.py).
+                result = job(*args)
         except BaseException as e:
             error = e
             _clear_frames(e)  # Their locals would keep the snapshot alive.

@@ -144,6 +144,25 @@ class TensorEntry:
         """The size of the tensor's data in bytes."""
         return self.end - self.begin
 
+    def with_fields(
+        self,
+        *,
+        shard: int | None = None,
+        begin: int | None = None,
+        end: int | None = None,
+        crc32c: int | None = None,
+    ) -> TensorEntry:
+        """A copy with the given fields changed (``dataclasses.replace`` in 1 us, not 5: a
+        sharded save of 1,000 tensors makes 2,000 of them)."""
+        return TensorEntry(
+            self.shard if shard is None else shard,
+            self.dtype,
+            self.shape,
+            self.begin if begin is None else begin,
+            self.end if end is None else end,
+            self.crc32c if crc32c is None else crc32c,
+        )
+
 
 @dataclass(frozen=True)
 class ShardEntry:
@@ -327,8 +346,7 @@ def pretty_json(body: Mapping[str, Any], expanded: tuple[str, ...] = ("shards", 
     """One line per top-level field and per item of the ``expanded`` fields; the tree on one
     line (a manifest a person can read and diff)."""
 
-    def dump(value: Any) -> str:
-        return json.dumps(value, allow_nan=False)
+    dump = _ITEM_ENCODER.encode
 
     lines = []
     for key, value in body.items():
@@ -344,8 +362,14 @@ def pretty_json(body: Mapping[str, Any], expanded: tuple[str, ...] = ("shards", 
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
+# One encoder each, made once: ``json.dumps`` with any non-default option builds a new
+# encoder at every call (10 us), and a manifest of 1,000 tensors dumps 2,000 items.
+_ITEM_ENCODER = json.JSONEncoder(allow_nan=False)
+_CANONICAL_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
 def _canonical(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return _CANONICAL_ENCODER.encode(body).encode()
 
 
 def _int(x: Any) -> int:

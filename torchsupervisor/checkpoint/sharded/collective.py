@@ -222,6 +222,7 @@ def write_sharded(
         stager=stager,
         staged=save.snapshot,
         error=save.error,
+        tensor_names=save.tensors.keys(),
     )
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     failure: BaseException | None = None

@@ -17,8 +17,6 @@ the start of the data, each with its CRC-32C.
 
 from __future__ import annotations
 
-import dataclasses
-
 import crc32c
 import torch
 
@@ -79,17 +77,14 @@ def in_place_shard(
     if rest and end % rest[0][1].dtype.itemsize:
         return None
     entries = [
-        (name, dataclasses.replace(e, crc32c=crc32c.crc32c(staged.tensor_view(0, e))))
-        for name, e in head
+        (name, e.with_fields(crc32c=crc32c.crc32c(staged.tensor_view(0, e)))) for name, e in head
     ]
     tail = torch.empty(rest[-1][1].end if rest else 0, dtype=torch.uint8)
     for name, e in rest:
         if e.end > e.begin:
             _entry_view(tail, 0, e).copy_(tensors[name])
         checksum = crc32c.crc32c(memoryview(tail[e.begin : e.end].numpy()).cast("B"))
-        entries.append(
-            (name, dataclasses.replace(e, begin=end + e.begin, end=end + e.end, crc32c=checksum))
-        )
+        entries.append((name, e.with_fields(begin=end + e.begin, end=end + e.end, crc32c=checksum)))
     try:
         header = safetensors_header(entries, size=base)
     except ValueError:
