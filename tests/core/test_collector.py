@@ -61,3 +61,17 @@ def test_a_checkpoint_job_runs_with_the_collector_paused_and_outside_autograd():
     assert future.result(timeout=60) == (False, False)
     assert gc.isenabled() and torch.is_grad_enabled()  # This thread's own grad mode.
     engine.close()
+
+
+def test_a_pause_that_lasts_too_long_gives_the_collector_back():
+    with collector.paused(max_secs=0.05):
+        for _ in range(600):  # Bounded: at most 30 s.
+            if gc.isenabled():
+                break
+            threading.Event().wait(0.05)
+        assert gc.isenabled()
+        gc.disable()  # The program's own choice now: the pause's end leaves it alone.
+    assert not gc.isenabled()
+    with collector.paused():  # A later pause starts afresh.
+        assert not gc.isenabled()
+    assert not gc.isenabled()
