@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from torchsupervisor.checkpoint.format import (
+    _RECENT_SHARD_FILES,
     DATA_ALIGNMENT_BYTES,
     Manifest,
     ManifestError,
     ShardEntry,
     TensorEntry,
+    _RecentShardFiles,
     dtype_from_code,
     dtype_to_code,
     safetensors_header,
@@ -203,10 +205,70 @@ def test_shard_files_reads_the_shards_of_a_valid_manifest():
         ShardEntry("m.ckpt-12.data-00000-of-00002", 88, 64, 99),
         ShardEntry("m.ckpt-10.data-00001-of-00002", 88, 64, 98),
     )
-    assert shard_files(_manifest(shards=shards).to_bytes()) == (
-        "m.ckpt-12.data-00000-of-00002",
-        "m.ckpt-10.data-00001-of-00002",
+    data = _manifest(shards=shards).to_bytes()
+    expected = ("m.ckpt-12.data-00000-of-00002", "m.ckpt-10.data-00001-of-00002")
+    assert shard_files(data) == expected  # As signed by to_bytes.
+    _RECENT_SHARD_FILES.clear()
+    assert shard_files(bytes(bytearray(data))) == expected  # Parsed and checked.
+    assert shard_files(data) == expected  # As parsed.
+
+
+def test_shard_files_of_a_sharded_manifest_as_signed_and_as_parsed():
+    from torchsupervisor.checkpoint.sharded.metadata import (
+        ChunkEntry,
+        ShardedManifest,
+        ShardedTensorEntry,
     )
+
+    entry = TensorEntry(shard=1, dtype=torch.float32, shape=(2,), begin=0, end=8, crc32c=1)
+    manifest = ShardedManifest(
+        global_step=3,
+        wall_time=1.5,
+        tree={"dict": {"w": {"tensor": "w"}}},
+        tensors={"w/0": entry.with_fields(shard=0), "w/2": entry},
+        shards=(
+            ShardEntry("m.ckpt-3.data-00000-of-00002", 72, 64, 9),
+            ShardEntry("m.ckpt-3.data-00001-of-00002", 72, 64, 8),
+        ),
+        library_version="x",
+        torch_version="y",
+        world_size=2,
+        sharded_tensors={
+            "w": ShardedTensorEntry(
+                torch.float32, (4,), (ChunkEntry((0,), (2,), "w/0"), ChunkEntry((2,), (2,), "w/2"))
+            )
+        },
+    )
+    data = manifest.to_bytes()
+    signed = shard_files(data)
+    _RECENT_SHARD_FILES.clear()
+    assert shard_files(data) == signed == tuple(s.file for s in manifest.shards)
+
+
+def test_shard_files_of_damaged_bytes_are_never_remembered_ones():
+    data = _manifest().to_bytes()
+    assert shard_files(data) == ("m.ckpt-12.data-00000-of-00001",)
+    damaged = data.replace(b"m.ckpt-12.data", b"m.ckpt-13.data")
+    with pytest.raises(ManifestError, match="checksum"):
+        shard_files(damaged)
+    bad = _manifest(shards=(ShardEntry("../elsewhere", 88, 64, 99),)).to_bytes()
+    with pytest.raises(ManifestError, match="plain file name"):  # Signed, not remembered.
+        shard_files(bad)
+
+
+def test_remembered_shard_files_are_bounded_in_count_and_bytes():
+    recent = _RecentShardFiles(max_entries=3, max_bytes=100)
+    for i in range(5):
+        recent.put(b"%d" % i * 10, (str(i),))
+    assert len(recent) == 3
+    assert recent.get(b"0" * 10) is None and recent.get(b"4" * 10) == ("4",)
+    recent.put(b"x" * 90, ("x",))  # 120 bytes with the others: the oldest go, to 100.
+    assert len(recent) == 2 and recent.get(b"3" * 10) is None
+    assert recent.get(b"4" * 10) == ("4",) and recent.get(b"x" * 90) == ("x",)
+    recent.put(b"y" * 101, ("y",))  # Larger than the bound: not kept.
+    assert recent.get(b"y" * 101) is None
+    recent.put(b"z", None)  # Nothing to remember.
+    assert recent.get(b"z") is None
 
 
 @pytest.mark.parametrize(
@@ -267,3 +329,83 @@ def test_tensor_entry_with_fields_changes_only_the_given_fields():
         0, torch.float32, (2, 3), 0, 24, 7
     )
     assert entry.with_fields() == entry
+
+
+_ODD_NAMES = ["w", 'q"uote\\back', "line\nfeed\x00nul", "é😀\u2028", "a" * 300]
+
+
+@pytest.mark.parametrize("name", _ODD_NAMES)
+@pytest.mark.parametrize("shape,crc", [((2, 3), 7), ((), None), ((0,), 2**32 - 1), ((1,) * 9, 0)])
+def test_encoded_items_are_what_json_writes(name, shape, crc):
+    from torchsupervisor.checkpoint.format import (
+        _CANONICAL_ENCODER,
+        _ITEM_ENCODER,
+        _shard_item,
+        _tensor_item,
+    )
+
+    entry = TensorEntry(
+        shard=3, dtype=torch.bfloat16, shape=shape, begin=2**40, end=2**40 + 6, crc32c=crc
+    )
+    expected = {
+        "shard": 3,
+        "dtype": "BF16",
+        "shape": list(shape),
+        "offsets": [2**40, 2**40 + 6],
+        "crc32c": crc,
+    }
+    for header in (None, 5):
+        shard = ShardEntry(name, 2**50, 64, 2**31, header)
+        want = {"file": name, "size_bytes": 2**50, "data_offset": 64, "crc32c": 2**31}
+        if header is not None:
+            want["header_crc32c"] = header
+        for item, value in ((_tensor_item(entry), expected), (_shard_item(shard), want)):
+            assert item.text == _ITEM_ENCODER.encode(value)
+            assert item.canonical == _CANONICAL_ENCODER.encode(value)
+    # A whole manifest: the text parses to the same values and its checksum holds.
+    size = math.prod(shape) * 2
+    stored = TensorEntry(
+        shard=0, dtype=torch.bfloat16, shape=shape, begin=0, end=size, crc32c=crc or 0
+    )
+    shards = (ShardEntry("m.ckpt-12.data-00000-of-00001", 64 + size, 64, 99),)
+    data = _manifest(tensors={name: stored}, shards=shards).to_bytes()
+    stored_value = {**expected, "shard": 0, "offsets": [0, size], "crc32c": crc or 0}
+    assert json.loads(data)["tensors"] == {name: stored_value}
+    assert Manifest.from_bytes(data).tensors == {name: stored}
+
+
+def test_encoded_sharded_items_are_what_json_writes():
+    from torchsupervisor.checkpoint.format import _CANONICAL_ENCODER, _ITEM_ENCODER
+    from torchsupervisor.checkpoint.sharded.metadata import (
+        ChunkEntry,
+        ShardedTensorEntry,
+        _sharded_item,
+    )
+
+    for name in _ODD_NAMES:
+        entry = ShardedTensorEntry(
+            torch.float16,
+            (7, 16),
+            (ChunkEntry((0, 0), (4, 16), name), ChunkEntry((4, 0), (3, 16), name + "x")),
+        )
+        value = {
+            "dtype": "F16",
+            "shape": [7, 16],
+            "chunks": [
+                {"offsets": [0, 0], "sizes": [4, 16], "entry": name},
+                {"offsets": [4, 0], "sizes": [3, 16], "entry": name + "x"},
+            ],
+        }
+        item = _sharded_item(entry)
+        assert item.text == _ITEM_ENCODER.encode(value)
+        assert item.canonical == _CANONICAL_ENCODER.encode(value)
+
+
+def test_encoded_items_refuse_what_json_would_write_otherwise():
+    from torchsupervisor.checkpoint.format import EncodedItem, signed_json
+
+    entry = TensorEntry(shard=0, dtype=torch.float32, shape=(2.0,), begin=0, end=8, crc32c=1)
+    with pytest.raises(ValueError):  # A float where an integer belongs is not written.
+        _manifest(tensors={"w": entry}).to_bytes()
+    with pytest.raises(TypeError, match="not JSON serializable"):  # Only in expanded fields.
+        signed_json({"format": "x", "other": [EncodedItem("1", "1")]}, expanded=())

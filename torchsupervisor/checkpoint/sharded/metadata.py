@@ -37,10 +37,12 @@ from typing import Any
 import torch
 
 from torchsupervisor.checkpoint.format import (
+    EncodedItem,
     Manifest,
     ManifestError,
     dtype_from_code,
     dtype_to_code,
+    json_string,
     signed_json,
 )
 
@@ -151,15 +153,7 @@ class ShardedManifest(Manifest):
         if self.sharded_tensors:
             tree = body.pop("tree")
             body[SHARDED_TENSORS_KEY] = {
-                name: {
-                    "dtype": dtype_to_code(t.dtype),
-                    "shape": list(t.shape),
-                    "chunks": [
-                        {"offsets": list(c.offsets), "sizes": list(c.sizes), "entry": c.entry}
-                        for c in t.chunks
-                    ],
-                }
-                for name, t in self.sharded_tensors.items()
+                name: _sharded_item(t) for name, t in self.sharded_tensors.items()
             }
             body["tree"] = tree
         return signed_json(body, _EXPANDED)
@@ -179,6 +173,28 @@ class ShardedManifest(Manifest):
         sharded = _parse_sharded(raw, base)
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Manifest)}
         return cls(**fields, sharded_tensors=sharded)
+
+
+def _sharded_item(t: ShardedTensorEntry) -> EncodedItem:
+    """``{"dtype": ..., "shape": [...], "chunks": [{"offsets", "sizes", "entry"}, ...]}``,
+    readable and canonical (as ``json`` writes them, without its cost: 1,000 a save)."""
+    code = json_string(dtype_to_code(t.dtype))
+    texts, canonicals = [], []
+    for c in t.chunks:
+        entry = json_string(c.entry)
+        offsets, sizes = [f"{o:d}" for o in c.offsets], [f"{n:d}" for n in c.sizes]
+        texts.append(
+            f'{{"offsets": [{", ".join(offsets)}], "sizes": [{", ".join(sizes)}], '
+            f'"entry": {entry}}}'
+        )
+        canonicals.append(
+            f'{{"entry":{entry},"offsets":[{",".join(offsets)}],"sizes":[{",".join(sizes)}]}}'
+        )
+    shape = [f"{n:d}" for n in t.shape]
+    return EncodedItem(
+        f'{{"dtype": {code}, "shape": [{", ".join(shape)}], "chunks": [{", ".join(texts)}]}}',
+        f'{{"chunks":[{",".join(canonicals)}],"dtype":{code},"shape":[{",".join(shape)}]}}',
+    )
 
 
 def _parse_sharded(raw: Any, base: Manifest) -> dict[str, ShardedTensorEntry]:
