@@ -129,10 +129,7 @@ def persist(
         tensors: dict[str, TensorEntry] = {}
         shards: list[ShardEntry] = []
         for i, shard_layout in enumerate(snapshot.layout.shards):
-            entries = [
-                (name, dataclasses.replace(e, crc32c=crc32c.crc32c(snapshot.tensor_view(i, e))))
-                for name, e in shard_layout.entries
-            ]
+            entries = snapshot.checksummed(i)
             shard = ShardEntry(
                 file=os.path.basename(finals[i]),
                 size_bytes=shard_layout.size_bytes,

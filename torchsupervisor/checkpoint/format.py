@@ -389,7 +389,10 @@ def _body_shard_files(body: Mapping[str, Any]) -> tuple[str, ...] | None:
     if body.get("format") != FORMAT_NAME or body.get("format_version") != FORMAT_VERSION:
         return None
     try:
-        return tuple(_shard_file(as_dict(s)["file"]) for s in as_list(body["shards"]))
+        shards = [
+            json.loads(s.text) if isinstance(s, EncodedItem) else s for s in as_list(body["shards"])
+        ]
+        return tuple(_shard_file(as_dict(s)["file"]) for s in shards)
     except (KeyError, TypeError, ValueError):
         return None
 

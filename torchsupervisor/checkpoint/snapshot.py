@@ -23,6 +23,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c
 import torch
 
 from torchsupervisor.checkpoint.format import (
@@ -165,6 +166,17 @@ class Snapshot:
         """Return the bytes of one tensor inside its shard's staging buffer (no copy)."""
         start = self.layout.shards[shard].data_offset
         return self.shard_view(shard)[start + entry.begin : start + entry.end]
+
+    def checksummed(
+        self, shard: int, entries: list[tuple[str, TensorEntry]] | None = None
+    ) -> list[tuple[str, TensorEntry]]:
+        """Return the entries of shard ``shard`` (all, or the given ones of it, by name) with
+        the CRC-32C of each tensor's bytes in its staging buffer (``crc32c`` set)."""
+        data = self.shard_view(shard)[self.layout.shards[shard].data_offset :]
+        return [
+            (name, e.with_fields(crc32c=crc32c.crc32c(data[e.begin : e.end])))
+            for name, e in (self.layout.shards[shard].entries if entries is None else entries)
+        ]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Return every copied tensor as a host tensor over its staging buffer (no copy).

@@ -51,12 +51,12 @@ def in_place_shard(
     at = {e.begin: e for _, e in layout.entries if e.end > e.begin}
     found: dict[int, str] = {}  # Begin of a staged entry -> the chunk written from it.
     for name, t in tensors.items():
-        entry = at.get(t.data_ptr() - start) if t.device.type == "cpu" else None
+        entry = at.get(t.data_ptr() - start) if t.is_cpu else None
         if (
             entry is not None
             and t.is_contiguous()
             and t.dtype == entry.dtype
-            and tuple(t.shape) == entry.shape
+            and t.shape == entry.shape
         ):
             found[entry.begin] = name
     head: list[tuple[str, TensorEntry]] = []
@@ -76,9 +76,7 @@ def in_place_shard(
     rest = plan_layout({n: t for n, t in tensors.items() if n not in placed}).shards[0].entries
     if rest and end % rest[0][1].dtype.itemsize:
         return None
-    entries = [
-        (name, e.with_fields(crc32c=crc32c.crc32c(staged.tensor_view(0, e)))) for name, e in head
-    ]
+    entries = staged.checksummed(0, head)
     tail = torch.empty(rest[-1][1].end if rest else 0, dtype=torch.uint8)
     for name, e in rest:
         if e.end > e.begin:

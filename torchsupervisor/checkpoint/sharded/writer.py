@@ -102,12 +102,7 @@ class SaveOutcome:
 
 def _copied(snapshot: Snapshot) -> tuple[list[tuple[str, TensorEntry]], bytes, list[memoryview]]:
     """``in_place_shard``'s result for a shard staged whole: entries with CRCs, header, bytes."""
-    layout = snapshot.layout.shards[0]
-    entries = [
-        (name, e.with_fields(crc32c=crc32c.crc32c(snapshot.tensor_view(0, e))))
-        for name, e in layout.entries
-    ]
-    return entries, layout.header, [snapshot.shard_view(0)]
+    return snapshot.checksummed(0), snapshot.layout.shards[0].header, [snapshot.shard_view(0)]
 
 
 class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
