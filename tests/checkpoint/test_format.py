@@ -405,7 +405,7 @@ def test_encoded_sharded_items_are_what_json_writes():
 def test_encoded_items_refuse_what_json_would_write_otherwise():
     from torchsupervisor.checkpoint.format import EncodedItem, signed_json
 
-    entry = TensorEntry(shard=0, dtype=torch.float32, shape=(2.0,), begin=0, end=8, crc32c=1)
+    entry = TensorEntry(shard=0, dtype=torch.float32, shape=(2.5,), begin=0, end=8, crc32c=1)
     with pytest.raises(ValueError):  # A float where an integer belongs is not written.
         _manifest(tensors={"w": entry}).to_bytes()
     with pytest.raises(TypeError, match="not JSON serializable"):  # Only in expanded fields.

@@ -56,11 +56,18 @@ def replay_rank(rank: int, world_size: int, directory: str) -> tuple[int, bool]:
     plans."""
     state = _build(0, world_size)
     plans = PlanCache()
-    manifests = []
+    manifests, layouts = [], []
     for step in (1, 2, 3):
         _train(state)
         manifests.append(_save(state, directory, step, plans))
+        layouts.append(plans._kept.chunk_layout)
     assert plans.replayed == 2
+    # The coordinator's replayed saves reused the chunk layout of the first (checked below
+    # against a save that DCP plans); the other rank builds none.
+    if rank == 0:
+        assert layouts[0] is not None and layouts[0] is layouts[1] is layouts[2]
+    else:
+        assert layouts == [None, None, None]
     planned = _save(state, directory, 4, None)  # The same state, planned by DCP.
     same = _layout(manifests[-1]) == _layout(planned)
     expected = _full_tensors(state)
@@ -79,6 +86,33 @@ def replay_rank(rank: int, world_size: int, directory: str) -> tuple[int, bool]:
 def test_saves_of_one_layout_replay_the_plan_and_write_what_dcp_would(tmp_path):
     for replayed, same in run_world(replay_rank, str(tmp_path)):
         assert replayed == 2 and same
+
+
+def test_a_chunk_layout_fits_only_the_same_metadata_and_names():
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from torchsupervisor.checkpoint.sharded.writer import ChunkLayout, _sharded_tensors
+
+    def md() -> TensorStorageMetadata:
+        chunks = [
+            ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 4])),
+            ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 4])),
+        ]
+        props = TensorProperties(dtype=torch.float32)
+        return TensorStorageMetadata(props, torch.Size([4, 4]), chunks)
+
+    metadata = {"w": md()}
+    names = {("w", (0, 0)): "w[0:2,0:4]", ("w", (2, 0)): "w[2:4,0:4]"}
+    layout = ChunkLayout(dict(metadata), names, _sharded_tensors(metadata, names))
+    assert [c.entry for c in layout.sharded["w"].chunks] == ["w[0:2,0:4]", "w[2:4,0:4]"]
+    assert layout.fits(dict(metadata), dict(names))
+    assert not layout.fits({"w": md()}, names)  # Equal metadata, but not the same objects.
+    assert not layout.fits({**metadata, "b": md()}, names)
+    assert not layout.fits(metadata, {**names, ("w", (2, 0)): "other"})
 
 
 def changed_rank(rank: int, world_size: int, directory: str) -> list[int]:

@@ -28,6 +28,7 @@ written by ``Saver``) is the special case where every tensor is one whole chunk.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -108,6 +109,12 @@ class ShardedTensorEntry:
     shape: tuple[int, ...]
     chunks: tuple[ChunkEntry, ...]
 
+    @functools.cached_property
+    def encoded(self) -> EncodedItem:
+        """Its item of the manifest's ``sharded_tensors``, encoded once: a replayed save
+        reuses the entries of the save before it (``writer.ChunkLayout``)."""
+        return _sharded_item(self)
+
 
 @dataclass(frozen=True)
 class ShardedManifest(Manifest):
@@ -153,7 +160,7 @@ class ShardedManifest(Manifest):
         if self.sharded_tensors:
             tree = body.pop("tree")
             body[SHARDED_TENSORS_KEY] = {
-                name: _sharded_item(t) for name, t in self.sharded_tensors.items()
+                name: t.encoded for name, t in self.sharded_tensors.items()
             }
             body["tree"] = tree
         return signed_json(body, _EXPANDED)

