@@ -115,6 +115,35 @@ def test_a_chunk_layout_fits_only_the_same_metadata_and_names():
     assert not layout.fits(metadata, {**names, ("w", (2, 0)): "other"})
 
 
+def test_packed_and_dcp_write_results_give_the_same_chunks():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from torchsupervisor.checkpoint.format import ShardEntry, TensorEntry
+    from torchsupervisor.checkpoint.sharded.writer import (
+        PackedWrite,
+        _StoredChunk,
+        _written_chunks,
+    )
+
+    shard = ShardEntry("m.ckpt-1.data-00001-of-00002", 200, 64, 7, 8)
+    entry = TensorEntry(1, torch.float32, (2, 4), 0, 32, 99)
+    packed = PackedWrite(shard, 1, [("w", (2, 0), "w[2:4,0:4]", torch.float32, (2, 4), 0, 32, 99)])
+    dcp = [
+        WriteResult(
+            index=MetadataIndex("w", torch.Size([2, 0])),
+            size_in_bytes=32,
+            storage_data=_StoredChunk(shard, "w[2:4,0:4]", entry),
+        )
+    ]
+    expected = [(("w", (2, 0)), "w[2:4,0:4]", shard, entry)]
+    assert list(_written_chunks([packed])) == list(_written_chunks([dcp])) == expected
+    assert list(_written_chunks([PackedWrite(None, None, []), dcp])) == expected
+    foreign = [WriteResult(index=MetadataIndex("w"), size_in_bytes=0, storage_data="x")]
+    with pytest.raises(TypeError, match="unexpected write result for 'w'"):
+        list(_written_chunks([foreign]))
+
+
 def changed_rank(rank: int, world_size: int, directory: str) -> list[int]:
     """A new tensor in the state, a changed dtype, and one rank without a kept plan: each
     sends every rank back to DCP; the next save of the same layout replays again."""

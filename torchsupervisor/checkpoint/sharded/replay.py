@@ -191,7 +191,7 @@ class PlanCache:
 
         def write() -> Any:
             plan = writer.prepare_local_plan(kept.plan)
-            return writer.write_data(plan, resolver).value()
+            return writer.write_packed(plan, resolver)  # Cheaper to gather than DCP's.
 
         def commit(results: list[Any]) -> Any:
             metadata = Metadata(state_dict_metadata=dict(kept.tensors_metadata or {}))
