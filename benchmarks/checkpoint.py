@@ -3,6 +3,7 @@
     python benchmarks/checkpoint.py                      # 10 MB, 100 MB, 500 MB, 2 GB
     python benchmarks/checkpoint.py --sizes 10MB,100MB   # quicker
     python benchmarks/checkpoint.py --load 1             # + training speed beside a CPU hog
+    python benchmarks/checkpoint.py --blocks-sizes ''    # without the many-tensor case
 
 For each state size (an MLP plus its Adam state: parameters, exp_avg, exp_avg_sq) it measures,
 on the same machine and the same directory:
@@ -29,6 +30,12 @@ on the same machine and the same directory:
   the average over a whole cycle of saves (incremental saves plus the full save that the
   saver makes regularly, so that the kept checkpoints hold two independent copies of every
   tensor).
+
+Then, for a state of many small tensors (``--blocks-sizes``, default 50 MB: ``LayerNorm`` +
+``Linear`` blocks of width 256 and Adam, 16 tensors a block, 1,008 at 50 MB, as a
+transformer's state is mostly small tensors), the stall against the memcpy (one ``copy_`` per
+tensor) and ``dcp.async_save``, and the training speed while it persists: there the
+per-tensor work, not the bytes, decides the stall.
 
 It prints a table and writes the figures as JSON (``--json``, default
 ``benchmarks/results/checkpoint.json``).
@@ -84,6 +91,30 @@ def build_state(size_bytes: int) -> dict[str, Any]:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()  # Creates exp_avg and exp_avg_sq.
+    optimizer.zero_grad(set_to_none=True)
+    return {"model": model, "optimizer": optimizer}
+
+
+BLOCK_WIDTH = 256
+"""The width of the ``blocks`` state's layers (``build_blocks_state``)."""
+
+
+def build_blocks_state(size_bytes: int) -> dict[str, Any]:
+    """Blocks of ``LayerNorm`` + ``Linear`` (width ``BLOCK_WIDTH``) and Adam, about
+    ``size_bytes`` (12 bytes per parameter): 16 tensors a block, most of them small."""
+    per_block = BLOCK_WIDTH * BLOCK_WIDTH + 3 * BLOCK_WIDTH
+    blocks = max(1, round(size_bytes / (12 * per_block)))
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[
+            nn.Sequential(nn.LayerNorm(BLOCK_WIDTH), nn.Linear(BLOCK_WIDTH, BLOCK_WIDTH))
+            for _ in range(blocks)
+        ]
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # Creates exp_avg, exp_avg_sq and step.
     optimizer.zero_grad(set_to_none=True)
     return {"model": model, "optimizer": optimizer}
 
@@ -517,6 +548,56 @@ def run_size(size_bytes: int, root: str, repeat: int, load: int = 0) -> dict[str
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def run_blocks(
+    size_bytes: int, root: str, repeat: int, rounds: int | None = None
+) -> dict[str, Any]:
+    """The many-tensor case: stall against the memcpy and ``dcp.async_save``, training speed
+    while it persists (``rounds`` busy/idle rounds; None: 12 or ``repeat``)."""
+    directory = tempfile.mkdtemp(prefix="ckpt-bench-blocks-", dir=root)
+    try:
+        state = build_blocks_state(size_bytes)
+        tensors = state_tensors(state)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        print(f"blocks state {nbytes / MB:,.0f} MB ({len(tensors)} tensors)", file=sys.stderr)
+        row: dict[str, Any] = {"state_bytes": nbytes, "tensors": len(tensors)}
+        row["ours"] = measure_stall_and_persist(state, TrainingLoop(), directory, 4 * repeat)
+        row["memcpy_secs"] = row["ours"].pop("memcpy_secs")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            row["dcp"] = measure_dcp(state, directory, repeat)
+        row["training"] = measure_training(state, directory, rounds or max(12, repeat))
+        return row
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def blocks_ratios(row: dict[str, Any]) -> dict[str, float]:
+    ours = row["ours"]
+    return {
+        "stall_vs_memcpy": ours["stall_secs"] / row["memcpy_secs"],
+        "stall_vs_dcp": ours["stall_secs"] / row["dcp"]["stall_secs"],
+        "steps_per_sec_ratio": row["training"]["paired_ratio"],
+    }
+
+
+def print_blocks_table(rows: list[dict[str, Any]]) -> None:
+    print()
+    print("Many small tensors (LayerNorm + Linear blocks and Adam): stall in ms, training speed")
+    print(
+        f"{'state MB':>9} {'tensors':>8} {'memcpy':>8} {'ours':>8} {'ratio':>6} "
+        f"{'dcp async':>9} {'x dcp':>6} {'steps/s':>8} {'while':>8} {'ratio':>6}"
+    )
+    for row in rows:
+        r, training = blocks_ratios(row), row["training"]
+        print(
+            f"{row['state_bytes'] / MB:9.0f} {row['tensors']:8d} "
+            f"{row['memcpy_secs'] * 1000:8.1f} {row['ours']['stall_secs'] * 1000:8.1f} "
+            f"{r['stall_vs_memcpy']:6.2f} {row['dcp']['stall_secs'] * 1000:9.1f} "
+            f"{r['stall_vs_dcp']:6.2f} {training['steps_per_sec_idle']:8.1f} "
+            f"{training['steps_per_sec_persisting']:8.1f} {r['steps_per_sec_ratio']:6.2f}"
+        )
+
+
 def ratios(row: dict[str, Any]) -> dict[str, float]:
     ours = row["ours"]
     training = row["training"]
@@ -653,16 +734,29 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="also measure training speed with this many CPU-bound processes beside it",
     )
+    parser.add_argument(
+        "--blocks-sizes",
+        default="50MB",
+        help="sizes of the case of a state of many small tensors ('' for none)",
+    )
     args = parser.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
     results_dir = os.path.join(here, "results")
     os.makedirs(results_dir, exist_ok=True)
     root = args.dir or results_dir
-    rows = [run_size(parse_size(s), root, args.repeat, args.load) for s in args.sizes.split(",")]
-    print_table(rows)
+    sizes = [s for s in args.sizes.split(",") if s]
+    rows = [run_size(parse_size(s), root, args.repeat, args.load) for s in sizes]
+    blocks = [
+        run_blocks(parse_size(s), root, args.repeat) for s in args.blocks_sizes.split(",") if s
+    ]
+    if rows:
+        print_table(rows)
+    if blocks:
+        print_blocks_table(blocks)
     report = {
         "machine": machine_facts(),
         "rows": [{**row, "ratios": ratios(row)} for row in rows],
+        "blocks_rows": [{**row, "ratios": blocks_ratios(row)} for row in blocks],
     }
     out = args.json or os.path.join(results_dir, "checkpoint.json")
     with open(out, "w") as f:

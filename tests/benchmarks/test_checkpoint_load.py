@@ -1,6 +1,6 @@
-"""benchmarks/checkpoint.py's training measurement on a loaded machine (``--load``): its CPU
-hogs run while it measures and are gone after, and it reports the ratio and its control (a
-smoke test; timings are not checked)."""
+"""benchmarks/checkpoint.py: the training measurement on a loaded machine (``--load``), whose
+CPU hogs run while it measures and are gone after, and the case of many small tensors
+(``--blocks-sizes``); smoke tests, timings are not checked."""
 
 from __future__ import annotations
 
@@ -37,3 +37,16 @@ def test_the_loaded_measurement_saves_in_its_busy_rounds_and_reports_a_control(t
     assert result["saves"] >= 2  # At least one save in each busy round.
     assert result["paired_ratio"] > 0 and result["control_paired_ratio"] > 0
     assert len(result["paired_ratios"]) == 2
+
+
+def test_the_many_tensor_case_compares_the_stall_and_training_speed(tmp_path, capsys):
+    state = bench.build_blocks_state(bench.MB)
+    assert len(bench.state_tensors(state)) == 16 * len(state["model"])  # 4 tensors, 3 moments.
+    row = bench.run_blocks(bench.MB, str(tmp_path), repeat=1, rounds=2)
+    ratios = bench.blocks_ratios(row)
+    assert row["tensors"] == 16 * len(state["model"])
+    assert all(ratios[k] > 0 for k in ("stall_vs_memcpy", "stall_vs_dcp", "steps_per_sec_ratio"))
+    assert row["training"]["saves"] >= 2
+    bench.print_blocks_table([row])
+    assert "Many small tensors" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # Its directory is removed.
