@@ -119,6 +119,10 @@ def build_blocks_state(size_bytes: int) -> dict[str, Any]:
     return {"model": model, "optimizer": optimizer}
 
 
+def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def state_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return flatten_state(state)[1]
 
@@ -211,7 +215,7 @@ class Memcpy:
 
     def __init__(self, state) -> None:
         tensors = state_tensors(state)
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        total = tensor_bytes(tensors)
         self.buffer = torch.empty(total, dtype=torch.uint8)
         self.views = []
         offset = 0
@@ -284,17 +288,22 @@ def measure_safetensors(state, directory: str, repeat: int) -> float:
 
 def measure_dcp(state, directory: str, repeat: int) -> dict[str, float]:
     stalls, totals = [], []
-    for i in range(repeat):
-        target = os.path.join(directory, f"dcp{i}")
-        sd = {"model": state["model"].state_dict(), "optimizer": state["optimizer"].state_dict()}
-        t0 = time.perf_counter()
-        future = dcp.async_save(sd, checkpoint_id=target)
-        t1 = time.perf_counter()
-        future.result()
-        totals.append(time.perf_counter() - t0)
-        stalls.append(t1 - t0)
-        shutil.rmtree(target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(repeat):
+            _dcp_once(state, os.path.join(directory, f"dcp{i}"), stalls, totals)
     return {"stall_secs": best(stalls), "total_secs": best(totals)}
+
+
+def _dcp_once(state, target: str, stalls: list[float], totals: list[float]) -> None:
+    sd = {"model": state["model"].state_dict(), "optimizer": state["optimizer"].state_dict()}
+    t0 = time.perf_counter()
+    future = dcp.async_save(sd, checkpoint_id=target)
+    t1 = time.perf_counter()
+    future.result()
+    totals.append(time.perf_counter() - t0)
+    stalls.append(t1 - t0)
+    shutil.rmtree(target)
 
 
 def measure_raw_write(nbytes: int, directory: str, repeat: int) -> float:
@@ -512,25 +521,28 @@ def measure_incremental(size_bytes: int, directory: str) -> dict[str, Any]:
     }
 
 
+def stall_row(state, label: str, directory: str, repeat: int) -> dict[str, Any]:
+    """A row of results begun: the state's size and tensors, our stall and the memcpy."""
+    tensors = state_tensors(state)
+    nbytes = tensor_bytes(tensors)
+    print(f"{label} {nbytes / MB:,.0f} MB ({len(tensors)} tensors)", file=sys.stderr)
+    row: dict[str, Any] = {"state_bytes": nbytes, "tensors": len(tensors)}
+    row["ours"] = measure_stall_and_persist(state, TrainingLoop(), directory, repeat)
+    row["memcpy_secs"] = row["ours"].pop("memcpy_secs")
+    return row
+
+
 def run_size(size_bytes: int, root: str, repeat: int, load: int = 0) -> dict[str, Any]:
     directory = tempfile.mkdtemp(prefix="ckpt-bench-", dir=root)
     try:
         state = build_state(size_bytes)
-        tensors = state_tensors(state)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        print(f"state {nbytes / MB:,.0f} MB ({len(tensors)} tensors)", file=sys.stderr)
-        row: dict[str, Any] = {"state_bytes": nbytes, "tensors": len(tensors)}
-        loop = TrainingLoop()
-        small = nbytes < 200 * MB  # Short timings: more rounds for a stable median.
-        row["ours"] = measure_stall_and_persist(
-            state, loop, directory, repeat * (4 if small else 1)
-        )
-        row["memcpy_secs"] = row["ours"].pop("memcpy_secs")
+        small = (
+            tensor_bytes(state_tensors(state)) < 200 * MB
+        )  # Short timings: more rounds for a stable median.
+        row = stall_row(state, "state", directory, repeat * (4 if small else 1))
         row["torch_save_secs"], torch_path = measure_torch_save(state, directory, repeat)
         row["safetensors_secs"] = measure_safetensors(state, directory, repeat)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            row["dcp"] = measure_dcp(state, directory, repeat)
+        row["dcp"] = measure_dcp(state, directory, repeat)
         row["raw_write_secs"] = measure_raw_write(
             row["ours"]["bytes"], directory, repeat * (4 if small else 1)
         )
@@ -540,7 +552,7 @@ def run_size(size_bytes: int, root: str, repeat: int, load: int = 0) -> dict[str
                 state, directory, max(24, repeat), load
             )
         row["restore"] = measure_restore(size_bytes, row["ours"]["prefix"], torch_path, repeat)
-        del state, tensors
+        del state
         gc.collect()
         row["incremental"] = measure_incremental(size_bytes, directory)
         return row
@@ -556,15 +568,8 @@ def run_blocks(
     directory = tempfile.mkdtemp(prefix="ckpt-bench-blocks-", dir=root)
     try:
         state = build_blocks_state(size_bytes)
-        tensors = state_tensors(state)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        print(f"blocks state {nbytes / MB:,.0f} MB ({len(tensors)} tensors)", file=sys.stderr)
-        row: dict[str, Any] = {"state_bytes": nbytes, "tensors": len(tensors)}
-        row["ours"] = measure_stall_and_persist(state, TrainingLoop(), directory, 4 * repeat)
-        row["memcpy_secs"] = row["ours"].pop("memcpy_secs")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            row["dcp"] = measure_dcp(state, directory, repeat)
+        row = stall_row(state, "blocks state", directory, 4 * repeat)
+        row["dcp"] = measure_dcp(state, directory, repeat)
         row["training"] = measure_training(state, directory, rounds or max(12, repeat))
         return row
     finally:

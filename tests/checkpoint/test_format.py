@@ -171,7 +171,7 @@ def test_manifest_errors(mutate, match):
 def _resigned(body: dict) -> bytes:
     import crc32c
 
-    from torchsupervisor.checkpoint.format import _canonical
+    from torchsupervisor.checkpoint.manifest_json import canonical as _canonical
 
     body = dict(body)
     body.pop("manifest_crc32c", None)
@@ -338,12 +338,9 @@ _ODD_NAMES = ["w", 'q"uote\\back', "line\nfeed\x00nul", "é😀\u2028", "a" * 30
 @pytest.mark.parametrize("name", _ODD_NAMES)
 @pytest.mark.parametrize("shape,crc", [((2, 3), 7), ((), None), ((0,), 2**32 - 1), ((1,) * 9, 0)])
 def test_encoded_items_are_what_json_writes(name, shape, crc):
-    from torchsupervisor.checkpoint.format import (
-        _CANONICAL_ENCODER,
-        _ITEM_ENCODER,
-        _shard_item,
-        _tensor_item,
-    )
+    from torchsupervisor.checkpoint.format import _shard_item, _tensor_item
+    from torchsupervisor.checkpoint.manifest_json import CANONICAL_ENCODER as _CANONICAL_ENCODER
+    from torchsupervisor.checkpoint.manifest_json import ITEM_ENCODER as _ITEM_ENCODER
 
     entry = TensorEntry(
         shard=3, dtype=torch.bfloat16, shape=shape, begin=2**40, end=2**40 + 6, crc32c=crc
@@ -376,7 +373,8 @@ def test_encoded_items_are_what_json_writes(name, shape, crc):
 
 
 def test_encoded_sharded_items_are_what_json_writes():
-    from torchsupervisor.checkpoint.format import _CANONICAL_ENCODER, _ITEM_ENCODER
+    from torchsupervisor.checkpoint.manifest_json import CANONICAL_ENCODER as _CANONICAL_ENCODER
+    from torchsupervisor.checkpoint.manifest_json import ITEM_ENCODER as _ITEM_ENCODER
     from torchsupervisor.checkpoint.sharded.metadata import (
         ChunkEntry,
         ShardedTensorEntry,
@@ -403,10 +401,25 @@ def test_encoded_sharded_items_are_what_json_writes():
 
 
 def test_encoded_items_refuse_what_json_would_write_otherwise():
-    from torchsupervisor.checkpoint.format import EncodedItem, signed_json
+    from torchsupervisor.checkpoint.format import signed_json
+    from torchsupervisor.checkpoint.manifest_json import EncodedItem
 
     entry = TensorEntry(shard=0, dtype=torch.float32, shape=(2.5,), begin=0, end=8, crc32c=1)
     with pytest.raises(ValueError):  # A float where an integer belongs is not written.
         _manifest(tensors={"w": entry}).to_bytes()
     with pytest.raises(TypeError, match="not JSON serializable"):  # Only in expanded fields.
         signed_json({"format": "x", "other": [EncodedItem("1", "1")]}, expanded=())
+
+
+def test_remembered_tensor_entry_texts_are_bounded_and_keyed_by_every_other_field(monkeypatch):
+    from torchsupervisor.checkpoint import format as fmt
+    from torchsupervisor.checkpoint.manifest_json import ITEM_ENCODER
+
+    monkeypatch.setattr(fmt, "_MAX_TENSOR_ITEM_PARTS", 2)
+    monkeypatch.setattr(fmt, "_TENSOR_ITEM_PARTS", {})
+    entries = [TensorEntry(0, torch.float32, (2,), 8 * i, 8 * i + 8, i) for i in range(3)]
+    entries.append(entries[0].with_fields(crc32c=77))  # Same layout, another CRC.
+    for e in entries:
+        value = {"shard": 0, "dtype": "F32", "shape": [2], "offsets": [e.begin, e.end]}
+        assert fmt._tensor_item(e).text == ITEM_ENCODER.encode({**value, "crc32c": e.crc32c})
+        assert len(fmt._TENSOR_ITEM_PARTS) <= 2

@@ -160,7 +160,7 @@ def _without_header_crcs(prefix):
     """Rewrite the manifest as written before it recorded the headers' own CRCs."""
     import crc32c
 
-    from torchsupervisor.checkpoint.format import _canonical
+    from torchsupervisor.checkpoint.manifest_json import canonical as _canonical
 
     index = pathlib.Path(prefix + ".index")
     body = json.loads(index.read_text())
@@ -308,7 +308,7 @@ def test_random_damage_is_always_reported_never_loaded(checkpoint):
 def test_manifest_pointing_at_the_wrong_bytes_is_rejected(checkpoint):
     import crc32c
 
-    from torchsupervisor.checkpoint.format import _canonical
+    from torchsupervisor.checkpoint.manifest_json import canonical as _canonical
 
     prefix, _ = checkpoint
     index = prefix + ".index"

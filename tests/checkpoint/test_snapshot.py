@@ -50,7 +50,8 @@ def _values(snapshot, name):
     for i, shard in enumerate(snapshot.layout.shards):
         for n, entry in shard.entries:
             if n == name:
-                raw = bytes(snapshot.tensor_view(i, entry))
+                start = shard.data_offset
+                raw = bytes(snapshot.shard_view(i)[start + entry.begin : start + entry.end])
                 if not raw:
                     return torch.empty(entry.shape, dtype=entry.dtype)
                 flat = torch.frombuffer(bytearray(raw), dtype=entry.dtype)

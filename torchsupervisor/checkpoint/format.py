@@ -41,6 +41,14 @@ from typing import Any
 import crc32c
 import torch
 
+from torchsupervisor.checkpoint.manifest_json import (
+    EncodedItem,
+    canonical,
+    json_int,
+    json_ints,
+    json_string,
+    pretty_json,
+)
 from torchsupervisor.core.tree import (
     as_dict,
     as_list,
@@ -53,7 +61,6 @@ __all__ = [
     "DATA_ALIGNMENT_BYTES",
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "EncodedItem",
     "Manifest",
     "ManifestError",
     "ShardEntry",
@@ -61,7 +68,6 @@ __all__ = [
     "data_filename",
     "dtype_from_code",
     "dtype_to_code",
-    "json_string",
     "parse_safetensors_header",
     "pretty_json",
     "safetensors_header",
@@ -282,42 +288,9 @@ class Manifest:
             raise ManifestError(f"malformed manifest field ({type(e).__name__}: {e})") from None
 
 
-class EncodedItem:
-    """One item of a manifest's expanded fields, already encoded as JSON.
-
-    Not a tuple, so that ``json`` refuses one found anywhere else (``TypeError``) instead of
-    writing it as a list.
-
-    Attributes:
-        text: As the readable text writes it (``json``'s default separators, fields in the
-            manifest's order).
-        canonical: As the checksum covers it (keys sorted, no spaces: ``_CANONICAL_ENCODER``).
-    """
-
-    __slots__ = ("canonical", "text")
-
-    def __init__(self, text: str, canonical: str) -> None:
-        self.text, self.canonical = text, canonical
-
-
-def _json_int(value: int | None) -> str:
-    """An integer field as ``json`` writes it (``null`` for None); a float or a string is
-    refused (``ValueError``) rather than written as something else."""
-    return "null" if value is None else f"{value:d}"
-
-
-def _json_ints(values: tuple[int, ...], sep: str) -> str:
-    return sep.join([f"{v:d}" for v in values])
-
-
-json_string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
-"""A ``str`` as JSON, as both of the manifest's encoders write it (``ensure_ascii``): quotes
-included, every character outside printable ASCII escaped."""
-
-
 def _tensor_item(e: TensorEntry) -> EncodedItem:
     """The item of ``e``; all but its CRC encoded once per layout (``_TENSOR_ITEM_PARTS``)."""
-    crc = _json_int(e.crc32c)
+    crc = json_int(e.crc32c)
     key = (e.shard, e.dtype, tuple(e.shape), e.begin, e.end)
     parts = _TENSOR_ITEM_PARTS.get(key)
     if parts is None:
@@ -325,10 +298,10 @@ def _tensor_item(e: TensorEntry) -> EncodedItem:
             _TENSOR_ITEM_PARTS.clear()
         code = json_string(dtype_to_code(e.dtype))
         parts = _TENSOR_ITEM_PARTS[key] = (
-            f'{{"shard": {e.shard:d}, "dtype": {code}, "shape": [{_json_ints(e.shape, ", ")}], '
+            f'{{"shard": {e.shard:d}, "dtype": {code}, "shape": [{json_ints(e.shape, ", ")}], '
             f'"offsets": [{e.begin:d}, {e.end:d}], "crc32c": ',
             f',"dtype":{code},"offsets":[{e.begin:d},{e.end:d}],'
-            f'"shape":[{_json_ints(e.shape, ",")}],"shard":{e.shard:d}}}',
+            f'"shape":[{json_ints(e.shape, ",")}],"shard":{e.shard:d}}}',
         )
     return EncodedItem(parts[0] + crc + "}", '{"crc32c":' + crc + parts[1])
 
@@ -343,7 +316,7 @@ _MAX_TENSOR_ITEM_PARTS = 1 << 16
 
 
 def _shard_item(s: ShardEntry) -> EncodedItem:
-    file, crc = json_string(s.file), _json_int(s.crc32c)
+    file, crc = json_string(s.file), json_int(s.crc32c)
     if s.header_crc32c is None:
         return EncodedItem(
             f'{{"file": {file}, "size_bytes": {s.size_bytes:d}, '
@@ -351,7 +324,7 @@ def _shard_item(s: ShardEntry) -> EncodedItem:
             f'{{"crc32c":{crc},"data_offset":{s.data_offset:d},"file":{file},'
             f'"size_bytes":{s.size_bytes:d}}}',
         )
-    header = _json_int(s.header_crc32c)
+    header = json_int(s.header_crc32c)
     return EncodedItem(
         f'{{"file": {file}, "size_bytes": {s.size_bytes:d}, "data_offset": {s.data_offset:d}, '
         f'"crc32c": {crc}, "header_crc32c": {header}}}',
@@ -364,7 +337,7 @@ def signed_json(body: dict[str, Any], expanded: tuple[str, ...] = ("shards", "te
     """The text of ``P.index`` for ``body``: ``body`` + ``manifest_crc32c`` (the CRC-32C of
     its canonical JSON), in ``pretty_json``'s layout, UTF-8. The items of the ``expanded``
     fields may be ``EncodedItem``s."""
-    body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
+    body["manifest_crc32c"] = crc32c.crc32c(canonical(body))
     data = pretty_json(body, expanded).encode("utf-8")
     _RECENT_SHARD_FILES.put(data, _body_shard_files(body))
     return data
@@ -474,66 +447,12 @@ def _checked_body(data: bytes) -> dict[str, Any]:
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
         raise ManifestError(f"not a {FORMAT_NAME} manifest")
     stored = body.pop("manifest_crc32c", None)
-    if stored != crc32c.crc32c(_canonical(body)):
+    if stored != crc32c.crc32c(canonical(body)):
         raise ManifestError("manifest checksum mismatch")
     version = body.get("format_version")
     if version != FORMAT_VERSION:
         raise ManifestError(f"format_version {version!r} is not supported (expected 1)")
     return body
-
-
-def pretty_json(body: Mapping[str, Any], expanded: tuple[str, ...] = ("shards", "tensors")) -> str:
-    """One line per top-level field and per item of the ``expanded`` fields; the tree on one
-    line (a manifest a person can read and diff)."""
-
-    dump = _ITEM_ENCODER.encode
-
-    def item(v: Any) -> str:
-        return v.text if isinstance(v, EncodedItem) else dump(v)
-
-    lines = []
-    for key, value in body.items():
-        if key in expanded and value:
-            if isinstance(value, dict):
-                items = [f"  {json_string(k)}: {item(v)}" for k, v in value.items()]
-                lines.append(f" {dump(key)}: {{\n" + ",\n".join(items) + "\n }")
-            else:
-                items = [f"  {item(v)}" for v in value]
-                lines.append(f" {dump(key)}: [\n" + ",\n".join(items) + "\n ]")
-        else:
-            lines.append(f" {dump(key)}: {dump(value)}")
-    return "{\n" + ",\n".join(lines) + "\n}\n"
-
-
-# One encoder each, made once: ``json.dumps`` with any non-default option builds a new
-# encoder at every call (10 us), and a manifest of 1,000 tensors dumps 2,000 items.
-_ITEM_ENCODER = json.JSONEncoder(allow_nan=False)
-_CANONICAL_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-
-def _canonical(body: Mapping[str, Any]) -> bytes:
-    """``body`` (string keys) as ``_CANONICAL_ENCODER`` writes it, its ``EncodedItem``s (in
-    the values of its fields, one level down) by their canonical text."""
-    dump = _CANONICAL_ENCODER.encode
-
-    def item(v: Any) -> str:
-        return v.canonical if isinstance(v, EncodedItem) else dump(v)
-
-    fields = []
-    for key in sorted(body):
-        value = body[key]
-        items = value.values() if isinstance(value, dict) else value
-        if not isinstance(value, (dict, list, tuple)) or not any(
-            isinstance(v, EncodedItem) for v in items
-        ):
-            text = dump(value)
-        elif isinstance(value, dict):
-            pairs = [f"{json_string(k)}:{item(value[k])}" for k in sorted(value)]
-            text = "{" + ",".join(pairs) + "}"
-        else:
-            text = "[" + ",".join([item(v) for v in value]) + "]"
-        fields.append(f"{json_string(key)}:{text}")
-    return ("{" + ",".join(fields) + "}").encode()
 
 
 def _int(x: Any) -> int:

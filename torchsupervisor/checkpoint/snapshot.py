@@ -162,11 +162,6 @@ class Snapshot:
         """Return the bytes of shard ``shard`` (a view on its staging buffer, no copy)."""
         return memoryview(self.buffers[shard].numpy()).cast("B")
 
-    def tensor_view(self, shard: int, entry: TensorEntry) -> memoryview:
-        """Return the bytes of one tensor inside its shard's staging buffer (no copy)."""
-        start = self.layout.shards[shard].data_offset
-        return self.shard_view(shard)[start + entry.begin : start + entry.end]
-
     def checksummed(
         self, shard: int, entries: list[tuple[str, TensorEntry]] | None = None
     ) -> list[tuple[str, TensorEntry]]:

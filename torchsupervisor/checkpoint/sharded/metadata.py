@@ -38,14 +38,13 @@ from typing import Any
 import torch
 
 from torchsupervisor.checkpoint.format import (
-    EncodedItem,
     Manifest,
     ManifestError,
     dtype_from_code,
     dtype_to_code,
-    json_string,
     signed_json,
 )
+from torchsupervisor.checkpoint.manifest_json import EncodedItem, json_string
 
 __all__ = [
     "SHARDED_TENSORS_KEY",
