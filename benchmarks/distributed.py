@@ -29,7 +29,12 @@ with gloo (the benchmark launches them itself, as ``torchrun`` would):
   ``dcp.async_save`` in the same processes: the stall of each against one host copy of the
   rank's local shards (*memcpy*: every rank at once, after a barrier, as the ranks stage at
   the step boundary of a save; *alone*: each rank while the other waits), the time to commit,
-  and training steps/s while saves persist against steps/s with none in flight. Also on a
+  and training steps/s while saves persist against steps/s with none in flight. Beside them
+  the *floor*: the least any asynchronous save must do (the memcpy at the step boundary, then
+  a raw buffered write and ``fsync`` of the copies on a background thread at our writer's
+  priority; no checksum, manifest or commit): ``x floor`` is our steps/s ratio over its, 1 when
+  a save costs training no more than writing the bytes at all does. The three kinds of save
+  take turns within each round of the steps/s measurement. Also on a
   state of many small tensors (``--blocks-sizes``, default 50 MB: blocks of ``LayerNorm`` +
   ``Linear`` of width 256, about 1,000 tensors), where the per-tensor work of a save (state
   dicts, flattening, one copy call each) weighs against the bytes; its memcpy is one
@@ -183,6 +188,16 @@ def _train_step(model: Any, width: int) -> None:
         p.grad = None
 
 
+def _local_shards(state: dict[str, Any]) -> list[Any]:
+    """The tensors a save of ``state`` copies on this rank: each DTensor's local shard."""
+    from torch.distributed.tensor import DTensor
+
+    from torchsupervisor.checkpoint.sharded.plan import flatten_sharded_state
+
+    _, tensors = flatten_sharded_state(state)
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]
+
+
 def _local_memcpy_secs(state: dict[str, Any], together: bool = True, before: Any = None) -> float:
     """One host copy of this rank's local shards into buffers allocated beforehand.
 
@@ -192,12 +207,8 @@ def _local_memcpy_secs(state: dict[str, Any], together: bool = True, before: Any
     rank (a training step, which leaves the caches as a save finds them).
     """
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
-    from torchsupervisor.checkpoint.sharded.plan import flatten_sharded_state
-
-    _, tensors = flatten_sharded_state(state)
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]
+    local = _local_shards(state)
     buffers = [t.clone() for t in local]
     secs = 0.0
     for turn in [None] if together else range(dist.get_world_size()):
@@ -223,6 +234,78 @@ def _steps_per_sec(model: Any, width: int, steps: int) -> float:
     return steps / (time.perf_counter() - start)
 
 
+class _FloorSave:
+    """The least any asynchronous save of the local shards must do: the floor of the async case.
+
+    At the step boundary, one ``copy_`` of each local shard into one page-aligned buffer kept
+    across saves (the memcpy); then, on a background thread at the priority of our writer
+    (``nice`` 19 and ``SCHED_IDLE``), the buffer written to a file of the rank's own with
+    ``O_DIRECT`` (the device reads the buffer: no copy into the page cache; buffered where the
+    file system refuses it) in 8 MiB writes, and its ``fsync``. No checksum, no manifest, no
+    agreement of the ranks, no commit: a save that could not be trusted, whose cost to training
+    bounds what a trustworthy one can reach on the machine. Its thread is not raised while the
+    caller waits (ours is): a waiting caller leaves its core to it anyway, and ``threads.hurry``
+    would raise our idle writer too.
+    """
+
+    _ALIGN = 4096  # O_DIRECT's alignment of addresses, offsets and lengths.
+
+    def __init__(self, local: list[Any], directory: str, rank: int) -> None:
+        import concurrent.futures
+        import mmap
+
+        import torch
+
+        self._local = local
+        offsets, end = [], 0
+        for t in local:
+            offsets.append(end)
+            end += -(-t.numel() * t.element_size() // 64) * 64
+        self.local_bytes = sum(t.numel() * t.element_size() for t in local)
+        self._arena = mmap.mmap(-1, max(self._ALIGN, -(-end // self._ALIGN) * self._ALIGN))
+        whole = torch.frombuffer(self._arena, dtype=torch.uint8)
+        self._buffers = [
+            whole[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for t, at in zip(local, offsets)
+        ]
+        self._path = os.path.join(directory, f"floor-{rank}.bin")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="floor-writer")
+
+    def save(self) -> Any:
+        """Copy the shards and start the write; returns its ``concurrent.futures.Future``."""
+        for dst, src in zip(self._buffers, self._local):
+            dst.copy_(src)
+        return self._pool.submit(self._write)
+
+    def _write(self) -> None:
+        from torchsupervisor.checkpoint.engine import BACKGROUND_NICENESS
+        from torchsupervisor.core import threads
+
+        threads.lower(BACKGROUND_NICENESS, idle=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            fd = os.open(self._path, flags | getattr(os, "O_DIRECT", 0), 0o644)
+        except OSError:  # tmpfs and others refuse O_DIRECT.
+            fd = os.open(self._path, flags, 0o644)
+        try:
+            view = memoryview(self._arena)
+            for start in range(0, len(view), 8 << 20):
+                chunk = view[start : start + (8 << 20)]
+                while chunk:
+                    chunk = chunk[os.write(fd, chunk) :]
+            os.ftruncate(fd, self.local_bytes)  # Less the padding to the alignment.
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def written_bytes(self) -> int:
+        """The size of the file the last save wrote."""
+        return os.path.getsize(self._path)
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+
 def _async_case(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     """Asynchronous sharded saves: ours (``Saver.save_async``) against ``dcp.async_save`` of
     the same state, the stall of each against one host memcpy of the local shards, and the
@@ -233,7 +316,6 @@ def _async_case(args: argparse.Namespace, rank: int, world: int) -> dict[str, An
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     from torchsupervisor import Saver
-    from torchsupervisor.checkpoint.sharded.plan import flatten_sharded_state
 
     model, _, state = _build(args.bytes, world, "sharded", args.model)
     width = _width(model)
@@ -266,11 +348,18 @@ def _async_case(args: argparse.Namespace, rank: int, world: int) -> dict[str, An
             async_stager=dcp_stager,
         )
 
+    local = _local_shards(state)
+    floor = _FloorSave(local, args.dir, rank)
+
+    def least(i: int) -> Any:
+        return floor.save()
+
     _steps_per_sec(model, width, 5)  # Warm-up.
     out: dict[str, Any] = {"memcpy": memcpy, "memcpy_alone": memcpy_alone}
-    out["tensors"] = len(flatten_sharded_state(state)[1])
+    out["tensors"] = len(local)
     number = iter(range(1, 1_000_000))  # Global steps of the saves.
-    for name, save in (("ours", ours), ("dcp", theirs)):
+    saves = {"ours": ours, "dcp": theirs, "floor": least}
+    for name, save in saves.items():
         save(next(number)).result()  # Warm-up: buffers, groups, caches.
         stalls, totals = [], []
         for _ in range(args.repeat):
@@ -281,16 +370,19 @@ def _async_case(args: argparse.Namespace, rank: int, world: int) -> dict[str, An
             stalls.append(time.perf_counter() - start)
             future.result()
             totals.append(time.perf_counter() - start)
-        # Steps/s with saves back to back: each save is started at a step boundary and
-        # waited for (if still running) after as many steps as a save takes; rounds with
-        # and without saves alternate, and each busy round is compared with the idle round
-        # before it (the machine's speed drifts).
+        # Steps/s with saves back to back (below): each save is started at a step boundary
+        # and waited for (if still running) after as many steps as a save takes.
         rate = _steps_per_sec(model, width, 3)
         wanted = torch.tensor([max(1, math.ceil(rate * statistics.median(totals)))])
         dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # Every rank runs the same steps.
-        per_save = int(wanted)
-        rounds = []
-        for _ in range(args.rounds):
+        out[name] = {"stalls": stalls, "totals": totals, "steps_per_save": int(wanted)}
+        out[name]["rounds"] = []
+    # Rounds with and without saves alternate, each busy round compared with the idle round
+    # just before it, and the three kinds of save take turns within each round: the machine's
+    # speed drifts (idle steps/s moved by 10% between kinds measured one after the other).
+    for _ in range(args.rounds):
+        for name, save in saves.items():
+            per_save = out[name]["steps_per_save"]
             idle = _steps_per_sec(model, width, 2 * per_save)
             dist.barrier()
             start = time.perf_counter()
@@ -300,10 +392,10 @@ def _async_case(args: argparse.Namespace, rank: int, world: int) -> dict[str, An
                     _train_step(model, width)
                 future.result()
             busy = 2 * per_save / (time.perf_counter() - start)
-            rounds.append({"idle": idle, "busy": busy, "ratio": busy / idle})
-        out[name] = {"stalls": stalls, "totals": totals, "steps_per_save": per_save}
-        out[name]["rounds"] = rounds
+            out[name]["rounds"].append({"idle": idle, "busy": busy, "ratio": busy / idle})
+    out["local_bytes"], out["floor_bytes"] = floor.local_bytes, floor.written_bytes()
     saver.close()
+    floor.close()
     return out
 
 
@@ -509,7 +601,9 @@ def _async_row(size: int, ranks: list[dict[str, Any]], model_kind: str = "mlp") 
     memcpy = max(statistics.median(r["memcpy"]) for r in ranks)
     row["memcpy_secs"] = memcpy
     row["memcpy_alone_secs"] = max(statistics.median(r["memcpy_alone"]) for r in ranks)
-    for name in ("ours", "dcp"):
+    row["local_bytes"] = [r["local_bytes"] for r in ranks]
+    row["floor_bytes"] = [r["floor_bytes"] for r in ranks]  # Written by the floor's last save.
+    for name in ("ours", "dcp", "floor"):
         stall = max(statistics.median(r[name]["stalls"]) for r in ranks)
         total = max(statistics.median(r[name]["totals"]) for r in ranks)
         rounds = ranks[0][name]["rounds"]  # The ranks step together: rank 0's clock.
@@ -525,6 +619,9 @@ def _async_row(size: int, ranks: list[dict[str, Any]], model_kind: str = "mlp") 
             "rounds": rounds,
         }
     row["stall_vs_dcp"] = row["ours"]["stall_secs"] / row["dcp"]["stall_secs"]
+    # How much of the floor's steps/s ours keeps (1: training loses no more than the least
+    # an asynchronous save costs it).
+    row["steps_ratio_vs_floor"] = row["ours"]["steps_ratio"] / row["floor"]["steps_ratio"]
     return row
 
 
@@ -537,12 +634,12 @@ def print_async_table(rows: list[dict[str, Any]]) -> None:
         f"\n{'async, 2 ranks':16s} {'state':>8s} {'tensors':>7s} {'memcpy s':>9s} {'alone s':>8s} "
         f"{'stall s':>8s} {'x memcpy':>9s} {'x alone':>8s} {'x dcp':>6s} {'persist s':>9s} "
         f"{'steps/s idle':>12s} "
-        f"{'persisting':>10s} {'ratio':>6s}"
+        f"{'persisting':>10s} {'ratio':>6s} {'x floor':>7s}"
     )
     for row in rows:
-        for name in ("ours", "dcp"):
+        for name in ("ours", "dcp", "floor"):
             r = row[name]
-            ratio = f"{row['stall_vs_dcp']:.2f}" if name == "ours" else "1.00"
+            ratio = {"ours": f"{row['stall_vs_dcp']:.2f}", "dcp": "1.00"}.get(name, "")
             label = f"{name}{', blocks' if row.get('model') == 'blocks' else ''}"
             print(
                 f"{label:16s} {row['size_bytes'] / MB:>6.0f}MB {row.get('tensors', 0):>7d} "
@@ -550,7 +647,8 @@ def print_async_table(rows: list[dict[str, Any]]) -> None:
                 f"{row['memcpy_alone_secs']:>8.4f} {r['stall_secs']:>8.4f} "
                 f"{r['stall_vs_memcpy']:>9.2f} {r['stall_vs_memcpy_alone']:>8.2f} {ratio:>6s} "
                 f"{r['total_secs']:>9.3f} {r['steps_per_sec_idle']:>12.1f} "
-                f"{r['steps_per_sec_persisting']:>10.1f} {r['steps_ratio']:>6.3f}"
+                f"{r['steps_per_sec_persisting']:>10.1f} {r['steps_ratio']:>6.3f} "
+                f"{r['steps_ratio'] / row['floor']['steps_ratio']:>7.3f}"
             )
 
 

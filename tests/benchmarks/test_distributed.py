@@ -32,15 +32,20 @@ def test_the_distributed_benchmark_writes_its_report(run_benchmark):
     assert "x dcp" in stdout and "dcp.save, 2 ranks" in stdout
     assert rows["restore 2 -> 1 rank"]["restore_secs"] > 0
     assert rows["ddp chief-only, 2 ranks"]["per_rank_bytes"][0] > 0
-    # Asynchronous saves, ours and dcp.async_save's, with steps/s while each persists.
+    # Asynchronous saves, ours, dcp.async_save's and the floor's (a copy and a raw write),
+    # with steps/s while each persists.
     async_row = rows["async sharded, 2 ranks"]
-    for name in ("ours", "dcp"):
+    for name in ("ours", "dcp", "floor"):
         figures = async_row[name]
         assert 0 < figures["stall_secs"] <= figures["total_secs"]
         assert figures["steps_per_sec_idle"] > 0 and figures["steps_per_sec_persisting"] > 0
         assert figures["stall_vs_memcpy"] > 0 and figures["stall_vs_memcpy_alone"] > 0
     assert async_row["memcpy_secs"] > 0 and async_row["memcpy_alone_secs"] > 0
     assert async_row["stall_vs_dcp"] > 0 and "async, 2 ranks" in stdout and "x alone" in stdout
+    # The floor wrote every byte of each rank's local shards (half the state each).
+    assert async_row["floor_bytes"] == async_row["local_bytes"]
+    assert all(b > 0 for b in async_row["local_bytes"]) and len(async_row["local_bytes"]) == 2
+    assert async_row["steps_ratio_vs_floor"] > 0 and "x floor" in stdout and "\nfloor " in stdout
     # The same on a state of many small tensors (LayerNorm + Linear blocks; 16 a block).
     blocks = rows["async sharded, 2 ranks, blocks"]
     assert blocks["model"] == "blocks" and blocks["tensors"] > 0 and blocks["tensors"] % 16 == 0
