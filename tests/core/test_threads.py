@@ -216,3 +216,59 @@ def test_upload_parts_go_at_the_priority_of_the_sender_raised_when_it_is_hurried
         writer.join(60)
     normal = priority.current()
     assert seen[2:] == [normal] * 4  # The parts in flight raised, the third one too.
+
+
+@linux_only
+def test_a_writer_raised_while_idle_by_another_engines_wait_runs_its_next_job_idle():
+    # ``threads.hurry`` raises every hurriable thread: the idle writer of a second saver too.
+    # Its next job must still run at the idle priority, not at the priority of that wait.
+    from torchsupervisor.checkpoint.engine import CheckpointEngine
+
+    if not _can_raise_priorities():
+        pytest.skip("raising a thread's priority needs CAP_SYS_NICE here")
+    idle = priority.Priority(19, os.SCHED_IDLE)
+    waited, other = CheckpointEngine(), CheckpointEngine()
+    gate, running = threading.Event(), threading.Event()
+    seen: list[priority.Priority] = []
+
+    def record():  # A job that nobody waits for: its future's result is never asked.
+        seen.append(priority.current())
+        ran.set()
+
+    def gated():
+        running.set()
+        assert gate.wait(60)
+
+    try:
+        ran = threading.Event()
+        other.submit(record)
+        assert ran.wait(60) and seen == [idle]
+        waited.submit(gated)
+        assert running.wait(60)
+        assert waited.wait(0.01) is False  # Hurries: raises the other, idle writer too.
+        assert priority.current(other._thread.native_id) == priority.current()
+        gate.set()
+        assert waited.wait(60)
+        ran = threading.Event()
+        other.submit(record)
+        assert ran.wait(60)
+        assert seen == [idle, idle]
+    finally:
+        gate.set()
+        waited.close()
+        other.close()
+
+
+@linux_only
+def test_a_job_hurried_before_it_starts_keeps_the_priority_it_was_raised_to():
+    # The writer lowers itself as each job starts; a wait that came first must not be undone.
+    from torchsupervisor.checkpoint.engine import _Save
+
+    hurried, plain = _Save(), _Save()
+    for future in (hurried, plain):
+        future.set_running_or_notify_cancel()
+    hurried.hurry()
+    caller = priority.current()
+    assert _in_thread(lambda: hurried.lower_unless_hurried(19) or priority.current()) == caller
+    lowered = _in_thread(lambda: plain.lower_unless_hurried(19) or priority.current())
+    assert lowered == priority.Priority(19, os.SCHED_IDLE)

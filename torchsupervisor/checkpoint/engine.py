@@ -19,7 +19,8 @@ it runs at full speed. On a machine that other processes keep busy the idle prio
 starve a save that training waits for (the final checkpoint, the save before a synchronous one):
 ``wait`` (and the job's future, in ``result``) first raises the writer and its checksum helper to
 the waiting thread's priority (``threads.hurry``); the writer lowers itself again before it
-reports the job done.
+reports the job done, and as each job starts unless that job was hurried already (a wait for
+another engine's save raises this writer too, idle or not: ``_Save``).
 
 The thread is a daemon, but interpreter exit waits for a save being written (an ``atexit``
 hook registered at the first save) rather than abandoning it half-way. At exit: a program that
@@ -71,7 +72,7 @@ _engines: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
 _atexit_lock = threading.Lock()
 _atexit_registered = False
 
-_Job = tuple[concurrent.futures.Future, Callable[..., Any], tuple]
+_Job = tuple["_Save", Callable[..., Any], tuple]
 
 
 def _wait_for_saves_at_exit() -> None:
@@ -101,7 +102,7 @@ class CheckpointEngine:
     def __init__(self, niceness: int = BACKGROUND_NICENESS) -> None:
         self._niceness = niceness
         self._lock = threading.Lock()
-        self._future: concurrent.futures.Future[Any] | None = None
+        self._future: _Save | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # The worker holds the queue, not the engine: when the engine goes, the worker ends.
@@ -128,7 +129,7 @@ class CheckpointEngine:
         with self._lock:
             if self.in_flight:
                 raise RuntimeError("A checkpoint is already being written")
-            future: concurrent.futures.Future[Any] = _Save()
+            future = _Save()
             future.set_running_or_notify_cancel()
             self._future = future
             _in_flight.add(future)
@@ -165,8 +166,9 @@ class CheckpointEngine:
         priority a busy machine would leave the job almost no CPU. Nothing happens when
         nothing is in flight, or where the system refuses (logged once).
         """
-        if self.in_flight:
-            priority.hurry()
+        future = self._future
+        if future is not None:
+            future.hurry()
 
     def abandon(self) -> None:
         """Wait at most ``ABANDONED_EXIT_WAIT_SECS`` from now for the job in flight at exit.
@@ -194,17 +196,36 @@ class _Save(concurrent.futures.Future):
     """A job's future whose ``result`` and ``exception`` hurry the job before waiting for it.
 
     A caller waiting for a save (``future.result()``) should not wait for a thread that the
-    machine's other processes starve: see ``CheckpointEngine.hurry``.
+    machine's other processes starve: see ``CheckpointEngine.hurry``. ``threads.hurry`` raises
+    every hurriable thread, the idle writers of other engines too, so each writer lowers itself
+    again when a job starts, unless that very job was hurried already (``lower_unless_hurried``:
+    one lock orders the two, so a hurry is never undone by the lowering it raced with).
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._hurry_lock = threading.Lock()
+        self._hurried = False
+
+    def hurry(self) -> None:
+        """Raise the writer to the calling thread's priority until this job ends, if not done."""
+        with self._hurry_lock:
+            if not self.done():
+                self._hurried = True
+                priority.hurry()
+
+    def lower_unless_hurried(self, niceness: int) -> None:
+        """Lower the calling thread (the writer, as this job starts), unless a caller waits."""
+        with self._hurry_lock:
+            if not self._hurried:
+                priority.lower(niceness, idle=True, hurriable=True)
+
     def result(self, timeout: float | None = None) -> Any:
-        if not self.done():
-            priority.hurry()
+        self.hurry()
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self.done():
-            priority.hurry()
+        self.hurry()
         return super().exception(timeout)
 
 
@@ -226,6 +247,8 @@ def _work(jobs: queue.SimpleQueue[_Job | None], niceness: int, lowered: threadin
         if item is None:
             return
         future, job, args = item
+        # Another engine's wait may have raised this thread while it was idle (``_Save``).
+        future.lower_unless_hurried(niceness)
         result: Any = None
         error: BaseException | None = None
         try:
