@@ -17,6 +17,7 @@ from test_sharded import REFERENCE, _build, _files, _full_tensors, _state, _trai
 
 from torchsupervisor import CheckpointReader, Saver, latest_checkpoint
 from torchsupervisor.checkpoint.sharded import writer as writer_module
+from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
 from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.writers import ShardedWriter
 from torchsupervisor.testing import FaultyStorage, run_world
@@ -31,6 +32,7 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
     for step in range(3):
         _train_step(model, optimizer, step)
     state = _state(model, optimizer, 3)
+    state["extra"]["lrs"] = [0.1, 0.01]  # Plain values the training thread changes below.
     reference = _full_tensors(state)
     if rank == 0:
         safetensors.torch.save_file(reference, os.path.join(directory, REFERENCE))
@@ -68,6 +70,9 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
     in_flight = saver.in_flight
     _train_step(model, optimizer, 3)  # FSDP2 collectives while the save is in flight.
     state["global_step"] = 4
+    state["extra"]["lrs"][0] = 9.9  # The manifest is encoded later, by the writer.
+    state["extra"]["lrs"].append(1.0)
+    state["extra"]["tag"] = "changed"
     changed.set()
     first = future.result(WAIT_SECS)
     ShardedWriter.persist = persist
@@ -94,8 +99,11 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
             and all(torch.equal(restored[n], t) for n, t in expected.items())
             and fresh["global_step"] == step
         )
+    with open(first + ".index", "rb") as f:
+        extra = ShardedManifest.from_bytes(f.read()).tree["dict"]["extra"]
     return {
         "in_flight": in_flight,
+        "extra": extra,
         "first": os.path.basename(first),
         "equal": equal,
         "stall": stats.stall_secs,
@@ -127,6 +135,9 @@ def test_an_async_sharded_save_is_the_state_at_its_step_while_training_goes_on(t
     for result in results:
         assert result["in_flight"]  # save_async returned before the save was written.
         assert result["first"] == "model.ckpt-3"
+        # The plain values as they were at step 3, not as training changed them after.
+        assert result["extra"]["dict"]["lrs"] == [0.1, 0.01]
+        assert result["extra"]["dict"]["tag"] == "run-a"
         assert result["equal"] == [True, True]  # Steps 3 and 5, each as it was.
         assert result["stall"] < result["total"]
         # DCP planned the first save; the second (the same layout) replayed its plan, through

@@ -213,7 +213,7 @@ def write_sharded(
     storage = storage_for(prefix, storage)
     writer = ShardedStorageWriter(
         prefix,
-        tree=save.tree,
+        skeleton=save.skeleton,
         global_step=save.step,
         wall_time=save.wall_time,
         write_state=write_state,

@@ -263,6 +263,8 @@ def flatten_sharded_state(
 
     Returns:
         ``(skeleton, tensors)``: the skeleton with ``TensorRef`` leaves, and ``{name: tensor}``.
+        Every container of the skeleton is new and every leaf immutable, so a background
+        save may encode it after training has changed the state (``staging.ShardedSave``).
 
     Raises:
         TypeError: For a leaf that cannot be saved without pickle, or a bad dict key.

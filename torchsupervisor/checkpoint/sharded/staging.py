@@ -28,7 +28,6 @@ import torch
 from torchsupervisor.checkpoint.sharded.plan import dtensor_class, flatten_sharded_state
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.core.global_step import read_checkpoint_step
-from torchsupervisor.core.tree import encode_tree
 
 __all__ = ["ShardedSave", "prepare", "stage"]
 
@@ -41,7 +40,9 @@ class ShardedSave:
         prefix: The checkpoint prefix.
         tensors: The flat tensor table (``{name: Tensor or DTensor}``): the live tensors, or
             after ``stage`` tensors over host copies of this rank's local data.
-        tree: The encoded state skeleton for the manifest (None when ``error`` is set).
+        skeleton: The state's skeleton (``TensorRef`` leaves; None when ``error`` is set):
+            containers of its own and immutable leaves, so the writer may encode it for the
+            manifest after training has changed the state.
         step: The global step recorded in the manifest, or None.
         wall_time: The time of the snapshot, in seconds since the epoch.
         error: What this rank found wrong with its state (a ``TypeError`` or ``ValueError``):
@@ -50,7 +51,7 @@ class ShardedSave:
 
     prefix: str
     tensors: dict[str, torch.Tensor]
-    tree: Any
+    skeleton: Any
     step: int | None
     wall_time: float
     error: BaseException | None = None
@@ -89,10 +90,9 @@ def prepare(
     try:
         step = read_checkpoint_step(global_step)
         skeleton, tensors = flatten_sharded_state(state, keep_vars=keep_vars)
-        tree = encode_tree(skeleton)
     except (TypeError, ValueError) as e:
         return ShardedSave(prefix, {}, None, None, wall_time, error=e)
-    return ShardedSave(prefix, tensors, tree, step, wall_time)
+    return ShardedSave(prefix, tensors, skeleton, step, wall_time)
 
 
 def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = None) -> None:

@@ -53,6 +53,7 @@ from torchsupervisor.checkpoint.sharded.metadata import (
 )
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.checkpoint.state_file import record_newest
+from torchsupervisor.core.tree import encode_tree
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import BY_PATH, Storage
 
@@ -216,7 +217,10 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
     Args:
         prefix: The checkpoint prefix (``logdir/model.ckpt-100``); its directory must exist
             and be shared by all ranks.
-        tree: The encoded state tree for the manifest (used on the coordinator).
+        skeleton: The state's skeleton (``TensorRef`` leaves; ``flatten_sharded_state``),
+            encoded for the manifest by the coordinator as it commits, on the thread that
+            runs the save: for a background save not on the training thread (0.6 ms for
+            1,000 tensors), and not on the other ranks at all.
         global_step: Recorded in the manifest; None when there is no step.
         wall_time: The time of the snapshot in seconds since the epoch.
         write_state: Make the coordinator record the checkpoint in the state file.
@@ -228,9 +232,9 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             from them in place (``in_place_shard``), without a second copy.
         error: An error this rank found before the save (raised in step 2 so that every rank
             learns of it).
-        tensor_names: The names of the tensors ``tree`` refers to (the flattened state's
-            table: ``staging.prepare`` makes both, so the tree is not walked again: about
-            1 ms per 1,000 tensors).
+        tensor_names: The names of the tensors ``skeleton`` refers to (the flattened
+            state's table: ``staging.prepare`` makes both, so the skeleton is not walked
+            again: about 1 ms per 1,000 tensors).
 
     Attributes:
         is_coordinator: True on the rank that writes the manifest (once DCP has set it up).
@@ -253,7 +257,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         self,
         prefix: str,
         *,
-        tree: Any,
+        skeleton: Any,
         global_step: int | None,
         wall_time: float,
         write_state: bool = True,
@@ -266,7 +270,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
     ) -> None:
         self._prefix = prefix
         self._dir = os.path.dirname(prefix)
-        self._tree = tree
+        self._skeleton = skeleton
         self._tensor_names = tensor_names
         self._step = global_step
         self._wall_time = wall_time
@@ -460,7 +464,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
 
         Raises:
             CheckpointSaveError: If the index cannot be written (nothing is committed).
-            ValueError: If the ranks' states differ (the coordinator's tree names a tensor that
+            ValueError: If the ranks' states differ (the coordinator's state names a tensor that
                 no rank wrote).
         """
         with self._remembering():
@@ -502,7 +506,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         return ShardedManifest(
             global_step=self._step,
             wall_time=self._wall_time,
-            tree=self._tree,
+            tree=encode_tree(self._skeleton),
             tensors=dict(sorted(tensors.items())),
             shards=tuple(shards[i] for i in range(self.num_files)),
             library_version=__version__,
