@@ -31,7 +31,7 @@ with gloo (the benchmark launches them itself, as ``torchrun`` would):
   the step boundary of a save; *alone*: each rank while the other waits), the time to commit,
   and training steps/s while saves persist against steps/s with none in flight. Beside them
   the *floor*: the least any asynchronous save must do (the memcpy at the step boundary, then
-  a raw buffered write and ``fsync`` of the copies on a background thread at our writer's
+  an ``O_DIRECT`` write and ``fsync`` of the copies on a background thread at our writer's
   priority; no checksum, manifest or commit): ``x floor`` is our steps/s ratio over its, 1 when
   a save costs training no more than writing the bytes at all does. The three kinds of save
   take turns within each round of the steps/s measurement. Also on a
@@ -248,25 +248,26 @@ class _FloorSave:
     would raise our idle writer too.
     """
 
-    _ALIGN = 4096  # O_DIRECT's alignment of addresses, offsets and lengths.
-
     def __init__(self, local: list[Any], directory: str, rank: int) -> None:
         import concurrent.futures
         import mmap
 
         import torch
 
+        from torchsupervisor.storage.local import DIRECT_IO_ALIGNMENT as align
+
         self._local = local
+        sizes = [t.numel() * t.element_size() for t in local]
         offsets, end = [], 0
-        for t in local:
+        for size in sizes:
             offsets.append(end)
-            end += -(-t.numel() * t.element_size() // 64) * 64
-        self.local_bytes = sum(t.numel() * t.element_size() for t in local)
-        self._arena = mmap.mmap(-1, max(self._ALIGN, -(-end // self._ALIGN) * self._ALIGN))
+            end += -(-size // 64) * 64  # Each copy 64-byte aligned.
+        self.local_bytes = sum(sizes)
+        self._arena = mmap.mmap(-1, max(align, -(-end // align) * align))  # Page-aligned.
         whole = torch.frombuffer(self._arena, dtype=torch.uint8)
         self._buffers = [
-            whole[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for t, at in zip(local, offsets)
+            whole[at : at + size].view(t.dtype).view(t.shape)
+            for t, at, size in zip(local, offsets, sizes)
         ]
         self._path = os.path.join(directory, f"floor-{rank}.bin")
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="floor-writer")
