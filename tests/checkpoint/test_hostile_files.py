@@ -21,8 +21,8 @@ from torchsupervisor import CheckpointReader, Saver, Session
 from torchsupervisor.checkpoint.format import Manifest
 from torchsupervisor.cli import main as cli_main
 from torchsupervisor.core.state import MAX_STATE_DEPTH
-from torchsupervisor.core.tree import MAX_TREE_DEPTH
-from torchsupervisor.errors import CorruptCheckpointError
+from torchsupervisor.core.tree import MAX_TREE_DEPTH, check_tree_depth, encode_tree
+from torchsupervisor.errors import CorruptCheckpointError, ManifestError
 
 FALLBACK_SECS = 30.0  # "Quickly": a hang (a FIFO read, a huge header) would never end.
 
@@ -171,6 +171,25 @@ def test_the_deepest_state_allowed_round_trips(tmp_path):
     value["a"] = {"b": 7}
     with pytest.raises(ValueError, match="nests deeper than"):
         Saver().save(Session({"deep": nested}), str(tmp_path / "m"), 2)
+
+
+@pytest.mark.parametrize(
+    "container",
+    [lambda x: [x], lambda x: (x,), lambda x: {"k": x}, lambda x: {1: x}],
+    ids=["list", "tuple", "dict", "items"],
+)
+def test_a_skeleton_no_reader_would_take_is_never_encoded(container):
+    """The writers' last guard: ``encode_tree`` refuses the nesting ``check_tree_depth``
+    refuses, so no manifest that cannot be read back is committed (a sharded save once
+    committed one; the state walks refuse such states first)."""
+    deepest = 7
+    for _ in range(MAX_TREE_DEPTH):
+        deepest = container(deepest)
+    check_tree_depth(encode_tree(deepest))  # The deepest that reads back.
+    with pytest.raises(ValueError, match=f"deeper than {MAX_TREE_DEPTH} levels"):
+        encode_tree(container(deepest))
+    with pytest.raises(ManifestError, match=f"deeper than {MAX_TREE_DEPTH} levels"):
+        check_tree_depth([encode_tree(deepest)])
 
 
 def test_a_huge_index_is_not_read(tmp_path, monkeypatch):

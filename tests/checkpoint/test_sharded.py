@@ -16,13 +16,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from torchsupervisor import CheckpointReader, get_checkpoint_state
+from torchsupervisor import CheckpointReader, Saver, get_checkpoint_state, latest_checkpoint
 from torchsupervisor.checkpoint.sharded.collective import load_sharded, save_sharded
 from torchsupervisor.checkpoint.sharded.plan import (
     ShardedOptimizerState,
     flatten_sharded_state,
     is_sharded,
 )
+from torchsupervisor.core.state import MAX_STATE_DEPTH
 from torchsupervisor.errors import CorruptCheckpointError
 from torchsupervisor.testing import FaultyStorage, run_world
 
@@ -261,3 +262,56 @@ def test_a_failed_manifest_write_commits_nothing(tmp_path):
     (_, _, created0), _ = results
     assert "checkpoint" not in created0  # The state file is never touched.
     assert _files(tmp_path) == set()
+
+
+def deep_save_rank(rank: int, world_size: int, directory: str) -> list[tuple[str, str]]:
+    """A good save, then saves of states nested too deep for any manifest reader: on rank 0
+    a list that holds itself, on rank 1 dicts 65 deep (asynchronous, then synchronous, then
+    on rank 1 alone); the error each save raised, then the newest checkpoint after all."""
+    model, optimizer = _build(0, world_size)
+    _train_step(model, optimizer, 0)
+    state = _state(model, optimizer, 1)
+    saver = Saver(state, max_to_keep=1)  # A committed bad save would delete the good one.
+    prefix = os.path.join(directory, "model.ckpt")
+    saver.save_async(None, prefix, global_step=1).result(120)
+    deep: dict = {}
+    node = deep
+    for _ in range(MAX_STATE_DEPTH):
+        node["a"] = {}
+        node = node["a"]
+    looped: list = []
+    looped.append(looped)
+    outcomes = []
+    for step, bad in ((2, looped if rank == 0 else deep), (3, deep), (4, deep if rank else 0)):
+        state["extra"] = {"bad": bad}
+        try:
+            if step == 2:
+                saver.save_async(None, prefix, global_step=step).result(120)
+            else:
+                saver.save(None, prefix, global_step=step)
+            outcomes.append(("saved", str(step)))
+        except Exception as e:
+            outcomes.append((type(e).__name__, str(e)))
+    state["extra"] = {"bad": 0}
+    saver.close()
+    outcomes.append(("newest", os.path.basename(latest_checkpoint(directory) or "")))
+    return outcomes
+
+
+def test_a_state_nested_too_deep_fails_on_every_rank_and_keeps_the_older_checkpoint(tmp_path):
+    """A sharded save of a state no manifest reader would take (a container holding itself,
+    nesting deeper than ``MAX_STATE_DEPTH``) is refused on every rank before anything is
+    written, as an unsharded save refuses it (it was committed, then found unreadable, and
+    retention had deleted the good checkpoint before it)."""
+    for outcomes in run_world(deep_save_rank, str(tmp_path)):
+        *failed, newest = outcomes
+        assert len(failed) == 3
+        for kind, message in failed:
+            assert kind == "ValueError" and "nests deeper than 64 levels" in message, failed
+        assert newest == ("newest", "model.ckpt-1")
+    assert _files(tmp_path) == {"checkpoint", "model.ckpt-1.index", *_shards("model.ckpt-1")}
+    CheckpointReader(str(tmp_path / "model.ckpt-1")).verify()
+
+
+def _shards(prefix: str, world_size: int = 2) -> set[str]:
+    return {f"{prefix}.data-{i:05d}-of-{world_size:05d}" for i in range(world_size)}

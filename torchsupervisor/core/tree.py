@@ -94,7 +94,14 @@ def encode_tree(node: Any) -> Any:
 
     Raises:
         TypeError: For a leaf type the format does not know.
+        ValueError: For a skeleton nested deeper than ``MAX_TREE_DEPTH`` containers, which
+            no reader would accept (the walks that make skeletons refuse such states first;
+            this keeps a manifest that cannot be read from ever being committed).
     """
+    return _encode(node, 0)
+
+
+def _encode(node: Any, depth: int) -> Any:
     if node is None or isinstance(node, (bool, int, str)):
         return node
     if isinstance(node, float):
@@ -103,14 +110,17 @@ def encode_tree(node: Any) -> Any:
         return {"float": "nan" if math.isnan(node) else ("inf" if node > 0 else "-inf")}
     if isinstance(node, TensorRef):
         return {"ndarray" if node.ndarray else "tensor": node.name}
-    if isinstance(node, dict):
+    if isinstance(node, (dict, list, tuple)):
+        if depth >= MAX_TREE_DEPTH:
+            raise ValueError(f"the state tree nests deeper than {MAX_TREE_DEPTH} levels")
+        depth += 1
+        if isinstance(node, list):
+            return [_encode(v, depth) for v in node]
+        if isinstance(node, tuple):
+            return {"tuple": [_encode(v, depth) for v in node]}
         if all(isinstance(k, str) for k in node):
-            return {"dict": {k: encode_tree(v) for k, v in node.items()}}
-        return {"items": [[_encode_key(k), encode_tree(v)] for k, v in node.items()]}
-    if isinstance(node, list):
-        return [encode_tree(v) for v in node]
-    if isinstance(node, tuple):
-        return {"tuple": [encode_tree(v) for v in node]}
+            return {"dict": {k: _encode(v, depth) for k, v in node.items()}}
+        return {"items": [[_encode_key(k), _encode(v, depth)] for k, v in node.items()]}
     if isinstance(node, bytes):
         return {"bytes": base64.b64encode(node).decode("ascii")}
     if isinstance(node, torch.dtype):

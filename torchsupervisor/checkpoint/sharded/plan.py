@@ -18,7 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchsupervisor.core.state import TensorRef, check_saveable, not_saveable, state_entries
+from torchsupervisor.core.state import (
+    MAX_STATE_DEPTH,
+    TensorRef,
+    check_saveable,
+    not_saveable,
+    state_entries,
+)
 
 __all__ = ["ShardedOptimizerState", "dtensor_class", "flatten_sharded_state", "is_sharded"]
 
@@ -269,7 +275,8 @@ def flatten_sharded_state(
     Raises:
         TypeError: For a leaf that cannot be saved without pickle, or a bad dict key.
         ValueError: For a tensor that cannot be saved (uninitialized, sparse, quantized, or a
-            tensor subclass other than DTensor).
+            tensor subclass other than DTensor), or a state nested deeper than
+            ``MAX_STATE_DEPTH`` containers (a container that holds itself, say).
     """
     dtensor = dtensor_class()
     tensors: dict[str, torch.Tensor] = {}
@@ -285,7 +292,7 @@ def flatten_sharded_state(
     # The walk visits every tensor and value of the state at each save (a transformer's
     # state: thousands), so the common cases come first and cheapest: exact plain types by a
     # set lookup, then tensors, then dicts (``dict`` before the slower ``Mapping`` check).
-    def walk(obj: Any, path: str) -> Any:
+    def walk(obj: Any, path: str, depth: int) -> Any:
         if type(obj) in _EXACT_PLAIN:
             return obj
         if isinstance(obj, torch.Tensor):
@@ -302,7 +309,7 @@ def flatten_sharded_state(
             # a new tensor object: 1.5 us); one that requires gradients is still detached.
             return add(path, obj if keep_vars and not obj.requires_grad else obj.detach(), False)
         if type(obj) is dict:
-            return walk_mapping(obj, path)
+            return walk_mapping(obj, path, depth)
         if isinstance(obj, np.ndarray):
             if obj.dtype.kind not in "biufc":
                 raise TypeError(
@@ -316,29 +323,42 @@ def flatten_sharded_state(
         if isinstance(obj, _PLAIN):
             return obj
         if isinstance(obj, Mapping):
-            return walk_mapping(obj, path)
+            return walk_mapping(obj, path, depth)
         if isinstance(obj, list):
-            return [walk(value, f"{path}/{i}") for i, value in enumerate(obj)]
+            deeper = below(path, depth)
+            return [walk(value, f"{path}/{i}", deeper) for i, value in enumerate(obj)]
         if isinstance(obj, tuple):
-            return tuple(walk(value, f"{path}/{i}") for i, value in enumerate(obj))
+            deeper = below(path, depth)
+            return tuple(walk(value, f"{path}/{i}", deeper) for i, value in enumerate(obj))
+        # A stateful object stands for its state dict, at its own depth.
         if keep_vars and isinstance(obj, torch.nn.Module):
-            return walk(obj.state_dict(keep_vars=True), path)
+            return walk(obj.state_dict(keep_vars=True), path, depth)
         state_dict = getattr(obj, "state_dict", None)
         if callable(state_dict):
-            return walk(state_dict(), path)
+            return walk(state_dict(), path, depth)
         raise not_saveable(path, obj)
 
-    def walk_mapping(obj: Mapping, path: str) -> dict:
+    def below(path: str, depth: int) -> int:
+        # The limit of ``state.flatten_state``: no manifest reader takes a deeper tree, and
+        # a container holding itself is refused here instead of exhausting the stack.
+        if depth >= MAX_STATE_DEPTH:
+            raise ValueError(
+                f"Cannot save {path!r}: the state nests deeper than {MAX_STATE_DEPTH} levels"
+            )
+        return depth + 1
+
+    def walk_mapping(obj: Mapping, path: str, depth: int) -> dict:
         out = {}
+        deeper = below(path, depth)
         for key, value in obj.items():
             if type(key) is not str and not isinstance(key, (str, int, float, bool, type(None))):
                 raise TypeError(
                     f"Cannot save {path!r}: dict key {key!r} has type {type(key).__name__}; "
                     "keys must be str, int, float, bool or None"
                 )
-            out[key] = walk(value, f"{path}/{key}")
+            out[key] = walk(value, f"{path}/{key}", deeper)
         return out
 
     with torch.no_grad():  # Once for the walk (entering it costs ~2 us a time).
-        skeleton = {key: walk(value, key) for key, value in state_entries(state)}
+        skeleton = {key: walk(value, key, 0) for key, value in state_entries(state)}
     return skeleton, tensors
