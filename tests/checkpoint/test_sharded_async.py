@@ -8,6 +8,7 @@ commit run on the writer threads through their own process group, while training
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 
@@ -168,6 +169,94 @@ def test_a_failed_async_sharded_save_fails_on_every_rank_and_commits_nothing(tmp
     names = _files(tmp_path)
     assert not [n for n in names if n.startswith("model.ckpt-1")], names
     assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-2")
+
+
+class _Loader:
+    """A stateful object whose ``state_dict`` raises at its ``failing`` call (a data loader
+    whose worker died, on one rank)."""
+
+    def __init__(self, failing: int | None) -> None:
+        self.calls, self.failing = 0, failing
+
+    def state_dict(self) -> dict:
+        self.calls += 1
+        if self.calls == self.failing:
+            raise RuntimeError("the loader's worker died")
+        return {"position": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _outcome(save) -> str:
+    try:
+        return os.path.basename(save())
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def rank_alone_fails_rank(rank: int, world_size: int, directory: str) -> list[str]:
+    """Errors met by rank 1 alone before the collective: a ``state_dict`` that raises
+    (asynchronous save), a bad step (synchronous save); then a save that works."""
+    model, optimizer = _build(0, world_size)
+    _train_step(model, optimizer, 0)
+    state = _state(model, optimizer, 1)
+    state["loader"] = _Loader(failing=2 if rank == 1 else None)
+    saver = Saver(state, max_to_keep=None)
+    prefix = os.path.join(directory, "model.ckpt")
+    outcomes = []
+    for step in (1, 2, 3, 4):
+        if step == 3:
+            bad = -1 if rank == 1 else step
+            outcomes.append(_outcome(functools.partial(saver.save, None, prefix, bad)))
+        else:
+            future = saver.save_async(None, prefix, global_step=step)
+            outcomes.append(_outcome(functools.partial(future.result, WAIT_SECS)))
+    saver.close()
+    return outcomes
+
+
+def test_an_error_on_one_rank_before_the_collective_fails_that_save_on_every_rank(tmp_path):
+    """A rank that raised alone left the other waiting in the collective, where its next
+    save met the other's: one checkpoint was written from two steps' states (it verified),
+    and every later save failed."""
+    for outcomes in run_world(rank_alone_fails_rank, str(tmp_path)):
+        first, second, third, fourth = outcomes
+        assert first == "model.ckpt-1" and fourth == "model.ckpt-4", outcomes
+        assert second.startswith("RuntimeError: the loader's worker died"), outcomes
+        assert third.startswith("ValueError") and "-1" in third, outcomes
+    names = _files(tmp_path)
+    assert not [n for n in names if n.startswith(("model.ckpt-2", "model.ckpt-3"))], names
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-4")
+    CheckpointReader(str(tmp_path / "model.ckpt-4")).verify()
+
+
+def rank_saves_alone_rank(rank: int, world_size: int, directory: str) -> list[str]:
+    """Rank 0 saves at step 2 and rank 1 does not (the caller's mistake); then both save at
+    steps 3 and 4, and rank 1 at step 5 too (to meet rank 0's last save)."""
+    model, optimizer = _build(0, world_size)
+    _train_step(model, optimizer, 0)
+    saver = Saver(_state(model, optimizer, 1), max_to_keep=None)
+    prefix = os.path.join(directory, "model.ckpt")
+    futures = []
+    for step in (1, 2, 3, 4, 5):
+        if (step == 2 and rank == 1) or (step == 5 and rank == 0):
+            continue
+        futures.append(saver.save_async(None, prefix, global_step=step))
+    outcomes = [_outcome(lambda f=f: f.result(WAIT_SECS)) for f in futures]
+    saver.close()
+    return outcomes
+
+
+def test_ranks_at_different_saves_write_nothing_and_say_so(tmp_path):
+    for outcomes in run_world(rank_saves_alone_rank, str(tmp_path)):
+        first, *rest = outcomes
+        assert first == "model.ckpt-1" and len(rest) == 3, outcomes
+        for outcome in rest:
+            assert outcome.startswith("CheckpointSaveError") and "different saves" in outcome
+    names = _files(tmp_path)
+    assert {n.split(".")[1] for n in names if n.startswith("model.")} == {"ckpt-1"}, names
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-1")
 
 
 def stage_rank(rank: int, world_size: int) -> dict:

@@ -245,15 +245,25 @@ class Saver:
                 there).
             CheckpointSaveError: If writing fails; older checkpoints are untouched. (A state
                 file that cannot be written after the commit is logged once, not raised.)
+                For a state of DTensors, also when the ranks are at different saves (a save
+                called on some ranks only): nothing is written.
+
+        Distributed: a state of DTensors is saved by every rank together: call ``save`` on
+        every rank at the same step. Whatever fails on one rank (its state, its directory,
+        a ``state_dict`` that raises) is raised on every rank, and nothing is committed.
 
         TF name: ``tf.compat.v1.train.Saver.save`` (same arguments, in the same order).
         """
         del meta_graph_suffix, write_meta_graph, strip_default_attrs, save_debug_info
         start = time.perf_counter()
         state = self._state_for(sess)
-        target = self._target(save_path, global_step, latest_filename, write_state)
         if self._is_sharded(state, sess):  # DTensors: a collective, every rank writes its part.
-            return self._save_sharded(state, target, global_step)
+            target, error = self._sharded_target(
+                save_path, global_step, latest_filename, write_state
+            )
+            self.last_save = self._sharded_writer.save(state, target, global_step, error)
+            return target.prefix
+        target = self._target(save_path, global_step, latest_filename, write_state)
         snapshot = self._stage(state, target, global_step, check_dir=True)
         if snapshot is None:
             return None
@@ -288,19 +298,23 @@ class Saver:
             the write runs at that thread's CPU priority (``docs/checkpoints.md``).
 
         Raises:
-            ValueError, TypeError: As ``save``, for problems found before the copy.
+            ValueError, TypeError: As ``save``, for problems found before the copy. For a
+                state of DTensors nothing is raised here: every error, on any rank, fails
+                the future on every rank (the ranks still meet in the collective).
 
         TF name: none (TF saved on the calling thread).
         """
         start = time.perf_counter()
         done: concurrent.futures.Future[str | None]
         state = self._state_for(sess)
-        target = self._target(save_path, global_step, latest_filename, write_state)
         if self._is_sharded(state, sess):  # DTensors: local shards copied, written by all.
-            self._prepare_sharded(target)
-            save = self._sharded_writer.stage(state, target, global_step)
+            target, error = self._sharded_target(
+                save_path, global_step, latest_filename, write_state
+            )
+            save = self._sharded_writer.stage(state, target, global_step, error)
             stall = time.perf_counter() - start
             return self._engine.submit(self._persist_sharded, save, target, stall)
+        target = self._target(save_path, global_step, latest_filename, write_state)
         # The directory is checked by the writer: a stat is not worth a stall.
         snapshot = self._stage(state, target, global_step, check_dir=False)
         if snapshot is None:
@@ -478,18 +492,28 @@ class Saver:
         logger.debug("Checkpoint %s: %s", target.prefix, self.last_save)
         return target.prefix
 
-    def _save_sharded(self, state: Mapping[str, Any], target: SaveTarget, global_step: Any) -> str:
-        """Save a state of DTensors with every rank writing its part (a collective)."""
-        self._prepare_sharded(target)
-        self.last_save = self._sharded_writer.save(state, target, global_step)
-        return target.prefix
+    def _sharded_target(
+        self, save_path: str, global_step: Any, latest_filename: str | None, write_state: bool
+    ) -> tuple[SaveTarget, Exception | None]:
+        """Where a sharded save goes, and what this rank found wrong before it (or None).
 
-    def _prepare_sharded(self, target: SaveTarget) -> None:
-        """Check and lock the directory; wait for the save in flight (one at a time)."""
-        self._check_dir(target.save_path)
-        if rank() == 0:  # The other ranks write their shards under rank 0's lock.
-            self._lock_directory(target.save_path)
+        Waits for the save in flight first (one at a time), then checks the directory and
+        takes its lock (rank 0). An error is returned, not raised: this rank still joins the
+        collective, which raises it on every rank. A rank that raised alone would leave the
+        others waiting in the collective, then meet their next save with this one.
+        """
         self._engine.wait()
+        try:
+            target = self._target(save_path, global_step, latest_filename, write_state)
+        except Exception as e:  # No prefix: the save fails before anything is written.
+            return SaveTarget(save_path, save_path, latest_filename, write_state=False), e
+        try:
+            self._check_dir(target.save_path)
+            if rank() == 0:  # The other ranks write their shards under rank 0's lock.
+                self._lock_directory(target.save_path)
+        except Exception as e:
+            return target, e
+        return target, None
 
     def _persist_sharded(self, save: ShardedSave, target: SaveTarget, stall_secs: float) -> str:
         """Write a staged sharded save (on the writer thread; a collective of every rank)."""

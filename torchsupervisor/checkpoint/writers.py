@@ -36,7 +36,7 @@ from torchsupervisor.checkpoint.incremental import StaleReferenceError
 from torchsupervisor.checkpoint.retention import Keeper
 from torchsupervisor.checkpoint.sharded.collective import write_sharded
 from torchsupervisor.checkpoint.sharded.replay import PlanCache
-from torchsupervisor.checkpoint.sharded.staging import ShardedSave, prepare, stage
+from torchsupervisor.checkpoint.sharded.staging import ShardedSave, failed, prepare, stage
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.state import flatten_state
@@ -214,30 +214,61 @@ class ShardedWriter:
         self._host = Stager()  # The asynchronous saves' copies of the local shards.
         self._wrapped: dict[str, Any] = {}  # DTensors over them, reused (staging.stage).
         self._plans = PlanCache()  # The last save's plan, replayed while the layout holds.
+        self._sequence = 0  # Sharded saves begun (the ranks agree on it at each save).
 
-    def save(self, state: Mapping[str, Any], target: SaveTarget, global_step: Any) -> SaveStats:
+    def save(
+        self,
+        state: Mapping[str, Any],
+        target: SaveTarget,
+        global_step: Any,
+        error: Exception | None = None,
+    ) -> SaveStats:
         """Save every rank's part as checkpoint ``prefix`` (a collective), then retention.
 
+        ``error``: what this rank found wrong before the save (the save fails with it).
+
         Raises:
-            CheckpointSaveError: On every rank, if any rank failed (nothing committed).
+            CheckpointSaveError: On every rank, if any rank failed (nothing committed); or
+                the error any rank found before the save, or in its state (``TypeError``,
+                ``ValueError``, ...).
         """
         start = time.perf_counter()
-        save = prepare(state, target.prefix, global_step=global_step, wall_time=self._clock.time())
+        wall_time = self._clock.time()
+        if error is None:
+            save = prepare(state, target.prefix, global_step=global_step, wall_time=wall_time)
+        else:
+            save = failed(target.prefix, error, wall_time)
+        save.sequence = self._next()
         return self._write(save, target, start, None, None)
 
-    def stage(self, state: Mapping[str, Any], target: SaveTarget, global_step: Any) -> ShardedSave:
+    def stage(
+        self,
+        state: Mapping[str, Any],
+        target: SaveTarget,
+        global_step: Any,
+        error: Exception | None = None,
+    ) -> ShardedSave:
         """Copy this rank's local shards to host buffers (the training thread's whole part).
 
-        Also makes the background process group at the first call (a collective). What is
-        wrong with the state is raised by ``persist``, on every rank.
+        Also makes the background process group at the first call (a collective). Nothing
+        is raised here: what is wrong (``error``, found before the save, or in the state or
+        its copy) is raised by ``persist``, on every rank.
         """
         wall_time = self._clock.time()
-        save = prepare(
-            state, target.prefix, global_step=global_step, wall_time=wall_time, keep_vars=True
-        )
+        if error is None:
+            save = prepare(
+                state, target.prefix, global_step=global_step, wall_time=wall_time, keep_vars=True
+            )
+        else:
+            save = failed(target.prefix, error, wall_time)
+        save.sequence = self._next()
         background_group()
         stage(save, self._host, self._wrapped)  # At once: the live parameters are not detached.
         return save
+
+    def _next(self) -> int:
+        sequence, self._sequence = self._sequence, self._sequence + 1
+        return sequence
 
     def persist(self, save: ShardedSave, target: SaveTarget, stall_secs: float) -> SaveStats:
         """Write and commit a staged save (writer thread), then retention; frees its buffers.

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
+import os
 import warnings
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
@@ -159,7 +161,11 @@ def save_sharded(
             cannot be saved (ditto).
         CheckpointSaveError: If writing fails on any rank (disk full, permission denied):
             raised on every rank; nothing is committed and every rank has removed its files.
-            Also when the checkpoint was committed but the state file could not be updated.
+            Also when the checkpoint was committed but the state file could not be updated,
+            and when the ranks are at different saves (another prefix or step on some
+            rank): nothing is written.
+        Exception: Whatever a ``state_dict`` of the state raised on any rank, on every rank
+            (nothing is written).
 
     Thread safety: call from one thread per rank (the training thread).
     Distributed: a collective; every rank of ``process_group`` must call it.
@@ -227,6 +233,8 @@ def write_sharded(
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     failure: BaseException | None = None
     outcome = None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        _agree_on_the_save(save, process_group)
     try:
         with _dcp_call(process_group) as no_dist:
             if plans is not None and not no_dist:
@@ -265,6 +273,36 @@ def write_sharded(
             path=prefix,
         )
     return outcome.manifest
+
+
+def _agree_on_the_save(save: ShardedSave, process_group: Any) -> None:
+    """Check, before anything is written, that every rank is at the same save.
+
+    One all-reduce compares a hash of the checkpoint's file name, its step and the count of
+    sharded saves this rank's saver began (``ShardedSave.sequence``). Ranks at different saves
+    (a save called on some ranks only) would otherwise write one checkpoint from two steps'
+    states, and every later save likewise. A rank that carries an error skips the comparison:
+    the save then fails on every rank with that error.
+
+    Raises:
+        CheckpointSaveError: On every rank, if the ranks are at different saves.
+    """
+    import torch.distributed as dist
+
+    name = f"{os.path.basename(save.prefix)}\0{save.step}\0{save.sequence}"
+    key = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=7).digest(), "little")
+    agreed = torch.tensor([key, -key, save.error is not None], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=process_group)
+    highest, lowest, errors = agreed.tolist()
+    if not errors and highest != -lowest:
+        raise CheckpointSaveError(
+            f"Sharded save of {save.prefix} failed on every rank before anything was written: "
+            f"the ranks are at different saves (this rank, {dist.get_rank()}, at "
+            f"{os.path.basename(save.prefix)}, step {save.step}, its saver's save "
+            f"#{save.sequence + 1}). Every rank must save the same checkpoint at the same step; "
+            "a save called on some ranks only leaves them at different saves from then on",
+            path=save.prefix,
+        )
 
 
 def load_sharded(

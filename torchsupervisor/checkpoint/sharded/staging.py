@@ -29,7 +29,7 @@ from torchsupervisor.checkpoint.sharded.plan import dtensor_class, flatten_shard
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.core.global_step import read_checkpoint_step
 
-__all__ = ["ShardedSave", "prepare", "stage"]
+__all__ = ["ShardedSave", "failed", "prepare", "stage"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -45,8 +45,12 @@ class ShardedSave:
             manifest after training has changed the state.
         step: The global step recorded in the manifest, or None.
         wall_time: The time of the snapshot, in seconds since the epoch.
-        error: What this rank found wrong with its state (a ``TypeError`` or ``ValueError``):
-            raised by the writer inside the collective, so that every rank learns of it.
+        error: What went wrong on this rank before the collective (a ``TypeError`` or
+            ``ValueError`` for its state, whatever a ``state_dict`` raised, ...): raised by
+            the writer inside the collective, so that every rank learns of it.
+        sequence: How many sharded saves this rank's saver began before this one: the
+            ranks agree on it, with the checkpoint's name and step, before anything is
+            written (``collective.write_sharded``).
     """
 
     prefix: str
@@ -55,6 +59,7 @@ class ShardedSave:
     step: int | None
     wall_time: float
     error: BaseException | None = None
+    sequence: int = 0
     _snapshot: Snapshot | None = None
     _stager: Stager | None = None
 
@@ -81,8 +86,10 @@ def prepare(
 ) -> ShardedSave:
     """Flatten ``state`` and read its step (the training thread, at the step boundary).
 
-    A state this rank cannot save is not raised here but kept in ``error``: every rank must
-    still enter the collective, which then fails on every rank with that error.
+    What goes wrong is not raised here but kept in ``error``: a state this rank cannot save,
+    a ``state_dict`` that raises (only on this rank, say). Every rank must still enter the
+    collective, which then fails on every rank with that error: a rank that raised alone
+    would leave the others waiting in the collective, then meet their next save with its own.
     ``keep_vars``: the live parameters are kept undetached (``flatten_sharded_state``), for
     a save that ``stage`` copies at once; a save written from the live tensors needs them
     detached.
@@ -90,9 +97,14 @@ def prepare(
     try:
         step = read_checkpoint_step(global_step)
         skeleton, tensors = flatten_sharded_state(state, keep_vars=keep_vars)
-    except (TypeError, ValueError) as e:
-        return ShardedSave(prefix, {}, None, None, wall_time, error=e)
+    except Exception as e:
+        return failed(prefix, e, wall_time)
     return ShardedSave(prefix, tensors, skeleton, step, wall_time)
+
+
+def failed(prefix: str, error: Exception, wall_time: float = 0.0) -> ShardedSave:
+    """A save that carries ``error`` into the collective (which raises it on every rank)."""
+    return ShardedSave(prefix, {}, None, None, wall_time, error=error)
 
 
 def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = None) -> None:
@@ -100,8 +112,9 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
 
     Blocks until the copies are complete (device-to-host copies are fenced), so the training
     step after it may change every tensor. Call ``save.release()`` once the save is written.
-    A dtype the format cannot hold (``complex128``) is kept in ``save.error``, as ``prepare``
-    does, for the collective to raise on every rank.
+    What fails here (a dtype the format cannot hold, ``complex128``; buffers that cannot be
+    allocated) is kept in ``save.error``, as ``prepare`` does, for the collective to raise
+    on every rank; the buffers are given back.
 
     Args:
         save: From ``prepare``.
@@ -112,6 +125,14 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
     """
     if save.error is not None or not save.tensors:
         return
+    try:
+        _stage(save, stager, {} if wrapped is None else wrapped)
+    except Exception as e:  # Raised inside the collective, so that every rank learns of it.
+        save.release()
+        save.error = e
+
+
+def _stage(save: ShardedSave, stager: Stager, cache: dict[str, Any]) -> None:
     dtensor = dtensor_class()
     with torch.no_grad():  # ``to_local`` without an autograd node: 1 us a tensor, not 11.
         local = {
@@ -119,23 +140,19 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
             for name, t in save.tensors.items()
         }
     tail, spare = _in_place_layout(dtensor, save.tensors)
-    try:
-        with torch.no_grad():  # The live parameters are kept as they are (``keep_vars``).
-            snapshot = stager.stage(
-                None,
-                local,
-                step=save.step,
-                wall_time=save.wall_time,
-                tail=tail,
-                header_spare=spare,
-                keep_sources=False,  # No incremental saves of sharded states.
-            )
-    except TypeError as e:  # Raised inside the collective, so that every rank learns of it.
-        save.error, save.tensors = e, {}
-        return
+    with torch.no_grad():  # The live parameters are kept as they are (``keep_vars``).
+        snapshot = stager.stage(
+            None,
+            local,
+            step=save.step,
+            wall_time=save.wall_time,
+            tail=tail,
+            header_spare=spare,
+            keep_sources=False,  # No incremental saves of sharded states.
+        )
+    save._snapshot, save._stager = snapshot, stager
     copies = snapshot.tensors()
     staged: dict[str, torch.Tensor] = {}
-    cache = {} if wrapped is None else wrapped
     for name, t in save.tensors.items():
         copy = copies[name]
         if dtensor is not None and isinstance(t, dtensor):
@@ -150,7 +167,6 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
     for name in [n for n in cache if n not in staged]:
         del cache[name]  # It would keep an old staging buffer alive.
     save.tensors = staged
-    save._snapshot, save._stager = snapshot, stager
 
 
 def _in_place_layout(dtensor: Any, tensors: Mapping[str, Any]) -> tuple[list[str], int]:
