@@ -315,3 +315,48 @@ def test_a_state_nested_too_deep_fails_on_every_rank_and_keeps_the_older_checkpo
 
 def _shards(prefix: str, world_size: int = 2) -> set[str]:
     return {f"{prefix}.data-{i:05d}-of-{world_size:05d}" for i in range(world_size)}
+
+
+class _Loader:
+    """A stateful object whose ``state_dict`` raises on rank 1 (its worker died there)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.loaded: dict | None = None
+
+    def state_dict(self) -> dict:
+        if self.rank == 1:
+            raise RuntimeError("the loader's worker died")
+        return {"position": 7}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = dict(state)
+
+
+def restore_fails_on_one_rank_rank(rank: int, world_size: int, directory: str) -> tuple:
+    """Restore while rank 1's loader cannot give its state: what each rank raised, and
+    whether its live state was left as it was."""
+    model, optimizer = _build(1, world_size)
+    state = _state(model, optimizer, 0)
+    before = _full_tensors(state)
+    state["loader"] = _Loader(rank)
+    try:
+        load_sharded(state, os.path.join(directory, PREFIX), allow_missing=["loader"])
+        outcome = "restored"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    state.pop("loader")
+    after = _full_tensors(state)
+    untouched = all(torch.equal(after[n], t) for n, t in before.items())
+    return outcome, untouched and state["global_step"] == 0
+
+
+def test_an_error_on_one_rank_before_a_restore_fails_it_on_every_rank(saved_by_two):
+    """It was raised on that rank alone, and the other waited in the collective until the
+    process group's timeout."""
+    directory, _ = saved_by_two
+    for outcome, untouched in run_world(
+        restore_fails_on_one_rank_rank, str(directory), timeout_secs=60
+    ):
+        assert outcome.startswith("RuntimeError: the loader's worker died"), outcome
+        assert untouched

@@ -359,7 +359,7 @@ def load_sharded(
     try:
         manifest = _read_manifest(prefix, storage)
         targets = _targets(state, manifest, prefix)
-    except (CheckpointError, NotFoundError, InvalidArgumentError, TypeError, ValueError) as e:
+    except Exception as e:  # Raised in the collective, on every rank (not here alone).
         found, targets = e, {}
     reader = ShardedStorageReader(prefix, manifest, storage=storage, error=found)
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)

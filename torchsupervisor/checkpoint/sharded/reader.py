@@ -57,10 +57,12 @@ class ShardedStorageReader(BoundToPrefix, StorageReader, RememberErrors):
 
     DCP calls, in this order:
 
-    1. (all ranks) ``read_metadata``: raise the error found before the load, if any; else
-       DCP's metadata rebuilt from the manifest's JSON;
+    1. (all ranks) ``read_metadata``: DCP's metadata rebuilt from the manifest's JSON (none,
+       after an error found before the load);
     2. (all ranks) ``set_up_storage_reader``;
-    3. (all ranks) ``prepare_local_plan`` and (coordinator) ``prepare_global_plan``: unchanged;
+    3. (all ranks) ``prepare_local_plan``: raise the error found before the load, if any (DCP
+       sends an error of this step to every rank as it is; one of ``read_metadata`` it
+       wraps in an ``AssertionError``); (coordinator) ``prepare_global_plan``: unchanged;
     4. (all ranks) ``read_data``: read each chunk the plan needs once, verify its CRC-32C,
        and copy the parts that overlap the local destinations into them.
 
@@ -68,7 +70,7 @@ class ShardedStorageReader(BoundToPrefix, StorageReader, RememberErrors):
         prefix: The checkpoint prefix.
         manifest: Its parsed manifest (None only together with ``error``).
         storage: Where the checkpoints live (tests inject faults here).
-        error: An error this rank found before the load (raised in step 1 so that every rank
+        error: An error this rank found before the load (raised in step 3 so that every rank
             learns of it).
 
     Attributes:
@@ -94,10 +96,10 @@ class ShardedStorageReader(BoundToPrefix, StorageReader, RememberErrors):
         self.error = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Return DCP's metadata of the checkpoint, or raise this rank's earlier error."""
+        """Return DCP's metadata of the checkpoint (empty after an earlier error)."""
         with self._remembering():
             if self._pending is not None:
-                raise self._pending
+                return Metadata(state_dict_metadata={})  # ``prepare_local_plan`` raises it.
             assert self._manifest is not None
             return to_dcp_metadata(self._manifest)
 
@@ -107,7 +109,10 @@ class ShardedStorageReader(BoundToPrefix, StorageReader, RememberErrors):
         """Nothing to set up."""
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Return ``plan`` unchanged."""
+        """Return ``plan`` unchanged, or raise this rank's earlier error."""
+        with self._remembering():
+            if self._pending is not None:
+                raise self._pending
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
