@@ -251,7 +251,10 @@ _EXACT_PLAIN = frozenset({str, int, float, bool, type(None)})  # Kept as they ar
 
 
 def flatten_sharded_state(
-    state: Mapping[str, Any], *, keep_vars: bool = False
+    state: Mapping[str, Any],
+    *,
+    keep_vars: bool = False,
+    local: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Split the state into a skeleton and a flat table of tensors, DTensors included.
 
@@ -267,6 +270,9 @@ def flatten_sharded_state(
             which only reads the local shards (``to_local`` under ``no_grad``); a restore
             needs detached destinations.
 
+        local: If given, receives each tensor's local data by name (a DTensor's local shard,
+            ``to_local``, which the walk reads anyway; another tensor as in ``tensors``).
+
     Returns:
         ``(skeleton, tensors)``: the skeleton with ``TensorRef`` leaves, and ``{name: tensor}``.
         Every container of the skeleton is new and every leaf immutable, so a background
@@ -280,42 +286,55 @@ def flatten_sharded_state(
     """
     dtensor = dtensor_class()
     tensors: dict[str, torch.Tensor] = {}
+    make_ref = tuple.__new__  # ``TensorRef(name, ndarray)`` without its Python ``__new__``.
 
-    def add(path: str, tensor: torch.Tensor, ndarray: bool) -> TensorRef:
-        name, k = path, 0
-        while name in tensors:
-            k += 1
+    def add(path: str, tensor: torch.Tensor, ndarray: bool, data: torch.Tensor) -> TensorRef:
+        name = path
+        if name in tensors:  # Two paths alike (keys with "/"): "#1", "#2", ...
+            k = 1
+            while f"{path}#{k}" in tensors:
+                k += 1
             name = f"{path}#{k}"
         tensors[name] = tensor
-        return TensorRef(name, ndarray)
+        if local is not None:
+            local[name] = data
+        return make_ref(TensorRef, (name, ndarray))
+
+    def add_dtensor(obj: Any, path: str) -> TensorRef:
+        # Outside autograd (the walk runs under ``no_grad``) ``to_local`` is an attribute
+        # read (1 us, not 11); ``detach`` of a DTensor is a dispatched operation (16 us)
+        # that state dicts have already done.
+        data = obj.to_local()
+        check_saveable(data, path)
+        return add(path, obj if keep_vars or not obj.requires_grad else obj.detach(), False, data)
 
     # The walk visits every tensor and value of the state at each save (a transformer's
     # state: thousands), so the common cases come first and cheapest: exact plain types by a
-    # set lookup, then tensors, then dicts (``dict`` before the slower ``Mapping`` check).
+    # set lookup, then DTensors, tensors, then dicts (``dict`` before the slower ``Mapping``
+    # check). A mapping's plain values and DTensors are taken without a call of ``walk``.
     def walk(obj: Any, path: str, depth: int) -> Any:
-        if type(obj) in _EXACT_PLAIN:
+        kind = type(obj)
+        if kind in _EXACT_PLAIN:
             return obj
+        if kind is dtensor:
+            return add_dtensor(obj, path)
         if isinstance(obj, torch.Tensor):
             if dtensor is not None and isinstance(obj, dtensor):
-                # Outside autograd (the walk runs under ``no_grad``) ``to_local`` is an
-                # attribute read (1 us, not 11); ``detach`` of a DTensor is a dispatched
-                # operation (16 us) that state dicts have already done.
-                check_saveable(obj.to_local(), path)
-                return add(
-                    path, obj.detach() if obj.requires_grad and not keep_vars else obj, False
-                )
+                return add_dtensor(obj, path)
             check_saveable(obj, path)
             # With ``keep_vars`` a tensor outside autograd is kept as it is (``detach`` makes
             # a new tensor object: 1.5 us); one that requires gradients is still detached.
-            return add(path, obj if keep_vars and not obj.requires_grad else obj.detach(), False)
-        if type(obj) is dict:
+            tensor = obj if keep_vars and not obj.requires_grad else obj.detach()
+            return add(path, tensor, False, tensor)
+        if kind is dict:
             return walk_mapping(obj, path, depth)
         if isinstance(obj, np.ndarray):
             if obj.dtype.kind not in "biufc":
                 raise TypeError(
                     f"Cannot save {path!r}: numpy arrays of dtype {obj.dtype} need pickle"
                 )
-            return add(path, torch.from_numpy(np.ascontiguousarray(obj)), True)
+            tensor = torch.from_numpy(np.ascontiguousarray(obj))
+            return add(path, tensor, True, tensor)
         if isinstance(obj, np.generic):
             return obj.item()
         if isinstance(obj, torch.Size):
@@ -326,6 +345,8 @@ def flatten_sharded_state(
             return walk_mapping(obj, path, depth)
         if isinstance(obj, list):
             deeper = below(path, depth)
+            if all(type(value) in _EXACT_PLAIN for value in obj):  # An optimizer's "params".
+                return list(obj)
             return [walk(value, f"{path}/{i}", deeper) for i, value in enumerate(obj)]
         if isinstance(obj, tuple):
             deeper = below(path, depth)
@@ -356,7 +377,13 @@ def flatten_sharded_state(
                     f"Cannot save {path!r}: dict key {key!r} has type {type(key).__name__}; "
                     "keys must be str, int, float, bool or None"
                 )
-            out[key] = walk(value, f"{path}/{key}", deeper)
+            kind = type(value)
+            if kind in _EXACT_PLAIN:
+                out[key] = value
+            elif kind is dtensor:
+                out[key] = add_dtensor(value, f"{path}/{key}")
+            else:
+                out[key] = walk(value, f"{path}/{key}", deeper)
         return out
 
     with torch.no_grad():  # Once for the walk (entering it costs ~2 us a time).

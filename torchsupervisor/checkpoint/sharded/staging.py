@@ -51,6 +51,8 @@ class ShardedSave:
         sequence: How many sharded saves this rank's saver began before this one: the
             ranks agree on it, with the checkpoint's name and step, before anything is
             written (``collective.write_sharded``).
+        local: Each tensor's local data by name (``prepare`` with ``keep_vars``), for
+            ``stage``; None once staged.
     """
 
     prefix: str
@@ -60,6 +62,7 @@ class ShardedSave:
     wall_time: float
     error: BaseException | None = None
     sequence: int = 0
+    local: dict[str, torch.Tensor] | None = None
     _snapshot: Snapshot | None = None
     _stager: Stager | None = None
 
@@ -73,7 +76,7 @@ class ShardedSave:
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is not None and self._stager is not None:
             self._stager.release(snapshot)
-        self.tensors = {}
+        self.tensors, self.local = {}, None
 
 
 def prepare(
@@ -94,12 +97,13 @@ def prepare(
     a save that ``stage`` copies at once; a save written from the live tensors needs them
     detached.
     """
+    local: dict[str, torch.Tensor] | None = {} if keep_vars else None
     try:
         step = read_checkpoint_step(global_step)
-        skeleton, tensors = flatten_sharded_state(state, keep_vars=keep_vars)
+        skeleton, tensors = flatten_sharded_state(state, keep_vars=keep_vars, local=local)
     except Exception as e:
         return failed(prefix, e, wall_time)
-    return ShardedSave(prefix, tensors, skeleton, step, wall_time)
+    return ShardedSave(prefix, tensors, skeleton, step, wall_time, local=local)
 
 
 def failed(prefix: str, error: Exception, wall_time: float = 0.0) -> ShardedSave:
@@ -134,11 +138,13 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
 
 def _stage(save: ShardedSave, stager: Stager, cache: dict[str, Any]) -> None:
     dtensor = dtensor_class()
-    with torch.no_grad():  # ``to_local`` without an autograd node: 1 us a tensor, not 11.
-        local = {
-            name: t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
-            for name, t in save.tensors.items()
-        }
+    local, save.local = save.local, None
+    if local is None:
+        with torch.no_grad():  # ``to_local`` without an autograd node: 1 us a tensor, not 11.
+            local = {
+                name: t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+                for name, t in save.tensors.items()
+            }
     tail, spare = _in_place_layout(dtensor, save.tensors)
     with torch.no_grad():  # The live parameters are kept as they are (``keep_vars``).
         snapshot = stager.stage(
@@ -187,7 +193,11 @@ def _in_place_layout(dtensor: Any, tensors: Mapping[str, Any]) -> tuple[list[str
         if dtensor is None or not isinstance(t, dtensor):
             tail.append(name)
             continue
-        key = (t.placements, t.shape)
+        # The spec's fields (attribute reads) rather than ``placements`` and ``shape`` (a
+        # property and a new ``torch.Size``): 0.27 ms a save for 1,000 tensors.
+        spec = getattr(t, "_spec", None)
+        meta = getattr(spec, "tensor_meta", None)
+        key = (spec.placements, meta.shape) if meta is not None else (t.placements, t.shape)
         extra = room.get(key)
         if extra is None:
             # "[" + "o:e" per dimension, each as long as the dimension at most, "," + "]".
