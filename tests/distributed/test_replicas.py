@@ -296,3 +296,43 @@ def test_a_stop_step_that_some_rank_never_posts_gives_up(fake_clock):
         assert 60 <= fake_clock.monotonic() - start < 61  # Its budget on the group's clock.
     finally:
         agreement.close()
+
+
+class _Raising:
+    """A stateful object whose ``state_dict`` raises (a data loader whose worker died)."""
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("the loader's worker died")
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def broadcast_failing_rank(rank: int, world_size: int, failing: int) -> str:
+    """``broadcast_state`` on 2 real gloo ranks, ``failing``'s state unable to flatten: what
+    each rank raised (or ``received``)."""
+    from torchsupervisor.distributed.replicas import ReplicaGroup
+
+    group = ReplicaGroup(1, store=dist.HashStore(), rank=rank, world_size=world_size)
+    state = _state(1 if rank == 0 else 2, stepped=rank == 0)
+    if rank == failing:
+        state["loader"] = _Raising()
+    try:
+        group.broadcast_state(state)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "received" if state["meta"] == {"epoch": 1, "name": "run1"} else "not received"
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_rank_that_cannot_flatten_its_state_raises_without_leaving_the_other_waiting(failing):
+    """It raised before the broadcasts, and the other rank waited in one."""
+    from torchsupervisor.testing import run_world
+
+    chief, replica = run_world(broadcast_failing_rank, failing, timeout_secs=60)
+    died = "RuntimeError: the loader's worker died"
+    if failing == 0:
+        assert chief == died
+        assert replica.startswith("AbortedError: The chief (rank 0) could not send its state")
+    else:
+        assert chief == "received" and replica == died  # The replica took its part first.

@@ -46,6 +46,7 @@ from torchsupervisor.core.tree import decode_tree, encode_tree
 from torchsupervisor.distributed.attempt import DEFAULT_TIMEOUT_SECS, attempt_namespace
 from torchsupervisor.distributed.env import store_outlives_attempts
 from torchsupervisor.errors import (
+    AbortedError,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -312,6 +313,10 @@ class ReplicaGroup:
         Raises:
             RuntimeError: If a collective fails (a rank died, a timeout).
             InvalidArgumentError: (Non-chief) If the chief's state does not fit this rank's.
+            AbortedError: (Non-chief) If the chief could not send its state (it raises its
+                own error, after telling the others).
+            Exception: What flattening this rank's state raised (a ``state_dict`` that
+                raises), once this rank has taken its part in the broadcasts.
 
         Distributed: a collective of the default process group; every rank calls it once
         per session, after the chief's ``publish_ready``.
@@ -319,22 +324,38 @@ class ReplicaGroup:
         src = self.chief_rank
         chief = self.rank == src
         device = communication_device(dist.get_backend())
-        skeleton, tensors = flatten_state(state)  # A non-chief's: where the values go.
+        # What fails on one rank before the broadcasts (a ``state_dict`` that raises there)
+        # is raised only once this rank has taken its part: a rank that raised at once would
+        # leave the others waiting in a broadcast. The chief sends a size of -1 instead.
+        error: Exception | None = None
+        try:
+            skeleton, tensors = flatten_state(state)  # A non-chief's: where the values go.
+            if chief:
+                names = sorted(tensors)
+                header = {
+                    "tree": encode_tree(skeleton),
+                    "tensors": [
+                        [n, dtype_to_code(t.dtype), list(t.shape), t.device.type]
+                        for n, t in ((n, tensors[n]) for n in names)
+                    ],
+                }
+                encoded = bytearray(json.dumps(header).encode())
+                payload = torch.frombuffer(encoded, dtype=torch.uint8).to(device)
+        except Exception as e:
+            error, tensors = e, {}
         if chief:
-            names = sorted(tensors)
-            header = {
-                "tree": encode_tree(skeleton),
-                "tensors": [
-                    [n, dtype_to_code(t.dtype), list(t.shape), t.device.type]
-                    for n, t in ((n, tensors[n]) for n in names)
-                ],
-            }
-            encoded = bytearray(json.dumps(header).encode())
-            payload = torch.frombuffer(encoded, dtype=torch.uint8).to(device)
-            size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+            length = -1 if error is not None else payload.numel()
+            size = torch.tensor([length], dtype=torch.int64, device=device)
         else:
             size = torch.zeros(1, dtype=torch.int64, device=device)
         dist.broadcast(size, src)
+        if (error is not None) if chief else int(size.item()) < 0:
+            if error is not None:
+                raise error
+            raise AbortedError(
+                f"The chief (rank {src}) could not send its state to the replicas (it raised "
+                "the error on its side)"
+            )
         if not chief:
             payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         dist.broadcast(payload, src)
@@ -353,6 +374,8 @@ class ReplicaGroup:
             else:
                 target = torch.device("cpu") if chief_device_type == "cpu" else device
             received[name] = buffer.to(target)
+        if error is not None:  # This rank has taken its part in every broadcast.
+            raise error
         if not chief:
             tree = decode_tree(
                 header["tree"], lambda n, nd: received[n].cpu().numpy() if nd else received[n]
