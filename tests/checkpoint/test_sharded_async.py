@@ -197,7 +197,8 @@ def _outcome(save) -> str:
 
 def rank_alone_fails_rank(rank: int, world_size: int, directory: str) -> list[str]:
     """Errors met by rank 1 alone before the collective: a ``state_dict`` that raises
-    (asynchronous save), a bad step (synchronous save); then a save that works."""
+    (asynchronous save), a bad step (synchronous save), a dtype the format cannot hold
+    (found as the staging copies it); a save that works after each."""
     model, optimizer = _build(0, world_size)
     _train_step(model, optimizer, 0)
     state = _state(model, optimizer, 1)
@@ -205,7 +206,10 @@ def rank_alone_fails_rank(rank: int, world_size: int, directory: str) -> list[st
     saver = Saver(state, max_to_keep=None)
     prefix = os.path.join(directory, "model.ckpt")
     outcomes = []
-    for step in (1, 2, 3, 4):
+    for step in (1, 2, 3, 4, 5, 6):
+        state.pop("z", None)
+        if step == 5 and rank == 1:
+            state["z"] = torch.zeros(2, dtype=torch.complex128)
         if step == 3:
             bad = -1 if rank == 1 else step
             outcomes.append(_outcome(functools.partial(saver.save, None, prefix, bad)))
@@ -221,14 +225,16 @@ def test_an_error_on_one_rank_before_the_collective_fails_that_save_on_every_ran
     save met the other's: one checkpoint was written from two steps' states (it verified),
     and every later save failed."""
     for outcomes in run_world(rank_alone_fails_rank, str(tmp_path)):
-        first, second, third, fourth = outcomes
-        assert first == "model.ckpt-1" and fourth == "model.ckpt-4", outcomes
+        first, second, third, fourth, fifth, sixth = outcomes
+        assert (first, fourth, sixth) == ("model.ckpt-1", "model.ckpt-4", "model.ckpt-6")
         assert second.startswith("RuntimeError: the loader's worker died"), outcomes
         assert third.startswith("ValueError") and "-1" in third, outcomes
+        assert fifth.startswith("TypeError") and "complex128" in fifth, outcomes
     names = _files(tmp_path)
-    assert not [n for n in names if n.startswith(("model.ckpt-2", "model.ckpt-3"))], names
-    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-4")
-    CheckpointReader(str(tmp_path / "model.ckpt-4")).verify()
+    failed = ("model.ckpt-2", "model.ckpt-3", "model.ckpt-5")
+    assert not [n for n in names if n.startswith(failed)], names
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-6")
+    CheckpointReader(str(tmp_path / "model.ckpt-6")).verify()
 
 
 def rank_saves_alone_rank(rank: int, world_size: int, directory: str) -> list[str]:

@@ -228,9 +228,10 @@ class ShardedWriter:
         ``error``: what this rank found wrong before the save (the save fails with it).
 
         Raises:
-            CheckpointSaveError: On every rank, if any rank failed (nothing committed); or
-                the error any rank found before the save, or in its state (``TypeError``,
-                ``ValueError``, ...).
+            CheckpointSaveError: On every rank, if any rank failed (nothing committed).
+            Exception: On every rank, what any rank found before the save or in its state
+                (``TypeError``, ``ValueError``, what a ``state_dict`` raised; nothing is
+                written).
         """
         start = time.perf_counter()
         wall_time = self._clock.time()
