@@ -360,3 +360,25 @@ def test_an_error_on_one_rank_before_a_restore_fails_it_on_every_rank(saved_by_t
     ):
         assert outcome.startswith("RuntimeError: the loader's worker died"), outcome
         assert untouched
+
+
+def restore_unseen_rank(rank: int, world_size: int, directory: str) -> str:
+    """``Saver.restore`` where rank 1 cannot find the checkpoint (a directory that is not
+    shared, say): what each rank raised."""
+    model, optimizer = _build(1, world_size)
+    saver = Saver(_state(model, optimizer, 0))
+    prefix = os.path.join(directory, PREFIX) if rank == 0 else os.path.join(directory, "gone")
+    try:
+        saver.restore(None, prefix)
+    except ValueError as e:
+        return str(e)
+    return "restored"
+
+
+def test_a_checkpoint_one_rank_cannot_find_fails_the_restore_on_every_rank(saved_by_two):
+    """It was raised on that rank alone, and the other went on into the collective."""
+    directory, _ = saved_by_two
+    chief, other = run_world(restore_unseen_rank, str(directory), timeout_secs=60)
+    assert chief.startswith("The passed save_path is not a valid checkpoint: ")
+    assert chief.endswith("(another rank cannot find it)")
+    assert other == f"The passed save_path is not a valid checkpoint: {directory / 'gone'}"

@@ -44,7 +44,7 @@ from torchsupervisor.core.global_step import read_checkpoint_step, read_step
 from torchsupervisor.core.state import (
     select_state,
 )
-from torchsupervisor.distributed.env import rank
+from torchsupervisor.distributed.env import on_every_rank, rank
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import BY_PATH, DirectoryLock, Storage
 
@@ -557,16 +557,24 @@ class Saver:
                 the state is then unchanged (except for failures only the objects' own
                 ``load_state_dict`` detects).
 
+        Distributed: a state of DTensors is restored by every rank together (a collective):
+        a checkpoint that some rank cannot find raises the ``ValueError`` on every rank.
+
         TF name: ``tf.compat.v1.train.Saver.restore``.
         """
         if save_path is None:
             raise ValueError("Can't load save_path when it is None.")
         self._engine.wait()
-        if not checkpoint_exists(save_path) and not self._storage.exists(save_path + ".index"):
+        found = checkpoint_exists(save_path) or self._storage.exists(save_path + ".index")
+        state = self._state_for(sess)
+        sharded = self._is_sharded(state, sess)
+        if sharded and not on_every_rank(found):  # Else this rank alone would raise.
+            where = "" if not found else " (another rank cannot find it)"
+            raise ValueError(f"The passed save_path is not a valid checkpoint: {save_path}{where}")
+        if not found:
             raise ValueError("The passed save_path is not a valid checkpoint: " + save_path)
         logger.info("Restoring parameters from %s", save_path)
-        state = self._state_for(sess)
-        if self._is_sharded(state, sess):  # A collective: every rank reads the chunks it needs.
+        if sharded:  # A collective: every rank reads the chunks it needs.
             load_sharded(state, save_path, allow_missing=self._optional, storage=self._storage)
             return
         restore_state(

@@ -87,6 +87,20 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def on_every_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (a collective of the default group), or ``flag``
+    itself when no process group is initialized.
+
+    For a check that each rank makes on its own before a collective (a file it can see): a
+    rank that raised alone would leave the others waiting in the collective.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    agreed = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed.item())
+
+
 _BACKGROUND: list[tuple[Any, Any]] = []  # (default group, its background group), at most one.
 
 
