@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
@@ -87,6 +88,31 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def communication_device(
+    backend: str, cuda_device: Callable[[], int] = torch.cuda.current_device
+) -> torch.device:
+    """Return the device of the tensors that the collectives of ``backend`` take.
+
+    NCCL moves only CUDA tensors: every rank uses its current CUDA device (the one set with
+    ``torch.cuda.set_device``, usually ``LOCAL_RANK``). Gloo (and a mixed backend such as
+    ``"cpu:gloo,cuda:nccl"``) communicates from the CPU.
+
+    Args:
+        backend: The process group's backend, as ``torch.distributed.get_backend()`` names it.
+        cuda_device: Returns the index of the current CUDA device (called for NCCL only).
+
+    Returns:
+        ``torch.device("cuda", cuda_device())`` for ``"nccl"``, else ``torch.device("cpu")``.
+
+    Distributed: every rank of a collective must pass tensors of this device (type).
+
+    TF name: none.
+    """
+    if str(backend).lower() == "nccl":
+        return torch.device("cuda", cuda_device())
+    return torch.device("cpu")
+
+
 def on_every_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on every rank (a collective of the default group), or ``flag``
     itself when no process group is initialized.
@@ -96,7 +122,8 @@ def on_every_rank(flag: bool) -> bool:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return flag
-    agreed = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    device = communication_device(dist.get_backend())
+    agreed = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     return bool(agreed.item())
 

@@ -31,7 +31,7 @@ import json
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from torchsupervisor.core.state import flatten_state
 from torchsupervisor.core.state_load import load_state
 from torchsupervisor.core.tree import decode_tree, encode_tree
 from torchsupervisor.distributed.attempt import DEFAULT_TIMEOUT_SECS, attempt_namespace
-from torchsupervisor.distributed.env import store_outlives_attempts
+from torchsupervisor.distributed.env import communication_device, store_outlives_attempts
 from torchsupervisor.errors import (
     AbortedError,
     DeadlineExceededError,
@@ -86,31 +86,6 @@ def _attempt_prefix(store: Any, rank: int, world_size: int) -> str:
     if group not in _ATTEMPTS:
         _ATTEMPTS[group] = attempt_namespace(store, rank, world_size, DEFAULT_TIMEOUT_SECS)
     return _ATTEMPTS[group]
-
-
-def communication_device(
-    backend: str, cuda_device: Callable[[], int] = torch.cuda.current_device
-) -> torch.device:
-    """Return the device of the tensors that the collectives of ``backend`` take.
-
-    NCCL moves only CUDA tensors: every rank uses its current CUDA device (the one set with
-    ``torch.cuda.set_device``, usually ``LOCAL_RANK``). Gloo (and a mixed backend such as
-    ``"cpu:gloo,cuda:nccl"``) communicates from the CPU.
-
-    Args:
-        backend: The process group's backend, as ``torch.distributed.get_backend()`` names it.
-        cuda_device: Returns the index of the current CUDA device (called for NCCL only).
-
-    Returns:
-        ``torch.device("cuda", cuda_device())`` for ``"nccl"``, else ``torch.device("cpu")``.
-
-    Distributed: every rank of a collective must pass tensors of this device (type).
-
-    TF name: none.
-    """
-    if str(backend).lower() == "nccl":
-        return torch.device("cuda", cuda_device())
-    return torch.device("cpu")
 
 
 class ReplicaGroup:

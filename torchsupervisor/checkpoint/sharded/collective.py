@@ -57,6 +57,7 @@ from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.state import TensorRef
 from torchsupervisor.core.state_load import find_subtree, load_state
 from torchsupervisor.core.tree import decode_tree
+from torchsupervisor.distributed.env import communication_device
 from torchsupervisor.errors import (
     CheckpointError,
     CheckpointSaveError,
@@ -291,7 +292,8 @@ def _agree_on_the_save(save: ShardedSave, process_group: Any) -> None:
 
     name = f"{os.path.basename(save.prefix)}\0{save.step}\0{save.sequence}"
     key = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=7).digest(), "little")
-    agreed = torch.tensor([key, -key, save.error is not None], dtype=torch.int64)
+    device = communication_device(dist.get_backend(process_group))  # CUDA for NCCL.
+    agreed = torch.tensor([key, -key, save.error is not None], dtype=torch.int64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=process_group)
     highest, lowest, errors = agreed.tolist()
     if not errors and highest != -lowest:

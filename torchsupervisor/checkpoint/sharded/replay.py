@@ -31,6 +31,7 @@ import torch
 
 from torchsupervisor.checkpoint.sharded.plan import dtensor_class
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave
+from torchsupervisor.distributed.env import communication_device
 
 __all__ = ["PlanCache", "layout_of"]
 
@@ -169,7 +170,8 @@ class PlanCache:
         # every rank's answer, then the coordinator's retirement of an older ``P.index``, which
         # happens only once every rank will write and before any rank puts its shard. If it
         # fails, DCP plans the save and retires again, and reports its error to every rank.
-        flag = torch.tensor([1 if usable else 0], dtype=torch.int32)
+        device = communication_device(dist.get_backend(group))  # CUDA for NCCL.
+        flag = torch.tensor([1 if usable else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         if not flag.item():
             return None  # Some rank's layout changed (or it has no plan): DCP plans.
