@@ -234,12 +234,7 @@ class ShardedWriter:
                 written).
         """
         start = time.perf_counter()
-        wall_time = self._clock.time()
-        if error is None:
-            save = prepare(state, target.prefix, global_step=global_step, wall_time=wall_time)
-        else:
-            save = failed(target.prefix, error, wall_time)
-        save.sequence = self._next()
+        save = self._begin(state, target, global_step, error, keep_vars=False)
         return self._write(save, target, start, None, None)
 
     def stage(
@@ -255,21 +250,35 @@ class ShardedWriter:
         is raised here: what is wrong (``error``, found before the save, or in the state or
         its copy) is raised by ``persist``, on every rank.
         """
-        wall_time = self._clock.time()
-        if error is None:
-            save = prepare(
-                state, target.prefix, global_step=global_step, wall_time=wall_time, keep_vars=True
-            )
-        else:
-            save = failed(target.prefix, error, wall_time)
-        save.sequence = self._next()
+        save = self._begin(state, target, global_step, error, keep_vars=True)
         background_group()
         stage(save, self._host, self._wrapped)  # At once: the live parameters are not detached.
         return save
 
-    def _next(self) -> int:
-        sequence, self._sequence = self._sequence, self._sequence + 1
-        return sequence
+    def _begin(
+        self,
+        state: Mapping[str, Any],
+        target: SaveTarget,
+        global_step: Any,
+        error: Exception | None,
+        *,
+        keep_vars: bool,
+    ) -> ShardedSave:
+        """The save's flattened state (or ``error`` to carry), numbered for the ranks'
+        agreement (``ShardedSave.sequence``)."""
+        wall_time = self._clock.time()
+        if error is None:
+            save = prepare(
+                state,
+                target.prefix,
+                global_step=global_step,
+                wall_time=wall_time,
+                keep_vars=keep_vars,
+            )
+        else:
+            save = failed(target.prefix, error, wall_time)
+        save.sequence, self._sequence = self._sequence, self._sequence + 1
+        return save
 
     def persist(self, save: ShardedSave, target: SaveTarget, stall_secs: float) -> SaveStats:
         """Write and commit a staged save (writer thread), then retention; frees its buffers.
