@@ -18,11 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from torchsupervisor import CheckpointReader, Saver, get_checkpoint_state, latest_checkpoint
 from torchsupervisor.checkpoint.sharded.collective import load_sharded, save_sharded
-from torchsupervisor.checkpoint.sharded.plan import (
-    ShardedOptimizerState,
-    flatten_sharded_state,
-    is_sharded,
-)
+from torchsupervisor.checkpoint.sharded.flatten import flatten_sharded_state
+from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState, is_sharded
 from torchsupervisor.core.state import MAX_STATE_DEPTH
 from torchsupervisor.errors import CorruptCheckpointError
 from torchsupervisor.testing import FaultyStorage, run_world

@@ -269,16 +269,16 @@ def stage_rank(rank: int, world_size: int) -> dict:
     """Stage an FSDP2 state twice with the same buffers: what the staged tensors are."""
     from torch.distributed.tensor import DTensor
 
-    from torchsupervisor.checkpoint.sharded.staging import prepare, stage
+    from torchsupervisor.checkpoint.sharded.staging import StageMemo, prepare, stage
     from torchsupervisor.checkpoint.snapshot import Stager
 
     model, optimizer = _build(0, world_size)
     state = _state(model, optimizer, 3)
-    stager, wrapped, seen, checks = Stager(), {}, [], []
+    stager, memo, seen, checks = Stager(), StageMemo(), [], []
     for _ in range(2):
         save = prepare(state, "unused", global_step=3, wall_time=0.0, keep_vars=True)
         live = dict(save.tensors)
-        stage(save, stager, wrapped)
+        stage(save, stager, memo)
         buffer = save._snapshot.buffers[0]
         start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
         for name, staged in save.tensors.items():
@@ -314,7 +314,7 @@ def flatten_rank(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from torchsupervisor.checkpoint.sharded.plan import flatten_sharded_state
+    from torchsupervisor.checkpoint.sharded.flatten import flatten_sharded_state
     from torchsupervisor.checkpoint.sharded.staging import _in_place_layout
 
     model, optimizer = _build(0, world_size)

@@ -41,7 +41,8 @@ from torch.distributed.tensor import DTensor
 from worker_exit import run_and_exit
 
 import torchsupervisor as ts
-from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState, flatten_sharded_state
+from torchsupervisor.checkpoint.sharded.flatten import flatten_sharded_state
+from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.errors import OutOfRangeError
 from torchsupervisor.testing import FaultyStorage

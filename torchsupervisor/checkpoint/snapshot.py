@@ -18,6 +18,7 @@ counter recorded, so only they can be referenced by a later snapshot.
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -234,6 +235,9 @@ class _Staging:
         return cls(signature, layout, tuple(buffers), tuple(destinations), views)
 
 
+_is_cpu = operator.attrgetter("is_cpu")
+
+
 def _signature(tensors: dict[str, torch.Tensor], *options: Any) -> tuple[Any, ...]:
     return (*options, *((n, t.dtype, t.shape) for n, t in tensors.items()))
 
@@ -305,7 +309,7 @@ class Stager:
             if keep_sources
             else {}
         )
-        on_gpu = any(t.device.type != "cpu" for t in tensors.values())
+        on_gpu = not all(map(_is_cpu, tensors.values()))  # Not ``device``: a new object each.
         options = (max_shard_bytes, tuple(sorted(tail)), header_spare)
         staging = self._take(_signature(tensors, *options), tensors, options, on_gpu)
         if on_gpu or _foreach_copy is None:

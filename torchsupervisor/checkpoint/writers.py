@@ -35,8 +35,15 @@ from torchsupervisor.checkpoint.engine import CheckpointEngine
 from torchsupervisor.checkpoint.incremental import StaleReferenceError
 from torchsupervisor.checkpoint.retention import Keeper
 from torchsupervisor.checkpoint.sharded.collective import write_sharded
+from torchsupervisor.checkpoint.sharded.flatten import WalkMemo
 from torchsupervisor.checkpoint.sharded.replay import PlanCache
-from torchsupervisor.checkpoint.sharded.staging import ShardedSave, failed, prepare, stage
+from torchsupervisor.checkpoint.sharded.staging import (
+    ShardedSave,
+    StageMemo,
+    failed,
+    prepare,
+    stage,
+)
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.state import flatten_state
@@ -212,7 +219,8 @@ class ShardedWriter:
         self._keeper = keeper
         self._stager = stager
         self._host = Stager()  # The asynchronous saves' copies of the local shards.
-        self._wrapped: dict[str, Any] = {}  # DTensors over them, reused (staging.stage).
+        self._staged = StageMemo()  # What the last one staged over them, reused.
+        self._memo = WalkMemo()  # The asynchronous saves' walks of the state, reused.
         self._plans = PlanCache()  # The last save's plan, replayed while the layout holds.
         self._sequence = 0  # Sharded saves begun (the ranks agree on it at each save).
 
@@ -252,7 +260,7 @@ class ShardedWriter:
         """
         save = self._begin(state, target, global_step, error, keep_vars=True)
         background_group()
-        stage(save, self._host, self._wrapped)  # At once: the live parameters are not detached.
+        stage(save, self._host, self._staged)  # At once: the live parameters are not detached.
         return save
 
     def _begin(
@@ -274,6 +282,7 @@ class ShardedWriter:
                 global_step=global_step,
                 wall_time=wall_time,
                 keep_vars=keep_vars,
+                memo=self._memo if keep_vars else None,
             )
         else:
             save = failed(target.prefix, error, wall_time)

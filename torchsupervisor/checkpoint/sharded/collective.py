@@ -48,8 +48,8 @@ import torch
 
 from torchsupervisor.checkpoint.format import ManifestError
 from torchsupervisor.checkpoint.reader import CheckpointReader
+from torchsupervisor.checkpoint.sharded.flatten import flatten_sharded_state
 from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
-from torchsupervisor.checkpoint.sharded.plan import flatten_sharded_state
 from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave, prepare
 from torchsupervisor.checkpoint.snapshot import Stager

@@ -1,10 +1,10 @@
-"""What a sharded state is, and its plan: the entries every rank flattens for DCP.
+"""What a sharded state is, and the state of its optimizer.
 
 ``is_sharded`` tells whether a state holds ``DTensor`` s (FSDP2): such a state is saved and
-restored by every rank together (``collective.py``). ``flatten_sharded_state`` turns it into
-the flat mapping DCP plans from (tensors by state path, DTensors as they are) and the tree the
-manifest records. ``ShardedOptimizerState`` gives an optimizer of a sharded model a
-``state_dict`` keyed by parameter names, which any world size can load.
+restored by every rank together (``collective.py``); ``flatten.py`` walks it into the flat
+mapping DCP plans from and the tree the manifest records. ``ShardedOptimizerState`` gives an
+optimizer of a sharded model a ``state_dict`` keyed by parameter names, which any world size
+can load.
 """
 
 from __future__ import annotations
@@ -15,18 +15,9 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
-from torchsupervisor.core.state import (
-    MAX_STATE_DEPTH,
-    TensorRef,
-    check_saveable,
-    not_saveable,
-    state_entries,
-)
-
-__all__ = ["ShardedOptimizerState", "dtensor_class", "flatten_sharded_state", "is_sharded"]
+__all__ = ["ShardedOptimizerState", "dtensor_class", "is_sharded"]
 
 
 def dtensor_class() -> type | None:
@@ -244,148 +235,3 @@ def is_sharded(state: Mapping[str, Any]) -> bool:
         if any(isinstance(t, dtensor) for _, t in iter_state_tensors({name: value})):
             return True
     return False
-
-
-_PLAIN = (str, int, float, bool, type(None), bytes, torch.dtype, torch.device)
-_EXACT_PLAIN = frozenset({str, int, float, bool, type(None)})  # Kept as they are; not subclasses.
-
-
-def flatten_sharded_state(
-    state: Mapping[str, Any],
-    *,
-    keep_vars: bool = False,
-    local: dict[str, torch.Tensor] | None = None,
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Split the state into a skeleton and a flat table of tensors, DTensors included.
-
-    The same as ``state.flatten_state`` (same names, same skeleton, same errors), except that
-    ``DTensor`` leaves are accepted and kept as they are (detached if they require
-    gradients): each rank holds only its local shard of them.
-
-    Args:
-        state: Mapping of names (str) to stateful objects, tensors, arrays or values.
-        keep_vars: Modules give their parameters as they are (``state_dict(keep_vars=True)``)
-            and the DTensors among them are kept undetached: ``detach`` of a DTensor is a
-            dispatched operation (15-18 us, 6 ms for a model of 400 parameters). For a save,
-            which only reads the local shards (``to_local`` under ``no_grad``); a restore
-            needs detached destinations.
-
-        local: If given, receives each tensor's local data by name (a DTensor's local shard,
-            ``to_local``, which the walk reads anyway; another tensor as in ``tensors``).
-
-    Returns:
-        ``(skeleton, tensors)``: the skeleton with ``TensorRef`` leaves, and ``{name: tensor}``.
-        Every container of the skeleton is new and every leaf immutable, so a background
-        save may encode it after training has changed the state (``staging.ShardedSave``).
-
-    Raises:
-        TypeError: For a leaf that cannot be saved without pickle, or a bad dict key.
-        ValueError: For a tensor that cannot be saved (uninitialized, sparse, quantized, or a
-            tensor subclass other than DTensor), or a state nested deeper than
-            ``MAX_STATE_DEPTH`` containers (a container that holds itself, say).
-    """
-    dtensor = dtensor_class()
-    tensors: dict[str, torch.Tensor] = {}
-    make_ref = tuple.__new__  # ``TensorRef(name, ndarray)`` without its Python ``__new__``.
-
-    def add(path: str, tensor: torch.Tensor, ndarray: bool, data: torch.Tensor) -> TensorRef:
-        name = path
-        if name in tensors:  # Two paths alike (keys with "/"): "#1", "#2", ...
-            k = 1
-            while f"{path}#{k}" in tensors:
-                k += 1
-            name = f"{path}#{k}"
-        tensors[name] = tensor
-        if local is not None:
-            local[name] = data
-        return make_ref(TensorRef, (name, ndarray))
-
-    def add_dtensor(obj: Any, path: str) -> TensorRef:
-        # Outside autograd (the walk runs under ``no_grad``) ``to_local`` is an attribute
-        # read (1 us, not 11); ``detach`` of a DTensor is a dispatched operation (16 us)
-        # that state dicts have already done.
-        data = obj.to_local()
-        check_saveable(data, path)
-        return add(path, obj if keep_vars or not obj.requires_grad else obj.detach(), False, data)
-
-    # The walk visits every tensor and value of the state at each save (a transformer's
-    # state: thousands), so the common cases come first and cheapest: exact plain types by a
-    # set lookup, then DTensors, tensors, then dicts (``dict`` before the slower ``Mapping``
-    # check). A mapping's plain values and DTensors are taken without a call of ``walk``.
-    def walk(obj: Any, path: str, depth: int) -> Any:
-        kind = type(obj)
-        if kind in _EXACT_PLAIN:
-            return obj
-        if kind is dtensor:
-            return add_dtensor(obj, path)
-        if isinstance(obj, torch.Tensor):
-            if dtensor is not None and isinstance(obj, dtensor):
-                return add_dtensor(obj, path)
-            check_saveable(obj, path)
-            # With ``keep_vars`` a tensor outside autograd is kept as it is (``detach`` makes
-            # a new tensor object: 1.5 us); one that requires gradients is still detached.
-            tensor = obj if keep_vars and not obj.requires_grad else obj.detach()
-            return add(path, tensor, False, tensor)
-        if kind is dict:
-            return walk_mapping(obj, path, depth)
-        if isinstance(obj, np.ndarray):
-            if obj.dtype.kind not in "biufc":
-                raise TypeError(
-                    f"Cannot save {path!r}: numpy arrays of dtype {obj.dtype} need pickle"
-                )
-            tensor = torch.from_numpy(np.ascontiguousarray(obj))
-            return add(path, tensor, True, tensor)
-        if isinstance(obj, np.generic):
-            return obj.item()
-        if isinstance(obj, torch.Size):
-            return tuple(int(d) for d in obj)
-        if isinstance(obj, _PLAIN):
-            return obj
-        if isinstance(obj, Mapping):
-            return walk_mapping(obj, path, depth)
-        if isinstance(obj, list):
-            deeper = below(path, depth)
-            if all(type(value) in _EXACT_PLAIN for value in obj):  # An optimizer's "params".
-                return list(obj)
-            return [walk(value, f"{path}/{i}", deeper) for i, value in enumerate(obj)]
-        if isinstance(obj, tuple):
-            deeper = below(path, depth)
-            return tuple(walk(value, f"{path}/{i}", deeper) for i, value in enumerate(obj))
-        # A stateful object stands for its state dict, at its own depth.
-        if keep_vars and isinstance(obj, torch.nn.Module):
-            return walk(obj.state_dict(keep_vars=True), path, depth)
-        state_dict = getattr(obj, "state_dict", None)
-        if callable(state_dict):
-            return walk(state_dict(), path, depth)
-        raise not_saveable(path, obj)
-
-    def below(path: str, depth: int) -> int:
-        # The limit of ``state.flatten_state``: no manifest reader takes a deeper tree, and
-        # a container holding itself is refused here instead of exhausting the stack.
-        if depth >= MAX_STATE_DEPTH:
-            raise ValueError(
-                f"Cannot save {path!r}: the state nests deeper than {MAX_STATE_DEPTH} levels"
-            )
-        return depth + 1
-
-    def walk_mapping(obj: Mapping, path: str, depth: int) -> dict:
-        out = {}
-        deeper = below(path, depth)
-        for key, value in obj.items():
-            if type(key) is not str and not isinstance(key, (str, int, float, bool, type(None))):
-                raise TypeError(
-                    f"Cannot save {path!r}: dict key {key!r} has type {type(key).__name__}; "
-                    "keys must be str, int, float, bool or None"
-                )
-            kind = type(value)
-            if kind in _EXACT_PLAIN:
-                out[key] = value
-            elif kind is dtensor:
-                out[key] = add_dtensor(value, f"{path}/{key}")
-            else:
-                out[key] = walk(value, f"{path}/{key}", deeper)
-        return out
-
-    with torch.no_grad():  # Once for the walk (entering it costs ~2 us a time).
-        skeleton = {key: walk(value, key, 0) for key, value in state_entries(state)}
-    return skeleton, tensors

@@ -20,16 +20,18 @@ Thread safety: ``prepare`` and ``stage`` on the training thread; ``ShardedSave.r
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from torchsupervisor.checkpoint.sharded.plan import dtensor_class, flatten_sharded_state
+from torchsupervisor.checkpoint.sharded.flatten import WalkMemo, flatten_sharded_state
+from torchsupervisor.checkpoint.sharded.plan import dtensor_class
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.core.global_step import read_checkpoint_step
 
-__all__ = ["ShardedSave", "failed", "prepare", "stage"]
+__all__ = ["ShardedSave", "StageMemo", "failed", "prepare", "stage"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -86,6 +88,7 @@ def prepare(
     global_step: Any,
     wall_time: float,
     keep_vars: bool = False,
+    memo: WalkMemo | None = None,
 ) -> ShardedSave:
     """Flatten ``state`` and read its step (the training thread, at the step boundary).
 
@@ -95,12 +98,14 @@ def prepare(
     would leave the others waiting in the collective, then meet their next save with its own.
     ``keep_vars``: the live parameters are kept undetached (``flatten_sharded_state``), for
     a save that ``stage`` copies at once; a save written from the live tensors needs them
-    detached.
+    detached. ``memo``: the walk's memo, kept between saves (with ``keep_vars``).
     """
     local: dict[str, torch.Tensor] | None = {} if keep_vars else None
     try:
         step = read_checkpoint_step(global_step)
-        skeleton, tensors = flatten_sharded_state(state, keep_vars=keep_vars, local=local)
+        skeleton, tensors = flatten_sharded_state(
+            state, keep_vars=keep_vars, local=local, memo=memo
+        )
     except Exception as e:
         return failed(prefix, e, wall_time)
     return ShardedSave(prefix, tensors, skeleton, step, wall_time, local=local)
@@ -111,7 +116,39 @@ def failed(prefix: str, error: Exception, wall_time: float = 0.0) -> ShardedSave
     return ShardedSave(prefix, {}, None, None, wall_time, error=error)
 
 
-def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = None) -> None:
+@dataclasses.dataclass(eq=False, slots=True)
+class _Staged:
+    """One ``stage``'s table over the staging buffers, with what it was made from."""
+
+    names: list[str]
+    live: list[Any]  # The tensors staged, in order, the DTensors among them and their specs.
+    dtensors: list[Any]
+    specs: list[Any]
+    layout: tuple[list[str], int]  # ``_in_place_layout``'s answer.
+    views: dict[str, torch.Tensor]  # The staging buffers' tensors (the Stager's, reused).
+    staged: dict[str, Any]
+
+
+class StageMemo:
+    """What ``stage`` made at the last save, for the next one (kept by the caller).
+
+    The DTensors built over the staging buffers are kept by name and reused while a buffer
+    holds the same mesh, placements, shape and stride (building one costs about 17 us, per
+    tensor and save). When a save stages the very same tensors (DTensors with the very
+    same specs) into the same buffers as the last one, its whole table is taken at once:
+    the in-place layout and the DTensors over the copies are the last save's (0.9 ms of
+    the stall for 1,008 tensors). Only the bytes are copied again, from each tensor's local
+    data as it is now. Holds the last save's tensors until the next.
+
+    Thread safety: the training thread.
+    """
+
+    def __init__(self) -> None:
+        self.wrapped: dict[str, tuple[Any, ...]] = {}
+        self.last: _Staged | None = None
+
+
+def stage(save: ShardedSave, stager: Stager, memo: StageMemo | None = None) -> None:
     """Copy this rank's local data into ``stager``'s host buffers; point ``save`` at the copies.
 
     Blocks until the copies are complete (device-to-host copies are fenced), so the training
@@ -123,20 +160,24 @@ def stage(save: ShardedSave, stager: Stager, wrapped: dict[str, Any] | None = No
     Args:
         save: From ``prepare``.
         stager: The host staging buffers (reused while the local shards keep their layout).
-        wrapped: A cache, kept by the caller between saves, of the DTensors built over the
-            staging buffers: a buffer reused for the same mesh, placements, shape and stride
-            reuses its DTensor (building one costs about 17 us, per tensor and save).
+        memo: What the last ``stage`` with this ``stager`` made (``StageMemo``), kept by the
+            caller between saves; updated. None: nothing is reused.
     """
     if save.error is not None or not save.tensors:
         return
     try:
-        _stage(save, stager, {} if wrapped is None else wrapped)
+        _stage(save, stager, StageMemo() if memo is None else memo)
     except Exception as e:  # Raised inside the collective, so that every rank learns of it.
+        if memo is not None:
+            memo.last = None
         save.release()
         save.error = e
 
 
-def _stage(save: ShardedSave, stager: Stager, cache: dict[str, Any]) -> None:
+_spec_of = operator.attrgetter("_spec")
+
+
+def _stage(save: ShardedSave, stager: Stager, memo: StageMemo) -> None:
     dtensor = dtensor_class()
     local, save.local = save.local, None
     if local is None:
@@ -145,21 +186,49 @@ def _stage(save: ShardedSave, stager: Stager, cache: dict[str, Any]) -> None:
                 name: t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
                 for name, t in save.tensors.items()
             }
-    tail, spare = _in_place_layout(dtensor, save.tensors)
+    names, live = list(save.tensors), list(save.tensors.values())
+    last = memo.last
+    same = (  # The very same tensors as the last save's, each pass in C.
+        last is not None
+        and names == last.names
+        and all(map(operator.is_, live, last.live))
+        and all(map(operator.is_, map(_spec_of, last.dtensors), last.specs))
+    )
+    memo.last = None  # Until this save is staged.
+    layout = last.layout if same else _in_place_layout(dtensor, save.tensors)  # type: ignore
     with torch.no_grad():  # The live parameters are kept as they are (``keep_vars``).
         snapshot = stager.stage(
             None,
             local,
             step=save.step,
             wall_time=save.wall_time,
-            tail=tail,
-            header_spare=spare,
+            tail=layout[0],
+            header_spare=layout[1],
             keep_sources=False,  # No incremental saves of sharded states.
         )
     save._snapshot, save._stager = snapshot, stager
-    copies = snapshot.tensors()
-    staged: dict[str, torch.Tensor] = {}
-    for name, t in save.tensors.items():
+    if same and snapshot.views is last.views:  # type: ignore[union-attr]
+        save.tensors = dict(last.staged)  # type: ignore[union-attr]
+        memo.last = last
+        return
+    staged = _wrap(dtensor, save.tensors, snapshot.tensors(), memo.wrapped)
+    save.tensors = dict(staged)
+    dtensors = [t for t in live if dtensor is not None and isinstance(t, dtensor)]
+    specs = [getattr(t, "_spec", None) for t in dtensors]
+    if all(spec is not None for spec in specs):  # Else no whole table is reused.
+        memo.last = _Staged(names, live, dtensors, specs, layout, snapshot.views, staged)
+
+
+def _wrap(
+    dtensor: Any,
+    tensors: Mapping[str, Any],
+    copies: Mapping[str, torch.Tensor],
+    cache: dict[str, tuple[Any, ...]],
+) -> dict[str, Any]:
+    """The staged table: each DTensor of ``tensors`` as one over its copy, the others their
+    copies; DTensors built at an earlier save are reused from ``cache`` (updated)."""
+    staged: dict[str, Any] = {}
+    for name, t in tensors.items():
         copy = copies[name]
         if dtensor is not None and isinstance(t, dtensor):
             key = _wrap_key(copy, t)
@@ -172,7 +241,7 @@ def _stage(save: ShardedSave, stager: Stager, cache: dict[str, Any]) -> None:
         staged[name] = copy
     for name in [n for n in cache if n not in staged]:
         del cache[name]  # It would keep an old staging buffer alive.
-    save.tensors = staged
+    return staged
 
 
 def _in_place_layout(dtensor: Any, tensors: Mapping[str, Any]) -> tuple[list[str], int]:
