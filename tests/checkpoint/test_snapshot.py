@@ -121,6 +121,41 @@ def test_buffers_are_reused_for_the_same_layout_only():
     assert [b.data_ptr() for b in other.buffers] != pointers
 
 
+@pytest.mark.parametrize(
+    "change",
+    ["broadcastable shape", "shape that does not broadcast", "dtype", "name gone", "name added"],
+)
+def test_a_changed_state_is_copied_into_buffers_laid_out_for_it(change):
+    # Buffers laid out for the last state must not take one whose shapes still broadcast
+    # into them (a (1,) tensor into a (4,) buffer) or whose dtypes convert (float64 into
+    # float32): the snapshot holds exactly the new tensors, with their own layout.
+    stager = Stager()
+    tensors = {"w": torch.randn(4), "b": torch.randn(1), "n": torch.arange(3)}
+    first = stager.stage({}, tensors, step=1, wall_time=1.0)
+    stager.release(first)
+    changed = dict(tensors)
+    if change == "broadcastable shape":
+        changed["w"] = torch.full((1,), 5.0)
+    elif change == "shape that does not broadcast":
+        changed["w"] = torch.randn(3)
+    elif change == "dtype":
+        changed["w"] = torch.randn(4, dtype=torch.float64)
+    elif change == "name gone":
+        del changed["b"]
+    else:
+        changed["z"] = torch.ones(2)
+    second = stager.stage({}, changed, step=2, wall_time=2.0)
+    staged = second.tensors()
+    assert sorted(staged) == sorted(changed)
+    for name, tensor in changed.items():
+        assert staged[name].dtype == tensor.dtype and torch.equal(staged[name], tensor), name
+    assert second.layout == plan_layout(changed)
+    stager.release(second)
+    third = stager.stage({}, changed, step=3, wall_time=3.0)  # Now the same: reused.
+    assert [b.data_ptr() for b in third.buffers] == [b.data_ptr() for b in second.buffers]
+    assert all(torch.equal(third.tensors()[n], t) for n, t in changed.items())
+
+
 def test_buffer_starts_with_the_safetensors_header():
     snapshot = Stager().stage({}, {"w": torch.ones(2)}, step=None, wall_time=0.0)
     shard = snapshot.layout.shards[0]

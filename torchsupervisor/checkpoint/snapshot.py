@@ -271,6 +271,7 @@ class Stager:
         tail: Collection[str] = (),
         header_spare: int = 0,
         keep_sources: bool = True,
+        layout_key: Any = None,
     ) -> Snapshot:
         """Copy ``tensors`` into staging buffers and return the snapshot.
 
@@ -288,6 +289,9 @@ class Stager:
             tail, header_spare: See ``plan_layout`` (a sharded save's staging).
             keep_sources: Record each tensor and its version counter in ``sources`` (for a
                 later incremental snapshot); False: ``sources`` stays empty.
+            layout_key: What the tensors' names, dtypes and shapes are, where the caller
+                knows it more cheaply than by reading them: equal for two calls exactly when
+                those are equal. None: they are read from ``tensors``.
 
         Returns:
             A snapshot whose buffers hold the exact bytes of the shard files (with ``tail``,
@@ -311,7 +315,11 @@ class Stager:
         )
         on_gpu = not all(map(_is_cpu, tensors.values()))  # Not ``device``: a new object each.
         options = (max_shard_bytes, tuple(sorted(tail)), header_spare)
-        staging = self._take(_signature(tensors, *options), tensors, options, on_gpu)
+        if layout_key is None:
+            signature = _signature(tensors, *options)
+        else:
+            signature = (*options, layout_key)
+        staging = self._take(signature, tensors, options, on_gpu)
         if on_gpu or _foreach_copy is None:
             for name, dst in staging.destinations:
                 dst.copy_(tensors[name], non_blocking=on_gpu)
