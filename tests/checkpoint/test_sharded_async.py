@@ -198,7 +198,8 @@ def _outcome(save) -> str:
 def rank_alone_fails_rank(rank: int, world_size: int, directory: str) -> list[str]:
     """Errors met by rank 1 alone before the collective: a ``state_dict`` that raises
     (asynchronous save), a bad step (synchronous save), a dtype the format cannot hold
-    (found as the staging copies it); a save that works after each."""
+    (found as the staging copies it), a directory missing (asynchronous save: found by the
+    writer); a save that works after each."""
     model, optimizer = _build(0, world_size)
     _train_step(model, optimizer, 0)
     state = _state(model, optimizer, 1)
@@ -206,8 +207,12 @@ def rank_alone_fails_rank(rank: int, world_size: int, directory: str) -> list[st
     saver = Saver(state, max_to_keep=None)
     prefix = os.path.join(directory, "model.ckpt")
     outcomes = []
-    for step in (1, 2, 3, 4, 5, 6):
+    for step in (1, 2, 3, 4, 5, 6, 7, 8):
         state.pop("z", None)
+        if step == 7 and rank == 1:  # A directory not shared with rank 1, say.
+            future = saver.save_async(None, os.path.join(directory, "gone", "model.ckpt"), 7)
+            outcomes.append(_outcome(functools.partial(future.result, WAIT_SECS)))
+            continue
         if step == 5 and rank == 1:
             state["z"] = torch.zeros(2, dtype=torch.complex128)
         if step == 3:
@@ -225,16 +230,17 @@ def test_an_error_on_one_rank_before_the_collective_fails_that_save_on_every_ran
     save met the other's: one checkpoint was written from two steps' states (it verified),
     and every later save failed."""
     for outcomes in run_world(rank_alone_fails_rank, str(tmp_path)):
-        first, second, third, fourth, fifth, sixth = outcomes
+        first, second, third, fourth, fifth, sixth, seventh, eighth = outcomes
         assert (first, fourth, sixth) == ("model.ckpt-1", "model.ckpt-4", "model.ckpt-6")
+        assert "doesn't exist" in seventh and eighth == "model.ckpt-8", outcomes
         assert second.startswith("RuntimeError: the loader's worker died"), outcomes
         assert third.startswith("ValueError") and "-1" in third, outcomes
         assert fifth.startswith("TypeError") and "complex128" in fifth, outcomes
     names = _files(tmp_path)
-    failed = ("model.ckpt-2", "model.ckpt-3", "model.ckpt-5")
+    failed = ("model.ckpt-2", "model.ckpt-3", "model.ckpt-5", "model.ckpt-7")
     assert not [n for n in names if n.startswith(failed)], names
-    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-6")
-    CheckpointReader(str(tmp_path / "model.ckpt-6")).verify()
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-8")
+    CheckpointReader(str(tmp_path / "model.ckpt-8")).verify()
 
 
 def rank_saves_alone_rank(rank: int, world_size: int, directory: str) -> list[str]:

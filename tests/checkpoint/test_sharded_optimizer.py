@@ -97,6 +97,41 @@ def test_a_changed_parameter_set_asks_dcp_again(dcp_calls):
     assert list(renamed["state"]) == ["0.weight", "0.bias", "head.weight", "head.bias"]
 
 
+class _Tagged(torch.nn.Linear):
+    """A Linear of another class (FSDP2 changes a module's class the same way)."""
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["module wrapped", "parameters reordered", "module class", "children reordered", "replaced"],
+)
+def test_any_change_of_the_modules_asks_dcp_again(dcp_calls, change):
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    state = ShardedOptimizerState(model, optimizer)
+    _step(model, optimizer)
+    state.state_dict()
+    state.state_dict()
+    assert len(dcp_calls) == 1  # Nothing changed: remapped.
+    if change == "module wrapped":
+        model[0] = checkpoint_wrapper(model[0])  # The same parameters, deeper in the tree.
+    elif change == "parameters reordered":
+        model[2]._parameters["weight"] = model[2]._parameters.pop("weight")
+    elif change == "replaced":  # The optimizer's parameter is no longer the model's.
+        model[2].bias = torch.nn.Parameter(model[2].bias.detach().clone())
+        with pytest.raises(KeyError):  # What DCP raises: nothing is remapped silently.
+            state.state_dict()
+        assert len(dcp_calls) == 2
+        return
+    elif change == "module class":
+        model[2].__class__ = _Tagged
+    else:
+        model._modules["0"] = model._modules.pop("0")  # The same modules, in another order.
+    ours = state.state_dict()
+    assert len(dcp_calls) == 2, change
+    assert _same(ours, dcp_state_dict.get_optimizer_state_dict(model, optimizer))
+
+
 def test_explicit_options_always_ask_dcp(dcp_calls):
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
