@@ -33,9 +33,8 @@ from torchsupervisor.checkpoint.files import (
 )
 from torchsupervisor.checkpoint.restore import restore_state
 from torchsupervisor.checkpoint.retention import Keeper
-from torchsupervisor.checkpoint.sharded.collective import load_sharded
+from torchsupervisor.checkpoint.saver_sharded import ShardedSaves
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
-from torchsupervisor.checkpoint.sharded.staging import ShardedSave
 from torchsupervisor.checkpoint.snapshot import Snapshot
 from torchsupervisor.checkpoint.writers import SaveStats, SaveTarget, ShardedWriter, SnapshotWriter
 from torchsupervisor.core.checks import check_bool, check_int, check_number, check_str
@@ -44,7 +43,6 @@ from torchsupervisor.core.global_step import read_checkpoint_step, read_step
 from torchsupervisor.core.state import (
     select_state,
 )
-from torchsupervisor.distributed.env import on_every_rank, rank
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import BY_PATH, DirectoryLock, Storage
 
@@ -56,7 +54,7 @@ logger = logging.getLogger("torchsupervisor")
 _DEFAULT_SHARD_BYTES = 1 << 30
 
 
-class Saver:
+class Saver(ShardedSaves):
     """Save and restore the state as checkpoints, keeping the newest ``max_to_keep``.
 
     Args:
@@ -258,11 +256,7 @@ class Saver:
         start = time.perf_counter()
         state = self._state_for(sess)
         if self._is_sharded(state, sess):  # DTensors: a collective, every rank writes its part.
-            target, error = self._sharded_target(
-                save_path, global_step, latest_filename, write_state
-            )
-            self.last_save = self._sharded_writer.save(state, target, global_step, error)
-            return target.prefix
+            return self._save_sharded(state, save_path, global_step, latest_filename, write_state)
         target = self._target(save_path, global_step, latest_filename, write_state)
         snapshot = self._stage(state, target, global_step, check_dir=True)
         if snapshot is None:
@@ -308,12 +302,9 @@ class Saver:
         done: concurrent.futures.Future[str | None]
         state = self._state_for(sess)
         if self._is_sharded(state, sess):  # DTensors: local shards copied, written by all.
-            target, error = self._sharded_target(
-                save_path, global_step, latest_filename, write_state, check_dir=False
+            return self._save_async_sharded(
+                state, save_path, global_step, latest_filename, write_state, start
             )
-            save = self._sharded_writer.stage(state, target, global_step, error)
-            stall = time.perf_counter() - start
-            return self._engine.submit(self._persist_sharded, save, target, stall)
         target = self._target(save_path, global_step, latest_filename, write_state)
         # The directory is checked by the writer: a stat is not worth a stall.
         snapshot = self._stage(state, target, global_step, check_dir=False)
@@ -492,53 +483,6 @@ class Saver:
         logger.debug("Checkpoint %s: %s", target.prefix, self.last_save)
         return target.prefix
 
-    def _sharded_target(
-        self,
-        save_path: str,
-        global_step: Any,
-        latest_filename: str | None,
-        write_state: bool,
-        *,
-        check_dir: bool = True,
-    ) -> tuple[SaveTarget, Exception | None]:
-        """Where a sharded save goes, and what this rank found wrong before it (or None).
-
-        Waits for the save in flight first (one at a time), then (``check_dir``) checks the
-        directory and takes its lock (rank 0). An error is returned, not raised: this rank
-        still joins the collective, which raises it on every rank. A rank that raised alone
-        would leave the others waiting in the collective, then meet their next save with
-        this one.
-        """
-        self._engine.wait()
-        try:
-            target = self._target(save_path, global_step, latest_filename, write_state)
-        except Exception as e:  # No prefix: the save fails before anything is written.
-            return SaveTarget(save_path, save_path, latest_filename, write_state=False), e
-        return target, self._sharded_dir_error(target) if check_dir else None
-
-    def _sharded_dir_error(self, target: SaveTarget) -> Exception | None:
-        """What is wrong with a sharded save's directory on this rank: missing, or (rank 0)
-        locked by another process; None when nothing is. Takes the lock at the first save."""
-        try:
-            self._check_dir(target.save_path)
-            if rank() == 0:  # The other ranks write their shards under rank 0's lock.
-                self._lock_directory(target.save_path)
-        except Exception as e:
-            return e
-        return None
-
-    def _persist_sharded(self, save: ShardedSave, target: SaveTarget, stall_secs: float) -> str:
-        """Write a staged sharded save (on the writer thread; a collective of every rank).
-
-        The directory is checked here, not at the step boundary (a ``stat``, 0.1 ms of the
-        stall); what is wrong with it fails the save on every rank, in the collective.
-        """
-        if save.error is None:
-            save.error = self._sharded_dir_error(target)
-        self.last_save = self._sharded_writer.persist(save, target, stall_secs)
-        logger.debug("Checkpoint %s: %s", target.prefix, self.last_save)
-        return target.prefix
-
     def _check_dir(self, save_path: str) -> None:
         save_dir = os.path.dirname(save_path)
         if save_dir and not self._storage.accepts_objects(save_dir):
@@ -585,16 +529,12 @@ class Saver:
         self._engine.wait()
         found = checkpoint_exists(save_path) or self._storage.exists(save_path + ".index")
         state = self._state_for(sess)
-        sharded = self._is_sharded(state, sess)
-        if sharded and not on_every_rank(found):  # Else this rank alone would raise.
-            where = "" if not found else " (another rank cannot find it)"
-            raise ValueError(f"The passed save_path is not a valid checkpoint: {save_path}{where}")
+        if self._is_sharded(state, sess):  # A collective: every rank reads the chunks it needs.
+            self._restore_sharded(state, save_path, found)
+            return
         if not found:
             raise ValueError("The passed save_path is not a valid checkpoint: " + save_path)
         logger.info("Restoring parameters from %s", save_path)
-        if sharded:  # A collective: every rank reads the chunks it needs.
-            load_sharded(state, save_path, allow_missing=self._optional, storage=self._storage)
-            return
         restore_state(
             state,
             save_path,
