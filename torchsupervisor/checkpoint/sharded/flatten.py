@@ -95,10 +95,6 @@ class WalkMemo:
     def __init__(self) -> None:
         self._last: dict[str, _Leaves] = {}
 
-    def clear(self) -> None:
-        """Forget every mapping (the next walk visits everything)."""
-        self._last = {}
-
 
 def flatten_sharded_state(
     state: Mapping[str, Any],
