@@ -10,7 +10,8 @@ written is committed (or failed).
 Saves are incremental by default (unchanged frozen tensors are referenced, not copied), and a
 save is full whenever an incremental one would leave every kept checkpoint depending on one
 data file (``policy.may_reference``). A state holding ``DTensor`` s (FSDP2) is saved and
-restored by every rank together (``sharded/``); the writer is chosen once per state.
+restored by every rank together (``saver_sharded.py``, ``sharded/``); the writer is chosen
+once per state.
 
 TF name: ``tf.compat.v1.train.Saver``.
 """
