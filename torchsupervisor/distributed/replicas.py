@@ -324,7 +324,8 @@ class ReplicaGroup:
         else:
             size = torch.zeros(1, dtype=torch.int64, device=device)
         dist.broadcast(size, src)
-        if (error is not None) if chief else int(size.item()) < 0:
+        chief_failed = error is not None if chief else int(size.item()) < 0  # It sent -1.
+        if chief_failed:  # Nothing more is sent.
             if error is not None:
                 raise error
             raise AbortedError(

@@ -14,7 +14,6 @@ the next walk takes it at once while that mapping holds the same keys and the sa
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import operator
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from torchsupervisor.checkpoint.sharded.plan import dtensor_class
+from torchsupervisor.core.same_objects import Contents, contents, same_contents
 from torchsupervisor.core.state import (
     _PLAIN_TENSOR_TYPES,
     MAX_STATE_DEPTH,
@@ -42,11 +42,6 @@ _requires_grad = operator.attrgetter("requires_grad")
 _local_tensor = operator.attrgetter("_local_tensor")  # A DTensor's local shard, itself.
 
 
-def _chained_values(mappings: list[dict[Any, Any]]) -> Any:
-    """The values of ``mappings``, one mapping after the other (a pass in C)."""
-    return itertools.chain.from_iterable(map(dict.values, mappings))
-
-
 @dataclasses.dataclass(eq=False, slots=True)
 class _Leaves:
     """What one walk made of a mapping of leaves (at one state path), or of a mapping of
@@ -56,22 +51,17 @@ class _Leaves:
     (DTensors; plain tensors outside autograd), each tensor named by its path alone.
     """
 
-    keys: list[Any]
-    values: list[Any]
     out: dict[Any, Any]  # The skeleton's mapping.
+    contents: Contents | None = None  # Of the mapping, then of ``inner``.
     tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # In order.
     local: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # Their data.
     dtensors: list[Any] = dataclasses.field(default_factory=list)  # The DTensors, in order...
     shards: list[torch.Tensor] = dataclasses.field(default_factory=list)  # ... their shards.
     plain: list[torch.Tensor] = dataclasses.field(default_factory=list)  # The plain tensors.
-    # A mapping of mappings of leaves: the keys of those, the mappings, their records by
-    # path, and their keys, lengths and values one after the other.
+    # A mapping of mappings of leaves: the keys of those, the mappings, their records.
     inner_keys: list[Any] = dataclasses.field(default_factory=list)
     inner: list[dict[Any, Any]] = dataclasses.field(default_factory=list)
     records: dict[str, _Leaves] = dataclasses.field(default_factory=dict)
-    flat_keys: list[Any] = dataclasses.field(default_factory=list)
-    lengths: list[int] = dataclasses.field(default_factory=list)
-    flat_values: list[Any] = dataclasses.field(default_factory=list)
 
 
 class WalkMemo:
@@ -84,7 +74,8 @@ class WalkMemo:
     tensors' names must still be free in the table. So is a mapping of such mappings (one
     level), checked the same way, each pass over all of them at once. A value that is a new
     object (a float a scheduler assigned, a tensor replaced) makes the walk visit its
-    mapping again. A 1,008-tensor FSDP2 state: about 0.2 ms a save instead of 1.2 (2 ranks).
+    mapping again. A 1,008-tensor FSDP2 state (2 ranks, alternated in one process): 0.43-0.51
+    ms a walk instead of 1.7-2.1.
 
     Holds the objects of the last walk's mappings of leaves (the state's own tensors) until
     the next walk, which keeps only what it met.
@@ -257,21 +248,10 @@ def flatten_sharded_state(
         return out
 
     def same_leaves(obj: dict, known: _Leaves) -> bool:
-        # Each test a pass in C over the mapping (no Python step per value) but ``to_local``.
-        values = list(obj.values())
-        inner = known.inner  # The very same objects as ``values`` holds, once checked.
+        # Each test a pass in C (no Python step per value). The inner mappings are the very
+        # same objects as the mapping's values, once those are checked.
         return (
-            len(values) == len(known.values)
-            and all(map(operator.is_, values, known.values))
-            and list(obj) == known.keys
-            and (
-                not inner
-                or (
-                    list(map(len, inner)) == known.lengths
-                    and list(itertools.chain.from_iterable(inner)) == known.flat_keys
-                    and all(map(operator.is_, _chained_values(inner), known.flat_values))
-                )
-            )
+            same_contents([obj, *known.inner], known.contents)  # type: ignore[arg-type]
             and all(map(operator.is_, map(_local_tensor, known.dtensors), known.shards))
             and not any(map(_requires_grad, known.plain))
             and tensors.keys().isdisjoint(known.tensors)
@@ -282,8 +262,8 @@ def flatten_sharded_state(
         # mapping of leaves just recorded, and each tensor went into the table as it is,
         # under its path alone.
         assert local is not None  # With a memo.
-        leaves = _Leaves(list(obj), list(obj.values()), out)
-        for key, value in zip(leaves.keys, leaves.values):
+        leaves = _Leaves(out)
+        for key, value in obj.items():
             kind = type(value)
             if kind in _EXACT_PLAIN:
                 continue
@@ -293,17 +273,12 @@ def flatten_sharded_state(
                 if (
                     inner is None
                     or inner.inner  # One level only.
-                    or len(inner.values) != len(value)
-                    or not all(map(operator.is_, value.values(), inner.values))
-                    or list(value) != inner.keys
+                    or not same_contents([value], inner.contents)  # type: ignore[arg-type]
                 ):
                     return
                 leaves.inner_keys.append(key)
                 leaves.inner.append(value)
                 leaves.records[name] = inner
-                leaves.flat_keys.extend(inner.keys)
-                leaves.lengths.append(len(inner.values))
-                leaves.flat_values.extend(inner.values)
                 leaves.tensors.update(inner.tensors)
                 leaves.local.update(inner.local)
                 leaves.dtensors.extend(inner.dtensors)
@@ -323,6 +298,7 @@ def flatten_sharded_state(
                 return
             leaves.tensors[name] = value
             leaves.local[name] = local[name]
+        leaves.contents = contents([obj, *leaves.inner])
         met[path] = leaves
 
     with torch.no_grad():  # Once for the walk (entering it costs ~2 us a time).
