@@ -11,9 +11,11 @@ import errno
 import functools
 import os
 import threading
+import weakref
 
 import safetensors.torch
 import torch
+import torch.distributed as dist
 from test_sharded import REFERENCE, _build, _files, _full_tensors, _state, _train_step
 
 from torchsupervisor import CheckpointReader, Saver, latest_checkpoint
@@ -21,6 +23,7 @@ from torchsupervisor.checkpoint.sharded import writer as writer_module
 from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
 from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.writers import ShardedWriter
+from torchsupervisor.distributed import env
 from torchsupervisor.testing import FaultyStorage, run_world
 
 WAIT_SECS = 60.0
@@ -365,3 +368,30 @@ def test_a_save_keeps_the_live_parameters_and_lays_replicated_tensors_in_the_tai
         "same_names": True,
         "layout": (["replicated", "plain"], 64 + 2 * (2 + (2 + 2) + (2 + 2))),
     }
+
+
+def teardown_rank(rank: int, world_size: int, directory: str) -> dict:
+    """Two asynchronous saves (the second replays the first's plan), then the program ends
+    its process group while the saver object still exists, as a script's last lines do."""
+    model, optimizer = _build(0, world_size)
+    _train_step(model, optimizer, 0)
+    saver = Saver(var_list=_state(model, optimizer, 1), max_to_keep=1)
+    for step in (1, 2):
+        saver.save_async(None, os.path.join(directory, "model.ckpt"), global_step=step).result(
+            WAIT_SECS
+        )
+    saver.close()
+    background = weakref.ref(env.background_group())
+    replayed = saver._sharded_writer._plans.replayed
+    dist.destroy_process_group()
+    return {"replayed": replayed, "background_alive": background() is not None}
+
+
+def test_ending_the_process_group_ends_the_writers_group_too(tmp_path):
+    # A group that outlives destroy_process_group keeps its gloo threads until the
+    # interpreter's shutdown, where they can abort the process after a successful run
+    # ("terminate called without an active exception"). Neither the saver (its kept plan)
+    # nor the module's cache of the background group may hold it.
+    for result in run_world(teardown_rank, str(tmp_path)):
+        assert result["replayed"] == 1, result
+        assert not result["background_alive"], result

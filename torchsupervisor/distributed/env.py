@@ -128,7 +128,9 @@ def on_every_rank(flag: bool) -> bool:
     return bool(agreed.item())
 
 
-_BACKGROUND: list[tuple[Any, Any]] = []  # (default group, its background group), at most one.
+# (default group, its background group), at most one, held weakly: torch's registry keeps
+# both alive until ``destroy_process_group``, and nothing here may keep them beyond it.
+_BACKGROUND: list[tuple[weakref.ref[Any], weakref.ref[Any]]] = []
 
 
 def background_group() -> Any:
@@ -140,16 +142,24 @@ def background_group() -> Any:
     exists (a collective: every rank calls it at the same point of its program, e.g. the
     first asynchronous sharded save) and reused while that default group lives.
 
+    Only weak references are kept: ``destroy_process_group()`` ends both groups and their
+    gloo threads. A group still referenced after it would live on until the interpreter's
+    shutdown, and gloo's threads, releasing tensors then, could abort the process at exit
+    ("terminate called without an active exception") after a run that succeeded.
+
     Returns:
         The group, or None when no process group is initialized.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
     world = dist.group.WORLD
-    if _BACKGROUND and _BACKGROUND[0][0] is world:
-        return _BACKGROUND[0][1]
+    if _BACKGROUND:
+        world_ref, group_ref = _BACKGROUND[0]
+        group = group_ref()
+        if world_ref() is world and group is not None:
+            return group
     group = dist.new_group(backend="gloo")
-    _BACKGROUND[:] = [(world, group)]
+    _BACKGROUND[:] = [(weakref.ref(world), weakref.ref(group))]
     return group
 
 

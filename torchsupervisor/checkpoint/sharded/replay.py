@@ -23,7 +23,8 @@ failure on any rank still reaches every rank and commits nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,12 +64,24 @@ class _Kept:
 
     layout: tuple[Any, ...]
     held: tuple[Any, ...]  # The meshes, named in the layout by id.
-    group: Any  # Compared by identity (and so kept alive here).
+    group: Callable[[], Any]  # A weak reference (``_weak``): compared by identity.
     plan: Any  # This rank's final ``SavePlan``.
     world_size: int
     num_files: int
     tensors_metadata: dict[str, Any] | None  # The coordinator's global metadata.
     chunk_layout: Any  # The coordinator's ``writer.ChunkLayout`` (None on other ranks).
+
+
+def _weak(group: Any) -> Callable[[], Any]:
+    """A weak reference to ``group`` (None: the default group, or none at all).
+
+    A kept plan must not keep its process group alive: after ``destroy_process_group`` a
+    group still referenced lives on, with its gloo threads, until the interpreter's shutdown,
+    where those threads can abort the process (``env.background_group``).
+    """
+    if group is None:
+        return lambda: None
+    return weakref.ref(group)
 
 
 class _Resolver:
@@ -128,7 +141,7 @@ class PlanCache:
         self._kept = _Kept(
             layout=layout,
             held=tuple(held),
-            group=group,
+            group=_weak(group),
             plan=writer.final_plan,
             world_size=writer.world_size,
             num_files=writer.num_files,
@@ -162,7 +175,7 @@ class PlanCache:
         usable = (
             kept is not None
             and save.error is None
-            and kept.group is group
+            and kept.group() is group
             and kept.layout == layout_of(save.tensors)[0]
         )
 
