@@ -1,13 +1,16 @@
-"""``in_place_shard``: a rank's shard written from the staging buffer, and when it is not."""
+"""``in_place_shard``: a rank's shard written from the staging buffer, and when it is not;
+``ShardMemo``: the layout of the last one, for the next save of the very same chunks."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import crc32c
 import pytest
 import safetensors.torch
 import torch
 
-from torchsupervisor.checkpoint.sharded.in_place import in_place_shard
+from torchsupervisor.checkpoint.sharded.in_place import ShardMemo, in_place_shard, plan_in_place
 from torchsupervisor.checkpoint.snapshot import Stager
 
 
@@ -70,3 +73,55 @@ def test_the_writer_copies_everything_when_the_layout_does_not_allow_it(case):
     }[case]
     assert snapshot.layout.shards[0].entries[0][0] == "a"
     assert in_place_shard(snapshot, written) is None
+
+
+def test_a_layout_planned_once_writes_each_later_save_of_the_same_chunks(tmp_path):
+    state = {"a": torch.arange(10.0), "s": torch.tensor(7, dtype=torch.int64)}
+    stager = Stager()
+    snapshot = stager.stage(None, state, step=None, wall_time=0.0, tail=["s"], header_spare=256)
+    views = snapshot.tensors()
+    written = {"a[0:10]": views["a"], "s": views["s"]}
+    planned = plan_in_place(snapshot, written)
+    assert planned is not None
+    for value in (1.0, -2.5):  # New bytes in the same buffer, as the next save stages them.
+        views["a"].fill_(value)
+        views["s"].fill_(int(value * 10))
+        placed = planned.write(snapshot, written)
+        assert placed[:2] == in_place_shard(snapshot, written)[:2]  # As if planned anew.
+        loaded = safetensors.torch.load_file(str(_file(tmp_path, placed)))
+        assert torch.equal(loaded["a[0:10]"], torch.full((10,), value))
+        assert loaded["s"].item() == int(value * 10)
+        for name, entry in placed[0]:  # The CRCs are of this save's bytes.
+            data = loaded[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            assert entry.crc32c == crc32c.crc32c(data)
+
+
+@pytest.mark.parametrize("change", ["none", "plan", "table value", "table key", "buffer", "layout"])
+def test_the_shard_memo_gives_the_last_layout_only_for_the_very_same_chunks(change):
+    state = {"a": torch.arange(4.0), "b": torch.ones(2)}
+    snapshot = _staged(state)
+    views = snapshot.tensors()
+    table = {"a": object(), "b": object()}  # The staged table the chunks came from.
+    written = {"a": views["a"], "b": views["b"]}
+    planned = plan_in_place(snapshot, written)
+    plan, keys = object(), {"a": ("a", (0,)), "b": ("b", (0,))}
+    memo = ShardMemo()
+    memo.keep(plan, table, snapshot, written, keys, planned)
+    if change == "plan":
+        plan = object()  # DCP planned again (a plan of equal content is not the same plan).
+    elif change == "table value":
+        table = {"a": table["a"], "b": object()}
+    elif change == "table key":
+        table = {"b": table["b"], "a": table["a"]}
+    elif change == "buffer":  # Other buffers of the same layout (a second set, say).
+        snapshot = dataclasses.replace(snapshot, buffers=(snapshot.buffers[0].clone(),))
+    elif change == "layout":
+        snapshot = dataclasses.replace(snapshot, layout=dataclasses.replace(snapshot.layout))
+    taken = memo.take(plan, dict(table), snapshot)
+    if change == "none":
+        assert taken == (written, keys, planned) and memo.taken == 1
+        assert memo.take(plan, table, snapshot) is not None  # Kept for the save after.
+    else:
+        assert taken is None and memo.taken == 0
+        # Nothing is kept once it did not hold: its buffer is not held either.
+        assert memo.take(plan, table, snapshot) is None

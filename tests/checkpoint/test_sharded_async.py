@@ -50,15 +50,18 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
 
     ShardedWriter.persist = gated
     placed = []  # What each shard write found in place: (bytes in place, chunks copied after).
-    in_place_shard = writer_module.in_place_shard
+    plan_in_place = writer_module.plan_in_place
 
     def recorded(staged, tensors):
-        out = in_place_shard(staged, tensors)
-        end = out[0][-1][1].end if out else 0
-        placed.append(None if out is None else (out[2][0].nbytes, len(out[2]) - 1, end))
-        return out
+        planned = plan_in_place(staged, tensors)
+        if planned is None:
+            placed.append(None)
+            return None
+        out = planned.write(staged, tensors)
+        placed.append((out[2][0].nbytes, len(out[2]) - 1, out[0][-1][1].end))
+        return planned
 
-    writer_module.in_place_shard = recorded
+    writer_module.plan_in_place = recorded
     replayed = []  # Whether each save replayed the plan of the one before (replay.PlanCache).
     replay = PlanCache.replay
 
@@ -89,7 +92,7 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
     _train_step(model, optimizer, 5)
     assert second.result(WAIT_SECS).endswith("model.ckpt-5")
     saver.close()
-    writer_module.in_place_shard = in_place_shard
+    writer_module.plan_in_place = plan_in_place
     PlanCache.replay = replay
     # Restore each into fresh values: the state of its step, not the one changed after it.
     equal = []

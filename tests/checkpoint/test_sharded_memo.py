@@ -125,10 +125,13 @@ def test_the_walk_memo_gives_what_a_walk_from_scratch_gives():
     assert walked["key added"] == walked["key removed"] == ["optimizer/state", first_state]
 
 
-def stage_memo_rank(rank: int, world_size: int, directory: str) -> list[tuple[str, bool, bool]]:
+def stage_memo_rank(
+    rank: int, world_size: int, directory: str
+) -> list[tuple[str, bool, bool, bool]]:
     """Save asynchronously after each kind of change, training on while each save is written;
     read each checkpoint back whole and compare it with the state at its step. Also: whether
-    the staged table was the last save's."""
+    the staged table was the last save's, and whether the shard was written with the last
+    save's chunks and layout (``in_place.ShardMemo``)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from torchsupervisor import CheckpointReader
@@ -140,21 +143,23 @@ def stage_memo_rank(rank: int, world_size: int, directory: str) -> list[tuple[st
     state["extra"]["d"] = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
     saver = Saver(var_list=state, max_to_keep=None)
     memo = saver._sharded_writer._staged
+    shards = saver._sharded_writer._plans.shards
     save_path = os.path.join(directory, "model.ckpt")
     outcomes = []
 
     def save(label: str, step: int) -> None:
         state["global_step"] = step
         reference = _full_tensors(state)  # What the save must hold (a collective).
-        last = memo.last
+        last, taken = memo.last, shards.taken
         future = saver.save_async(None, save_path, global_step=step)
         reused = last is not None and memo.last is last
         _train_step(model, optimizer, step)  # Changes every value before the write ends.
         reader = CheckpointReader(future.result(WAIT_SECS))
+        reader.verify()  # Every byte against its CRC-32C.
         same = sorted(reader.read_tensors()) == sorted(reference) and all(
             torch.equal(reader.get_tensor(name), tensor) for name, tensor in reference.items()
         )
-        outcomes.append((label, same, reused))
+        outcomes.append((label, same, reused, shards.taken > taken))
 
     save("first", 1)
     save("second", 2)  # The same tensors: the staged table is the last save's.
@@ -176,11 +181,22 @@ def stage_memo_rank(rank: int, world_size: int, directory: str) -> list[tuple[st
 
 def test_the_stage_memo_saves_what_the_state_holds_at_each_step(tmp_path):
     for outcomes in run_world(stage_memo_rank, str(tmp_path)):
-        assert [same for _, same, _ in outcomes] == [True] * 7, outcomes
+        assert [same for _, same, _, _ in outcomes] == [True] * 7, outcomes
         # A swapped local tensor is copied from where it is now; its DTensor is the same.
-        assert {label for label, _, reused in outcomes if reused} == {
+        assert {label for label, _, reused, _ in outcomes if reused} == {
             "second",
             "third",
             "local swapped",
             "after the swap",
+        }, outcomes
+        # The writer took the last shard's chunks and layout where the plan was replayed and
+        # the staged table held the very same objects (the first replayed save only keeps
+        # them; a replaced state tensor is staged into the same buffer, under the same
+        # DTensor); a new placement is planned by DCP. Each checkpoint above is still the
+        # state of its step, every byte checked.
+        assert {label for label, _, _, took in outcomes if took} == {
+            "third",
+            "local swapped",
+            "after the swap",
+            "state replaced",
         }, outcomes

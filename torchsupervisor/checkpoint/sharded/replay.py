@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from torchsupervisor.checkpoint.sharded.in_place import ShardMemo
 from torchsupervisor.checkpoint.sharded.plan import dtensor_class
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave
 from torchsupervisor.distributed.env import communication_device
@@ -88,7 +89,7 @@ class _Resolver:
     """The part of DCP's planner that ``ShardedStorageWriter.write_data`` uses."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._tensors = tensors
+        self.tensors = tensors  # The staged table (``ShardMemo`` compares it).
         self._dtensor = dtensor_class()
 
     def resolve_data(self, item: Any) -> Any:
@@ -99,7 +100,7 @@ class _Resolver:
         was made, and the placements have not changed since (the layout is the plan's). DCP's
         own lookup takes 5 us a chunk, 1,000 a save.
         """
-        tensor = self._tensors.get(item.index.fqn)
+        tensor = self.tensors.get(item.index.fqn)
         if (
             tensor is not None
             and type(tensor) is self._dtensor
@@ -108,7 +109,7 @@ class _Resolver:
             return tensor.to_local()
         from torch.distributed.checkpoint.utils import find_state_dict_object
 
-        return find_state_dict_object(self._tensors, item.index)
+        return find_state_dict_object(self.tensors, item.index)
 
 
 class PlanCache:
@@ -127,13 +128,16 @@ class PlanCache:
     def __init__(self) -> None:
         self._kept: _Kept | None = None
         self.replayed = 0
+        self.shards = ShardMemo()  # This rank's last shard under the kept plan.
 
     def forget(self) -> None:
         """Drop the kept plan (after a failed save): the next save is planned by DCP."""
         self._kept = None
+        self.shards.forget()
 
     def remember(self, save: ShardedSave, writer: Any, group: Any) -> None:
         """Keep the plan of ``save``, just committed through DCP by ``writer``."""
+        self.shards.forget()  # Of an older plan.
         if writer.final_plan is None or (writer.is_coordinator and writer.tensors_metadata is None):
             self._kept = None
             return
@@ -187,6 +191,7 @@ class PlanCache:
         flag = torch.tensor([1 if usable else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         if not flag.item():
+            self.shards.forget()  # Its chunks' buffers go with it.
             return None  # Some rank's layout changed (or it has no plan): DCP plans.
         assert kept is not None
         if wrapper.is_coordinator:
@@ -197,11 +202,13 @@ class PlanCache:
         coordinator = 0 if group is None else dist.get_global_rank(group, 0)
         dist.broadcast(flag, src=coordinator, group=group)
         if not flag.item():
+            self.shards.forget()
             return None
         if not wrapper.is_coordinator:
             writer.adopt_global_plan(kept.world_size, kept.num_files)
         self.replayed += 1
         writer.previous_layout = kept.chunk_layout
+        writer.shard_memo = self.shards
         resolver = _Resolver(save.tensors)
 
         def write() -> Any:

@@ -44,7 +44,7 @@ from torchsupervisor.checkpoint.sharded.common import (
     RememberErrors,
     chunk_key,
 )
-from torchsupervisor.checkpoint.sharded.in_place import in_place_shard
+from torchsupervisor.checkpoint.sharded.in_place import ShardMemo, plan_in_place
 from torchsupervisor.checkpoint.sharded.metadata import (
     ChunkEntry,
     ShardedManifest,
@@ -291,6 +291,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         self.tensors_metadata: dict[str, Any] | None = None
         self.chunk_layout: ChunkLayout | None = None
         self.previous_layout: ChunkLayout | None = None
+        self.shard_memo: ShardMemo | None = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record this rank's role and rank (DCP passes ``rank=``)."""
@@ -410,19 +411,22 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             return PackedWrite(None, None, [])
 
     def _write_shard(self, plan: SavePlan, planner: Any, assignment: _Assignment) -> PackedWrite:
-        tensors: dict[str, torch.Tensor] = {}
-        keys: dict[str, ChunkKey] = {}
-        for item in plan.items:
-            key = chunk_key(item.index)
-            name = assignment.names[key]
-            data = planner.resolve_data(item)
-            if not isinstance(data, torch.Tensor):
-                raise TypeError(f"Cannot save {item.index.fqn!r}: it is not a tensor")
-            tensors[name] = data.detach()
-            keys[name] = key
+        memo, table = self.shard_memo, getattr(planner, "tensors", None)
+        kept = None if memo is None or table is None else memo.take(plan, table, self._staged)
+        if kept is not None:  # The chunks and layout of the last save's shard hold.
+            tensors, keys, in_place = kept
+        else:
+            tensors, keys = self._chunks(plan, planner, assignment)
+            in_place = None if self._staged is None else plan_in_place(self._staged, tensors)
+            if memo is not None and table is not None and in_place is not None:
+                assert self._staged is not None
+                memo.keep(plan, table, self._staged, tensors, keys, in_place)
         assert assignment.file_index is not None
         final = data_filename(self._prefix, assignment.file_index, assignment.num_files)
-        placed = None if self._staged is None else in_place_shard(self._staged, tensors)
+        placed = None
+        if in_place is not None:
+            assert self._staged is not None
+            placed = in_place.write(self._staged, tensors)
         snapshot = None
         if placed is None:  # Every chunk copied into a shard of its own.
             snapshot = self._stager.stage(None, tensors, step=None, wall_time=self._wall_time)
@@ -443,6 +447,22 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             (*keys[name], name, e.dtype, e.shape, e.begin, e.end, e.crc32c) for name, e in entries
         ]
         return PackedWrite(shard, assignment.file_index, rows)
+
+    def _chunks(
+        self, plan: SavePlan, planner: Any, assignment: _Assignment
+    ) -> tuple[dict[str, torch.Tensor], dict[str, ChunkKey]]:
+        """The plan's chunks by entry name (resolved by ``planner``), and their keys."""
+        tensors: dict[str, torch.Tensor] = {}
+        keys: dict[str, ChunkKey] = {}
+        for item in plan.items:
+            key = chunk_key(item.index)
+            name = assignment.names[key]
+            data = planner.resolve_data(item)
+            if not isinstance(data, torch.Tensor):
+                raise TypeError(f"Cannot save {item.index.fqn!r}: it is not a tensor")
+            tensors[name] = data.detach()
+            keys[name] = key
+        return tensors, keys
 
     def _persist(self, final: str, parts: list[memoryview]) -> None:
         try:
