@@ -9,6 +9,8 @@ Between two saves of a training run the state is mostly the very same objects: a
 state dict with ``keep_vars`` holds its parameters themselves, an optimizer's state dict its
 state tensors. ``WalkMemo`` keeps what the last walk made of each mapping of leaves, and
 the next walk takes it at once while that mapping holds the same keys and the same objects.
+It also keeps each module's state dict (``module_memo.ModuleStateMemo``), taken again while
+the module is made of the very same objects.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchsupervisor.checkpoint.sharded.module_memo import ModuleStateMemo
 from torchsupervisor.checkpoint.sharded.plan import dtensor_class
 from torchsupervisor.core.same_objects import Contents, contents, same_contents
 from torchsupervisor.core.state import (
@@ -85,6 +88,7 @@ class WalkMemo:
 
     def __init__(self) -> None:
         self._last: dict[str, _Leaves] = {}
+        self.modules = ModuleStateMemo()  # The modules' state dicts.
 
 
 def flatten_sharded_state(
@@ -201,6 +205,8 @@ def flatten_sharded_state(
             return tuple(walk(value, f"{path}/{i}", deeper) for i, value in enumerate(obj))
         # A stateful object stands for its state dict, at its own depth.
         if keep_vars and isinstance(obj, torch.nn.Module):
+            if memo is not None:
+                return walk(memo.modules.state_dict(obj, path), path, depth)
             return walk(obj.state_dict(keep_vars=True), path, depth)
         state_dict = getattr(obj, "state_dict", None)
         if callable(state_dict):
@@ -301,8 +307,11 @@ def flatten_sharded_state(
         leaves.contents = contents([obj, *leaves.inner])
         met[path] = leaves
 
+    if memo is not None:
+        memo.modules.begin_walk()
     with torch.no_grad():  # Once for the walk (entering it costs ~2 us a time).
         skeleton = {key: walk(value, key, 0) for key, value in state_entries(state)}
     if memo is not None:
         memo._last = met  # Only what this walk met: nothing older is kept alive.
+        memo.modules.end_walk()
     return skeleton, tensors
