@@ -177,6 +177,27 @@ def test_a_changed_layout_on_any_rank_is_planned_again(tmp_path):
         assert counts == [0, 1, 1, 1, 2]
 
 
+def same_object_rank(rank: int, world_size: int, directory: str) -> tuple[list[int], str]:
+    """Unstaged saves of the very same tensor objects; then one of them changes dtype in
+    place (``.data`` assigned, as ``module.half()`` does): that save is planned again."""
+    state = {"a": torch.arange(4.0), "b": torch.ones(2, dtype=torch.int64)}
+    plans, counts = PlanCache(), []
+    for step in (1, 2):
+        _save(state, directory, step, plans)
+        counts.append(plans.replayed)
+    state["a"].data = state["a"].data.to(torch.float64)
+    manifest = ShardedManifest.from_bytes(_save(state, directory, 3, plans))
+    counts.append(plans.replayed)
+    if rank == 0:
+        CheckpointReader(os.path.join(directory, "model.ckpt-3")).verify()
+    return counts, str(manifest.tensors["a"].dtype)
+
+
+def test_a_tensor_that_changed_dtype_in_place_is_planned_again(tmp_path):
+    for counts, dtype in run_world(same_object_rank, str(tmp_path)):
+        assert counts == [0, 1, 1] and dtype == "torch.float64", (counts, dtype)
+
+
 def fail_rank(
     rank: int, world_size: int, directory: str, operation: str, path_contains: str, on_rank: int
 ) -> tuple[str, str, int, int]:

@@ -145,7 +145,7 @@ class PlanCache:
         if writer.final_plan is None or (writer.is_coordinator and writer.tensors_metadata is None):
             self._kept = None
             return
-        layout, held = self._layout_of(save.tensors)
+        layout, held = self._layout_of(save)
         self._kept = _Kept(
             layout=layout,
             held=tuple(held),
@@ -157,16 +157,21 @@ class PlanCache:
             chunk_layout=writer.chunk_layout,
         )
 
-    def _layout_of(self, tensors: Mapping[str, Any]) -> tuple[tuple[Any, ...], list[Any]]:
-        """``layout_of(tensors)``, the last answer while the table holds the very same
-        objects: the staging reuses its tensors over the copies (``staging.StageMemo``), whose
-        dtypes, shapes, placements and meshes are its own and never change (1 ms a save of
-        1,000 tensors on the writer thread, holding the GIL)."""
+    def _layout_of(self, save: ShardedSave) -> tuple[tuple[Any, ...], list[Any]]:
+        """``layout_of(save.tensors)``; for a staged save, the last answer while its table
+        holds the very same objects (1 ms a save of 1,000 tensors on the writer thread,
+        holding the GIL). Those are the staging's own tensors over the copies, reused while
+        nothing changed (``staging.StageMemo``), whose dtypes, shapes, placements and meshes
+        never change. Not so a live tensor: ``t.data = t.data.half()`` changes the dtype of
+        the same object, so an unstaged (synchronous) save is always laid out anew."""
+        if save.snapshot is None:
+            self._laid_out = None
+            return layout_of(save.tensors)
         laid_out = self._laid_out
-        if laid_out is not None and same_contents([tensors], laid_out[0]):
+        if laid_out is not None and same_contents([save.tensors], laid_out[0]):
             return laid_out[1]
-        answer = layout_of(tensors)
-        self._laid_out = (contents([tensors]), answer)
+        answer = layout_of(save.tensors)
+        self._laid_out = (contents([save.tensors]), answer)
         return answer
 
     def replay(self, save: ShardedSave, writer: Any, group: Any) -> Any:
@@ -196,7 +201,7 @@ class PlanCache:
             kept is not None
             and save.error is None
             and kept.group() is group
-            and kept.layout == self._layout_of(save.tensors)[0]
+            and kept.layout == self._layout_of(save)[0]
         )
 
         # Two one-number collectives (DCP's pickled gather and scatter cost 3 times more):
