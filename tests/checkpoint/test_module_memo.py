@@ -144,7 +144,7 @@ def test_a_module_not_met_by_a_walk_is_let_go():
     memo.begin_walk()
     memo.state_dict(model, "model")  # Called again, and recorded again.
     memo.end_walk()
-    assert memo.taken == 0 and memo._last["model"].modules[0] is model
+    assert memo.taken == 0 and memo._last["model"].tree.modules[0] is model
 
 
 def fsdp2_rank(rank: int, world_size: int) -> list[tuple[str, bool, bool]]:

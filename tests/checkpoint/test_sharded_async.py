@@ -19,7 +19,7 @@ import torch.distributed as dist
 from test_sharded import REFERENCE, _build, _files, _full_tensors, _state, _train_step
 
 from torchsupervisor import CheckpointReader, Saver, latest_checkpoint
-from torchsupervisor.checkpoint.sharded import writer as writer_module
+from torchsupervisor.checkpoint.sharded.in_place import InPlaceShard
 from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
 from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.writers import ShardedWriter
@@ -50,18 +50,14 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
 
     ShardedWriter.persist = gated
     placed = []  # What each shard write found in place: (bytes in place, chunks copied after).
-    plan_in_place = writer_module.plan_in_place
+    write = InPlaceShard.write
 
-    def recorded(staged, tensors):
-        planned = plan_in_place(staged, tensors)
-        if planned is None:
-            placed.append(None)
-            return None
-        out = planned.write(staged, tensors)
+    def recorded(self, staged, tensors):
+        out = write(self, staged, tensors)
         placed.append((out[2][0].nbytes, len(out[2]) - 1, out[0][-1][1].end))
-        return planned
+        return out
 
-    writer_module.plan_in_place = recorded
+    InPlaceShard.write = recorded
     replayed = []  # Whether each save replayed the plan of the one before (replay.PlanCache).
     replay = PlanCache.replay
 
@@ -92,7 +88,7 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
     _train_step(model, optimizer, 5)
     assert second.result(WAIT_SECS).endswith("model.ckpt-5")
     saver.close()
-    writer_module.plan_in_place = plan_in_place
+    InPlaceShard.write = write
     PlanCache.replay = replay
     # Restore each into fresh values: the state of its step, not the one changed after it.
     equal = []

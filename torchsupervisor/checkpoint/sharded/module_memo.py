@@ -34,22 +34,61 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.core.same_objects import Contents, contents, same_contents
+from torchsupervisor.core.same_objects import contents, same_contents
 
-__all__ = ["ModuleStateMemo"]
+__all__ = ["NAME_PARTS", "STATE_PARTS", "ModuleStateMemo", "ModuleTree"]
 
 _Module = torch.nn.Module
 _OWN_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
 _FSDP2_HOOK_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 
-# What a module's state dict depends on, besides its class and non-persistent buffer names.
-_PARTS: tuple[Callable[[Any], Any], ...] = tuple(
-    map(
-        operator.attrgetter,
-        ("_modules", "_parameters", "_buffers", "_state_dict_pre_hooks", "_state_dict_hooks"),
-    )
+Part = Callable[[Any], Any]
+"""A module's mapping that a ``ModuleTree`` compares (``operator.attrgetter("_modules")``)."""
+
+NAME_PARTS: tuple[Part, ...] = tuple(map(operator.attrgetter, ("_modules", "_parameters")))
+"""What a parameter's name depends on (with the modules' classes)."""
+
+STATE_PARTS: tuple[Part, ...] = NAME_PARTS + tuple(
+    map(operator.attrgetter, ("_buffers", "_state_dict_pre_hooks", "_state_dict_hooks"))
 )
+"""What a module's state dict depends on, besides its classes and non-persistent buffers."""
+
 _non_persistent = operator.attrgetter("_non_persistent_buffers_set")
+
+
+def _gather(modules: list[Any], parts: tuple[Part, ...]) -> list[Any]:
+    return list(itertools.chain.from_iterable(map(part, modules) for part in parts))
+
+
+class ModuleTree:
+    """A module's reachable modules as they were at one call: each one's class and, compared
+    by object identity, what the ``parts`` of each held.
+
+    ``same`` tells in a few passes in C whether the module is still made of the very same
+    objects: from the module, each reachable module holds the very same children under the
+    same names (so the modules reached are the same, one level after the other), of the same
+    class (FSDP2 changes a module's class), and the very same values in its other parts.
+    With ``NAME_PARTS``, 0.08 ms for 190 modules, where ``named_parameters`` takes 0.2-0.4.
+
+    Args:
+        module: The module as it is now.
+        parts: The mappings compared; the first must be ``_modules``.
+    """
+
+    def __init__(self, module: Any, parts: tuple[Part, ...]) -> None:
+        self.modules = list(module.modules())  # Held: their ids stay theirs.
+        self.types = list(map(type, self.modules))
+        self._parts = parts
+        self._held = contents(_gather(self.modules, parts))
+
+    def same(self, module: Any) -> bool:
+        """Whether ``module`` is still made of the very same objects."""
+        modules = self.modules
+        return (
+            modules[0] is module
+            and list(map(type, modules)) == self.types
+            and same_contents(_gather(modules, self._parts), self._held)
+        )
 
 
 @functools.cache
@@ -66,44 +105,29 @@ def _known_pre_hook(hook: Any) -> bool:
     )
 
 
-def _parts(modules: list[Any]) -> list[Any]:
-    return list(itertools.chain.from_iterable(map(part, modules) for part in _PARTS))
-
-
 @dataclasses.dataclass(eq=False, slots=True)
 class _Record:
     """One module's reachable modules as they were after a real ``state_dict`` call."""
 
-    modules: list[Any]  # Held: their ids stay theirs.
-    types: list[type]
-    parts: Contents
+    tree: ModuleTree
     non_persistent: list[set[str]]  # Copies.
     result: dict[str, Any] | None  # None: not a function of the above alone.
 
     @classmethod
     def of(cls, module: Any, result: dict[str, Any]) -> _Record:
-        modules = list(module.modules())
-        types = list(map(type, modules))
-        plain = all(map(_plain_class, set(types))) and all(
+        tree = ModuleTree(module, STATE_PARTS)
+        plain = all(map(_plain_class, set(tree.types))) and all(
             not m._state_dict_hooks and all(map(_known_pre_hook, m._state_dict_pre_hooks.values()))
-            for m in modules
+            for m in tree.modules
         )
-        return cls(
-            modules,
-            types,
-            contents(_parts(modules)),
-            [set(s) for s in map(_non_persistent, modules)],
-            result if plain else None,
-        )
+        non_persistent = [set(s) for s in map(_non_persistent, tree.modules)]
+        return cls(tree, non_persistent, result if plain else None)
 
     def holds(self, module: Any) -> bool:
         """Whether ``module`` is still made of the very same objects."""
-        modules = self.modules
         return (
-            modules[0] is module
-            and list(map(type, modules)) == self.types
-            and same_contents(_parts(modules), self.parts)
-            and list(map(_non_persistent, modules)) == self.non_persistent
+            self.tree.same(module)
+            and list(map(_non_persistent, self.tree.modules)) == self.non_persistent
         )
 
 
@@ -126,13 +150,12 @@ class ModuleStateMemo:
     def state_dict(self, module: Any, path: str) -> dict[str, Any]:
         """``module.state_dict(keep_vars=True)``, or the last call's result where it holds."""
         record = self._last.get(path)
-        if record is not None and record.result is not None and record.holds(module):
+        if record is not None and record.holds(module):
             self._met[path] = record
-            self.taken += 1
-            return record.result
-        if record is not None and record.result is None and record.holds(module):
-            self._met[path] = record  # Still not memoizable: no new record to make.
-            return module.state_dict(keep_vars=True)
+            if record.result is not None:
+                self.taken += 1
+                return record.result
+            return module.state_dict(keep_vars=True)  # Still not a function of the tree.
         result = module.state_dict(keep_vars=True)
         self._met[path] = _Record.of(module, result)
         return result

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.core.same_objects import contents, same_contents
+from torchsupervisor.checkpoint.sharded.module_memo import NAME_PARTS, ModuleTree
 
 __all__ = ["ShardedOptimizerState", "dtensor_class", "is_sharded"]
 
@@ -102,38 +102,6 @@ class ShardedOptimizerState:
             )
 
 
-class _ModuleTree:
-    """A model's modules, their children and their parameters, as they were at one call.
-
-    ``same`` tells, in a few passes in C over every module's ``_modules`` and
-    ``_parameters`` (0.08 ms for 190 modules, where ``named_parameters`` takes 0.2-0.4 ms),
-    whether anything a parameter's name depends on may have changed: from the model, each
-    module held the very same children and parameters under the same names, in the same
-    order, and is of the same class (FSDP2 changes a module's class). The model's modules
-    reached from it are then the same too, one level after the other.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.modules = list(model.modules())  # Held: their ids stay theirs.
-        self.types = list(map(type, self.modules))
-        self.children = contents(list(map(_children_of, self.modules)))
-        self.parameters = contents(list(map(_parameters_of, self.modules)))
-
-    def same(self, model: torch.nn.Module) -> bool:
-        """Whether ``model`` is still made of the very same modules and parameters."""
-        modules = self.modules
-        return (
-            modules[0] is model
-            and list(map(type, modules)) == self.types
-            and same_contents(list(map(_children_of, modules)), self.children)
-            and same_contents(list(map(_parameters_of, modules)), self.parameters)
-        )
-
-
-_children_of = operator.attrgetter("_modules")
-_parameters_of = operator.attrgetter("_parameters")
-
-
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Any]:
     return list(itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups))
 
@@ -144,13 +112,13 @@ class _ParamNames:
     DCP names a parameter after the model's module path, less the wrappers' parts
     (``torch.compile``, activation checkpointing). The names are a function of the model's
     modules and parameters and of the optimizer's parameter list; both are compared, by
-    object identity, at every call (``_ModuleTree``: 0.08 ms for 190 modules).
+    object identity, at every call (``module_memo.ModuleTree``: 0.08 ms for 190 modules).
     ``learn`` keeps the names only if remapping ``optimizer.state_dict()`` with them gives
     exactly what DCP returned (the same keys in the same order, the same state objects): not
     so for FSDP1's flattened parameters or a flattened optimizer state, which stay with DCP.
     """
 
-    def __init__(self, params: list[Any], tree: _ModuleTree, names: list[str]) -> None:
+    def __init__(self, params: list[Any], tree: ModuleTree, names: list[str]) -> None:
         self._params = params  # Held: their ids stay theirs.
         self._tree = tree
         self._names = names
@@ -169,7 +137,7 @@ class _ParamNames:
             return None
         if len(names) != len(params) or not all(isinstance(n, str) for n in names):
             return None
-        learnt = cls(params, _ModuleTree(model), names)
+        learnt = cls(params, ModuleTree(model, NAME_PARTS), names)
         remapped = learnt._remap(optimizer.state_dict())
         try:
             same = remapped is not None and _identical(remapped, result)

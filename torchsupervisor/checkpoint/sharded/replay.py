@@ -141,7 +141,8 @@ class PlanCache:
 
     def remember(self, save: ShardedSave, writer: Any, group: Any) -> None:
         """Keep the plan of ``save``, just committed through DCP by ``writer``."""
-        self.shards.forget()  # Of an older plan.
+        # The shard of an older plan: every save DCP plans ends here or in ``forget``.
+        self.shards.forget()
         if writer.final_plan is None or (writer.is_coordinator and writer.tensors_metadata is None):
             self._kept = None
             return
@@ -212,7 +213,6 @@ class PlanCache:
         flag = torch.tensor([1 if usable else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         if not flag.item():
-            self.shards.forget()  # Its chunks' buffers go with it.
             return None  # Some rank's layout changed (or it has no plan): DCP plans.
         assert kept is not None
         if wrapper.is_coordinator:
@@ -223,7 +223,6 @@ class PlanCache:
         coordinator = 0 if group is None else dist.get_global_rank(group, 0)
         dist.broadcast(flag, src=coordinator, group=group)
         if not flag.item():
-            self.shards.forget()
             return None
         if not wrapper.is_coordinator:
             writer.adopt_global_plan(kept.world_size, kept.num_files)
