@@ -192,9 +192,9 @@ def _local_shards(state: dict[str, Any]) -> list[Any]:
     """The tensors a save of ``state`` copies on this rank: each DTensor's local shard."""
     from torch.distributed.tensor import DTensor
 
-    from torchsupervisor.checkpoint.sharded.flatten import flatten_sharded_state
+    from torchsupervisor.checkpoint.walk import walk_state
 
-    _, tensors = flatten_sharded_state(state)
+    _, tensors = walk_state(state)
     return [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]
 
 

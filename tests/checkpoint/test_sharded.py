@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from torchsupervisor import CheckpointReader, Saver, get_checkpoint_state, latest_checkpoint
 from torchsupervisor.checkpoint.sharded.collective import load_sharded, save_sharded
-from torchsupervisor.checkpoint.sharded.flatten import flatten_sharded_state
 from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState, is_sharded
+from torchsupervisor.checkpoint.walk import walk_state
 from torchsupervisor.core.state import MAX_STATE_DEPTH
 from torchsupervisor.errors import CorruptCheckpointError
 from torchsupervisor.testing import FaultyStorage, run_world
@@ -61,7 +61,7 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) 
 
 
 def _full_tensors(state: dict) -> dict[str, torch.Tensor]:
-    _, tensors = flatten_sharded_state(state)
+    _, tensors = walk_state(state)
     out = {}
     for name in sorted(tensors):  # The same order on every rank: full_tensor is a collective.
         tensor = tensors[name]

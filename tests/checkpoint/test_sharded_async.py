@@ -322,14 +322,14 @@ def flatten_rank(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from torchsupervisor.checkpoint.sharded.flatten import flatten_sharded_state
     from torchsupervisor.checkpoint.sharded.staging import _in_place_layout
+    from torchsupervisor.checkpoint.walk import walk_state
 
     model, optimizer = _build(0, world_size)
     state = {**_state(model, optimizer, 3), "head": torch.nn.Linear(2, 2)}  # Not sharded.
     params = {f"model/{n}": p for n, p in model.named_parameters()}
-    _, kept = flatten_sharded_state(state, keep_vars=True)
-    _, detached = flatten_sharded_state(state)
+    _, kept = walk_state(state, keep_vars=True)
+    _, detached = walk_state(state)
     optimizer_state = {id(t) for s in optimizer.state.values() for t in s.values()}
     plain = {n: t for n, t in kept.items() if not isinstance(t, DTensor)}
     mesh = init_device_mesh("cpu", (world_size,))

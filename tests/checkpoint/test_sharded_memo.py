@@ -54,7 +54,7 @@ def walk_memo_rank(rank: int, world_size: int) -> list[tuple[str, list[str], lis
 
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from torchsupervisor.checkpoint.sharded.flatten import WalkMemo, flatten_sharded_state
+    from torchsupervisor.checkpoint.walk import WalkMemo, walk_state
 
     model, optimizer = _build(0, world_size)
     _train_step(model, optimizer, 0)
@@ -70,8 +70,8 @@ def walk_memo_rank(rank: int, world_size: int) -> list[tuple[str, list[str], lis
         before = dict(memo._last)
         local: dict = {}
         fresh_local: dict = {}
-        ours = flatten_sharded_state(state, keep_vars=True, local=local, memo=memo)
-        fresh = flatten_sharded_state(state, keep_vars=True, local=fresh_local)
+        ours = walk_state(state, keep_vars=True, local=local, memo=memo)
+        fresh = walk_state(state, keep_vars=True, local=fresh_local)
         walked = sorted(p for p, leaves in memo._last.items() if before.get(p) is not leaves)
         detached = {"loose/b"} if extra["b"].requires_grad else set()
         outcomes.append((label, _same_walk(ours, fresh, local, fresh_local, detached), walked))

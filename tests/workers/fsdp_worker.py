@@ -41,8 +41,8 @@ from torch.distributed.tensor import DTensor
 from worker_exit import run_and_exit
 
 import torchsupervisor as ts
-from torchsupervisor.checkpoint.sharded.flatten import flatten_sharded_state
 from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState
+from torchsupervisor.checkpoint.walk import walk_state
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.errors import OutOfRangeError
 from torchsupervisor.testing import FaultyStorage
@@ -56,7 +56,7 @@ def say(line: str) -> None:
 
 def digest(state: dict) -> str:
     """SHA-256 of the full tensors of ``state`` (a collective: every rank calls it)."""
-    _, tensors = flatten_sharded_state(state)
+    _, tensors = walk_state(state)
     h = hashlib.sha256()
     for name in sorted(tensors):
         tensor = tensors[name]

@@ -35,7 +35,6 @@ from torchsupervisor.checkpoint.engine import CheckpointEngine
 from torchsupervisor.checkpoint.incremental import StaleReferenceError
 from torchsupervisor.checkpoint.retention import Keeper
 from torchsupervisor.checkpoint.sharded.collective import write_sharded
-from torchsupervisor.checkpoint.sharded.flatten import WalkMemo
 from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.sharded.staging import (
     ShardedSave,
@@ -45,8 +44,8 @@ from torchsupervisor.checkpoint.sharded.staging import (
     stage,
 )
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
+from torchsupervisor.checkpoint.walk import WalkMemo, walk_state
 from torchsupervisor.core.clock import Clock
-from torchsupervisor.core.state import flatten_state
 from torchsupervisor.distributed.env import background_group, rank, world_size
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import Storage
@@ -122,15 +121,31 @@ class SnapshotWriter:
         self.stager = Stager()
         self.engine = CheckpointEngine()
         self.cancel = threading.Event()
+        self._memo = WalkMemo()  # What the last save's walk made of the state, reused.
 
     def _record(self, target: SaveTarget) -> None:
         if target.write_state:
             self._keeper.record_and_sweep(target.prefix, target.save_path, target.latest_filename)
 
     def flatten(self, state: Mapping[str, Any]) -> tuple[Any, dict[str, Any], set[str]]:
-        """Flatten ``state``: its skeleton, its tensors, and the names of the frozen ones."""
+        """Flatten ``state``: its skeleton, its tensors, and the names of the frozen ones.
+
+        The tensors are the live ones, parameters included (undetached: ``stage`` copies
+        them under ``no_grad``), so the walk takes again what it made of the last save's
+        state where nothing changed (``WalkMemo``).
+
+        Raises:
+            What ``state.flatten_state`` raises (``ShardedStateError`` for a DTensor).
+        """
         frozen: set[str] = set()
-        skeleton, tensors = flatten_state(state, frozen=frozen if self._incremental else None)
+        skeleton, tensors = walk_state(
+            state,
+            keep_vars=True,
+            memo=self._memo,
+            sharded=False,
+            detach=False,
+            frozen=frozen if self._incremental else None,
+        )
         return skeleton, tensors, frozen
 
     def stage(

@@ -38,6 +38,7 @@ __all__ = [
     "TensorSpec",
     "check_saveable",
     "flatten_state",
+    "frozen_among",
     "is_materialized",
     "iter_state_tensors",
     "not_saveable",
@@ -174,7 +175,7 @@ def flatten_state(
     tensors: dict[str, torch.Tensor] = {}
     track = frozen is not None
     candidates: list[str] = []  # Frozen unless they share memory with a volatile tensor.
-    volatile: set[tuple[int, int] | None] = set()
+    stateful: list[Any] = []  # The modules and optimizers met (what makes tensors volatile).
 
     def add_tensor(path: str, tensor: torch.Tensor, ndarray: bool, origin: int) -> TensorRef:
         name, k = path, 0
@@ -216,11 +217,10 @@ def flatten_state(
             raise ShardedStateError(path)
         if track and not isinstance(obj, (torch.Tensor, np.ndarray, Mapping, list, tuple)):
             if isinstance(obj, torch.nn.Module):
-                volatile.update(_module_volatile_storages(obj))
+                stateful.append(obj)
                 origin = _MODULE
             elif callable(getattr(obj, "state_dict", None)):
-                if isinstance(obj, torch.optim.Optimizer):
-                    volatile.update(_optimizer_volatile_storages(obj))
+                stateful.append(obj)
                 origin = _OTHER
         obj = _children(obj)
         if isinstance(obj, torch.Tensor):
@@ -255,14 +255,41 @@ def flatten_state(
         raise not_saveable(path, obj)
 
     skeleton = {key: walk(value, key, _BARE) for key, value in state_entries(state)}
-    # A volatile tensor whose memory is unknown (a trainable wrapper subclass) may share it
-    # with any candidate: then nothing is provably frozen.
-    if frozen is not None and None not in volatile:
-        for name in candidates:
-            key = _storage_key(tensors[name])
-            if key is not None and key not in volatile:
-                frozen.add(name)
+    if frozen is not None:
+        frozen.update(frozen_among(candidates, tensors, stateful))
     return skeleton, tensors
+
+
+def frozen_among(
+    candidates: list[str], tensors: Mapping[str, torch.Tensor], stateful: list[Any]
+) -> list[str]:
+    """The frozen tensors among ``candidates`` (``flatten_state(frozen=...)``).
+
+    Args:
+        candidates: Names of the tensors of a module's state dict or bare in the state, that
+            did not require gradients.
+        tensors: The flat table of the state's tensors, by name.
+        stateful: The modules, optimizers and other stateful objects of the state: the
+            memory of a module's trainable parameters and training-mode buffers, and of the
+            parameters an optimizer may update, is volatile.
+
+    Returns:
+        The candidates that share no memory with a volatile tensor, in order; none when a
+        volatile tensor's memory is unknown (a trainable wrapper subclass may share it with
+        any candidate).
+    """
+    if not candidates:
+        return []  # Nothing to tell apart: the volatile memory is not read.
+    volatile: set[tuple[int, int] | None] = set()
+    for obj in stateful:
+        if isinstance(obj, torch.nn.Module):
+            volatile.update(_module_volatile_storages(obj))
+        elif isinstance(obj, torch.optim.Optimizer):
+            volatile.update(_optimizer_volatile_storages(obj))
+    if None in volatile:
+        return []
+    keys = map(_storage_key, map(tensors.__getitem__, candidates))
+    return [name for name, key in zip(candidates, keys) if key is not None and key not in volatile]
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:

@@ -48,11 +48,11 @@ import torch
 
 from torchsupervisor.checkpoint.format import ManifestError
 from torchsupervisor.checkpoint.reader import CheckpointReader
-from torchsupervisor.checkpoint.sharded.flatten import flatten_sharded_state
 from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
 from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave, prepare
 from torchsupervisor.checkpoint.snapshot import Stager
+from torchsupervisor.checkpoint.walk import walk_state
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.state import TensorRef
 from torchsupervisor.core.state_load import find_subtree, load_state
@@ -408,7 +408,7 @@ def _targets(
             _collect_refs(find_subtree(template, name), needed)
         except KeyError:
             continue  # Reported by load_state (NotFoundError) once every rank has read.
-    _, live = flatten_sharded_state(state)
+    _, live = walk_state(state)
     specs = manifest.tensor_specs()
     targets: dict[str, torch.Tensor] = {}
     for name in sorted(needed):

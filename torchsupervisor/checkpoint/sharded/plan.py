@@ -1,7 +1,7 @@
 """What a sharded state is, and the state of its optimizer.
 
 ``is_sharded`` tells whether a state holds ``DTensor`` s (FSDP2): such a state is saved and
-restored by every rank together (``collective.py``); ``flatten.py`` walks it into the flat
+restored by every rank together (``collective.py``); ``checkpoint/walk.py`` walks it into the flat
 mapping DCP plans from and the tree the manifest records. ``ShardedOptimizerState`` gives an
 optimizer of a sharded model a ``state_dict`` keyed by parameter names, which any world size
 can load.

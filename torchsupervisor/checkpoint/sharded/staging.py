@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.checkpoint.sharded.flatten import WalkMemo, flatten_sharded_state
 from torchsupervisor.checkpoint.sharded.plan import dtensor_class
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
+from torchsupervisor.checkpoint.walk import WalkMemo, walk_state
 from torchsupervisor.core.global_step import read_checkpoint_step
 
 __all__ = ["ShardedSave", "StageMemo", "failed", "prepare", "stage"]
@@ -96,16 +96,14 @@ def prepare(
     a ``state_dict`` that raises (only on this rank, say). Every rank must still enter the
     collective, which then fails on every rank with that error: a rank that raised alone
     would leave the others waiting in the collective, then meet their next save with its own.
-    ``keep_vars``: the live parameters are kept undetached (``flatten_sharded_state``), for
+    ``keep_vars``: the live parameters are kept undetached (``walk_state``), for
     a save that ``stage`` copies at once; a save written from the live tensors needs them
     detached. ``memo``: the walk's memo, kept between saves (with ``keep_vars``).
     """
     local: dict[str, torch.Tensor] | None = {} if keep_vars else None
     try:
         step = read_checkpoint_step(global_step)
-        skeleton, tensors = flatten_sharded_state(
-            state, keep_vars=keep_vars, local=local, memo=memo
-        )
+        skeleton, tensors = walk_state(state, keep_vars=keep_vars, local=local, memo=memo)
     except Exception as e:
         return failed(prefix, e, wall_time)
     return ShardedSave(prefix, tensors, skeleton, step, wall_time, local=local)

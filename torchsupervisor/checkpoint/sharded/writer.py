@@ -217,7 +217,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
     Args:
         prefix: The checkpoint prefix (``logdir/model.ckpt-100``); its directory must exist
             and be shared by all ranks.
-        skeleton: The state's skeleton (``TensorRef`` leaves; ``flatten_sharded_state``),
+        skeleton: The state's skeleton (``TensorRef`` leaves; ``walk_state``),
             encoded for the manifest by the coordinator as it commits, on the thread that
             runs the save: for a background save not on the training thread (0.8 ms for
             1,000 tensors), and not on the other ranks at all.
