@@ -192,7 +192,7 @@ def _local_shards(state: dict[str, Any]) -> list[Any]:
     """The tensors a save of ``state`` copies on this rank: each DTensor's local shard."""
     from torch.distributed.tensor import DTensor
 
-    from torchsupervisor.checkpoint.walk import walk_state
+    from torchsupervisor.core.walk import walk_state
 
     _, tensors = walk_state(state)
     return [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_sharded import _build, _train_step
 
-from torchsupervisor.checkpoint.sharded.module_memo import ModuleStateMemo
+from torchsupervisor.core.module_memo import ModuleStateMemo
 from torchsupervisor.testing import run_world
 
 

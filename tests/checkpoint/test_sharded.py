@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor
 from torchsupervisor import CheckpointReader, Saver, get_checkpoint_state, latest_checkpoint
 from torchsupervisor.checkpoint.sharded.collective import load_sharded, save_sharded
 from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState, is_sharded
-from torchsupervisor.checkpoint.walk import walk_state
 from torchsupervisor.core.state import MAX_STATE_DEPTH
+from torchsupervisor.core.walk import walk_state
 from torchsupervisor.errors import CorruptCheckpointError
 from torchsupervisor.testing import FaultyStorage, run_world
 

@@ -323,7 +323,7 @@ def flatten_rank(rank: int, world_size: int) -> dict:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from torchsupervisor.checkpoint.sharded.staging import _in_place_layout
-    from torchsupervisor.checkpoint.walk import walk_state
+    from torchsupervisor.core.walk import walk_state
 
     model, optimizer = _build(0, world_size)
     state = {**_state(model, optimizer, 3), "head": torch.nn.Linear(2, 2)}  # Not sharded.

@@ -54,7 +54,7 @@ def walk_memo_rank(rank: int, world_size: int) -> list[tuple[str, list[str], lis
 
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from torchsupervisor.checkpoint.walk import WalkMemo, walk_state
+    from torchsupervisor.core.walk import WalkMemo, walk_state
 
     model, optimizer = _build(0, world_size)
     _train_step(model, optimizer, 0)

@@ -18,8 +18,8 @@ from torch import nn
 from torchsupervisor import Saver, Session
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.snapshot import Stager
-from torchsupervisor.checkpoint.walk import WalkMemo, walk_state
 from torchsupervisor.core.state import flatten_state
+from torchsupervisor.core.walk import WalkMemo, walk_state
 from torchsupervisor.errors import ShardedStateError
 
 

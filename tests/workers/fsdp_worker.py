@@ -42,8 +42,8 @@ from worker_exit import run_and_exit
 
 import torchsupervisor as ts
 from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState
-from torchsupervisor.checkpoint.walk import walk_state
 from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.walk import walk_state
 from torchsupervisor.errors import OutOfRangeError
 from torchsupervisor.testing import FaultyStorage
 

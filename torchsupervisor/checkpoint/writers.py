@@ -44,8 +44,8 @@ from torchsupervisor.checkpoint.sharded.staging import (
     stage,
 )
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
-from torchsupervisor.checkpoint.walk import WalkMemo, walk_state
 from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.walk import WalkMemo, walk_state
 from torchsupervisor.distributed.env import background_group, rank, world_size
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import Storage

@@ -8,8 +8,9 @@ bare ``Tensor`` (restored in place), a numpy array, a plain value, or a nested m
 ``flatten_state`` turns it into a *skeleton* (nested containers whose tensor leaves are
 ``TensorRef``) plus a flat ``{name: tensor}`` table whose names are the ``/``-joined paths
 (``model/fc1.weight``, ``optimizer/state/0/exp_avg``); ``tree.py`` encodes the skeleton, and
-``state_load.py`` puts a restored tree back into the live objects after checking it. Nothing
-here touches files.
+``state_load.py`` puts a restored tree back into the live objects after checking it. The walk
+itself is ``walk.walk_state`` (the one walk: the writers call it with their options and its
+memo); this module holds what it is built on. Nothing here touches files.
 
 ``flatten_state`` also tells which tensors are *frozen* (``frozen=``): those an incremental
 checkpoint may reference instead of copying when their version counter did not move. Version
@@ -37,6 +38,7 @@ __all__ = [
     "TensorRef",
     "TensorSpec",
     "check_saveable",
+    "dtensor_class",
     "flatten_state",
     "frozen_among",
     "is_materialized",
@@ -72,6 +74,12 @@ class TensorSpec(NamedTuple):
     dtype: torch.dtype
     shape: tuple[int, ...]
     ndarray: bool = False
+
+
+def dtensor_class() -> type | None:
+    """The DTensor class if it was imported (no DTensor can exist otherwise), else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def is_materialized(tensor: torch.Tensor) -> bool:
@@ -172,92 +180,9 @@ def flatten_state(
             sparse, quantized, or otherwise not a plain strided tensor.
         ShardedStateError: (a ``ValueError``) For a ``DTensor``: the state is sharded.
     """
-    tensors: dict[str, torch.Tensor] = {}
-    track = frozen is not None
-    candidates: list[str] = []  # Frozen unless they share memory with a volatile tensor.
-    stateful: list[Any] = []  # The modules and optimizers met (what makes tensors volatile).
+    from torchsupervisor.core.walk import walk_state  # The walk builds on this module.
 
-    def add_tensor(path: str, tensor: torch.Tensor, ndarray: bool, origin: int) -> TensorRef:
-        name, k = path, 0
-        while name in tensors:
-            k += 1
-            name = f"{path}#{k}"
-        tensors[name] = tensor
-        if track and origin != _OTHER:
-            candidates.append(name)
-        return TensorRef(name, ndarray)
-
-    def walk(obj: Any, path: str, origin: int, depth: int = 0) -> Any:
-        # Fast paths for the common exact types (this runs at every checkpoint).
-        kind = type(obj)
-        if kind is _TENSOR or kind is _PARAMETER:
-            if obj.is_meta or obj.layout is not torch.strided or obj.is_quantized:
-                check_saveable(obj, path)
-            if obj.requires_grad:
-                return add_tensor(path, obj.detach(), False, _OTHER)
-            # Without autograd history already (0.4 us a tensor not spent on a detach).
-            return add_tensor(path, obj if kind is _TENSOR else obj.detach(), False, origin)
-        if kind in _PLAIN_TYPES:
-            return obj
-        if depth >= MAX_STATE_DEPTH:
-            raise ValueError(
-                f"Cannot save {path!r}: the state nests deeper than {MAX_STATE_DEPTH} levels"
-            )
-        depth += 1
-        if kind is dict:
-            out = {}
-            for key, value in obj.items():
-                if type(key) not in _KEY_TYPES:
-                    _check_key(key, path)
-                out[key] = walk(value, f"{path}/{key}", origin, depth)
-            return out
-        if kind is list:
-            return [walk(value, f"{path}/{i}", origin, depth) for i, value in enumerate(obj)]
-        if getattr(obj, "is_sharded_state", False):  # e.g. ShardedOptimizerState
-            raise ShardedStateError(path)
-        if track and not isinstance(obj, (torch.Tensor, np.ndarray, Mapping, list, tuple)):
-            if isinstance(obj, torch.nn.Module):
-                stateful.append(obj)
-                origin = _MODULE
-            elif callable(getattr(obj, "state_dict", None)):
-                stateful.append(obj)
-                origin = _OTHER
-        obj = _children(obj)
-        if isinstance(obj, torch.Tensor):
-            check_saveable(obj, path)
-            if obj.requires_grad:
-                origin = _OTHER
-            return add_tensor(path, obj.detach(), False, origin)
-        if isinstance(obj, np.ndarray):
-            if obj.dtype.kind not in "biufc":
-                raise TypeError(
-                    f"Cannot save {path!r}: numpy arrays of dtype {obj.dtype} need pickle"
-                )
-            return add_tensor(path, torch.from_numpy(np.ascontiguousarray(obj)), True, _OTHER)
-        if isinstance(obj, np.generic):
-            return obj.item()
-        if isinstance(obj, (*_SCALARS, torch.dtype, torch.device)):
-            return obj
-        if isinstance(obj, torch.Size):
-            return tuple(int(d) for d in obj)
-        if isinstance(obj, Mapping):
-            out = {}
-            for key, value in obj.items():
-                _check_key(key, path)
-                out[key] = walk(value, join_path(path, key), origin, depth)
-            return out
-        if isinstance(obj, list):
-            return [walk(value, join_path(path, i), origin, depth) for i, value in enumerate(obj)]
-        if isinstance(obj, tuple):
-            return tuple(
-                walk(value, join_path(path, i), origin, depth) for i, value in enumerate(obj)
-            )
-        raise not_saveable(path, obj)
-
-    skeleton = {key: walk(value, key, _BARE) for key, value in state_entries(state)}
-    if frozen is not None:
-        frozen.update(frozen_among(candidates, tensors, stateful))
-    return skeleton, tensors
+    return walk_state(state, sharded=False, frozen=frozen)
 
 
 def frozen_among(
@@ -334,24 +259,10 @@ def _optimizer_volatile_storages(
 # Where a tensor of the state comes from (``flatten_state(frozen=...)``).
 _BARE, _MODULE, _OTHER = 0, 1, 2
 
-_TENSOR = torch.Tensor
-_PARAMETER = torch.nn.Parameter
 MAX_STATE_DEPTH = 64
 """The deepest nesting of containers (mappings, lists, tuples, state dicts) below a state
 entry that a checkpoint holds; deeper states are refused at save (a manifest nesting deeper is
 treated as damage when read)."""
-
-_PLAIN_TYPES = frozenset({str, int, float, bool, type(None), bytes, torch.dtype, torch.device})
-_KEY_TYPES = frozenset({str, int, float, bool, type(None)})
-
-
-def _check_key(key: Any, path: str) -> None:
-    if not isinstance(key, (str, int, float, bool, type(None))):
-        raise TypeError(
-            f"Cannot save {path!r}: dict key {key!r} has type {type(key).__name__}; "
-            "keys must be str, int, float, bool or None"
-        )
-
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -371,8 +282,8 @@ def check_saveable(tensor: torch.Tensor, path: str) -> None:
         and not tensor.is_quantized
     ):
         return
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(tensor, getattr(dtensor, "DTensor", ())):
+    dtensor = dtensor_class()
+    if dtensor is not None and isinstance(tensor, dtensor):
         raise ShardedStateError(path)
     if not is_materialized(tensor):
         raise ValueError(f"Cannot save {path!r}: it is not initialized (meta device or lazy)")

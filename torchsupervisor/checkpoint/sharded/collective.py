@@ -52,11 +52,11 @@ from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
 from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave, prepare
 from torchsupervisor.checkpoint.snapshot import Stager
-from torchsupervisor.checkpoint.walk import walk_state
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.state import TensorRef
 from torchsupervisor.core.state_load import find_subtree, load_state
 from torchsupervisor.core.tree import decode_tree
+from torchsupervisor.core.walk import walk_state
 from torchsupervisor.distributed.env import communication_device
 from torchsupervisor.errors import (
     CheckpointError,

@@ -1,7 +1,7 @@
 """What a sharded state is, and the state of its optimizer.
 
 ``is_sharded`` tells whether a state holds ``DTensor`` s (FSDP2): such a state is saved and
-restored by every rank together (``collective.py``); ``checkpoint/walk.py`` walks it into the flat
+restored by every rank together (``collective.py``); ``core/walk.py`` walks it into the flat
 mapping DCP plans from and the tree the manifest records. ``ShardedOptimizerState`` gives an
 optimizer of a sharded model a ``state_dict`` keyed by parameter names, which any world size
 can load.
@@ -12,21 +12,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import operator
-import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from torchsupervisor.checkpoint.sharded.module_memo import NAME_PARTS, ModuleTree
+from torchsupervisor.core.module_memo import NAME_PARTS, ModuleTree
+from torchsupervisor.core.state import dtensor_class
 
-__all__ = ["ShardedOptimizerState", "dtensor_class", "is_sharded"]
-
-
-def dtensor_class() -> type | None:
-    """The DTensor class if it was imported (no DTensor can exist otherwise), else None."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
+__all__ = ["ShardedOptimizerState", "is_sharded"]
 
 
 # ------------------------------------------------------------------------------ the state

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from torchsupervisor.checkpoint.sharded.in_place import ShardMemo
-from torchsupervisor.checkpoint.sharded.plan import dtensor_class
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave
 from torchsupervisor.core.same_objects import Contents, contents, same_contents
+from torchsupervisor.core.state import dtensor_class
 from torchsupervisor.distributed.env import communication_device
 
 __all__ = ["PlanCache", "layout_of"]

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.checkpoint.sharded.plan import dtensor_class
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
-from torchsupervisor.checkpoint.walk import WalkMemo, walk_state
 from torchsupervisor.core.global_step import read_checkpoint_step
+from torchsupervisor.core.state import dtensor_class
+from torchsupervisor.core.walk import WalkMemo, walk_state
 
 __all__ = ["ShardedSave", "StageMemo", "failed", "prepare", "stage"]
 

@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchsupervisor.checkpoint.sharded.module_memo import ModuleStateMemo
-from torchsupervisor.checkpoint.sharded.plan import dtensor_class
+from torchsupervisor.core.module_memo import ModuleStateMemo
 from torchsupervisor.core.same_objects import Contents, contents, same_contents
 from torchsupervisor.core.state import (
     _BARE,
@@ -41,6 +40,7 @@ from torchsupervisor.core.state import (
     MAX_STATE_DEPTH,
     TensorRef,
     check_saveable,
+    dtensor_class,
     frozen_among,
     not_saveable,
     state_entries,
@@ -205,9 +205,9 @@ def walk_state(
             origin = _OTHER  # Trained: never frozen.
             tensor = obj if not detach else obj.detach()
         else:
-            # With ``keep_vars`` a tensor outside autograd is kept as it is (``detach`` makes
-            # a new tensor object: 1.5 us).
-            tensor = obj if keep_vars else obj.detach()
+            # A tensor outside autograd is kept as it is (``detach`` makes a new tensor
+            # object: 1.5 us); without ``keep_vars``, a parameter is detached all the same.
+            tensor = obj if keep_vars or type(obj) is torch.Tensor else obj.detach()
         return add(path, tensor, False, tensor, origin)
 
     # The walk visits every tensor and value of the state at each save (a transformer's
