@@ -207,3 +207,22 @@ def test_a_module_with_its_own_state_dict_is_saved_and_restored(tmp_path):
         fresh["model"].weight.zero_()
     Saver().restore(Session(fresh), path)
     assert torch.equal(fresh["model"].weight.detach(), torch.arange(4.0))
+
+
+def test_new_data_behind_a_frozen_parameter_is_saved_not_referenced(tmp_path):
+    # The walk hands the stager the live parameter; what a later save compares with must be
+    # the memory that was copied, not the parameter (whose data ``.data =`` can replace
+    # without a version-counter bump, as ``Module.to`` and weight swaps do).
+    state = _state()
+    _train(state)
+    saver = Saver(max_to_keep=10)
+    sess = Session(state)
+    path = str(tmp_path / "model.ckpt")
+    for step in (1, 2, 3):  # The third save references the frozen backbone.
+        saver.save(sess, path, global_step=step)
+    weight = state["backbone"][0].weight
+    assert saver.last_save.bytes_reused > 0
+    weight.data = torch.full((4, 4), 5.0)  # Not a write: new memory, the same version.
+    last = saver.save(sess, path, global_step=4)
+    assert torch.equal(CheckpointReader(last).get_tensor("backbone/0.weight"), weight.detach())
+    CheckpointReader(last).verify()

@@ -144,7 +144,7 @@ class Snapshot:
         buffers: One uint8 host tensor per shard: header + tensor data, the exact file bytes.
         sources: For each copied tensor, the live tensor and its version counter at the copy
             (None for a tensor without one, or one that is not reusable: a later snapshot
-            never references it).
+            never references it); for a reusable one, a detached alias of the memory copied.
         references: Tensors not copied because they are unchanged since they were committed.
         views: Every copied tensor as a host tensor over its staging buffer, made once per
             buffer set (``tensors``).
@@ -238,6 +238,15 @@ class _Staging:
 _is_cpu = operator.attrgetter("is_cpu")
 
 
+def _source(tensor: torch.Tensor, reusable: bool) -> tuple[torch.Tensor, int | None]:
+    """What a snapshot records of a copied tensor: for a reusable one, an alias of the very
+    memory copied (detached: a later ``.data =`` on a live parameter gives it other memory
+    without a version-counter bump, which the alias's address then tells) and its version."""
+    if not reusable:
+        return tensor, None
+    return tensor.detach(), tensor_version(tensor)
+
+
 def _signature(tensors: dict[str, torch.Tensor], *options: Any) -> tuple[Any, ...]:
     return (*options, *((n, t.dtype, t.shape) for n, t in tensors.items()))
 
@@ -307,10 +316,7 @@ class Stager:
             if references:
                 tensors = {n: t for n, t in tensors.items() if n not in references}
         sources = (
-            {
-                name: (t, tensor_version(t) if reusable is None or name in reusable else None)
-                for name, t in tensors.items()
-            }
+            {name: _source(t, reusable is None or name in reusable) for name, t in tensors.items()}
             if keep_sources
             else {}
         )
