@@ -120,9 +120,10 @@ def walk_state(
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Split the state into a skeleton and a flat table of tensors, DTensors included.
 
-    The same as ``state.flatten_state`` (same names, same skeleton, same errors), except that
-    ``DTensor`` leaves are accepted (``sharded``) and kept as they are (detached if they
-    require gradients): each rank holds only its local shard of them.
+    ``state.flatten_state`` is this walk with ``sharded=False`` (its docstring tells the
+    names, the skeleton, the frozen tensors and the errors). With ``sharded``, ``DTensor``
+    leaves are accepted and kept as they are (detached if they require gradients): each
+    rank holds only its local shard of them.
 
     Args:
         state: Mapping of names (str) to stateful objects, tensors, arrays or values.
@@ -146,7 +147,9 @@ def walk_state(
             tells them.
 
     Returns:
-        ``(skeleton, tensors)``: the skeleton with ``TensorRef`` leaves, and ``{name: tensor}``.
+        ``(skeleton, tensors)``: the skeleton with ``TensorRef`` leaves, and ``{name: tensor}``:
+        a tensor that requires gradients, and a parameter, detached (but see ``keep_vars``
+        and ``detach``); another tensor itself; a numpy array wrapped by ``torch.from_numpy``.
         Every container of the skeleton is new and every leaf immutable, so a background
         save may encode it after training has changed the state (``staging.ShardedSave``).
 
