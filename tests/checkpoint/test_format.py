@@ -21,7 +21,9 @@ from torchsupervisor.checkpoint.format import (
     dtype_to_code,
     safetensors_header,
     shard_files,
+    signed_json,
 )
+from torchsupervisor.checkpoint.manifest_json import json_string
 from torchsupervisor.core.state import TensorRef
 from torchsupervisor.core.tree import decode_tree, encode_tree
 
@@ -338,7 +340,7 @@ _ODD_NAMES = ["w", 'q"uote\\back', "line\nfeed\x00nul", "é😀\u2028", "a" * 30
 @pytest.mark.parametrize("name", _ODD_NAMES)
 @pytest.mark.parametrize("shape,crc", [((2, 3), 7), ((), None), ((0,), 2**32 - 1), ((1,) * 9, 0)])
 def test_encoded_items_are_what_json_writes(name, shape, crc):
-    from torchsupervisor.checkpoint.format import _shard_item, _tensor_item
+    from torchsupervisor.checkpoint.format import _shard_item, tensors_field
     from torchsupervisor.checkpoint.manifest_json import CANONICAL_ENCODER as _CANONICAL_ENCODER
     from torchsupervisor.checkpoint.manifest_json import ITEM_ENCODER as _ITEM_ENCODER
 
@@ -357,9 +359,13 @@ def test_encoded_items_are_what_json_writes(name, shape, crc):
         want = {"file": name, "size_bytes": 2**50, "data_offset": 64, "crc32c": 2**31}
         if header is not None:
             want["header_crc32c"] = header
-        for item, value in ((_tensor_item(entry), expected), (_shard_item(shard), want)):
-            assert item.text == _ITEM_ENCODER.encode(value)
-            assert item.canonical == _CANONICAL_ENCODER.encode(value)
+        item = _shard_item(shard)
+        assert item.text == _ITEM_ENCODER.encode(want)
+        assert item.canonical == _CANONICAL_ENCODER.encode(want)
+    for _ in range(2):  # Made, then taken from the recent tables' texts.
+        field = tensors_field({name: entry})
+        assert field.text == f"  {json_string(name)}: {_ITEM_ENCODER.encode(expected)}"
+        assert field.canonical == f"{{{json_string(name)}:{_CANONICAL_ENCODER.encode(expected)}}}"
     # A whole manifest: the text parses to the same values and its checksum holds.
     size = math.prod(shape) * 2
     stored = TensorEntry(
@@ -401,7 +407,6 @@ def test_encoded_sharded_items_are_what_json_writes():
 
 
 def test_encoded_items_refuse_what_json_would_write_otherwise():
-    from torchsupervisor.checkpoint.format import signed_json
     from torchsupervisor.checkpoint.manifest_json import EncodedItem
 
     entry = TensorEntry(shard=0, dtype=torch.float32, shape=(2.5,), begin=0, end=8, crc32c=1)
@@ -421,5 +426,82 @@ def test_remembered_tensor_entry_texts_are_bounded_and_keyed_by_every_other_fiel
     entries.append(entries[0].with_fields(crc32c=77))  # Same layout, another CRC.
     for e in entries:
         value = {"shard": 0, "dtype": "F32", "shape": [2], "offsets": [e.begin, e.end]}
-        assert fmt._tensor_item(e).text == ITEM_ENCODER.encode({**value, "crc32c": e.crc32c})
+        head, _ = fmt._item_parts(e)
+        assert f"{head}{e.crc32c}}}" == ITEM_ENCODER.encode({**value, "crc32c": e.crc32c})
         assert len(fmt._TENSOR_ITEM_PARTS) <= 2
+
+
+def _plain_signed(manifest: Manifest) -> bytes:
+    """What ``json`` itself writes for ``manifest``: its tensor table as plain JSON values."""
+    body = manifest.body()
+    body["tensors"] = {
+        name: {
+            "shard": e.shard,
+            "dtype": dtype_to_code(e.dtype),
+            "shape": list(e.shape),
+            "offsets": [e.begin, e.end],
+            "crc32c": e.crc32c,
+        }
+        for name, e in manifest.tensors.items()
+    }
+    return signed_json(body)
+
+
+def test_a_tensor_table_text_is_reused_only_for_the_same_names_and_entries():
+    # Names out of order (a save's table is in shard order, the checksum's in name order).
+    names = ["b", "a/2", "a/10", "c#1", "é"]
+    shards = (ShardEntry("m.ckpt-1.data-00000-of-00001", 64 + 5 * 40, 64, 1),)
+
+    def table(crcs, shape=(10,)):
+        return {
+            n: TensorEntry(0, torch.float32, shape, 40 * i, 40 * i + 40, crc)
+            for i, (n, crc) in enumerate(zip(names, crcs))
+        }
+
+    tables = [
+        table([1, 2, 3, 4, 5]),
+        table([9, 8, 7, 6, 2**32 - 1]),  # The same layout, other checksums.
+        table([1, 2, 3, 4, 5], shape=(2, 5)),  # Another shape: another text.
+        {n: e for n, e in reversed(table([1, 2, 3, 4, 5]).items())},  # Another order.
+        dict(list(table([1, 2, 3, 4, 5]).items())[:4]),  # One tensor fewer.
+    ]
+    for tensors in tables + tables:
+        manifest = _manifest(tensors=tensors, shards=shards)
+        data = manifest.to_bytes()
+        assert data == _plain_signed(manifest)
+        assert Manifest.from_bytes(data).tensors == tensors
+
+
+def test_a_sharded_layout_text_is_reused_only_for_the_very_same_layout():
+    from torchsupervisor.checkpoint.sharded.metadata import (
+        ChunkEntry,
+        ShardedManifest,
+        ShardedTensorEntry,
+    )
+
+    def manifest(split):
+        chunks = (ChunkEntry((0,), (split,), "w/0"), ChunkEntry((split,), (4 - split,), "w/2"))
+        sizes = (split, 4 - split)
+        return ShardedManifest(
+            global_step=3,
+            wall_time=1.5,
+            tree={"dict": {"w": {"tensor": "w"}}},
+            tensors={
+                "w/0": TensorEntry(0, torch.float32, (sizes[0],), 0, 4 * sizes[0], 1),
+                "w/2": TensorEntry(1, torch.float32, (sizes[1],), 0, 4 * sizes[1], 1),
+            },
+            shards=(
+                ShardEntry("m.ckpt-3.data-00000-of-00002", 64 + 4 * sizes[0], 64, 9),
+                ShardEntry("m.ckpt-3.data-00001-of-00002", 64 + 4 * sizes[1], 64, 8),
+            ),
+            library_version="x",
+            torch_version="y",
+            world_size=2,
+            sharded_tensors={"w": ShardedTensorEntry(torch.float32, (4,), chunks)},
+        )
+
+    for split in (2, 1, 1, 3, 2):  # Each layout its own mapping; the same one twice in a row.
+        written = manifest(split)
+        read = ShardedManifest.from_bytes(written.to_bytes())
+        assert read.sharded_tensors == written.sharded_tensors
+        assert read.to_bytes() == written.to_bytes()

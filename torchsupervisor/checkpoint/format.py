@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import struct
 import threading
 from collections import OrderedDict
@@ -43,6 +44,7 @@ import torch
 
 from torchsupervisor.checkpoint.manifest_json import (
     EncodedItem,
+    EncodedMapping,
     canonical,
     json_int,
     json_ints,
@@ -228,7 +230,7 @@ class Manifest:
             "world_size": self.world_size,
             "checksum": CHECKSUM_ALGORITHM,
             "shards": [_shard_item(s) for s in self.shards],
-            "tensors": {name: _tensor_item(e) for name, e in self.tensors.items()},
+            "tensors": tensors_field(self.tensors),
             "tree": self.tree,
         }
 
@@ -288,9 +290,8 @@ class Manifest:
             raise ManifestError(f"malformed manifest field ({type(e).__name__}: {e})") from None
 
 
-def _tensor_item(e: TensorEntry) -> EncodedItem:
-    """The item of ``e``; all but its CRC encoded once per layout (``_TENSOR_ITEM_PARTS``)."""
-    crc = json_int(e.crc32c)
+def _item_parts(e: TensorEntry) -> tuple[str, str]:
+    """The readable text of ``e`` up to its CRC, and the canonical text after it."""
     key = (e.shard, e.dtype, tuple(e.shape), e.begin, e.end)
     parts = _TENSOR_ITEM_PARTS.get(key)
     if parts is None:
@@ -303,7 +304,7 @@ def _tensor_item(e: TensorEntry) -> EncodedItem:
             f',"dtype":{code},"offsets":[{e.begin:d},{e.end:d}],'
             f'"shape":[{json_ints(e.shape, ",")}],"shard":{e.shard:d}}}',
         )
-    return EncodedItem(parts[0] + crc + "}", '{"crc32c":' + crc + parts[1])
+    return parts
 
 
 # The readable text of a tensor entry up to its CRC and the canonical text after it, by the
@@ -313,6 +314,63 @@ def _tensor_item(e: TensorEntry) -> EncodedItem:
 # (65,536 entries, some 30 MB at most).
 _TENSOR_ITEM_PARTS: dict[tuple[Any, ...], tuple[str, str]] = {}
 _MAX_TENSOR_ITEM_PARTS = 1 << 16
+
+_entry_layout = operator.attrgetter("shard", "dtype", "shape", "begin", "end")
+_entry_crc = operator.attrgetter("crc32c")
+
+
+class _TensorsText:
+    """The text of a table of tensors (names and entries in order) but for the CRCs."""
+
+    __slots__ = ("c_heads", "c_tails", "heads", "layouts", "names", "order")
+
+    def __init__(self, names: list[str], entries: list[TensorEntry], layouts: list[Any]) -> None:
+        self.names, self.layouts = names, layouts
+        parts = [_item_parts(e) for e in entries]
+        self.heads = [f"  {json_string(n)}: {head}" for n, (head, _) in zip(names, parts)]
+        self.order = sorted(range(len(names)), key=names.__getitem__)  # The canonical order.
+        self.c_heads = [f'{json_string(names[i])}:{{"crc32c":' for i in self.order]
+        self.c_tails = [parts[i][1] for i in self.order]
+
+    def encode(self, crcs: list[str]) -> EncodedMapping:
+        """The field with these CRCs (JSON texts, in the table's order)."""
+        text = ",\n".join([h + c + "}" for h, c in zip(self.heads, crcs)])
+        ordered = map(crcs.__getitem__, self.order)
+        pairs = [h + c + t for h, c, t in zip(self.c_heads, ordered, self.c_tails)]
+        return EncodedMapping(text, "{" + ",".join(pairs) + "}")
+
+
+def tensors_field(tensors: Mapping[str, TensorEntry]) -> EncodedMapping | dict[str, Any]:
+    """The ``tensors`` field of a manifest, encoded (``EncodedMapping``; ``{}`` when empty).
+
+    The saves of one state write the same names and entries but for the CRCs: the texts of
+    the last few tables are kept (``_RECENT_TENSORS_TEXTS``) and used again when the names and
+    every entry's other fields are equal, which a pass in C over each list tells. A sharded
+    save of 1,008 tensors (1,764 entries), the coordinator's CPU for the manifest's text
+    (``to_bytes``, with the ``sharded_tensors`` field kept likewise): 6.5-6.6 -> 3.6-4.2 ms.
+    """
+    if not tensors:
+        return {}
+    names = list(tensors)
+    entries = list(tensors.values())
+    layouts = list(map(_entry_layout, entries))
+    with _TENSORS_TEXTS_LOCK:
+        texts = next(
+            (t for t in _RECENT_TENSORS_TEXTS if t.names == names and t.layouts == layouts), None
+        )
+    if texts is None:
+        texts = _TensorsText(names, entries, layouts)
+        with _TENSORS_TEXTS_LOCK:
+            _RECENT_TENSORS_TEXTS.insert(0, texts)
+            del _RECENT_TENSORS_TEXTS[_MAX_TENSORS_TEXTS:]
+    return texts.encode(list(map(json_int, map(_entry_crc, entries))))
+
+
+# The texts of the tables of the last few manifests written (each saver writes one state's;
+# a process may have several savers, each on its own writer thread, hence the lock).
+_RECENT_TENSORS_TEXTS: list[_TensorsText] = []
+_MAX_TENSORS_TEXTS = 4
+_TENSORS_TEXTS_LOCK = threading.Lock()
 
 
 def _shard_item(s: ShardEntry) -> EncodedItem:

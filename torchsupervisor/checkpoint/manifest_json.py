@@ -7,7 +7,9 @@ whatever the layout, so a reader checks it without caring how the text was laid 
 
 A manifest of 1,000 tensors has some 2,500 items; encoding each with ``json`` twice, once per
 form, cost the writer 10 ms a save. Items can therefore come already encoded in both forms
-(``EncodedItem``), written by the manifest's own f-strings, which give exactly ``json``'s text.
+(``EncodedItem``), written by the manifest's own f-strings, which give exactly ``json``'s text,
+and a whole field can come encoded (``EncodedMapping``: a table of tensors whose texts are
+kept from the last save).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = [
     "CANONICAL_ENCODER",
     "ITEM_ENCODER",
     "EncodedItem",
+    "EncodedMapping",
     "canonical",
     "json_int",
     "json_ints",
@@ -44,6 +47,21 @@ class EncodedItem:
         text: As the readable text writes it (``json``'s default separators, fields in the
             manifest's order).
         canonical: As the checksum covers it (keys sorted, no spaces: ``CANONICAL_ENCODER``).
+    """
+
+    __slots__ = ("canonical", "text")
+
+    def __init__(self, text: str, canonical: str) -> None:
+        self.text, self.canonical = text, canonical
+
+
+class EncodedMapping:
+    """A whole non-empty mapping field of a manifest (``tensors``), already encoded as JSON.
+
+    Attributes:
+        text: Its items as ``pretty_json`` lays them out (one per line, in the mapping's
+            order, joined by ``",\n"``), without the braces.
+        canonical: The whole mapping as ``canonical`` writes it (keys sorted), braces included.
     """
 
     __slots__ = ("canonical", "text")
@@ -79,7 +97,9 @@ def pretty_json(body: Mapping[str, Any], expanded: tuple[str, ...] = ("shards", 
 
     lines = []
     for key, value in body.items():
-        if key in expanded and value:
+        if isinstance(value, EncodedMapping):
+            lines.append(f" {dump(key)}: {{\n" + value.text + "\n }")
+        elif key in expanded and value:
             if isinstance(value, dict):
                 items = [f"  {json_string(k)}: {item(v)}" for k, v in value.items()]
                 lines.append(f" {dump(key)}: {{\n" + ",\n".join(items) + "\n }")
@@ -102,6 +122,9 @@ def canonical(body: Mapping[str, Any]) -> bytes:
     fields = []
     for key in sorted(body):
         value = body[key]
+        if isinstance(value, EncodedMapping):
+            fields.append(f"{json_string(key)}:{value.canonical}")
+            continue
         items = value.values() if isinstance(value, dict) else value
         if not isinstance(value, (dict, list, tuple)) or not any(
             isinstance(v, EncodedItem) for v in items
