@@ -394,7 +394,7 @@ def _shard_item(s: ShardEntry) -> EncodedItem:
 def signed_json(body: dict[str, Any], expanded: tuple[str, ...] = ("shards", "tensors")) -> bytes:
     """The text of ``P.index`` for ``body``: ``body`` + ``manifest_crc32c`` (the CRC-32C of
     its canonical JSON), in ``pretty_json``'s layout, UTF-8. The items of the ``expanded``
-    fields may be ``EncodedItem``s."""
+    fields may be ``EncodedItem``s, a whole field an ``EncodedMapping``."""
     body["manifest_crc32c"] = crc32c.crc32c(canonical(body))
     data = pretty_json(body, expanded).encode("utf-8")
     _RECENT_SHARD_FILES.put(data, _body_shard_files(body))
