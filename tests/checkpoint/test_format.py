@@ -505,3 +505,25 @@ def test_a_sharded_layout_text_is_reused_only_for_the_very_same_layout():
         read = ShardedManifest.from_bytes(written.to_bytes())
         assert read.sharded_tensors == written.sharded_tensors
         assert read.to_bytes() == written.to_bytes()
+
+
+def test_kept_tensor_table_texts_are_bounded_in_count_and_entries(monkeypatch):
+    from torchsupervisor.checkpoint import format as fmt
+
+    monkeypatch.setattr(fmt, "_RECENT_TENSORS_TEXTS", [])
+    monkeypatch.setattr(fmt, "_MAX_TENSORS_TEXT_ENTRIES", 5)
+
+    def table(n, tag):
+        return {
+            f"{tag}{i}": TensorEntry(0, torch.float32, (1,), 4 * i, 4 * i + 4, i) for i in range(n)
+        }
+
+    for tag in "abcdef":
+        fmt.tensors_field(table(2, tag))
+    assert [t.names[0] for t in fmt._RECENT_TENSORS_TEXTS] == ["f0", "e0"]  # 4 entries.
+    fmt.tensors_field(table(7, "g"))  # Larger than the bound alone: kept, alone.
+    assert [t.names[0] for t in fmt._RECENT_TENSORS_TEXTS] == ["g0"]
+    monkeypatch.setattr(fmt, "_MAX_TENSORS_TEXT_ENTRIES", 1 << 17)
+    for tag in "hijkl":
+        fmt.tensors_field(table(2, tag))
+    assert len(fmt._RECENT_TENSORS_TEXTS) == fmt._MAX_TENSORS_TEXTS

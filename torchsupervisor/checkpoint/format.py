@@ -361,15 +361,20 @@ def tensors_field(tensors: Mapping[str, TensorEntry]) -> EncodedMapping | dict[s
     if texts is None:
         texts = _TensorsText(names, entries, layouts)
         with _TENSORS_TEXTS_LOCK:
-            _RECENT_TENSORS_TEXTS.insert(0, texts)
-            del _RECENT_TENSORS_TEXTS[_MAX_TENSORS_TEXTS:]
+            kept = _RECENT_TENSORS_TEXTS
+            kept.insert(0, texts)
+            del kept[_MAX_TENSORS_TEXTS:]
+            while len(kept) > 1 and sum(len(t.names) for t in kept) > _MAX_TENSORS_TEXT_ENTRIES:
+                del kept[-1]  # The newest is kept, however large.
     return texts.encode(list(map(json_int, map(_entry_crc, entries))))
 
 
-# The texts of the tables of the last few manifests written (each saver writes one state's;
-# a process may have several savers, each on its own writer thread, hence the lock).
+# The texts of the tables of the last few manifests written, newest first (each saver writes
+# one state's; a process may have several savers, each on its own writer thread, hence the
+# lock): 4 tables and 131,072 entries at most (about 300 bytes an entry), or the newest.
 _RECENT_TENSORS_TEXTS: list[_TensorsText] = []
 _MAX_TENSORS_TEXTS = 4
+_MAX_TENSORS_TEXT_ENTRIES = 1 << 17
 _TENSORS_TEXTS_LOCK = threading.Lock()
 
 
