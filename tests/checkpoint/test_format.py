@@ -19,11 +19,11 @@ from torchsupervisor.checkpoint.format import (
     _RecentShardFiles,
     dtype_from_code,
     dtype_to_code,
-    safetensors_header,
     shard_files,
     signed_json,
 )
 from torchsupervisor.checkpoint.manifest_json import json_string
+from torchsupervisor.checkpoint.shard_header import safetensors_header
 from torchsupervisor.core.state import TensorRef
 from torchsupervisor.core.tree import decode_tree, encode_tree
 

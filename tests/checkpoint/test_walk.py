@@ -148,14 +148,21 @@ def test_the_walk_of_one_process_refuses_what_needs_a_sharded_save():
         walk_state({"optimizer": NeedsShardedSave()}, keep_vars=True, sharded=False)
 
 
-def test_a_parameter_frozen_between_saves_is_referenced_by_the_next_incremental_save(tmp_path):
+def _referencing(tmp_path):
+    """A trained state saved 3 times: the third save references the frozen backbone (the
+    second save of a directory is full: ``test_incremental.py``)."""
     state = _state()
     _train(state)
     saver = Saver(max_to_keep=10)
     sess = Session(state)
     path = str(tmp_path / "model.ckpt")
-    for step in (1, 2, 3):  # The second save of a directory is full (test_incremental.py).
+    for step in (1, 2, 3):
         saver.save(sess, path, global_step=step)
+    return state, saver, sess, path
+
+
+def test_a_parameter_frozen_between_saves_is_referenced_by_the_next_incremental_save(tmp_path):
+    state, saver, sess, path = _referencing(tmp_path)
     reused_before = saver.last_save.bytes_reused
     assert reused_before > 0  # The backbone's weights.
     state["side"].requires_grad_(False)
@@ -213,13 +220,7 @@ def test_new_data_behind_a_frozen_parameter_is_saved_not_referenced(tmp_path):
     # The walk hands the stager the live parameter; what a later save compares with must be
     # the memory that was copied, not the parameter (whose data ``.data =`` can replace
     # without a version-counter bump, as ``Module.to`` and weight swaps do).
-    state = _state()
-    _train(state)
-    saver = Saver(max_to_keep=10)
-    sess = Session(state)
-    path = str(tmp_path / "model.ckpt")
-    for step in (1, 2, 3):  # The third save references the frozen backbone.
-        saver.save(sess, path, global_step=step)
+    state, saver, sess, path = _referencing(tmp_path)
     weight = state["backbone"][0].weight
     assert saver.last_save.bytes_reused > 0
     weight.data = torch.full((4, 4), 5.0)  # Not a write: new memory, the same version.

@@ -40,10 +40,10 @@ from torchsupervisor.checkpoint.format import (
     ShardEntry,
     TensorEntry,
     data_filename,
-    shard_checksum,
 )
 from torchsupervisor.checkpoint.incremental import Committed
 from torchsupervisor.checkpoint.references import referenced_data_files
+from torchsupervisor.checkpoint.shard_header import shard_checksum
 from torchsupervisor.checkpoint.snapshot import Snapshot
 from torchsupervisor.core import threads as priority
 from torchsupervisor.core.tree import encode_tree

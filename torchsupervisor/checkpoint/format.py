@@ -14,9 +14,10 @@ A checkpoint with prefix ``P`` is:
 The checksum of a shard covers every byte of the file in one CRC pass over the data: it is the
 CRC-32C of the header bytes (the 8-byte length and the padded JSON) followed by the CRC-32C of
 each tensor's bytes, as 4 little-endian bytes, in the order of their data offsets
-(``shard_checksum``). A plain CRC of the whole file would cost the writer a second pass over
-the data, since the per-tensor CRCs are needed anyway (a restore verifies each tensor it reads,
-and an incremental checkpoint reuses single tensors of older shards). The manifest also records
+(``shard_header.shard_checksum``; the header itself: ``shard_header.safetensors_header``).
+A plain CRC of the whole file would cost the writer a second pass over the data, since the
+per-tensor CRCs are needed anyway (a restore verifies each tensor it reads, and an
+incremental checkpoint reuses single tensors of older shards). The manifest also records
 the CRC-32C of the header alone (``header_crc32c``): a restore checks it for every shard it
 reads from, including older shards of which an incremental checkpoint reads only some tensors.
 
@@ -32,7 +33,6 @@ from __future__ import annotations
 import json
 import math
 import operator
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -70,10 +70,8 @@ __all__ = [
     "data_filename",
     "dtype_from_code",
     "dtype_to_code",
-    "parse_safetensors_header",
+    "non_negative_int",
     "pretty_json",
-    "safetensors_header",
-    "shard_checksum",
     "shard_files",
     "signed_json",
 ]
@@ -247,41 +245,41 @@ class Manifest:
             shards = tuple(
                 ShardEntry(
                     file=_shard_file(s["file"]),
-                    size_bytes=_int(s["size_bytes"]),
-                    data_offset=_int(s["data_offset"]),
-                    crc32c=_int(s["crc32c"]),
+                    size_bytes=non_negative_int(s["size_bytes"]),
+                    data_offset=non_negative_int(s["data_offset"]),
+                    crc32c=non_negative_int(s["crc32c"]),
                     header_crc32c=(
                         None
                         if as_dict(s).get("header_crc32c") is None
-                        else _int(s["header_crc32c"])
+                        else non_negative_int(s["header_crc32c"])
                     ),
                 )
                 for s in as_list(body["shards"])
             )
             tensors = {}
             for name, e in as_dict(body["tensors"]).items():
-                begin, end = (_int(x) for x in as_list(e["offsets"]))
+                begin, end = (non_negative_int(x) for x in as_list(e["offsets"]))
                 entry = TensorEntry(
-                    shard=_int(e["shard"]),
+                    shard=non_negative_int(e["shard"]),
                     dtype=dtype_from_code(e["dtype"]),
-                    shape=tuple(_int(d) for d in as_list(e["shape"])),
+                    shape=tuple(non_negative_int(d) for d in as_list(e["shape"])),
                     begin=begin,
                     end=end,
-                    crc32c=_int(e["crc32c"]),
+                    crc32c=non_negative_int(e["crc32c"]),
                 )
                 _check_entry(name, entry, shards)
                 tensors[name] = entry
             check_tree_depth(body["tree"])
             step = body["global_step"]
             return cls(
-                global_step=None if step is None else _int(step),
+                global_step=None if step is None else non_negative_int(step),
                 wall_time=float(body["wall_time"]),
                 tree=body["tree"],
                 tensors=tensors,
                 shards=shards,
                 library_version=as_str(body["library_version"]),
                 torch_version=as_str(body["torch_version"]),
-                world_size=_int(body.get("world_size", 1)),
+                world_size=non_negative_int(body.get("world_size", 1)),
                 format_version=version,
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -518,7 +516,8 @@ def _checked_body(data: bytes) -> dict[str, Any]:
     return body
 
 
-def _int(x: Any) -> int:
+def non_negative_int(x: Any) -> int:
+    """``x`` if it is a non-negative ``int`` (not a bool); else ``ManifestError``."""
     if isinstance(x, bool) or not isinstance(x, int) or x < 0:
         raise ManifestError(f"expected a non-negative integer, got {x!r}")
     return x
@@ -541,80 +540,3 @@ def _check_entry(name: str, entry: TensorEntry, shards: tuple[ShardEntry, ...]) 
     shard = shards[entry.shard]
     if shard.data_offset + entry.end > shard.size_bytes:
         raise ManifestError(f"tensor {name!r} lies beyond the end of {shard.file}")
-
-
-def shard_checksum(header: bytes | memoryview, tensor_crcs: list[int]) -> int:
-    """Return a shard's checksum from its header bytes and its tensors' CRCs in data order."""
-    crc = crc32c.crc32c(header)
-    return crc32c.crc32c(struct.pack(f"<{len(tensor_crcs)}I", *tensor_crcs), crc)
-
-
-def parse_safetensors_header(data: bytes) -> list[tuple[str, int, int]]:
-    """Parse the JSON header of a safetensors file (without its 8-byte length prefix).
-
-    Returns:
-        ``(name, begin, end)`` of every tensor, sorted by ``begin`` (offsets relative to the
-        data section).
-
-    Raises:
-        ManifestError: If the header is not valid safetensors JSON.
-    """
-    try:
-        header = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ManifestError(f"shard header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise ManifestError("shard header is not a JSON object")
-    out = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = as_list(as_dict(info).get("data_offsets"))
-        if len(offsets) != 2:
-            raise ManifestError(f"bad data_offsets for {name!r} in the shard header")
-        begin, end = (_int(x) for x in offsets)
-        if end < begin:
-            raise ManifestError(f"bad data_offsets for {name!r} in the shard header")
-        out.append((name, begin, end))
-    out.sort(key=lambda item: item[1])
-    return out
-
-
-def safetensors_header(
-    entries: list[tuple[str, TensorEntry]],
-    *,
-    spare: int = 0,
-    alignment: int = DATA_ALIGNMENT_BYTES,
-    size: int | None = None,
-) -> bytes:
-    """Return the 8-byte length plus the padded JSON header of a safetensors shard.
-
-    Args:
-        entries: ``(name, entry)`` in file order; the offsets must be contiguous from 0.
-        spare: Bytes of padding to keep at least, for a longer header written in its place
-            later (a sharded save's chunk names).
-        alignment: The header's length is a multiple of this many bytes.
-        size: The exact length wanted (``alignment`` and ``spare`` are then ignored).
-
-    Returns:
-        The bytes that precede the tensor data: 8 + the JSON text padded with spaces.
-
-    Raises:
-        ValueError: The header is longer than ``size``.
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    for name, e in entries:
-        header[name] = {
-            "dtype": dtype_to_code(e.dtype),
-            "shape": list(e.shape),
-            "data_offsets": [e.begin, e.end],
-        }
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    if size is None:
-        padded = -(-(8 + len(text) + spare) // alignment) * alignment - 8
-    elif 8 + len(text) > size:
-        raise ValueError(f"the shard header needs {8 + len(text)} bytes, more than {size}")
-    else:
-        padded = size - 8
-    text += b" " * (padded - len(text))
-    return struct.pack("<Q", len(text)) + text

@@ -27,9 +27,8 @@ from torchsupervisor.checkpoint.format import (
     ManifestError,
     ShardEntry,
     TensorEntry,
-    parse_safetensors_header,
-    shard_checksum,
 )
+from torchsupervisor.checkpoint.shard_header import parse_safetensors_header, shard_checksum
 from torchsupervisor.errors import CorruptCheckpointError
 from torchsupervisor.storage import (
     BY_PATH,

@@ -31,9 +31,9 @@ from torchsupervisor.checkpoint.format import (
     DATA_ALIGNMENT_BYTES,
     TensorEntry,
     dtype_to_code,
-    safetensors_header,
 )
 from torchsupervisor.checkpoint.incremental import Committed, is_unchanged, tensor_version
+from torchsupervisor.checkpoint.shard_header import safetensors_header
 from torchsupervisor.storage.local import DIRECT_IO_ALIGNMENT
 
 __all__ = ["Layout", "ShardLayout", "Snapshot", "Stager", "plan_layout"]

@@ -28,7 +28,8 @@ from typing import Any
 import crc32c
 import torch
 
-from torchsupervisor.checkpoint.format import TensorEntry, safetensors_header
+from torchsupervisor.checkpoint.format import TensorEntry
+from torchsupervisor.checkpoint.shard_header import safetensors_header
 from torchsupervisor.checkpoint.snapshot import Snapshot, _entry_view, plan_layout
 from torchsupervisor.core.same_objects import Contents, contents, same_contents
 

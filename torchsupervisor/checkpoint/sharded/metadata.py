@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import json
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,20 +185,17 @@ def _sharded_field(sharded: dict[str, ShardedTensorEntry]) -> EncodedMapping:
     A save that replays the last one's plan has the very same mapping (``ChunkLayout``, which
     never changes one once made), so its text is made once (750 items, 0.5 ms a save).
     """
-    with _LAST_SHARDED_LOCK:
-        last = _LAST_SHARDED[0]
+    last = _LAST_SHARDED[0]  # One read of a tuple: what one writer thread put there.
     if last is not None and last[0] is sharded:
         return last[1]
     text = ",\n".join(f"  {json_string(name)}: {t.encoded.text}" for name, t in sharded.items())
     pairs = [f"{json_string(name)}:{sharded[name].encoded.canonical}" for name in sorted(sharded)]
     field = EncodedMapping(text, "{" + ",".join(pairs) + "}")
-    with _LAST_SHARDED_LOCK:
-        _LAST_SHARDED[0] = (sharded, field)  # Held: its id stays its own.
+    _LAST_SHARDED[0] = (sharded, field)  # Held: its id stays its own.
     return field
 
 
 _LAST_SHARDED: list[tuple[dict[str, ShardedTensorEntry], EncodedMapping] | None] = [None]
-_LAST_SHARDED_LOCK = threading.Lock()
 
 
 def _sharded_item(t: ShardedTensorEntry) -> EncodedItem:

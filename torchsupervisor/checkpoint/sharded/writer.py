@@ -37,7 +37,8 @@ from torch.futures import Future
 
 from torchsupervisor._version import __version__
 from torchsupervisor.checkpoint import commit
-from torchsupervisor.checkpoint.format import ShardEntry, TensorEntry, data_filename, shard_checksum
+from torchsupervisor.checkpoint.format import ShardEntry, TensorEntry, data_filename
+from torchsupervisor.checkpoint.shard_header import shard_checksum
 from torchsupervisor.checkpoint.sharded.common import (
     BoundToPrefix,
     ChunkKey,
