@@ -86,8 +86,12 @@ def test_a_layout_planned_once_writes_each_later_save_of_the_same_chunks(tmp_pat
     for value in (1.0, -2.5):  # New bytes in the same buffer, as the next save stages them.
         views["a"].fill_(value)
         views["s"].fill_(int(value * 10))
-        placed = planned.write(snapshot, written)
-        assert placed[:2] == in_place_shard(snapshot, written)[:2]  # As if planned anew.
+        crcs, parts = planned.write(snapshot, written)
+        placed = in_place_shard(snapshot, written)  # As if planned anew.
+        assert [(n, e.with_fields(crc32c=c)) for (n, e), c in zip(planned.entries, crcs)] == (
+            placed[0]
+        )
+        assert [bytes(p) for p in parts] == [bytes(p) for p in placed[2]]
         loaded = safetensors.torch.load_file(str(_file(tmp_path, placed)))
         assert torch.equal(loaded["a[0:10]"], torch.full((10,), value))
         assert loaded["s"].item() == int(value * 10)
@@ -106,7 +110,8 @@ def test_the_shard_memo_gives_the_last_layout_only_for_the_very_same_chunks(chan
     planned = plan_in_place(snapshot, written)
     plan, keys = object(), {"a": ("a", (0,)), "b": ("b", (0,))}
     memo = ShardMemo()
-    memo.keep(plan, table, snapshot, written, keys, planned)
+    rows = [("a", (0,), "a", torch.float32, (4,), 0, 16)]  # Kept with the layout as given.
+    memo.keep(plan, table, snapshot, written, keys, planned, rows)
     if change == "plan":
         plan = object()  # DCP planned again (a plan of equal content is not the same plan).
     elif change == "table value":
@@ -119,7 +124,7 @@ def test_the_shard_memo_gives_the_last_layout_only_for_the_very_same_chunks(chan
         snapshot = dataclasses.replace(snapshot, layout=dataclasses.replace(snapshot.layout))
     taken = memo.take(plan, dict(table), snapshot)
     if change == "none":
-        assert taken == (written, keys, planned) and memo.taken == 1
+        assert taken == (written, keys, planned, rows) and memo.taken == 1
         assert memo.take(plan, table, snapshot) is not None  # Kept for the save after.
     else:
         assert taken is None and memo.taken == 0

@@ -54,7 +54,9 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
 
     def recorded(self, staged, tensors):
         out = write(self, staged, tensors)
-        placed.append((out[2][0].nbytes, len(out[2]) - 1, out[0][-1][1].end))
+        crcs, parts = out
+        assert len(crcs) == len(self.entries)
+        placed.append((parts[0].nbytes, len(parts) - 1, self.entries[-1][1].end))
         return out
 
     InPlaceShard.write = recorded

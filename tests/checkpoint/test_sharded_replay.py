@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -120,28 +122,84 @@ def test_packed_and_dcp_write_results_give_the_same_chunks():
     from torch.distributed.checkpoint.storage import WriteResult
 
     from torchsupervisor.checkpoint.format import ShardEntry, TensorEntry
-    from torchsupervisor.checkpoint.sharded.writer import (
-        PackedWrite,
-        _StoredChunk,
-        _written_chunks,
-    )
+    from torchsupervisor.checkpoint.sharded.packed import PackedWrite, StoredChunk, written_chunks
 
     shard = ShardEntry("m.ckpt-1.data-00001-of-00002", 200, 64, 7, 8)
     entry = TensorEntry(1, torch.float32, (2, 4), 0, 32, 99)
-    packed = PackedWrite(shard, 1, [("w", (2, 0), "w[2:4,0:4]", torch.float32, (2, 4), 0, 32, 99)])
+    packed = PackedWrite(
+        shard, 1, [("w", (2, 0), "w[2:4,0:4]", torch.float32, (2, 4), 0, 32)], [99]
+    )
     dcp = [
         WriteResult(
             index=MetadataIndex("w", torch.Size([2, 0])),
             size_in_bytes=32,
-            storage_data=_StoredChunk(shard, "w[2:4,0:4]", entry),
+            storage_data=StoredChunk(shard, "w[2:4,0:4]", entry),
         )
     ]
     expected = [(("w", (2, 0)), "w[2:4,0:4]", shard, entry)]
-    assert list(_written_chunks([packed])) == list(_written_chunks([dcp])) == expected
-    assert list(_written_chunks([PackedWrite(None, None, []), dcp])) == expected
+    assert list(written_chunks([packed])) == list(written_chunks([dcp])) == expected
+    assert list(written_chunks([PackedWrite(None, None, [], []), dcp])) == expected
     foreign = [WriteResult(index=MetadataIndex("w"), size_in_bytes=0, storage_data="x")]
     with pytest.raises(TypeError, match="unexpected write result for 'w'"):
-        list(_written_chunks([foreign]))
+        list(written_chunks([foreign]))
+    for bad in (
+        PackedWrite(shard, 1, packed.rows, []),  # A CRC short.
+        PackedWrite(None, None, packed.rows, [99]),  # Chunks without a shard.
+        PackedWrite(shard, None, [], []),  # A shard without its index.
+    ):
+        with pytest.raises(ValueError, match="inconsistent"):
+            list(written_chunks([bad]))
+
+
+def _packed_results(crcs: list[int], second_begin: int = 0) -> list[Any]:
+    """Two ranks' ``PackedWrite``s, as a replayed save of 2 tensors sends them."""
+    from torchsupervisor.checkpoint.format import ShardEntry
+    from torchsupervisor.checkpoint.sharded.packed import PackedWrite
+
+    f32 = torch.float32
+    return [
+        PackedWrite(
+            ShardEntry("m.ckpt-1.data-00000-of-00002", 200, 64, 1, 2),
+            0,
+            [("w", (0, 0), "w[0:2,0:4]", f32, (2, 4), 0, 32), ("b", (), "b", f32, (4,), 32, 48)],
+            crcs[:2],
+        ),
+        PackedWrite(
+            ShardEntry("m.ckpt-1.data-00001-of-00002", 200, 64, 3, 4),
+            1,
+            [("w", (2, 0), "w[2:4,0:4]", f32, (2, 4), second_begin, second_begin + 32)],
+            crcs[2:],
+        ),
+    ]
+
+
+def test_the_coordinators_table_is_kept_while_every_ranks_rows_are_the_same():
+    from torchsupervisor.checkpoint import format as fmt
+    from torchsupervisor.checkpoint.sharded.packed import TableMemo
+    from torchsupervisor.checkpoint.sharded.writer import _table
+
+    memo = TableMemo()
+    made = []  # Each save's (names by key, entry names): the same objects while kept.
+    for crcs, begin in (([1, 2, 3], 0), ([4, 5, 6], 0), ([7, 8, 9], 64), ([1, 1, 1], 64)):
+        results = _packed_results(crcs, begin)
+        shards, names, tensors = memo.table(results)
+        want_shards, want_names, want_tensors = _table(results)  # Made from nothing.
+        assert (shards, names) == (want_shards, want_names)
+        assert list(tensors.items()) == list(want_tensors.items())  # Sorted, the same entries.
+        assert dict(tensors) == want_tensors and len(tensors) == 3 and "b" in tensors
+        assert fmt.tensors_field(tensors).text == fmt.tensors_field(want_tensors).text
+        made.append((names, tensors.names))
+    same = [a[0] is b[0] and a[1] is b[1] for a, b in itertools.pairwise(made)]
+    assert same == [True, False, True]  # Only the CRCs changed; a row changed; only the CRCs.
+    kept_order = made[-1][1]
+    memo.forget()
+    assert memo.table(_packed_results([1, 1, 1], 64))[2].names is not kept_order
+    twice = _packed_results([1, 2, 3])
+    twice[1].rows[0] = ("b", (), "b", torch.float32, (4,), 0, 16)  # Another chunk named "b".
+    with pytest.raises(ValueError, match="same entry name"):
+        memo.table(twice)
+    with pytest.raises(ValueError, match="3 names, 3 layouts and 2 CRCs"):
+        fmt.PackedTensors(["a", "b", "c"], [(0,)] * 3, [1, 2])
 
 
 def changed_rank(rank: int, world_size: int, directory: str) -> list[int]:

@@ -168,10 +168,22 @@ class Snapshot:
     ) -> list[tuple[str, TensorEntry]]:
         """Return the entries of shard ``shard`` (all, or the given ones of it, by name) with
         the CRC-32C of each tensor's bytes in its staging buffer (``crc32c`` set)."""
+        if entries is None:
+            entries = self.layout.shards[shard].entries
+        return [
+            (name, e.with_fields(crc32c=crc))
+            for (name, e), crc in zip(entries, self.checksums(shard, entries))
+        ]
+
+    def checksums(
+        self, shard: int, entries: list[tuple[str, TensorEntry]] | None = None
+    ) -> list[int]:
+        """The CRC-32C of each tensor's bytes in shard ``shard``'s staging buffer, for its
+        entries (all, or the given ones of it), in their order."""
         data = self.shard_view(shard)[self.layout.shards[shard].data_offset :]
         return [
-            (name, e.with_fields(crc32c=crc32c.crc32c(data[e.begin : e.end])))
-            for name, e in (self.layout.shards[shard].entries if entries is None else entries)
+            crc32c.crc32c(data[e.begin : e.end])
+            for _, e in (self.layout.shards[shard].entries if entries is None else entries)
         ]
 
     def tensors(self) -> dict[str, torch.Tensor]:

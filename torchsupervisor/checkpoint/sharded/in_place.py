@@ -38,6 +38,8 @@ __all__ = ["InPlaceShard", "ShardMemo", "in_place_shard", "plan_in_place"]
 Written = tuple[list[tuple[str, TensorEntry]], bytes, list[memoryview]]
 """The entries in file order with their CRC-32C, the header, and the buffers to write."""
 
+Entries = list[tuple[str, TensorEntry]]
+
 
 @dataclass(frozen=True, eq=False)
 class InPlaceShard:
@@ -54,39 +56,44 @@ class InPlaceShard:
             the end of the head.
         end: Where the head ends, relative to the start of the data.
         header: The shard's header (the staging buffer's header room, rewritten).
+        entries: Every chunk's entry in file order, offsets relative to the start of the
+            data, without a CRC: the head, then the rest shifted behind it.
     """
 
-    head: list[tuple[str, TensorEntry]]
-    rest: list[tuple[str, TensorEntry]]
+    head: Entries
+    rest: Entries
     end: int
     header: bytes
+    entries: Entries
 
-    def write(self, staged: Snapshot, tensors: dict[str, torch.Tensor]) -> Written:
-        """The shard of ``tensors`` over ``staged``'s buffer: CRC-32C of every chunk, the rest
-        copied behind the head, the header written into the buffer's header room.
+    def write(
+        self, staged: Snapshot, tensors: dict[str, torch.Tensor]
+    ) -> tuple[list[int], list[memoryview]]:
+        """The shard of ``tensors`` over ``staged``'s buffer: the rest copied behind the
+        head, the header written into the buffer's header room.
 
         Args:
             staged: The snapshot this layout was planned over (``plan_in_place``), its
                 buffer holding this save's bytes.
             tensors: The chunks by name, as when planned (the rest are read now).
+
+        Returns:
+            ``(crcs, parts)``: the CRC-32C of every chunk, in the order of ``entries``, and
+            the buffers to write in order (``header`` first).
         """
         base = staged.layout.shards[0].data_offset
         buffer = staged.buffers[0]
-        entries = staged.checksummed(0, self.head)
-        end = self.end
+        crcs = staged.checksums(0, self.head)
         tail = torch.empty(self.rest[-1][1].end if self.rest else 0, dtype=torch.uint8)
         for name, e in self.rest:
             if e.end > e.begin:
                 _entry_view(tail, 0, e).copy_(tensors[name])
-            checksum = crc32c.crc32c(memoryview(tail[e.begin : e.end].numpy()).cast("B"))
-            entries.append(
-                (name, e.with_fields(begin=end + e.begin, end=end + e.end, crc32c=checksum))
-            )
+            crcs.append(crc32c.crc32c(memoryview(tail[e.begin : e.end].numpy()).cast("B")))
         buffer[:base].copy_(torch.frombuffer(bytearray(self.header), dtype=torch.uint8))
-        parts = [memoryview(buffer[: base + end].numpy()).cast("B")]
+        parts = [memoryview(buffer[: base + self.end].numpy()).cast("B")]
         if len(tail):
             parts.append(memoryview(tail.numpy()).cast("B"))
-        return entries, self.header, parts
+        return crcs, parts
 
 
 def plan_in_place(staged: Snapshot, tensors: dict[str, torch.Tensor]) -> InPlaceShard | None:
@@ -141,7 +148,7 @@ def plan_in_place(staged: Snapshot, tensors: dict[str, torch.Tensor]) -> InPlace
         header = safetensors_header(head + shifted, size=base)  # Not of the CRCs.
     except ValueError:
         return None
-    return InPlaceShard(head, rest, end, header)
+    return InPlaceShard(head, rest, end, header, head + shifted)
 
 
 def in_place_shard(staged: Snapshot, tensors: dict[str, torch.Tensor]) -> Written | None:
@@ -154,7 +161,11 @@ def in_place_shard(staged: Snapshot, tensors: dict[str, torch.Tensor]) -> Writte
         the header or the alignment does not fit: then the caller copies every chunk.
     """
     planned = plan_in_place(staged, tensors)
-    return None if planned is None else planned.write(staged, tensors)
+    if planned is None:
+        return None
+    crcs, parts = planned.write(staged, tensors)
+    entries = [(n, e.with_fields(crc32c=crc)) for (n, e), crc in zip(planned.entries, crcs)]
+    return entries, planned.header, parts
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,6 +179,7 @@ class _Kept:
     tensors: dict[str, torch.Tensor]  # The chunks by name (views of the buffer, mostly).
     keys: dict[str, Any]  # Each chunk's ``(fqn, offsets)``.
     in_place: InPlaceShard
+    rows: list[tuple[Any, ...]]  # The shard's ``PackedWrite.rows``.
 
 
 class ShardMemo:
@@ -200,10 +212,10 @@ class ShardMemo:
 
     def take(
         self, plan: Any, table: Mapping[str, Any], staged: Snapshot | None
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], InPlaceShard] | None:
-        """The last shard's chunks, their keys and layout, if ``plan`` is the last one's
-        and ``table`` holds the very same staged objects over the same buffer; else None
-        (and nothing is kept)."""
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], InPlaceShard, list[Any]] | None:
+        """The last shard's chunks, their keys, layout and rows, if ``plan`` is the last
+        one's and ``table`` holds the very same staged objects over the same buffer; else
+        None (and nothing is kept)."""
         kept, self._kept = self._kept, None
         if (
             kept is None
@@ -217,7 +229,7 @@ class ShardMemo:
             return None
         self._kept = kept
         self.taken += 1
-        return kept.tensors, kept.keys, kept.in_place
+        return kept.tensors, kept.keys, kept.in_place, kept.rows
 
     def keep(
         self,
@@ -227,8 +239,17 @@ class ShardMemo:
         tensors: dict[str, torch.Tensor],
         keys: dict[str, Any],
         in_place: InPlaceShard,
+        rows: list[tuple[Any, ...]],
     ) -> None:
-        """Keep a shard just laid out from ``plan``'s chunks, resolved from ``table``."""
+        """Keep a shard just laid out from ``plan``'s chunks, resolved from ``table``, and
+        its rows (``packed.PackedWrite.rows``: a function of ``keys`` and ``in_place``)."""
         self._kept = _Kept(
-            plan, contents([table]), staged.layout, staged.buffers[0], tensors, keys, in_place
+            plan,
+            contents([table]),
+            staged.layout,
+            staged.buffers[0],
+            tensors,
+            keys,
+            in_place,
+            rows,
         )

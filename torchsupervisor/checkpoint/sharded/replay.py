@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from torchsupervisor.checkpoint.sharded.in_place import ShardMemo
+from torchsupervisor.checkpoint.sharded.packed import TableMemo
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave
 from torchsupervisor.core.same_objects import Contents, contents, same_contents
 from torchsupervisor.core.state import dtensor_class
@@ -130,6 +131,7 @@ class PlanCache:
         self._kept: _Kept | None = None
         self.replayed = 0
         self.shards = ShardMemo()  # This rank's last shard under the kept plan.
+        self.table = TableMemo()  # The coordinator's last tensor table under it.
         # The staged table last laid out (``layout_of``), and its answer.
         self._laid_out: tuple[Contents, tuple[tuple[Any, ...], list[Any]]] | None = None
 
@@ -137,12 +139,14 @@ class PlanCache:
         """Drop the kept plan (after a failed save): the next save is planned by DCP."""
         self._kept = None
         self.shards.forget()
+        self.table.forget()
         self._laid_out = None
 
     def remember(self, save: ShardedSave, writer: Any, group: Any) -> None:
         """Keep the plan of ``save``, just committed through DCP by ``writer``."""
         # The shard of an older plan: every save DCP plans ends here or in ``forget``.
         self.shards.forget()
+        self.table.forget()
         if writer.final_plan is None or (writer.is_coordinator and writer.tensors_metadata is None):
             self._kept = None
             return
@@ -229,6 +233,7 @@ class PlanCache:
         self.replayed += 1
         writer.previous_layout = kept.chunk_layout
         writer.shard_memo = self.shards
+        writer.table_memo = self.table
         resolver = _Resolver(save.tensors)
 
         def write() -> Any:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,13 +53,20 @@ from torchsupervisor.checkpoint.sharded.metadata import (
     ShardedTensorEntry,
     chunk_entry_name,
 )
+from torchsupervisor.checkpoint.sharded.packed import (
+    PackedWrite,
+    StoredChunk,
+    TableMemo,
+    packed_rows,
+    written_chunks,
+)
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.checkpoint.state_file import record_newest
 from torchsupervisor.core.tree import encode_tree
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import BY_PATH, Storage
 
-__all__ = ["ChunkLayout", "PackedWrite", "SaveOutcome", "ShardedStorageWriter"]
+__all__ = ["ChunkLayout", "SaveOutcome", "ShardedStorageWriter"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -77,58 +85,6 @@ class _Assignment:
     file_index: int | None
     num_files: int
     names: dict[ChunkKey, str]
-
-
-@dataclass(frozen=True)
-class _StoredChunk:
-    """Where one chunk was written (a WriteResult's ``storage_data``, sent to the coordinator)."""
-
-    shard: ShardEntry
-    name: str
-    entry: TensorEntry
-
-
-@dataclass(frozen=True)
-class PackedWrite:
-    """One rank's written chunks as plain tuples: what a replayed save sends the coordinator.
-
-    DCP's ``WriteResult``s (four objects and a ``torch.Size`` a chunk) cost 3 us a chunk to
-    pickle and as much to unpickle, on the coordinator for every rank's: 8 ms a save of
-    1,000 tensors on 2 ranks, holding the GIL.
-
-    Attributes:
-        shard: The shard file this rank wrote (None: it wrote none).
-        file_index: Its index among the shard files.
-        rows: Per chunk: tensor name, chunk offsets, entry name, dtype, shape, begin, end,
-            CRC-32C (a ``TensorEntry`` of shard ``file_index``).
-    """
-
-    shard: ShardEntry | None
-    file_index: int | None
-    rows: list[tuple[Any, ...]]
-
-    def chunks(self) -> Iterator[tuple[ChunkKey, str, ShardEntry, TensorEntry]]:
-        """Each chunk's key, entry name, shard and entry."""
-        shard, index = self.shard, self.file_index
-        assert shard is not None or not self.rows
-        for fqn, offsets, name, dtype, shape, begin, end, crc in self.rows:
-            yield (fqn, offsets), name, shard, TensorEntry(index, dtype, shape, begin, end, crc)
-
-
-def _written_chunks(
-    results: list[list[WriteResult]] | list[PackedWrite],
-) -> Iterator[tuple[ChunkKey, str, ShardEntry, TensorEntry]]:
-    """Each chunk's key, entry name, shard and entry, from every rank's results: DCP's
-    ``WriteResult``s (a save DCP planned) or ``PackedWrite``s (a replayed save)."""
-    for rank_results in results:
-        if isinstance(rank_results, PackedWrite):
-            yield from rank_results.chunks()
-            continue
-        for result in rank_results:
-            stored = result.storage_data
-            if not isinstance(stored, _StoredChunk):
-                raise TypeError(f"unexpected write result for {result.index.fqn!r}")
-            yield chunk_key(result.index), stored.name, stored.shard, stored.entry
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,10 +107,11 @@ class ChunkLayout:
 
     def fits(self, metadata: dict[str, Any], names: dict[ChunkKey, str]) -> bool:
         """Whether ``sharded`` is what ``metadata`` and ``names`` make (the same objects)."""
+        kept = self.metadata
         return (
-            names == self.names
-            and len(metadata) == len(self.metadata)
-            and all(metadata.get(k) is v for k, v in self.metadata.items())
+            (names is self.names or names == self.names)
+            and metadata.keys() == kept.keys()
+            and all(map(operator.is_, map(metadata.__getitem__, kept), kept.values()))
         )
 
 
@@ -171,9 +128,19 @@ class SaveOutcome:
     state_file_error: str | None = None
 
 
-def _copied(snapshot: Snapshot) -> tuple[list[tuple[str, TensorEntry]], bytes, list[memoryview]]:
-    """``in_place_shard``'s result for a shard staged whole: entries with CRCs, header, bytes."""
-    return snapshot.checksummed(0), snapshot.layout.shards[0].header, [snapshot.shard_view(0)]
+def _table(
+    results: list[list[WriteResult]] | list[PackedWrite],
+) -> tuple[dict[int, ShardEntry], dict[ChunkKey, str], dict[str, TensorEntry]]:
+    """The shards by file index, the chunks' entry names by key, and the tensor table (sorted
+    by name) of every rank's results."""
+    shards: dict[int, ShardEntry] = {}
+    tensors: dict[str, TensorEntry] = {}
+    names: dict[ChunkKey, str] = {}
+    for key, name, shard, entry in written_chunks(results):
+        shards[entry.shard] = shard
+        tensors[name] = entry
+        names[key] = name
+    return shards, names, dict(sorted(tensors.items()))
 
 
 def _sharded_tensors(
@@ -293,6 +260,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         self.chunk_layout: ChunkLayout | None = None
         self.previous_layout: ChunkLayout | None = None
         self.shard_memo: ShardMemo | None = None
+        self.table_memo: TableMemo | None = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record this rank's role and rank (DCP passes ``rank=``)."""
@@ -384,15 +352,11 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         indexes = {chunk_key(item.index): item.index for item in plan.items}
         results = [
             WriteResult(
-                index=indexes[(fqn, offsets)],
-                size_in_bytes=end - begin,
-                storage_data=_StoredChunk(
-                    written.shard,
-                    name,
-                    TensorEntry(written.file_index, dtype, shape, begin, end, crc),
-                ),
+                index=indexes[key],
+                size_in_bytes=entry.nbytes,
+                storage_data=StoredChunk(shard, name, entry),
             )
-            for fqn, offsets, name, dtype, shape, begin, end, crc in written.rows
+            for key, name, shard, entry in written.chunks()
         ]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -409,45 +373,46 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             assignment = plan.storage_data
             if isinstance(assignment, _Assignment) and assignment.file_index is not None:
                 return self._write_shard(plan, planner, assignment)
-            return PackedWrite(None, None, [])
+            return PackedWrite(None, None, [], [])
 
     def _write_shard(self, plan: SavePlan, planner: Any, assignment: _Assignment) -> PackedWrite:
         memo, table = self.shard_memo, getattr(planner, "tensors", None)
         kept = None if memo is None or table is None else memo.take(plan, table, self._staged)
-        if kept is not None:  # The chunks and layout of the last save's shard hold.
-            tensors, keys, in_place = kept
+        if kept is not None:  # The chunks, layout and rows of the last save's shard hold.
+            tensors, keys, in_place, rows = kept
         else:
             tensors, keys = self._chunks(plan, planner, assignment)
             in_place = None if self._staged is None else plan_in_place(self._staged, tensors)
+            rows = None if in_place is None else packed_rows(in_place.entries, keys)
             if memo is not None and table is not None and in_place is not None:
-                assert self._staged is not None
-                memo.keep(plan, table, self._staged, tensors, keys, in_place)
+                assert self._staged is not None and rows is not None
+                memo.keep(plan, table, self._staged, tensors, keys, in_place, rows)
         assert assignment.file_index is not None
         final = data_filename(self._prefix, assignment.file_index, assignment.num_files)
-        placed = None
-        if in_place is not None:
-            assert self._staged is not None
-            placed = in_place.write(self._staged, tensors)
         snapshot = None
-        if placed is None:  # Every chunk copied into a shard of its own.
+        if in_place is not None:
+            assert self._staged is not None and rows is not None
+            crcs, parts = in_place.write(self._staged, tensors)
+            header, entries = in_place.header, in_place.entries
+        else:  # Every chunk copied into a shard of its own.
             snapshot = self._stager.stage(None, tensors, step=None, wall_time=self._wall_time)
         try:
-            entries, header, parts = placed or _copied(snapshot)
+            if snapshot is not None:
+                entries = snapshot.layout.shards[0].entries
+                header, parts = snapshot.layout.shards[0].header, [snapshot.shard_view(0)]
+                crcs, rows = snapshot.checksums(0), packed_rows(entries, keys)
             shard = ShardEntry(
                 file=os.path.basename(final),
                 size_bytes=len(header) + (entries[-1][1].end if entries else 0),
                 data_offset=len(header),
-                crc32c=shard_checksum(header, [e.crc32c for _, e in entries]),
+                crc32c=shard_checksum(header, crcs),
                 header_crc32c=crc32c.crc32c(header),
             )
             self._persist(final, parts)
         finally:
             if snapshot is not None:
                 self._stager.release(snapshot)
-        rows = [
-            (*keys[name], name, e.dtype, e.shape, e.begin, e.end, e.crc32c) for name, e in entries
-        ]
-        return PackedWrite(shard, assignment.file_index, rows)
+        return PackedWrite(shard, assignment.file_index, rows, crcs)  # type: ignore[arg-type]
 
     def _chunks(
         self, plan: SavePlan, planner: Any, assignment: _Assignment
@@ -504,19 +469,19 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
     def _manifest(
         self, metadata: Metadata, results: list[list[WriteResult]] | list[PackedWrite]
     ) -> ShardedManifest:
-        shards: dict[int, ShardEntry] = {}
-        tensors: dict[str, TensorEntry] = {}
-        names: dict[ChunkKey, str] = {}
-        for key, name, shard, entry in _written_chunks(results):
-            shards[entry.shard] = shard
-            tensors[name] = entry
-            names[key] = name
+        tensors: Mapping[str, TensorEntry]
+        if self.table_memo is not None and all(isinstance(r, PackedWrite) for r in results):
+            shards, names, tensors = self.table_memo.table(results)  # type: ignore[arg-type]
+        else:
+            shards, names, tensors = _table(results)
         if sorted(shards) != list(range(self.num_files)):
             raise ValueError(f"expected {self.num_files} shards, got results for {sorted(shards)}")
         layout = self.previous_layout
         if layout is None or not layout.fits(metadata.state_dict_metadata, names):
             sharded = _sharded_tensors(metadata.state_dict_metadata, names)
             layout = ChunkLayout(dict(metadata.state_dict_metadata), names, sharded)
+        elif layout.names is not names:  # Equal: kept with these, the same objects next time.
+            layout = ChunkLayout(layout.metadata, names, layout.sharded)
         self.chunk_layout = layout
         unknown = sorted(set(self._tensor_names) - set(metadata.state_dict_metadata))
         if unknown:
@@ -528,7 +493,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             global_step=self._step,
             wall_time=self._wall_time,
             tree=encode_tree(self._skeleton),
-            tensors=dict(sorted(tensors.items())),
+            tensors=tensors,  # type: ignore[arg-type]
             shards=tuple(shards[i] for i in range(self.num_files)),
             library_version=__version__,
             torch_version=torch.__version__,
