@@ -16,6 +16,8 @@ import torch
 from test_sharded import _build, _full_tensors, _state, _train_step
 
 from torchsupervisor import Saver
+from torchsupervisor.core.tree import encode_tree
+from torchsupervisor.core.walk import walk_state
 from torchsupervisor.testing import run_world
 
 WAIT_SECS = 60.0
@@ -147,9 +149,13 @@ def stage_memo_rank(
     save_path = os.path.join(directory, "model.ckpt")
     outcomes = []
 
+    trees = saver._sharded_writer._plans.trees  # The coordinator's (``tree_memo``).
+    taken_trees = []
+
     def save(label: str, step: int) -> None:
         state["global_step"] = step
         reference = _full_tensors(state)  # What the save must hold (a collective).
+        tree = encode_tree(walk_state(state)[0])  # What its manifest's tree must be.
         last, taken = memo.last, shards.taken
         future = saver.save_async(None, save_path, global_step=step)
         reused = last is not None and memo.last is last
@@ -159,7 +165,9 @@ def stage_memo_rank(
         same = sorted(reader.read_tensors()) == sorted(reference) and all(
             torch.equal(reader.get_tensor(name), tensor) for name, tensor in reference.items()
         )
+        assert reader.manifest.tree == tree, label
         outcomes.append((label, same, reused, shards.taken > taken))
+        taken_trees.append(trees.taken)
 
     save("first", 1)
     save("second", 2)  # The same tensors: the staged table is the last save's.
@@ -176,6 +184,9 @@ def stage_memo_rank(
     state["extra"]["d"] = distribute_tensor(local, mesh, [Replicate()])
     save("placement changed", 7)
     saver.close()
+    # The coordinator's replayed saves encoded their tree from the last one's containers
+    # where the walk handed over the very same ones.
+    assert (max(taken_trees) > 0) == (rank == 0), taken_trees
     return outcomes
 
 

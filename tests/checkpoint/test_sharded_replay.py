@@ -49,7 +49,7 @@ def _layout(manifest: bytes) -> tuple:
     """A manifest without its step and its shard files' names (which name the step)."""
     parsed = ShardedManifest.from_bytes(manifest)
     shards = tuple(dataclasses.replace(s, file="") for s in parsed.shards)
-    return parsed.tensors, shards, parsed.sharded_tensors, parsed.world_size
+    return parsed.tensors, shards, parsed.sharded_tensors, parsed.world_size, parsed.tree
 
 
 def replay_rank(rank: int, world_size: int, directory: str) -> tuple[int, bool]:
@@ -65,9 +65,11 @@ def replay_rank(rank: int, world_size: int, directory: str) -> tuple[int, bool]:
         layouts.append(plans._kept.chunk_layout)
     assert plans.replayed == 2
     # The coordinator's replayed saves reused the chunk layout of the first (checked below
-    # against a save that DCP plans); the other rank builds none.
+    # against a save that DCP plans), the first of them kept with its own chunk names (an
+    # equal mapping), which the second's then are; the other rank builds none.
     if rank == 0:
-        assert layouts[0] is not None and layouts[0] is layouts[1] is layouts[2]
+        assert layouts[0] is not None and layouts[1] is layouts[2]
+        assert layouts[1].sharded is layouts[0].sharded and layouts[1].names == layouts[0].names
     else:
         assert layouts == [None, None, None]
     planned = _save(state, directory, 4, None)  # The same state, planned by DCP.

@@ -88,7 +88,8 @@ included, every character outside printable ASCII escaped."""
 
 def pretty_json(body: Mapping[str, Any], expanded: tuple[str, ...] = ("shards", "tensors")) -> str:
     """One line per top-level field and per item of the ``expanded`` fields; the tree on one
-    line (a manifest a person can read and diff)."""
+    line (a manifest a person can read and diff). A field's value, or an item of an expanded
+    field, may be an ``EncodedItem`` (the tree's texts, say)."""
 
     dump = ITEM_ENCODER.encode
 
@@ -107,13 +108,13 @@ def pretty_json(body: Mapping[str, Any], expanded: tuple[str, ...] = ("shards", 
                 items = [f"  {item(v)}" for v in value]
                 lines.append(f" {dump(key)}: [\n" + ",\n".join(items) + "\n ]")
         else:
-            lines.append(f" {dump(key)}: {dump(value)}")
+            lines.append(f" {dump(key)}: {item(value)}")
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def canonical(body: Mapping[str, Any]) -> bytes:
-    """``body`` (string keys) as ``CANONICAL_ENCODER`` writes it, its ``EncodedItem``s (in
-    the values of its fields, one level down) by their canonical text."""
+    """``body`` (string keys) as ``CANONICAL_ENCODER`` writes it, its ``EncodedItem``s (a
+    field's value, or in the values of its fields, one level down) by their canonical text."""
     dump = CANONICAL_ENCODER.encode
 
     def item(v: Any) -> str:
@@ -122,7 +123,7 @@ def canonical(body: Mapping[str, Any]) -> bytes:
     fields = []
     for key in sorted(body):
         value = body[key]
-        if isinstance(value, EncodedMapping):
+        if isinstance(value, (EncodedMapping, EncodedItem)):
             fields.append(f"{json_string(key)}:{value.canonical}")
             continue
         items = value.values() if isinstance(value, dict) else value

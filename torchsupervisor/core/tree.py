@@ -89,8 +89,11 @@ def check_tree_depth(tree: Any) -> None:
 _FLOAT_TAGS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
-def encode_tree(node: Any) -> Any:
+def encode_tree(node: Any, *, depth: int = 0) -> Any:
     """Encode a skeleton (from ``state.flatten_state``) as JSON-compatible data.
+
+    ``depth``: how many containers hold ``node`` in the whole skeleton (0: it is the
+    skeleton), for the limit on nesting.
 
     Raises:
         TypeError: For a leaf type the format does not know.
@@ -98,7 +101,7 @@ def encode_tree(node: Any) -> Any:
             no reader would accept (the walks that make skeletons refuse such states first;
             this keeps a manifest that cannot be read from ever being committed).
     """
-    return _encode(node, 0)
+    return _encode(node, depth)
 
 
 def _encode(node: Any, depth: int) -> Any:

@@ -76,8 +76,7 @@ class _Leaves:
     grads: list[bool] = dataclasses.field(default_factory=list)  # ... their ``requires_grad``.
     origin: int = _BARE  # Where the mapping was met (``flatten_state``'s frozen tracking).
     candidates: list[str] = dataclasses.field(default_factory=list)  # Frozen unless volatile.
-    # A mapping of mappings of leaves: the keys of those, the mappings, their records.
-    inner_keys: list[Any] = dataclasses.field(default_factory=list)
+    # A mapping of mappings of leaves: those mappings, and their records.
     inner: list[dict[Any, Any]] = dataclasses.field(default_factory=list)
     records: dict[str, _Leaves] = dataclasses.field(default_factory=dict)
 
@@ -150,8 +149,11 @@ def walk_state(
         ``(skeleton, tensors)``: the skeleton with ``TensorRef`` leaves, and ``{name: tensor}``:
         a tensor that requires gradients, and a parameter, detached (but see ``keep_vars``
         and ``detach``); another tensor itself; a numpy array wrapped by ``torch.from_numpy``.
-        Every container of the skeleton is new and every leaf immutable, so a background
-        save may encode it after training has changed the state (``staging.ShardedSave``).
+        Every container of the skeleton is the walk's own (never one of the state's) and
+        every leaf immutable, so a background save may encode it after training has changed
+        the state (``staging.ShardedSave``). No container is ever changed once made: with
+        ``memo``, a mapping taken again is the last walk's very own skeleton mapping, which
+        lets the manifest's encoding be taken again too (``tree_memo.TreeMemo``).
 
     Raises:
         TypeError: For a leaf that cannot be saved without pickle, or a bad dict key.
@@ -289,10 +291,7 @@ def walk_state(
                 candidates.extend(known.candidates)
                 met[path] = known
                 met.update(known.records)  # For a later walk that finds only some the same.
-                out = dict(known.out)
-                for key in known.inner_keys:  # Every container of the skeleton is new.
-                    out[key] = dict(out[key])
-                return out
+                return known.out  # The last walk's, never changed (see ``Returns``).
         out = {}
         for key, value in obj.items():
             if type(key) is not str and not isinstance(key, (str, int, float, bool, type(None))):
@@ -340,7 +339,6 @@ def walk_state(
                     or not same_contents([value], inner.contents)  # type: ignore[arg-type]
                 ):
                     return
-                leaves.inner_keys.append(key)
                 leaves.inner.append(value)
                 leaves.records[name] = inner
                 leaves.tensors.update(inner.tensors)

@@ -153,13 +153,17 @@ class ShardedManifest(Manifest):
         entry = self.tensors[name]
         return (ChunkEntry((0,) * len(entry.shape), entry.shape, name),)
 
-    def to_bytes(self) -> bytes:
-        """Serialize to the JSON text of ``P.index``, the chunk layout included in its CRC."""
+    def to_bytes(self, tree_text: EncodedItem | None = None) -> bytes:
+        """Serialize to the JSON text of ``P.index``, the chunk layout included in its CRC.
+
+        ``tree_text``: the texts of ``tree`` where the caller has them
+        (``tree_memo.TreeMemo``), written as they are.
+        """
         body = self.body()
+        tree = body.pop("tree")
         if self.sharded_tensors:
-            tree = body.pop("tree")
             body[SHARDED_TENSORS_KEY] = _sharded_field(self.sharded_tensors)
-            body["tree"] = tree
+        body["tree"] = tree if tree_text is None else tree_text
         return signed_json(body, _EXPANDED)
 
     @classmethod

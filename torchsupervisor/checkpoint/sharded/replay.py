@@ -23,6 +23,7 @@ failure on any rank still reaches every rank and commits nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import torch
 from torchsupervisor.checkpoint.sharded.in_place import ShardMemo
 from torchsupervisor.checkpoint.sharded.packed import TableMemo
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave
+from torchsupervisor.checkpoint.tree_memo import TreeMemo
 from torchsupervisor.core.same_objects import Contents, contents, same_contents
 from torchsupervisor.core.state import dtensor_class
 from torchsupervisor.distributed.env import communication_device
@@ -132,6 +134,7 @@ class PlanCache:
         self.replayed = 0
         self.shards = ShardMemo()  # This rank's last shard under the kept plan.
         self.table = TableMemo()  # The coordinator's last tensor table under it.
+        self.trees = TreeMemo()  # The coordinator's last skeleton's encoding and texts.
         # The staged table last laid out (``layout_of``), and its answer.
         self._laid_out: tuple[Contents, tuple[tuple[Any, ...], list[Any]]] | None = None
 
@@ -234,6 +237,7 @@ class PlanCache:
         writer.previous_layout = kept.chunk_layout
         writer.shard_memo = self.shards
         writer.table_memo = self.table
+        writer.tree_memo = self.trees
         resolver = _Resolver(save.tensors)
 
         def write() -> Any:
@@ -245,4 +249,10 @@ class PlanCache:
             writer.finish(metadata, results)
             return metadata.storage_data
 
-        return wrapper.all_reduce("write", write, commit)
+        outcome = wrapper.all_reduce("write", write, commit)
+        layout = writer.chunk_layout  # The coordinator's: the kept one, or equal to it.
+        if layout is not None and layout is not kept.chunk_layout:
+            # Held with this save's chunk names, which the next save's are while the table
+            # of the ranks' rows holds (``packed.TableMemo``): compared by identity then.
+            self._kept = dataclasses.replace(kept, chunk_layout=layout)
+        return outcome

@@ -39,6 +39,7 @@ from torch.futures import Future
 from torchsupervisor._version import __version__
 from torchsupervisor.checkpoint import commit
 from torchsupervisor.checkpoint.format import ShardEntry, TensorEntry, data_filename
+from torchsupervisor.checkpoint.manifest_json import EncodedItem
 from torchsupervisor.checkpoint.shard_header import shard_checksum
 from torchsupervisor.checkpoint.sharded.common import (
     BoundToPrefix,
@@ -62,6 +63,7 @@ from torchsupervisor.checkpoint.sharded.packed import (
 )
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.checkpoint.state_file import record_newest
+from torchsupervisor.checkpoint.tree_memo import TreeMemo
 from torchsupervisor.core.tree import encode_tree
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import BY_PATH, Storage
@@ -261,6 +263,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         self.previous_layout: ChunkLayout | None = None
         self.shard_memo: ShardMemo | None = None
         self.table_memo: TableMemo | None = None
+        self.tree_memo: TreeMemo | None = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record this rank's role and rank (DCP passes ``rank=``)."""
@@ -455,8 +458,8 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         """
         with self._remembering():
             self.tensors_metadata = metadata.state_dict_metadata
-            manifest = self._manifest(metadata, results)
-            data = manifest.to_bytes()
+            manifest, tree_text = self._manifest(metadata, results)
+            data = manifest.to_bytes(tree_text)
             try:
                 commit.publish(self._storage, self._prefix, data)
             except OSError as e:
@@ -468,7 +471,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
 
     def _manifest(
         self, metadata: Metadata, results: list[list[WriteResult]] | list[PackedWrite]
-    ) -> ShardedManifest:
+    ) -> tuple[ShardedManifest, EncodedItem | None]:
         tensors: Mapping[str, TensorEntry]
         if self.table_memo is not None and all(isinstance(r, PackedWrite) for r in results):
             shards, names, tensors = self.table_memo.table(results)  # type: ignore[arg-type]
@@ -489,10 +492,15 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
                 f"The state of rank {self._rank} names tensors that no rank saved: {unknown} "
                 "(every rank must save the same state structure)"
             )
-        return ShardedManifest(
+        tree_text = None
+        if self.tree_memo is not None:
+            tree, tree_text = self.tree_memo.encode(self._skeleton)
+        else:
+            tree = encode_tree(self._skeleton)
+        manifest = ShardedManifest(
             global_step=self._step,
             wall_time=self._wall_time,
-            tree=encode_tree(self._skeleton),
+            tree=tree,
             tensors=tensors,  # type: ignore[arg-type]
             shards=tuple(shards[i] for i in range(self.num_files)),
             library_version=__version__,
@@ -500,6 +508,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             world_size=self.world_size,
             sharded_tensors=layout.sharded,
         )
+        return manifest, tree_text
 
     def _after_commit(self) -> str | None:
         """Remove stale shards and update the state file; never raises (it is committed)."""

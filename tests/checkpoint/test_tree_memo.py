@@ -1,0 +1,137 @@
+"""``TreeMemo``: a skeleton's encoding and JSON texts, taken again for the very same
+containers; and ``json_texts``, which must write exactly what the manifest's encoders write."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torchsupervisor.checkpoint.manifest_json import CANONICAL_ENCODER, ITEM_ENCODER
+from torchsupervisor.checkpoint.tree_memo import TreeMemo, json_texts
+from torchsupervisor.core.state import MAX_STATE_DEPTH, TensorRef
+from torchsupervisor.core.tree import encode_tree
+from torchsupervisor.core.walk import WalkMemo, walk_state
+
+JSON_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -7,
+    2**70,
+    0.1,
+    -0.0,
+    1e-7,
+    1e300,
+    3.0,
+    "",
+    "plain",
+    'quote " and \\ backslash',
+    "tab\t newline\n nul\x00",
+    "caf\u00e9 \u2603 \U0001f600",
+    [],
+    {},
+    [1, [2, [3, []]], {}],
+    {"b": 1, "a": [True, None], "\u00e9": {"z": 0.5, "y": "x"}},
+    {"dict": {"w": {"tensor": "model/w"}, "lr": 0.001}},
+]
+
+
+@pytest.mark.parametrize("value", JSON_VALUES, ids=range(len(JSON_VALUES)))
+def test_json_texts_are_the_manifest_encoders_texts(value):
+    assert json_texts(value) == (ITEM_ENCODER.encode(value), CANONICAL_ENCODER.encode(value))
+
+
+def test_json_texts_refuses_what_the_encoders_refuse():
+    for bad in (math.nan, math.inf, [-math.inf]):
+        with pytest.raises(ValueError):
+            json_texts(bad)
+        with pytest.raises(ValueError):
+            ITEM_ENCODER.encode(bad)
+    for bad in ((1, 2), {1: "a"}, object()):
+        with pytest.raises(TypeError):
+            json_texts(bad)
+
+
+def _skeletons() -> list:
+    ref, arr = TensorRef("model/w"), TensorRef("data/x", True)
+    return [
+        {},
+        {"model": {"w": ref, "b": TensorRef("model/b")}, "step": 3},
+        {"x": (1, 2.5, "s", None, (ref,)), "y": [arr, [], {}], "z": ()},
+        {"keys": {1: "int", 2.5: "float", None: "none", False: "bool", math.inf: "inf"}},
+        {"odd": [math.nan, -math.inf, b"\x00\xff", torch.float16, torch.device("cpu")]},
+        {"text": "caf\u00e9 \u2603", "nested": {"a": {"b": {"c": [ref]}}}},
+    ]
+
+
+@pytest.mark.parametrize("skeleton", _skeletons(), ids=range(len(_skeletons())))
+def test_the_memo_encodes_as_encode_tree_and_json_do(skeleton):
+    memo = TreeMemo()
+    for _ in range(2):  # Made, then taken again.
+        encoded, texts = memo.encode(skeleton)
+        assert encoded == encode_tree(skeleton)
+        assert texts.text == ITEM_ENCODER.encode(encode_tree(skeleton))
+        assert texts.canonical == CANONICAL_ENCODER.encode(encode_tree(skeleton))
+
+
+def test_containers_are_taken_again_only_where_the_very_same_at_the_same_depth():
+    memo = TreeMemo()
+    inner = {"w": TensorRef("model/w"), "b": TensorRef("model/b")}
+    group = [{"lr": 0.1, "params": ["model/w", "model/b"]}]
+    memo.encode({"model": inner, "groups": group})
+    assert memo.taken == 0
+    encoded, texts = memo.encode({"model": inner, "groups": group})
+    assert memo.taken == 2  # ``inner`` and ``group``: their children were not visited.
+    # An equal but new container is encoded anew; the very same one one level deeper too.
+    moved = {"model": dict(inner), "deeper": {"again": group}}
+    encoded, texts = memo.encode(moved)
+    assert memo.taken == 0
+    assert encoded == encode_tree(moved)
+    assert texts.canonical == CANONICAL_ENCODER.encode(encode_tree(moved))
+    # Only what the last encode met is kept: ``inner`` itself was not met by it.
+    memo.encode({"model": inner})
+    assert memo.taken == 0
+
+
+def test_the_memo_keeps_the_depth_limit():
+    deep: object = TensorRef("t")
+    for _ in range(MAX_STATE_DEPTH + 2):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nests deeper"):
+        encode_tree(deep)
+    with pytest.raises(ValueError, match="nests deeper"):
+        TreeMemo().encode(deep)
+    keyed: object = {1: "x"}
+    for _ in range(MAX_STATE_DEPTH + 1):
+        keyed = [keyed]
+    with pytest.raises(ValueError, match="nests deeper"):
+        encode_tree(keyed)
+    with pytest.raises(ValueError, match="nests deeper"):
+        TreeMemo().encode(keyed)
+
+
+def test_a_walk_with_its_memo_hands_over_containers_the_tree_memo_takes_again():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 3)).sum().backward()
+    optimizer.step()
+    state = {"model": model, "optimizer": optimizer, "step": 1}
+    walks, trees = WalkMemo(), TreeMemo()
+    first, _ = walk_state(state, keep_vars=True, memo=walks, sharded=False, detach=False)
+    first_texts = trees.encode(first)[1]
+    optimizer.step()  # New values in the same tensors; a new float in the state.
+    state["step"] = 2
+    second, _ = walk_state(state, keep_vars=True, memo=walks, sharded=False, detach=False)
+    assert second["model"] is first["model"]  # Taken as it was, never changed.
+    encoded, texts = trees.encode(second)
+    assert trees.taken >= 2  # The model's mapping and the optimizer's state.
+    plain = encode_tree(walk_state(state)[0])
+    assert encoded == plain
+    assert (texts.text, texts.canonical) == (
+        ITEM_ENCODER.encode(plain),
+        CANONICAL_ENCODER.encode(plain),
+    )
+    assert texts.canonical != first_texts.canonical  # The step changed.
