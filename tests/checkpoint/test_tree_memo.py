@@ -135,3 +135,42 @@ def test_a_walk_with_its_memo_hands_over_containers_the_tree_memo_takes_again():
         CANONICAL_ENCODER.encode(plain),
     )
     assert texts.canonical != first_texts.canonical  # The step changed.
+
+
+def test_a_savers_manifests_hold_the_states_tree_while_encodings_are_taken_again(tmp_path):
+    from torchsupervisor import CheckpointReader, Saver
+    from torchsupervisor.core.state import flatten_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {"model": model, "optimizer": optimizer, "epoch": 0}
+    saver = Saver(var_list=state, max_to_keep=None)
+    taken = []
+    for step in (1, 2, 3):
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+        state["epoch"] = step // 2  # A new value in the state at the third save only.
+        path = saver.save(None, str(tmp_path / "model.ckpt"), global_step=step)
+        reader = CheckpointReader(path)
+        reader.verify()
+        assert reader.manifest.tree == encode_tree(flatten_state(state)[0]), step
+        taken.append(saver._writer._trees.taken)
+    saver.close()
+    assert taken[0] == 0 and taken[1] > 0 and taken[2] > 0, taken
+
+
+def test_an_encode_keeps_only_what_it_met_without_the_garbage_collector():
+    import gc
+    import sys
+
+    memo = TreeMemo()
+    old = [TensorRef("t")]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        memo.encode({"a": old})
+        memo.encode({"b": [TensorRef("u")]})  # Does not meet ``old``.
+        assert sys.getrefcount(old) == 2  # This name and the call's argument.
+    finally:
+        if enabled:
+            gc.enable()

@@ -227,3 +227,33 @@ def test_new_data_behind_a_frozen_parameter_is_saved_not_referenced(tmp_path):
     last = saver.save(sess, path, global_step=4)
     assert torch.equal(CheckpointReader(last).get_tensor("backbone/0.weight"), weight.detach())
     CheckpointReader(last).verify()
+
+
+class _Counter:
+    """A stateful object whose state dict is a plain value."""
+
+    def state_dict(self) -> dict:
+        return {"count": 3}
+
+
+@pytest.mark.parametrize("memo", [False, True])
+def test_a_walk_keeps_nothing_it_met_alive_once_it_returns(memo):
+    # Without the garbage collector: what the walk met is released as soon as the caller
+    # lets go (a data loader's workers, say, stop then, not at the next collection).
+    import gc
+    import weakref
+
+    walks = WalkMemo() if memo else None
+    stateful, model = _Counter(), nn.Linear(2, 2)
+    refs = [weakref.ref(stateful), weakref.ref(model)]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        walk_state({"s": stateful, "m": model}, keep_vars=memo, memo=walks, frozen=set())
+        del stateful, model
+        if walks is not None:
+            del walks  # The memo holds the model's state dict until the next walk.
+        assert [r() for r in refs] == [None, None]
+    finally:
+        if enabled:
+            gc.enable()

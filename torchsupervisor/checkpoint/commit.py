@@ -45,6 +45,7 @@ from torchsupervisor.checkpoint.incremental import Committed
 from torchsupervisor.checkpoint.references import referenced_data_files
 from torchsupervisor.checkpoint.shard_header import shard_checksum
 from torchsupervisor.checkpoint.snapshot import Snapshot
+from torchsupervisor.checkpoint.tree_memo import TreeMemo
 from torchsupervisor.core import threads as priority
 from torchsupervisor.core.tree import encode_tree
 from torchsupervisor.errors import CheckpointSaveError
@@ -90,6 +91,7 @@ def persist(
     world_size: int = 1,
     storage: Storage = BY_PATH,
     cancel: threading.Event | None = None,
+    trees: TreeMemo | None = None,
 ) -> Commit:
     """Write ``snapshot`` as the checkpoint ``prefix`` with the commit protocol.
 
@@ -102,6 +104,8 @@ def persist(
         storage: Where the files go.
         cancel: If set while writing, the save stops and removes what it wrote (a save that
             cannot finish within a preemption grace period is abandoned, never half-written).
+        trees: The last save's tree encodings, for a snapshot of a walk's skeleton
+            (``tree_memo.TreeMemo``; used one save at a time); None: encoded anew.
 
     Returns:
         The manifest committed and where every tensor's bytes live.
@@ -144,17 +148,21 @@ def persist(
                 if version is not None:
                     committed[name] = Committed(source, version, shard, entry)
         tensors.update(ref_tensors)  # Referenced shards follow the new ones.
+        if trees is not None:
+            tree, tree_text = trees.encode(snapshot.tree)
+        else:
+            tree, tree_text = encode_tree(snapshot.tree), None
         manifest = Manifest(
             global_step=snapshot.step,
             wall_time=snapshot.wall_time,
-            tree=encode_tree(snapshot.tree),
+            tree=tree,
             tensors=tensors,
             shards=(*shards, *ref_shards),
             library_version=library_version,
             torch_version=torch_version,
             world_size=world_size,
         )
-        return manifest, manifest.to_bytes()
+        return manifest, manifest.to_bytes(tree_text)
 
     manifest = _write(snapshot, prefix, finals, prepare_manifest, storage, cancel)
     remove_stale_shards(storage, prefix, set(finals))

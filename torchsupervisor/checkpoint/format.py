@@ -210,9 +210,16 @@ class Manifest:
     world_size: int = 1
     format_version: int = FORMAT_VERSION
 
-    def to_bytes(self) -> bytes:
-        """Serialize to the JSON text of ``P.index`` (UTF-8), with its own CRC-32C."""
-        return signed_json(self.body())
+    def to_bytes(self, tree_text: EncodedItem | None = None) -> bytes:
+        """Serialize to the JSON text of ``P.index`` (UTF-8), with its own CRC-32C.
+
+        ``tree_text``: the texts of ``tree`` where the caller has them
+        (``tree_memo.TreeMemo``), written as they are.
+        """
+        body = self.body()
+        if tree_text is not None:
+            body["tree"] = tree_text
+        return signed_json(body)
 
     def body(self) -> dict[str, Any]:
         """The fields of ``P.index`` in file order, without the checksum: JSON values, except

@@ -141,7 +141,10 @@ class TreeMemo:
             met[id(node)] = (node, depth, encoded, *texts)
             return (encoded, *texts)
 
-        encoded, text, canonical = visit(skeleton, 0)
+        try:
+            encoded, text, canonical = visit(skeleton, 0)
+        finally:
+            visit = None  # type: ignore[assignment]  # It calls itself: a reference cycle.
         self._last, self.taken = met, taken
         return encoded, EncodedItem(text, canonical)
 

@@ -44,6 +44,7 @@ from torchsupervisor.checkpoint.sharded.staging import (
     stage,
 )
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
+from torchsupervisor.checkpoint.tree_memo import TreeMemo
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.walk import WalkMemo, walk_state
 from torchsupervisor.distributed.env import background_group, rank, world_size
@@ -122,6 +123,7 @@ class SnapshotWriter:
         self.engine = CheckpointEngine()
         self.cancel = threading.Event()
         self._memo = WalkMemo()  # What the last save's walk made of the state, reused.
+        self._trees = TreeMemo()  # The last manifest's tree encodings (the writer thread).
 
     def _record(self, target: SaveTarget) -> None:
         if target.write_state:
@@ -184,6 +186,7 @@ class SnapshotWriter:
                 world_size=world_size(),
                 storage=self._storage,
                 cancel=self.cancel,
+                trees=self._trees,
             )
         except CheckpointSaveError as e:
             stale = e.names if isinstance(e, StaleReferenceError) else ()

@@ -372,8 +372,15 @@ def walk_state(
 
     if memo is not None:
         memo.modules.begin_walk()
-    with torch.no_grad():  # Once for the walk (entering it costs ~2 us a time).
-        skeleton = {key: walk(value, key, 0, _BARE) for key, value in state_entries(state)}
+    try:
+        with torch.no_grad():  # Once for the walk (entering it costs ~2 us a time).
+            skeleton = {key: walk(value, key, 0, _BARE) for key, value in state_entries(state)}
+    finally:
+        # ``walk`` and ``walk_mapping`` call themselves through their closures' cells: a
+        # reference cycle that would keep what the walk met (the state's stateful objects,
+        # the table) alive until the garbage collector runs, and with them, say, a data
+        # loader's worker processes. Rebinding the names breaks it.
+        walk = walk_mapping = None  # type: ignore[assignment]
     if memo is not None:
         memo._last = met  # Only what this walk met: nothing older is kept alive.
         memo.modules.end_walk()
