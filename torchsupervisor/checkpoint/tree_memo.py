@@ -1,10 +1,11 @@
 """A skeleton's encoding and JSON texts, taken from the last save's where the walk gave the
 very same containers.
 
-At every save the coordinator of a sharded save encodes the state's skeleton for the manifest
-(``tree.encode_tree``), then ``json`` writes the encoding twice: on the file's readable line
-and in the canonical form the manifest's checksum covers. For a state of 1,000 tensors that
-is about 2 ms of the writer thread a save, holding the GIL beside training. Between two saves
+At every save the writer (one process's, or the coordinator of a sharded save) encodes the
+state's skeleton for the manifest (``tree.encode_tree``), then ``json`` writes the encoding
+twice: on the file's readable line and in the canonical form the manifest's checksum covers.
+For a state of 1,000 tensors that is about 2 ms of the writer thread a save, holding the GIL
+beside training. Between two saves
 the walk hands over most of the skeleton as the very same containers (``walk.WalkMemo`` takes
 a mapping whose objects did not change as it was, its skeleton mapping included), and no
 container of a skeleton is ever changed once the walk made it. ``TreeMemo`` therefore keeps
