@@ -426,7 +426,7 @@ def test_remembered_tensor_entry_texts_are_bounded_and_keyed_by_every_other_fiel
     entries.append(entries[0].with_fields(crc32c=77))  # Same layout, another CRC.
     for e in entries:
         value = {"shard": 0, "dtype": "F32", "shape": [2], "offsets": [e.begin, e.end]}
-        head, _ = fmt._item_parts(e)
+        head, _ = fmt._item_parts(fmt._entry_layout(e))
         assert f"{head}{e.crc32c}}}" == ITEM_ENCODER.encode({**value, "crc32c": e.crc32c})
         assert len(fmt._TENSOR_ITEM_PARTS) <= 2
 

@@ -1,5 +1,5 @@
 """``TreeMemo``: a skeleton's encoding and JSON texts, taken again for the very same
-containers; and ``json_texts``, which must write exactly what the manifest's encoders write."""
+containers; the texts exactly what the manifest's encoders write."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchsupervisor.checkpoint.manifest_json import CANONICAL_ENCODER, ITEM_ENCODER
-from torchsupervisor.checkpoint.tree_memo import TreeMemo, json_texts
+from torchsupervisor.checkpoint.tree_memo import TreeMemo
 from torchsupervisor.core.state import MAX_STATE_DEPTH, TensorRef
 from torchsupervisor.core.tree import encode_tree
 from torchsupervisor.core.walk import WalkMemo, walk_state
@@ -39,20 +39,26 @@ JSON_VALUES = [
 ]
 
 
+def _texts(skeleton: object) -> tuple[str, str]:
+    """What the manifest's encoders write for ``skeleton``'s encoding."""
+    encoded = encode_tree(skeleton)
+    return ITEM_ENCODER.encode(encoded), CANONICAL_ENCODER.encode(encoded)
+
+
 @pytest.mark.parametrize("value", JSON_VALUES, ids=range(len(JSON_VALUES)))
-def test_json_texts_are_the_manifest_encoders_texts(value):
-    assert json_texts(value) == (ITEM_ENCODER.encode(value), CANONICAL_ENCODER.encode(value))
+def test_the_memos_texts_are_the_manifest_encoders_texts(value):
+    # Each value as a leaf, in a list and in a tuple: the memo joins the containers' texts.
+    skeleton = {"value": value, "list": [value, value], "tuple": (value,)}
+    texts = TreeMemo().encode(skeleton)[1]
+    assert (texts.text, texts.canonical) == _texts(skeleton)
 
 
-def test_json_texts_refuses_what_the_encoders_refuse():
-    for bad in (math.nan, math.inf, [-math.inf]):
-        with pytest.raises(ValueError):
-            json_texts(bad)
-        with pytest.raises(ValueError):
-            ITEM_ENCODER.encode(bad)
-    for bad in ((1, 2), {1: "a"}, object()):
+def test_the_memo_refuses_what_the_codec_refuses():
+    for bad in (object(), [object()], {"a": {1: object()}}):
         with pytest.raises(TypeError):
-            json_texts(bad)
+            encode_tree(bad)
+        with pytest.raises(TypeError):
+            TreeMemo().encode(bad)
 
 
 def _skeletons() -> list:
@@ -100,17 +106,14 @@ def test_the_memo_keeps_the_depth_limit():
     deep: object = TensorRef("t")
     for _ in range(MAX_STATE_DEPTH + 2):
         deep = [deep]
-    with pytest.raises(ValueError, match="nests deeper"):
-        encode_tree(deep)
-    with pytest.raises(ValueError, match="nests deeper"):
-        TreeMemo().encode(deep)
-    keyed: object = {1: "x"}
+    keyed: object = {1: "x"}  # Keys that are not strings: encoded by the codec.
     for _ in range(MAX_STATE_DEPTH + 1):
         keyed = [keyed]
-    with pytest.raises(ValueError, match="nests deeper"):
-        encode_tree(keyed)
-    with pytest.raises(ValueError, match="nests deeper"):
-        TreeMemo().encode(keyed)
+    for skeleton in (deep, keyed):
+        with pytest.raises(ValueError, match="nests deeper"):
+            encode_tree(skeleton)
+        with pytest.raises(ValueError, match="nests deeper"):
+            TreeMemo().encode(skeleton)
 
 
 def test_a_walk_with_its_memo_hands_over_containers_the_tree_memo_takes_again():

@@ -337,19 +337,21 @@ class PackedTensors(Mapping[str, TensorEntry]):
         return len(self.names)
 
 
-def _item_parts(e: TensorEntry) -> tuple[str, str]:
-    """The readable text of ``e`` up to its CRC, and the canonical text after it."""
-    key = (e.shard, e.dtype, tuple(e.shape), e.begin, e.end)
+def _item_parts(layout: tuple[Any, ...]) -> tuple[str, str]:
+    """The readable text of an entry of ``layout`` (``(shard, dtype, shape, begin, end)``)
+    up to its CRC, and the canonical text after it."""
+    shard, dtype, shape, begin, end = layout
+    key = (shard, dtype, tuple(shape), begin, end)
     parts = _TENSOR_ITEM_PARTS.get(key)
     if parts is None:
         if len(_TENSOR_ITEM_PARTS) >= _MAX_TENSOR_ITEM_PARTS:
             _TENSOR_ITEM_PARTS.clear()
-        code = json_string(dtype_to_code(e.dtype))
+        code = json_string(dtype_to_code(dtype))
         parts = _TENSOR_ITEM_PARTS[key] = (
-            f'{{"shard": {e.shard:d}, "dtype": {code}, "shape": [{json_ints(e.shape, ", ")}], '
-            f'"offsets": [{e.begin:d}, {e.end:d}], "crc32c": ',
-            f',"dtype":{code},"offsets":[{e.begin:d},{e.end:d}],'
-            f'"shape":[{json_ints(e.shape, ",")}],"shard":{e.shard:d}}}',
+            f'{{"shard": {shard:d}, "dtype": {code}, "shape": [{json_ints(shape, ", ")}], '
+            f'"offsets": [{begin:d}, {end:d}], "crc32c": ',
+            f',"dtype":{code},"offsets":[{begin:d},{end:d}],'
+            f'"shape":[{json_ints(shape, ",")}],"shard":{shard:d}}}',
         )
     return parts
 
@@ -367,13 +369,13 @@ _entry_crc = operator.attrgetter("crc32c")
 
 
 class _TensorsText:
-    """The text of a table of tensors (names and entries in order) but for the CRCs."""
+    """The text of a table of tensors (names and entries' layouts in order) but for the CRCs."""
 
     __slots__ = ("c_heads", "c_tails", "heads", "layouts", "names", "order")
 
-    def __init__(self, names: list[str], entries: list[TensorEntry], layouts: list[Any]) -> None:
+    def __init__(self, names: list[str], layouts: list[tuple[Any, ...]]) -> None:
         self.names, self.layouts = names, layouts
-        parts = [_item_parts(e) for e in entries]
+        parts = list(map(_item_parts, layouts))
         self.heads = [f"  {json_string(n)}: {head}" for n, (head, _) in zip(names, parts)]
         self.order = sorted(range(len(names)), key=names.__getitem__)  # The canonical order.
         self.c_heads = [f'{json_string(names[i])}:{{"crc32c":' for i in self.order]
@@ -410,7 +412,7 @@ def tensors_field(tensors: Mapping[str, TensorEntry]) -> EncodedMapping | dict[s
             (t for t in _RECENT_TENSORS_TEXTS if t.names == names and t.layouts == layouts), None
         )
     if texts is None:
-        texts = _TensorsText(names, [TensorEntry(*x) for x in layouts], layouts)
+        texts = _TensorsText(names, layouts)
         with _TENSORS_TEXTS_LOCK:
             kept = _RECENT_TENSORS_TEXTS
             kept.insert(0, texts)

@@ -10,54 +10,32 @@ the walk hands over most of the skeleton as the very same containers (``walk.Wal
 a mapping whose objects did not change as it was, its skeleton mapping included), and no
 container of a skeleton is ever changed once the walk made it. ``TreeMemo`` therefore keeps
 each container's encoding and texts by identity, for the next save to take while it meets the
-very same container at the same depth; the rest is encoded as ``encode_tree`` and ``json``
-would (the texts are written here, exactly as ``manifest_json``'s two encoders write them).
+very same container at the same depth. A container's texts are its children's joined as
+``manifest_json``'s two encoders join them; strings go through their ``json_string``, every
+other leaf through the encoders themselves.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torchsupervisor.checkpoint.manifest_json import EncodedItem, json_string
+from torchsupervisor.checkpoint.manifest_json import (
+    CANONICAL_ENCODER,
+    ITEM_ENCODER,
+    EncodedItem,
+    json_string,
+)
 from torchsupervisor.core.state import TensorRef
 from torchsupervisor.core.tree import MAX_TREE_DEPTH, encode_tree
 
-__all__ = ["TreeMemo", "json_texts"]
+__all__ = ["TreeMemo"]
 
 _CONTAINERS = (dict, list, tuple)
 
 
-def json_texts(value: Any) -> tuple[str, str]:
-    """``value`` (JSON data: str keys, finite floats) as ``manifest_json.ITEM_ENCODER`` and
-    ``CANONICAL_ENCODER`` write it: readable (``", "``, ``": "``, keys in order) and
-    canonical (no spaces, keys sorted).
-
-    Raises:
-        TypeError: For a value that is not JSON data of those kinds.
-        ValueError: For a float that is not finite (the encoders refuse those too).
-    """
-    if isinstance(value, str):
-        text = json_string(value)
-        return text, text
-    if value is None:
-        return "null", "null"
-    if value is True:
-        return "true", "true"
-    if value is False:
-        return "false", "false"
-    if isinstance(value, int):
-        text = int.__repr__(value)
-        return text, text
-    if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError(f"Out of range float values are not JSON compliant: {value!r}")
-        text = float.__repr__(value)
-        return text, text
-    if isinstance(value, list):
-        return _join(list(map(json_texts, value)))
-    if isinstance(value, dict):
-        return _join_pairs([(k, json_texts(v)) for k, v in value.items()])
-    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+def _dumped(value: Any) -> tuple[str, str]:
+    """The texts of ``value`` (JSON data) as the manifest's two encoders write it."""
+    return ITEM_ENCODER.encode(value), CANONICAL_ENCODER.encode(value)
 
 
 def _join(items: list[tuple[str, str]]) -> tuple[str, str]:
@@ -67,10 +45,7 @@ def _join(items: list[tuple[str, str]]) -> tuple[str, str]:
     )
 
 
-def _join_pairs(pairs: list[tuple[Any, tuple[str, str]]]) -> tuple[str, str]:
-    for key, _ in pairs:
-        if not isinstance(key, str):
-            raise TypeError(f"keys must be str, not {type(key).__name__}")
+def _join_pairs(pairs: list[tuple[str, tuple[str, str]]]) -> tuple[str, str]:
     text = "{" + ", ".join([f"{json_string(k)}: {t}" for k, (t, _) in pairs]) + "}"
     ordered = sorted(pairs, key=lambda pair: pair[0])
     canonical = "{" + ",".join([f"{json_string(k)}:{c}" for k, (_, c) in ordered]) + "}"
@@ -115,7 +90,7 @@ class TreeMemo:
                 return encoded, "{" + tag + ": " + name + "}", "{" + tag + ":" + name + "}"
             if kind not in _CONTAINERS:
                 encoded = encode_tree(node, depth=depth)
-                return (encoded, *json_texts(encoded))
+                return (encoded, *_dumped(encoded))
             known = last.get(id(node))
             if known is not None and known[0] is node and known[1] == depth:
                 met[id(node)] = known
@@ -130,7 +105,7 @@ class TreeMemo:
                 texts = _tagged("dict", inner)
             elif kind is dict:
                 encoded = encode_tree(node, depth=depth)  # Other keys: as the codec writes them.
-                texts = json_texts(encoded)
+                texts = _dumped(encoded)
             else:
                 items = [visit(v, depth + 1) for v in node]
                 values = [e for e, _, _ in items]

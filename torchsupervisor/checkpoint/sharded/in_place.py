@@ -21,6 +21,7 @@ same views of the very same buffer takes the last plan again (``ShardMemo``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,15 +57,18 @@ class InPlaceShard:
             the end of the head.
         end: Where the head ends, relative to the start of the data.
         header: The shard's header (the staging buffer's header room, rewritten).
-        entries: Every chunk's entry in file order, offsets relative to the start of the
-            data, without a CRC: the head, then the rest shifted behind it.
     """
 
     head: Entries
     rest: Entries
     end: int
     header: bytes
-    entries: Entries
+
+    @functools.cached_property
+    def entries(self) -> Entries:
+        """Every chunk's entry in file order, offsets relative to the start of the data,
+        without a CRC: the head, then the rest shifted behind it."""
+        return self.head + _shifted(self.rest, self.end)
 
     def write(
         self, staged: Snapshot, tensors: dict[str, torch.Tensor]
@@ -94,6 +98,11 @@ class InPlaceShard:
         if len(tail):
             parts.append(memoryview(tail.numpy()).cast("B"))
         return crcs, parts
+
+
+def _shifted(entries: Entries, by: int) -> Entries:
+    """``entries`` with their offsets moved ``by`` bytes later."""
+    return [(n, e.with_fields(begin=by + e.begin, end=by + e.end)) for n, e in entries]
 
 
 def plan_in_place(staged: Snapshot, tensors: dict[str, torch.Tensor]) -> InPlaceShard | None:
@@ -143,12 +152,11 @@ def plan_in_place(staged: Snapshot, tensors: dict[str, torch.Tensor]) -> InPlace
     rest = list(plan_layout(others).shards[0].entries)
     if rest and end % rest[0][1].dtype.itemsize:
         return None
-    shifted = [(n, e.with_fields(begin=end + e.begin, end=end + e.end)) for n, e in rest]
     try:
-        header = safetensors_header(head + shifted, size=base)  # Not of the CRCs.
+        header = safetensors_header(head + _shifted(rest, end), size=base)  # Not of the CRCs.
     except ValueError:
         return None
-    return InPlaceShard(head, rest, end, header, head + shifted)
+    return InPlaceShard(head, rest, end, header)
 
 
 def in_place_shard(staged: Snapshot, tensors: dict[str, torch.Tensor]) -> Written | None:
