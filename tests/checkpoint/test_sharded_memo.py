@@ -129,11 +129,12 @@ def test_the_walk_memo_gives_what_a_walk_from_scratch_gives():
 
 def stage_memo_rank(
     rank: int, world_size: int, directory: str
-) -> list[tuple[str, bool, bool, bool]]:
+) -> list[tuple[str, bool, bool, bool, bool]]:
     """Save asynchronously after each kind of change, training on while each save is written;
     read each checkpoint back whole and compare it with the state at its step. Also: whether
-    the staged table was the last save's, and whether the shard was written with the last
-    save's chunks and layout (``in_place.ShardMemo``)."""
+    the staged table was the last save's, whether the shard was written with the last
+    save's chunks and layout (``in_place.ShardMemo``), and whether the rank's rows went to
+    the coordinator without being sent again (``packed.SentRows``)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from torchsupervisor import CheckpointReader
@@ -146,6 +147,7 @@ def stage_memo_rank(
     saver = Saver(var_list=state, max_to_keep=None)
     memo = saver._sharded_writer._staged
     shards = saver._sharded_writer._plans.shards
+    sent = saver._sharded_writer._plans.sent
     save_path = os.path.join(directory, "model.ckpt")
     outcomes = []
 
@@ -156,7 +158,7 @@ def stage_memo_rank(
         state["global_step"] = step
         reference = _full_tensors(state)  # What the save must hold (a collective).
         tree = encode_tree(walk_state(state)[0])  # What its manifest's tree must be.
-        last, taken = memo.last, shards.taken
+        last, taken, spared = memo.last, shards.taken, sent.spared
         future = saver.save_async(None, save_path, global_step=step)
         reused = last is not None and memo.last is last
         _train_step(model, optimizer, step)  # Changes every value before the write ends.
@@ -166,7 +168,7 @@ def stage_memo_rank(
             torch.equal(reader.get_tensor(name), tensor) for name, tensor in reference.items()
         )
         assert reader.manifest.tree == tree, label
-        outcomes.append((label, same, reused, shards.taken > taken))
+        outcomes.append((label, same, reused, shards.taken > taken, sent.spared > spared))
         taken_trees.append(trees.taken)
 
     save("first", 1)
@@ -192,9 +194,9 @@ def stage_memo_rank(
 
 def test_the_stage_memo_saves_what_the_state_holds_at_each_step(tmp_path):
     for outcomes in run_world(stage_memo_rank, str(tmp_path)):
-        assert [same for _, same, _, _ in outcomes] == [True] * 7, outcomes
+        assert [same for _, same, *_ in outcomes] == [True] * 7, outcomes
         # A swapped local tensor is copied from where it is now; its DTensor is the same.
-        assert {label for label, _, reused, _ in outcomes if reused} == {
+        assert {label for label, _, reused, *_ in outcomes if reused} == {
             "second",
             "third",
             "local swapped",
@@ -205,9 +207,8 @@ def test_the_stage_memo_saves_what_the_state_holds_at_each_step(tmp_path):
         # them; a replaced state tensor is staged into the same buffer, under the same
         # DTensor); a new placement is planned by DCP. Each checkpoint above is still the
         # state of its step, every byte checked.
-        assert {label for label, _, _, took in outcomes if took} == {
-            "third",
-            "local swapped",
-            "after the swap",
-            "state replaced",
-        }, outcomes
+        took = {label for label, _, _, took, _ in outcomes if took}
+        assert took == {"third", "local swapped", "after the swap", "state replaced"}, outcomes
+        # Those shards' rows were the last save's: the coordinator took them as received then
+        # (and each checkpoint above still holds its step's state).
+        assert {label for label, *_, spared in outcomes if spared} == took, outcomes

@@ -148,6 +148,7 @@ def test_packed_and_dcp_write_results_give_the_same_chunks():
         PackedWrite(shard, 1, packed.rows, []),  # A CRC short.
         PackedWrite(None, None, packed.rows, [99]),  # Chunks without a shard.
         PackedWrite(shard, None, [], []),  # A shard without its index.
+        PackedWrite(shard, 1, None, [99], 3),  # Rows sent before: only a table memo has them.
     ):
         with pytest.raises(ValueError, match="inconsistent"):
             list(written_chunks([bad]))
@@ -202,6 +203,49 @@ def test_the_coordinators_table_is_kept_while_every_ranks_rows_are_the_same():
         memo.table(twice)
     with pytest.raises(ValueError, match="3 names, 3 layouts and 2 CRCs"):
         fmt.PackedTensors(["a", "b", "c"], [(0,)] * 3, [1, 2])
+
+
+def test_rows_sent_once_are_taken_from_what_the_coordinator_received():
+    from torchsupervisor.checkpoint.sharded.packed import SentRows, TableMemo
+    from torchsupervisor.checkpoint.sharded.writer import _table
+
+    memo, senders = TableMemo(), [SentRows(), SentRows()]
+    first = _packed_results([1, 2, 3])  # Each rank's rows: the same lists from now on.
+
+    def save(crcs: list[int], rows_of: list[Any] = first) -> list[Any]:
+        written = [
+            dataclasses.replace(p, rows=own.rows) for p, own in zip(_packed_results(crcs), rows_of)
+        ]
+        return [sender.pack(w) for sender, w in zip(senders, written)]
+
+    sent = save([1, 2, 3])
+    assert [p.rows is not None for p in sent] == [True, True]
+    assert [p.rows_number for p in sent] == [1, 1]
+    memo.table(sent)
+    for crcs in ([4, 5, 6], [7, 8, 9]):
+        spared = save(crcs)
+        assert [(p.rows, p.rows_number) for p in spared] == [(None, 1), (None, 1)]
+        _, names, tensors = memo.table(spared)
+        _, want_names, want_tensors = _table(_packed_results(crcs))  # Made from the rows.
+        assert names == want_names and dict(tensors) == want_tensors
+    assert [s.spared for s in senders] == [2, 2]
+    # Rank 1's rows change (a new list): sent again, under a new number.
+    moved = _packed_results([1, 2, 3], 64)
+    changed = save([1, 2, 3], [first[0], moved[1]])
+    assert [(p.rows is None, p.rows_number) for p in changed] == [(True, 1), (False, 2)]
+    assert dict(memo.table(changed)[2]) == _table(_packed_results([1, 2, 3], 64))[2]
+    # Rows the coordinator does not hold (forgotten, or another number) fail the table,
+    # never make it from other rows.
+    memo.forget()
+    with pytest.raises(ValueError, match="rows #1 were not sent"):
+        memo.table(save([1, 2, 3], [first[0], moved[1]]))
+    for sender in senders:
+        sender.forget()  # As ``PlanCache.forget`` does on every rank: sent again.
+    again = save([1, 2, 3], [first[0], moved[1]])
+    assert [p.rows_number for p in again] == [2, 3] and memo.table(again)
+    wrong = [again[0], dataclasses.replace(again[1], rows=None, rows_number=2)]
+    with pytest.raises(ValueError, match="rows #2 were not sent"):
+        memo.table(wrong)
 
 
 def changed_rank(rank: int, world_size: int, directory: str) -> list[int]:
@@ -363,3 +407,25 @@ def test_an_older_index_that_cannot_be_retired_sends_the_save_to_dcp(tmp_path, t
             assert outcome == "saved"
         else:
             assert outcome.startswith("PermissionError") and "model.ckpt-1.index" in outcome
+
+
+def test_a_replayed_plan_is_refused_for_what_this_save_found_wrong(tmp_path):
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from torchsupervisor.checkpoint.sharded.writer import ShardedStorageWriter
+
+    def writer(prefix: str, error: BaseException | None = None) -> ShardedStorageWriter:
+        return ShardedStorageWriter(
+            prefix, skeleton={}, global_step=1, wall_time=0.0, error=error, tensor_names=()
+        )
+
+    plan = SavePlan([])
+    ok = writer(str(tmp_path / "model.ckpt-1"))
+    assert ok.prepare_replayed_plan(plan) is plan  # The plan itself, as it was checked then.
+    carried = writer(str(tmp_path / "model.ckpt-1"), TypeError("rank 1's state"))
+    with pytest.raises(TypeError, match="rank 1's state"):
+        carried.prepare_replayed_plan(plan)
+    assert isinstance(carried.error, TypeError)  # Remembered for the collective's report.
+    missing = writer(str(tmp_path / "gone" / "model.ckpt-1"))
+    with pytest.raises(ValueError, match="doesn't exist, can't save"):
+        missing.prepare_replayed_plan(plan)

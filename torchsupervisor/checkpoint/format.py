@@ -30,6 +30,7 @@ everything else is an object with exactly one tag key: ``{"tensor": name}``,
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import operator
@@ -369,24 +370,32 @@ _entry_crc = operator.attrgetter("crc32c")
 
 
 class _TensorsText:
-    """The text of a table of tensors (names and entries' layouts in order) but for the CRCs."""
+    """The text of a table of tensors (names and entries' layouts in order) but for the CRCs.
 
-    __slots__ = ("c_heads", "c_tails", "heads", "layouts", "names", "order")
+    Held as the text between one CRC and the next, readable and canonical, so that a table's
+    texts are two joins in C (one concatenation per entry and text made them 0.5 ms slower
+    for 1,764 entries).
+    """
+
+    __slots__ = ("c_end", "c_glue", "glue", "layouts", "names", "order")
 
     def __init__(self, names: list[str], layouts: list[tuple[Any, ...]]) -> None:
-        self.names, self.layouts = names, layouts
+        self.names, self.layouts = names, layouts  # Not empty.
         parts = list(map(_item_parts, layouts))
-        self.heads = [f"  {json_string(n)}: {head}" for n, (head, _) in zip(names, parts)]
+        heads = [f"  {json_string(n)}: {head}" for n, (head, _) in zip(names, parts)]
+        self.glue = [heads[0], *["},\n" + h for h in heads[1:]]]  # Each before its CRC.
         self.order = sorted(range(len(names)), key=names.__getitem__)  # The canonical order.
-        self.c_heads = [f'{json_string(names[i])}:{{"crc32c":' for i in self.order]
-        self.c_tails = [parts[i][1] for i in self.order]
+        c_heads = [f'{json_string(names[i])}:{{"crc32c":' for i in self.order]
+        c_tails = [parts[i][1] for i in self.order]
+        self.c_glue = ["{" + c_heads[0], *[t + "," + h for t, h in zip(c_tails, c_heads[1:])]]
+        self.c_end = c_tails[-1] + "}"
 
     def encode(self, crcs: list[str]) -> EncodedMapping:
         """The field with these CRCs (JSON texts, in the table's order)."""
-        text = ",\n".join([h + c + "}" for h, c in zip(self.heads, crcs)])
+        text = "".join(itertools.chain.from_iterable(zip(self.glue, crcs))) + "}"
         ordered = map(crcs.__getitem__, self.order)
-        pairs = [h + c + t for h, c, t in zip(self.c_heads, ordered, self.c_tails)]
-        return EncodedMapping(text, "{" + ",".join(pairs) + "}")
+        canonical = "".join(itertools.chain.from_iterable(zip(self.c_glue, ordered)))
+        return EncodedMapping(text, canonical + self.c_end)
 
 
 def tensors_field(tensors: Mapping[str, TensorEntry]) -> EncodedMapping | dict[str, Any]:
@@ -419,7 +428,10 @@ def tensors_field(tensors: Mapping[str, TensorEntry]) -> EncodedMapping | dict[s
             del kept[_MAX_TENSORS_TEXTS:]
             while len(kept) > 1 and sum(len(t.names) for t in kept) > _MAX_TENSORS_TEXT_ENTRIES:
                 del kept[-1]  # The newest is kept, however large.
-    return texts.encode(list(map(json_int, crcs)))
+    try:
+        return texts.encode(list(map(int.__repr__, crcs)))  # An int as JSON, in C; else:
+    except TypeError:  # A missing CRC (None), or not an int: ``json_int`` writes or refuses it.
+        return texts.encode(list(map(json_int, crcs)))
 
 
 # The texts of the tables of the last few manifests written, newest first (each saver writes

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from torchsupervisor.checkpoint.sharded.in_place import ShardMemo
-from torchsupervisor.checkpoint.sharded.packed import TableMemo
+from torchsupervisor.checkpoint.sharded.packed import SentRows, TableMemo
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave
 from torchsupervisor.checkpoint.tree_memo import TreeMemo
 from torchsupervisor.core.same_objects import Contents, contents, same_contents
@@ -134,6 +134,7 @@ class PlanCache:
         self.replayed = 0
         self.shards = ShardMemo()  # This rank's last shard under the kept plan.
         self.table = TableMemo()  # The coordinator's last tensor table under it.
+        self.sent = SentRows()  # This rank's rows last sent to the coordinator under it.
         self.trees = TreeMemo()  # The coordinator's last skeleton's encoding and texts.
         # The staged table last laid out (``layout_of``), and its answer.
         self._laid_out: tuple[Contents, tuple[tuple[Any, ...], list[Any]]] | None = None
@@ -143,6 +144,7 @@ class PlanCache:
         self._kept = None
         self.shards.forget()
         self.table.forget()
+        self.sent.forget()
         self._laid_out = None
 
     def remember(self, save: ShardedSave, writer: Any, group: Any) -> None:
@@ -150,6 +152,7 @@ class PlanCache:
         # The shard of an older plan: every save DCP plans ends here or in ``forget``.
         self.shards.forget()
         self.table.forget()
+        self.sent.forget()
         if writer.final_plan is None or (writer.is_coordinator and writer.tensors_metadata is None):
             self._kept = None
             return
@@ -241,8 +244,9 @@ class PlanCache:
         resolver = _Resolver(save.tensors)
 
         def write() -> Any:
-            plan = writer.prepare_local_plan(kept.plan)
-            return writer.write_packed(plan, resolver)  # Cheaper to gather than DCP's.
+            plan = writer.prepare_replayed_plan(kept.plan)
+            # Cheaper to gather than DCP's results, the more so without rows sent before.
+            return self.sent.pack(writer.write_packed(plan, resolver))
 
         def commit(results: list[Any]) -> Any:
             metadata = Metadata(state_dict_metadata=dict(kept.tensors_metadata or {}))
