@@ -380,6 +380,40 @@ def test_a_failed_save_of_the_same_step_leaves_the_older_checkpoint(tmp_path):
         assert kind == "TypeError" and replayed == 1
 
 
+def retire_count_rank(rank: int, world_size: int, directory: str) -> tuple[list[int], int]:
+    """Replayed saves to new prefixes and to one already saved: the coordinator retires only
+    where the prefix holds an older save's files (it found them before the ranks agreed);
+    the retirements made, counted after each save, and the saves replayed."""
+    from torchsupervisor.checkpoint import commit
+
+    retire, counts = commit.retire, []
+
+    def counted(*args: Any) -> None:
+        counts[-1] += 1
+        retire(*args)
+
+    state = _build(0, world_size)
+    plans = PlanCache()
+    commit.retire = counted
+    try:
+        for step in (1, 2, 2, 3):  # Planned by DCP (which retires), then replayed.
+            counts.append(counts[-1] if counts else 0)
+            _train(state)
+            _save(state, directory, step, plans)
+    finally:
+        commit.retire = retire
+    if rank == 0:
+        for step in (1, 2, 3):
+            CheckpointReader(os.path.join(directory, f"model.ckpt-{step}")).verify()
+    return counts, plans.replayed
+
+
+def test_a_replayed_save_retires_only_where_an_older_save_was(tmp_path):
+    results = run_world(retire_count_rank, str(tmp_path))
+    assert results[0] == ([1, 1, 2, 2], 3), results  # The coordinator.
+    assert results[1] == ([0, 0, 0, 0], 3), results
+
+
 def retire_fail_rank(rank: int, world_size: int, directory: str, times: int | None) -> tuple:
     """The same step saved again while deleting its older index fails ``times`` times on the
     coordinator: the replay gives way to DCP, which retires again (and reports a failure to

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from torchsupervisor.checkpoint import commit
 from torchsupervisor.checkpoint.format import ManifestError
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
@@ -234,12 +235,13 @@ def write_sharded(
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     failure: BaseException | None = None
     outcome = None
+    agreed = None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        _agree_on_the_save(save, process_group)
+        agreed = _agree_on_the_save(save, process_group, plans, storage)
     try:
         with _dcp_call(process_group) as no_dist:
-            if plans is not None and not no_dist:
-                outcome = plans.replay(save, writer, process_group)
+            if plans is not None and agreed is not None and agreed.replay and not no_dist:
+                outcome = plans.replay(save, writer, process_group, retire=agreed.older)
             if outcome is None:
                 metadata = dcp_save(
                     save.tensors,
@@ -276,14 +278,29 @@ def write_sharded(
     return outcome.manifest
 
 
-def _agree_on_the_save(save: ShardedSave, process_group: Any) -> None:
-    """Check, before anything is written, that every rank is at the same save.
+@dataclasses.dataclass(frozen=True)
+class _Agreed:
+    """What the ranks agreed on before a save: whether it replays the kept plan (every rank
+    can), and whether the checkpoint's prefix holds files of an older save (the coordinator
+    found some: it retires them before any rank writes)."""
+
+    replay: bool
+    older: bool
+
+
+def _agree_on_the_save(
+    save: ShardedSave, process_group: Any, plans: PlanCache | None, storage: Storage
+) -> _Agreed:
+    """Check, before anything is written, that every rank is at the same save; and agree
+    whether it replays the kept plan (``plans``).
 
     One all-reduce compares a hash of the checkpoint's file name, its step and the count of
     sharded saves this rank's saver began (``ShardedSave.sequence``). Ranks at different saves
     (a save called on some ranks only) would otherwise write one checkpoint from two steps'
     states, and every later save likewise. A rank that carries an error skips the comparison:
-    the save then fails on every rank with that error.
+    the save then fails on every rank with that error. The same all-reduce carries whether
+    each rank can replay its kept plan (``PlanCache.fits``) and whether the coordinator found
+    an older save's files under the prefix (a second collective each, before).
 
     Raises:
         CheckpointSaveError: On every rank, if the ranks are at different saves.
@@ -292,10 +309,17 @@ def _agree_on_the_save(save: ShardedSave, process_group: Any) -> None:
 
     name = f"{os.path.basename(save.prefix)}\0{save.step}\0{save.sequence}"
     key = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=7).digest(), "little")
+    try:
+        fits = plans is not None and plans.fits(save, process_group)
+    except Exception:  # Raised here, it would leave the other ranks in the all-reduce;
+        fits = False  # DCP plans the save instead, and reports what fails to every rank.
+    older = fits and dist.get_rank(process_group) == 0 and _older_files(save.prefix, storage)
     device = communication_device(dist.get_backend(process_group))  # CUDA for NCCL.
-    agreed = torch.tensor([key, -key, save.error is not None], dtype=torch.int64, device=device)
+    agreed = torch.tensor(
+        [key, -key, save.error is not None, not fits, older], dtype=torch.int64, device=device
+    )
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=process_group)
-    highest, lowest, errors = agreed.tolist()
+    highest, lowest, errors, unfit, older = agreed.tolist()
     if not errors and highest != -lowest:
         raise CheckpointSaveError(
             f"Sharded save of {save.prefix} failed on every rank before anything was written: "
@@ -305,6 +329,16 @@ def _agree_on_the_save(save: ShardedSave, process_group: Any) -> None:
             "a save called on some ranks only leaves them at different saves from then on",
             path=save.prefix,
         )
+    return _Agreed(replay=not errors and not unfit, older=bool(older))
+
+
+def _older_files(prefix: str, storage: Storage) -> bool:
+    """Whether ``prefix`` holds an index or data files (an older save's); True when that
+    cannot be told (the retirement, which reports its errors to every rank, then finds out)."""
+    try:
+        return storage.exists(prefix + ".index") or bool(commit.same_prefix_shards(storage, prefix))
+    except Exception:
+        return True
 
 
 def load_sharded(

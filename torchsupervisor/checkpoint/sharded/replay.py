@@ -185,11 +185,26 @@ class PlanCache:
         self._laid_out = (contents([save.tensors]), answer)
         return answer
 
-    def replay(self, save: ShardedSave, writer: Any, group: Any) -> Any:
-        """Write and commit ``save`` with the kept plan, if every rank's layout is unchanged.
+    def fits(self, save: ShardedSave, group: Any) -> bool:
+        """Whether this rank can replay the kept plan for ``save`` through ``group``: it has
+        one, made through that group for the same layout, and ``save`` carries no error.
+        Every rank must agree before any replays (``collective.write_sharded``)."""
+        kept = self._kept
+        return (
+            kept is not None
+            and save.error is None
+            and kept.group() is group
+            and kept.layout == self._layout_of(save)[0]
+        )
 
-        A collective of ``group``: every rank calls it for the same save and all get None
-        together (nothing written yet: plan the save with DCP) or all replay.
+    def replay(self, save: ShardedSave, writer: Any, group: Any, *, retire: bool) -> Any:
+        """Write and commit ``save`` with the kept plan, once every rank agreed that it
+        ``fits``.
+
+        A collective of ``group``: every rank calls it for the same save. ``retire``: the
+        prefix holds an older save's files (the coordinator found them): the coordinator
+        retires them first, and if it cannot, every rank gets None (nothing written yet: plan
+        the save with DCP, which retires again and reports its error to every rank).
 
         Returns:
             The coordinator's ``SaveOutcome`` (on every rank), or None.
@@ -206,36 +221,26 @@ class PlanCache:
         except ImportError:  # pragma: no cover - every torch since 2.0 has it.
             return None
         kept = self._kept
+        assert kept is not None  # ``fits`` said so.
         wrapper = _DistWrapper(group, True, 0)
         writer.set_up_storage_writer(wrapper.is_coordinator, rank=wrapper.rank)
-        usable = (
-            kept is not None
-            and save.error is None
-            and kept.group() is group
-            and kept.layout == self._layout_of(save)[0]
-        )
-
-        # Two one-number collectives (DCP's pickled gather and scatter cost 3 times more):
-        # every rank's answer, then the coordinator's retirement of an older ``P.index``, which
-        # happens only once every rank will write and before any rank puts its shard. If it
-        # fails, DCP plans the save and retires again, and reports its error to every rank.
-        device = communication_device(dist.get_backend(group))  # CUDA for NCCL.
-        flag = torch.tensor([1 if usable else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        if not flag.item():
-            return None  # Some rank's layout changed (or it has no plan): DCP plans.
-        assert kept is not None
-        if wrapper.is_coordinator:
-            try:
-                writer.adopt_global_plan(kept.world_size, kept.num_files)
-            except Exception:
-                flag[0] = 0
-        coordinator = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast(flag, src=coordinator, group=group)
-        if not flag.item():
-            return None
-        if not wrapper.is_coordinator:
-            writer.adopt_global_plan(kept.world_size, kept.num_files)
+        if retire:
+            # The retirement happens only once every rank will write, and before any rank
+            # puts its shard; its outcome is the coordinator's (a one-number broadcast; DCP's
+            # pickled one costs 3 times more).
+            device = communication_device(dist.get_backend(group))  # CUDA for NCCL.
+            flag = torch.tensor([1], dtype=torch.int32, device=device)
+            if wrapper.is_coordinator:
+                try:
+                    writer.adopt_global_plan(kept.world_size, kept.num_files)
+                except Exception:
+                    flag[0] = 0
+            coordinator = 0 if group is None else dist.get_global_rank(group, 0)
+            dist.broadcast(flag, src=coordinator, group=group)
+            if not flag.item():
+                return None
+        if not wrapper.is_coordinator or not retire:
+            writer.adopt_global_plan(kept.world_size, kept.num_files, retire=False)
         self.replayed += 1
         writer.previous_layout = kept.chunk_layout
         writer.shard_memo = self.shards

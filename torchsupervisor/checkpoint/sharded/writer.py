@@ -345,18 +345,18 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             commit.retire(self._storage, self._prefix, [])
             return out
 
-    def adopt_global_plan(self, world_size: int, num_files: int) -> None:
+    def adopt_global_plan(self, world_size: int, num_files: int, *, retire: bool = True) -> None:
         """Take the global plan of an earlier save instead of ``prepare_global_plan``'s.
 
         For a save that replays an earlier plan (``replay.PlanCache``): records the plan's
-        sizes and, on the coordinator, retires an older ``P.index`` as
+        sizes and, on the coordinator (with ``retire``), retires an older ``P.index`` as
         ``prepare_global_plan`` does. Call ``set_up_storage_writer`` first.
 
         Raises:
-            OSError: If the older index cannot be removed.
+            ValueError, OSError: As ``commit.retire``.
         """
         self.world_size, self.num_files = world_size, num_files
-        if self.is_coordinator:
+        if self.is_coordinator and retire:
             commit.retire(self._storage, self._prefix, [])
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
