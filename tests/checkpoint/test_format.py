@@ -274,6 +274,21 @@ def test_remembered_shard_files_are_bounded_in_count_and_bytes():
     assert recent.get(b"z") is None
 
 
+def test_remembered_shard_files_are_only_for_the_very_bytes(monkeypatch):
+    from torchsupervisor.checkpoint import format as fmt
+
+    recent = _RecentShardFiles(max_entries=3, max_bytes=100)
+    recent.put(b"abcd", ("a",))
+    assert recent.get(bytearray(b"abcd")) == ("a",) and recent.get(memoryview(b"abcd")) == ("a",)
+    assert recent.get(b"abce") is None and recent.get(b"abc") is None
+    # Two texts of one length and CRC (a collision, forced here): never taken for each other;
+    # the newer one is kept.
+    monkeypatch.setattr(fmt.crc32c, "crc32c", lambda data: 7)
+    recent.put(b"wxyz", ("w",))
+    assert recent.get(b"abcd") is None and recent.get(b"wxyz") == ("w",) and len(recent) == 2
+    assert recent.get(b"efgh") is None
+
+
 @pytest.mark.parametrize(
     "mutate,match",
     [

@@ -478,7 +478,7 @@ def shard_files(data: bytes) -> tuple[str, ...]:
     which data files they still use: the JSON, the format and the manifest's checksum are
     checked, the tensor table is not (``Manifest.from_bytes`` checks every entry, a cost that
     grows with the number of tensors). The answers for the last few manifests written or read
-    by this process are kept, keyed by their exact bytes (``_RecentShardFiles``).
+    by this process are kept, for their exact bytes (``_RecentShardFiles``).
 
     Returns:
         The shard file names (plain names in the index's directory), in shard order.
@@ -516,41 +516,47 @@ def _body_shard_files(body: Mapping[str, Any]) -> tuple[str, ...] | None:
 
 
 class _RecentShardFiles:
-    """The shard lists of the manifests this process wrote or read last, keyed by their exact
+    """The shard lists of the manifests this process wrote or read last, for their exact
     bytes (any other bytes, a single flipped bit included, miss and are parsed and checked).
 
     Retention reads the manifest of every other checkpoint at each save, and the one it reads
     is most often the manifest the save has just written: for 1,000 tensors, parsing it and
     checking its checksum takes about 9 ms of the writer's time, holding the GIL (training
     waits). ``signed_json`` records what it signs, ``shard_files`` what it parsed.
+
+    Found by length and CRC-32C, then compared byte for byte: the ``hash`` of a manifest just
+    written or read (a new ``bytes``) costs 0.3 ms for 0.5 MB, its CRC-32C 0.03 ms. Two
+    manifests of one length and CRC are one entry (the newer).
     """
 
     def __init__(self, max_entries: int, max_bytes: int) -> None:
         self._max_entries, self._max_bytes = max_entries, max_bytes
-        self._entries: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, int], tuple[bytes, tuple[str, ...]]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
     def get(self, data: bytes) -> tuple[str, ...] | None:
-        key = bytes(data)
+        key = (len(data), crc32c.crc32c(data))
         with self._lock:
-            files = self._entries.get(key)
-            if files is not None:
-                self._entries.move_to_end(key)
-            return files
+            entry = self._entries.get(key)
+            if entry is None or entry[0] != data:
+                return None
+            self._entries.move_to_end(key)
+            return entry[1]
 
     def put(self, data: bytes, files: tuple[str, ...] | None) -> None:
         if files is None or len(data) > self._max_bytes:
             return
-        key = bytes(data)
+        data = bytes(data)
+        key = (len(data), crc32c.crc32c(data))
         with self._lock:
             if self._entries.pop(key, None) is not None:
-                self._bytes -= len(key)
-            self._entries[key] = files
-            self._bytes += len(key)
+                self._bytes -= key[0]
+            self._entries[key] = (data, files)
+            self._bytes += key[0]
             while len(self._entries) > self._max_entries or self._bytes > self._max_bytes:
-                old, _ = self._entries.popitem(last=False)
-                self._bytes -= len(old)
+                (size, _), _ = self._entries.popitem(last=False)
+                self._bytes -= size
 
     def clear(self) -> None:
         with self._lock:
