@@ -257,3 +257,35 @@ def test_a_walk_keeps_nothing_it_met_alive_once_it_returns(memo):
     finally:
         if enabled:
             gc.enable()
+
+
+def test_an_equal_list_of_leaves_is_handed_over_as_the_last_walks_own_list():
+    memo = WalkMemo()
+
+    def walked(values: list) -> list:
+        return walk_state({"o": {"params": values}}, keep_vars=True, memo=memo, sharded=False)[0][
+            "o"
+        ]["params"]
+
+    first = walked([0, 1, 300, "w", None, True])
+    again = walked([0, 1, 300, "w", None, True])  # A new list, equal item for item.
+    assert again is first and again == [0, 1, 300, "w", None, True]
+    # Equal but of another type (True == 1), another length or another item: a list of its
+    # own, never the last one; and a list with a float (0.0 == -0.0) is never kept.
+    changes = [
+        [0, True, 300, "w", None, True],
+        [0, 1, 300, "w", None],
+        [0, 1, 301, "w", None, True],
+    ]
+    for values in changes:
+        out = walked(values)
+        assert (
+            out is not first and out == values and list(map(type, out)) == list(map(type, values))
+        )
+        first = out
+    with_float = walked([0.0, 1])
+    assert walked([-0.0, 1]) is not with_float
+    assert str(walked([-0.0, 1])[0]) == "-0.0"
+    # Without a memo every walk makes its own.
+    plain = walk_state({"o": {"params": [1, 2]}}, keep_vars=True, sharded=False)[0]
+    assert plain["o"]["params"] == [1, 2]

@@ -96,6 +96,12 @@ class WalkMemo:
     mapping again. A 1,008-tensor FSDP2 state (2 ranks, alternated in one process): 0.43-0.51
     ms a walk instead of 1.7-2.1.
 
+    A list of exact ``str``/``int``/``bool``/None values (an optimizer's ``params``, new at
+    every ``state_dict``) equal to the last walk's at its path, item for item and type for
+    type, is handed over as the last walk's very own skeleton list, which lets the manifest's
+    encoding of it be taken again (``tree_memo.TreeMemo``: 264 parameter names or indices a
+    save). Not a list with a float: ``0.0 == -0.0``, and their texts differ.
+
     Holds the objects of the last walk's mappings of leaves (the state's own tensors) until
     the next walk, which keeps only what it met.
 
@@ -104,6 +110,7 @@ class WalkMemo:
 
     def __init__(self) -> None:
         self._last: dict[str, _Leaves] = {}
+        self._lists: dict[str, tuple[list[Any], list[type]]] = {}  # Skeleton lists, by path.
         self.modules = ModuleStateMemo()  # The modules' state dicts.
 
 
@@ -152,8 +159,9 @@ def walk_state(
         Every container of the skeleton is the walk's own (never one of the state's) and
         every leaf immutable, so a background save may encode it after training has changed
         the state (``staging.ShardedSave``). No container is ever changed once made: with
-        ``memo``, a mapping taken again is the last walk's very own skeleton mapping, which
-        lets the manifest's encoding be taken again too (``tree_memo.TreeMemo``).
+        ``memo``, a mapping (or a list of leaves) taken again is the last walk's very own
+        skeleton container, which lets the manifest's encoding be taken again too
+        (``tree_memo.TreeMemo``).
 
     Raises:
         TypeError: For a leaf that cannot be saved without pickle, or a bad dict key.
@@ -171,6 +179,8 @@ def walk_state(
         memo = None
     last = memo._last if memo is not None else {}
     met: dict[str, _Leaves] = {}  # This walk's mappings of leaves, for the memo.
+    last_lists = memo._lists if memo is not None else {}
+    met_lists: dict[str, tuple[list[Any], list[type]]] = {}  # This walk's lists of leaves.
     track = frozen is not None
     candidates: list[str] = []  # Frozen unless they share memory with a volatile tensor.
     stateful: list[Any] = []  # The modules and optimizers met (what makes tensors volatile).
@@ -249,7 +259,7 @@ def walk_state(
         if isinstance(obj, list):
             deeper = below(path, depth)
             if all(type(value) in _EXACT_PLAIN for value in obj):  # An optimizer's "params".
-                return list(obj)
+                return plain_list(obj, path) if memo is not None else list(obj)
             return [walk(value, f"{path}/{i}", deeper, origin) for i, value in enumerate(obj)]
         if isinstance(obj, tuple):
             deeper = below(path, depth)
@@ -270,6 +280,19 @@ def walk_state(
             stateful.append(obj)
             return walk(state_dict(), path, depth, _OTHER)
         raise not_saveable(path, obj)
+
+    def plain_list(obj: list, path: str) -> list:
+        # The last walk's list where this one is equal to it, item for item and type for type
+        # (``WalkMemo``): never changed once made, like every container of a skeleton.
+        types = list(map(type, obj))
+        known = last_lists.get(path)
+        if known is not None and known[1] == types and known[0] == obj:
+            met_lists[path] = known
+            return known[0]
+        out = list(obj)
+        if float not in types:
+            met_lists[path] = (out, types)
+        return out
 
     def below(path: str, depth: int) -> int:
         # The limit of ``state.flatten_state``: no manifest reader takes a deeper tree, and
@@ -383,6 +406,7 @@ def walk_state(
         walk = walk_mapping = None  # type: ignore[assignment]
     if memo is not None:
         memo._last = met  # Only what this walk met: nothing older is kept alive.
+        memo._lists = met_lists
         memo.modules.end_walk()
     if frozen is not None:
         frozen.update(frozen_among(candidates, tensors, stateful))
