@@ -432,7 +432,7 @@ def test_encoded_items_refuse_what_json_would_write_otherwise():
 
 
 def test_remembered_tensor_entry_texts_are_bounded_and_keyed_by_every_other_field(monkeypatch):
-    from torchsupervisor.checkpoint import format as fmt
+    from torchsupervisor.checkpoint import tensor_table as fmt
     from torchsupervisor.checkpoint.manifest_json import ITEM_ENCODER
 
     monkeypatch.setattr(fmt, "_MAX_TENSOR_ITEM_PARTS", 2)
@@ -523,7 +523,7 @@ def test_a_sharded_layout_text_is_reused_only_for_the_very_same_layout():
 
 
 def test_kept_tensor_table_texts_are_bounded_in_count_and_entries(monkeypatch):
-    from torchsupervisor.checkpoint import format as fmt
+    from torchsupervisor.checkpoint import tensor_table as fmt
 
     monkeypatch.setattr(fmt, "_RECENT_TENSORS_TEXTS", [])
     monkeypatch.setattr(fmt, "_MAX_TENSORS_TEXT_ENTRIES", 5)

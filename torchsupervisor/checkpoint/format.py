@@ -30,10 +30,8 @@ everything else is an object with exactly one tag key: ``{"tensor": name}``,
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
-import operator
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -41,17 +39,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import crc32c
-import torch
 
+from torchsupervisor.checkpoint.entries import (
+    ShardEntry,
+    TensorEntry,
+    data_filename,
+    dtype_from_code,
+    dtype_to_code,
+)
 from torchsupervisor.checkpoint.manifest_json import (
     EncodedItem,
-    EncodedMapping,
     canonical,
     json_int,
-    json_ints,
     json_string,
     pretty_json,
 )
+from torchsupervisor.checkpoint.tensor_table import PackedTensors, tensors_field
 from torchsupervisor.core.tree import (
     as_dict,
     as_list,
@@ -84,117 +87,6 @@ DATA_ALIGNMENT_BYTES = 64
 CHECKSUM_ALGORITHM = "crc32c"
 MAX_INDEX_BYTES = 1 << 30
 """The largest ``P.index`` read (1 GiB: some 5 million tensors); a larger one is damage."""
-
-_DTYPE_CODES: dict[torch.dtype, str] = {}
-for _name, _code in [
-    ("float64", "F64"),
-    ("float32", "F32"),
-    ("float16", "F16"),
-    ("bfloat16", "BF16"),
-    ("int64", "I64"),
-    ("int32", "I32"),
-    ("int16", "I16"),
-    ("int8", "I8"),
-    ("uint8", "U8"),
-    ("bool", "BOOL"),
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-    ("complex64", "C64"),
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
-    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
-]:
-    if hasattr(torch, _name):
-        _DTYPE_CODES[getattr(torch, _name)] = _code
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-
-
-def dtype_to_code(dtype: torch.dtype) -> str:
-    """Return the safetensors code of ``dtype`` (``torch.float32`` -> ``"F32"``).
-
-    Raises:
-        ValueError: If safetensors has no code for ``dtype`` (e.g. ``complex128``).
-    """
-    try:
-        return _DTYPE_CODES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype} cannot be stored in the safetensors format") from None
-
-
-def dtype_from_code(code: str) -> torch.dtype:
-    """Return the torch dtype of a safetensors code.
-
-    Raises:
-        ManifestError: For an unknown code.
-    """
-    try:
-        return _CODE_DTYPES[code]
-    except (KeyError, TypeError):
-        raise ManifestError(f"unknown dtype code {code!r}") from None
-
-
-def data_filename(prefix: str, shard: int, num_shards: int) -> str:
-    """Return the file name of shard ``shard`` of ``num_shards`` (``P.data-00000-of-00001``)."""
-    return f"{prefix}.data-{shard:05d}-of-{num_shards:05d}"
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor lives: its shard, dtype, shape, byte range in the data and CRC-32C."""
-
-    shard: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-    crc32c: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        """The size of the tensor's data in bytes."""
-        return self.end - self.begin
-
-    def with_fields(
-        self,
-        *,
-        shard: int | None = None,
-        begin: int | None = None,
-        end: int | None = None,
-        crc32c: int | None = None,
-    ) -> TensorEntry:
-        """A copy with the given fields changed (``dataclasses.replace`` in 1 us, not 5: a
-        sharded save of 1,000 tensors makes 2,000 of them)."""
-        return TensorEntry(
-            self.shard if shard is None else shard,
-            self.dtype,
-            self.shape,
-            self.begin if begin is None else begin,
-            self.end if end is None else end,
-            self.crc32c if crc32c is None else crc32c,
-        )
-
-
-@dataclass(frozen=True)
-class ShardEntry:
-    """One shard file: its name (relative to the index's directory), size, data start, CRCs.
-
-    Attributes:
-        file: The file name, relative to the index's directory.
-        size_bytes: The file's size.
-        data_offset: Where the tensor data starts (the header's length).
-        crc32c: The shard's checksum (``shard_checksum``).
-        header_crc32c: The CRC-32C of the header bytes alone, so that a restore reading only
-            some of the shard's tensors (an incremental checkpoint referencing an older
-            shard) still verifies the header. None in manifests written before it existed.
-    """
-
-    file: str
-    size_bytes: int
-    data_offset: int
-    crc32c: int
-    header_crc32c: int | None = None
 
 
 @dataclass(frozen=True)
@@ -295,152 +187,6 @@ class Manifest:
             if isinstance(e, ManifestError):
                 raise
             raise ManifestError(f"malformed manifest field ({type(e).__name__}: {e})") from None
-
-
-class PackedTensors(Mapping[str, TensorEntry]):
-    """A manifest's tensor table held as lists: names, entries without their CRC, CRCs.
-
-    What a writer that knows a table's names and layouts from the last save hands
-    ``tensors_field`` (which then takes them as they are): a sharded save of 1,000 tensors
-    would otherwise make and take apart 1,800 ``TensorEntry`` objects a save on the
-    coordinator. A read-only ``Mapping`` of ``TensorEntry`` like the ``dict`` it stands for
-    (each entry made when read).
-
-    Args:
-        names: The tensors' names, in the table's order (the manifest's: sorted), unique.
-        layouts: Each one's ``(shard, dtype, shape, begin, end)``, in the same order.
-        crcs: Each one's CRC-32C, in the same order.
-
-    Raises:
-        ValueError: If the three lists differ in length.
-    """
-
-    __slots__ = ("_index", "crcs", "layouts", "names")
-
-    def __init__(self, names: list[str], layouts: list[tuple[Any, ...]], crcs: list[int]) -> None:
-        if not len(names) == len(layouts) == len(crcs):
-            raise ValueError(
-                f"{len(names)} names, {len(layouts)} layouts and {len(crcs)} CRCs: not one each"
-            )
-        self.names, self.layouts, self.crcs = names, layouts, crcs
-        self._index: dict[str, int] | None = None
-
-    def __getitem__(self, name: str) -> TensorEntry:
-        if self._index is None:
-            self._index = {n: i for i, n in enumerate(self.names)}
-        i = self._index[name]
-        return TensorEntry(*self.layouts[i], self.crcs[i])
-
-    def __iter__(self) -> Any:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-
-def _item_parts(layout: tuple[Any, ...]) -> tuple[str, str]:
-    """The readable text of an entry of ``layout`` (``(shard, dtype, shape, begin, end)``)
-    up to its CRC, and the canonical text after it."""
-    shard, dtype, shape, begin, end = layout
-    key = (shard, dtype, tuple(shape), begin, end)
-    parts = _TENSOR_ITEM_PARTS.get(key)
-    if parts is None:
-        if len(_TENSOR_ITEM_PARTS) >= _MAX_TENSOR_ITEM_PARTS:
-            _TENSOR_ITEM_PARTS.clear()
-        code = json_string(dtype_to_code(dtype))
-        parts = _TENSOR_ITEM_PARTS[key] = (
-            f'{{"shard": {shard:d}, "dtype": {code}, "shape": [{json_ints(shape, ", ")}], '
-            f'"offsets": [{begin:d}, {end:d}], "crc32c": ',
-            f',"dtype":{code},"offsets":[{begin:d},{end:d}],'
-            f'"shape":[{json_ints(shape, ",")}],"shard":{shard:d}}}',
-        )
-    return parts
-
-
-# The readable text of a tensor entry up to its CRC and the canonical text after it, by the
-# entry's other fields: the saves of one state write the same entries but for the CRCs, and
-# encoding them anew cost 3.5 us an entry (1,800 a sharded save of 1,000 tensors). A pure
-# function of its key (equal keys give equal texts), so it is never stale; cleared when full
-# (65,536 entries, some 30 MB at most).
-_TENSOR_ITEM_PARTS: dict[tuple[Any, ...], tuple[str, str]] = {}
-_MAX_TENSOR_ITEM_PARTS = 1 << 16
-
-_entry_layout = operator.attrgetter("shard", "dtype", "shape", "begin", "end")
-_entry_crc = operator.attrgetter("crc32c")
-
-
-class _TensorsText:
-    """The text of a table of tensors (names and entries' layouts in order) but for the CRCs.
-
-    Held as the text between one CRC and the next, readable and canonical, so that a table's
-    texts are two joins in C (one concatenation per entry and text made them 0.5 ms slower
-    for 1,764 entries).
-    """
-
-    __slots__ = ("c_end", "c_glue", "glue", "layouts", "names", "order")
-
-    def __init__(self, names: list[str], layouts: list[tuple[Any, ...]]) -> None:
-        self.names, self.layouts = names, layouts  # Not empty.
-        parts = list(map(_item_parts, layouts))
-        heads = [f"  {json_string(n)}: {head}" for n, (head, _) in zip(names, parts)]
-        self.glue = [heads[0], *["},\n" + h for h in heads[1:]]]  # Each before its CRC.
-        self.order = sorted(range(len(names)), key=names.__getitem__)  # The canonical order.
-        c_heads = [f'{json_string(names[i])}:{{"crc32c":' for i in self.order]
-        c_tails = [parts[i][1] for i in self.order]
-        self.c_glue = ["{" + c_heads[0], *[t + "," + h for t, h in zip(c_tails, c_heads[1:])]]
-        self.c_end = c_tails[-1] + "}"
-
-    def encode(self, crcs: list[str]) -> EncodedMapping:
-        """The field with these CRCs (JSON texts, in the table's order)."""
-        text = "".join(itertools.chain.from_iterable(zip(self.glue, crcs))) + "}"
-        ordered = map(crcs.__getitem__, self.order)
-        canonical = "".join(itertools.chain.from_iterable(zip(self.c_glue, ordered)))
-        return EncodedMapping(text, canonical + self.c_end)
-
-
-def tensors_field(tensors: Mapping[str, TensorEntry]) -> EncodedMapping | dict[str, Any]:
-    """The ``tensors`` field of a manifest, encoded (``EncodedMapping``; ``{}`` when empty).
-
-    The saves of one state write the same names and entries but for the CRCs: the texts of
-    the last few tables are kept (``_RECENT_TENSORS_TEXTS``) and used again when the names and
-    every entry's other fields are equal, which a pass in C over each list tells. A sharded
-    save of 1,008 tensors (1,764 entries), the coordinator's CPU for the manifest's text
-    (``to_bytes``, with the ``sharded_tensors`` field kept likewise): 6.5-6.6 -> 3.6-4.2 ms.
-    """
-    if not tensors:
-        return {}
-    if isinstance(tensors, PackedTensors):
-        names, layouts, crcs = tensors.names, tensors.layouts, tensors.crcs
-    else:
-        names = list(tensors)
-        entries = list(tensors.values())
-        layouts = list(map(_entry_layout, entries))
-        crcs = list(map(_entry_crc, entries))
-    with _TENSORS_TEXTS_LOCK:
-        texts = next(
-            (t for t in _RECENT_TENSORS_TEXTS if t.names == names and t.layouts == layouts), None
-        )
-    if texts is None:
-        texts = _TensorsText(names, layouts)
-        with _TENSORS_TEXTS_LOCK:
-            kept = _RECENT_TENSORS_TEXTS
-            kept.insert(0, texts)
-            del kept[_MAX_TENSORS_TEXTS:]
-            while len(kept) > 1 and sum(len(t.names) for t in kept) > _MAX_TENSORS_TEXT_ENTRIES:
-                del kept[-1]  # The newest is kept, however large.
-    try:
-        return texts.encode(list(map(int.__repr__, crcs)))  # An int as JSON, in C; else:
-    except TypeError:  # A missing CRC (None), or not an int: ``json_int`` writes or refuses it.
-        return texts.encode(list(map(json_int, crcs)))
-
-
-# The texts of the tables of the last few manifests written, newest first (each saver writes
-# one state's; a process may have several savers, each on its own writer thread, hence the
-# lock): 4 tables and 131,072 entries at most (about 300 bytes an entry), or the newest.
-_RECENT_TENSORS_TEXTS: list[_TensorsText] = []
-_MAX_TENSORS_TEXTS = 4
-_MAX_TENSORS_TEXT_ENTRIES = 1 << 17
-_TENSORS_TEXTS_LOCK = threading.Lock()
 
 
 def _shard_item(s: ShardEntry) -> EncodedItem:

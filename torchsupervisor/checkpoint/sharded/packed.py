@@ -6,7 +6,7 @@ pickled ``WriteResult`` s, one ``PackedWrite`` per rank: the shard it wrote, eac
 in it as a plain tuple, and the chunks' CRC-32C in a list of their own. Between two such saves
 only the CRCs differ, so the coordinator's ``TableMemo`` keeps the manifest's table (names in
 order, entries without their CRC) made from the last save's rows, and takes it again while
-every rank's rows are equal: only the CRCs are put in order (``format.PackedTensors``).
+every rank's rows are equal: only the CRCs are put in order (``tensor_table.PackedTensors``).
 
 The rows are not even sent again: a rank whose rows are the very ones it sent last
 (``SentRows``) sends their number instead, and the coordinator takes the rows it received
@@ -23,8 +23,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.storage import WriteResult
 
-from torchsupervisor.checkpoint.format import PackedTensors, ShardEntry, TensorEntry
+from torchsupervisor.checkpoint.entries import ShardEntry, TensorEntry
 from torchsupervisor.checkpoint.sharded.common import ChunkKey, chunk_key
+from torchsupervisor.checkpoint.tensor_table import PackedTensors
 
 __all__ = [
     "PackedWrite",
