@@ -22,7 +22,7 @@ from torchsupervisor.errors import (
 )
 from torchsupervisor.storage import ObjectStorage, storage_for
 from torchsupervisor.storage.lock import LOCK_FILENAME
-from torchsupervisor.storage.object_lock import LockTable
+from torchsupervisor.storage.object_lock import LockTable, lock_key, read_lock
 from torchsupervisor.storage.objects import ABSENT, PreconditionFailed
 
 MIB = 1 << 20
@@ -247,6 +247,36 @@ def test_the_holder_renews_its_heartbeat(url):
             time.sleep(0.05)
     finally:
         lock.release()
+
+
+class _RenewedWhileRead:
+    """A client whose lock object the holder renews (longer) between a read's HEAD and GET."""
+
+    def __init__(self, client, key: str, renewed: bytes) -> None:
+        self._client, self._key, self._renewed = client, key, renewed
+        self.renewals = 0
+
+    def head(self, key):
+        return self._client.head(key)
+
+    def get_range(self, key, offset, length):
+        if key == self._key and not self.renewals:
+            self.renewals += 1
+            body = self._renewed
+            self._client.put_object(key, body, crc=crc32c.crc32c(body))
+        return self._client.get_range(key, offset, length)
+
+
+def test_a_lock_renewed_while_it_is_read_is_read_again_whole(url):
+    st = storage_for(url)
+    _write_lock(url, {"pid": 1, "host": "elsewhere", "heartbeat": 1.0})
+    key = lock_key(st._key(url))
+    renewed = {"pid": 1, "host": "elsewhere", "heartbeat": 1234567890.125, "ttl": 30.0}
+    client = _RenewedWhileRead(st.client, key, json.dumps(renewed).encode())
+    owner, etag = read_lock(client, key)
+    assert client.renewals == 1
+    assert owner == renewed  # Not the first bytes of the new version, read as no owner.
+    assert etag == st.client.head(key).etag
 
 
 def test_an_appended_object_is_uploaded_whole_at_each_sync(url):
