@@ -3,6 +3,7 @@ without rename, append or fsync."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -249,20 +250,21 @@ def test_the_holder_renews_its_heartbeat(url):
         lock.release()
 
 
-class _RenewedWhileRead:
-    """A client whose lock object the holder renews (longer) between a read's HEAD and GET."""
+class _ReplacedWhileRead:
+    """A client on which the writer of ``key`` replaces it (longer) between a reader's HEAD and
+    its first GET: a heartbeat renewing a lock, a save rewriting the state file."""
 
-    def __init__(self, client, key: str, renewed: bytes) -> None:
-        self._client, self._key, self._renewed = client, key, renewed
-        self.renewals = 0
+    def __init__(self, client, key: str, replacement: bytes) -> None:
+        self._client, self._key, self._replacement = client, key, replacement
+        self.replaced = 0
 
-    def head(self, key):
-        return self._client.head(key)
+    def __getattr__(self, name):
+        return getattr(self._client, name)
 
     def get_range(self, key, offset, length):
-        if key == self._key and not self.renewals:
-            self.renewals += 1
-            body = self._renewed
+        if key == self._key and not self.replaced:
+            self.replaced += 1
+            body = self._replacement
             self._client.put_object(key, body, crc=crc32c.crc32c(body))
         return self._client.get_range(key, offset, length)
 
@@ -272,11 +274,40 @@ def test_a_lock_renewed_while_it_is_read_is_read_again_whole(url):
     _write_lock(url, {"pid": 1, "host": "elsewhere", "heartbeat": 1.0})
     key = lock_key(st._key(url))
     renewed = {"pid": 1, "host": "elsewhere", "heartbeat": 1234567890.125, "ttl": 30.0}
-    client = _RenewedWhileRead(st.client, key, json.dumps(renewed).encode())
+    client = _ReplacedWhileRead(st.client, key, json.dumps(renewed).encode())
     owner, etag = read_lock(client, key)
-    assert client.renewals == 1
+    assert client.replaced == 1
     assert owner == renewed  # Not the first bytes of the new version, read as no owner.
     assert etag == st.client.head(key).etag
+
+
+def test_an_object_replaced_while_it_is_read_is_read_again_whole(url):
+    st = storage_for(url)
+    path = f"{url}/checkpoint"
+    st.put(path, [b'model_checkpoint_path: "model.ckpt-90"\n'])
+    new = b'model_checkpoint_path: "model.ckpt-100"\nall_model_checkpoint_paths: "model.ckpt-100"\n'
+    client = _ReplacedWhileRead(st.client, st._key(path), new)
+    assert ObjectStorage(client).read_bytes(path, max_bytes=1000) == new
+    assert client.replaced == 1  # Not the new version's first 38 bytes, a cut text.
+
+
+def test_an_object_replaced_at_every_read_is_an_error_not_a_cut_text(url):
+    st = storage_for(url)
+    path = f"{url}/checkpoint"
+    st.put(path, [b"first version"])
+    client = _ReplacedWhileRead(st.client, st._key(path), b"")
+    bodies = iter(f"version {i}, longer than the one before{'!' * i}".encode() for i in range(9))
+
+    def replace_each_time(key, offset, length):
+        client.replaced += 1
+        body = next(bodies)
+        st.client.put_object(key, body, crc=crc32c.crc32c(body))
+        return st.client.get_range(key, offset, length)
+
+    client.get_range = replace_each_time
+    with pytest.raises(OSError, match="replaced 3 times while it was read") as e:
+        ObjectStorage(client).read_bytes(path, max_bytes=1000)
+    assert e.value.errno == errno.EAGAIN and client.replaced == 3
 
 
 def test_an_appended_object_is_uploaded_whole_at_each_sync(url):

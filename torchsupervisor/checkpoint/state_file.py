@@ -534,7 +534,8 @@ def get_checkpoint_state(checkpoint_dir: _PathLike, latest_filename: str | None 
             anyway, see ``read_checkpoint_state``).
 
     Thread safety: safe to call while another thread or process rewrites the file (the
-    writer renames a complete file into place).
+    writer renames a complete file into place; on an object store, where it is replaced
+    whole, a file replaced while it was read is read again).
 
     TF name: ``tf.train.get_checkpoint_state``.
     """

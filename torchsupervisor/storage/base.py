@@ -50,6 +50,7 @@ __all__ = [
     "WriteCancelled",
     "file_kind",
     "read_exactly",
+    "read_whole",
 ]
 
 Buffer = Any
@@ -133,6 +134,24 @@ def read_exactly(readable: Readable, view: memoryview, offset: int) -> None:
         if not n:
             raise EOFError(f"{readable.path} ends at byte {offset + done}")
         done += n
+
+
+def read_whole(f: Readable, *, max_bytes: int) -> bytes:
+    """Every byte of ``f``, up to its size when it was opened (fewer if it ended sooner).
+
+    Raises:
+        OSError: A read failed; ``EFBIG`` if ``f`` is larger than ``max_bytes``.
+    """
+    if f.size > max_bytes:
+        raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes ({f.size})", f.path)
+    data = bytearray(f.size)
+    done = 0
+    while done < f.size:
+        n = f.readinto(memoryview(data)[done:], done)
+        if not n:
+            break
+        done += n
+    return bytes(data[:done])
 
 
 class _Stream(io.RawIOBase):
@@ -304,16 +323,7 @@ class Storage(abc.ABC):
                 with ``EFBIG`` if it is larger than ``max_bytes``.
         """
         with self.open_read(path) as f:
-            if f.size > max_bytes:
-                raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes ({f.size})", path)
-            data = bytearray(f.size)
-            done = 0
-            while done < f.size:
-                n = f.readinto(memoryview(data)[done:], done)
-                if not n:
-                    break
-                done += n
-            return bytes(data[:done])
+            return read_whole(f, max_bytes=max_bytes)
 
     @abc.abstractmethod
     def list(self, directory: str) -> list[str]:

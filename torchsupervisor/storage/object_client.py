@@ -20,6 +20,7 @@ from torchsupervisor.storage.paths import URL
 
 __all__ = [
     "ABSENT",
+    "READ_TRIES",
     "UPLOADS_PREFIX",
     "ObjectClient",
     "ObjectInfo",
@@ -35,6 +36,10 @@ __all__ = [
 
 ABSENT = "*"
 """``put_object(only_if=ABSENT)``: create the object only if it does not exist."""
+
+READ_TRIES = 3
+"""Reads of a small object (a lock, a state file) that its writer replaced while it was read
+(its etag changed between the HEAD before and the one after): then the reader gives up."""
 
 
 class PreconditionFailed(Exception):

@@ -28,7 +28,12 @@ import crc32c
 from torchsupervisor.errors import LogdirLockedError
 from torchsupervisor.storage.base import DirectoryLock
 from torchsupervisor.storage.lock import LOCK_FILENAME, describe_owner
-from torchsupervisor.storage.object_client import ABSENT, ObjectClient, PreconditionFailed
+from torchsupervisor.storage.object_client import (
+    ABSENT,
+    READ_TRIES,
+    ObjectClient,
+    PreconditionFailed,
+)
 
 if TYPE_CHECKING:
     from torchsupervisor.storage.objects import ObjectStorage
@@ -38,7 +43,6 @@ __all__ = ["LOCKS", "LockTable", "lock_key", "read_lock"]
 logger = logging.getLogger("torchsupervisor")
 
 _MAX_LOCK_BYTES = 4096
-_READ_TRIES = 3  # Reads of a lock object whose version changed while it was read.
 _EXIT_GRACE_SECS = 2.0  # How long a holder on this host may take to die after a kill.
 
 
@@ -53,13 +57,13 @@ def read_lock(client: ObjectClient, key: str) -> tuple[dict[str, object], str]:
     The holder's heartbeat may replace the object between the HEAD (size, etag) and the GET:
     the GET would then read the first bytes of the new version (a cut JSON text, read as no
     owner). So the object's etag is read again after the GET, and the read repeated while it
-    changed (at most ``_READ_TRIES`` times; then the last read, whose etag is the older one's,
+    changed (at most ``READ_TRIES`` times; then the last read, whose etag is the older one's,
     so that a conditional PUT on it fails rather than takes a lock renewed meanwhile).
 
     Raises:
         FileNotFoundError: The lock object does not exist (or was released meanwhile).
     """
-    for _ in range(_READ_TRIES):
+    for _ in range(READ_TRIES):
         info = client.head(key)
         data = client.get_range(key, 0, min(info.size, _MAX_LOCK_BYTES))
         if client.head(key).etag == info.etag:

@@ -48,9 +48,17 @@ from torchsupervisor.errors import (
     OutsideDirectoryError,
     WriteCancelled,
 )
-from torchsupervisor.storage.base import Appendable, Buffer, DirectoryLock, Readable, Storage
+from torchsupervisor.storage.base import (
+    Appendable,
+    Buffer,
+    DirectoryLock,
+    Readable,
+    Storage,
+    read_whole,
+)
 from torchsupervisor.storage.object_client import (
     ABSENT,
+    READ_TRIES,
     ObjectClient,
     ObjectInfo,
     PreconditionFailed,
@@ -194,7 +202,26 @@ class ObjectStorage(Storage):
             if self.is_dir(path):
                 raise NotRegularFileError(path, "a directory") from None
             raise
-        return _ObjectReadable(self.client, path, key, info.size)
+        return _ObjectReadable(self.client, path, key, info.size, info.etag)
+
+    def read_bytes(self, path: str, *, max_bytes: int) -> bytes:
+        """The whole object ``path`` as one version of it; see ``Storage.read_bytes``.
+
+        An object may be replaced while it is read (the state file is rewritten at every save):
+        the reads would then return the new version's bytes up to the old one's size, a cut
+        text. So the object's etag is read again afterwards, and the object read again while
+        it changed (at most ``READ_TRIES`` times; then ``OSError`` ``EAGAIN``).
+
+        Raises:
+            FileNotFoundError: It does not exist, or was deleted while it was read.
+            NotRegularFileError, OSError: As ``Storage.read_bytes``.
+        """
+        for _ in range(READ_TRIES):
+            with self.open_read(path) as f:
+                data = read_whole(f, max_bytes=max_bytes)
+            if self.client.head(f.key).etag == f.etag:
+                return data
+        raise OSError(errno.EAGAIN, f"replaced {READ_TRIES} times while it was read", path)
 
     def list(self, directory: str) -> list[str]:
         """The objects and sub-prefixes one level below ``directory`` (empty if none)."""
@@ -356,10 +383,11 @@ class _ObjectReadable(Readable):
     (a header, one tensor) fetches only its own part. Parts behind the reader are dropped.
     """
 
-    def __init__(self, client: ObjectClient, path: str, key: str, size: int) -> None:
+    def __init__(self, client: ObjectClient, path: str, key: str, size: int, etag: str) -> None:
         super().__init__(path, size)
         self._client = client
-        self._key = key
+        self.key = key
+        self.etag = etag  # The version opened (HEAD), whose size ``size`` is.
         self._mutex = threading.Lock()
         self._parts: dict[int, concurrent.futures.Future[bytes]] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -376,7 +404,7 @@ class _ObjectReadable(Readable):
                 )
             start = index * READ_PART_BYTES
             length = min(READ_PART_BYTES, self.size - start)
-            found = self._pool.submit(self._client.get_range, self._key, start, length)
+            found = self._pool.submit(self._client.get_range, self.key, start, length)
             self._parts[index] = found
         return found
 
