@@ -48,7 +48,7 @@ test: lint
 	@echo "Running the test suite in two workers (about 10-12 minutes on 2 cores)"
 	@# The slowest tests are listed at the end: the suite must stay well under 15 minutes.
 	@# Work stealing: a worker that runs out of tests takes some of the other's, so the slow
-	@# end-to-end tests do not leave one worker idle at the end (about 2 minutes, once).
+	@# end-to-end tests do not leave one worker idle at the end (1-2 minutes less, measured).
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15
 
 test-slow: install
