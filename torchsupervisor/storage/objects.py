@@ -190,6 +190,9 @@ class ObjectStorage(Storage):
 
     def open_read(self, path: str, *, inside: str | None = None) -> Readable:
         """Ranged GETs of the object; see ``Storage.open_read``."""
+        return self._open(path, inside)
+
+    def _open(self, path: str, inside: str | None = None) -> _ObjectReadable:
         key = self._key(path)
         if inside is not None:
             directory = self._key(inside)
@@ -217,9 +220,12 @@ class ObjectStorage(Storage):
             NotRegularFileError, OSError: As ``Storage.read_bytes``.
         """
         for _ in range(READ_TRIES):
-            with self.open_read(path) as f:
-                data = read_whole(f, max_bytes=max_bytes)
-            if self.client.head(f.key).etag == f.etag:
+            opened = self._open(path)
+            try:
+                data = read_whole(opened, max_bytes=max_bytes)
+            finally:
+                opened.close()
+            if self.client.head(opened.key).etag == opened.etag:
                 return data
         raise OSError(errno.EAGAIN, f"replaced {READ_TRIES} times while it was read", path)
 
