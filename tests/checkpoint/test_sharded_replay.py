@@ -414,6 +414,67 @@ def test_a_replayed_save_retires_only_where_an_older_save_was(tmp_path):
     assert results[1] == ([0, 0, 0, 0], 3), results
 
 
+class _ExistsFailsOnce(FaultyStorage):
+    """``exists`` of a path ending in ``suffix`` raises once (the coordinator's look for an
+    older save's files, before the ranks agree)."""
+
+    def __init__(self, suffix: str) -> None:
+        super().__init__()
+        self.suffix, self.raised = suffix, 0
+
+    def exists(self, path: str) -> bool:
+        if path.endswith(self.suffix) and not self.raised:
+            self.raised += 1
+            raise OSError(errno.EIO, "injected", path)
+        return super().exists(path)
+
+
+def checks_raise_rank(rank: int, world_size: int, directory: str) -> tuple:
+    """The checks each rank makes before the ranks agree raise on one rank; no rank may then
+    be left alone in the agreement's all-reduce. At step 2 rank 1's ``PlanCache.fits``
+    raises: DCP plans the save on every rank. At step 3 the coordinator's look for an older
+    save's files raises: the replay retires first, as if there were some. The retirements
+    and replays counted after each save, and what the look raised."""
+    from torchsupervisor.checkpoint import commit
+
+    retire, retired, replayed = commit.retire, [], []
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        retired[-1] += 1
+        retire(*args, **kwargs)
+
+    def raising(*args: Any) -> bool:
+        raise RuntimeError("injected")
+
+    state = _build(0, world_size)
+    plans = PlanCache()
+    storage = _ExistsFailsOnce("model.ckpt-3.index") if rank == 0 else None
+    commit.retire = counted
+    try:
+        for step in (1, 2, 3):
+            retired.append(retired[-1] if retired else 0)
+            _train(state)
+            if step == 2 and rank == 1:
+                plans.fits = raising  # type: ignore[method-assign]
+            _save(state, directory, step, plans, storage=storage)
+            plans.__dict__.pop("fits", None)
+            replayed.append(plans.replayed)
+    finally:
+        commit.retire = retire
+    if rank == 0:
+        for step in (1, 2, 3):
+            CheckpointReader(os.path.join(directory, f"model.ckpt-{step}")).verify()
+    return retired, replayed, storage.raised if storage is not None else None
+
+
+def test_a_check_that_raises_before_the_ranks_agree_leaves_no_rank_alone(tmp_path):
+    results = run_world(checks_raise_rank, str(tmp_path), timeout_secs=90)
+    # Step 2 is planned by DCP (which retires on the coordinator), step 3 replayed after a
+    # retirement that a replay to a new prefix would not have made.
+    assert results[0] == ([1, 2, 3], [0, 0, 1], 1), results  # The coordinator.
+    assert results[1] == ([0, 0, 0], [0, 0, 1], None), results
+
+
 def retire_fail_rank(rank: int, world_size: int, directory: str, times: int | None) -> tuple:
     """The same step saved again while deleting its older index fails ``times`` times on the
     coordinator: the replay gives way to DCP, which retires again (and reports a failure to
