@@ -288,7 +288,7 @@ def test_an_object_replaced_while_it_is_read_is_read_again_whole(url):
     new = b'model_checkpoint_path: "model.ckpt-100"\nall_model_checkpoint_paths: "model.ckpt-100"\n'
     client = _ReplacedWhileRead(st.client, st._key(path), new)
     assert ObjectStorage(client).read_bytes(path, max_bytes=1000) == new
-    assert client.replaced == 1  # Not the new version's first 38 bytes, a cut text.
+    assert client.replaced == 1  # Not the new version's first 39 bytes, a cut text.
 
 
 def test_an_object_replaced_at_every_read_is_an_error_not_a_cut_text(url):
