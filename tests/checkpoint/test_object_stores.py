@@ -7,6 +7,7 @@ import errno
 import logging
 import threading
 
+import crc32c
 import pytest
 import torch
 from supervisor_helpers import Counter, wait_until
@@ -212,3 +213,45 @@ def test_refused_uploads_leave_training_running_and_older_checkpoints_intact(url
     for prefix in get_checkpoint_state(url).all_model_checkpoint_paths:
         CheckpointReader(prefix).verify()
     assert storage_for(url).leftovers(url) == []
+
+
+class _RewritesOnEveryRead:
+    """A client on which a writer rewrites the object ``key`` before each GET of it (a save
+    rewriting the state file at every read of it), each time as a state file that lists
+    every checkpoint but names ``model.ckpt-1`` the newest, a little longer than the last."""
+
+    def __init__(self, client, key: str) -> None:
+        self._client, self._key, self.rewrites = client, key, 0
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def get_range(self, key, offset, length):
+        if key == self._key:
+            self.rewrites += 1
+            listed = "".join(f'all_model_checkpoint_paths: "model.ckpt-{s}"\n' for s in (1, 2, 3))
+            body = f'model_checkpoint_path: "model.ckpt-1"{" " * self.rewrites}\n{listed}'.encode()
+            self._client.put_object(key, body, crc=crc32c.crc32c(body))
+        return self._client.get_range(key, offset, length)
+
+
+def test_a_state_file_replaced_at_every_read_is_ignored_and_the_directory_scanned(
+    memory_url, caplog
+):
+    url = memory_url
+    sess = Session({"w": torch.arange(4.0)})
+    saver = Saver()
+    try:
+        for step in (1, 2, 3):
+            saver.save(sess, f"{url}/model.ckpt", step)
+    finally:
+        saver.close()
+    client = storage_for(url).client
+    rewriting = _RewritesOnEveryRead(client, storage_for(url)._key(f"{url}/checkpoint"))
+    with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
+        candidates = restore_candidates(url, storage=ObjectStorage(rewriting))
+    # Read as it was, the state file would put model.ckpt-1 first.
+    assert candidates == [f"{url}/model.ckpt-{step}" for step in (3, 2, 1)]
+    assert rewriting.rewrites == 3
+    assert "Ignoring the state file" in caplog.text
+    assert "replaced 3 times while it was read" in caplog.text

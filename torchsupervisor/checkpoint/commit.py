@@ -54,6 +54,7 @@ from torchsupervisor.storage import BY_PATH, Storage, WriteCancelled
 __all__ = [
     "Commit",
     "delete_quietly",
+    "needs_retirement",
     "persist",
     "publish",
     "put_shard",
@@ -357,6 +358,16 @@ def retire(storage: Storage, prefix: str, finals: list[str]) -> None:
     if storage.exists(index):
         logger.info("Overwriting checkpoint %s", prefix)
         storage.delete(index)
+
+
+def needs_retirement(storage: Storage, prefix: str) -> bool:
+    """Whether ``retire`` before a save to ``prefix`` has anything to act on: an older save's
+    index or data files under that very prefix.
+
+    Raises:
+        OSError: The index's existence could not be told.
+    """
+    return storage.exists(prefix + ".index") or bool(same_prefix_shards(storage, prefix))
 
 
 def put_shard(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import errno
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ __all__ = [
     "UploadsAsObjects",
     "hide_uploads",
     "merge_options",
+    "read_one_version",
     "upload_prefix",
     "uploads_found",
 ]
@@ -39,7 +40,8 @@ ABSENT = "*"
 
 READ_TRIES = 3
 """Reads of a small object (a lock, a state file) that its writer replaced while it was read
-(its etag changed between the HEAD before and the one after): then the reader gives up."""
+(its etag changed between the HEAD before and the one after): then the reader gives up
+(``read_one_version``)."""
 
 
 class PreconditionFailed(Exception):
@@ -197,3 +199,30 @@ def merge_options(
     if unknown:
         raise ValueError(f"{root}: unknown storage options {sorted(unknown)}")
     return opts
+
+
+def read_one_version(
+    client: ObjectClient, key: str, read: Callable[[ObjectInfo], bytes]
+) -> tuple[bytes, ObjectInfo, bool]:
+    """``read(info)`` of the object ``key`` as one version of it.
+
+    ``info`` is a HEAD of the object (its size, its etag); ``read`` fetches its bytes with
+    GETs. A writer may replace the object in between (a heartbeat renewing a lock, a save
+    rewriting the state file): the GETs would then read the new version's bytes up to the old
+    one's size, a cut text. So the etag is read again after ``read``, and the object read
+    again while it changed, ``READ_TRIES`` times at most.
+
+    Returns:
+        The bytes, the HEAD taken before the last read, and whether the etag was the same
+        after it (False: replaced during every try; the bytes may be cut).
+
+    Raises:
+        FileNotFoundError: The object does not exist, or was deleted while it was read.
+        OSError: A request failed.
+    """
+    for _ in range(READ_TRIES):
+        info = client.head(key)
+        data = read(info)
+        if client.head(key).etag == info.etag:
+            return data, info, True
+    return data, info, False

@@ -30,9 +30,9 @@ from torchsupervisor.storage.base import DirectoryLock
 from torchsupervisor.storage.lock import LOCK_FILENAME, describe_owner
 from torchsupervisor.storage.object_client import (
     ABSENT,
-    READ_TRIES,
     ObjectClient,
     PreconditionFailed,
+    read_one_version,
 )
 
 if TYPE_CHECKING:
@@ -54,20 +54,17 @@ def lock_key(directory_key: str) -> str:
 def read_lock(client: ObjectClient, key: str) -> tuple[dict[str, object], str]:
     """The owner a lock object names (``{}`` if unreadable) and its etag.
 
-    The holder's heartbeat may replace the object between the HEAD (size, etag) and the GET:
-    the GET would then read the first bytes of the new version (a cut JSON text, read as no
-    owner). So the object's etag is read again after the GET, and the read repeated while it
-    changed (at most ``READ_TRIES`` times; then the last read, whose etag is the older one's,
-    so that a conditional PUT on it fails rather than takes a lock renewed meanwhile).
+    Read as one version (``read_one_version``): the holder's heartbeat may replace the object
+    while it is read, and a cut JSON text would read as no owner. If it was replaced during
+    every try, the last read is returned with the etag of the version before it, so that a
+    conditional PUT on it fails rather than takes a lock renewed meanwhile.
 
     Raises:
         FileNotFoundError: The lock object does not exist (or was released meanwhile).
     """
-    for _ in range(READ_TRIES):
-        info = client.head(key)
-        data = client.get_range(key, 0, min(info.size, _MAX_LOCK_BYTES))
-        if client.head(key).etag == info.etag:
-            break
+    data, info, _ = read_one_version(
+        client, key, lambda info: client.get_range(key, 0, min(info.size, _MAX_LOCK_BYTES))
+    )
     try:
         owner = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):

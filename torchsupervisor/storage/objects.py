@@ -63,6 +63,7 @@ from torchsupervisor.storage.object_client import (
     ObjectInfo,
     PreconditionFailed,
     Upload,
+    read_one_version,
 )
 from torchsupervisor.storage.object_lock import LOCKS, lock_key, read_lock
 from torchsupervisor.storage.paths import parse_url
@@ -190,9 +191,6 @@ class ObjectStorage(Storage):
 
     def open_read(self, path: str, *, inside: str | None = None) -> Readable:
         """Ranged GETs of the object; see ``Storage.open_read``."""
-        return self._open(path, inside)
-
-    def _open(self, path: str, inside: str | None = None) -> _ObjectReadable:
         key = self._key(path)
         if inside is not None:
             directory = self._key(inside)
@@ -205,29 +203,34 @@ class ObjectStorage(Storage):
             if self.is_dir(path):
                 raise NotRegularFileError(path, "a directory") from None
             raise
-        return _ObjectReadable(self.client, path, key, info.size, info.etag)
+        return _ObjectReadable(self.client, path, key, info.size)
 
     def read_bytes(self, path: str, *, max_bytes: int) -> bytes:
         """The whole object ``path`` as one version of it; see ``Storage.read_bytes``.
 
-        An object may be replaced while it is read (the state file is rewritten at every save):
-        the reads would then return the new version's bytes up to the old one's size, a cut
-        text. So the object's etag is read again afterwards, and the object read again while
-        it changed (at most ``READ_TRIES`` times; then ``OSError`` ``EAGAIN``).
+        An object may be replaced while it is read (the state file is rewritten at every
+        save): it is read again while that happens (``read_one_version``), and after
+        ``READ_TRIES`` reads so cut short, ``OSError`` ``EAGAIN`` is raised.
 
         Raises:
             FileNotFoundError: It does not exist, or was deleted while it was read.
             NotRegularFileError, OSError: As ``Storage.read_bytes``.
         """
-        for _ in range(READ_TRIES):
-            opened = self._open(path)
-            try:
-                data = read_whole(opened, max_bytes=max_bytes)
-            finally:
-                opened.close()
-            if self.client.head(opened.key).etag == opened.etag:
-                return data
-        raise OSError(errno.EAGAIN, f"replaced {READ_TRIES} times while it was read", path)
+        key = self._key(path)
+
+        def read(info: ObjectInfo) -> bytes:
+            with _ObjectReadable(self.client, path, key, info.size) as f:
+                return read_whole(f, max_bytes=max_bytes)
+
+        try:
+            data, _, whole = read_one_version(self.client, key, read)
+        except FileNotFoundError:
+            if self.is_dir(path):
+                raise NotRegularFileError(path, "a directory") from None
+            raise
+        if not whole:
+            raise OSError(errno.EAGAIN, f"replaced {READ_TRIES} times while it was read", path)
+        return data
 
     def list(self, directory: str) -> list[str]:
         """The objects and sub-prefixes one level below ``directory`` (empty if none)."""
@@ -389,11 +392,10 @@ class _ObjectReadable(Readable):
     (a header, one tensor) fetches only its own part. Parts behind the reader are dropped.
     """
 
-    def __init__(self, client: ObjectClient, path: str, key: str, size: int, etag: str) -> None:
+    def __init__(self, client: ObjectClient, path: str, key: str, size: int) -> None:
         super().__init__(path, size)
         self._client = client
-        self.key = key
-        self.etag = etag  # The version opened (HEAD), whose size ``size`` is.
+        self._key = key
         self._mutex = threading.Lock()
         self._parts: dict[int, concurrent.futures.Future[bytes]] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -410,7 +412,7 @@ class _ObjectReadable(Readable):
                 )
             start = index * READ_PART_BYTES
             length = min(READ_PART_BYTES, self.size - start)
-            found = self._pool.submit(self._client.get_range, self.key, start, length)
+            found = self._pool.submit(self._client.get_range, self._key, start, length)
             self._parts[index] = found
         return found
 

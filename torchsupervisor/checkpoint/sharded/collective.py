@@ -336,7 +336,7 @@ def _older_files(prefix: str, storage: Storage) -> bool:
     """Whether ``prefix`` holds an index or data files (an older save's); True when that
     cannot be told (the retirement, which reports its errors to every rank, then finds out)."""
     try:
-        return storage.exists(prefix + ".index") or bool(commit.same_prefix_shards(storage, prefix))
+        return commit.needs_retirement(storage, prefix)
     except Exception:
         return True
 
