@@ -181,3 +181,63 @@ def remap_rank(rank: int, world_size: int, directory: str) -> list[str]:
 def test_fsdp2_ranks_remap_to_dcps_names(tmp_path):
     for names in run_world(remap_rank, str(tmp_path), world_size=2):
         assert names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_the_packed_state_is_torchs_remapped_for_several_groups_and_a_schedule(dcp_calls):
+    # ``_ParamNames._packed`` keys the state by name at once; it must give exactly what
+    # remapping ``optimizer.state_dict()`` gives: the same keys in the same order (the
+    # state's), the same state objects, the groups' hyperparameters read afresh.
+    from torchsupervisor.checkpoint.sharded import plan
+
+    model = _model()
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": list(model[2].parameters()), "lr": 0.01},  # Stepped first below.
+            {"params": list(model[0].parameters()), "weight_decay": 0.5},
+        ],
+        lr=0.1,
+    )
+    state = ShardedOptimizerState(model, optimizer)
+    _step(model, optimizer)
+    state.state_dict()
+    names = state._names
+    assert names is not None and plan._plain_state_dict(optimizer)
+    for lr in (0.2, 0.3):
+        optimizer.param_groups[1]["lr"] = lr
+        packed = names._packed(optimizer)
+        remapped = names._remap(optimizer.state_dict())
+        assert plan._identical(packed, remapped)
+        assert list(packed["state"]) == ["2.weight", "2.bias", "0.weight", "0.bias"]
+        assert packed["param_groups"][1]["lr"] == lr
+        assert _same(state.state_dict(), dcp_state_dict.get_optimizer_state_dict(model, optimizer))
+    assert len(dcp_calls) == 1 + 2  # Only the comparisons asked DCP.
+
+
+@pytest.mark.parametrize("hook", ["pre", "post", "subclass"])
+def test_an_optimizer_with_state_dict_hooks_is_packed_by_torch(dcp_calls, hook):
+    # A hook may change what ``state_dict`` returns: torch's own call runs it.
+    model = _model()
+
+    class Tagging(torch.optim.Adam):
+        def state_dict(self):
+            result = super().state_dict()
+            result["param_groups"][0]["tag"] = "subclass"
+            return result
+
+    kind = Tagging if hook == "subclass" else torch.optim.Adam
+    optimizer = kind(model.parameters(), lr=0.1)
+    state = ShardedOptimizerState(model, optimizer)
+    _step(model, optimizer)
+    state.state_dict()
+
+    if hook == "pre":
+        optimizer.register_state_dict_pre_hook(
+            lambda optimizer: optimizer.param_groups[0].__setitem__("tag", "pre")
+        )
+    elif hook == "post":
+        optimizer.register_state_dict_post_hook(
+            lambda optimizer, result: result["param_groups"][0].__setitem__("tag", "post")
+        )
+    ours = state.state_dict()
+    assert ours["param_groups"][0]["tag"] == hook
+    assert len(dcp_calls) == 1
