@@ -16,8 +16,11 @@ writer while training waited for it. So a thread that waits for background work 
 the *hurriable* background threads to its own priority (``hurry``): the work it waits for
 runs as if the thread ran it itself (priority inheritance), and each such thread lowers itself
 again once that job has ended. Raising a priority needs ``CAP_SYS_NICE`` (root outside a
-container has it; containers lack it unless granted) or a ``RLIMIT_NICE`` that allows it; where
-the system refuses, the refusal is logged once and the wait takes what the machine leaves.
+container has it; containers lack it unless granted) or a ``RLIMIT_NICE`` that allows it.
+``raise_permitted`` tells, once per process, whether the system would allow it; where it would
+not, the checkpoint writer does not go under ``SCHED_IDLE`` at all (``checkpoint/engine.py``),
+and where a raise is refused all the same, the refusal is logged once and the wait takes what
+the machine leaves.
 
 Elsewhere (macOS, Windows) these calls do nothing.
 """
@@ -31,7 +34,7 @@ import threading
 import weakref
 from typing import NamedTuple
 
-__all__ = ["Priority", "current", "follow", "hurry", "lower", "restore"]
+__all__ = ["Priority", "current", "follow", "hurry", "lower", "raise_permitted", "restore"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -42,6 +45,7 @@ _SCHED_IDLE = getattr(os, "SCHED_IDLE", None)
 _hurriable: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 _hurriable_lock = threading.Lock()  # Registrations and ``hurry``'s copy of the set.
 _refusal_logged = False
+_permitted: bool | None = None  # ``raise_permitted``'s answer, once asked.
 
 
 def _forget_threads() -> None:
@@ -88,7 +92,8 @@ def lower(niceness: int, *, idle: bool = False, hurriable: bool = False) -> None
         niceness: The ``nice`` value (1 to 19); 0 or less leaves the thread as it is.
         idle: Also run the thread under ``SCHED_IDLE`` (only when a core would otherwise idle).
         hurriable: Let ``hurry`` raise the thread while another thread waits for its work
-            (it must then lower itself again when the job it was raised for has ended).
+            (it must then lower itself again when the job it was raised for has ended);
+            ignored where raising is refused (``raise_permitted``).
 
     Errors are logged at debug level and ignored: a thread that keeps its priority works.
 
@@ -113,7 +118,7 @@ def restore(priority: Priority, *, hurriable: bool = False) -> None:
     """
     if not _LINUX:
         return
-    if hurriable:
+    if hurriable and raise_permitted():  # Else ``hurry`` could not raise it anyway.
         with _hurriable_lock:
             _hurriable.add(threading.current_thread())
     _apply(threading.get_native_id(), priority)
@@ -129,6 +134,39 @@ def follow(tid: int) -> None:
     Thread safety: changes the calling thread only.
     """
     restore(current(tid), hurriable=True)
+
+
+def raise_permitted() -> bool:
+    """Whether a thread of this process lowered to nice 19 under ``SCHED_IDLE`` can be raised
+    back to the priority of the process's main thread (``hurry``).
+
+    Linux lets any thread lower itself, but leaving ``SCHED_IDLE`` or lowering a ``nice``
+    value again needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows it; containers lack
+    the capability by default. Asked once per process, by trying it on a thread of its own
+    that then ends (a fraction of a millisecond); later calls give the same answer.
+
+    Returns:
+        True if the raise worked, or where priorities are not set at all (not Linux).
+
+    Thread safety: any thread.
+    """
+    global _permitted
+    if not _LINUX:
+        return True
+    if _permitted is None:
+        target = current(os.getpid())  # The main thread's (its native id is the pid's).
+        answer: list[bool] = []
+
+        def probe() -> None:
+            tid = threading.get_native_id()
+            _apply(tid, Priority(19, _SCHED_IDLE))
+            answer.append(_apply(tid, target) is None and current(tid) == target)
+
+        thread = threading.Thread(target=probe, name="torchsupervisor-priority-probe")
+        thread.start()
+        thread.join()
+        _permitted = bool(answer and answer[0])
+    return _permitted
 
 
 def hurry() -> bool:
