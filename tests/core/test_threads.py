@@ -166,6 +166,8 @@ def test_hurry_raises_hurriable_threads_to_the_callers_priority_until_they_lower
 
 @linux_only
 def test_a_refused_hurry_is_logged_once_and_reported(monkeypatch, caplog):
+    # A process whose probe was allowed (``raise_permitted``) but whose raise is refused later.
+    monkeypatch.setattr(priority, "_permitted", True)
     thread, _, release, _ = _lowered_thread(hurriable=True)
 
     def refuse(*args):

@@ -52,6 +52,22 @@ def _committed_steps(logdir: str) -> list[int]:
     return sorted(steps)
 
 
+def _index_names(logdir: str) -> set[str]:
+    """The checkpoints' index files (written last, at the commit) by name, read nothing."""
+    if not os.path.isdir(logdir):
+        return set()
+    return {name for name in os.listdir(logdir) if name.endswith(".index")}
+
+
+def _wait_for_a_new_checkpoint(logdir: str, before: set[str], proc: subprocess.Popen) -> None:
+    for _ in range(2400):  # 120 s at most.
+        if _index_names(logdir) - before:
+            return
+        assert proc.poll() is None, "the demo ended before it saved"
+        time.sleep(0.05)
+    raise AssertionError("no checkpoint was committed in 120 s")
+
+
 def test_demo_trains_and_resumes(tmp_path):
     logdir = str(tmp_path / "run")
     first = _run(logdir, "--max-steps", "150")
@@ -71,6 +87,7 @@ def test_sigkill_at_random_moments_always_resumes_from_a_complete_checkpoint(tmp
     args = ["--max-steps", "100000", "--save-model-secs", "0.1", "--step-delay-secs", "0.002"]
     last_accuracy = 0.0
     for _ in range(2):  # More random kills: test_crash_torture.py (and make test-slow).
+        before = _index_names(logdir)
         proc = subprocess.Popen(_demo(logdir, *args), stdout=subprocess.PIPE, text=True)
         try:
             header = proc.stdout.readline()
@@ -78,7 +95,11 @@ def test_sigkill_at_random_moments_always_resumes_from_a_complete_checkpoint(tmp
             proc.stdout.readline()  # The accuracy at the start.
             progress = proc.stdout.readline()  # Training is under way.
             assert _PROGRESS.search(progress), progress
-            time.sleep(rng.uniform(0.2, 1.5))
+            # A save of this run commits first: on a machine that other processes keep busy
+            # the idle-priority writer may take seconds, and the kill is meant to land at a
+            # random moment of a run that saves, not before its first save.
+            _wait_for_a_new_checkpoint(logdir, before, proc)
+            time.sleep(rng.uniform(0.0, 1.3))
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
