@@ -279,10 +279,11 @@ class _FloorSave:
         return self._pool.submit(self._write)
 
     def _write(self) -> None:
-        from torchsupervisor.checkpoint.engine import BACKGROUND_NICENESS
+        from torchsupervisor.checkpoint.engine import BACKGROUND_NICENESS, background_priority
         from torchsupervisor.core import threads
 
-        threads.lower(BACKGROUND_NICENESS, idle=True)
+        niceness, idle = background_priority(BACKGROUND_NICENESS)  # Our writer's, exactly.
+        threads.lower(niceness, idle=idle)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
             fd = os.open(self._path, flags | getattr(os, "O_DIRECT", 0), 0o644)
