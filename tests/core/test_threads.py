@@ -140,6 +140,13 @@ def _can_raise_priorities() -> bool:
 
 
 @linux_only
+def test_raise_permitted_tells_what_a_raise_of_a_lowered_thread_does(monkeypatch):
+    monkeypatch.setattr(priority, "_permitted", None)  # Asked afresh, by its own probe.
+    assert priority.raise_permitted() is _can_raise_priorities()
+    assert priority.current() == priority.current(os.getpid())  # The probe changed no thread.
+
+
+@linux_only
 def test_hurry_raises_hurriable_threads_to_the_callers_priority_until_they_lower_again():
     if not _can_raise_priorities():
         pytest.skip("raising a thread's priority needs CAP_SYS_NICE here")

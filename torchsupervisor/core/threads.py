@@ -163,7 +163,10 @@ def raise_permitted() -> bool:
             answer.append(_apply(tid, target) is None and current(tid) == target)
 
         thread = threading.Thread(target=probe, name="torchsupervisor-priority-probe")
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # No new thread (the interpreter is shutting down): ask later.
+            return False
         thread.join()
         _permitted = bool(answer and answer[0])
     return _permitted
