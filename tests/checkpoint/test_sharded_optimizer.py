@@ -241,3 +241,19 @@ def test_an_optimizer_with_state_dict_hooks_is_packed_by_torch(dcp_calls, hook):
     ours = state.state_dict()
     assert ours["param_groups"][0]["tag"] == hook
     assert len(dcp_calls) == 1
+
+
+def test_a_state_key_that_is_no_parameter_goes_to_dcp(dcp_calls):
+    # ``_packed`` names only the parameters; anything else in the state is left to torch and
+    # DCP, which raise for it as they would without the names learnt.
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    state = ShardedOptimizerState(model, optimizer)
+    _step(model, optimizer)
+    state.state_dict()
+    optimizer.state["extra"] = {"x": 1}
+    with pytest.raises(KeyError, match="extra"):
+        dcp_state_dict.get_optimizer_state_dict(model, optimizer)
+    with pytest.raises(KeyError, match="extra"):
+        state.state_dict()
+    assert len(dcp_calls) == 3

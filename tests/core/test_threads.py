@@ -141,9 +141,14 @@ def _can_raise_priorities() -> bool:
 
 @linux_only
 def test_raise_permitted_tells_what_a_raise_of_a_lowered_thread_does(monkeypatch):
+    expected = _can_raise_priorities()
     monkeypatch.setattr(priority, "_permitted", None)  # Asked afresh, by its own probe.
-    assert priority.raise_permitted() is _can_raise_priorities()
+    assert priority.raise_permitted() is expected
     assert priority.current() == priority.current(os.getpid())  # The probe changed no thread.
+    applied = []
+    monkeypatch.setattr(priority, "_apply", lambda *args: applied.append(args))
+    assert priority.raise_permitted() is expected
+    assert applied == []  # Asked once per process: no second probe.
 
 
 @linux_only
@@ -339,6 +344,8 @@ def test_a_job_hurried_before_it_starts_keeps_the_priority_it_was_raised_to():
         future.set_running_or_notify_cancel()
     hurried.hurry()
     caller = priority.current()
-    assert _in_thread(lambda: hurried.lower_unless_hurried(19) or priority.current()) == caller
-    lowered = _in_thread(lambda: plain.lower_unless_hurried(19) or priority.current())
+    assert (
+        _in_thread(lambda: hurried.lower_unless_hurried(19, True) or priority.current()) == caller
+    )
+    lowered = _in_thread(lambda: plain.lower_unless_hurried(19, True) or priority.current())
     assert lowered == priority.Priority(19, os.SCHED_IDLE)

@@ -81,6 +81,7 @@ _abandoned: weakref.WeakKeyDictionary[concurrent.futures.Future[Any], float] = (
     weakref.WeakKeyDictionary()
 )
 _engines: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
+_unraisable_logged = False  # ``background_priority`` logs its fallback once per process.
 _atexit_lock = threading.Lock()
 _atexit_registered = False
 
@@ -228,7 +229,7 @@ class _Save(concurrent.futures.Future):
                 self._hurried = True
                 priority.hurry()
 
-    def lower_unless_hurried(self, niceness: int, idle: bool = True) -> None:
+    def lower_unless_hurried(self, niceness: int, idle: bool) -> None:
         """Lower the calling thread (the writer, as this job starts), unless a caller waits."""
         with self._hurry_lock:
             if not self._hurried:
@@ -272,9 +273,6 @@ def background_priority(niceness: int) -> tuple[int, bool]:
             min(niceness, UNRAISABLE_NICENESS),
         )
     return min(niceness, UNRAISABLE_NICENESS), False
-
-
-_unraisable_logged = False
 
 
 def _work(jobs: queue.SimpleQueue[_Job | None], niceness: int, lowered: threading.Event) -> None:

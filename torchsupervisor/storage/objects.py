@@ -33,12 +33,13 @@ TF name: none (TF's ``gfile`` on ``gs://`` and ``s3://``).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import logging
 import os
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import crc32c
 
@@ -197,13 +198,19 @@ class ObjectStorage(Storage):
             parent = key.rpartition("/")[0]
             if parent != directory:
                 raise OutsideDirectoryError(path, inside, self._path(parent))
-        try:
+        with self._regular_file(path):
             info = self.client.head(key)
+        return _ObjectReadable(self.client, path, key, info.size)
+
+    @contextlib.contextmanager
+    def _regular_file(self, path: str) -> Iterator[None]:
+        """Tell a missing object that is a directory (a prefix of others) from a missing one."""
+        try:
+            yield
         except FileNotFoundError:
             if self.is_dir(path):
                 raise NotRegularFileError(path, "a directory") from None
             raise
-        return _ObjectReadable(self.client, path, key, info.size)
 
     def read_bytes(self, path: str, *, max_bytes: int) -> bytes:
         """The whole object ``path`` as one version of it; see ``Storage.read_bytes``.
@@ -222,12 +229,8 @@ class ObjectStorage(Storage):
             with _ObjectReadable(self.client, path, key, info.size) as f:
                 return read_whole(f, max_bytes=max_bytes)
 
-        try:
+        with self._regular_file(path):
             data, _, whole = read_one_version(self.client, key, read)
-        except FileNotFoundError:
-            if self.is_dir(path):
-                raise NotRegularFileError(path, "a directory") from None
-            raise
         if not whole:
             raise OSError(errno.EAGAIN, f"replaced {READ_TRIES} times while it was read", path)
         return data
