@@ -34,7 +34,10 @@ with gloo (the benchmark launches them itself, as ``torchrun`` would):
   an ``O_DIRECT`` write and ``fsync`` of the copies on a background thread at our writer's
   priority; no checksum, manifest or commit): ``x floor`` is our steps/s ratio over its, 1 when
   a save costs training no more than writing the bytes at all does. The three kinds of save
-  take turns within each round of the steps/s measurement. Also on a
+  take turns within each round of the steps/s measurement, so a line below the table also
+  gives ours over the floor's within each round, its median and a 95% interval (the sign
+  test's), which tells whether the runs' noise lets the two be told apart, and how long
+  training waited, on average, for a save still running after its steps. Also on a
   state of many small tensors (``--blocks-sizes``, default 50 MB: blocks of ``LayerNorm`` +
   ``Linear`` of width 256, about 1,000 tensors), where the per-tensor work of a save (state
   dicts, flattening, one copy call each) weighs against the bytes; its memcpy is one
@@ -387,14 +390,18 @@ def _async_case(args: argparse.Namespace, rank: int, world: int) -> dict[str, An
             per_save = out[name]["steps_per_save"]
             idle = _steps_per_sec(model, width, 2 * per_save)
             dist.barrier()
-            start = time.perf_counter()
+            start, waited = time.perf_counter(), 0.0
             for _ in range(2):
                 future = save(next(number))
                 for _ in range(per_save):
                     _train_step(model, width)
+                before = time.perf_counter()
                 future.result()
+                waited += time.perf_counter() - before
             busy = 2 * per_save / (time.perf_counter() - start)
-            out[name]["rounds"].append({"idle": idle, "busy": busy, "ratio": busy / idle})
+            out[name]["rounds"].append(
+                {"idle": idle, "busy": busy, "ratio": busy / idle, "waited": waited / 2}
+            )
     out["local_bytes"], out["floor_bytes"] = floor.local_bytes, floor.written_bytes()
     saver.close()
     floor.close()
@@ -624,7 +631,43 @@ def _async_row(size: int, ranks: list[dict[str, Any]], model_kind: str = "mlp") 
     # How much of the floor's steps/s ours keeps (1: training loses no more than the least
     # an asynchronous save costs it).
     row["steps_ratio_vs_floor"] = row["ours"]["steps_ratio"] / row["floor"]["steps_ratio"]
+    # The same within each round (ours and the floor's took turns in it, so the machine's
+    # drift between rounds cancels), with a 95% interval for its median: how far the runs'
+    # noise lets one tell ours from the floor.
+    paired = [
+        o["ratio"] / f["ratio"] for o, f in zip(row["ours"]["rounds"], row["floor"]["rounds"])
+    ]
+    row["paired_vs_floor"] = median_interval(paired)
+    row["floor"]["steps_ratio_interval"] = median_interval(
+        [r["ratio"] for r in row["floor"]["rounds"]]
+    )
+    for name in ("ours", "dcp", "floor"):
+        # How long training waited, at the step boundary after a save's steps, for the save
+        # to finish (0 where each save fits beside its steps).
+        waits = [r["waited"] for r in row[name]["rounds"]]
+        row[name]["mean_wait_secs"] = statistics.fmean(waits) if waits else 0.0
     return row
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> dict[str, Any]:
+    """The median of ``values`` and a distribution-free interval for it: the order
+    statistics ``k``-th smallest and ``k``-th largest, with ``k`` the largest for which a
+    Binomial(n, 1/2) falls below ``k`` with probability at most ``(1 - confidence) / 2``
+    (the sign test). ``low`` and ``high`` are None where ``values`` are too few (n < 6 at
+    95%)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    tail, k, below = (1 - confidence) / 2, 0, 0.0
+    while k < n // 2 and below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    return {
+        "median": statistics.median(ordered) if ordered else None,
+        "low": ordered[k - 1] if k else None,
+        "high": ordered[n - k] if k else None,
+        "n": n,
+        "confidence": confidence,
+    }
 
 
 def print_async_table(rows: list[dict[str, Any]]) -> None:
@@ -651,6 +694,16 @@ def print_async_table(rows: list[dict[str, Any]]) -> None:
                 f"{r['total_secs']:>9.3f} {r['steps_per_sec_idle']:>12.1f} "
                 f"{r['steps_per_sec_persisting']:>10.1f} {r['steps_ratio']:>6.3f} "
                 f"{r['steps_ratio'] / row['floor']['steps_ratio']:>7.3f}"
+            )
+        paired, floor = row["paired_vs_floor"], row["floor"]["steps_ratio_interval"]
+        if paired["low"] is not None:
+            print(
+                f"  ours / floor within each round: median {paired['median']:.3f}, 95% "
+                f"interval {paired['low']:.3f}-{paired['high']:.3f}; the floor's own ratio "
+                f"{floor['median']:.3f} ({floor['low']:.3f}-{floor['high']:.3f}), "
+                f"{paired['n']} rounds; training waited for a save after its steps "
+                f"{row['ours']['mean_wait_secs'] * 1e3:.1f} ms (ours), "
+                f"{row['floor']['mean_wait_secs'] * 1e3:.1f} ms (floor), on average"
             )
 
 

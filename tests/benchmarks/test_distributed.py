@@ -1,6 +1,47 @@
-"""benchmarks/distributed.py runs and writes its report (a smoke test; timings are not checked)."""
+"""benchmarks/distributed.py runs and writes its report (a smoke test; timings are not checked),
+and the interval it gives for a median."""
 
 from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+
+import pytest
+from repo_paths import repo
+
+
+def _load_benchmark():
+    # By path, under a name of its own: ``distributed`` names a package of the tests.
+    spec = importlib.util.spec_from_file_location(
+        "bench_distributed", repo("benchmarks", "distributed.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_benchmark()
+
+
+@pytest.mark.parametrize(
+    ("n", "low", "high"),
+    # The sign test's order statistics (1-based) for a 95% interval: tables give 1-6 for
+    # n = 6, 6-15 for n = 20 and 10-21 for n = 30.
+    [(6, 1, 6), (20, 6, 15), (30, 10, 21)],
+)
+def test_the_median_interval_is_the_sign_tests_order_statistics(n, low, high):
+    values = [float(v) for v in range(1, n + 1)]
+    random.Random(n).shuffle(values)
+    got = bench.median_interval(values)
+    assert (got["low"], got["high"], got["n"]) == (low, high, n)
+    assert got["median"] == (n + 1) / 2
+
+
+def test_too_few_values_give_no_interval():
+    assert bench.median_interval([1.0, 2.0, 3.0, 4.0, 5.0])["low"] is None
+    assert bench.median_interval([])["median"] is None
 
 
 def test_the_distributed_benchmark_writes_its_report(run_benchmark):
@@ -46,6 +87,8 @@ def test_the_distributed_benchmark_writes_its_report(run_benchmark):
     assert async_row["floor_bytes"] == async_row["local_bytes"]
     assert all(b > 0 for b in async_row["local_bytes"]) and len(async_row["local_bytes"]) == 2
     assert async_row["steps_ratio_vs_floor"] > 0 and "x floor" in stdout and "\nfloor " in stdout
+    assert async_row["paired_vs_floor"]["n"] == 1 and async_row["paired_vs_floor"]["median"] > 0
+    assert all(async_row[name]["mean_wait_secs"] >= 0 for name in ("ours", "dcp", "floor"))
     # The same on a state of many small tensors (LayerNorm + Linear blocks; 16 a block).
     blocks = rows["async sharded, 2 ranks, blocks"]
     assert blocks["model"] == "blocks" and blocks["tensors"] > 0 and blocks["tensors"] % 16 == 0
