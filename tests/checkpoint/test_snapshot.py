@@ -26,6 +26,7 @@ def test_layout_orders_by_item_size_then_name_and_aligns():
     layout = plan_layout(_tensors())
     (shard,) = layout.shards
     names = [name for name, _ in shard.entries]
+    # None is a whole number of 64-byte lines: by item size, then name.
     assert names == ["c_f64", "f_scalar", "h_cplx", "a_f32", "g_empty", "d_bf16", "b_u8", "e_bool"]
     position = 0
     for _, entry in shard.entries:
@@ -33,6 +34,26 @@ def test_layout_orders_by_item_size_then_name_and_aligns():
         assert entry.begin % entry.dtype.itemsize == 0
         position = entry.end
     assert shard.data_offset % DATA_ALIGNMENT_BYTES == 0
+
+
+def test_tensors_of_whole_cache_lines_come_first_so_a_small_one_shifts_none_of_them():
+    # An Adam state: each parameter's 4-byte ``step`` sorts between the large tensors by name.
+    tensors = {}
+    for i in range(3):
+        tensors[f"state/{i}/exp_avg"] = torch.zeros(1024)
+        tensors[f"state/{i}/exp_avg_sq"] = torch.zeros(1024)
+        tensors[f"state/{i}/step"] = torch.tensor(1.0)
+    tensors["half"] = torch.zeros(32, dtype=torch.float16)  # 64 bytes: a whole line.
+    tensors["odd"] = torch.zeros(3, dtype=torch.float64)
+    (shard,) = plan_layout(tensors).shards
+    names = [name for name, _ in shard.entries]
+    lines = [f"state/{i}/{k}" for i in range(3) for k in ("exp_avg", "exp_avg_sq")] + ["half"]
+    assert names == lines + ["odd"] + [f"state/{i}/step" for i in range(3)]
+    position = 0
+    for name, entry in shard.entries:
+        assert entry.begin == position  # No gaps: any safetensors reader reads the shard.
+        assert entry.begin % (DATA_ALIGNMENT_BYTES if name in lines else entry.dtype.itemsize) == 0
+        position = entry.end
 
 
 def test_layout_splits_shards_without_splitting_tensors():

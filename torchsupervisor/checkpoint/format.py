@@ -4,8 +4,10 @@ A checkpoint with prefix ``P`` is:
 
 * ``P.data-00000-of-0000N`` ... : N shards, each a safetensors file (8-byte little-endian header
   length, a JSON header, then the tensor bytes with no gaps). Our writer pads the header with
-  spaces so that the data starts on a 64-byte boundary and orders tensors by decreasing item size
-  (then name), so every tensor is aligned for its dtype. Any safetensors reader can open a shard.
+  spaces so that the data starts on a 64-byte boundary and puts first the tensors whose size is
+  a multiple of 64 bytes, then the others by decreasing item size (by name within each), so
+  every tensor is aligned for its dtype and the large ones on 64-byte lines. Any safetensors
+  reader can open a shard.
 * ``P.index``: the manifest, JSON, written last. It holds the format version, the global step,
   the wall time, library and torch versions, the encoded state tree (non-tensor leaves live
   here), for every tensor its shard, dtype, shape, byte range and CRC-32C, and for every shard

