@@ -209,7 +209,7 @@ def test_a_save_waited_for_runs_at_the_waiters_priority_then_idle_again(waiter):
     if not _can_raise_priorities():
         pytest.skip("raising a thread's priority needs CAP_SYS_NICE here")
     engine = CheckpointEngine()
-    gate, running = threading.Event(), threading.Event()
+    gate, running, called_back = threading.Event(), threading.Event(), threading.Event()
     seen: list[priority.Priority] = []
 
     def job():
@@ -217,9 +217,13 @@ def test_a_save_waited_for_runs_at_the_waiters_priority_then_idle_again(waiter):
         assert gate.wait(60)
         return priority.current()
 
+    def record(_):  # On the writer thread, after the future's waiters were woken.
+        seen.append(priority.current())
+        called_back.set()
+
     try:
         future = engine.submit(job)
-        future.add_done_callback(lambda f: seen.append(priority.current()))  # Writer thread.
+        future.add_done_callback(record)
         assert running.wait(60)
         assert priority.current(engine._thread.native_id) == priority.Priority(19, os.SCHED_IDLE)
         if waiter == "engine.wait":
@@ -229,6 +233,7 @@ def test_a_save_waited_for_runs_at_the_waiters_priority_then_idle_again(waiter):
                 getattr(future, waiter.split(".")[1])(timeout=0.01)
         gate.set()
         assert future.result(60) == priority.current()  # The job ran raised to ours...
+        assert called_back.wait(60)
         assert seen == [priority.Priority(19, os.SCHED_IDLE)]  # ...and idle once it ended.
     finally:
         gate.set()
