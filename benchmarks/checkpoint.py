@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import os
 import platform
@@ -217,13 +218,13 @@ class Memcpy:
     def __init__(self, state) -> None:
         tensors = state_tensors(state)
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
-        raw = torch.empty(sum(-(-n // 64) * 64 for n in sizes) + 64, dtype=torch.uint8)
+        starts = [0, *itertools.accumulate(-(-n // 64) * 64 for n in sizes)]  # Whole lines.
+        raw = torch.empty(starts[-1] + 64, dtype=torch.uint8)
         self.buffer = raw[-raw.data_ptr() % 64 :]
-        self.views = []
-        offset = 0
-        for t, n in zip(tensors.values(), sizes):
-            self.views.append((self.buffer[offset : offset + n].view(t.dtype).view(t.shape), t))
-            offset += -(-n // 64) * 64
+        self.views = [
+            (self.buffer[at : at + n].view(t.dtype).view(t.shape), t)
+            for t, at, n in zip(tensors.values(), starts, sizes)
+        ]
 
     def __call__(self) -> None:
         for dst, src in self.views:

@@ -120,17 +120,11 @@ def _dcp_saver(state: dict[str, Any], directory: str, device: torch.device) -> C
     return save
 
 
-def _result(future: Any) -> None:
-    """Wait for a save (ours: a future; DCP's: a future, or a response holding two)."""
-    upload = getattr(future, "upload_completion", None)
-    (upload if upload is not None else future).result()
-
-
 def measure_stalls(
     start: Callable[[], Any], trainer: Trainer, repeat: int
 ) -> tuple[list[float], list[float]]:
     """Stalls and totals of ``repeat`` saves, each after a training step."""
-    _result(start())  # Warm-up: buffers, caches.
+    start().result()  # Warm-up: buffers, caches.
     stalls, totals = [], []
     for _ in range(repeat):
         trainer.step()
@@ -138,7 +132,7 @@ def measure_stalls(
         t0 = time.perf_counter()
         future = start()
         stalls.append(time.perf_counter() - t0)
-        _result(future)
+        future.result()
         totals.append(time.perf_counter() - t0)
     return stalls, totals
 
@@ -148,20 +142,15 @@ def steps_per_sec(trainer: Trainer, window: float, start: Callable[[], Any] | No
     steps, future = 0, None
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < window:
-        if start is not None and (future is None or _done(future)):
+        if start is not None and (future is None or future.done()):
             future = start()
         trainer.step()
         steps += 1
     synchronize(trainer.device)
     elapsed = time.perf_counter() - t0
     if future is not None:
-        _result(future)  # The next round starts with nothing in flight.
+        future.result()  # The next round starts with nothing in flight.
     return steps / elapsed
-
-
-def _done(future: Any) -> bool:
-    upload = getattr(future, "upload_completion", None)
-    return (upload if upload is not None else future).done()
 
 
 def run_size(size: int, device: torch.device, root: str, repeat: int, rounds: int) -> dict:

@@ -4,24 +4,9 @@ CPU hogs run while it measures and are gone after, and the case of many small te
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+from repo_paths import load_benchmark
 
-from repo_paths import repo
-
-
-def _load_benchmark():
-    # By path, under a name of its own: ``checkpoint`` may name another module in a test run.
-    spec = importlib.util.spec_from_file_location(
-        "bench_checkpoint", repo("benchmarks", "checkpoint.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark("checkpoint")
 
 
 def test_the_hogs_run_inside_and_are_killed_after():

@@ -3,26 +3,12 @@ and the interval it gives for a median."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 
 import pytest
-from repo_paths import repo
+from repo_paths import load_benchmark
 
-
-def _load_benchmark():
-    # By path, under a name of its own: ``distributed`` names a package of the tests.
-    spec = importlib.util.spec_from_file_location(
-        "bench_distributed", repo("benchmarks", "distributed.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark("distributed")
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,14 @@ def test_chunks_that_are_not_staged_views_are_copied_after_the_ones_in_place(tmp
 
 
 @pytest.mark.parametrize(
-    "case", ["nothing staged", "gap first", "header too long", "misaligned tail"]
+    "case",
+    [
+        "nothing staged",
+        "gap first",
+        "header too long",
+        "misaligned tail",
+        "misaligned behind a line",
+    ],
 )
 def test_the_writer_copies_everything_when_the_layout_does_not_allow_it(case):
     state = {"a": torch.arange(3.0), "b": torch.arange(5.0)}
@@ -70,6 +77,13 @@ def test_the_writer_copies_everything_when_the_layout_does_not_allow_it(case):
         "gap first": {"b": views["b"]},  # "a" comes first in the layout and is not written.
         "header too long": {"a" * 5000: views["a"], "b": views["b"]},
         "misaligned tail": {"a": views["a"], "z": torch.zeros(1, dtype=torch.float64)},
+        # The copied rest starts with a whole 64-byte line of bytes, then a float64: "a" ends
+        # at byte 12, where the bytes would fit but the float64 after them would not.
+        "misaligned behind a line": {
+            "a": views["a"],
+            "w": torch.zeros(64, dtype=torch.uint8),
+            "z": torch.zeros(1, dtype=torch.float64),
+        },
     }[case]
     assert snapshot.layout.shards[0].entries[0][0] == "a"
     assert in_place_shard(snapshot, written) is None
