@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--save-model-secs", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=100, help="print every N steps")
     args = parser.parse_args()
 
     # One GPU per rank when there are GPUs (the process group then uses NCCL, which only
@@ -75,8 +76,8 @@ def main() -> None:
         while not sv.should_stop() and step.value < args.max_steps:
             loss = sess.run(train_step)
             if sv.is_chief:
-                sv.summary_writer.add_scalar("train/loss", loss, step.value - 1)
-                if step.value % 100 == 0:
+                sv.summary_writer.add_scalar("train/loss", loss, step.value)
+                if step.value % args.log_every == 0:
                     acc = accuracy(model.module, data.test_x.to(device), data.test_y.to(device))
                     print(f"step {step.value}: loss {loss.item():.4f}, accuracy {acc:.1%}")
     print(f"rank {rank}: done at step {step.value}", flush=True)

@@ -110,8 +110,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         while not sv.should_stop() and step.value < args.max_steps:
             current = step.value
             loss, lr = sess.run(train_step)
-            sv.summary_writer.add_scalar("train/loss", loss, current)
-            sv.summary_writer.add_scalar("train/learning_rate", lr, current)
+            # A summary's step is the number of steps done: the first step's loss at step 1.
+            sv.summary_writer.add_scalar("train/loss", loss, step.value)
+            sv.summary_writer.add_scalar("train/learning_rate", lr, step.value)
             if current % args.log_every == 0 or step.value == args.max_steps:
                 print(f"step {current} lr {lr!r} loss {loss.item():.4f}", flush=True)
 

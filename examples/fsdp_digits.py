@@ -86,7 +86,7 @@ def main() -> None:
         while not sv.should_stop() and step.value < args.max_steps:
             loss = sess.run(train_step)
             if sv.is_chief:
-                sv.summary_writer.add_scalar("train/loss", loss, step.value - 1)
+                sv.summary_writer.add_scalar("train/loss", loss, step.value)
             if step.value % 100 == 0:
                 # The forward pass gathers the shards: every rank evaluates, the chief prints.
                 acc = accuracy(model, data.test_x, data.test_y)

@@ -75,9 +75,10 @@ def test_listing_after_a_restart(restarted, capsys, caplog):
         status, out, err = cli(capsys, "events", restarted)
     assert status == 0
     assert f"Run . ({restarted}): 2 events file(s)" in out
-    assert "sessions: 2 start(s) at step 0, 5; 1 clean stop(s)" in out
-    # The restart is in our listing, not in TensorBoard's warning.
-    assert "  restart: resumed at step 5\n" in out
+    assert "sessions: 2 start(s); 1 clean stop(s)" in out
+    # The restart is in our listing, not in TensorBoard's warning: the crash logged up to
+    # step 7 (labelled with the step before each step, which the resumed run logs again).
+    assert "  restart: resumed at step 5 (2 logged steps lost)\n" in out
     assert "out of order" not in err + caplog.text
     assert "checkpoints:" in out and "the last at step 10" in out
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}

@@ -137,7 +137,7 @@ def test_tensorboard_reads_the_demo_logdir(tmp_path):
         logs.append([(e.session_log.status, e.step) for e in events if e.HasField("session_log")])
     start, stop, checkpoint = 1, 2, 3
     for run_logs, first_step, last_step in zip(logs, (0, 120), (120, 200)):
-        assert run_logs[0] == (start, first_step)  # START at the (restored) step.
+        assert run_logs[0] == (start, first_step + 1)  # START at the first step produced.
         assert run_logs[-1] == (stop, 0)  # STOP at exit, without a step.
         assert (checkpoint, last_step) in run_logs  # The final checkpoint.
     accumulator = EventAccumulator(logdir, size_guidance={"scalars": 0, "histograms": 0})
@@ -146,7 +146,7 @@ def test_tensorboard_reads_the_demo_logdir(tmp_path):
     assert {"train/loss", "eval/accuracy", "global_step/sec"} <= set(tags["scalars"])
     assert {"weights/conv1", "weights/fc1"} <= set(tags["histograms"])
     losses = accumulator.Scalars("train/loss")
-    assert [e.step for e in losses] == list(range(200))  # One continuous series.
+    assert [e.step for e in losses] == list(range(1, 201))  # One continuous series.
     accuracies = [e.step for e in accumulator.Scalars("eval/accuracy")]
     assert accuracies == [0, 50, 100, 120, 150, 200]
     # Run again once finished (its start and restore span many 0.05 s summary intervals): it

@@ -56,7 +56,7 @@ def test_digits_example_runs_and_resumes_at_the_restored_step(tmp_path):
 
     events = all_events(logdir)
     starts = [step for step, status, _ in session_logs(events) if status == START]
-    assert starts == [0, stopped]
+    assert starts == [1, stopped + 1]  # At the first step each session produces.
     # Every step's loss was written exactly once: the second run trained no step again.
     counts = collections.Counter(step for step, _ in scalars(events, "loss"))
     assert sorted(counts) == list(range(1, stopped + 41))

@@ -25,11 +25,10 @@ from supervisor_helpers import (
     scalars,
     session_logs,
     temporary_files,
-    wait_until,
 )
 from tensorboard.compat.proto.event_pb2 import LogMessage
 
-from torchsupervisor import GlobalStep, Saver, Session, SummaryWriterCache
+from torchsupervisor import GlobalStep, Saver, Session, SummaryWriter, SummaryWriterCache
 from torchsupervisor.core.registry import GraphKeys, add_to_collection
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.hooks import CheckpointSaverHook
@@ -356,7 +355,8 @@ def test_a_due_save_waits_for_the_one_in_flight(tmp_path):
 
 
 class RecordingWriter:
-    """Forwards to a real writer and records the CHECKPOINT events and flush requests."""
+    """Forwards to a real writer; records the CHECKPOINT events with the loss points on disk
+    when each is added (after its commit), and the flush requests."""
 
     def __init__(self, writer, logdir):
         self.writer = writer
@@ -365,44 +365,51 @@ class RecordingWriter:
 
     def add_session_log(self, session_log, global_step=None):
         if session_log.status == CHECKPOINT:
-            self.calls.append(("checkpoint", global_step))
+            on_disk = [step for step, _ in scalars(read(self.logdir), "loss")]
+            self.calls.append(("checkpoint", global_step, on_disk))
         self.writer.add_session_log(session_log, global_step)
 
     def request_flush(self):
-        committed = checkpoint_steps(self.logdir)
-        self.calls.append(("request_flush", committed[-1] if committed else None))
-        self.writer.request_flush()
+        self.calls.append(("request_flush",))
+        return self.writer.request_flush()
 
     def __getattr__(self, name):
         return getattr(self.writer, name)
 
 
-def test_each_checkpoint_event_is_followed_by_a_flush_request(tmp_path, monkeypatch):
-    real = SummaryWriterCache.get(tmp_path)
+class SlowWriter(SummaryWriter):
+    """Writes events only when flushed (or after an hour)."""
+
+    write_delay_secs = 3600.0
+
+
+def test_the_summaries_of_a_checkpoints_step_are_on_disk_before_it_commits(tmp_path, monkeypatch):
+    # The loop logs a step's loss after ``sess.run``, that is after the hook took the
+    # checkpoint of that step: the save writes once the next boundary has flushed it.
+    real = SlowWriter(str(tmp_path))
     recorder = RecordingWriter(real, tmp_path)
     monkeypatch.setattr(SummaryWriterCache, "get", staticmethod(lambda logdir: recorder))
     counter = Counter()
     hook = CheckpointSaverHook(str(tmp_path), save_steps=2, saver=Saver(max_to_keep=None))
-    with monitored(counter, hook) as sess:
-        for _ in range(4):
-            real.add_scalar("loss", float(counter.global_step.value), counter.global_step.value)
-            sess.run(counter.step)
-        hook.wait_for_save()
-        # The flush request after the CHECKPOINT event of step 4 put the summaries of the
-        # steps before it on disk, with no flush or close of the writer.
-        wait_until(
-            lambda: (4, CHECKPOINT, str(tmp_path / "model.ckpt")) in session_logs(read(tmp_path))
-        )
-        assert scalars(read(tmp_path), "loss") == [(s, float(s)) for s in range(4)]
-    # Each request comes after its checkpoint is committed and its event added.
-    assert recorder.calls == [
-        ("checkpoint", 0),
-        ("request_flush", 0),
-        ("checkpoint", 2),
-        ("request_flush", 2),
-        ("checkpoint", 4),
-        ("request_flush", 4),
+    try:
+        with monitored(counter, hook) as sess:
+            for _ in range(4):
+                sess.run(counter.step)
+                value = counter.global_step.value
+                real.add_scalar("loss", float(value), value)
+            hook.wait_for_save()
+    finally:
+        real.close()
+    checkpoints = [
+        (step, on_disk)
+        for kind, *rest in recorder.calls
+        if kind == "checkpoint"
+        for step, on_disk in [rest]
     ]
+    assert [step for step, _ in checkpoints] == [0, 2, 4]
+    for step, on_disk in checkpoints:  # Later points may be there too.
+        assert on_disk[:step] == list(range(1, step + 1)), (step, on_disk)
+    assert recorder.calls.count(("request_flush",)) == 3  # One per checkpoint.
 
 
 def read(logdir):

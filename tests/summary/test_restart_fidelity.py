@@ -1,10 +1,12 @@
 """After a SIGKILL and a resume, TensorBoard shows one continuous series per tag.
 
 A supervised run writes summaries past its last checkpoint and is killed (SIGKILL, no final
-checkpoint, no STOP). The resumed run restores the checkpoint, writes ``START`` at the restored
-step, and writes those steps again. TensorBoard must show each step once, with the resumed
-run's values from the checkpoint on: checked with TensorBoard's ``EventAccumulator`` and with a
-real ``tensorboard`` server queried over its HTTP data API.
+checkpoint, no STOP). The resumed run restores the checkpoint and writes those steps again,
+the restored step included (its series are labelled with the step before each training step:
+the resumed run's points at the restored step replace the killed run's). TensorBoard must
+show each step once, with the resumed run's values from the checkpoint on: checked with
+TensorBoard's ``EventAccumulator`` and with a real ``tensorboard`` server queried over its
+HTTP data API.
 """
 
 from __future__ import annotations

@@ -77,9 +77,10 @@ def test_restart_restores_weights_and_step_and_starts_at_that_step(tmp_path):
     # announced again.
     assert get_checkpoint_mtimes([os.path.join(tmp_path, "model.ckpt-4")]) == mtimes
     first_file, second_file = event_files(tmp_path)
-    assert _starts(read_events(first_file)) == [0]
+    # START is written at the first step a session produces: a restart at step 4 at step 5.
+    assert _starts(read_events(first_file)) == [1]
     second_logs = session_logs(read_events(second_file))
-    assert [(s, st) for s, st, _ in second_logs] == [(4, START), (0, STOP)]
+    assert [(s, st) for s, st, _ in second_logs] == [(5, START), (0, STOP)]
 
 
 def test_after_a_crash_tensorboard_shows_one_continuous_series(tmp_path):
@@ -115,7 +116,7 @@ def test_after_a_crash_tensorboard_shows_one_continuous_series(tmp_path):
 
     files = event_files(crashed)
     assert len(files) == 2 and files[0] == crashed_file  # name order = creation order
-    assert _starts(read_events(files[1])) == [5]
+    assert _starts(read_events(files[1])) == [6]
     # Read raw, the stale points of steps 5-7 are gone from the first file (the restart
     # removed them: TensorBoard's default loader ignores START) ...
     raw = [s for path in files for s, _ in scalars(read_events(path), "loss")]
@@ -284,7 +285,7 @@ def test_basic_train_loop_restarts_from_the_last_checkpoint_after_an_abort(tmp_p
     assert float(c.w) == 8.0  # restored to the step-3 checkpoint, then trained to 8
     assert checkpoint_steps(tmp_path) == [0, 3, 8]
     files = event_files(tmp_path)
-    assert [_starts(read_events(path)) for path in files] == [[0], [3]]
+    assert [_starts(read_events(path)) for path in files] == [[1], [4]]
 
 
 def test_basic_train_loop_propagates_other_errors(tmp_path):
@@ -309,8 +310,8 @@ def test_a_reused_supervisor_clears_its_stop_and_reopens_its_writer_in_a_new_fil
     files = event_files(tmp_path)
     assert len(files) == 2  # distinct names even when both sessions ran within one second
     first, second = (session_logs(read_events(path)) for path in files)
-    assert [(s, st) for s, st, _ in first if st != CHECKPOINT] == [(0, START), (0, STOP)]
-    assert [(s, st) for s, st, _ in second if st != CHECKPOINT] == [(2, START), (0, STOP)]
+    assert [(s, st) for s, st, _ in first if st != CHECKPOINT] == [(1, START), (0, STOP)]
+    assert [(s, st) for s, st, _ in second if st != CHECKPOINT] == [(3, START), (0, STOP)]
     assert checkpoint_steps(tmp_path)[-1] == 4
 
 
@@ -326,7 +327,7 @@ def test_without_closing_the_writer_sessions_share_one_events_file(tmp_path):
         sv.summary_writer.close()
     (path,) = event_files(tmp_path)
     events = read_events(path)
-    assert _starts(events) == [0, 1]
+    assert _starts(events) == [1, 2]
     assert STOP not in [st for _, st, _ in session_logs(events)]
     assert scalars(events, "after") == [(2, 1.0)]
 
@@ -355,7 +356,7 @@ def test_restart_skips_a_corrupt_newest_checkpoint_for_the_newest_valid_one(tmp_
         assert sess.restored_checkpoint == os.path.join(tmp_path, "model.ckpt-2")
         assert second.global_step.value == 2 and float(second.w) == 2.0
     assert any(newest in m for m in caplog.messages), caplog.messages
-    assert _starts(read_events(event_files(tmp_path)[-1])) == [2]
+    assert _starts(read_events(event_files(tmp_path)[-1])) == [3]
 
 
 def test_restart_removes_what_an_interrupted_save_left(tmp_path):

@@ -88,12 +88,12 @@ def test_very_simple_loop_leaves_checkpoints_and_a_tensorboard_log(tmp_path):
     for name, value in t.weights().items():
         assert torch.equal(tree["model"][name], value)
 
-    # The events file: START at the start step, CHECKPOINT with the prefix without its step,
-    # STOP without a step, last; no global_step/sec, since no interval of it ended (TF wrote a
-    # 0.0 at the start).
+    # The events file: START at the first step the session produces, CHECKPOINT with the
+    # prefix without its step, STOP without a step, last; no global_step/sec, since no
+    # interval of it ended (TF wrote a 0.0 at the start).
     events = _only_events(logdir)
     logs = session_logs(events)
-    assert logs[0] == (0, START, "")
+    assert logs[0] == (1, START, "")
     assert [log for log in logs if log[1] == CHECKPOINT] == [
         (0, CHECKPOINT, os.path.join(logdir, "model.ckpt")),
         (7, CHECKPOINT, os.path.join(logdir, "model.ckpt")),
@@ -262,7 +262,7 @@ def test_no_final_checkpoint_after_an_error_exit(tmp_path):
         raise RuntimeError("diverged")
     assert checkpoint_steps(logdir) == [0]
     logs = session_logs(_only_events(logdir))
-    assert [(s, st) for s, st, _ in logs] == [(0, START), (0, CHECKPOINT), (0, STOP)]
+    assert [(s, st) for s, st, _ in logs] == [(1, START), (0, CHECKPOINT), (0, STOP)]
 
 
 def test_keyboard_interrupt_mid_step_does_not_save_a_torn_final_checkpoint(tmp_path):
@@ -337,8 +337,8 @@ def test_checkpoint_method_saves_now_and_needs_a_checkpoint_service(tmp_path):
     assert checkpoint_steps(tmp_path / "x") == []
 
 
-def test_each_checkpoint_commit_flushes_the_events_file(tmp_path):
-    """The summaries of the steps up to a checkpoint reach the disk with it (fsync)."""
+def test_each_checkpoint_flushes_the_events_file(tmp_path):
+    """The summaries of the steps up to a checkpoint reach the disk before it (fsync)."""
     logdir = str(tmp_path)
     c = Counter()
     sv = Supervisor(logdir=logdir, state=c.state, save_summaries_secs=0, save_model_secs=3600)
@@ -351,8 +351,8 @@ def test_each_checkpoint_commit_flushes_the_events_file(tmp_path):
         writer.request_flush = lambda: (requests.append(c.global_step.value), request_flush())
         sess.run(c.step)
         writer.add_scalar("loss", 0.5, 1)
-        sv.checkpoint()  # flush_secs is 120 s: only the commit asks for a flush now.
-        assert requests == [1]  # Asked by the commit (the writer's own tests cover the fsync).
+        sv.checkpoint()  # flush_secs is 120 s: only the checkpoint asks for a flush now.
+        assert requests == [1]  # Asked at the snapshot (the writer's tests cover the fsync).
         (path,) = event_files(logdir)
         wait_until(lambda: 1 in [step for step, _ in scalars(read_events(path), "loss")])
         # The Supervisor's writer queues thousands of events, not TF's 10, before blocking.

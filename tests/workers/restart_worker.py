@@ -3,12 +3,14 @@
     python restart_worker.py LOGDIR RUN_ID CHECKPOINT_STEP LAST_STEP [--hang]
 
 Trains a tiny model under a ``Supervisor`` from the newest checkpoint of LOGDIR up to step
-LAST_STEP, writing two series labeled with the step of the state they describe (the demo's
-convention): ``loss`` at step ``s`` (computed on the state at step ``s``, by the training step
-that moves it to ``s + 1``) and ``eval`` every 5 steps and at the start (the state at that
-step). Values encode the run: ``RUN_ID * 1000 + step``. At CHECKPOINT_STEP it commits a
-checkpoint (``sv.checkpoint()``). With ``--hang``, after LAST_STEP it flushes the summaries,
-prints ``READY`` and sleeps: the test kills it with SIGKILL, leaving summaries past the last
+LAST_STEP, writing two series labeled with the step of the state they were computed on
+(``loss`` at step ``s``: computed on the state at step ``s``, by the training step that moves
+it to ``s + 1``; ``eval`` every 5 steps and at the start). The library's rule labels a step's
+loss with the count it reaches (``s + 1``); this labelling logs the restored step again after
+a restart, and that point replaces the earlier one (``summary/restarts.py``). Values encode
+the run: ``RUN_ID * 1000 + step``. At CHECKPOINT_STEP it commits a checkpoint
+(``sv.checkpoint()``). With ``--hang``, after LAST_STEP it flushes the summaries, prints
+``READY`` and sleeps: the test kills it with SIGKILL, leaving summaries past the last
 checkpoint on disk and no final checkpoint; without, it ends normally.
 """
 

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from torchsupervisor.checkpoint import policy
 from torchsupervisor.checkpoint.files import (
@@ -53,6 +53,19 @@ __all__ = ["SaveStats", "Saver"]  # SaveStats: see writers.py
 logger = logging.getLogger("torchsupervisor")
 
 _DEFAULT_SHARD_BYTES = 1 << 30
+
+
+class Waitable(Protocol):
+    """Something a save can wait for (``save_async``'s ``write_after``): a
+    ``threading.Event``, or any object with its ``wait``."""
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+WRITE_AFTER_WAIT_SECS = 10.0
+"""The longest a save waits for ``save_async``'s ``write_after`` before it writes anyway."""
+
+_WAIT_SLICE_SECS = 0.05  # How often that wait looks for a cancellation.
 
 
 class Saver(ShardedSaves):
@@ -271,6 +284,8 @@ class Saver(ShardedSaves):
         global_step: Any = None,
         latest_filename: str | None = None,
         write_state: bool = True,
+        *,
+        write_after: Waitable | None = None,
     ) -> concurrent.futures.Future[str | None]:
         """Take the snapshot now and write it on the background writer thread.
 
@@ -284,7 +299,12 @@ class Saver(ShardedSaves):
         fails the future on every rank.
 
         Args:
-            See ``save``.
+            write_after: The writer thread starts writing once this event is set (at most
+                ``WRITE_AFTER_WAIT_SECS`` later, at once when the save is cancelled): the
+                ``CheckpointDriver`` passes its summary writer's flush of the steps up to the
+                snapshot, so that they are on disk before the checkpoint commits. None: no
+                wait.
+            The others: see ``save``.
 
         Returns:
             A future resolving to the prefix once committed, or to the error of the write
@@ -304,7 +324,7 @@ class Saver(ShardedSaves):
         state = self._state_for(sess)
         if self._is_sharded(state, sess):  # DTensors: local shards copied, written by all.
             return self._save_async_sharded(
-                state, save_path, global_step, latest_filename, write_state, start
+                state, save_path, global_step, latest_filename, write_state, start, write_after
             )
         target = self._target(save_path, global_step, latest_filename, write_state)
         # The directory is checked by the writer: a stat is not worth a stall.
@@ -315,7 +335,10 @@ class Saver(ShardedSaves):
             return done
         stall = time.perf_counter() - start
         return self._engine.submit(
-            functools.partial(self._persist, check_dir=True), snapshot, target, stall
+            functools.partial(self._persist, check_dir=True, write_after=write_after),
+            snapshot,
+            target,
+            stall,
         )
 
     def close(self) -> None:
@@ -470,10 +493,17 @@ class Saver(ShardedSaves):
         return self._writer.stage(flat, target, step)
 
     def _persist(
-        self, snapshot: Snapshot, target: SaveTarget, stall_secs: float, *, check_dir: bool
+        self,
+        snapshot: Snapshot,
+        target: SaveTarget,
+        stall_secs: float,
+        *,
+        check_dir: bool,
+        write_after: Waitable | None = None,
     ) -> str:
         """Write ``snapshot`` (``check_dir``: on the writer thread, which checks the directory
         first: the caller's stat is not worth a stall)."""
+        self._wait_before_writing(write_after)
         if check_dir:
             try:
                 self._check_dir(target.save_path)
@@ -483,6 +513,26 @@ class Saver(ShardedSaves):
         self.last_save = self._writer.persist(snapshot, target, stall_secs)
         logger.debug("Checkpoint %s: %s", target.prefix, self.last_save)
         return target.prefix
+
+    def _wait_before_writing(self, event: Waitable | None) -> None:
+        """Wait for ``save_async``'s ``write_after`` (on the writer thread).
+
+        Real time, not the Saver's clock: what is waited for is another thread's I/O, and a
+        fake clock would skip the wait. A cancelled save stops waiting at once.
+        """
+        if event is None:
+            return
+        end = time.monotonic() + WRITE_AFTER_WAIT_SECS
+        while not event.wait(_WAIT_SLICE_SECS):
+            if self._cancel.is_set():
+                return
+            if time.monotonic() >= end:
+                logger.warning(
+                    "The summaries up to this checkpoint were not flushed within %g s; "
+                    "writing it anyway",
+                    WRITE_AFTER_WAIT_SECS,
+                )
+                return
 
     def _check_dir(self, save_path: str) -> None:
         save_dir = os.path.dirname(save_path)

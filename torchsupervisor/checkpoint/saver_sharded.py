@@ -26,6 +26,7 @@ from torchsupervisor.distributed.env import on_every_rank, rank
 
 if TYPE_CHECKING:
     from torchsupervisor.checkpoint.engine import CheckpointEngine
+    from torchsupervisor.checkpoint.saver import Waitable
     from torchsupervisor.storage import Storage
 
 __all__ = ["ShardedSaves"]
@@ -46,6 +47,7 @@ class ShardedSaves:
     _target: Callable[[str, Any, str | None, bool], SaveTarget]
     _check_dir: Callable[[str], None]  # Raises ValueError for a missing directory.
     _lock_directory: Callable[[str], None]  # Raises LogdirLockedError.
+    _wait_before_writing: Callable[[Waitable | None], None]
 
     def _save_sharded(
         self,
@@ -68,15 +70,17 @@ class ShardedSaves:
         latest_filename: str | None,
         write_state: bool,
         start: float,
+        write_after: Waitable | None = None,
     ) -> concurrent.futures.Future[str | None]:
         """``Saver.save_async`` of a state of DTensors: the local shards copied now (since
-        ``start``, the stall), written and committed by every rank's writer thread."""
+        ``start``, the stall), written and committed by every rank's writer thread (after
+        ``write_after``, as ``Saver.save_async``)."""
         target, error = self._sharded_target(
             save_path, global_step, latest_filename, write_state, check_dir=False
         )
         save = self._sharded_writer.stage(state, target, global_step, error)
         stall = time.perf_counter() - start
-        return self._engine.submit(self._persist_sharded, save, target, stall)
+        return self._engine.submit(self._persist_sharded, save, target, stall, write_after)
 
     def _restore_sharded(self, state: Mapping[str, Any], save_path: str, found: bool) -> None:
         """``Saver.restore`` of a state of DTensors; ``found``: whether this rank found it.
@@ -125,12 +129,19 @@ class ShardedSaves:
             return e
         return None
 
-    def _persist_sharded(self, save: ShardedSave, target: SaveTarget, stall_secs: float) -> str:
+    def _persist_sharded(
+        self,
+        save: ShardedSave,
+        target: SaveTarget,
+        stall_secs: float,
+        write_after: Waitable | None = None,
+    ) -> str:
         """Write a staged sharded save (on the writer thread; a collective of every rank).
 
         The directory is checked here, not at the step boundary (a ``stat``, 0.1 ms of the
         stall); what is wrong with it fails the save on every rank, in the collective.
         """
+        self._wait_before_writing(write_after)
         if save.error is None:
             save.error = self._sharded_dir_error(target)
         self.last_save = self._sharded_writer.persist(save, target, stall_secs)

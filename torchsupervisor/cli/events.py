@@ -34,6 +34,7 @@ from torchsupervisor.errors import DataLossError, NotFoundError
 from torchsupervisor.storage import BY_PATH, NotRegularFileError
 from torchsupervisor.storage import paths as url_paths
 from torchsupervisor.summary.reader import summary_iterator
+from torchsupervisor.summary.restarts import STEPS_LOST_TAG
 
 _COPY_BYTES = 8 << 20
 
@@ -88,6 +89,7 @@ class Run:
     sessions: list[tuple[int, int, float]]  # (status, step, wall time) of START/STOP events
     checkpoints: list[int]  # steps of the CHECKPOINT events
     damaged: list[str]  # files whose reading stopped at a damaged record
+    restarts: list[tuple[int, float]] = field(default_factory=list)  # (step, steps lost)
 
 
 def _check_regular(path: str) -> None:
@@ -111,11 +113,21 @@ def _run_dirs(logdir: str) -> list[str]:
     return [os.path.join(logdir, d) if d else logdir for d in sorted(found)]
 
 
-def _session_logs(paths: list[str], damaged: list[str]) -> tuple[list, list[int]]:
-    sessions, checkpoints = [], []
+def _session_logs(
+    paths: list[str], damaged: list[str]
+) -> tuple[list, list[int], list[tuple[int, float]]]:
+    """The START/STOP events, the CHECKPOINT steps, and the restarts recorded (their
+    ``torchsupervisor/steps_lost`` points: the restored step, the logged steps lost)."""
+    sessions, checkpoints, restarts = [], [], []
     for path in paths:
         try:
             for event in summary_iterator(path):
+                if event.HasField("summary"):
+                    restarts.extend(
+                        (event.step, v.simple_value)
+                        for v in event.summary.value
+                        if v.tag == STEPS_LOST_TAG
+                    )
                 if not event.HasField("session_log"):
                     continue
                 status = event.session_log.status
@@ -125,7 +137,7 @@ def _session_logs(paths: list[str], damaged: list[str]) -> tuple[list, list[int]
                     checkpoints.append(event.step)
         except DataLossError:
             damaged.append(path)  # TensorBoard too stops at a damaged or truncated record
-    return sessions, checkpoints
+    return sessions, checkpoints, restarts
 
 
 def _keep(tag: str, patterns: list[str] | None) -> bool:
@@ -250,8 +262,8 @@ def _read_run(local: str, path: str, name: str, patterns: list[str] | None) -> R
     series.sort(key=lambda s: s.tag)
     files = sorted(os.path.join(path, n) for n in BY_PATH.list(path) if "tfevents" in n)
     damaged: list[str] = []
-    sessions, checkpoints = _session_logs(files, damaged)
-    return Run(name, path, files, series, sessions, checkpoints, damaged)
+    sessions, checkpoints, restarts = _session_logs(files, damaged)
+    return Run(name, path, files, series, sessions, checkpoints, damaged, restarts)
 
 
 def read_runs(logdir: str, patterns: list[str] | None = None) -> list[Run]:
@@ -285,10 +297,10 @@ def print_runs(runs: list[Run]) -> None:
         stops = sum(1 for status, _, _ in run_.sessions if status == SessionLog.STOP)
         print(f"Run {run_.name} ({run_.path}): {len(run_.files)} events file(s)")
         if starts:
-            steps = ", ".join(str(s) for s in starts)
-            print(f"  sessions: {len(starts)} start(s) at step {steps}; {stops} clean stop(s)")
-            for step in starts[1:]:
-                print(f"  restart: resumed at step {step}")
+            print(f"  sessions: {len(starts)} start(s); {stops} clean stop(s)")
+        for step, lost in run_.restarts:
+            lost_text = "no logged step lost" if not lost else f"{lost:g} logged steps lost"
+            print(f"  restart: resumed at step {step} ({lost_text})")
         if run_.checkpoints:
             print(
                 f"  checkpoints: {len(run_.checkpoints)}, the last at step {run_.checkpoints[-1]}"

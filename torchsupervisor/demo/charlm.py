@@ -189,9 +189,8 @@ def _run(args: argparse.Namespace) -> dict[str, float]:
         t0, s0 = time.monotonic(), step.value
         loss = None
         while not sv.should_stop() and step.value < args.max_steps:
-            current = step.value
             loss = sess.run(train_step)
-            writer.add_scalar("train/loss", loss, current)
+            writer.add_scalar("train/loss", loss, step.value)  # The loss of the step-th step.
             if step.value % args.log_every == 0 or step.value == args.max_steps:
                 valid = _evaluate(model, corpus, args)
                 writer.add_scalar("valid/loss", valid, step.value)

@@ -195,9 +195,8 @@ def _run(args: argparse.Namespace) -> dict[str, float]:
         loss = None
         try:
             while not sv.should_stop() and step.value < args.max_steps:
-                current = step.value
                 loss = sess.run(train_step).detach()
-                writer.add_scalar("train/loss", loss, current)
+                writer.add_scalar("train/loss", loss, step.value)  # The step-th step's loss.
                 live.update(step.value, loss)
                 if step.value % args.log_every == 0 or step.value == args.max_steps:
                     progress.report(step.value, loss)

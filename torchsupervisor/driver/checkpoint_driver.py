@@ -9,9 +9,10 @@ the step, ``distributed/sharded_checkpoints.py``). The driver owns:
   written again;
 * at most one save in flight: a request that arrives while a save is being written is served
   at the first step boundary after that save ends (never lost, never blocking the caller);
-* the report of every save: once committed, a ``SessionLog.CHECKPOINT`` event and a flush
-  request to the summary writer (the summaries of the steps up to a checkpoint reach disk
-  with it); on failure, one log line and an ERROR ``LogMessage`` event, then ``on_error``;
+* the summaries of the steps up to a checkpoint on disk before it: the summary writer is
+  asked to flush when the snapshot is taken, and the save waits for it before writing;
+* the report of every save: once committed, a ``SessionLog.CHECKPOINT`` event; on failure,
+  one log line and an ERROR ``LogMessage`` event, then ``on_error``;
 * the final checkpoint within a grace budget (``grace_budget_secs``, set after a preemption
   signal): the save in flight and the final one get what is left of the budget, measured on
   the driver's clock (``core.clock.Deadline``); a save that cannot finish in time is
@@ -37,6 +38,7 @@ from typing import Any
 
 from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
 
+from torchsupervisor.checkpoint.saver import WRITE_AFTER_WAIT_SECS
 from torchsupervisor.core import threads
 from torchsupervisor.core.clock import REAL_CLOCK, Clock, Deadline
 from torchsupervisor.core.global_step import read_step
@@ -110,6 +112,8 @@ class CheckpointDriver:
         self._stuck = False  # An abandoned save is stuck in a file-system call.
         self._halted = False  # A failed save stopped training: no more periodic saves.
         self._deferred_session: Any = None
+        # The flush the save in flight waits for, when left for the next step boundary.
+        self._flush_pending: _SummariesFlushed | None = None
 
     # ------------------------------------------------------------------------------ queries
 
@@ -157,12 +161,19 @@ class CheckpointDriver:
         if not self.unchanged(step):
             self.start(session, step)
 
-    def start(self, session: Any, step: int | None) -> concurrent.futures.Future | None:
+    def start(
+        self, session: Any, step: int | None, *, flush_at_next_boundary: bool = False
+    ) -> concurrent.futures.Future | None:
         """Start a background save at ``step`` (the snapshot is taken now).
 
         A failure found before the copy (the directory vanished, ...) is reported like any
         failed save and None is returned. Otherwise the returned future resolves to the
         prefix (or the save's error) once written; ``wait`` returns once it is reported.
+
+        The save writes once the summary writer has flushed what was logged up to the
+        snapshot: asked for now, or with ``flush_at_next_boundary`` at ``session``'s next
+        step boundary (``CheckpointSaverHook`` saves in ``after_run``, before the loop logs
+        the step's summaries), or sooner if the training thread waits for the save.
 
         Raises:
             TypeError: For a state entry the format cannot hold (on the training thread, at
@@ -171,8 +182,21 @@ class CheckpointDriver:
         """
         logger.info("Saving checkpoint to path %s", self.save_path)
         self._idle.clear()
+        flushed = self._flush_summaries()
+        if flushed is not None:
+            boundary = getattr(session, "boundary", None)
+            if flush_at_next_boundary and boundary is not None:
+                self._flush_pending = flushed
+                boundary.call_soon(flushed.ask)
+            else:
+                flushed.ask()
         try:
-            future = self.saver.save_async(session, self.save_path, global_step=step)
+            if flushed is None:
+                future = self.saver.save_async(session, self.save_path, global_step=step)
+            else:
+                future = self.saver.save_async(
+                    session, self.save_path, global_step=step, write_after=flushed
+                )
         except (OSError, ValueError) as error:
             self._finished(step, None, error)
             return None
@@ -219,16 +243,29 @@ class CheckpointDriver:
         self.last_error = None
         self.last_commit_time = self.clock.monotonic()
         writer = self.writer
-        if writer is None:
+        if writer is None or step is None:
             return
-        if step is not None:
-            writer.add_session_log(
-                SessionLog(status=SessionLog.CHECKPOINT, checkpoint_path=self.save_path), step
-            )
-        # The summaries of the steps up to this checkpoint go to disk with it.
-        flush = getattr(writer, "request_flush", None)
-        if flush is not None:
-            flush()
+        writer.add_session_log(
+            SessionLog(status=SessionLog.CHECKPOINT, checkpoint_path=self.save_path), step
+        )
+
+    def _flush_summaries(self) -> _SummariesFlushed | None:
+        """The summary writer's flush that the save being started waits for (not asked yet).
+
+        The save waits for it before it writes (``Saver.save_async``'s ``write_after``), so
+        the summaries of the steps up to a checkpoint are on disk before the checkpoint is:
+        a run killed after a commit resumes with every point that checkpoint stands behind
+        (``summary/restarts.py``). None without a writer that can flush.
+        """
+        self._ask_pending_flush()
+        flush = getattr(self.writer, "request_flush", None)
+        return None if flush is None else _SummariesFlushed(flush)
+
+    def _ask_pending_flush(self) -> None:
+        """Ask now for a flush left for the next step boundary (the save in flight waits)."""
+        pending, self._flush_pending = self._flush_pending, None
+        if pending is not None:
+            pending.ask()
 
     def _failed(self, step: int | None, error: BaseException) -> None:
         self.last_error = f"{type(error).__name__}: {error}"
@@ -264,6 +301,10 @@ class CheckpointDriver:
         if self.unchanged(step):
             return None
         logger.info("Saving checkpoint to path %s", self.save_path)
+        flushed = self._flush_summaries()
+        if flushed is not None:
+            flushed.ask()
+            flushed.wait(WRITE_AFTER_WAIT_SECS)  # As a background save does (``start``).
         try:
             prefix = self.saver.save(session, self.save_path, global_step=step)
         except Exception as e:
@@ -352,6 +393,7 @@ class CheckpointDriver:
         return self._wait(Deadline(self.clock, timeout_secs))
 
     def _wait(self, deadline: Deadline) -> bool:
+        self._ask_pending_flush()  # Its save would otherwise wait for the next boundary.
         if self._stuck:
             if self.in_flight:
                 logger.warning("Not waiting for the abandoned checkpoint save (stuck)")
@@ -373,6 +415,7 @@ class CheckpointDriver:
         return self._abandon(Deadline(self.clock, timeout_secs))
 
     def _abandon(self, deadline: Deadline) -> bool:
+        self._ask_pending_flush()
         ended = self.saver.cancel(deadline.remaining()) and deadline.wait(self._idle)
         if not ended:
             self._stuck = True
@@ -382,3 +425,37 @@ class CheckpointDriver:
         """Wait for the save in flight (unless stuck) and end the saver's writer thread."""
         self.wait()
         self.saver.close()
+
+
+class _SummariesFlushed:
+    """What a save waits for before it writes: the summary writer's flush of what was logged
+    up to a step boundary (``Saver.save_async``'s ``write_after``).
+
+    Args:
+        request_flush: The writer's ``request_flush``; its result, if a ``threading.Event``,
+            is what ``wait`` waits for (a writer of the user's may return nothing).
+
+    Thread safety: ``ask`` on the training thread (once takes effect); ``wait`` on the
+    saver's writer thread.
+    """
+
+    def __init__(self, request_flush: Callable[[], Any]) -> None:
+        self._request_flush = request_flush
+        self._lock = threading.Lock()
+        self._asked = threading.Event()
+        self._done: threading.Event | None = None
+
+    def ask(self) -> None:
+        """Ask the writer to flush what was logged so far (the first call only)."""
+        with self._lock:
+            if self._asked.is_set():
+                return
+            done = self._request_flush()
+            self._done = done if isinstance(done, threading.Event) else None
+            self._asked.set()
+
+    def wait(self, timeout_secs: float | None = None) -> bool:
+        """Wait until the flush was asked for and done; False if ``timeout_secs`` passed."""
+        if not self._asked.wait(timeout_secs):
+            return False
+        return self._done is None or self._done.wait(timeout_secs)

@@ -12,8 +12,9 @@ Checkpoints keep the library's guarantees (SPEC section 4):
 * With listeners the hook waits, inside the same ``after_run``, for the checkpoint to be
   committed and then calls ``after_save``, as TF's synchronous save did: a listener returning
   True stops training at that very run.
-* The ``SessionLog.CHECKPOINT`` event is written once the checkpoint is committed, followed by
-  a flush request, so the summaries of the steps up to a checkpoint reach disk with it.
+* A checkpoint taken in ``after_run`` is written once the summaries logged up to the next
+  step boundary (the loop's summaries of that step) are flushed, so they reach disk before
+  it; the ``SessionLog.CHECKPOINT`` event is written once it is committed.
 * ``end()`` waits for the save in flight and saves the last step synchronously; after a
   preemption signal, within the grace period (``set_final_save_budget``): a checkpoint that
   cannot finish in time is cancelled, never left half-written.
@@ -149,8 +150,8 @@ class CheckpointSaverHook(SessionRunHook):
         CheckpointSaveError: From ``end()`` when the final save fails; with
             ``stop_on_checkpoint_error``, from the hook call that sees a save fail.
 
-    Thread safety: used on the training thread; the commit callback (CHECKPOINT event and
-    flush request) runs on the saver's writer thread.
+    Thread safety: used on the training thread; the commit callback (the CHECKPOINT event)
+    runs on the saver's writer thread.
 
     TF name: ``tf.compat.v1.train.CheckpointSaverHook``.
     """
@@ -270,7 +271,7 @@ class CheckpointSaverHook(SessionRunHook):
         step = read_step(self._driver.global_step)
         if self._timer.should_trigger_for_step(step):
             self._timer.update_last_triggered_step(step)
-            if self._save(run_context.session, step):
+            if self._save(run_context.session, step, in_step=True):
                 run_context.request_stop()
 
     def end(self, session: Any) -> None:
@@ -405,16 +406,18 @@ class CheckpointSaverHook(SessionRunHook):
 
         return before
 
-    def _save(self, session: Any, step: int) -> bool:
+    def _save(self, session: Any, step: int, *, in_step: bool = False) -> bool:
         """Save at ``step`` in the background; return True if a listener asked to stop.
 
         Waits for the previous save first. With listeners the new save is waited for and
-        ``after_save`` is called.
+        ``after_save`` is called. ``in_step``: called from ``after_run``, before the loop
+        logs the step's summaries; the save writes once they are flushed, at the next step
+        boundary (``CheckpointDriver.start``).
         """
         self._finish_pending()
         self._get_saver()
         self._before_save(session)(step)
-        future = self._driver.start(session, step)
+        future = self._driver.start(session, step, flush_at_next_boundary=in_step)
         if future is not None:
             self._pending = (future, step, session)
         return bool(self._listeners) and self._finish_pending()

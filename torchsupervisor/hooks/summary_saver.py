@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tensorboard.compat.proto.event_pb2 import SessionLog
-
 from torchsupervisor.core.checks import check_int, check_number, check_path
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.global_step import read_step
@@ -20,7 +18,7 @@ from torchsupervisor.hooks.session_run_hook import (
     SessionRunHook,
     SessionRunValues,
 )
-from torchsupervisor.summary.writer import SummaryWriter
+from torchsupervisor.summary.writer import write_start
 from torchsupervisor.summary.writer_cache import SummaryWriterCache
 
 __all__ = ["SummarySaverHook"]
@@ -149,11 +147,7 @@ class SummarySaverHook(SessionRunHook):
         if self._next_step is None:
             # TF's placement: after the first step. The restart record names the step the
             # session resumed at (read in before_run), not this one.
-            start = SessionLog(status=SessionLog.START)
-            if isinstance(writer, SummaryWriter):
-                writer.add_session_log(start, step, restored_step=self._start_step)
-            else:  # A writer of the user's, with TF's signature.
-                writer.add_session_log(start, step)
+            write_start(writer, self._start_step, step)
         if self._request_summary:
             self._timer.update_last_triggered_step(step)
             results = run_values.results

@@ -201,6 +201,9 @@ class EventFileWriter:
         self.path: str | None = None
         self.header = b""  # the file_version record, until it is written
         self._batch: list[Any] = []  # the items being written
+        # A restart to settle once the session logs past its step (``summary/restarts.py``);
+        # set by the caller before it enqueues the START that opens the file.
+        self.restart: Any = None
         self.unflushed = False
         self.next_flush = float("-inf")
         self.thread = threading.Thread(
@@ -312,14 +315,23 @@ class EventFileWriter:
         assert marker.done is not None
         marker.done.wait()
 
-    def request_flush(self) -> None:
-        """Ask for a flush once every item added so far is written; do not wait for it."""
+    def request_flush(self) -> threading.Event:
+        """Ask for a flush once every item added so far is written; do not wait for it.
+
+        Returns:
+            An event set once those items are written and the file flushed (or the thread
+            has ended).
+        """
+        marker = _Flush(wait=True)
+        assert marker.done is not None
         with self.lock:
             if self.exited:
-                return
-            self.queue.append(_Flush(wait=False))
+                marker.done.set()
+                return marker.done
+            self.queue.append(marker)
         self.urgent = True
         self.wake()
+        return marker.done
 
     def request_close(self) -> bool:
         """Stop accepting items and tell the thread to finish; False if already closed."""
@@ -373,6 +385,8 @@ class EventFileWriter:
         while True:
             if not queue:
                 if self.closed:
+                    if self.restart is not None:
+                        self._write_batch(self._settle_restart())
                     return
                 self._sleep_until_woken()
                 continue
@@ -437,6 +451,15 @@ class EventFileWriter:
 
     def _process(self, batch: list[Any]) -> None:
         """Write the items of ``batch``; at each flush marker, flush what came before it."""
+        if self.restart is not None:
+            try:
+                recorded = self.restart.observe(batch)
+            except Exception:  # a bug: the restart is not settled, the events are written
+                logger.exception("Could not settle the restart in %s", self.logdir)
+                self.restart, recorded = None, None
+            if recorded is not None:
+                self.restart = None
+                batch = batch + recorded
         start = 0
         for index in [i for i, item in enumerate(batch) if type(item) is _Flush]:
             if index > start:
@@ -448,6 +471,22 @@ class EventFileWriter:
                 marker.done.set()
         if start < len(batch):
             self._write_batch(batch[start:] if start else batch)
+
+    def _settle_restart(self) -> list[Any]:
+        """Settle the pending restart (at close); return the items recording it."""
+        restart, self.restart = self.restart, None
+        try:
+            return restart.settle()
+        except Exception:
+            logger.exception("Could not settle the restart in %s", self.logdir)
+            return []
+
+    def open_paths(self) -> set[str]:
+        """The events files that writers of this process still write to (this one's too)."""
+        paths = {w.path for w in live_workers() if w.path and not w.exited}
+        if self.path:
+            paths.add(self.path)
+        return paths
 
     def _flush_due(self) -> bool:
         return self.unflushed and self.clock.monotonic() >= self.next_flush

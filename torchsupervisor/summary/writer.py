@@ -36,7 +36,6 @@ from torchsupervisor.summary.event_file import (
     DROP,
     WRITE_DELAY_SECS,
     EventFileWriter,
-    live_workers,
 )
 from torchsupervisor.summary.media import MediaMethods, check_tag
 from torchsupervisor.summary.queue_items import (
@@ -46,7 +45,7 @@ from torchsupervisor.summary.queue_items import (
     ItemEncoder,
     queued_bytes,
 )
-from torchsupervisor.summary.restarts import drop_lost_segment
+from torchsupervisor.summary.restarts import PendingRestart
 from torchsupervisor.summary.snapshot import (
     INT64_MAX,
     INT64_MIN,
@@ -54,7 +53,13 @@ from torchsupervisor.summary.snapshot import (
     snapshot_step,
 )
 
-__all__ = ["DEFAULT_MAX_QUEUE_BYTES", "SERVICE_MAX_QUEUE", "FileWriter", "SummaryWriter"]
+__all__ = [
+    "DEFAULT_MAX_QUEUE_BYTES",
+    "SERVICE_MAX_QUEUE",
+    "FileWriter",
+    "SummaryWriter",
+    "write_start",
+]
 
 DEFAULT_MAX_QUEUE_BYTES = 64 << 20
 """The default bound on the memory that queued histograms, images, ... may hold (64 MiB)."""
@@ -98,7 +103,7 @@ class SummaryWriter(MediaMethods):
     ``scalar_batch.py``), frames them with a C CRC-32C and writes the batch with one write
     call, in the order the events were added. The file is fsync'ed at its first batch, then
     when ``flush_secs`` have passed since the last flush, at ``flush()`` and
-    ``request_flush()`` (the Supervisor asks at every checkpoint commit) and at ``close()``.
+    ``request_flush()`` (asked for at every checkpoint snapshot) and at ``close()``.
     Events are handed to the operating system within ``write_delay_secs`` (0.25 s) of being
     added, so TensorBoard sees them at its next reload, and a killed process (even by
     ``SIGKILL``) loses only the events still in the queue.
@@ -325,22 +330,25 @@ class SummaryWriter(MediaMethods):
     ) -> None:
         """Enqueue a ``SessionLog`` (START, STOP, CHECKPOINT) as an event.
 
-        ``START`` at step ``s``, as the first thing this writer writes, marks a restart at
-        ``s``. TensorBoard's legacy loader purges the points after it, its default loader
-        does not; so the writer first removes the lost segment from the directory's other
-        events files (not those of this process's writers) and, after START, records the
-        restart at ``s``: a text summary
+        A ``START`` that is the first thing this writer writes marks a restart: the session
+        resumed at ``restored_step``. TensorBoard's legacy loader purges the points at and
+        after a START's step, its default loader does not; so the writer removes from the
+        directory's other events files (not those of this process's writers) what the
+        earlier sessions logged after the restored step, and the earlier points at the
+        restored step of the tags this session logs there again. That happens on the writer
+        thread once this session logs a summary past the restored step (or at ``close()``);
+        then the restart is recorded at the restored step: a text summary
         ``torchsupervisor/restart`` and a scalar ``torchsupervisor/steps_lost`` (the steps
-        logged but not checkpointed). See ``summary/restarts.py``. Called on the caller's
-        thread, this reads the directory's events files once.
+        logged but not checkpointed). See ``summary/restarts.py`` for the rule.
 
         Args:
             session_log: A ``SessionLog`` proto (copied).
-            global_step: The step; ``None`` leaves it unset.
-            restored_step: For a START written after the first step of the resumed run (TF's
-                ``SummarySaverHook`` writes it at ``restored + 1``): the step it resumed at,
-                which the restart record names and counts the lost steps from. None: the
-                START's own step.
+            global_step: The step; ``None`` leaves it unset. The Supervisor and
+                ``SummarySaverHook`` write START at the first step the session produces
+                (``restored_step + 1``), so that the legacy loader's purge keeps the points
+                the restored checkpoint stands behind.
+            restored_step: For a START, the step the session resumed at; None: the START's
+                own step (TF's placement).
 
         Raises:
             TypeError: ``session_log`` is not a ``SessionLog``.
@@ -355,21 +363,20 @@ class SummaryWriter(MediaMethods):
             )
         event = event_pb2.Event(wall_time=self._clock.time(), session_log=session_log)
         step = snapshot_step(global_step)
-        lost = None
         worker = self._holder[0]
         # A restart is a START before this writer wrote anything (a START in the middle of a
         # writer's own stream is not); files of this process's writers are never touched.
         fresh = worker.path is None and worker.file is None and not worker.queue
         if session_log.status == event_pb2.SessionLog.START and isinstance(step, int) and fresh:
-            open_paths = {w.path for w in live_workers() if w.path and not w.closed}
-            lost = drop_lost_segment(self._storage, self._logdir, step, open_paths)
-            if restored_step is not None and restored_step != step:
-                lost.first_step, lost.restored_step = step, restored_step
+            restored = (
+                step
+                if restored_step is None
+                else check_int("restored_step", restored_step, minimum=None)
+            )
+            worker.restart = PendingRestart(
+                self._storage, self._logdir, restored, worker.open_paths, self._clock.time
+            )
         self._put(Item((RAW_EVENT, event, step)))
-        if lost is not None and lost.last_step is not None:  # A restart, not a fresh start.
-            logger.info("%s", lost.describe())
-            self.add_text("torchsupervisor/restart", lost.describe(), step)
-            self.add_scalar("torchsupervisor/steps_lost", float(lost.steps_lost), step)
 
     def flush(self) -> None:
         """Block until every event added before this call is written and flushed to disk.
@@ -382,20 +389,25 @@ class SummaryWriter(MediaMethods):
         """
         self._holder[0].flush()
 
-    def request_flush(self) -> None:
+    def request_flush(self) -> threading.Event:
         """Ask for the events added so far to be written and flushed to disk; do not wait.
 
         The writer thread writes and fsyncs the file as soon as it has written every event
-        added before this call. The Supervisor's checkpoint service calls it at each
-        checkpoint commit, so that the summaries describing the steps up to a checkpoint are
-        on disk with it. A no-op on a closed writer.
+        added before this call. The ``CheckpointDriver`` calls it when it takes a snapshot
+        and has the checkpoint wait for it before it commits, so that the summaries of the
+        steps up to a checkpoint are on disk before the checkpoint is (a run killed then
+        resumes with every point it stands behind). On a closed writer the returned event is
+        set at once.
+
+        Returns:
+            A ``threading.Event`` set once those events are written and flushed.
 
         Thread safety: may be called from any thread (it never blocks, not even on a full
         queue).
 
         TF name: none.
         """
-        self._holder[0].request_flush()
+        return self._holder[0].request_flush()
 
     def counters(self) -> WriterCounters:
         """Return what this writer has done so far (since it was created, over reopens).
@@ -540,3 +552,26 @@ class SummaryWriter(MediaMethods):
 
 FileWriter = SummaryWriter
 """TF 1's name for ``SummaryWriter``."""
+
+
+def write_start(writer: Any, restored_step: int | None, step: int | None = None) -> None:
+    """Write the ``SessionLog.START`` of a session that resumed at ``restored_step``.
+
+    Args:
+        writer: A ``SummaryWriter``, or a writer of the user's with TF's
+            ``add_session_log(session_log, global_step)``.
+        restored_step: The step the session resumed at (0 for a fresh start).
+        step: The START's step; None: ``restored_step + 1``, the first step the session
+            produces (``summary/restarts.py``: the legacy loader's purge at START then keeps
+            every point the restored checkpoint stands behind).
+
+    TF name: none (TF's Supervisor wrote START at the current step, ``SummarySaverHook``
+    after the first step).
+    """
+    if step is None:
+        step = None if restored_step is None else restored_step + 1
+    start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+    if isinstance(writer, SummaryWriter):
+        writer.add_session_log(start, step, restored_step=restored_step)
+    else:
+        writer.add_session_log(start, step)

@@ -35,6 +35,7 @@ from torchsupervisor.core.session import Session
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
 from torchsupervisor.errors import LogdirLockedError
 from torchsupervisor.storage import DirectoryLock, storage_for
+from torchsupervisor.summary.writer import write_start
 from torchsupervisor.supervisor.modes import ChiefMode, Mode, agreed_stop, current_step, start_mode
 from torchsupervisor.supervisor.services import standard_threads
 from torchsupervisor.supervisor.session_manager import SessionManager
@@ -300,8 +301,11 @@ class Supervisor:
     def start_standard_services(self, sess: Session) -> list[LooperThread] | None:
         """Start the summary, step-counter and checkpoint services for ``sess``.
 
-        Writes a ``SessionLog.START`` event at the current step first (TensorBoard then drops
-        the points a crashed run wrote after its last checkpoint).
+        Writes a ``SessionLog.START`` event first, at the first step this session produces
+        (the current step + 1; TF: the current step), naming the current step as the one the
+        session resumed at: the writer then removes the points a crashed run logged after its
+        last checkpoint, and TensorBoard's purge at START keeps the points that checkpoint
+        stands behind (``summary/restarts.py``).
 
         Returns:
             The started threads, or None (with a warning) when there is no logdir.
@@ -321,7 +325,7 @@ class Supervisor:
             return None
         writer = self._settings.summary_writer
         if self._settings.global_step is not None and writer is not None:
-            writer.add_session_log(SessionLog(status=SessionLog.START), current_step(self))
+            write_start(writer, current_step(self))
         threads = standard_threads(self._settings, self._coord, sess)
         if self._mode is None:  # Services started on a session prepared elsewhere.
             self._mode = ChiefMode(self, None)
