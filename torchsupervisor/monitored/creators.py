@@ -29,6 +29,7 @@ from torchsupervisor.core.checks import check_number
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.registry import get_default_graph
 from torchsupervisor.core.session import Session
+from torchsupervisor.core.training_state import TrainingState
 from torchsupervisor.distributed.replicas import ReplicaGroup
 from torchsupervisor.monitored.scaffold import Scaffold, prepare_state, same_state
 from torchsupervisor.storage import DirectoryLock, storage_for
@@ -59,7 +60,7 @@ class SessionCreator:
         raise NotImplementedError("SessionCreator subclasses implement create_session()")
 
 
-def _resolve_state(scaffold: Scaffold, state: Mapping[str, Any] | None) -> dict[str, Any]:
+def _resolve_state(scaffold: Scaffold, state: Mapping[str, Any] | None) -> TrainingState:
     if state is None:
         return scaffold.state if scaffold.state is not None else prepare_state(None)
     if scaffold.state is not None and not same_state(scaffold.state, state):

@@ -32,6 +32,7 @@ from typing import Any
 from torchsupervisor.checkpoint.saver import Saver
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
+from torchsupervisor.core.training_state import TrainingState
 from torchsupervisor.core.variables import (
     global_variables_initializer,
     local_variables_initializer,
@@ -45,24 +46,29 @@ __all__ = ["Scaffold"]
 logger = logging.getLogger("torchsupervisor")
 
 
-def prepare_state(state: Mapping[str, Any] | None, graph: Graph | None = None) -> dict[str, Any]:
-    """Copy ``state`` and connect its global step with the ``GLOBAL_STEP`` collection.
+def prepare_state(state: Mapping[str, Any] | None, graph: Graph | None = None) -> TrainingState:
+    """Hold ``state`` and connect its global step with the ``GLOBAL_STEP`` collection.
 
     The state's ``"global_step"`` is added to the collection if the collection is empty; a
-    state without one receives the collection's single step.
+    state without one receives the collection's single step (beside the user's mapping,
+    which is not changed).
 
     Returns:
-        A new dict with the same objects (plus the global step).
+        A ``TrainingState`` of the user's mapping itself (not a copy: a plain value the loop
+        sets in it is what a checkpoint saves).
+
+    Raises:
+        TypeError: As ``TrainingState``.
     """
     graph = graph or get_default_graph()
-    prepared = dict(state or {})
+    prepared = TrainingState.of(state)
     steps = graph.get_collection(GraphKeys.GLOBAL_STEP)
     step = prepared.get("global_step")
     if step is not None:
         if is_step(step) and not steps:
             graph.add_to_collection(GraphKeys.GLOBAL_STEP, step)
     elif len(steps) == 1 and is_step(steps[0]):
-        prepared["global_step"] = steps[0]
+        prepared.add("global_step", steps[0])
     return prepared
 
 
@@ -234,8 +240,8 @@ class Scaffold:
         return local_variables_initializer()
 
     @property
-    def state(self) -> dict[str, Any] | None:
-        """The training state (a copy of the mapping given, with the global step), or None.
+    def state(self) -> TrainingState | None:
+        """The training state (the mapping given, with the global step), or None.
 
         None when no ``state`` was given (nor by ``copy_from_scaffold``): the session creator's
         state is used.

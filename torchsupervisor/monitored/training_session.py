@@ -17,6 +17,7 @@ from torchsupervisor.core import checks
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.registry import USE_DEFAULT
 from torchsupervisor.core.rng import RNGState
+from torchsupervisor.core.training_state import TrainingState
 from torchsupervisor.distributed import env as distributed
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS
 from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook
@@ -99,7 +100,7 @@ def MonitoredTrainingSession(
             optimizers, a ``GlobalStep``, ...), as ``Supervisor(state=...)``.
         device: Where the init op materializes meta-device modules.
         clock: Time source of the standard hooks' timers and of waits.
-        save_rng_state: Add ``state["rng"] = RNGState()`` (to the given state, or to the
+        save_rng_state: Save an ``RNGState()`` as ``"rng"`` (beside the given state, or the
             scaffold's) when the state is not empty and has no ``"rng"`` entry, so that a
             resumed run draws the same random numbers as an uninterrupted one. A checkpoint
             without it (from an older run) restores with a warning. False: leave the state
@@ -249,9 +250,9 @@ def _with_rng_state(
 ) -> tuple[Mapping[str, Any] | None, bool]:
     """Add an ``RNGState`` under ``"rng"`` to the state of the session to create.
 
-    The state is ``state`` when given (a new dict is returned; the caller's is not changed),
-    else the scaffold's (changed in place). Nothing is added to an empty state or one that has
-    an ``"rng"`` entry.
+    The state is ``state`` when given (a ``TrainingState`` holding it is returned; the
+    caller's mapping is not changed), else the scaffold's (changed in place). Nothing is added
+    to an empty state or one that has an ``"rng"`` entry.
 
     Returns:
         The state to pass on, and whether an entry was added.
@@ -262,7 +263,8 @@ def _with_rng_state(
         return state, False
     rng = RNGState()
     if own is not None:
-        own["rng"] = rng  # The scaffold's own copy of the mapping it was given.
+        own.add("rng", rng)  # Beside the mapping the scaffold was given.
     if state is not None:
-        state = {**state, "rng": rng}
+        state = TrainingState.of(state)
+        state.add("rng", rng)
     return state, True

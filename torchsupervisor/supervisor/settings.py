@@ -32,6 +32,7 @@ from torchsupervisor.core.registry import (
     resolve_default,
 )
 from torchsupervisor.core.rng import RNGState
+from torchsupervisor.core.training_state import TrainingState
 from torchsupervisor.core.variables import (
     global_variables_initializer,
     local_variables_initializer,
@@ -160,10 +161,10 @@ def resolve_settings(
         )
     graph = graph or get_default_graph()
     clock = clock or REAL_CLOCK
-    state = dict(state or {})
+    state = TrainingState.of(state)  # The user's mapping itself: what the loop sets is saved.
     add_rng = save_rng_state and bool(state) and "rng" not in state
     if add_rng:
-        state["rng"] = RNGState()
+        state.add("rng", RNGState())
     # USE_DEFAULT arguments come from the graph's collections, else TF's defaults.
     ready_op = resolve_default(graph, ready_op, GraphKeys.READY_OP, report_uninitialized_variables)
     ready_for_local_init_op = resolve_default(

@@ -89,7 +89,11 @@ class Supervisor:
         init_fn: ``init_fn(sess)``, called after ``init_op`` when nothing was restored.
         local_init_run_options: Accepted for TF compatibility (RunOptions have no
             counterpart).
-        state: Mapping of names to stateful objects: the training state.
+        state: Mapping of names to stateful objects (or tensors, arrays, plain values):
+            the training state. The mapping itself is kept, not copied: a plain value the
+            loop sets in it (``state["best"] = loss``) is what the next checkpoint saves, and
+            a restore sets it back there. A mapping that cannot be changed
+            (``MappingProxyType``) may not hold plain values (``TypeError``).
         device: Where ``init_op`` materializes meta-device modules.
         stop_on_checkpoint_error: By default a checkpoint that cannot be written (disk full,
             permission denied, ...) is logged and reported in the event file, and training
@@ -115,8 +119,8 @@ class Supervisor:
             after a preemption stop, once everything is saved and closed (for schedulers that
             requeue on a given exit status). None: return normally (exit status 0 when the
             program then ends).
-        save_rng_state: Add ``state["rng"] = RNGState()`` (Python, NumPy, torch CPU and CUDA
-            generators), so that a resumed run draws the same random numbers as an
+        save_rng_state: Save an ``RNGState()`` as ``"rng"`` (Python, NumPy, torch CPU and
+            CUDA generators; kept beside ``state``, which is not changed), so that a resumed run draws the same random numbers as an
             uninterrupted one. A checkpoint without it restores with a warning. With
             replicas each rank gets its own streams: the chief (rank 0) continues the saved
             ones, rank ``r`` gets generators seeded from the saved (or, with DDP, the chief's
