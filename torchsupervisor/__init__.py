@@ -107,6 +107,7 @@ from torchsupervisor.monitored.training_session import MonitoredTrainingSession
 from torchsupervisor.summary import (
     FileWriter,
     FileWriterCache,
+    NullSummaryWriter,
     SummaryWriter,
     SummaryWriterCache,
     summary_iterator,
@@ -184,6 +185,7 @@ __all__ = [
     "ShardedOptimizerState",
     "SingularMonitoredSession",
     "StepContext",
+    "NullSummaryWriter",
     "SummaryWriter",
     "SummaryWriterCache",
     "Supervisor",

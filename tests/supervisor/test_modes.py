@@ -3,14 +3,16 @@ a rank stopped by another rank's error ends with an error too."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
-from torchsupervisor import GlobalStep, Supervisor, latest_checkpoint
+from torchsupervisor import GlobalStep, Supervisor, latest_checkpoint, summary_iterator
 from torchsupervisor.supervisor.modes import OPEN_POLL_SECS
 from torchsupervisor.testing import FakeClock, run_world
 
@@ -86,3 +88,35 @@ def test_a_rank_stopped_by_another_ranks_error_saves_then_raises_aborted(tmp_pat
     )
     # ... and the chief first saved its own state, which is whole: nothing is lost.
     assert latest_checkpoint(str(tmp_path)).endswith(f"model.ckpt-{step0}")
+
+
+def quickstart_rank(rank: int, world_size: int, logdir: str) -> tuple[str, int]:
+    """The quickstart's loop, with DDP, unchanged on every rank."""
+    model = DistributedDataParallel(torch.nn.Linear(10, 1))
+    optimizer = torch.optim.Adam(model.parameters())
+    step = GlobalStep()
+    step.bind(optimizer)
+    sv = Supervisor(
+        logdir=logdir,
+        state={"model": model, "optimizer": optimizer, "global_step": step},
+        recovery_wait_secs=0.1,
+    )
+    with sv.managed_session():
+        while not sv.should_stop() and step.value < 5:
+            optimizer.zero_grad()
+            loss = model(torch.randn(32, 10)).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            sv.summary_writer.add_scalar("loss", loss, step.value)
+            sv.summary_writer.add_histogram("w", model.module.weight, step.value)
+    return type(sv.summary_writer).__name__, step.value
+
+
+def test_the_quickstart_loop_runs_on_every_rank_and_only_the_chief_writes(tmp_path):
+    # TF's non-chief summary_writer is None: the loop raised AttributeError on rank 1.
+    (chief, step0), (replica, step1) = run_world(quickstart_rank, str(tmp_path))
+    assert (chief, replica) == ("SummaryWriter", "NullSummaryWriter")
+    assert step0 == step1 == 5
+    (path,) = [p for p in os.listdir(tmp_path) if "tfevents" in p]  # The chief's only.
+    steps = [e.step for e in summary_iterator(str(tmp_path / path)) if e.summary.value]
+    assert [s for s in steps if s] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]

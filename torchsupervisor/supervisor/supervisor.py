@@ -35,6 +35,7 @@ from torchsupervisor.core.session import Session
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
 from torchsupervisor.errors import LogdirLockedError
 from torchsupervisor.storage import DirectoryLock, storage_for
+from torchsupervisor.summary.null_writer import NullSummaryWriter
 from torchsupervisor.summary.writer import write_start
 from torchsupervisor.supervisor.modes import ChiefMode, Mode, agreed_stop, current_step, start_mode
 from torchsupervisor.supervisor.services import standard_threads
@@ -120,13 +121,13 @@ class Supervisor:
             requeue on a given exit status). None: return normally (exit status 0 when the
             program then ends).
         save_rng_state: Save an ``RNGState()`` as ``"rng"`` (Python, NumPy, torch CPU and
-            CUDA generators; kept beside ``state``, which is not changed), so that a resumed run draws the same random numbers as an
-            uninterrupted one. A checkpoint without it restores with a warning. With
-            replicas each rank gets its own streams: the chief (rank 0) continues the saved
-            ones, rank ``r`` gets generators seeded from the saved (or, with DDP, the chief's
-            broadcast) state and ``r`` (``rng.rank_rng_state``); the non-chiefs' streams are
-            then a fixed function of the checkpoint and the rank, not the continuation of an
-            uninterrupted run's.
+            CUDA generators; kept beside ``state``, which is not changed), so that a resumed
+            run draws the same random numbers as an uninterrupted one. A checkpoint without
+            it restores with a warning. With replicas each rank gets its own streams: the
+            chief (rank 0) continues the saved ones, rank ``r`` gets generators seeded from
+            the saved (or, with DDP, the chief's broadcast) state and ``r``
+            (``rng.rank_rng_state``); the non-chiefs' streams are then a fixed function of
+            the checkpoint and the rank, not the continuation of an uninterrupted run's.
         clock: Time source (tests pass a fake one).
 
     Distributed: with replicas (``managed_session("env://")`` under ``torchrun``), every rank
@@ -199,6 +200,7 @@ class Supervisor:
         self._lock_refused = False
         self._in_managed_session = False
         self._sess: Session | None = None
+        self._null_writer = NullSummaryWriter()
 
     # -------------------------------------------------------------------------- accessors
     # What it was built with; each is TF's ``Supervisor.<name>`` (``state`` is ours).
@@ -210,9 +212,19 @@ class Supervisor:
     ready_op = _setting("ready_op", "The ready op.")
     ready_for_local_init_op = _setting("ready_for_local_init_op", "The ready-for-local-init op.")
     local_init_op = _setting("local_init_op", "The local init op.")
-    summary_writer = _setting(
-        "summary_writer", "The ``SummaryWriter`` (None on non-chiefs and without a logdir)."
-    )
+
+    @property
+    def summary_writer(self) -> Any:
+        """The ``SummaryWriter`` of the chief (None without a logdir); on a non-chief, a
+        ``NullSummaryWriter``, which accepts every call and writes nothing (TF: None), so that
+        a loop written for one process runs on every rank.
+
+        TF name: ``tf.compat.v1.train.Supervisor.summary_writer``.
+        """
+        if not self._settings.is_chief:
+            return self._null_writer
+        return self._settings.summary_writer
+
     summary_op = _setting("summary_op", "The summary op of the summary service.")
     save_summaries_secs = _setting(
         "save_summaries_secs", "Seconds between summaries (None on non-chiefs)."
