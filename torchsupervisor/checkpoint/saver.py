@@ -44,6 +44,8 @@ from torchsupervisor.core.global_step import read_checkpoint_step, read_step
 from torchsupervisor.core.state import (
     select_state,
 )
+from torchsupervisor.core.training_state import shared_entries
+from torchsupervisor.distributed.env import rank, world_size
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import BY_PATH, DirectoryLock, Storage
 
@@ -66,6 +68,29 @@ WRITE_AFTER_WAIT_SECS = 10.0
 """The longest a save waits for ``save_async``'s ``write_after`` before it writes anyway."""
 
 _WAIT_SLICE_SECS = 0.05  # How often that wait looks for a cancellation.
+
+
+def replica_entries(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The entries of ``state`` this process saves to or loads from a checkpoint that the
+    replicas share: all of them on rank 0 (and in a single process); on another rank, all
+    but the per-rank ones (``training_state.is_per_rank``), since the checkpoint holds rank
+    0's (told once per process at INFO).
+    """
+    if world_size() <= 1 or rank() == 0:
+        return state
+    shared = shared_entries(state)
+    if shared is not state and not _told_per_rank:
+        _told_per_rank.append(True)
+        logger.info(
+            "Rank %d: the per-rank entries %s are not restored from (nor saved to) the "
+            "checkpoint, which holds rank 0's: this rank's start where it made them",
+            rank(),
+            sorted(shared.per_rank),  # type: ignore[attr-defined]
+        )
+    return shared
+
+
+_told_per_rank: list[bool] = []
 
 
 class Saver(ShardedSaves):
@@ -270,7 +295,9 @@ class Saver(ShardedSaves):
         start = time.perf_counter()
         state = self._state_for(sess)
         if self._is_sharded(state, sess):  # DTensors: a collective, every rank writes its part.
-            return self._save_sharded(state, save_path, global_step, latest_filename, write_state)
+            return self._save_sharded(
+                replica_entries(state), save_path, global_step, latest_filename, write_state
+            )
         target = self._target(save_path, global_step, latest_filename, write_state)
         snapshot = self._stage(state, target, global_step, check_dir=True)
         if snapshot is None:
@@ -324,7 +351,13 @@ class Saver(ShardedSaves):
         state = self._state_for(sess)
         if self._is_sharded(state, sess):  # DTensors: local shards copied, written by all.
             return self._save_async_sharded(
-                state, save_path, global_step, latest_filename, write_state, start, write_after
+                replica_entries(state),
+                save_path,
+                global_step,
+                latest_filename,
+                write_state,
+                start,
+                write_after,
             )
         target = self._target(save_path, global_step, latest_filename, write_state)
         # The directory is checked by the writer: a stat is not worth a stall.
@@ -579,7 +612,8 @@ class Saver(ShardedSaves):
             raise ValueError("Can't load save_path when it is None.")
         self._engine.wait()
         found = checkpoint_exists(save_path) or self._storage.exists(save_path + ".index")
-        state = self._state_for(sess)
+        whole = self._state_for(sess)
+        state = replica_entries(whole)
         if self._is_sharded(state, sess):  # A collective: every rank reads the chunks it needs.
             self._restore_sharded(state, save_path, found)
             return
@@ -591,7 +625,7 @@ class Saver(ShardedSaves):
             save_path,
             storage=self._storage,
             optional=self._optional,
-            whole_state=self._var_list is None,
+            whole_state=self._var_list is None and state is whole,
         )
 
     # ------------------------------------------------------------------------- bookkeeping

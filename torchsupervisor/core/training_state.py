@@ -12,13 +12,13 @@ TF name: none (TF's variables lived in the graph).
 from __future__ import annotations
 
 from collections import ChainMap
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["TrainingState"]
+__all__ = ["SharedEntries", "TrainingState", "is_per_rank", "shared_entries"]
 
 _MAX_CHECK_DEPTH = 64
 
@@ -94,3 +94,59 @@ def _plain(value: Any) -> bool:
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return False
     return not callable(getattr(value, "load_state_dict", None))
+
+
+def is_per_rank(obj: Any) -> bool:
+    """True for a state entry that each replica keeps for itself: its class says
+    ``per_rank = True`` (``InputPipelineState``: each rank's queues hold its own batches).
+
+    A replica never receives another rank's per-rank entries (the chief's broadcast leaves
+    them out), and a checkpoint, which holds the chief's (rank 0's), is not loaded into them
+    on another rank: each of the other ranks starts its own from where its construction put
+    it (its first batch). Entries that hold a position every rank shares (a
+    ``ResumableDataLoader``: the batches consumed, equal on every rank of a data-parallel run)
+    are not per rank.
+    """
+    return getattr(type(obj), "per_rank", False) is True
+
+
+def shared_entries(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state`` without its per-rank entries (``is_per_rank``): what every replica shares.
+
+    Returns ``state`` itself when it has none, else a ``SharedEntries`` view of it.
+    """
+    if not any(is_per_rank(value) for value in state.values()):
+        return state
+    return SharedEntries(state)
+
+
+class SharedEntries(MutableMapping):
+    """A view of a state without its per-rank entries; a restored plain value is written
+    through to the state (``shared_entries``).
+
+    Args:
+        state: The state.
+
+    TF name: none.
+    """
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self.state = state
+        self.per_rank = [name for name, value in state.items() if is_per_rank(value)]
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self.per_rank:
+            raise KeyError(name)
+        return self.state[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.state[name] = value  # type: ignore[index]
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("SharedEntries is a view: entries cannot be removed")
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in self.state if name not in self.per_rank)
+
+    def __len__(self) -> int:
+        return len(self.state) - len(self.per_rank)

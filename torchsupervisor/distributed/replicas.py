@@ -42,6 +42,7 @@ from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.state import flatten_state
 from torchsupervisor.core.state_load import load_state
+from torchsupervisor.core.training_state import shared_entries
 from torchsupervisor.core.tree import decode_tree, encode_tree
 from torchsupervisor.distributed.attempt import DEFAULT_TIMEOUT_SECS, attempt_namespace
 from torchsupervisor.distributed.env import communication_device, store_outlives_attempts
@@ -277,7 +278,8 @@ class ReplicaGroup:
 
         The chief sends the encoded tree of plain values and every tensor; the others load
         them into their state with ``load_state_dict`` (so an optimizer that has not stepped
-        yet receives the chief's moments).
+        yet receives the chief's moments). Per-rank entries (``InputPipelineState``: each
+        rank's queues hold its own batches) are neither sent nor received.
 
         Every tensor travels on ``communication_device(dist.get_backend())`` on both sides
         (the current CUDA device with NCCL, the CPU with gloo). A non-chief then moves each
@@ -299,6 +301,7 @@ class ReplicaGroup:
         src = self.chief_rank
         chief = self.rank == src
         device = communication_device(dist.get_backend())
+        state = shared_entries(state)  # Per-rank entries (input pipelines) stay each rank's.
         # What fails on one rank before the broadcasts (a ``state_dict`` that raises there)
         # is raised only once this rank has taken its part: a rank that raised at once would
         # leave the others waiting in a broadcast. The chief sends a size of -1 instead.

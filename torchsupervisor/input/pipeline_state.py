@@ -66,8 +66,17 @@ class InputPipelineState:
     Thread safety: ``state_dict`` may be called from any thread that is not a runner thread
     (it holds the pipeline gate); ``load_state_dict`` before the runners start.
 
+    Distributed: per rank (``per_rank``): each replica's pipelines hold its own batches, so
+    a replica never receives the chief's (the broadcast at a session's start leaves this
+    entry out), and the checkpoint, which holds the chief's, is restored into the chief's
+    alone: the other ranks start their pipelines where their construction put them. Build
+    each rank's pipeline from its rank (its files, or its seed), as TF's replicas did.
+
     TF name: none (see the module docstring).
     """
+
+    per_rank = True
+    """Each replica keeps its own (``core.training_state.is_per_rank``)."""
 
     def __init__(self, collection: str = GraphKeys.QUEUE_RUNNERS, graph: Graph | None = None):
         self._collection = collection
