@@ -20,9 +20,7 @@ def test_every_method_of_the_writer_is_accepted_and_writes_nothing(tmp_path, mon
         for name, member in inspect.getmembers(SummaryWriter, callable)
         if not name.startswith("_")
     ]
-    assert {"add_scalar", "add_histogram", "add_image", "add_text", "flush", "close"} <= set(
-        public
-    )
+    assert {"add_scalar", "add_histogram", "add_image", "add_text", "flush", "close"} <= set(public)
     for name in public:
         assert callable(getattr(w, name)), name
     assert w.add_scalar("loss", 1.0, 3) is None

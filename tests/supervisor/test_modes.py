@@ -120,3 +120,45 @@ def test_the_quickstart_loop_runs_on_every_rank_and_only_the_chief_writes(tmp_pa
     (path,) = [p for p in os.listdir(tmp_path) if "tfevents" in p]  # The chief's only.
     steps = [e.step for e in summary_iterator(str(tmp_path / path)) if e.summary.value]
     assert [s for s in steps if s] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+
+
+def both_signalled_rank(rank: int, world_size: int, logdir: str) -> tuple[int, list[str]]:
+    """Every rank gets SIGTERM at step 3 (torchrun forwards it to each); return the step the
+    rank stopped at and what it logged about the signal."""
+    import logging
+    import signal
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "Received" in record.getMessage():
+                records.append(record.getMessage())
+
+    logging.getLogger("torchsupervisor").addHandler(Keep())
+    step = GlobalStep()
+    sv = Supervisor(
+        logdir=logdir,
+        state={"w": torch.zeros(2), "global_step": step},
+        save_model_secs=3600,
+        save_summaries_secs=0,
+        recovery_wait_secs=0.1,
+    )
+    deadline = time.monotonic() + 60
+    with sv.managed_session():
+        while not sv.should_stop() and time.monotonic() < deadline:
+            step.increment()
+            if step.value == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01 * (1 + rank))  # The ranks notice it at different steps.
+    return step.value, records
+
+
+def test_every_rank_logs_the_agreed_stop_step_once(tmp_path):
+    # Each rank logged the step at which it noticed the signal (nanoGPT: 46 on both ranks,
+    # stop at 47; imagenet: 11 and 14, stop at 11).
+    (step0, logs0), (step1, logs1) = run_world(both_signalled_rank, str(tmp_path))
+    assert step0 == step1
+    expected = [f"Received SIGTERM: stopping at step {step0}"]
+    assert [m.split(" with")[0] for m in logs0] == expected
+    assert [m.split(" with")[0] for m in logs1] == expected

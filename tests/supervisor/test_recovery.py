@@ -428,3 +428,37 @@ def test_a_damaged_file_that_incremental_checkpoints_share_costs_one_chain(tmp_p
     assert step == CheckpointReader(expected).global_step
     assert torch.equal(fresh["backbone"].weight, state["backbone"].weight)
     assert any(shard.file in m and "corrupt" in m for m in caplog.messages), caplog.messages
+
+
+def _noisy_run(logdir, until: int, request_at: int | None = None):
+    """The issue's loop: a random draw between should_stop() and sess.run(fn); with
+    ``request_at``, the timer's checkpoint request arrives just then at that step (between
+    the two calls). Returns the final weight and the logdir copied once a checkpoint after
+    the request committed (what a SIGKILL then leaves)."""
+    torch.manual_seed(0)
+    w = torch.zeros(3)
+    step = GlobalStep()
+    sv = _supervisor(logdir, {"w": w, "global_step": step})
+    copied = None
+    with sv.managed_session() as sess:
+        wait_for_checkpoint(sv, 0)
+        while not sv.should_stop() and step.value < until:
+            noise = torch.randn(3)  # A batch drawn between the two calls.
+            if step.value == request_at:
+                sv.checkpoint_driver.request(sess)
+            sess.run(lambda noise=noise: (w.add_(noise), step.increment()))
+            if request_at is not None and copied is None and step.value > request_at + 1:
+                sv.checkpoint_driver.wait()
+                copied = str(logdir) + "-killed"
+                shutil.copytree(logdir, copied)
+    return w.clone(), copied
+
+
+def test_a_draw_between_should_stop_and_run_replays_exactly_after_a_kill(tmp_path):
+    # The snapshot is taken where the loop asks should_stop(), not at the entry of the run
+    # that follows: a checkpoint never holds a draw without the step that used it (5 of 5
+    # resumes diverged).
+    uninterrupted, _ = _noisy_run(tmp_path / "a", 10)
+    _, killed = _noisy_run(tmp_path / "b", 10, request_at=5)
+    resumed, _ = _noisy_run(killed, 10)
+    assert torch.equal(resumed, uninterrupted)

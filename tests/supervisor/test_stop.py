@@ -360,3 +360,86 @@ def test_a_preemption_signal_stops_training_cleanly_with_a_final_checkpoint(tmp_
     assert latest_checkpoint(str(tmp_path)) == os.path.join(tmp_path, "model.ckpt-3")
     assert read_checkpoint(os.path.join(tmp_path, "model.ckpt-3"))["w"] == 3.0
     assert session_logs(read_events(event_files(tmp_path)[0]))[-1][1] == STOP
+
+
+# ----------------------------------------- the same stop path outside managed_session
+
+_UNMANAGED_PROGRAM = r"""
+import os, signal, sys
+import torch
+from torchsupervisor import GlobalStep, Supervisor
+
+loop, exit_code = sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None
+w, step = torch.zeros(()), GlobalStep()
+sv = Supervisor(logdir=sys.argv[1], state={"w": w, "global_step": step},
+                save_summaries_secs=0, save_model_secs=3600, preemption_exit_code=exit_code)
+
+def train_step():
+    w.add_(1.0)
+    step.increment()
+    if step.value == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+if loop == "managed":  # A loop that never asks should_stop(), in managed_session.
+    with sv.managed_session() as sess:
+        for _ in range(1000):
+            sess.run(train_step)
+elif loop == "should_stop":  # TF's inception_distributed_train: should_stop(), then stop().
+    sess = sv.prepare_or_wait_for_session()
+    while not sv.should_stop():
+        sess.run(train_step)
+    sv.stop()
+else:  # TF's mnist_replica: a loop that never asks should_stop() and never calls stop().
+    sess = sv.prepare_or_wait_for_session()
+    while True:
+        sess.run(train_step)
+        if step.value >= 1000:
+            break
+print("stopped at", step.value)
+"""
+
+
+@pytest.mark.parametrize(
+    "loop, exit_code, printed",
+    [
+        ("should_stop", None, True),
+        ("should_stop", 75, False),
+        ("no_check", None, False),
+        ("no_check", 75, False),
+        ("managed", None, True),
+    ],
+)
+def test_a_preemption_stops_every_tf_loop_with_a_final_checkpoint(
+    tmp_path, loop, exit_code, printed
+):
+    # prepare_or_wait_for_session installed no handler: SIGTERM killed the process (-15) and
+    # lost the work since the last checkpoint; a loop that never asks should_stop() ran on.
+    args = [sys.executable, "-c", _UNMANAGED_PROGRAM, str(tmp_path), loop]
+    if exit_code is not None:
+        args.append(str(exit_code))
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == (exit_code or 0), (proc.returncode, proc.stderr[-2000:])
+    assert (proc.stdout.split() == ["stopped", "at", "3"]) == printed, proc.stdout
+    assert latest_checkpoint(str(tmp_path)) == os.path.join(tmp_path, "model.ckpt-3")
+    assert read_checkpoint(os.path.join(tmp_path, "model.ckpt-3"))["w"] == 3.0
+    assert proc.stderr.count("Received SIGTERM: stopping at step 3 with a final checkpoint") == 1
+    assert session_logs(read_events(event_files(tmp_path)[0]))[-1][1] == STOP
+
+
+def test_prepare_or_wait_then_stop_saves_the_final_checkpoint_of_a_clean_stop(tmp_path):
+    c = Counter()
+    sv = Supervisor(logdir=str(tmp_path), state=c.state, save_model_secs=3600)
+    sess = sv.prepare_or_wait_for_session()
+    for _ in range(4):
+        sess.run(c.step)
+    sv.stop()
+    assert latest_checkpoint(str(tmp_path)) == os.path.join(tmp_path, "model.ckpt-4")
+    # But not while an exception propagates: the state may be in the middle of a step.
+    sess = sv.prepare_or_wait_for_session()
+    sess.run(c.step)
+    with pytest.raises(ValueError):
+        try:
+            raise ValueError("in the loop")
+        finally:
+            sv.stop()
+    assert latest_checkpoint(str(tmp_path)) == os.path.join(tmp_path, "model.ckpt-4")

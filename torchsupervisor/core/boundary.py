@@ -1,10 +1,16 @@
 """Step boundaries: deferred work that must run on the training thread between two steps.
 
 A checkpoint must capture one step, never half of one. Background services therefore do not
-read the state themselves: they ask the training thread to do it at its next step boundary
-(the entry of ``Session.run`` or a call of ``Supervisor.should_stop()``). ``StepBoundary`` is
-that mailbox. Its fast path is one attribute read, so the training loop pays nothing when no
-work is pending.
+read the state themselves: they ask the training thread to do it at its next step boundary.
+``StepBoundary`` is that mailbox. Its fast path is one attribute read, so the training loop
+pays nothing when no work is pending.
+
+Which call is the boundary: ``Supervisor.should_stop()``, and the entry of ``Session.run``
+unless ``should_stop()`` was called since the previous ``run`` (``asked``). So a loop that asks
+``should_stop()`` before each step has its boundary there alone: what it does between
+``should_stop()`` and ``sess.run(fn)`` (drawing a batch, a random number) happens after the
+snapshot, and a resume from it does the same again and continues exactly. A loop that never
+asks has its boundary at the entry of ``Session.run``.
 """
 
 from __future__ import annotations
@@ -21,18 +27,31 @@ class StepBoundary:
     Args:
         owner_ident: ``threading.get_ident()`` of the training thread (default: the caller's).
 
-    Thread safety: ``call_soon`` may be called from any thread; ``run_pending`` does nothing
-    unless called from the owner thread, so a service thread that happens to call
-    ``Session.run`` never takes a snapshot.
+    Attributes:
+        asked: ``Supervisor.should_stop()`` was called since the last ``Session.run``, whose
+            entry is then not a boundary (module docstring); ``Session.run`` resets it.
+        watcher: Called at every boundary that runs while ``pending`` is set, after the
+            tasks (the Supervisor's: a preemption signal in a loop that never asks
+            ``should_stop()``); None: nothing.
+
+    Thread safety: ``call_soon`` may be called from any thread, ``poke`` from a signal
+    handler; ``run_pending`` does nothing unless called from the owner thread, so a service
+    thread that happens to call ``Session.run`` never takes a snapshot.
     """
 
-    __slots__ = ("_lock", "_tasks", "owner_ident", "pending")
+    __slots__ = ("_lock", "_tasks", "asked", "owner_ident", "pending", "watcher")
 
     def __init__(self, owner_ident: int | None = None) -> None:
         self.owner_ident = threading.get_ident() if owner_ident is None else owner_ident
         self.pending = False
+        self.asked = False
+        self.watcher: Callable[[], object] | None = None
         self._lock = threading.Lock()
         self._tasks: list[Callable[[], object]] = []
+
+    def poke(self) -> None:
+        """Make the next boundary run (its ``watcher``); lock-free, for a signal handler."""
+        self.pending = True
 
     def call_soon(self, task: Callable[[], object]) -> None:
         """Queue ``task`` to run at the owner thread's next step boundary."""
@@ -59,6 +78,9 @@ class StepBoundary:
                     self._tasks[:0] = tasks[i + 1 :]
                     self.pending = bool(self._tasks)
                 raise
+        watcher = self.watcher
+        if watcher is not None:
+            watcher()
 
     def clear(self) -> None:
         """Drop every queued task."""

@@ -108,10 +108,12 @@ class Session:
         """Evaluate ``fetches`` and return their values in the same structure.
 
         On the thread that created the session, the work deferred to this step boundary (a
-        checkpoint snapshot, say) runs first. A fetch is a callable (called once per ``run``
-        even if it appears several times), a ``torch.Tensor`` (returned as is: no copy, no
-        device sync), a number (returned as is: an eager value such as ``queue.size()``), a
-        ``GlobalStep`` (its int value), None, or a list/tuple/namedtuple/dict of fetches.
+        checkpoint snapshot, say) runs first, unless ``Supervisor.should_stop()`` was called
+        since the previous ``run``: that was this step's boundary (``core/boundary.py``).
+        A fetch is a callable (called once per ``run`` even if it appears several times), a
+        ``torch.Tensor`` (returned as is: no copy, no device sync), a number (returned as is:
+        an eager value such as ``queue.size()``), a ``GlobalStep`` (its int value), None, or a
+        list/tuple/namedtuple/dict of fetches.
 
         Args:
             fetches: What to evaluate.
@@ -129,7 +131,9 @@ class Session:
         TF name: ``tf.compat.v1.Session.run`` (without ``options`` and ``run_metadata``).
         """
         boundary = self.boundary
-        if boundary.pending:
+        if boundary.asked:  # The loop's should_stop() was this step's boundary.
+            boundary.asked = False
+        elif boundary.pending:
             boundary.run_pending()
         if self._closed:
             raise RuntimeError("Attempted to use a closed Session.")

@@ -81,6 +81,9 @@ class PreemptionHandler:
         aborted: True once a second abort signal (``ABORT_SIGNALS``: a second Ctrl-C) was
             received: the handler then wrote one line to stderr and raised
             ``KeyboardInterrupt`` on the main thread, to abort at once.
+        on_signal: Called by the handler at the first signal, after ``received`` is set;
+            it runs inside the signal handler, so it may only assign (``StepBoundary.poke``).
+            None: nothing.
 
     Thread safety: ``install``/``uninstall`` only work on the main thread (Python delivers
     signals there); elsewhere they log and do nothing. ``received`` may be read anywhere.
@@ -94,6 +97,7 @@ class PreemptionHandler:
         self.received: int | None = None
         self.count = 0
         self.aborted = False
+        self.on_signal: Callable[[], None] | None = None
 
     @property
     def signals(self) -> tuple[signal.Signals, ...]:
@@ -113,6 +117,9 @@ class PreemptionHandler:
             raise KeyboardInterrupt
         if self.received is None:
             self.received = signum
+            on_signal = self.on_signal
+            if on_signal is not None:
+                on_signal()
         self.count += 1
 
     def install(self) -> None:
@@ -153,8 +160,9 @@ class Preemption:
     each hold one.
 
     While a session runs (``install``/``uninstall``) the handler records the first signal.
-    The front end's ``should_stop()`` calls ``notice``, which logs one line the first time
-    and tells it to stop; the final checkpoint then gets ``budget()`` seconds
+    The front end's ``should_stop()`` calls ``notice``, which tells it to stop the first
+    time, and ``report`` once it stops (with replicas, at the step every rank agreed on),
+    which logs one line; the final checkpoint then gets ``budget()`` seconds
     (``CheckpointDriver.grace_budget_secs``); after the stop, ``outcome`` says whether work
     was lost (the exit to raise: a stop that loses work never exits with status 0), and
     ``exit`` raises ``SystemExit(exit_code)`` for schedulers that requeue on a status.
@@ -176,6 +184,7 @@ class Preemption:
         self.grace_secs = grace_secs
         self.exit_code = exit_code
         self._noticed = False
+        self._reported = False
 
     @property
     def received(self) -> int | None:
@@ -195,21 +204,35 @@ class Preemption:
         """Install the handlers (main thread only) and forget an earlier signal."""
         self.handler.install()
         self._noticed = False
+        self._reported = False
+
+    @property
+    def installed(self) -> bool:
+        """True while the handlers are installed."""
+        return bool(self.handler._previous)
 
     def uninstall(self) -> None:
         """Restore the handlers that were there before ``install``."""
         self.handler.uninstall()
 
-    def notice(self, step: int | None, *, saving: bool) -> bool:
-        """Return True the first time a received signal is seen, logging one line.
-
-        Args:
-            step: The step training stops at (None without a global step).
-            saving: Whether a final checkpoint will be written (said in the line).
-        """
+    def notice(self) -> bool:
+        """Return True the first time a received signal is seen (the front end stops)."""
         if self.handler.received is None or self._noticed:
             return False
         self._noticed = True
+        return True
+
+    def report(self, step: int | None, *, saving: bool) -> None:
+        """Log, once, the signal and the step training stops at.
+
+        Args:
+            step: The step training stops at (None without a global step): with replicas,
+                the one every rank agreed on, so every rank logs the same.
+            saving: Whether a final checkpoint will be written (said in the line).
+        """
+        if self.handler.received is None or self._reported:
+            return
+        self._reported = True
         logger.warning(
             "Received %s: stopping at step %s%s%s",
             self.describe(),
@@ -219,7 +242,6 @@ class Preemption:
             if self.handler.received in ABORT_SIGNALS
             else "",
         )
-        return True
 
     def budget(self) -> float | None:
         """The final checkpoint's time budget in seconds: ``grace_secs`` after a signal."""

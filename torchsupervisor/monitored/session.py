@@ -283,9 +283,10 @@ class _MonitoredSession:
 
         TF name: ``MonitoredSession.should_stop``.
         """
-        if self._preemption.received is not None and self._preemption.notice(
-            self._current_step(), saving=bool(checkpoint_drivers(self._hooks))
-        ):
+        if self._preemption.received is not None and self._preemption.notice():
+            self._preemption.report(
+                self._current_step(), saving=bool(checkpoint_drivers(self._hooks))
+            )
             self._stop_requested = True
         if self._stop_requested:
             return True

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -33,7 +34,7 @@ from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.registry import USE_DEFAULT, Graph, GraphKeys
 from torchsupervisor.core.session import Session
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
-from torchsupervisor.errors import LogdirLockedError
+from torchsupervisor.errors import LogdirLockedError, OutOfRangeError
 from torchsupervisor.storage import DirectoryLock, storage_for
 from torchsupervisor.summary.null_writer import NullSummaryWriter
 from torchsupervisor.summary.writer import write_start
@@ -201,6 +202,10 @@ class Supervisor:
         self._in_managed_session = False
         self._sess: Session | None = None
         self._null_writer = NullSummaryWriter()
+        self._unmanaged = False  # The session was prepared outside managed_session.
+        self._finished = False  # Its end (the final checkpoint) is done.
+        self._final_error: BaseException | None = None
+        self._asked = False
 
     # -------------------------------------------------------------------------- accessors
     # What it was built with; each is TF's ``Supervisor.<name>`` (``state`` is ours).
@@ -261,6 +266,14 @@ class Supervisor:
         ready. Both start the queue runners when ``start_standard_services``. How depends on
         the run (``supervisor/modes.py``).
 
+        Outside ``managed_session`` the stop path is the same: the preemption signals are
+        handled from here on (a signal makes ``should_stop()`` True at the next step, with
+        replicas at the step every rank agreed on, and the final checkpoint is written
+        there); ``stop()`` writes the final checkpoint of a clean stop. A loop that never
+        asks ``should_stop()`` stops at its next ``sess.run`` after a signal: the final
+        checkpoint is written, the services stopped, and ``SystemExit`` raised (status
+        ``preemption_exit_code``, or 0).
+
         Distributed: with replicas and a replicated state, non-chiefs wait for the chief
         (polling every ``recovery_wait_secs``, at most ``max_wait_secs``) and receive its
         state. With a sharded state every rank restores through the SessionManager, after
@@ -290,6 +303,30 @@ class Supervisor:
         TF name: ``Supervisor.prepare_or_wait_for_session``.
         """
         self._lock_refused = False
+        self._unmanaged = not self._in_managed_session
+        self._finished = False
+        if not self._unmanaged:  # managed_session installed the preemption handlers.
+            return self._prepare(
+                master, config, wait_for_checkpoint, max_wait_secs, start_standard_services
+            )
+        self._preemption.install()
+        try:
+            return self._prepare(
+                master, config, wait_for_checkpoint, max_wait_secs, start_standard_services
+            )
+        except BaseException:
+            self._unmanaged = False
+            self._preemption.uninstall()
+            raise
+
+    def _prepare(
+        self,
+        master: str,
+        config: Any,
+        wait_for_checkpoint: bool,
+        max_wait_secs: float,
+        start_standard_services: bool,
+    ) -> Session:
         if self._settings.is_chief and self._settings.logdir and self._logdir_lock is None:
             storage = storage_for(self._settings.logdir)
             storage.makedirs(self._settings.logdir)
@@ -305,6 +342,11 @@ class Supervisor:
         mode = self._mode = start_mode(self, master, max_wait_secs, self._generation)
         sess = mode.prepare(master, config, wait_for_checkpoint, max_wait_secs)
         self._sess = sess
+        # A signal pokes the boundary: a loop that never asks should_stop() stops at its
+        # next sess.run (``_stop_at_run``).
+        sess.boundary.watcher = self._stop_at_run
+        self._preemption.handler.on_signal = sess.boundary.poke
+        self._asked = False  # Whether this session's loop ever asked should_stop().
         if start_standard_services:
             mode.start_services(sess)
             if self._settings.is_chief:
@@ -486,6 +528,11 @@ class Supervisor:
         """Stop the services and join their threads; does not close the session.
 
         The chief releases the logdir's writer lock (its saver's too: a later save retakes it).
+        For a session prepared outside ``managed_session`` (``prepare_or_wait_for_session``),
+        a stop that is not called while an exception propagates first saves the final
+        checkpoint, as ``managed_session`` does at a clean exit; after a preemption signal,
+        ``SystemExit`` is raised at the end as there (``preemption_exit_code``, or 1 when the
+        final checkpoint failed).
 
         Args:
             threads: Extra threads to join besides the registered ones.
@@ -496,9 +543,20 @@ class Supervisor:
         Raises:
             Exception: The first exception reported to the coordinator, or RuntimeError
                 naming the threads that would not stop.
+            SystemExit: After a preemption signal, for a session prepared outside
+                ``managed_session`` (see above).
 
         TF name: ``Supervisor.stop``.
         """
+        final_error: BaseException | None = None
+        unmanaged = self._unmanaged and self._mode is not None
+        if unmanaged:  # managed_session does this itself, knowing how its block ended.
+            error_type = sys.exc_info()[0]  # Called while an exception propagates?
+            clean = error_type is None or issubclass(
+                error_type, self._coord.clean_stop_exception_types
+            )
+            self._finish(clean)
+            final_error, self._final_error = self._final_error, None
         self._coord.request_stop()
         try:
             self._coord.join(
@@ -507,6 +565,9 @@ class Supervisor:
                 ignore_live_threads=ignore_live_threads,
             )
         finally:
+            if unmanaged:
+                self._unmanaged = False
+                self._preemption.uninstall()
             if self._mode is not None:
                 self._mode.stop(aborted=self._preemption.aborted)
             writer = self._settings.summary_writer
@@ -519,6 +580,20 @@ class Supervisor:
                     self._settings.saver.close()  # Its handles on the lock.
                 self._logdir_lock.release()
                 self._logdir_lock = None
+        if unmanaged:
+            self._mode = None
+            if final_error is not None:
+                raise final_error
+            self._preemption.exit()
+
+    def _finish(self, clean: bool) -> None:
+        """End a session prepared outside ``managed_session``, once: tell the replicas, save
+        the final checkpoint of a clean stop; keep the error ``stop`` raises at the end."""
+        if self._finished or self._mode is None:
+            return
+        self._finished = True
+        self._mode.end_agreement(clean, None)
+        self._final_error = self._mode.finish(clean)
 
     def request_stop(self, ex: Any = None) -> None:
         """Request the coordinator to stop; ``ex`` is recorded if it is the first error.
@@ -533,16 +608,59 @@ class Supervisor:
         TF name: ``Supervisor.should_stop``.
         """
         sess = self._sess
-        if sess is not None and sess.boundary.pending:
-            sess.boundary.run_pending()
-        if self._preemption.received is not None and self._preemption.notice(
-            current_step(self),
-            saving=self._mode is not None and self._mode.driver is not None,
-        ):
+        if sess is not None:
+            boundary = sess.boundary
+            boundary.asked = True  # The boundary of this step: not the next sess.run.
+            self._asked = True
+            if boundary.pending:
+                boundary.run_pending()
+        return self._stop_decision()
+
+    def _stop_decision(self) -> bool:
+        """Whether to stop now (``should_stop`` without its step boundary).
+
+        After a preemption signal, once the stop is decided (with replicas, at the step every
+        rank agreed on): the signal and the step are logged once, and a session prepared
+        outside ``managed_session`` saves its final checkpoint here, at this step boundary.
+        """
+        preemption = self._preemption
+        if preemption.received is not None and preemption.notice():
             self._coord.request_stop()
-        if self._mode is None or self._mode.agreement is None:
-            return self._coord.should_stop()
-        return agreed_stop(self, self._mode.agreement)
+        mode = self._mode
+        if mode is None or mode.agreement is None:
+            stop = self._coord.should_stop()
+        else:
+            stop = agreed_stop(self, mode.agreement)
+        if stop and preemption.received is not None:
+            preemption.report(
+                current_step(self), saving=mode is not None and mode.driver is not None
+            )
+            if self._unmanaged:
+                self._finish(clean=True)
+        return stop
+
+    def _stop_at_run(self) -> None:
+        """The step boundary's watcher: after a preemption signal, a loop that never asks
+        ``should_stop()`` stops at its ``sess.run`` (with replicas, at the agreed step).
+
+        In ``managed_session`` it raises ``OutOfRangeError``, which ends the block as a clean
+        stop (the final checkpoint follows); outside, the session is stopped (the final
+        checkpoint, the services) and ``SystemExit`` raised.
+        """
+        sess = self._sess
+        if self._preemption.received is None or sess is None or self._asked:
+            return
+        if not self._stop_decision():
+            sess.boundary.poke()  # The agreed step is not reached yet: look again.
+            return
+        message = (
+            f"Stopped by {self._preemption.describe()} at step {current_step(self)} (the loop "
+            "does not call should_stop())"
+        )
+        if not self._unmanaged:
+            raise OutOfRangeError(None, None, message)
+        self.stop()  # Raises SystemExit after a failed final checkpoint, or with an exit code.
+        raise SystemExit(0)
 
     @property
     def preempted(self) -> str | None:
