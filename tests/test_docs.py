@@ -56,6 +56,19 @@ def test_python_blocks_compile_and_name_real_api(doc):
                 pytest.fail(f"{doc} block {i} uses {name}, which torchsupervisor does not have")
 
 
+_GENERATED = ("benchmarks/results/",)  # Made by running the benchmarks.
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_file_of_the_repository_a_doc_cites_exists(doc):
+    with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+        text = f.read()
+    cited = set(re.findall(r"`((?:tests|examples|benchmarks|docs)/[\w/.-]+)`", text))
+    cited |= set(re.findall(r"`(torchsupervisor/[\w/-]+\.py)`", text))
+    missing = sorted(p for p in cited if p not in _GENERATED and not os.path.exists(f"{ROOT}/{p}"))
+    assert not missing, f"{doc} cites files that do not exist: {missing}"
+
+
 @pytest.mark.parametrize("doc", ["README.md", "docs/quickstart.md", "docs/pypi.md"])
 def test_the_first_example_runs(tmp_path, monkeypatch, doc):
     block = next(b for b in _python_blocks(doc) if "managed_session" in b)

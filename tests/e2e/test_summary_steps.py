@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+from process_tree import signal_tree, wait_gone
 from repo_paths import repo, worker
 from tensorboard.backend.event_processing import event_accumulator
 
@@ -30,6 +31,7 @@ WORKER = worker("summary_steps_worker.py")
 _RESTORED = re.compile(r"^(?:RESTORED |rank 0: resumed at step )(\d+)")
 _STEP = re.compile(r"^(?:STEP |step )(\d+)")
 LINE_TIMEOUT_SECS = 120
+REQUEUE = 42  # The preemptible script's exit status after a clean preemption.
 
 
 def _checkpoint_step(logdir: str) -> int:
@@ -71,24 +73,19 @@ class Run:
         pytest.fail(f"no {what} in 100,000 lines")
 
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to the process and its descendants (torchrun starts each worker in
-        a session of its own: a signal to the launcher's group does not reach them)."""
-        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        """Send ``sig`` to the process and its descendants (torchrun's workers too)."""
+        signal_tree(self.proc.pid, sig)
 
-    def stop(self, sig: int) -> int:
-        """Signal the process tree; wait for the process (and every descendant) to end."""
-        tree = _descendants(self.proc.pid)
-        self.signal(sig)
-        _, err = self.proc.communicate(timeout=120)
-        self.stderr = err
-        deadline = time.monotonic() + 60
-        while any(os.path.exists(f"/proc/{pid}") for pid in tree):
-            assert time.monotonic() < deadline, "a worker outlived the stop"
-            time.sleep(0.1)
+    def stop(self, sig: int, *, tree: bool = True) -> int:
+        """Signal the process tree (``tree``; else the process alone, as a scheduler signals
+        a batch shell); wait for the process and every descendant to end."""
+        if tree:
+            descendants = signal_tree(self.proc.pid, sig)
+        else:
+            descendants = signal_tree(self.proc.pid, 0)  # Who to wait for; no signal.
+            self.proc.send_signal(sig)
+        self.stdout, self.stderr = self.proc.communicate(timeout=180)
+        wait_gone(descendants)
         return self.proc.returncode
 
     def kill_past_a_checkpoint(self, logdir: str, tag: str) -> int:
@@ -109,25 +106,6 @@ class Run:
         pytest.fail("every pause found a checkpoint at the last step logged")
 
 
-def _descendants(pid: int) -> list[int]:
-    """The pids of the living descendants of ``pid`` (from ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found.extend(kids)
-        todo.extend(kids)
-    return found
-
-
 def _last_on_disk(logdir: str, tag: str) -> int:
     """The last step of ``tag`` in the events files now (-1: none); a file being written
     may end in a partial record."""
@@ -143,9 +121,12 @@ def _last_on_disk(logdir: str, tag: str) -> int:
     return last
 
 
-def _kill_then_terminate_then_finish(start, logdir: str, tag: str, extra_steps: int) -> int:
+def _kill_then_terminate_then_finish(
+    start, logdir: str, tag: str, extra_steps: int, *, batch_shell: bool = False
+) -> tuple[int, list[Run]]:
     """Run 1 is SIGKILLed after steps past its last checkpoint, run 2 stopped with SIGTERM after
-    a checkpoint of its own, run 3 trains ``extra_steps`` more; return the last step."""
+    a checkpoint of its own (``batch_shell``: to the process alone, a batch script that
+    forwards it), run 3 trains ``extra_steps`` more; return the last step and the runs."""
     first = start(100_000)
     first.until(lambda: _checkpoint_step(logdir) >= 0, "the first checkpoint")
     logged = first.kill_past_a_checkpoint(logdir, tag)
@@ -157,7 +138,7 @@ def _kill_then_terminate_then_finish(start, logdir: str, tag: str, extra_steps: 
         lambda: _checkpoint_step(logdir) > second.restored and second.step >= logged + 5,
         "a checkpoint of the second run",
     )
-    second.stop(signal.SIGTERM)
+    second.stop(signal.SIGTERM, tree=not batch_shell)
     stopped = _checkpoint_step(logdir)  # The final checkpoint of the SIGTERM stop.
     assert stopped >= second.step
 
@@ -165,9 +146,9 @@ def _kill_then_terminate_then_finish(start, logdir: str, tag: str, extra_steps: 
     third = start(last)
     third.until(lambda: third.restored is not None, "the restore")
     assert third.restored == stopped
-    _, err = third.proc.communicate(timeout=300)
+    third.stdout, err = third.proc.communicate(timeout=300)
     assert third.proc.returncode == 0, err[-3000:]
-    return last
+    return last, [first, second, third]
 
 
 def _steps_shown(logdir: str, tag: str) -> tuple[list[int], list[int]]:
@@ -188,7 +169,7 @@ def test_each_step_once_after_a_sigkill_and_a_sigterm_restart(tmp_path, loop):
     def start(max_steps: int) -> Run:
         return Run([sys.executable, WORKER, logdir, loop, str(max_steps)])
 
-    last = _kill_then_terminate_then_finish(start, logdir, "loss", extra_steps=5)
+    last, _ = _kill_then_terminate_then_finish(start, logdir, "loss", extra_steps=5)
     tags = ["loss", "hook/loss"] if loop == "monitored" else ["loss"]
     for tag in tags:
         loader, listed = _steps_shown(logdir, tag)
@@ -200,19 +181,36 @@ def test_each_step_once_after_a_sigkill_and_a_sigterm_restart(tmp_path, loop):
 
 
 @pytest.mark.timeout(600)
-def test_the_ddp_example_shows_each_step_once_after_restarts(tmp_path):
+def test_the_ddp_example_shows_each_step_once_after_restarts_and_requeues_a_preemption(tmp_path):
+    # The requeue recipe of docs/distributed.md too: a batch script runs torchrun
+    # (examples/preemptible_torchrun.sh) and a scheduler signals the script alone. torchrun
+    # exits 1 even though every worker stopped cleanly with its final checkpoint; the script
+    # asks the log directory (torchsupervisor preempted) and exits with the requeue status.
     logdir = str(tmp_path)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHON=sys.executable,
+        REQUEUE_STATUS=str(REQUEUE),
+    )
 
     def start(max_steps: int) -> Run:
         cmd = [
-            *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+            *("bash", repo("examples", "preemptible_torchrun.sh"), logdir, "--standalone"),
             *("--nproc_per_node=2", repo("examples", "ddp_digits.py"), "--logdir", logdir),
             *("--max-steps", str(max_steps), "--save-model-secs", "0.3", "--log-every", "1"),
         ]
         return Run(cmd, env)
 
-    last = _kill_then_terminate_then_finish(start, logdir, "train/loss", extra_steps=5)
+    last, (_, preempted, ended) = _kill_then_terminate_then_finish(
+        start, logdir, "train/loss", extra_steps=5, batch_shell=True
+    )
     loader, listed = _steps_shown(logdir, "train/loss")
     assert loader == list(range(1, last + 1))
     assert listed == loader
+    # What the script told its scheduler: the preemption is requeued, the last run ended by
+    # itself (a killed session leaves no record: tests/driver/test_stop_record.py).
+    assert preempted.proc.returncode == REQUEUE, preempted.stderr[-3000:]
+    assert "The last session stopped by SIGTERM at step" in preempted.stdout
+    assert "ended cleanly" in ended.stdout

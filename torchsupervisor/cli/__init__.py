@@ -7,6 +7,8 @@ Commands (one module each):
     verify   exit status 0 only if the checkpoint a restart would use is valid (``verify.py``)
     events   the summaries of a logdir as TensorBoard shows them; CSV, plots (``events.py``)
     export   a checkpoint's tensors as a .safetensors file (``export.py``)
+    preempted  exit status 0 if the last session stopped for a preemption without losing
+             anything: what a requeue script asks (``preempted.py``)
 
 ``python -m torchsupervisor`` and the ``torchsupervisor`` console script both call ``main``.
 """
@@ -21,11 +23,11 @@ from types import ModuleType
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = ("ls", "inspect", "verify", "events", "export")
+_COMMANDS = ("ls", "inspect", "verify", "events", "export", "preempted")
 
 
 def _module(command: str) -> ModuleType:
-    from torchsupervisor.cli import events, export, inspect_checkpoint, ls, verify
+    from torchsupervisor.cli import events, export, inspect_checkpoint, ls, preempted, verify
 
     return {
         "ls": ls,
@@ -33,6 +35,7 @@ def _module(command: str) -> ModuleType:
         "verify": verify,
         "events": events,
         "export": export,
+        "preempted": preempted,
     }[command]
 
 

@@ -27,18 +27,23 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from tensorboard.compat.proto.event_pb2 import SessionLog
 
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.registry import USE_DEFAULT, Graph, GraphKeys
 from torchsupervisor.core.session import Session
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
-from torchsupervisor.errors import LogdirLockedError, OutOfRangeError
-from torchsupervisor.storage import DirectoryLock, storage_for
+from torchsupervisor.storage import DirectoryLock
 from torchsupervisor.summary.null_writer import NullSummaryWriter
 from torchsupervisor.summary.writer import write_start
-from torchsupervisor.supervisor.modes import ChiefMode, Mode, agreed_stop, current_step, start_mode
+from torchsupervisor.supervisor.lifecycle import (
+    end_unmanaged,
+    open_logdir,
+    release_session,
+    stop_at_run,
+    stop_decision,
+)
+from torchsupervisor.supervisor.modes import ChiefMode, Mode, current_step, start_mode
 from torchsupervisor.supervisor.services import standard_threads
 from torchsupervisor.supervisor.session_manager import SessionManager
 from torchsupervisor.supervisor.settings import resolve_settings
@@ -202,6 +207,7 @@ class Supervisor:
         self._in_managed_session = False
         self._sess: Session | None = None
         self._null_writer = NullSummaryWriter()
+        self._ending: tuple[bool, BaseException | None] | None = None  # For stop().
         self._unmanaged = False  # The session was prepared outside managed_session.
         self._finished = False  # Its end (the final checkpoint) is done.
         self._final_error: BaseException | None = None
@@ -327,14 +333,7 @@ class Supervisor:
         max_wait_secs: float,
         start_standard_services: bool,
     ) -> Session:
-        if self._settings.is_chief and self._settings.logdir and self._logdir_lock is None:
-            storage = storage_for(self._settings.logdir)
-            storage.makedirs(self._settings.logdir)
-            try:
-                self._logdir_lock = storage.lock(self._settings.logdir)  # One writer per logdir.
-            except LogdirLockedError:
-                self._lock_refused = True  # stop() then writes nothing into the logdir.
-                raise
+        open_logdir(self)
         self._coord.clear_stop()
         if self._settings.summary_writer is not None:
             self._settings.summary_writer.reopen()
@@ -475,6 +474,7 @@ class Supervisor:
                         mode.end_agreement(clean_exit, failure)
                         final_error = mode.finish(clean_exit)
                 finally:
+                    self._ending = (clean_exit, failure)
                     self.stop(close_summary_writer=close_summary_writer)
                 if final_error is not None:
                     raise final_error
@@ -548,15 +548,11 @@ class Supervisor:
 
         TF name: ``Supervisor.stop``.
         """
-        final_error: BaseException | None = None
         unmanaged = self._unmanaged and self._mode is not None
+        ending, self._ending = self._ending, None
+        final_error = None
         if unmanaged:  # managed_session does this itself, knowing how its block ended.
-            error_type = sys.exc_info()[0]  # Called while an exception propagates?
-            clean = error_type is None or issubclass(
-                error_type, self._coord.clean_stop_exception_types
-            )
-            self._finish(clean)
-            final_error, self._final_error = self._final_error, None
+            ending, final_error = end_unmanaged(self, sys.exc_info()[1])
         self._coord.request_stop()
         try:
             self._coord.join(
@@ -565,35 +561,12 @@ class Supervisor:
                 ignore_live_threads=ignore_live_threads,
             )
         finally:
-            if unmanaged:
-                self._unmanaged = False
-                self._preemption.uninstall()
-            if self._mode is not None:
-                self._mode.stop(aborted=self._preemption.aborted)
-            writer = self._settings.summary_writer
-            if close_summary_writer and writer is not None:
-                if not self._lock_refused:  # Another process's logdir: not a word in it.
-                    writer.add_session_log(SessionLog(status=SessionLog.STOP))
-                writer.close()
-            if self._logdir_lock is not None:
-                if self._settings.saver is not None and not self._settings.saver.in_flight:
-                    self._settings.saver.close()  # Its handles on the lock.
-                self._logdir_lock.release()
-                self._logdir_lock = None
+            release_session(self, ending, unmanaged, close_summary_writer)
         if unmanaged:
             self._mode = None
             if final_error is not None:
                 raise final_error
             self._preemption.exit()
-
-    def _finish(self, clean: bool) -> None:
-        """End a session prepared outside ``managed_session``, once: tell the replicas, save
-        the final checkpoint of a clean stop; keep the error ``stop`` raises at the end."""
-        if self._finished or self._mode is None:
-            return
-        self._finished = True
-        self._mode.end_agreement(clean, None)
-        self._final_error = self._mode.finish(clean)
 
     def request_stop(self, ex: Any = None) -> None:
         """Request the coordinator to stop; ``ex`` is recorded if it is the first error.
@@ -617,50 +590,10 @@ class Supervisor:
         return self._stop_decision()
 
     def _stop_decision(self) -> bool:
-        """Whether to stop now (``should_stop`` without its step boundary).
-
-        After a preemption signal, once the stop is decided (with replicas, at the step every
-        rank agreed on): the signal and the step are logged once, and a session prepared
-        outside ``managed_session`` saves its final checkpoint here, at this step boundary.
-        """
-        preemption = self._preemption
-        if preemption.received is not None and preemption.notice():
-            self._coord.request_stop()
-        mode = self._mode
-        if mode is None or mode.agreement is None:
-            stop = self._coord.should_stop()
-        else:
-            stop = agreed_stop(self, mode.agreement)
-        if stop and preemption.received is not None:
-            preemption.report(
-                current_step(self), saving=mode is not None and mode.driver is not None
-            )
-            if self._unmanaged:
-                self._finish(clean=True)
-        return stop
+        return stop_decision(self)
 
     def _stop_at_run(self) -> None:
-        """The step boundary's watcher: after a preemption signal, a loop that never asks
-        ``should_stop()`` stops at its ``sess.run`` (with replicas, at the agreed step).
-
-        In ``managed_session`` it raises ``OutOfRangeError``, which ends the block as a clean
-        stop (the final checkpoint follows); outside, the session is stopped (the final
-        checkpoint, the services) and ``SystemExit`` raised.
-        """
-        sess = self._sess
-        if self._preemption.received is None or sess is None or self._asked:
-            return
-        if not self._stop_decision():
-            sess.boundary.poke()  # The agreed step is not reached yet: look again.
-            return
-        message = (
-            f"Stopped by {self._preemption.describe()} at step {current_step(self)} (the loop "
-            "does not call should_stop())"
-        )
-        if not self._unmanaged:
-            raise OutOfRangeError(None, None, message)
-        self.stop()  # Raises SystemExit after a failed final checkpoint, or with an exit code.
-        raise SystemExit(0)
+        stop_at_run(self)
 
     @property
     def preempted(self) -> str | None:

@@ -1,0 +1,213 @@
+"""A Supervisor session's life: the chief takes its logdir, the stop is decided, the final
+checkpoint saved, how the session ended recorded, the logdir released.
+
+``managed_session`` and ``prepare_or_wait_for_session`` + ``stop()`` share one path:
+
+1. The chief takes the logdir's writer lock (one writer per logdir) and removes the record of
+   the last session's end: until this one ends there is none, so a kill leaves none
+   (``open_logdir``).
+2. A preemption signal only records itself (``driver/preemption.py``) and pokes the step
+   boundary. ``should_stop()`` (``stop_decision``) turns True at the next step, with replicas
+   at the step every rank agreed on; every rank then logs that step once. A loop that never
+   asks ``should_stop()`` is stopped at its next ``sess.run`` instead (``stop_at_run``, the
+   boundary's watcher).
+3. The final checkpoint: ``managed_session`` saves it when its block ends cleanly; a session
+   prepared outside it saves it where ``should_stop()`` decided a preemption stop, or in
+   ``stop()`` for a clean stop (``finish``, ``end_unmanaged``).
+4. ``stop()`` (``release_session``): the chief records how the session ended (the STOP
+   event's message and ``<logdir>/last_stop.json``, ``driver/stop_record.py``, which a
+   requeue script reads), closes the writer and releases the lock.
+
+These are the Supervisor's own steps, kept out of the facade; they read its private state.
+
+TF name: none (TF's Supervisor handled no signal and saved no final checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tensorboard.compat.proto.event_pb2 import SessionLog
+
+from torchsupervisor import errors
+from torchsupervisor.checkpoint.state_file import latest_checkpoint
+from torchsupervisor.driver.stop_record import (
+    END,
+    ERROR,
+    PREEMPTION,
+    clear_stop_record,
+    write_stop_record,
+)
+from torchsupervisor.errors import LogdirLockedError, OutOfRangeError
+from torchsupervisor.storage import storage_for
+from torchsupervisor.supervisor.modes import agreed_stop, current_step
+
+__all__ = [
+    "end_unmanaged",
+    "finish",
+    "open_logdir",
+    "record_end",
+    "release_session",
+    "stop_at_run",
+    "stop_decision",
+]
+
+logger = logging.getLogger("torchsupervisor")
+
+
+def open_logdir(sv: Any) -> None:
+    """The chief takes its logdir's writer lock and removes the last session's stop record.
+
+    Raises:
+        LogdirLockedError: Another process writes to the logdir (``stop()`` then writes
+            nothing into it).
+    """
+    logdir = sv._settings.logdir
+    if not sv._settings.is_chief or not logdir or sv._logdir_lock is not None:
+        return
+    storage = storage_for(logdir)
+    storage.makedirs(logdir)
+    try:
+        sv._logdir_lock = storage.lock(logdir)  # One writer per logdir.
+    except LogdirLockedError:
+        sv._lock_refused = True
+        raise
+    try:  # Until this session ends there is no record: a kill leaves none.
+        clear_stop_record(storage, logdir)
+    except (OSError, errors.OpError) as e:
+        logger.warning("Could not remove %s's stop record: %s", logdir, e)
+
+
+def stop_decision(sv: Any) -> bool:
+    """Whether to stop now (``should_stop`` without its step boundary).
+
+    After a preemption signal, once the stop is decided (with replicas, at the step every
+    rank agreed on): the signal and the step are logged once, and a session prepared
+    outside ``managed_session`` saves its final checkpoint here, at this step boundary.
+    """
+    preemption = sv._preemption
+    if preemption.received is not None and preemption.notice():
+        sv._coord.request_stop()
+    mode = sv._mode
+    if mode is None or mode.agreement is None:
+        stop = sv._coord.should_stop()
+    else:
+        stop = agreed_stop(sv, mode.agreement)
+    if stop and preemption.received is not None:
+        preemption.report(current_step(sv), saving=mode is not None and mode.driver is not None)
+        if sv._unmanaged:
+            finish(sv, clean=True)
+    return stop
+
+
+def stop_at_run(sv: Any) -> None:
+    """The step boundary's watcher: after a preemption signal, a loop that never asks
+    ``should_stop()`` stops at its ``sess.run`` (with replicas, at the agreed step).
+
+    In ``managed_session`` it raises ``OutOfRangeError``, which ends the block as a clean
+    stop (the final checkpoint follows); outside, the session is stopped (the final
+    checkpoint, the services) and ``SystemExit`` raised.
+    """
+    sess = sv._sess
+    if sv._preemption.received is None or sess is None or sv._asked:
+        return
+    if not stop_decision(sv):
+        sess.boundary.poke()  # The agreed step is not reached yet: look again.
+        return
+    message = (
+        f"Stopped by {sv._preemption.describe()} at step {current_step(sv)} (the loop "
+        "does not call should_stop())"
+    )
+    if not sv._unmanaged:
+        raise OutOfRangeError(None, None, message)
+    sv.stop()  # Raises SystemExit after a failed final checkpoint, or with an exit code.
+    raise SystemExit(0)
+
+
+def record_end(sv: Any, ending: tuple[bool, BaseException | None] | None) -> str:
+    """Record how the session ended (the chief, in its logdir: ``driver/stop_record.py``);
+    return it as the STOP event's message (``"preemption: SIGTERM"``, ``"end"``,
+    ``"error: <ErrorType>: <message>"``)."""
+    clean, failure = ending if ending is not None else (True, None)
+    if failure is None:
+        try:
+            sv._coord.raise_requested_exception()
+        except BaseException as e:  # A thread's error: the session failed.
+            clean, failure = isinstance(e, sv._coord.clean_stop_exception_types), e
+    error = None
+    if not clean:
+        error = "unknown" if failure is None else f"{type(failure).__name__}: {failure}"
+        reason, message = ERROR, f"error: {error}"
+    elif sv._preemption.received is not None:
+        reason, message = PREEMPTION, f"preemption: {sv._preemption.describe()}"
+    else:
+        reason, message = END, "end"
+    logdir = sv._settings.logdir
+    if sv._settings.is_chief and logdir and not sv._lock_refused:
+        try:
+            write_stop_record(
+                storage_for(logdir),
+                logdir,
+                reason=reason,
+                signal=sv._preemption.describe() or None,
+                step=current_step(sv),
+                checkpoint=latest_checkpoint(logdir),
+                error=error,
+                wall_time=sv._settings.clock.time(),
+            )
+        except (OSError, errors.OpError) as e:
+            logger.warning("Could not record how the session ended in %s: %s", logdir, e)
+    return message
+
+
+def finish(sv: Any, clean: bool) -> None:
+    """End a session prepared outside ``managed_session``, once: tell the replicas, save
+    the final checkpoint of a clean stop; keep the error ``stop`` raises at the end."""
+    if sv._finished or sv._mode is None:
+        return
+    sv._finished = True
+    sv._mode.end_agreement(clean, None)
+    sv._final_error = sv._mode.finish(clean)
+
+
+def end_unmanaged(
+    sv: Any, propagating: BaseException | None
+) -> tuple[tuple[bool, BaseException | None], BaseException | None]:
+    """``stop()`` of a session prepared outside ``managed_session``: its final checkpoint,
+    unless ``stop`` is called while an exception propagates (``propagating``: the state may
+    be in the middle of a step).
+
+    Returns:
+        ``(clean, failure)`` of the session, and the error ``stop`` raises at its end.
+    """
+    clean = propagating is None or isinstance(propagating, sv._coord.clean_stop_exception_types)
+    finish(sv, clean)
+    final_error, sv._final_error = sv._final_error, None
+    return (clean, None if clean else propagating), final_error
+
+
+def release_session(
+    sv: Any,
+    ending: tuple[bool, BaseException | None] | None,
+    unmanaged: bool,
+    close_summary_writer: bool,
+) -> None:
+    """The end of ``stop()``: the handlers and checkpoints of the session, the record of how
+    it ended and the STOP event, the writer, the logdir's lock."""
+    if unmanaged:
+        sv._unmanaged = False
+        sv._preemption.uninstall()
+    if sv._mode is not None:
+        sv._mode.stop(aborted=sv._preemption.aborted)
+    end = record_end(sv, ending)
+    writer = sv._settings.summary_writer
+    if close_summary_writer and writer is not None:
+        if not sv._lock_refused:  # Another process's logdir: not a word in it.
+            writer.add_session_log(SessionLog(status=SessionLog.STOP, msg=end))
+        writer.close()
+    if sv._logdir_lock is not None:
+        if sv._settings.saver is not None and not sv._settings.saver.in_flight:
+            sv._settings.saver.close()  # Its handles on the lock.
+        sv._logdir_lock.release()
+        sv._logdir_lock = None
