@@ -156,3 +156,49 @@ def test_a_directory_that_cannot_hold_the_lock_file_is_written_unlocked(tmp_path
         prefix = Saver().save(Session({"w": torch.zeros(1)}), str(tmp_path / "m"), 1)
     assert CheckpointReader(prefix).global_step == 1
     assert "without a writer lock" in caplog.text
+
+
+_TRY_LOCK = """
+import sys
+from torchsupervisor.errors import LogdirLockedError
+from torchsupervisor.storage import lock
+try:
+    lock.acquire(sys.argv[1])
+except LogdirLockedError:
+    print("LOCKED")
+"""
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo"])
+def test_a_lock_file_that_names_something_else_is_replaced_never_written_through(
+    tmp_path, kind, caplog
+):
+    # A logdir unpacked from an archive: the lock file's name is a link to a file of the
+    # user's. O_CREAT followed it, and the writer truncated and overwrote that file.
+    logdir, outside = tmp_path / "run", tmp_path / "precious.txt"
+    logdir.mkdir()
+    outside.write_text("the user's own file\n")
+    lock_path = logdir / writer_lock.LOCK_FILENAME
+    if kind == "symlink":
+        lock_path.symlink_to(outside)
+    elif kind == "hardlink":
+        os.link(outside, lock_path)
+    else:
+        os.mkfifo(lock_path)
+    with caplog.at_level("WARNING", logger="torchsupervisor"):
+        sv = _supervisor(logdir)
+        with sv.managed_session():
+            assert outside.read_text() == "the user's own file\n"
+            assert lock_path.is_file() and not lock_path.is_symlink()
+            assert os.stat(lock_path).st_nlink == 1
+            # (Read through the held descriptor: closing another one drops a record lock.)
+            assert writer_lock.read_owner(str(logdir))["pid"] == os.getpid()
+            other = subprocess.run(  # And it is a lock all the same.
+                [sys.executable, "-c", _TRY_LOCK, str(logdir)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert other.stdout.strip() == "LOCKED", other.stderr
+    assert outside.read_text() == "the user's own file\n"
+    assert f"{lock_path} is " in caplog.text and "replaced by a lock file" in caplog.text

@@ -8,14 +8,16 @@ writer lock first, and a second process fails at once with ``LogdirLockedError``
 holder (pid, host, since when, command).
 
 The lock is a POSIX record lock (``fcntl.lockf(LOCK_EX | LOCK_NB)``) on
-``<directory>/.torchsupervisor-writer.lock``: the kernel drops it when the holding process
-ends, however it ends (``kill -9`` included), so a crashed run never blocks its own restart,
-and no stale-lock guessing is needed. Unlike ``flock``, a record lock is not inherited by
-forked children: data-loading workers that outlive a killed trainer by a few seconds do not
-keep its lock. (A record lock is also dropped when its process closes any descriptor of the
-file, so this module keeps the process's only one open.) The file's content (JSON: pid, host,
-since, command) only serves the error message. Readers (``ls``, ``verify``, TensorBoard,
-``CheckpointReader``) never touch the lock.
+``<directory>/.torchsupervisor-writer.lock``, a regular file of its own: a symbolic link, a
+hard link or a special file found under that name (a logdir unpacked from an archive) is
+replaced, never followed, so the writer never truncates or writes anything outside it. The
+kernel drops the lock when the holding process ends, however it ends (``kill -9`` included), so
+a crashed run never blocks its own restart, and no stale-lock guessing is needed. Unlike
+``flock``, a record lock is not inherited by forked children: data-loading workers that outlive
+a killed trainer by a few seconds do not keep its lock. (A record lock is also dropped when its
+process closes any descriptor of the file, so this module keeps the process's only one open.)
+The file's content (JSON: pid, host, since, command) only serves the error message. Readers
+(``ls``, ``verify``, TensorBoard, ``CheckpointReader``) never touch the lock.
 
 Within one process the lock is shared and counted: the Supervisor and its Saver, or a user's
 extra ``sv.saver.save`` into the logdir, are one writer. Where the lock cannot be taken for a
@@ -35,6 +37,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import sys
 import threading
 from dataclasses import dataclass
@@ -128,10 +131,75 @@ def acquire(directory: str) -> DirectoryLock:
     return DirectoryLock(key, directory)
 
 
+_OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_OPEN_ATTEMPTS = 8
+
+
+def _open_lock_file(path: str) -> int:
+    """Open the lock file ``path`` of a directory, never anything it points to.
+
+    A log directory may come from an archive: a symbolic link, a hard link or a special file
+    in the lock file's place would make the writer truncate and overwrite whatever it names
+    (``O_CREAT`` follows links). Such a file is replaced by a regular file of our own
+    (removing a link does not touch its target).
+
+    Raises:
+        OSError: If it cannot be opened or replaced.
+    """
+    for _ in range(_OPEN_ATTEMPTS):
+        try:
+            fd = os.open(path, _OPEN_FLAGS, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP:  # ELOOP: the name is a symbolic link.
+                raise
+            _replace(path, "a symbolic link")
+            continue
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+            return fd
+        os.close(fd)
+        _replace(path, "a hard link" if stat.S_ISREG(info.st_mode) else "not a regular file")
+    raise OSError(errno.ELOOP, "replaced too often by someone else", path)
+
+
+def _replace(path: str, what: str) -> None:
+    logger.warning(
+        "%s is %s: it is replaced by a lock file of its own (nothing it names is touched)",
+        path,
+        what,
+    )
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _still_named(path: str, fd: int) -> bool:
+    """True if ``path`` still names the file open as ``fd`` (not replaced meanwhile)."""
+    try:
+        named = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
 def _lock_file(directory: str) -> int | None:
     path = os.path.join(directory, LOCK_FILENAME)
+    for _ in range(_OPEN_ATTEMPTS):
+        fd = _lock_named_file(directory, path)
+        # A lock on a file that another starting writer replaced (unlinked) locks nothing:
+        # take it again on the file the name stands for now.
+        if fd is None or _still_named(path, fd):
+            return fd
+        os.close(fd)
+    logger.warning("Writing to %s without a writer lock: %s keeps being replaced", directory, path)
+    return None
+
+
+def _lock_named_file(directory: str, path: str) -> int | None:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = _open_lock_file(path)
     except OSError as e:
         logger.warning(
             "Writing to %s without a writer lock: %s cannot be opened: %s", directory, path, e
@@ -189,7 +257,8 @@ def read_owner(directory: str) -> dict[str, object]:
         if held is not None and held.fd is not None and held.pid == os.getpid():
             return _read_fd(held.fd)  # Closing another descriptor would drop our lock.
     try:
-        fd = os.open(os.path.join(directory, LOCK_FILENAME), os.O_RDONLY | os.O_NONBLOCK)
+        path = os.path.join(directory, LOCK_FILENAME)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         return {}
     try:
