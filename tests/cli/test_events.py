@@ -148,7 +148,7 @@ def test_truncated_file_and_missing_events(tmp_path, capsys):
         f.truncate(os.path.getsize(path) - 3)  # the last record is cut
     status, out, _ = cli(capsys, "events", str(tmp_path / "run"))
     assert status == 0
-    assert "reading stopped at a damaged or truncated record" in out
+    assert "truncated record at byte offset" in out and "; read up to there" in out
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
     assert lines["x"][2:5] == ["2", "1", "2"]  # TensorBoard too reads what precedes the cut
     os.makedirs(tmp_path / "empty")
@@ -172,3 +172,67 @@ def test_an_events_file_that_is_not_a_regular_file_is_an_error_not_a_hang(tmp_pa
     assert "is not a regular file" in err
     with pytest.raises(NotRegularFileError):
         list(summary_iterator(str(path)))
+
+
+def _crafted_file(logdir, last: bytes | None = None, claim: int | None = None) -> tuple[str, int]:
+    """An events file with points at steps 1-3, then a crafted record: ``last`` (a payload
+    with valid framing), or a header claiming ``claim`` bytes (valid length checksum) in a
+    file made 1 GiB long (sparse)."""
+    from tensorboard.compat.proto import event_pb2
+
+    from torchsupervisor.summary.records import encode_record, masked_crc32c
+
+    os.makedirs(logdir, exist_ok=True)
+    path = os.path.join(logdir, "events.out.tfevents.1700000000.crafted")
+    with open(path, "wb") as f:
+        f.write(encode_record(event_pb2.Event(file_version="brain.Event:2").SerializeToString()))
+        for step in (1, 2, 3):
+            event = event_pb2.Event(step=step, wall_time=1.0)
+            event.summary.value.add(tag="x", simple_value=float(step))
+            f.write(encode_record(event.SerializeToString()))
+        good = f.tell()
+        if last is not None:
+            f.write(encode_record(last))
+        else:
+            header = claim.to_bytes(8, "little")
+            f.write(header + masked_crc32c(header).to_bytes(4, "little"))
+            f.truncate(1 << 30)
+    return path, good
+
+
+def _garbage_meta_graph() -> bytes:
+    from tensorboard.compat.proto import event_pb2
+
+    return event_pb2.Event(step=4, meta_graph_def=b"\xff\x00not a MetaGraphDef").SerializeToString()
+
+
+@pytest.mark.parametrize(
+    "crafted",
+    [b"\xff\xff\xff\xff not an Event", _garbage_meta_graph()],
+    ids=["not-an-event", "bad-meta-graph"],
+)
+def test_a_record_tensorboards_loader_cannot_take_is_named_and_skipped(tmp_path, capsys, crafted):
+    # Both records crashed the command inside TensorBoard's loader (DecodeError).
+    path, offset = _crafted_file(str(tmp_path / "run"), last=crafted)
+    status, out, _ = cli(capsys, "events", str(tmp_path / "run"))
+    assert status == 0
+    assert f"at byte offset {offset} in {path} is not a valid Event" in out
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert lines["x"][1:5] == ["scalar", "3", "1", "3"]  # What precedes it, as TensorBoard.
+
+
+def test_a_crafted_record_length_costs_neither_memory_nor_time(tmp_path, capsys):
+    # A 1 GiB file whose record claims 900 MiB: 3.9 GB and 300 s for the command before.
+    import time
+    import tracemalloc
+
+    path, offset = _crafted_file(str(tmp_path / "run"), claim=900 << 20)
+    tracemalloc.start()
+    start = time.monotonic()
+    try:
+        status, out, _ = cli(capsys, "events", str(tmp_path / "run"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert status == 0 and f"corrupted record at byte offset {offset} in {path}" in out
+    assert peak < 64 << 20 and time.monotonic() - start < 60

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import io
 import struct
+import tracemalloc
 
 import crc32c
 import pytest
@@ -127,5 +128,22 @@ def test_huge_declared_length_does_not_allocate(tmp_path):
     data = header + struct.pack("<I", records.masked_crc32c(header)) + b"short"
     path = tmp_path / "huge"
     path.write_bytes(data)
-    with pytest.raises(errors.DataLossError, match="truncated"):
+    with pytest.raises(errors.DataLossError, match="more than the 268435456 bytes a record"):
         list(records.read_records(path))
+
+
+def test_a_length_beyond_the_rest_of_the_file_is_damage_found_before_reading(tmp_path):
+    # A crafted length with a valid length checksum: a 1 GiB (sparse) file claiming 200 MiB
+    # past its end allocated what it claimed before finding the file too short.
+    header = struct.pack("<Q", 200 << 20)
+    path = tmp_path / "crafted"
+    with open(path, "wb") as f:
+        f.write(header + struct.pack("<I", records.masked_crc32c(header)) + b"x" * 100)
+    tracemalloc.start()
+    try:
+        with pytest.raises(errors.DataLossError, match="claims 209715200 bytes of payload"):
+            list(records.read_records(path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20

@@ -264,3 +264,30 @@ def test_a_monitored_training_session_killed_and_resumed_shows_each_step_once(tm
     assert match, text
     stopped, lost = map(int, match.groups())
     assert marker == (restored, float(lost)) and lost == stopped - restored > 0
+
+
+def test_a_crafted_record_length_in_an_older_file_costs_a_restart_no_memory(tmp_path):
+    # A 1 GiB file whose record claims 900 MiB (a valid length checksum): the restart's read
+    # of the older files peaked at 2.1 GB.
+    import tracemalloc
+
+    from torchsupervisor.summary.records import masked_crc32c
+
+    logdir = str(tmp_path)
+    _crashed_run(logdir)
+    (path,) = [os.path.join(logdir, n) for n in os.listdir(logdir) if ".tfevents." in n]
+    with open(path, "ab") as f:
+        header = (900 << 20).to_bytes(8, "little")
+        f.write(header + masked_crc32c(header).to_bytes(4, "little"))
+        f.truncate(1 << 30)  # Sparse.
+    tracemalloc.start()
+    try:
+        lost = drop_lost_segment(storage_for(logdir), logdir, RESTORED, set())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20
+    # What precedes the damage is kept (the lost segment removed), the damage is cut off.
+    assert lost.files == [path] and lost.steps_lost == KILLED_AFTER - RESTORED
+    assert os.path.getsize(path) < 1 << 20
+    assert [s for s, _ in _points(logdir, "loss")] == list(range(RESTORED + 1))

@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import csv
 import fnmatch
+import io
 import logging
 import os
 import sys
@@ -27,16 +28,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensorboard.compat.proto.event_pb2 import SessionLog
+from google.protobuf.message import DecodeError
+from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
 from torchsupervisor.cli._format import local_time, print_table, short_value
 from torchsupervisor.errors import DataLossError, NotFoundError
 from torchsupervisor.storage import BY_PATH, NotRegularFileError
 from torchsupervisor.storage import paths as url_paths
-from torchsupervisor.summary.reader import summary_iterator
+from torchsupervisor.summary.records import HEADER_BYTES, iter_records_with_offsets
 from torchsupervisor.summary.restarts import STEPS_LOST_TAG
 
 _COPY_BYTES = 8 << 20
+_FOOTER_BYTES = 4  # A record's payload checksum, after the payload.
 
 __all__ = ["HELP", "add_arguments", "read_runs", "run"]
 
@@ -88,7 +91,7 @@ class Run:
     series: list[Series]
     sessions: list[tuple[int, int, float]]  # (status, step, wall time) of START/STOP events
     checkpoints: list[int]  # steps of the CHECKPOINT events
-    damaged: list[str]  # files whose reading stopped at a damaged record
+    damaged: list[str]  # "<file>: <what is wrong, and where>" of each damaged file
     restarts: list[tuple[int, float]] = field(default_factory=list)  # (step, steps lost)
 
 
@@ -113,31 +116,73 @@ def _run_dirs(logdir: str) -> list[str]:
     return [os.path.join(logdir, d) if d else logdir for d in sorted(found)]
 
 
-def _session_logs(
-    paths: list[str], damaged: list[str]
-) -> tuple[list, list[int], list[tuple[int, float]]]:
-    """The START/STOP events, the CHECKPOINT steps, and the restarts recorded (their
-    ``torchsupervisor/steps_lost`` points: the restored step, the logged steps lost)."""
-    sessions, checkpoints, restarts = [], [], []
+@dataclass
+class _Scan:
+    """What one pass of our own bounded reader found in a run's events files."""
+
+    sessions: list[tuple[int, int, float]] = field(default_factory=list)
+    checkpoints: list[int] = field(default_factory=list)
+    restarts: list[tuple[int, float]] = field(default_factory=list)
+    damaged: list[str] = field(default_factory=list)  # "<file>: <what>" of each damaged file
+    valid_bytes: dict[str, int] = field(default_factory=dict)  # damaged file -> its intact prefix
+
+
+def _scan(paths: list[str]) -> _Scan:
+    """Read every record once, bounded (``records.MAX_RECORD_BYTES``, the rest of the file):
+    the START/STOP events, the CHECKPOINT steps, the restarts recorded (their
+    ``torchsupervisor/steps_lost`` points), and where each file is damaged.
+
+    A record is damage if its framing is (a truncated or corrupt record, a length beyond the
+    file or the cap), if it is not an ``Event``, or if it holds a part TensorBoard's loader
+    parses and cannot (a ``meta_graph_def``). TensorBoard is then given the file's intact
+    prefix only, as its loader stops at a damaged record itself: it never sees a record that
+    would make it crash or allocate what a crafted length claims.
+    """
+    found = _Scan()
     for path in paths:
+        intact = 0  # The end of the last sound record.
         try:
-            for event in summary_iterator(path):
-                if event.HasField("summary"):
-                    restarts.extend(
-                        (event.step, v.simple_value)
-                        for v in event.summary.value
-                        if v.tag == STEPS_LOST_TAG
-                    )
-                if not event.HasField("session_log"):
-                    continue
-                status = event.session_log.status
-                if status in (SessionLog.START, SessionLog.STOP):
-                    sessions.append((status, event.step, event.wall_time))
-                elif status == SessionLog.CHECKPOINT:
-                    checkpoints.append(event.step)
-        except DataLossError:
-            damaged.append(path)  # TensorBoard too stops at a damaged or truncated record
-    return sessions, checkpoints, restarts
+            readable = BY_PATH.open_read(path)
+            with io.BufferedReader(readable.stream()) as f:
+                for offset, payload in iter_records_with_offsets(f, path, readable.size):
+                    _note(found, _event(payload, path, offset))
+                    intact = offset + HEADER_BYTES + len(payload) + _FOOTER_BYTES
+            continue
+        except DataLossError as e:
+            found.damaged.append(e.message)  # It names the file and the offset.
+        except OSError as e:
+            found.damaged.append(f"{path} cannot be read: {e}")
+        found.valid_bytes[path] = intact
+    return found
+
+
+def _event(payload: bytes, path: str, offset: int) -> Any:
+    """Parse a record as an ``Event``, and the parts TensorBoard's loader parses at once."""
+    from tensorboard.compat.proto import meta_graph_pb2
+
+    try:
+        event = Event.FromString(payload)
+        if event.HasField("meta_graph_def"):
+            meta_graph_pb2.MetaGraphDef.FromString(event.meta_graph_def)
+    except DecodeError as e:
+        raise DataLossError(
+            f"record at byte offset {offset} in {path} is not a valid Event: {e}"
+        ) from None
+    return event
+
+
+def _note(found: _Scan, event: Any) -> None:
+    if event.HasField("summary"):
+        found.restarts.extend(
+            (event.step, v.simple_value) for v in event.summary.value if v.tag == STEPS_LOST_TAG
+        )
+    if not event.HasField("session_log"):
+        return
+    status = event.session_log.status
+    if status in (SessionLog.START, SessionLog.STOP):
+        found.sessions.append((status, event.step, event.wall_time))
+    elif status == SessionLog.CHECKPOINT:
+        found.checkpoints.append(event.step)
 
 
 def _keep(tag: str, patterns: list[str] | None) -> bool:
@@ -165,22 +210,23 @@ class _RestartWarnings(logging.Filter):
 
 
 @contextlib.contextmanager
-def _readable_by_tensorboard(path: str) -> Iterator[str]:
-    """``path`` itself if local; for a URL, a temporary local copy of its events files,
-    read through our storage (so any store we reach, with its ``configure`` options:
-    TensorBoard's own file layer knows only some schemes and the standard environment)."""
-    if not url_paths.is_url(path):
+def _readable_by_tensorboard(path: str, files: list[str], scan: _Scan) -> Iterator[str]:
+    """A directory TensorBoard's loader may read: ``path`` itself if local and intact; else a
+    temporary directory holding a copy of each events file (read through our storage, so any
+    store we reach, with its ``configure`` options: TensorBoard's own file layer knows only
+    some schemes and the standard environment), of a damaged file its intact prefix only."""
+    if not url_paths.is_url(path) and not scan.valid_bytes:
         yield path
         return
     with tempfile.TemporaryDirectory(prefix="torchsupervisor-events-") as local:
-        for name in BY_PATH.list(path):
-            if "tfevents" in name:
-                source = os.path.join(path, name)
-                size = BY_PATH.size(source)
-                with BY_PATH.open_read(source) as f, open(os.path.join(local, name), "wb") as out:
+        for source in files:
+            size = scan.valid_bytes.get(source)
+            with BY_PATH.open_read(source) as f:
+                end = f.size if size is None else size
+                with open(os.path.join(local, os.path.basename(source)), "wb") as out:
                     offset = 0
-                    while offset < size:
-                        view = memoryview(bytearray(min(_COPY_BYTES, size - offset)))
+                    while offset < end:
+                        view = memoryview(bytearray(min(_COPY_BYTES, end - offset)))
                         n = f.readinto(view, offset)
                         if n <= 0:
                             break
@@ -190,12 +236,26 @@ def _readable_by_tensorboard(path: str) -> Iterator[str]:
 
 
 def read_run(path: str, name: str, patterns: list[str] | None = None) -> Run:
-    """Read one run directory with TensorBoard's ``EventAccumulator``."""
-    with _readable_by_tensorboard(path) as local:
-        return _read_run(local, path, name, patterns)
+    """Read one run directory with TensorBoard's ``EventAccumulator``.
+
+    Damaged files are reported (``Run.damaged``: the file and what is wrong, with the byte
+    offset) and read up to their damage, as TensorBoard reads them. Should TensorBoard's
+    loader still fail, the run is reported with that error and no series.
+    """
+    files = sorted(os.path.join(path, n) for n in BY_PATH.list(path) if "tfevents" in n)
+    scan = _scan(files)
+    with _readable_by_tensorboard(path, files, scan) as local:
+        try:
+            series = _read_series(local, patterns)
+        except Exception as e:  # A record we found sound that TensorBoard cannot take.
+            scan.damaged.append(f"TensorBoard's loader failed: {type(e).__name__}: {e}")
+            series = []
+    return Run(
+        name, path, files, series, scan.sessions, scan.checkpoints, scan.damaged, scan.restarts
+    )
 
 
-def _read_run(local: str, path: str, name: str, patterns: list[str] | None) -> Run:
+def _read_series(local: str, patterns: list[str] | None) -> list[Series]:
     from tensorboard.backend.event_processing import event_accumulator as ea
 
     acc = ea.EventAccumulator(
@@ -260,10 +320,7 @@ def _read_run(local: str, path: str, name: str, patterns: list[str] | None) -> R
         if s.kind == "scalar" and s.values:
             s.last = short_value(s.values[-1])
     series.sort(key=lambda s: s.tag)
-    files = sorted(os.path.join(path, n) for n in BY_PATH.list(path) if "tfevents" in n)
-    damaged: list[str] = []
-    sessions, checkpoints, restarts = _session_logs(files, damaged)
-    return Run(name, path, files, series, sessions, checkpoints, damaged, restarts)
+    return series
 
 
 def read_runs(logdir: str, patterns: list[str] | None = None) -> list[Run]:
@@ -305,8 +362,8 @@ def print_runs(runs: list[Run]) -> None:
             print(
                 f"  checkpoints: {len(run_.checkpoints)}, the last at step {run_.checkpoints[-1]}"
             )
-        for path in run_.damaged:
-            print(f"  {os.path.basename(path)}: reading stopped at a damaged or truncated record")
+        for what in run_.damaged:
+            print(f"  {what}; read up to there")
         rows = [
             [
                 s.tag,

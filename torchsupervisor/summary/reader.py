@@ -40,8 +40,9 @@ def summary_iterator(path: str | os.PathLike[str]) -> Iterator[event_pb2.Event]:
     TF name: ``tf.compat.v1.train.summary_iterator``.
     """
     name = os.fspath(path)
-    with io.BufferedReader(storage_for(name).open_read(name).stream()) as f:  # Never a FIFO.
-        for offset, payload in records.iter_records_with_offsets(f, name):
+    readable = storage_for(name).open_read(name)  # Never a FIFO.
+    with io.BufferedReader(readable.stream()) as f:
+        for offset, payload in records.iter_records_with_offsets(f, name, readable.size):
             try:
                 event = event_pb2.Event.FromString(payload)
             except DecodeError as e:

@@ -33,6 +33,7 @@ from torchsupervisor.storage import storage_for
 __all__ = [
     "HEADER_BYTES",
     "MASK_DELTA",
+    "MAX_RECORD_BYTES",
     "encode_record",
     "encode_records",
     "iter_records",
@@ -56,8 +57,15 @@ _unpack_header = struct.Struct("<QI").unpack
 _unpack_u32 = struct.Struct("<I").unpack
 _crc = _crc32c.crc32c
 
-# Largest read issued at once while reading a payload, so that a corrupt (but checksum-valid)
-# length cannot make the reader allocate an absurd buffer before it sees the end of the file.
+MAX_RECORD_BYTES = 256 << 20
+"""The largest payload a reader accepts (256 MiB): a record that claims more is damage.
+
+An events record is one ``Event``: a scalar takes tens of bytes, an image or a histogram
+kilobytes to a few megabytes. A crafted length with a valid length checksum would otherwise
+make a reader allocate what it claims (a 1 GiB file claiming 900 MiB: 2-3 GB of memory)."""
+
+# Largest read issued at once while reading a payload of a stream whose size is unknown: the
+# buffer grows only as bytes actually arrive.
 _READ_CHUNK_BYTES = 16 << 20
 
 
@@ -120,23 +128,49 @@ def encode_records(payloads: Iterable[bytes]) -> bytes:
     return b"".join([encode_record(p) for p in payloads])
 
 
-def _read_exact(f: BinaryIO, n: int) -> bytes:
-    """Read up to ``n`` bytes, in bounded chunks; fewer only at end of file."""
-    if n <= _READ_CHUNK_BYTES:
-        return f.read(n)
-    parts = []
-    remaining = n
-    while remaining > 0:
-        chunk = f.read(min(remaining, _READ_CHUNK_BYTES))
+def _read_exact(f: BinaryIO, n: int, known: bool) -> bytearray:
+    """Read up to ``n`` bytes into one buffer; fewer only at end of file.
+
+    ``known``: ``n`` bytes are known to be there (checked against the file's size), so the
+    buffer is allocated at once; otherwise it grows by bounded chunks as bytes arrive.
+    """
+    if known:
+        buffer = bytearray(n)
+        view = memoryview(buffer)
+        got = 0
+        while got < n:
+            k = f.readinto(view[got:])  # type: ignore[attr-defined]
+            if not k:
+                break
+            got += k
+        del view
+        if got < n:
+            del buffer[got:]
+        return buffer
+    buffer = bytearray()
+    while len(buffer) < n:
+        chunk = f.read(min(n - len(buffer), _READ_CHUNK_BYTES))
         if not chunk:
             break
-        parts.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(parts)
+        buffer += chunk
+    return buffer
 
 
-def iter_records_with_offsets(f: BinaryIO, name: str) -> Iterator[tuple[int, bytes]]:
-    """``iter_records`` with each record's byte offset: ``(offset, payload)`` pairs."""
+def iter_records_with_offsets(
+    f: BinaryIO, name: str, size: int | None = None
+) -> Iterator[tuple[int, bytes]]:
+    """``iter_records`` with each record's byte offset: ``(offset, payload)`` pairs.
+
+    Args:
+        f: The file, positioned at the start of a record.
+        name: The file's name, for messages.
+        size: The bytes from where ``f`` starts to the end of the file, if known: a record
+            that claims more than remains is damage, found before anything is read.
+
+    Memory: a record is read into one buffer of its size, at most ``MAX_RECORD_BYTES``
+    (and never more than what remains of the file, when ``size`` is known), then copied
+    once into the payload returned.
+    """
     offset = 0
     while True:
         header = f.read(HEADER_BYTES)
@@ -153,19 +187,32 @@ def iter_records_with_offsets(f: BinaryIO, name: str) -> Iterator[tuple[int, byt
                 f"corrupted record at byte offset {offset} in {name}: "
                 "checksum mismatch of the length field"
             )
-        body = _read_exact(f, length + _FOOTER_BYTES)
+        remaining = None if size is None else size - offset - HEADER_BYTES - _FOOTER_BYTES
+        if length > MAX_RECORD_BYTES:
+            raise errors.DataLossError(
+                f"corrupted record at byte offset {offset} in {name}: it claims {length} "
+                f"bytes, more than the {MAX_RECORD_BYTES} bytes a record may hold"
+            )
+        if remaining is not None and length > remaining:
+            raise errors.DataLossError(
+                f"truncated record at byte offset {offset} in {name}: it claims {length} "
+                f"bytes of payload, the file has {max(remaining, 0)} left"
+            )
+        body = _read_exact(f, length + _FOOTER_BYTES, known=remaining is not None)
         if len(body) < length + _FOOTER_BYTES:
             raise errors.DataLossError(
                 f"truncated record at byte offset {offset} in {name}: expected "
                 f"{length + _FOOTER_BYTES} bytes of payload and checksum, got {len(body)}"
             )
-        data = body[:length]
-        (data_crc,) = _unpack_u32(body[length:])
-        if masked_crc32c(data) != data_crc:
+        view = memoryview(body)
+        (data_crc,) = _unpack_u32(view[length:])
+        if masked_crc32c(view[:length]) != data_crc:
             raise errors.DataLossError(
                 f"corrupted record at byte offset {offset} in {name}: "
                 "checksum mismatch of the payload"
             )
+        data = bytes(view[:length])
+        del view, body  # One copy at a time: the buffer goes before the payload is used.
         yield offset, data
         offset += HEADER_BYTES + length + _FOOTER_BYTES
 
@@ -209,5 +256,7 @@ def read_records(path: str | os.PathLike[str]) -> Iterator[bytes]:
             ``storage.NotRegularFileError``, raised before anything is read).
     """
     name = os.fspath(path)
-    with io.BufferedReader(storage_for(name).open_read(name).stream()) as f:  # Never a FIFO.
-        yield from iter_records(f, name)
+    readable = storage_for(name).open_read(name)  # Never a FIFO.
+    with io.BufferedReader(readable.stream()) as f:
+        for _offset, data in iter_records_with_offsets(f, name, readable.size):
+            yield data

@@ -183,7 +183,7 @@ def _prune(
         raw = readable.stream()  # Kept: closing (or collecting) it closes ``readable``.
         f = io.BufferedReader(raw)
         try:
-            for offset, data in iter_records_with_offsets(f, path):
+            for offset, data in iter_records_with_offsets(f, path, readable.size):
                 event = event_pb2.Event.FromString(data)
                 found.earlier = found.earlier or not event.HasField("file_version")
                 if event.HasField("summary") and (
