@@ -26,7 +26,50 @@ def _mts(tmp_path, **kwargs):
     return ts.MonitoredTrainingSession(checkpoint_dir=str(tmp_path), state=STATE, **kwargs)
 
 
+def _creator_scaffold(d, v):
+    return ts.ChiefSessionCreator(scaffold=v)
+
+
 CASES = [
+    # Objects in the wrong place: an AttributeError from deep inside, naming nothing.
+    ("ChiefSessionCreator", _creator_scaffold, "scaffold", 3, TypeError),
+    ("ChiefSessionCreator", lambda d, v: ts.ChiefSessionCreator(state=v), "state", [1], TypeError),
+    ("Scaffold", lambda d, v: ts.Scaffold(state=v), "state", "model", TypeError),
+    (
+        "MonitoredSession",
+        lambda d, v: ts.MonitoredSession(session_creator=v),
+        "session_creator",
+        "chief",
+        TypeError,
+    ),
+    ("MonitoredSession", lambda d, v: ts.MonitoredSession(hooks=v), "hooks", 5, TypeError),
+    ("Supervisor", lambda d, v: _supervisor(d, graph=v), "graph", "g", TypeError),
+    ("Saver", lambda d, v: ts.Saver(clock=v), "clock", 1.5, TypeError),
+    ("Coordinator", lambda d, v: ts.Coordinator(clock=v), "clock", "now", TypeError),
+    ("Session", lambda d, v: ts.Session(master=v), "master", 7, TypeError),
+    ("Session", lambda d, v: ts.Session(device=v), "device", -7, ValueError),
+    ("CheckpointReader", lambda d, v: ts.CheckpointReader(v), "prefix", 7, TypeError),
+    ("GlobalStep", lambda d, v: ts.GlobalStep(name=v), "name", 7, TypeError),
+    ("RNGState", lambda d, v: ts.RNGState(rank=v), "rank", "0", TypeError),
+    ("InputPipelineState", lambda d, v: ts.InputPipelineState(v), "collection", 7, TypeError),
+    ("PreemptionHandler", lambda d, v: ts.PreemptionHandler(v), "signals", 15, TypeError),
+    (
+        "IgnorePreemptionSignals",
+        lambda d, v: ts.IgnorePreemptionSignals(v),
+        "worker_init_fn",
+        3,
+        TypeError,
+    ),
+    ("Progress", lambda d, v: ts.Progress(refresh_secs=v), "refresh_secs", "fast", TypeError),
+    ("Progress", lambda d, v: ts.Progress(last_step=v), "last_step", "1000", TypeError),
+    ("ResumableDataLoader", lambda d, v: ts.ResumableDataLoader(v), "dataset", 7, TypeError),
+    (
+        "SecondOrStepTimer",
+        lambda d, v: ts.SecondOrStepTimer(every_secs=v),
+        "every_secs",
+        "5",
+        TypeError,
+    ),
     # (what, build(tmp_path, value), argument, value, error)
     ("Saver", lambda d, v: ts.Saver(max_to_keep=v), "max_to_keep", -1, ValueError),
     ("Saver", lambda d, v: ts.Saver(max_to_keep=v), "max_to_keep", 2.5, TypeError),

@@ -37,6 +37,7 @@ from torchsupervisor.checkpoint.sharded.metadata import (
     ShardedManifest,
     ShardedTensorEntry,
 )
+from torchsupervisor.core.checks import check_path
 from torchsupervisor.core.state import TensorSpec
 from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
@@ -87,6 +88,7 @@ class CheckpointReader:
     """
 
     def __init__(self, prefix: str, *, storage: Storage = BY_PATH) -> None:
+        prefix = check_path("prefix", prefix, allow_none=False)
         self._prefix = prefix
         self._storage = storage
         self._dir = os.path.dirname(prefix)

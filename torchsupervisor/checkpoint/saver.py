@@ -38,7 +38,13 @@ from torchsupervisor.checkpoint.saver_sharded import ShardedSaves
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
 from torchsupervisor.checkpoint.snapshot import Snapshot
 from torchsupervisor.checkpoint.writers import SaveStats, SaveTarget, ShardedWriter, SnapshotWriter
-from torchsupervisor.core.checks import check_bool, check_int, check_number, check_str
+from torchsupervisor.core.checks import (
+    check_bool,
+    check_clock,
+    check_int,
+    check_number,
+    check_str,
+)
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import read_checkpoint_step, read_step
 from torchsupervisor.core.state import (
@@ -206,7 +212,7 @@ class Saver(ShardedSaves):
         self._allow_empty = allow_empty
         self._pad_step_number = pad_step_number
         self._storage = storage or BY_PATH
-        self._clock = clock or REAL_CLOCK
+        self._clock = check_clock("clock", clock) or REAL_CLOCK
         self._lock = threading.Lock()
         self._keeper = Keeper(
             self._storage,

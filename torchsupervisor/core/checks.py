@@ -29,7 +29,10 @@ from typing import Any
 
 __all__ = [
     "check_bool",
+    "check_clock",
+    "check_duck",
     "check_int",
+    "check_iterable",
     "check_number",
     "check_path",
     "check_signals",
@@ -194,3 +197,47 @@ def check_signals(name: str, value: Any) -> tuple[int, ...]:
         except ValueError:
             raise ValueError(f"{name}: {item!r} is not a signal of this platform") from None
     return tuple(out)
+
+
+def check_duck(
+    name: str, value: Any, methods: tuple[str, ...], expected: str, *, allow_none: bool = True
+) -> Any:
+    """Return ``value`` after checking it has the callable attributes ``methods``.
+
+    Args:
+        name: The argument's name, for the message.
+        value: The value given.
+        methods: The methods it must have (``("create_session",)``).
+        expected: What it should be, for the message (``"a SessionCreator"``).
+        allow_none: Accept None (returned as None).
+
+    Raises:
+        TypeError: A method is missing, naming the argument, the value and what was expected.
+    """
+    if value is None and allow_none:
+        return None
+    if not all(callable(getattr(value, m, None)) for m in methods):
+        raise _type_error(name, expected, value, allow_none)
+    return value
+
+
+def check_clock(name: str, value: Any) -> Any:
+    """Return ``value`` (None or a ``core.clock.Clock``-like object) after checking it.
+
+    Raises:
+        TypeError: It lacks ``time``, ``monotonic``, ``sleep`` or ``wait``.
+    """
+    return check_duck(name, value, ("time", "monotonic", "sleep", "wait"), "a Clock")
+
+
+def check_iterable(name: str, value: Any, *, allow_none: bool = True) -> Any:
+    """Return ``value`` after checking it is None or an iterable other than a string.
+
+    Raises:
+        TypeError: Not iterable, or a string.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise _type_error(name, "a list", value, allow_none)
+    return value

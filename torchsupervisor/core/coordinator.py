@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import Any, NoReturn, TypeAlias
 
 from torchsupervisor import errors
+from torchsupervisor.core.checks import check_clock
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 
 __all__ = ["Coordinator", "LooperThread"]
@@ -107,7 +108,7 @@ class Coordinator:
         else:
             types = _as_exception_types(clean_stop_exception_types)
         self._clean_stop_exception_types: tuple[type[BaseException], ...] = types
-        self._clock = REAL_CLOCK if clock is None else clock
+        self._clock = REAL_CLOCK if clock is None else check_clock("clock", clock)
         # Reentrant so that a signal handler calling request_stop() on a thread that is
         # already inside request_stop() cannot deadlock.
         self._lock = threading.RLock()

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from torchsupervisor.core.checks import check_str
 from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
 
 __all__ = [
@@ -51,7 +52,7 @@ class GlobalStep:
 
     def __init__(self, value: int = 0, name: str = "global_step") -> None:
         self._value = _as_int(value, "value")
-        self.name = name
+        self.name = check_str("name", name, allow_empty=False)
 
     @property
     def value(self) -> int:

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchsupervisor.core.checks import check_int
+
 __all__ = ["RNGState", "rank_rng_state", "rank_seed"]
 
 
@@ -152,7 +154,7 @@ class RNGState:
     """
 
     def __init__(self, rank: int | None = None) -> None:
-        self.rank = rank
+        self.rank = check_int("rank", rank, allow_none=True)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the current states of every global generator (see the class docstring)."""

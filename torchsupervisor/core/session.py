@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from torchsupervisor.core.boundary import StepBoundary
+from torchsupervisor.core.checks import check_state
 from torchsupervisor.core.global_step import GlobalStep
 from torchsupervisor.distributed.env import connect
 
@@ -54,11 +55,17 @@ class Session:
         *,
         device: torch.device | str | None = None,
     ) -> None:
+        if not isinstance(master, (str, bytes)):
+            raise TypeError(f"master must be a string, got {master!r} ({type(master).__name__})")
+        check_state("state", state)
+        try:
+            self._device = torch.device(device) if device is not None else torch.device("cpu")
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device: {device!r} is not a torch device: {e}") from None
         connect(master)  # Joins the process group of a distributed master (once).
         self._state = {} if state is None else state
         self._master = master
         self._config = config
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._closed = False
         self.boundary = StepBoundary()
         self.restored_checkpoint: str | None = None

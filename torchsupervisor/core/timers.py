@@ -12,6 +12,7 @@ TF names: ``tf.compat.v1.train.SecondOrStepTimer``, ``NeverTriggerTimer`` (inter
 
 from __future__ import annotations
 
+from torchsupervisor.core.checks import check_clock, check_int, check_number
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 
 __all__ = ["NeverTriggerTimer", "SecondOrStepTimer"]
@@ -47,6 +48,9 @@ class SecondOrStepTimer:
         *,
         clock: Clock | None = None,
     ) -> None:
+        every_secs = check_number("every_secs", every_secs, allow_none=True)
+        every_steps = check_int("every_steps", every_steps, allow_none=True)
+        check_clock("clock", clock)
         if every_secs is None and every_steps is None:
             raise ValueError("Either every_secs or every_steps should be provided.")
         if every_secs is not None and every_steps is not None:

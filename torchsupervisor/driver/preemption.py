@@ -30,6 +30,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from torchsupervisor.core.checks import check_signals
+
 __all__ = [
     "ABORT_SIGNALS",
     "DEFAULT_PREEMPTION_SIGNALS",
@@ -92,7 +94,7 @@ class PreemptionHandler:
     """
 
     def __init__(self, signals: Iterable[int] = DEFAULT_PREEMPTION_SIGNALS) -> None:
-        self._signals = tuple(signal.Signals(s) for s in signals)
+        self._signals = check_signals("signals", signals)
         self._previous: dict[signal.Signals, Any] = {}
         self.received: int | None = None
         self.count = 0
@@ -309,8 +311,10 @@ class IgnorePreemptionSignals:
         worker_init_fn: Callable[[int], Any] | None = None,
         signals: Iterable[int] = WORKER_IGNORED_SIGNALS,
     ) -> None:
+        if worker_init_fn is not None and not callable(worker_init_fn):
+            raise TypeError(f"worker_init_fn must be callable or None, got {worker_init_fn!r}")
         self.worker_init_fn = worker_init_fn
-        self.signals = tuple(signal.Signals(s) for s in signals)
+        self.signals = check_signals("signals", signals)
 
     def __call__(self, worker_id: int) -> None:
         """Ignore and unblock the signals, then call ``worker_init_fn(worker_id)``."""

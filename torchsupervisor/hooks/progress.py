@@ -22,6 +22,7 @@ import os
 import sys
 from typing import Any, TextIO
 
+from torchsupervisor.core.checks import check_clock, check_duck, check_int, check_number
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.hooks._global_step import require_global_step
@@ -75,11 +76,14 @@ class Progress:
         checkpoint_every_secs: float | None = None,
         clock: Clock | None = None,
     ) -> None:
-        if refresh_secs < 0 or log_every_secs <= 0:
-            raise ValueError(
-                f"refresh_secs must be >= 0 and log_every_secs > 0, got {refresh_secs} and "
-                f"{log_every_secs}"
-            )
+        last_step = check_int("last_step", last_step, allow_none=True)
+        refresh_secs = check_number("refresh_secs", refresh_secs)
+        log_every_secs = check_number("log_every_secs", log_every_secs, positive=True)
+        checkpoint_every_secs = check_number(
+            "checkpoint_every_secs", checkpoint_every_secs, positive=True, allow_none=True
+        )
+        check_duck("stream", stream, ("write", "flush"), "a text stream")
+        check_clock("clock", clock)
         self.last_step = last_step
         self._stream = stream if stream is not None else sys.stderr
         self._refresh_secs = refresh_secs

@@ -82,6 +82,10 @@ class ResumableSampler(Sampler[int]):
     """
 
     def __init__(self, data_source: Sized | int, *, shuffle: bool = True, seed: int = 0):
+        if not isinstance(data_source, (int, Sized)) or isinstance(data_source, bool):
+            raise TypeError(
+                f"data_source must be a dataset with a length, or a length, got {data_source!r}"
+            )
         self._n = data_source if isinstance(data_source, int) else len(data_source)
         if self._n < 0:
             raise ValueError(f"data_source length must be >= 0, got {self._n}")
@@ -176,6 +180,10 @@ class ResumableDataLoader:
         forbidden = {"sampler", "shuffle", "batch_sampler", "generator"} & set(loader_kwargs)
         if forbidden:
             raise ValueError(f"ResumableDataLoader chooses {sorted(forbidden)} itself")
+        if not isinstance(dataset, Sized):
+            raise TypeError(
+                f"dataset must be a map-style dataset with a length (__len__), got {dataset!r}"
+            )
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last

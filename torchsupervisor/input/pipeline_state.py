@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from torchsupervisor.core.checks import check_duck, check_str
 from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
 from torchsupervisor.input.gate import GATE
 from torchsupervisor.input.ops import OpOutput
@@ -79,7 +80,8 @@ class InputPipelineState:
     """Each replica keeps its own (``core.training_state.is_per_rank``)."""
 
     def __init__(self, collection: str = GraphKeys.QUEUE_RUNNERS, graph: Graph | None = None):
-        self._collection = collection
+        self._collection = check_str("collection", collection, allow_empty=False)
+        graph = check_duck("graph", graph, ("get_collection",), "a Graph")
         self._graph = graph or get_default_graph()
 
     def _runners(self) -> list[tuple[Any, list[Any]]]:

@@ -25,7 +25,13 @@ import torch.distributed as dist
 
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
-from torchsupervisor.core.checks import check_number
+from torchsupervisor.core.checks import (
+    check_clock,
+    check_number,
+    check_path,
+    check_state,
+    check_str,
+)
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.registry import get_default_graph
 from torchsupervisor.core.session import Session
@@ -81,6 +87,11 @@ class _ScaffoldedCreator(SessionCreator):
         device: Any,
         clock: Clock | None,
     ) -> None:
+        if scaffold is not None and not isinstance(scaffold, Scaffold):
+            raise TypeError(f"scaffold must be a Scaffold or None, got {scaffold!r}")
+        check_str("master", master)
+        check_state("state", state)
+        check_clock("clock", clock)
         self._scaffold = scaffold or Scaffold(clock=clock)
         self._master = master
         self._config = config
@@ -178,8 +189,10 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         clock: Clock | None = None,
     ) -> None:
         super().__init__(scaffold, master, config, state, device, clock)
-        self._checkpoint_dir = checkpoint_dir
-        self._checkpoint_filename_with_path = checkpoint_filename_with_path
+        self._checkpoint_dir = check_path("checkpoint_dir", checkpoint_dir)
+        self._checkpoint_filename_with_path = check_path(
+            "checkpoint_filename_with_path", checkpoint_filename_with_path
+        )
         self._cleaned = False
         self._initialized = False
         self._writer_lock: DirectoryLock | None = None

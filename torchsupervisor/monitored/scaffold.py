@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchsupervisor.checkpoint.saver import Saver
+from torchsupervisor.core.checks import check_clock, check_state
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
 from torchsupervisor.core.training_state import TrainingState
@@ -151,8 +152,8 @@ class Scaffold:
         self._local_init_feed_dict = local_init_feed_dict
         self._summary_op = summary_op
         self._saver = saver
-        self._clock = clock
-        self._state = prepare_state(state) if state is not None else None
+        self._clock = check_clock("clock", clock)
+        self._state = prepare_state(check_state("state", state)) if state is not None else None
 
     def finalize(self) -> Scaffold:
         """Fill every field not given from its collection or its default (idempotent).

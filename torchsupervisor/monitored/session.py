@@ -46,7 +46,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from torchsupervisor.core.checks import (
+    check_duck,
     check_int,
+    check_iterable,
     check_number,
     check_signals,
 )
@@ -166,6 +168,8 @@ class _MonitoredSession:
         preemption_exit_code = check_int(
             "preemption_exit_code", preemption_exit_code, allow_none=True
         )
+        check_duck("session_creator", session_creator, ("create_session",), "a SessionCreator")
+        check_iterable("hooks", hooks)
         self._graph = get_default_graph()
         self._hooks = list(hooks or [])
         for hook in self._hooks:

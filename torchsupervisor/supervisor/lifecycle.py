@@ -31,7 +31,6 @@ from typing import Any
 from tensorboard.compat.proto.event_pb2 import SessionLog
 
 from torchsupervisor import errors
-from torchsupervisor.checkpoint.state_file import latest_checkpoint
 from torchsupervisor.driver.stop_record import (
     END,
     ERROR,
@@ -152,13 +151,21 @@ def record_end(sv: Any, ending: tuple[bool, BaseException | None] | None) -> str
                 reason=reason,
                 signal=sv._preemption.describe() or None,
                 step=current_step(sv),
-                checkpoint=latest_checkpoint(logdir),
+                checkpoint=_newest_checkpoint(sv._mode),
                 error=error,
                 wall_time=sv._settings.clock.time(),
             )
         except (OSError, errors.OpError) as e:
             logger.warning("Could not record how the session ended in %s: %s", logdir, e)
     return message
+
+
+def _newest_checkpoint(mode: Any) -> str | None:
+    """The prefix of the newest checkpoint the session committed or restored, if any."""
+    driver = getattr(mode, "driver", None) or getattr(
+        getattr(mode, "service", None), "driver", None
+    )
+    return None if driver is None else driver.last_prefix
 
 
 def finish(sv: Any, clean: bool) -> None:

@@ -159,7 +159,7 @@ def resolve_settings(
             "state={'model': model, 'optimizer': optimizer, 'global_step': step}",
             logdir,
         )
-    graph = graph or get_default_graph()
+    graph = checks.check_duck("graph", graph, ("get_collection",), "a Graph") or get_default_graph()
     clock = clock or REAL_CLOCK
     state = TrainingState.of(state)  # The user's mapping itself: what the loop sets is saved.
     add_rng = save_rng_state and bool(state) and "rng" not in state
