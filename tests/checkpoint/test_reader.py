@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import threading
 
 import pytest
@@ -407,3 +408,47 @@ def test_an_error_while_checksumming_stops_every_read_before_the_shard_is_closed
     with pytest.raises(Interrupted):
         reader.read_tensors()
     assert readers_at_close == [[]]
+
+
+def _resign(prefix, edit):
+    """Edit the manifest and recompute its own checksum (an attacker's edit)."""
+    import crc32c
+
+    from torchsupervisor.checkpoint.manifest_json import canonical as _canonical
+
+    index = pathlib.Path(prefix + ".index")
+    body = json.loads(index.read_text())
+    body.pop("manifest_crc32c")
+    edit(body)
+    body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
+    index.write_text(json.dumps(body))
+
+
+@pytest.mark.parametrize(
+    "field, value, said",
+    [
+        ("dtype", "I32", "I32 [300]"),  # The same 4 bytes a float, read as integers.
+        ("shape", [30, 10], "F32 [30, 10]"),  # The same 300 elements, another shape.
+    ],
+)
+@pytest.mark.parametrize("header_crc", [True, False], ids=["header_crc", "old_manifest"])
+def test_a_manifest_that_disagrees_with_the_shards_header_is_damage(
+    tmp_path, caplog, field, value, said, header_crc
+):
+    # The manifest said I32 where the shard's own (checksummed) header says F32: `verify`
+    # said ok and the restore reinterpreted the bytes.
+    first, second = _two_checkpoints(str(tmp_path))
+    if not header_crc:
+        _without_header_crcs(second)
+    _resign(second, lambda body: body["tensors"]["w"].__setitem__(field, value))
+    reader = CheckpointReader(second)
+    expected = (
+        rf"Checkpoint shard .* is corrupt: the manifest disagrees with the shard's own header "
+        rf"\('w' is F32 \[300\] .* there, {re.escape(said)}"
+    )
+    with pytest.raises(CorruptCheckpointError, match=expected) as info:
+        reader.verify()
+    assert info.value.reason == "manifest disagrees with the shard"
+    with caplog.at_level("WARNING", "torchsupervisor"):
+        restored, state = _recover(str(tmp_path))
+    assert restored == first and torch.equal(state["w"], torch.arange(300.0) + 1)

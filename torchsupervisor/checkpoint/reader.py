@@ -418,7 +418,7 @@ class CheckpointReader:
                     path=path,
                     reason="checksum mismatch",
                 )
-            check_shard(f, shard, {(e.begin, e.end): crcs[n] for n, e in entries})
+            check_shard(f, shard, {(e.begin, e.end): crcs[n] for n, e in entries}, entries)
         if not keep:
             return {}
         return {

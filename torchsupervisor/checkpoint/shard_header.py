@@ -42,24 +42,39 @@ def parse_safetensors_header(data: bytes) -> list[tuple[str, int, int]]:
     Raises:
         ManifestError: If the header is not valid safetensors JSON.
     """
+    entries = parse_safetensors_entries(data)
+    return sorted(((n, b, e) for n, (_, _, b, e) in entries.items()), key=lambda x: x[1])
+
+
+def parse_safetensors_entries(data: bytes) -> dict[str, tuple[str, list[int], int, int]]:
+    """Parse the JSON header of a safetensors file (without its 8-byte length prefix).
+
+    Returns:
+        ``{name: (dtype code, shape, begin, end)}`` (offsets relative to the data section).
+
+    Raises:
+        ManifestError: If the header is not valid safetensors JSON.
+    """
     try:
         header = json.loads(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ManifestError(f"shard header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise ManifestError("shard header is not a JSON object")
-    out = []
+    out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        offsets = as_list(as_dict(info).get("data_offsets"))
+        info = as_dict(info)
+        offsets = as_list(info.get("data_offsets"))
         if len(offsets) != 2:
             raise ManifestError(f"bad data_offsets for {name!r} in the shard header")
         begin, end = (non_negative_int(x) for x in offsets)
-        if end < begin:
-            raise ManifestError(f"bad data_offsets for {name!r} in the shard header")
-        out.append((name, begin, end))
-    out.sort(key=lambda item: item[1])
+        shape = [non_negative_int(x) for x in as_list(info.get("shape"))]
+        dtype = info.get("dtype")
+        if end < begin or not isinstance(dtype, str):
+            raise ManifestError(f"bad entry for {name!r} in the shard header")
+        out[name] = (dtype, shape, begin, end)
     return out
 
 

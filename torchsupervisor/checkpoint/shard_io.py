@@ -17,18 +17,23 @@ import collections
 import itertools
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import crc32c
 import torch
 
+from torchsupervisor.checkpoint.entries import dtype_to_code
 from torchsupervisor.checkpoint.format import (
     ManifestError,
     ShardEntry,
     TensorEntry,
 )
-from torchsupervisor.checkpoint.shard_header import parse_safetensors_header, shard_checksum
+from torchsupervisor.checkpoint.shard_header import (
+    parse_safetensors_entries,
+    parse_safetensors_header,
+    shard_checksum,
+)
 from torchsupervisor.errors import CorruptCheckpointError
 from torchsupervisor.storage import (
     BY_PATH,
@@ -54,7 +59,12 @@ _PIPELINE_MIN_BYTES = 64 << 20
 _PARALLEL_CHUNK_BYTES = 8 << 20
 
 
-def check_shard(f: Readable, shard: ShardEntry, read: Mapping[tuple[int, int], int]) -> None:
+def check_shard(
+    f: Readable,
+    shard: ShardEntry,
+    read: Mapping[tuple[int, int], int],
+    entries: Iterable[tuple[str, TensorEntry]] = (),
+) -> None:
     """Verify the bytes of a shard that no tensor checksum covers: its header.
 
     Reads the header (``shard.data_offset`` bytes, a few KiB) and compares its CRC with the
@@ -66,14 +76,21 @@ def check_shard(f: Readable, shard: ShardEntry, read: Mapping[tuple[int, int], i
     the bytes it was read from; when all of the shard's tensors were read, the shard checksum
     (``shard_checksum``: header and tensor CRCs) is compared with the manifest's.
 
+    Then the manifest must say what the shard's own header says: a tensor read with another
+    dtype, shape or byte range than its header gives (a manifest edited, its checksum
+    recomputed: the bytes would be reinterpreted) is damage.
+
     Args:
         f: The open shard (its size already checked against ``shard.size_bytes``).
         shard: The shard's manifest entry.
         read: ``{(begin, end): CRC-32C}`` of the tensors read from the shard (already
             verified against their own checksums), by byte range relative to the data area.
+        entries: ``(name, manifest entry)`` of the tensors read from the shard, to compare
+            with its header.
 
     Raises:
-        CorruptCheckpointError: Naming the file, ``reason="header damaged"``.
+        CorruptCheckpointError: Naming the file, ``reason="header damaged"``, or
+            ``reason="manifest disagrees with the shard"``.
     """
 
     def damaged(what: str) -> CorruptCheckpointError:
@@ -89,6 +106,7 @@ def check_shard(f: Readable, shard: ShardEntry, read: Mapping[tuple[int, int], i
     if shard.header_crc32c is not None:
         if crc32c.crc32c(header) != shard.header_crc32c:
             raise damaged("checksum mismatch")
+        _check_entries(path, header, entries)
         return
     if len(header) < 8 or int.from_bytes(header[:8], "little") != len(header) - 8:
         raise damaged("its length field does not match the data offset")
@@ -114,6 +132,42 @@ def check_shard(f: Readable, shard: ShardEntry, read: Mapping[tuple[int, int], i
         crcs = [read.get((begin, stop), 0) for _, begin, stop in ranges]
         if shard_checksum(header, crcs) != shard.crc32c:
             raise damaged("shard checksum mismatch")
+    _check_entries(path, header, entries)
+
+
+def _check_entries(
+    path: str, header: bytearray, entries: Iterable[tuple[str, TensorEntry]]
+) -> None:
+    """Raise ``CorruptCheckpointError`` where the manifest and the shard's header disagree."""
+    entries = list(entries)
+    if not entries:
+        return
+    try:
+        own = parse_safetensors_entries(memoryview(header)[8:])
+    except ManifestError as e:
+        own, trouble = {}, str(e)
+    else:
+        trouble = None
+    for name, entry in entries:
+        said = (dtype_to_code(entry.dtype), list(entry.shape), entry.begin, entry.end)
+        found = own.get(name)
+        if found != said:
+            what = trouble or (
+                f"it does not list {name!r}"
+                if found is None
+                else f"{name!r} is {_describe(found)} there, {_describe(said)} in the manifest"
+            )
+            raise CorruptCheckpointError(
+                f"Checkpoint shard {path} is corrupt: the manifest disagrees with the shard's "
+                f"own header ({what})",
+                path=path,
+                reason="manifest disagrees with the shard",
+            )
+
+
+def _describe(entry: tuple[str, list[int], int, int]) -> str:
+    dtype, shape, begin, end = entry
+    return f"{dtype} {shape} at data bytes {begin}-{end}"
 
 
 def tensor_reads(

@@ -147,7 +147,12 @@ class ShardedStorageReader(BoundToPrefix, StorageReader, RememberErrors):
                 with self._open_shard(shard_index) as f:
                     for name in names:
                         self._load_chunk(f, shard_index, name, wanted[name], planner)
-                    check_shard(f, self._manifest.shards[shard_index], {})
+                    check_shard(
+                        f,
+                        self._manifest.shards[shard_index],
+                        {},
+                        [(n, self._manifest.tensors[n]) for n in names],
+                    )
             future: Future[None] = Future()
             future.set_result(None)
             return future
