@@ -355,24 +355,27 @@ class CheckpointReader:
         self._decode_tree(set(self._manifest.tensors) | set(self._sharded), lambda *_: None)
 
     def check_files(self) -> None:
-        """Check, without reading them, the shards this checkpoint's tensors live in.
+        """Check, without reading their tensors, the shards this checkpoint's tensors live in.
 
         Each must be a regular file inside the checkpoint's directory (a symbolic link that
         leaves it is damage) with exactly the size the manifest records, so that the byte
         ranges the manifest claims (bounded by those sizes when it was parsed) are really on
-        disk. ``Saver.restore`` calls this before comparing the manifest with the live state:
-        a manifest claiming a tensor larger than its file is damage (and the restart falls
-        back), not a shape mismatch.
+        disk; and its own header (checked against its checksum) must give every tensor the
+        dtype, shape and byte range the manifest gives it. ``Saver.restore`` calls this before
+        comparing the manifest with the live state: a manifest claiming a tensor larger than
+        its file, or of another dtype or shape than the shard holds, is damage (and the
+        restart falls back), not a mismatch with the state.
 
         Raises:
             CorruptCheckpointError: Naming the file: missing, not a regular file, outside the
-                directory, or of another size.
+                directory, of another size, its header damaged, or disagreeing with the
+                manifest.
 
         TF name: none.
         """
-        for shard_index, _ in self._entries_by_shard():
-            with self._open_shard(shard_index):
-                pass
+        for shard_index, entries in self._entries_by_shard():
+            with self._open_shard(shard_index) as f:
+                check_shard(f, self._manifest.shards[shard_index], {}, entries)
 
     def _entries_by_shard(self) -> list[tuple[int, list[tuple[str, TensorEntry]]]]:
         """The manifest's tensors grouped by shard (in shard order), each group by offset."""
