@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchsupervisor import GlobalStep, Saver, Session, SessionManager
-from torchsupervisor.checkpoint.recovery import restore_candidates, scan_checkpoints
+from torchsupervisor.checkpoint.recovery import plan_restore, restore_candidates, scan_checkpoints
 from torchsupervisor.errors import DataLossError
 
 
@@ -35,14 +35,47 @@ def test_state_file_order_then_directory_scan(tmp_path):
     assert restore_candidates(str(tmp_path)) == [a, c, b]
 
 
+def _written_before(path, other) -> None:
+    """Date ``path`` one second before ``other``'s index was written."""
+    committed = os.stat(f"{other}.index").st_mtime
+    os.utime(path, (committed - 1, committed - 1))
+
+
 def test_a_commit_the_state_file_missed_is_tried_first(tmp_path):
     a, b, c = _save_steps(str(tmp_path), [10, 20, 30])
-    # As if the process died after committing c and before updating the state file.
+    # As if the process died after committing c and before updating the state file: the
+    # state file was last written before c's commit.
     (tmp_path / "checkpoint").write_text(
         f'model_checkpoint_path: "{b}"\nall_model_checkpoint_paths: "{a}"\n'
         f'all_model_checkpoint_paths: "{b}"\n'
     )
+    _written_before(tmp_path / "checkpoint", c)
     assert restore_candidates(str(tmp_path)) == [c, b, a]
+
+
+@pytest.mark.parametrize("form", ["first line", "trimmed", "one line"])
+def test_a_state_file_edited_by_hand_wins(tmp_path, form):
+    # The README: edit the state file to make a restart use an older checkpoint. Only an
+    # edited first line worked: newer checkpoints it did not list were adopted again.
+    a, b, c = _save_steps(str(tmp_path), [10, 20, 30])
+    state = tmp_path / "checkpoint"
+    if form == "first line":
+        text = state.read_text().replace(
+            f'model_checkpoint_path: "{os.path.basename(c)}"',
+            f'model_checkpoint_path: "{os.path.basename(b)}"',
+            1,
+        )
+    elif form == "trimmed":
+        text = f'model_checkpoint_path: "{b}"\nall_model_checkpoint_paths: "{a}"\n'
+        text += f'all_model_checkpoint_paths: "{b}"\n'
+    else:
+        text = f'model_checkpoint_path: "{os.path.basename(b)}"\n'
+    state.write_text(text)
+    assert restore_candidates(str(tmp_path))[0] == b
+    plan = plan_restore(str(tmp_path))
+    assert plan.adopted == []
+    # A checkpoint the edit left out is kept on disk, never deleted by retention.
+    assert (c in plan.tracked) == (form == "first line")
 
 
 @pytest.mark.parametrize("content", [None, "", "garbage {{{", "model_checkpoint_path: 3"])

@@ -10,11 +10,13 @@ code path of every restart (``SessionManager``) and of the tools that predict on
 
 The order in which a restart tries checkpoints (``RestorePlan.candidates``):
 
-1. committed checkpoints that the state file does not list and that are newer (by global
-   step, then time) than its ``model_checkpoint_path``: a crash between the commit of a
-   checkpoint and the update of the state file must not send training back one interval;
-2. the state file's ``model_checkpoint_path`` (so a hand-edited state file is obeyed), then its
-   older entries, newest first;
+1. committed checkpoints that the state file does not list, that are newer (by global step,
+   then time) than its ``model_checkpoint_path``, and that were committed after the state file
+   was last written: a crash between the commit of a checkpoint and the update of the state
+   file must not send training back one interval (a checkpoint committed before the state
+   file's last write was left out of it on purpose, by a hand edit: it is not adopted);
+2. the state file's ``model_checkpoint_path`` (so a hand-edited state file is obeyed, however
+   it was trimmed), then its older entries, newest first;
 3. every other committed checkpoint of the directory, newest first (a state file that was lost
    or damaged, or that lists absolute paths of a logdir that was moved).
 
@@ -50,6 +52,7 @@ from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.state_file import (
     read_checkpoint_state,
     read_pending_deletions,
+    state_file_path,
     update_checkpoint_state_internal,
 )
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
@@ -129,6 +132,34 @@ class RestorePlan:
     adopted: list[str]
     state_file_error: str | None
     has_state_file: bool
+
+
+def _state_file_mtime(
+    checkpoint_dir: str, latest_filename: str | None, storage: Storage, state: object
+) -> float | None:
+    """When the usable state file was last written (None: none, or unknown)."""
+    if state is None:
+        return None
+    try:
+        return storage.mtime(state_file_path(checkpoint_dir, latest_filename))
+    except OSError:
+        return None
+
+
+def _committed_since(prefix: str, written: float | None, storage: Storage) -> bool:
+    """Whether ``prefix`` was committed (its index written) at or after ``written``.
+
+    An unlisted checkpoint committed after the state file's last write is what a crash
+    between the commit and the state-file update leaves: adopted. One committed before it was
+    left out of the state file on purpose (a hand edit that sends the restart back to an
+    older checkpoint): not adopted. Both times come from the same file system or store.
+    """
+    if written is None:
+        return True
+    try:
+        return storage.mtime(prefix + ".index") >= written
+    except OSError:
+        return True
 
 
 def clean_checkpoint_dir(directory: str | os.PathLike, *, storage: Storage = BY_PATH) -> None:
@@ -296,10 +327,11 @@ def plan_restore(
                 head = (
                     _sort_key(listed[0], storage) if _committed(listed[0], storage) else _UNREADABLE
                 )
+        written = _state_file_mtime(checkpoint_dir, latest_filename, storage, state)
         for key, prefix in scanned:
             if url_paths.normpath(prefix) in known or key == _UNREADABLE:
                 continue
-            if head is None or key > head:
+            if (head is None or key > head) and _committed_since(prefix, written, storage):
                 newer.append((key, prefix))
     if listed:
         for _, prefix in newer:
