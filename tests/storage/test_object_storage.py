@@ -230,12 +230,49 @@ def test_the_lock_of_a_dead_process_on_this_host_is_taken_over(url, caplog):
     lock.release()
 
 
-def test_a_lock_whose_heartbeat_stopped_expires(url):
-    _write_lock(url, {"pid": 1, "host": "elsewhere", "heartbeat": time.time() - 100})
-    _storage(url, lock_ttl_secs=30).lock(url).release()
-    _write_lock(url, {"pid": 1, "host": "elsewhere", "heartbeat": time.time()})
-    with pytest.raises(LogdirLockedError, match="pid 1 on host elsewhere"):
-        _storage(url, lock_ttl_secs=30).lock(url)
+def test_a_lock_held_elsewhere_that_nobody_renews_is_taken_over_after_its_ttl(url):
+    # Judged on this process's monotonic clock: the lock object unchanged for the TTL.
+    _write_lock(url, {"pid": 1, "host": "elsewhere", "heartbeat": time.time(), "ttl": 0.5})
+    start = time.monotonic()
+    _storage(url, lock_ttl_secs=0.5).lock(url).release()
+    assert time.monotonic() - start >= 0.5
+
+
+class _RemoteHolder:
+    """A writer of another host: renews its lock object every ``beat_secs`` (heartbeats
+    stamped by its own clock, ``skew_secs`` off this one)."""
+
+    def __init__(self, url: str, skew_secs: float, beat_secs: float = 0.1) -> None:
+        self.url, self.skew, self.beat = url, skew_secs, beat_secs
+        self.stop = threading.Event()
+        self._write()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _write(self) -> None:
+        owner = {"pid": 1, "host": "elsewhere", "heartbeat": time.time() + self.skew, "ttl": 1}
+        _write_lock(self.url, owner)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.beat):
+            self._write()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+@pytest.mark.parametrize("skew_secs", [-3600.0, 0.0, 3600.0], ids=["behind", "same", "ahead"])
+def test_a_live_writer_elsewhere_keeps_its_lock_whatever_its_clock(url, skew_secs):
+    # Another host's clock an hour behind made its heartbeat look an hour old: its live lock
+    # was taken over, and both runs wrote one prefix.
+    holder = _RemoteHolder(url, skew_secs)
+    try:
+        with pytest.raises(LogdirLockedError, match=r"pid 1 on host elsewhere.*heartbeat renews"):
+            _storage(url, lock_ttl_secs=1.0).lock(url)
+    finally:
+        holder.close()
+    assert storage_for(url).lock_owner(url)["host"] == "elsewhere"
 
 
 def test_the_holder_renews_its_heartbeat(url):
@@ -403,15 +440,76 @@ def test_sequential_and_random_reads_of_a_large_object(url):
         f.readinto(memoryview(bytearray(1)), 0)
 
 
-def test_a_holder_notices_that_its_lock_was_taken(memory_url, caplog):
-    lock = _storage(memory_url, lock_ttl_secs=0.3).lock(memory_url)
+def _wait_lost(storage, url, deadline_secs: float = 30) -> LogdirLockedError:
+    """Wait until a write of ``storage`` into ``url`` is refused; return the error."""
+    deadline = time.monotonic() + deadline_secs
+    while True:
+        try:
+            storage.put(f"{url}/probe", [b"x"])
+        except LogdirLockedError as e:
+            return e
+        assert time.monotonic() < deadline, "the lost lock was never noticed"
+        time.sleep(0.05)
+
+
+def test_a_holder_that_lost_its_lock_writes_nothing_more(url, caplog):
+    mine = _storage(url, lock_ttl_secs=0.3)
+    lock = mine.lock(url)
+    lost = []
+    lock.on_lost(lost.append)
     try:
-        _write_lock(memory_url, {"pid": 1, "host": "elsewhere", "heartbeat": time.time()})
-        deadline = time.monotonic() + 30
         with caplog.at_level("ERROR", logger="torchsupervisor"):
-            while "was taken by another writer" not in caplog.text:
-                assert time.monotonic() < deadline, "the lost lock was never noticed"
-                time.sleep(0.05)
+            _write_lock(url, {"pid": 1, "host": "elsewhere", "heartbeat": time.time()})
+            error = _wait_lost(mine, url)
+        assert "lost the writer lock" in str(error) and "pid 1 on host elsewhere" in str(error)
+        assert lost == [error]
+        with pytest.raises(LogdirLockedError):
+            mine.delete(f"{url}/probe")
+        late = []
+        lock.on_lost(late.append)  # Registered after the loss: called at once.
+        assert late == [error]
     finally:
         lock.release()
-    assert storage_for(memory_url).lock_owner(memory_url)["host"] == "elsewhere"  # Not ours.
+    assert storage_for(url).lock_owner(url)["host"] == "elsewhere"  # Not ours to remove.
+
+
+def test_a_holder_that_cannot_renew_for_its_ttl_counts_its_lock_lost(memory_url, monkeypatch):
+    # A partition: another writer takes the lock once it saw no heartbeat for the TTL, so the
+    # holder must stop writing before that, on its own clock.
+    mine = _storage(memory_url, lock_ttl_secs=0.5)
+    lock = mine.lock(memory_url)
+    real_put = mine.client.put_object
+    key = lock_key(mine._key(memory_url))
+
+    def partitioned(k, *args, **kwargs):
+        if k == key:
+            raise OSError("connection timed out")
+        return real_put(k, *args, **kwargs)
+
+    monkeypatch.setattr(mine.client, "put_object", partitioned)
+    try:
+        start = time.monotonic()
+        error = _wait_lost(mine, memory_url)
+        assert time.monotonic() - start < 0.5  # Before another writer may take it over.
+        assert "could not be renewed" in str(error) or "was not renewed" in str(error)
+    finally:
+        lock.release()
+
+
+def test_a_supervisor_whose_lock_was_taken_stops_with_that_error(memory_url):
+    import torch
+
+    from torchsupervisor import GlobalStep, Supervisor
+    from torchsupervisor.storage import configure
+
+    configure(memory_url, lock_ttl_secs=0.3)
+    step = GlobalStep()
+    sv = Supervisor(logdir=memory_url, state={"w": torch.zeros(1), "global_step": step})
+    deadline = time.monotonic() + 30
+    lost = pytest.raises(LogdirLockedError, match=r"lost the writer lock.*host elsewhere")
+    with lost, sv.managed_session():
+        _write_lock(memory_url, {"pid": 1, "host": "elsewhere", "heartbeat": time.time()})
+        while not sv.should_stop():
+            assert time.monotonic() < deadline, "training went on with a lost lock"
+            step.increment()
+            time.sleep(0.01)

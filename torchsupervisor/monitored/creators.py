@@ -197,6 +197,14 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         self._initialized = False
         self._writer_lock: DirectoryLock | None = None
 
+    @property
+    def writer_lock(self) -> DirectoryLock | None:
+        """The writer lock of ``checkpoint_dir`` while a session holds it, else None.
+
+        TF name: none (TF had no writer lock).
+        """
+        return self._writer_lock
+
     def close(self) -> None:
         """Release the writer lock of ``checkpoint_dir`` (``MonitoredSession.close`` calls it).
 

@@ -134,6 +134,9 @@ class _CoordinatedSessionCreator:
             sess.close()
             raise
         self.tf_sess, self.coord = sess, coord
+        lock = getattr(self._session_creator, "writer_lock", None)
+        if lock is not None:  # Lost to another writer: the session stops with its error.
+            lock.on_lost(lambda e: coord.request_stop((type(e), e, e.__traceback__)))
         return _CoordinatedSession(
             _HookedSession(sess, self._hooks), coord, self._stop_grace_period_secs
         )

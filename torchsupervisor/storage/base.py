@@ -35,7 +35,7 @@ import errno
 import io
 import stat
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torchsupervisor.errors import NotRegularFileError, OutsideDirectoryError, WriteCancelled
@@ -226,6 +226,11 @@ class DirectoryLock(abc.ABC):
     @abc.abstractmethod
     def release(self) -> None:
         """Give the handle back."""
+
+    def on_lost(self, callback: Callable[[Exception], object]) -> None:
+        """Call ``callback(error)`` if the lock is ever lost (a lease on an object store that
+        another writer took over); a lock the operating system holds is never lost."""
+        del callback
 
     def __enter__(self) -> DirectoryLock:
         return self

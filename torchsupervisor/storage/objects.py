@@ -17,9 +17,10 @@ once its manifest exists.
 * ``lock``: one writer per prefix: a lock object created by a conditional PUT (``If-None-Match:
   *``) that names its owner (pid, host, since) and carries a heartbeat its holder renews every
   ``lock_ttl_secs / 3`` seconds (``If-Match`` its last version: a lost lock is noticed). A lock
-  whose holder ran on this host in a process that is gone, or whose heartbeat is older than
-  ``lock_ttl_secs``, is stale and taken over by a conditional PUT on its version, so a crashed
-  run never blocks its own restart for long and two restarts cannot both take it.
+  whose holder ran on this host in a process that is gone, or that stayed one version for its
+  holder's TTL while watched on this process's monotonic clock, is stale and taken over by a
+  conditional PUT on its version; a writer that lost its lock writes nothing more
+  (``object_lock.py``).
 * ``open_append`` (events files): appends go to a local cache file; ``sync`` uploads the whole
   file as the object. The writer rolls to a new file at ``events_roll_bytes``, so the bytes a
   flush sends stay bounded however long the run (not the whole run's events each time).
@@ -86,7 +87,7 @@ READ_AHEAD_PARTS = 4
 """Parts fetched ahead of a sequential reader (with the one being read: the GETs in flight)."""
 
 DEFAULT_LOCK_TTL_SECS = 30.0
-"""A writer lock whose heartbeat is older than this (seconds) is stale (``object_lock``)."""
+"""A writer lock unchanged for this long (seconds) is stale (``object_lock``)."""
 
 DEFAULT_EVENTS_ROLL_BYTES = 8 << 20
 """An events file on an object store is rolled (a new one started) at about this size (bytes):
@@ -143,8 +144,13 @@ class ObjectStorage(Storage):
     def put(
         self, path: str, chunks: Iterable[Buffer], *, cancel: threading.Event | None = None
     ) -> None:
-        """One PUT, or a multipart upload above ``part_bytes``; see ``Storage.put``."""
+        """One PUT, or a multipart upload above ``part_bytes``; see ``Storage.put``.
+
+        Raises:
+            LogdirLockedError: This process lost the writer lock of the prefix ``path`` is in.
+        """
         key = self._key(path)
+        LOCKS.check_write(self._path(key))
         part = bytearray()
         upload: _MultipartUpload | None = None
         try:
@@ -173,8 +179,13 @@ class ObjectStorage(Storage):
             raise
 
     def delete(self, path: str) -> None:
-        """Delete the object (``FileNotFoundError`` if it does not exist)."""
+        """Delete the object (``FileNotFoundError`` if it does not exist).
+
+        Raises:
+            LogdirLockedError: This process lost the writer lock of the prefix ``path`` is in.
+        """
         key = self._key(path)
+        LOCKS.check_write(self._path(key))
         self.client.head(key)
         self.client.delete(key)
 

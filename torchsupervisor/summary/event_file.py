@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 from torchsupervisor.core import threads as priority
 from torchsupervisor.core.clock import Clock
+from torchsupervisor.errors import OpError
 from torchsupervisor.storage import Appendable, Storage, storage_for
 from torchsupervisor.summary.counters import WriterCounters
 from torchsupervisor.summary.events_file import create_events_file
@@ -506,7 +507,7 @@ class EventFileWriter:
         data = b"".join(chunks)
         try:
             self.file.write(data)
-        except OSError as e:
+        except (OSError, OpError) as e:
             logger.error(
                 "Failed to write %d events to %s: %s. The next event opens a new file.",
                 count,
@@ -533,7 +534,7 @@ class EventFileWriter:
             self.file, self.path, self.header = create_events_file(
                 self.storage, self.logdir, self.suffix, self.clock
             )
-        except OSError as e:
+        except (OSError, OpError) as e:
             logger.error("Failed to create an events file in %s: %s", self.logdir, e)
             return False
         self.next_flush = float("-inf")
@@ -546,7 +547,7 @@ class EventFileWriter:
             return
         try:
             self.file.sync()
-        except OSError as e:
+        except (OSError, OpError) as e:
             logger.error("Failed to flush %s: %s. The next event opens a new file.", self.path, e)
             self._abandon_file()
             return
@@ -562,7 +563,7 @@ class EventFileWriter:
         if file is not None:
             try:
                 file.close()
-            except OSError:
+            except (OSError, OpError):
                 pass
 
     def _close_file(self) -> None:
@@ -574,7 +575,7 @@ class EventFileWriter:
             return
         try:
             file.close()
-        except OSError as e:
+        except (OSError, OpError) as e:
             logger.error("Failed to close %s: %s", self.path, e)
 
 

@@ -72,6 +72,8 @@ def open_logdir(sv: Any) -> None:
     except LogdirLockedError:
         sv._lock_refused = True
         raise
+    # Another writer took it over (an object store's lease): stop training with its error.
+    sv._logdir_lock.on_lost(lambda e: sv._coord.request_stop((type(e), e, e.__traceback__)))
     try:  # Until this session ends there is no record: a kill leaves none.
         clear_stop_record(storage, logdir)
     except (OSError, errors.OpError) as e:
