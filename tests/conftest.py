@@ -17,6 +17,21 @@ from torchsupervisor.summary import SummaryWriterCache
 from torchsupervisor.testing import FakeClock
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _events_spool(tmp_path_factory):
+    """The local spool of events files for object stores: one of the test session's own
+    (inherited by the subprocesses tests start), not the user's ``~/.cache``."""
+    import os
+
+    previous = os.environ.get("TORCHSUPERVISOR_SPOOL_DIR")
+    os.environ["TORCHSUPERVISOR_SPOOL_DIR"] = str(tmp_path_factory.mktemp("events-spool"))
+    yield
+    if previous is None:
+        os.environ.pop("TORCHSUPERVISOR_SPOOL_DIR", None)
+    else:
+        os.environ["TORCHSUPERVISOR_SPOOL_DIR"] = previous
+
+
 @pytest.fixture
 def fake_clock() -> FakeClock:
     return FakeClock()

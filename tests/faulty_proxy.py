@@ -1,4 +1,5 @@
-"""A TCP proxy in front of the real S3 server that fails the first connections it accepts.
+"""A TCP proxy in front of the real S3 server that fails the first connections it accepts,
+and can be partitioned from it (``partition``: the server stops answering).
 
 Each failed connection gets either an HTTP 503 with S3's ``SlowDown`` error (what S3 sends
 when it throttles) or is closed without an answer (a reset connection); the connections after
@@ -43,6 +44,7 @@ class FaultyProxy:
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
+        self._partitioned = False
         self._server = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"http://127.0.0.1:{self._server.getsockname()[1]}"
         self._start(self._accept)
@@ -57,6 +59,16 @@ class FaultyProxy:
         with self._lock:
             self._sockets.append(sock)
         return sock
+
+    def partition(self) -> None:
+        """From now on the server does not answer: open connections are cut, new ones are
+        accepted and then held without a byte (a client waits for its read timeout)."""
+        with self._lock:
+            self._partitioned = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         """Stop accepting, shut every connection, and join the threads (10 s each at most)."""
@@ -79,6 +91,8 @@ class FaultyProxy:
                 return
             self._track(conn)
             with self._lock:
+                if self._partitioned:
+                    continue  # Held: accepted, never answered (closed by close()).
                 fail = self._left is None or self._left > 0
                 if fail:
                     self.failed += 1

@@ -405,7 +405,7 @@ def test_a_final_checkpoint_that_cannot_finish_in_time_is_abandoned_cleanly(tmp_
     _, err, code = _finish(proc)
     assert code == 1, err  # Work was lost: never exit 0.
     assert "abandoned" in err
-    assert "the final checkpoint failed (not written within the 0.3 s grace period)" in err
+    assert "the final checkpoint failed (not written within the grace period: " in err
     # Only checkpoints committed before the signal remain, complete; no temporary file.
     assert _valid_checkpoints(logdir) == [0]
 

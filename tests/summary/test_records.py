@@ -146,4 +146,4 @@ def test_a_length_beyond_the_rest_of_the_file_is_damage_found_before_reading(tmp
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 1 << 20
+    assert peak < 4 << 20  # A chunk of the read, whatever the claim.

@@ -75,6 +75,10 @@ ABANDONED_EXIT_WAIT_SECS = 5.0
 remove its files (a writer stuck in a system call must not keep the process alive; what it
 leaves is cleaned at the next start). Time already spent waiting for it counts."""
 
+ABANDONED_EXIT_MIN_SECS = 1.0
+"""The least a cancelled save gets at exit to remove its files, even when a grace period is
+spent (a save in a slow but working ``fsync``)."""
+
 _in_flight: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
 # Each abandoned save, with the monotonic time until which the exit waits for it.
 _abandoned: weakref.WeakKeyDictionary[concurrent.futures.Future[Any], float] = (
@@ -185,16 +189,25 @@ class CheckpointEngine:
         if future is not None:
             future.hurry()
 
-    def abandon(self) -> None:
-        """Wait at most ``ABANDONED_EXIT_WAIT_SECS`` from now for the job in flight at exit.
+    def abandon(self, exit_wait_secs: float | None = None) -> None:
+        """Wait at most ``exit_wait_secs`` (and ``ABANDONED_EXIT_WAIT_SECS``) from now for the
+        job in flight at exit.
 
         For a cancelled save: it stops at its next chunk or stage and removes its files, unless
-        the writer is stuck in a system call (a hung fsync); the process must still be able to
-        exit then.
+        the writer is stuck in a system call (a hung fsync, a store that does not answer); the
+        process must still be able to exit then, within a preemption's grace period (what it
+        leaves is cleaned at the next start).
+
+        Args:
+            exit_wait_secs: What is left of a grace period (at least
+                ``ABANDONED_EXIT_MIN_SECS`` is given); None: no other bound.
         """
+        wait = ABANDONED_EXIT_WAIT_SECS
+        if exit_wait_secs is not None:  # At least a moment to remove what it wrote.
+            wait = min(wait, max(ABANDONED_EXIT_MIN_SECS, exit_wait_secs))
         future = self._future
         if future is not None and not future.done():
-            _abandoned.setdefault(future, time.monotonic() + ABANDONED_EXIT_WAIT_SECS)
+            _abandoned.setdefault(future, time.monotonic() + wait)
             _in_flight.discard(future)
 
     def close(self) -> None:

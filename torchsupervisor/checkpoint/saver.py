@@ -454,7 +454,8 @@ class Saver(ShardedSaves):
         if not self._engine.in_flight:
             return True
         self._cancel.set()
-        self._engine.abandon()  # A writer stuck in a system call must not block the exit.
+        # A writer stuck in a system call must not block the exit beyond the grace period.
+        self._engine.abandon(timeout_secs)
         return self._engine.wait(timeout_secs)
 
     def allow_missing(self, *names: str) -> None:

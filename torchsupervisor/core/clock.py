@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 __all__ = ["REAL_CLOCK", "Clock", "Deadline"]
 
@@ -77,3 +78,27 @@ class Deadline:
     def wait(self, event: threading.Event) -> bool:
         """Wait for ``event`` until the deadline at the latest; return whether it is set."""
         return self.clock.wait(event, self.remaining())
+
+    def call(self, fn: Callable[[], object], name: str) -> bool:
+        """Run ``fn`` and return True once it ended; False if the deadline came first.
+
+        Without a limit ``fn`` runs on the calling thread. With one it runs on a daemon
+        thread named ``name``, which is left running when the deadline comes (a call stuck
+        on an unreachable store must not hold up a stop): ``fn`` handles its own errors. Once
+        the deadline has passed ``fn`` is not started at all (it could be cut off halfway).
+        """
+        if self._end is None:
+            fn()
+            return True
+        if self.expired():
+            return False
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+        return self.wait(done)

@@ -363,9 +363,9 @@ class CheckpointDriver:
             return None
         if not self._wait(deadline):
             self._give_up(
-                f"not written within the {budget:g} s grace period",
-                f"The final checkpoint at step {step} could not be written within {budget:g} s: "
-                "abandoned",
+                f"not written within the grace period: {budget:.2g} s were left",
+                f"The final checkpoint at step {step} could not be written within the "
+                f"{budget:.2g} s left of the grace period: abandoned",
             )
             self._abandon(deadline)
             return None

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torchsupervisor.core.checks import check_signals
+from torchsupervisor.core.clock import REAL_CLOCK, Clock, Deadline
 
 __all__ = [
     "ABORT_SIGNALS",
@@ -180,13 +181,20 @@ class Preemption:
     """
 
     def __init__(
-        self, signals: Iterable[int], grace_secs: float, exit_code: int | None = None
+        self,
+        signals: Iterable[int],
+        grace_secs: float,
+        exit_code: int | None = None,
+        *,
+        clock: Clock | None = None,
     ) -> None:
         self.handler = PreemptionHandler(signals)
         self.grace_secs = grace_secs
         self.exit_code = exit_code
+        self._clock = clock or REAL_CLOCK
         self._noticed = False
         self._reported = False
+        self._deadline: Deadline | None = None
 
     @property
     def received(self) -> int | None:
@@ -207,11 +215,7 @@ class Preemption:
         self.handler.install()
         self._noticed = False
         self._reported = False
-
-    @property
-    def installed(self) -> bool:
-        """True while the handlers are installed."""
-        return bool(self.handler._previous)
+        self._deadline = None
 
     def uninstall(self) -> None:
         """Restore the handlers that were there before ``install``."""
@@ -222,7 +226,15 @@ class Preemption:
         if self.handler.received is None or self._noticed:
             return False
         self._noticed = True
+        self._deadline = Deadline(self._clock, self.grace_secs)
         return True
+
+    @property
+    def deadline(self) -> Deadline | None:
+        """The end of the grace period, counted from when training noticed the signal: every
+        part of the stop (the final checkpoint, the last events, the logdir's lock) shares it.
+        None before a signal was noticed."""
+        return self._deadline
 
     def report(self, step: int | None, *, saving: bool) -> None:
         """Log, once, the signal and the step training stops at.
@@ -246,8 +258,13 @@ class Preemption:
         )
 
     def budget(self) -> float | None:
-        """The final checkpoint's time budget in seconds: ``grace_secs`` after a signal."""
-        return self.grace_secs if self.handler.received is not None else None
+        """The final checkpoint's time budget in seconds after a signal: what is left of the
+        grace period (``grace_secs`` until training noticed the signal); None without one."""
+        if self.handler.received is None:
+            return None
+        if self._deadline is None:
+            return self.grace_secs
+        return self._deadline.remaining()
 
     def outcome(self, step: int | None, driver: Any) -> SystemExit | None:
         """After a clean stop by a signal: the exit to raise if the final checkpoint is missing.

@@ -404,6 +404,13 @@ class Storage(abc.ABC):
     def lock_owner(self, directory: str) -> dict[str, object]:
         """Return what ``directory``'s lock says about its writer (may be stale); {} if none."""
 
+    def recover_spooled(self, directory: str) -> list[str]:
+        """Upload what an earlier run of ``directory`` left in a local spool; return the
+        paths uploaded. Nothing to do where writes go straight to their place (local files).
+        """
+        del directory
+        return []
+
     @abc.abstractmethod
     def leftovers(self, directory: str) -> list[str]:
         """Return what interrupted writes left in ``directory`` (not recursively), sorted.

@@ -36,9 +36,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
+import hashlib
 import logging
 import os
-import tempfile
+import posixpath
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -47,6 +48,7 @@ import crc32c
 from torchsupervisor.core import threads as priority
 from torchsupervisor.errors import (
     NotRegularFileError,
+    OpError,
     OutsideDirectoryError,
     WriteCancelled,
 )
@@ -68,7 +70,7 @@ from torchsupervisor.storage.object_client import (
     read_one_version,
 )
 from torchsupervisor.storage.object_lock import LOCKS, lock_key, read_lock
-from torchsupervisor.storage.paths import parse_url
+from torchsupervisor.storage.paths import is_url, parse_url
 
 __all__ = ["ABSENT", "ObjectClient", "ObjectInfo", "ObjectStorage", "PreconditionFailed", "Upload"]
 
@@ -192,6 +194,37 @@ class ObjectStorage(Storage):
     def makedirs(self, path: str) -> None:
         """Nothing: a prefix exists once an object lies below it."""
         self._key(path)
+
+    def recover_spooled(self, directory: str) -> list[str]:
+        """Upload the events files a previous run of ``directory`` left in the local spool.
+
+        Those whose upload a stop abandoned (a store that did not answer within a preemption's
+        grace period) or a kill interrupted: each is put whole, then removed from the spool.
+        One that fails stays for the next try (logged).
+
+        Returns:
+            The paths uploaded.
+        """
+        here = self.canonical(directory)
+        uploaded = []
+        for spool, target in _spooled():
+            if spool in _OPEN_SPOOLS or not is_url(target):
+                continue
+            try:
+                if self.canonical(posixpath.dirname(target)) != here:
+                    continue
+            except ValueError:  # Another bucket or store.
+                continue
+            try:
+                with open(spool, "rb") as f:
+                    self.put(target, iter(lambda f=f: f.read(8 << 20), b""))
+            except (OSError, OpError) as e:
+                logger.warning("Could not upload the spooled events file %s: %s", spool, e)
+                continue
+            _remove_spooled(spool)
+            logger.info("Uploaded %s, left in the local spool by an earlier run", target)
+            uploaded.append(target)
+        return uploaded
 
     def open_append(self, path: str) -> Appendable:
         """Appends to a local cache file; ``sync`` uploads it whole (see the module docstring)."""
@@ -479,22 +512,85 @@ class _ObjectReadable(Readable):
 
 
 class _CachedAppendable(Appendable):
-    """An events file: appended to a local temporary file, uploaded whole at each ``sync``."""
+    """An events file: appended to a local spool file, uploaded whole at each ``sync``.
+
+    The spool file (``spool_path``, in ``spool_dir()``) stays until its last upload went
+    through: an events file a stop abandoned (a store that did not answer within the grace
+    period) or a killed process left is uploaded by the next writer of the same directory
+    (``ObjectStorage.recover_spooled``).
+    """
 
     def __init__(self, storage: ObjectStorage, path: str) -> None:
         self.path = path
         self.roll_bytes = storage.events_roll_bytes
         self._storage = storage
-        self._file = tempfile.TemporaryFile(prefix="torchsupervisor-cache-")  # noqa: SIM115
+        directory = spool_dir()
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        digest = hashlib.sha256(path.encode("utf-8")).hexdigest()[:16]
+        self.spool_path = os.path.join(directory, f"{digest}-{posixpath.basename(path)}")
+        with open(self.spool_path + _TARGET, "w", encoding="utf-8") as f:
+            f.write(path)
+        self._file = open(self.spool_path, "w+b")  # noqa: SIM115
+        self._uploaded = True  # Nothing written yet: nothing to keep.
+        _OPEN_SPOOLS.add(self.spool_path)
 
     def write(self, data: Buffer) -> None:
         self._file.write(data)
+        self._uploaded = False
 
     def sync(self) -> None:
         self._file.flush()
         self._file.seek(0)
         self._storage.put(self.path, iter(lambda: self._file.read(8 << 20), b""))
         self._file.seek(0, os.SEEK_END)
+        self._uploaded = True
 
     def close(self) -> None:
         self._file.close()
+        _OPEN_SPOOLS.discard(self.spool_path)
+        if self._uploaded:  # Else kept: the next writer of the directory uploads it.
+            _remove_spooled(self.spool_path)
+
+
+_TARGET = ".target"  # Beside a spool file: the object it is the content of.
+_OPEN_SPOOLS: set[str] = set()  # This process's spool files being written.
+
+
+def spool_dir() -> str:
+    """Where events files for object stores are written before their upload.
+
+    ``$TORCHSUPERVISOR_SPOOL_DIR``, else ``$XDG_CACHE_HOME/torchsupervisor/events``, else
+    ``~/.cache/torchsupervisor/events`` (the user's alone: mode 0700).
+    """
+    explicit = os.environ.get("TORCHSUPERVISOR_SPOOL_DIR")
+    if explicit:
+        return explicit
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "torchsupervisor", "events")
+
+
+def _spooled() -> Iterator[tuple[str, str]]:
+    """``(spool file, target URL)`` of every file in the spool."""
+    try:
+        names = os.listdir(spool_dir())
+    except OSError:
+        return
+    for name in names:
+        if not name.endswith(_TARGET):
+            continue
+        spool = os.path.join(spool_dir(), name[: -len(_TARGET)])
+        try:
+            with open(spool + _TARGET, encoding="utf-8") as f:
+                target = f.read(4096).strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if os.path.isfile(spool):
+            yield spool, target
+
+
+def _remove_spooled(spool: str) -> None:
+    for path in (spool, spool + _TARGET):
+        try:
+            os.remove(path)
+        except OSError:
+            pass

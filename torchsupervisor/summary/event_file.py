@@ -205,6 +205,8 @@ class EventFileWriter:
         # A restart to settle once the session logs past its step (``summary/restarts.py``);
         # set by the caller before it enqueues the START that opens the file.
         self.restart: Any = None
+        # A ``close`` that timed out gave up on this thread: the exit does not wait for it.
+        self.abandoned = False
         self.unflushed = False
         self.next_flush = float("-inf")
         self.thread = threading.Thread(
@@ -365,6 +367,10 @@ class EventFileWriter:
     def _run(self) -> None:
         priority.lower(self.niceness)
         try:
+            try:  # Before any restart looks at the directory's older events files.
+                self.storage.recover_spooled(self.logdir)
+            except (OSError, OpError, ValueError) as e:
+                logger.warning("Could not upload the spooled events of %s: %s", self.logdir, e)
             self._loop()
         except BaseException:  # a bug: never leave callers blocked behind a dead thread
             logger.exception("The summary writer thread for %s failed", self.logdir)
@@ -601,7 +607,7 @@ def _close_workers_at_exit() -> None:
     for worker in workers:
         worker.request_close()
     for worker in workers:
-        if worker.thread.is_alive():
+        if worker.thread.is_alive() and not worker.abandoned:
             worker.thread.join(_EXIT_JOIN_SECS)
 
 

@@ -66,7 +66,7 @@ make a reader allocate what it claims (a 1 GiB file claiming 900 MiB: 2-3 GB of 
 
 # Largest read issued at once while reading a payload of a stream whose size is unknown: the
 # buffer grows only as bytes actually arrive.
-_READ_CHUNK_BYTES = 16 << 20
+_READ_CHUNK_BYTES = 1 << 20
 
 
 def masked_crc32c(data: bytes | bytearray | memoryview) -> int:
@@ -164,12 +164,13 @@ def iter_records_with_offsets(
     Args:
         f: The file, positioned at the start of a record.
         name: The file's name, for messages.
-        size: The bytes from where ``f`` starts to the end of the file, if known: a record
-            that claims more than remains is damage, found before anything is read.
+        size: The bytes from where ``f`` starts to the end of the file, if known (a record
+            within them is read into a buffer allocated at once).
 
-    Memory: a record is read into one buffer of its size, at most ``MAX_RECORD_BYTES``
-    (and never more than what remains of the file, when ``size`` is known), then copied
-    once into the payload returned.
+    Memory: a record is read into one buffer of its size, at most ``MAX_RECORD_BYTES``, then
+    copied once into the payload returned; a length beyond the rest of the file (a crafted
+    one, or a record still being written) is read by bounded chunks, so only the bytes really
+    there are held.
     """
     offset = 0
     while True:
@@ -187,22 +188,20 @@ def iter_records_with_offsets(
                 f"corrupted record at byte offset {offset} in {name}: "
                 "checksum mismatch of the length field"
             )
-        remaining = None if size is None else size - offset - HEADER_BYTES - _FOOTER_BYTES
         if length > MAX_RECORD_BYTES:
             raise errors.DataLossError(
                 f"corrupted record at byte offset {offset} in {name}: it claims {length} "
                 f"bytes, more than the {MAX_RECORD_BYTES} bytes a record may hold"
             )
-        if remaining is not None and length > remaining:
-            raise errors.DataLossError(
-                f"truncated record at byte offset {offset} in {name}: it claims {length} "
-                f"bytes of payload, the file has {max(remaining, 0)} left"
-            )
-        body = _read_exact(f, length + _FOOTER_BYTES, known=remaining is not None)
+        # A claim beyond the end of the file (as it was when opened: a live file may have
+        # grown since) allocates nothing for itself: what is there is read by chunks.
+        remaining = None if size is None else size - offset - HEADER_BYTES - _FOOTER_BYTES
+        known = remaining is not None and length <= remaining
+        body = _read_exact(f, length + _FOOTER_BYTES, known=known)
         if len(body) < length + _FOOTER_BYTES:
             raise errors.DataLossError(
-                f"truncated record at byte offset {offset} in {name}: expected "
-                f"{length + _FOOTER_BYTES} bytes of payload and checksum, got {len(body)}"
+                f"truncated record at byte offset {offset} in {name}: it claims {length} "
+                f"bytes of payload, the file has {max(len(body) - _FOOTER_BYTES, 0)} left"
             )
         view = memoryview(body)
         (data_crc,) = _unpack_u32(view[length:])

@@ -425,29 +425,44 @@ class SummaryWriter(MediaMethods):
         with self._state_lock:
             return self._past + self._holder[0].counters()
 
-    def close(self) -> None:
+    def close(self, timeout_secs: float | None = None) -> None:
         """Write every pending event, flush and close the file, and stop the writer thread.
 
-        Idempotent. Waits at most ``close_timeout_secs`` for the thread (a warning is logged if
-        it is still writing then). Logs a warning if events were dropped for a full queue, and
-        (at INFO) how often callers waited for room in it.
+        Idempotent. Waits at most ``close_timeout_secs`` for the thread, or ``timeout_secs``
+        if shorter (a stop within a preemption's grace period), then logs a warning naming
+        what is left: on an object store the events file is kept in the local spool, and the
+        next writer of the log directory (the next run) uploads it. Logs a warning if events
+        were dropped for a full queue, and (at INFO) how often callers waited for room in it.
+
+        Args:
+            timeout_secs: The longest wait in seconds; None: ``close_timeout_secs``.
 
         Thread safety: may be called from any thread.
 
-        TF name: ``FileWriter.close``.
+        TF name: ``FileWriter.close`` (without ``timeout_secs``).
         """
         with self._state_lock:
             worker = self._holder[0]
             first = worker.request_close()
         if worker.thread is threading.current_thread():
             return
-        worker.thread.join(self.close_timeout_secs)
+        wait = self.close_timeout_secs
+        if timeout_secs is not None:
+            wait = min(wait, max(0.0, timeout_secs))
+        worker.thread.join(wait)
         if worker.thread.is_alive():
+            worker.abandoned = True  # Not waited for again at exit.
+            kept = getattr(worker.file, "spool_path", None)
+            if kept:
+                tail = f"its file is kept in {kept} and the next run on {self._logdir} uploads it"
+            else:
+                tail = "events still pending may be lost"
             logger.warning(
-                "The summary writer thread for %s did not finish within %.0f s; events still "
-                "pending may be lost",
+                "The summary writer for %s did not finish within %.1f s (%s): %s",
                 self._logdir,
-                self.close_timeout_secs,
+                wait,
+                worker.path,
+                tail,
             )
         elif first:
             self._report(worker.counters())

@@ -31,6 +31,7 @@ from typing import Any
 from tensorboard.compat.proto.event_pb2 import SessionLog
 
 from torchsupervisor import errors
+from torchsupervisor.core.clock import Deadline
 from torchsupervisor.driver.stop_record import (
     END,
     ERROR,
@@ -40,6 +41,7 @@ from torchsupervisor.driver.stop_record import (
 )
 from torchsupervisor.errors import LogdirLockedError, OutOfRangeError
 from torchsupervisor.storage import storage_for
+from torchsupervisor.summary.writer import SummaryWriter
 from torchsupervisor.supervisor.modes import agreed_stop, current_step
 
 __all__ = [
@@ -126,10 +128,12 @@ def stop_at_run(sv: Any) -> None:
     raise SystemExit(0)
 
 
-def record_end(sv: Any, ending: tuple[bool, BaseException | None] | None) -> str:
-    """Record how the session ended (the chief, in its logdir: ``driver/stop_record.py``);
-    return it as the STOP event's message (``"preemption: SIGTERM"``, ``"end"``,
-    ``"error: <ErrorType>: <message>"``)."""
+def record_end(
+    sv: Any, ending: tuple[bool, BaseException | None] | None, deadline: Deadline
+) -> str:
+    """Record how the session ended (the chief, in its logdir: ``driver/stop_record.py``),
+    before ``deadline``; return it as the STOP event's message (``"preemption: SIGTERM"``,
+    ``"end"``, ``"error: <ErrorType>: <message>"``)."""
     clean, failure = ending if ending is not None else (True, None)
     if failure is None:
         try:
@@ -145,20 +149,29 @@ def record_end(sv: Any, ending: tuple[bool, BaseException | None] | None) -> str
     else:
         reason, message = END, "end"
     logdir = sv._settings.logdir
-    if sv._settings.is_chief and logdir and not sv._lock_refused:
+    if not sv._settings.is_chief or not logdir or sv._lock_refused:
+        return message
+    step, checkpoint = current_step(sv), _newest_checkpoint(sv._mode)
+
+    def write() -> None:
         try:
             write_stop_record(
                 storage_for(logdir),
                 logdir,
                 reason=reason,
                 signal=sv._preemption.describe() or None,
-                step=current_step(sv),
-                checkpoint=_newest_checkpoint(sv._mode),
+                step=step,
+                checkpoint=checkpoint,
                 error=error,
                 wall_time=sv._settings.clock.time(),
             )
         except (OSError, errors.OpError) as e:
             logger.warning("Could not record how the session ended in %s: %s", logdir, e)
+
+    if not deadline.call(write, "torchsupervisor-stop-record"):
+        logger.warning(
+            "How the session ended was not recorded in %s within the grace period", logdir
+        )
     return message
 
 
@@ -203,20 +216,33 @@ def release_session(
     close_summary_writer: bool,
 ) -> None:
     """The end of ``stop()``: the handlers and checkpoints of the session, the record of how
-    it ended and the STOP event, the writer, the logdir's lock."""
+    it ended and the STOP event, the writer, the logdir's lock.
+
+    After a preemption signal each of these gets what is left of the grace period (the
+    final checkpoint had its share before): what cannot finish in time (a store that does not
+    answer) is abandoned with a line naming it, so the process exits within the period."""
     if unmanaged:
         sv._unmanaged = False
         sv._preemption.uninstall()
     if sv._mode is not None:
         sv._mode.stop(aborted=sv._preemption.aborted)
-    end = record_end(sv, ending)
+    deadline = sv._preemption.deadline or Deadline(sv._settings.clock, None)
+    end = record_end(sv, ending, deadline)
     writer = sv._settings.summary_writer
     if close_summary_writer and writer is not None:
         if not sv._lock_refused:  # Another process's logdir: not a word in it.
             writer.add_session_log(SessionLog(status=SessionLog.STOP, msg=end))
-        writer.close()
-    if sv._logdir_lock is not None:
+        if isinstance(writer, SummaryWriter):
+            writer.close(timeout_secs=deadline.remaining())
+        else:  # A writer of the user's, with TF's close().
+            writer.close()
+    lock, sv._logdir_lock = sv._logdir_lock, None
+    if lock is not None:
         if sv._settings.saver is not None and not sv._settings.saver.in_flight:
             sv._settings.saver.close()  # Its handles on the lock.
-        sv._logdir_lock.release()
-        sv._logdir_lock = None
+        if not deadline.call(lock.release, "torchsupervisor-release-lock"):
+            logger.warning(
+                "The writer lock of %s was not released within the grace period: it expires "
+                "by itself",
+                sv._settings.logdir,
+            )

@@ -198,6 +198,7 @@ class Supervisor:
             settings.preemption_signals,
             settings.preemption_grace_secs,
             settings.preemption_exit_code,
+            clock=settings.clock,
         )
         self._coord = Coordinator(clock=settings.clock)
         self._generation = 0  # Sessions so far: keys of earlier sessions are not reused.
