@@ -263,3 +263,63 @@ def test_waiting_for_the_save_in_flight_hurries_it(tmp_path, monkeypatch):
     gate.open()
     assert driver.wait(JOIN_SECS)
     driver.close()
+
+
+class ScalarWriter(RecordingWriter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scalars: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, tag, value, step) -> None:
+        self.scalars.append((tag, value, step))
+
+
+def test_a_save_that_falls_behind_its_interval_is_hurried_then_reported(
+    tmp_path, monkeypatch, caplog
+):
+    # save_model_secs=5 on a busy machine: checkpoints 4-15 s apart, one 25 s old at a kill,
+    # and nothing said.
+    from torchsupervisor.core import threads
+
+    hurried = []
+    monkeypatch.setattr(threads, "hurry", lambda: hurried.append(True) or True)
+    clock = FakeClock()
+    storage = GatedStorage()
+    writer = ScalarWriter()
+    _, step, sess, _, driver = _setup(tmp_path, storage, writer=writer, clock=clock)
+    gate = storage.hold("fsync")  # The save in flight makes no progress.
+    try:
+        step.assign(3)
+        driver.start(sess, 3)
+        assert gate.reached.wait(JOIN_SECS)
+        clock.advance(4.0)
+        driver.keep_up(5.0)  # Within the interval: nothing.
+        assert hurried == [] and writer.scalars == []
+        clock.advance(2.0)
+        driver.keep_up(5.0)  # Past it: the save runs at the caller's priority.
+        assert hurried == [True] and writer.scalars == []
+        clock.advance(5.0)
+        with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
+            driver.keep_up(5.0)  # Twice the interval: said, and a scalar.
+            driver.keep_up(5.0)  # Said once per interval.
+        assert caplog.text.count("The newest checkpoint is 11 s old, more than 2 times") == 1
+        assert writer.scalars == [("torchsupervisor/checkpoint_age_secs", 11.0, 3)] * 2
+    finally:
+        gate.open()
+        driver.close()
+
+
+def test_the_progress_line_says_a_checkpoint_is_overdue(fake_clock):
+    from torchsupervisor.hooks.progress import Progress
+
+    class Driver:
+        last_commit_time = fake_clock.monotonic()
+        in_flight = True
+
+    progress = Progress(checkpoint_driver=Driver(), checkpoint_every_secs=5.0, clock=fake_clock)
+    fake_clock.advance(3.0)
+    assert progress.describe(10, fake_clock.monotonic()).endswith("checkpoint 3s ago, next in 2s")
+    fake_clock.advance(9.0)  # "next in 0s" was shown while the save fell behind.
+    assert progress.describe(20, fake_clock.monotonic()).endswith(
+        "checkpoint 12s ago, saving, 7s overdue"
+    )

@@ -43,7 +43,13 @@ from torchsupervisor.core import threads
 from torchsupervisor.core.clock import REAL_CLOCK, Clock, Deadline
 from torchsupervisor.core.global_step import read_step
 
-__all__ = ["CheckpointDriver"]
+__all__ = ["CHECKPOINT_AGE_TAG", "LAG_FACTOR", "CheckpointDriver"]
+
+LAG_FACTOR = 2.0
+"""A newest checkpoint older than this many intervals is reported (``keep_up``)."""
+
+CHECKPOINT_AGE_TAG = "torchsupervisor/checkpoint_age_secs"
+"""The scalar of a checkpoint that fell behind: the newest commit's age in seconds."""
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -104,6 +110,8 @@ class CheckpointDriver:
         self.last_prefix = last_prefix
         self.last_error: str | None = None
         self.last_commit_time: float | None = None
+        self._since = self.clock.monotonic()  # Age of "no checkpoint yet" counts from here.
+        self._lag_reported: float | None = None
         self._lock = threading.Lock()
         self._requested = False
         self._deferred = False
@@ -282,6 +290,42 @@ class CheckpointDriver:
             if step is not None:
                 event.step = step
             self.writer.add_event(event)
+
+    def keep_up(self, interval_secs: float) -> None:
+        """Called by a schedule at each of its intervals (the Supervisor's timer thread).
+
+        A save that falls behind its interval catches up: when the newest commit is older
+        than ``interval_secs`` and a save is still being written, the writer is raised to the
+        caller's CPU priority until that save ends (a busy machine leaves the idle-priority
+        writer almost no CPU). When it is older than ``LAG_FACTOR`` intervals, that is
+        reported: a warning (at most once per interval) and a scalar
+        ``torchsupervisor/checkpoint_age_secs`` at the current step.
+
+        Args:
+            interval_secs: The schedule's interval in seconds (``save_model_secs``).
+
+        Thread safety: may be called from any thread.
+        """
+        now = self.clock.monotonic()
+        age = now - (self.last_commit_time if self.last_commit_time is not None else self._since)
+        if age > interval_secs and (self.in_flight or self.saver.in_flight):
+            threads.hurry()
+        if age <= LAG_FACTOR * interval_secs:
+            return
+        if self._lag_reported is None or now - self._lag_reported >= interval_secs:
+            self._lag_reported = now
+            logger.warning(
+                "The newest checkpoint is %.0f s old, more than %g times the interval of %g s: "
+                "the machine leaves the checkpoint writer too little CPU (its saves now run at "
+                "the priority of training)",
+                age,
+                LAG_FACTOR,
+                interval_secs,
+            )
+        step = self.current_step()
+        add_scalar = getattr(self.writer, "add_scalar", None)
+        if add_scalar is not None and step is not None:
+            add_scalar(CHECKPOINT_AGE_TAG, age, step)
 
     # ------------------------------------------------------------------- synchronous saves
 

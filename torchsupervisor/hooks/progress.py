@@ -174,8 +174,11 @@ class Progress:
         since = now - committed
         text = f"checkpoint {_duration(since)} ago"
         every = self._checkpoint_every_secs
-        if every:
-            text += f", next in {_duration(max(0.0, every - since))}"
+        if every and since < every:
+            text += f", next in {_duration(every - since)}"
+        elif every:  # A save that falls behind its interval (a busy machine): say so.
+            saving = ", saving" if getattr(driver, "in_flight", False) else ""
+            text += f"{saving}, {_duration(since - every)} overdue"
         return text
 
     def _draw(self, step: int, now: float) -> None:

@@ -111,7 +111,8 @@ class SVTimerCheckpointThread(LooperThread):
     """Every ``interval_secs``: ask the ``CheckpointDriver`` for a checkpoint.
 
     The driver takes it at the training thread's next step boundary (this thread never reads
-    the state).
+    the state). A save that falls behind the interval is hurried, and reported once the newest
+    checkpoint is twice the interval old (``CheckpointDriver.keep_up``).
 
     TF name: ``tf.compat.v1.train.Supervisor``'s ``SVTimerCheckpointThread``.
     """
@@ -122,9 +123,11 @@ class SVTimerCheckpointThread(LooperThread):
         super().__init__(coord, interval_secs)
         self._driver = driver
         self._sess = sess
+        self._interval_secs = interval_secs
 
     def run_loop(self) -> None:
         self._driver.request(self._sess)
+        self._driver.keep_up(self._interval_secs)
 
 
 def standard_threads(settings: Any, coord: Coordinator, sess: Session) -> list[LooperThread]:
