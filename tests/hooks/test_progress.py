@@ -44,8 +44,28 @@ def test_off_a_terminal_the_facts_are_logged_every_log_every_secs(fake_clock, ca
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
         "step 0/1000",
-        "step 310/1000  10.0 steps/s  loss 0.5  ETA 1m09s  checkpoint 21s ago, next in 0s",
+        "step 310/1000  10.0 steps/s  loss 0.5  ETA 1m09s  checkpoint 21s ago, 11s overdue",
     ]
+
+
+def test_off_a_terminal_without_logging_set_up_the_line_is_printed(fake_clock, caplog):
+    # A batch job logging to a file showed no progress at all: INFO logging is off by default.
+    out = io.StringIO()
+    progress = Progress(1000, stream=out, log_every_secs=30, clock=fake_clock)
+    with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
+        progress.update(0)
+        fake_clock.advance(30)
+        progress.update(300)
+    assert out.getvalue() == "step 0/1000\nstep 300/1000  10.0 steps/s  ETA 1m10s\n"
+
+
+def test_a_loss_that_requires_grad_shows_without_a_torch_warning(recwarn):
+    # The quickstart's progress.update(step.value, loss) warned at every redraw.
+    loss = (torch.ones(3, requires_grad=True) * 0.5).sum()
+    progress = Progress(10, stream=io.StringIO())
+    progress.update(1, loss)
+    assert "loss 1.5" in progress.describe(1)
+    assert [str(w.message) for w in recwarn] == []
 
 
 def test_on_a_terminal_a_tqdm_bar_is_redrawn_at_most_every_refresh_secs(fake_clock):
@@ -97,3 +117,21 @@ def test_a_supervisor_s_checkpoints_are_shown(tmp_path):
     with sv.managed_session():
         sv.checkpoint()  # Commits step 0 and waits for it.
         assert "checkpoint 0s ago, next in 1h00m" in progress.describe(0)
+
+
+def test_on_a_terminal_no_stray_comma_and_warnings_print_above_the_bar(fake_clock, monkeypatch):
+    # The bar read "... 30%|###   | , step 3/10" (tqdm's postfix) and a warning logged while
+    # it was drawn was glued to its line (Python's last-resort handler on stderr).
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # Nobody set up logging.
+    out = _Terminal()
+    progress = Progress(10, stream=out, refresh_secs=0, clock=fake_clock)
+    progress.update(3)
+    logging.getLogger("torchsupervisor").warning("a warning of the library")
+    fake_clock.advance(1.0)
+    progress.update(4)
+    progress.close()
+    lines = out.getvalue().replace("\r", "\n").split("\n")
+    assert "a warning of the library" in lines  # A line of its own.
+    assert any(line.endswith("| step 4/10  1.0 steps/s  ETA 6s") for line in lines), lines
+    assert not any("| ," in line for line in lines)
+    assert logging.getLogger("torchsupervisor").handlers == []  # Removed with the bar.

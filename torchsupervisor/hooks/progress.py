@@ -5,9 +5,11 @@ and the time since the last checkpoint and until the next::
 
     step 1200/3000  52.3 steps/s  loss 0.1234  ETA 34s  checkpoint 8s ago, next in 2s
 
-On a terminal it is a ``tqdm`` bar, redrawn at most every ``refresh_secs``; when the output
-is not a terminal (a log file, a scheduler's capture) the same facts are logged every
-``log_every_secs`` (logger ``torchsupervisor``, INFO) instead of drawing a bar into a file.
+On a terminal it is a ``tqdm`` bar, redrawn at most every ``refresh_secs``, with the library's
+own log lines printed above it (never glued to it); when the output is not a terminal (a log
+file, a scheduler's capture) the same facts are written every ``log_every_secs`` instead of
+drawing a bar into a file: logged (logger ``torchsupervisor``, INFO) where INFO logging is on,
+else printed on the stream, so that a batch job shows its progress without any set-up.
 
 ``ProgressHook`` updates it from a ``MonitoredSession``; with a Supervisor, call
 ``Progress.update`` in the loop (``Progress.for_supervisor`` finds its checkpoint timing).
@@ -97,6 +99,7 @@ class Progress:
         self._next_show = 0.0
         self._loss: Any = None  # A number, a one-element tensor, or a callable giving one.
         self._step: int | None = None  # The last step given to update.
+        self._log_handler: logging.Handler | None = None  # Prints log lines above the bar.
 
     @classmethod
     def for_supervisor(cls, sv: Any, last_step: int | None = None, **kwargs: Any) -> Progress:
@@ -123,7 +126,11 @@ class Progress:
             self._draw(step, now)
         else:
             self._next_show = now + self._log_every_secs
-            logger.info("%s", self.describe(step, now))
+            line = self.describe(step, now)
+            if logger.isEnabledFor(logging.INFO):
+                logger.info("%s", line)
+            else:  # Logging is not set up (WARNING, Python's default): shown all the same.
+                print(line, file=self._stream, flush=True)
 
     def describe(self, step: int, now: float | None = None) -> str:
         """The progress line for ``step``, as text."""
@@ -134,6 +141,8 @@ class Progress:
             parts.append(f"{rate:.1f} steps/s")
         loss = self._loss() if callable(self._loss) else self._loss
         if loss is not None:
+            if hasattr(loss, "detach"):  # A tensor that requires grad: no torch warning.
+                loss = loss.detach().item()
             parts.append(f"loss {float(loss):.4g}")
         if rate and self.last_step is not None and step < self.last_step:
             parts.append(f"ETA {_duration((self.last_step - step) / rate)}")
@@ -157,6 +166,9 @@ class Progress:
                 self._draw(self._step, self._clock.monotonic())
             self._bar.close()
             self._bar = None
+            if self._log_handler is not None:
+                logger.removeHandler(self._log_handler)
+                self._log_handler = None
 
     def _rate(self, step: int, now: float) -> float | None:
         if self._first is None:
@@ -188,7 +200,8 @@ class Progress:
                 total=self.last_step,
                 initial=step,
                 file=self._stream,
-                bar_format="{l_bar}{bar}| {postfix}" if self.last_step else "{postfix}",
+                # The line as the bar's description: tqdm puts ", " before a postfix.
+                bar_format="{percentage:3.0f}%|{bar}| {desc}" if self.last_step else "{desc}",
                 # The terminal's size as it changes; 100x24 where it reports none (a pty
                 # without a size, where tqdm would draw nothing).
                 dynamic_ncols=sized,
@@ -196,8 +209,9 @@ class Progress:
                 nrows=None if sized else 24,
                 leave=True,
             )
+            self._log_handler = _handler_above(self._bar)
         self._bar.n = step
-        self._bar.set_postfix_str(self.describe(step, now), refresh=False)
+        self._bar.set_description_str(self.describe(step, now), refresh=False)
         self._bar.refresh()
 
 
@@ -208,6 +222,31 @@ def _sized(stream: Any) -> bool:
     except (AttributeError, OSError, ValueError):
         return False
     return size.columns > 0 and size.lines > 0
+
+
+class _AboveBar(logging.Handler):
+    """Print log records above a ``tqdm`` bar (``tqdm.write``), which is then redrawn."""
+
+    def __init__(self, bar: Any) -> None:
+        super().__init__(logging.WARNING)
+        self._bar = bar
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._bar.write(self.format(record), file=self._bar.fp)
+        except Exception:
+            self.handleError(record)
+
+
+def _handler_above(bar: Any) -> logging.Handler | None:
+    """Route the library's log lines above ``bar`` where nobody set up logging (they would
+    go to Python's last-resort handler on stderr, glued to the bar's line)."""
+    root = logging.getLogger()
+    if logger.handlers or root.handlers:
+        return None
+    handler = _AboveBar(bar)
+    logger.addHandler(handler)
+    return handler
 
 
 def _bar_class() -> type:
