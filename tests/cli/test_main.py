@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -84,3 +85,14 @@ def test_the_demo_without_scikit_learn_says_what_to_install(tmp_path):
     assert proc.stderr.startswith("torchsupervisor demo: error: ")
     assert 'pip install "torchsupervisor[demo]"' in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_demo_on_a_missing_bucket_says_so_in_one_line(s3_server):
+    # A 30-line traceback, where `torchsupervisor ls` said it in one line.
+    env = {**os.environ, **s3_server.env}
+    demo = [sys.executable, "-m", "torchsupervisor", "demo", "--logdir", "s3://no-such-bucket/r"]
+    proc = subprocess.run(demo, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("torchsupervisor demo: error: ")
+    assert "the bucket 'no-such-bucket' does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1

@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as e:  # An extra that is not installed: say which.
             print(f"torchsupervisor demo: error: {e}", file=sys.stderr)
             return 1
+        except (OSError, ConnectionError) as e:  # A missing bucket, an unreachable store.
+            print(f"torchsupervisor demo: error: {e}", file=sys.stderr)
+            return 1
     parser = build_parser()
     if not argv:
         parser.print_help()
