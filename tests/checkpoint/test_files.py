@@ -289,15 +289,17 @@ def test_clean_stale_temporaries(tmp_path, caplog):
     before = set(os.listdir(d))
 
     storage = FaultyStorage()
-    removed = clean_stale_temporaries(d, storage=storage)
+    with caplog.at_level(logging.INFO, logger="torchsupervisor"):
+        removed = clean_stale_temporaries(d, storage=storage)
 
     assert removed == temps
     assert set(os.listdir(d)) == before - {os.path.basename(t) for t in temps}
     assert all(os.path.exists(p) for p in not_temps)
     assert storage.calls[-1] == ("fsync_dir", d)
-    assert _warnings(caplog) == [
-        f"Removed stale temporary file {t} (left by an interrupted write)" for t in temps
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
+        f"Removed temporary file {t} (left by an interrupted write)" for t in temps
     ]
+    assert _warnings(caplog) == []  # What a kill -9 leaves: not a warning.
     assert clean_stale_temporaries(tmp_path) == []
 
 
@@ -319,9 +321,10 @@ def test_clean_stale_temporaries_skips_a_file_deleted_meanwhile(tmp_path, caplog
     second = _make(tmp_path / ("b.tmp" + "2" * 32))
     storage = FaultyStorage()
     storage.fail("delete", errno=errno.ENOENT, before=_vanish)
-    assert clean_stale_temporaries(str(tmp_path), storage=storage) == [second]
+    with caplog.at_level(logging.INFO, logger="torchsupervisor"):
+        assert clean_stale_temporaries(str(tmp_path), storage=storage) == [second]
     assert not os.path.exists(first)
-    assert len(_warnings(caplog)) == 1
+    assert len([r for r in caplog.records if "Removed temporary" in r.getMessage()]) == 1
 
 
 def test_find_incomplete_checkpoints(tmp_path):
@@ -375,9 +378,10 @@ def test_removing_an_incomplete_checkpoint_is_said_only_when_files_are_removed(t
     os.remove(owner + ".index")  # Its data is still read by model.ckpt-3.
     really = tmp_path / "model.ckpt-9"
     _make_checkpoint(really, index=False)  # Interrupted before its index: garbage.
-    with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
+    with caplog.at_level(logging.INFO, logger="torchsupervisor"):
         clean_checkpoint_dir(str(tmp_path))
     removed = [r.getMessage() for r in caplog.records if "incomplete checkpoint" in r.getMessage()]
+    assert all(r.levelno == logging.INFO for r in caplog.records if "Removed" in r.getMessage())
     assert removed == [
         f"Removed incomplete checkpoint {really} (no index: the save did not finish; 2 files)"
     ]

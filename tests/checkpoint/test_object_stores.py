@@ -119,7 +119,7 @@ def test_a_start_cleans_what_a_crash_left(url, caplog):
 
     state = {"w": torch.zeros(8), "global_step": ts.GlobalStep()}
     sv = ts.Supervisor(logdir=url, state=state, save_model_secs=0, save_summaries_secs=0)
-    with caplog.at_level("WARNING", logger="torchsupervisor"), sv.managed_session():
+    with caplog.at_level("INFO", logger="torchsupervisor"), sv.managed_session():
         assert torch.equal(state["w"], torch.ones(8))  # Restored from model.ckpt-1.
     names = storage.list(url)
     assert "model.ckpt-2.data-00000-of-00001" not in names

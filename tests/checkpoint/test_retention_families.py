@@ -328,7 +328,7 @@ def test_a_crash_between_the_state_file_and_the_deletion_does_not_leak(tmp_path,
         str(tmp_path / "model.ckpt-3"),
     ]  # TF's parser ignores the comment.
     assert os.path.exists(tmp_path / "model.ckpt-1.index")  # Committed, unlisted: a leak...
-    with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
+    with caplog.at_level(logging.INFO, logger="torchsupervisor"):
         sv = _supervisor(tmp_path, Trainer(seed=2), saver=Saver(max_to_keep=2))
         with sv.managed_session() as session:
             assert session.restored_checkpoint == str(tmp_path / "model.ckpt-3")

@@ -231,8 +231,7 @@ def test_sigkill_then_restart_replays_bitwise_from_the_checkpoint(tmp_path, refe
     lines, err, code = _finish(_start(logdir))
     assert code == 0, err
     assert lines[0] == f"READY {resume_step}"
-    for name in left:
-        assert f"Removed stale temporary file {os.path.join(logdir, name)}" in err
+    assert left and "Removed" not in err  # The normal case of a restart: no warning.
     assert _valid_checkpoints(logdir)[-1] == STEPS  # And no temporary file is left.
     replayed = _losses(lines)
     assert min(replayed) == resume_step

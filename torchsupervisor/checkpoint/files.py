@@ -300,7 +300,8 @@ def clean_stale_temporaries(
     """
     removed = storage.clean_leftovers(os.fspath(directory))
     for path in removed:
-        logger.warning("Removed stale temporary file %s (left by an interrupted write)", path)
+        # INFO: what a kill -9 leaves, the normal case of a restart (not a warning).
+        logger.info("Removed temporary file %s (left by an interrupted write)", path)
     return removed
 
 

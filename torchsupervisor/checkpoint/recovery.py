@@ -262,7 +262,8 @@ def _remove(prefix: str, storage: Storage, what: str, why: str) -> None:
         return
     if removed:
         count = f"{len(removed)} file{'' if len(removed) == 1 else 's'}"
-        logger.warning("Removed %s %s (%s; %s)", what, prefix, why, count)
+        # INFO: what a kill -9 leaves, the normal case of a restart (not a warning).
+        logger.info("Removed %s %s (%s; %s)", what, prefix, why, count)
 
 
 def _finish_pending_deletions(directory: str, storage: Storage) -> None:
