@@ -75,7 +75,8 @@ def test_listing_after_a_restart(restarted, capsys, caplog):
         status, out, err = cli(capsys, "events", restarted)
     assert status == 0
     assert f"Run . ({restarted}): 2 events file(s)" in out
-    assert "sessions: 2 start(s); 1 clean stop(s)" in out
+    # The crashed session wrote no STOP: it is not counted as a clean stop.
+    assert "sessions: 2 start(s); 1 ended cleanly, 1 without a stop (killed" in out
     # The restart is in our listing, not in TensorBoard's warning: the crash logged up to
     # step 7 (labelled with the step before each step, which the resumed run logs again).
     assert "  restart: resumed at step 5 (2 logged steps lost)\n" in out
@@ -236,3 +237,22 @@ def test_a_crafted_record_length_costs_neither_memory_nor_time(tmp_path, capsys)
         tracemalloc.stop()
     assert status == 0 and f"corrupted record at byte offset {offset} in {path}" in out
     assert peak < 64 << 20 and time.monotonic() - start < 60
+
+
+def test_sessions_are_listed_by_how_they_ended(tmp_path, capsys):
+    # A chief stopped by torchrun's SIGTERM after another rank crashed was a "clean stop".
+    from tensorboard.compat.proto.event_pb2 import SessionLog
+
+    logdir = str(tmp_path / "run")
+    for msg in ("end", "preemption: SIGTERM", "error: ValueError: diverged", None):
+        with SummaryWriter(logdir) as w:
+            w.add_session_log(SessionLog(status=SessionLog.START), 1)
+            w.add_scalar("loss", 1.0, 1)
+            if msg is not None:
+                w.add_session_log(SessionLog(status=SessionLog.STOP, msg=msg))
+    status, out, _ = cli(capsys, "events", logdir)
+    assert status == 0
+    assert (
+        "sessions: 4 start(s); 1 ended cleanly, 1 stopped by SIGTERM, 1 failed, "
+        "1 without a stop (killed, or still running)"
+    ) in out

@@ -93,6 +93,7 @@ class Run:
     checkpoints: list[int]  # steps of the CHECKPOINT events
     damaged: list[str]  # "<file>: <what is wrong, and where>" of each damaged file
     restarts: list[tuple[int, float]] = field(default_factory=list)  # (step, steps lost)
+    stops: list[str] = field(default_factory=list)  # STOP messages: how each session ended
 
 
 def _check_regular(path: str) -> None:
@@ -123,6 +124,7 @@ class _Scan:
     sessions: list[tuple[int, int, float]] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
     restarts: list[tuple[int, float]] = field(default_factory=list)
+    stops: list[str] = field(default_factory=list)
     damaged: list[str] = field(default_factory=list)  # "<file>: <what>" of each damaged file
     valid_bytes: dict[str, int] = field(default_factory=dict)  # damaged file -> its intact prefix
 
@@ -181,6 +183,8 @@ def _note(found: _Scan, event: Any) -> None:
     status = event.session_log.status
     if status in (SessionLog.START, SessionLog.STOP):
         found.sessions.append((status, event.step, event.wall_time))
+    if status == SessionLog.STOP:
+        found.stops.append(event.session_log.msg)
     elif status == SessionLog.CHECKPOINT:
         found.checkpoints.append(event.step)
 
@@ -251,7 +255,15 @@ def read_run(path: str, name: str, patterns: list[str] | None = None) -> Run:
             scan.damaged.append(f"TensorBoard's loader failed: {type(e).__name__}: {e}")
             series = []
     return Run(
-        name, path, files, series, scan.sessions, scan.checkpoints, scan.damaged, scan.restarts
+        name,
+        path,
+        files,
+        series,
+        scan.sessions,
+        scan.checkpoints,
+        scan.damaged,
+        scan.restarts,
+        scan.stops,
     )
 
 
@@ -351,10 +363,9 @@ def print_runs(runs: list[Run]) -> None:
         if i:
             print()
         starts = [step for status, step, _ in run_.sessions if status == SessionLog.START]
-        stops = sum(1 for status, _, _ in run_.sessions if status == SessionLog.STOP)
         print(f"Run {run_.name} ({run_.path}): {len(run_.files)} events file(s)")
         if starts:
-            print(f"  sessions: {len(starts)} start(s); {stops} clean stop(s)")
+            print(f"  sessions: {len(starts)} start(s); {_endings(len(starts), run_.stops)}")
         for step, lost in run_.restarts:
             lost_text = "no logged step lost" if not lost else f"{lost:g} logged steps lost"
             print(f"  restart: resumed at step {step} ({lost_text})")
@@ -384,6 +395,26 @@ def print_runs(runs: list[Run]) -> None:
             )
         else:
             print("  (no summaries)")
+
+
+def _endings(starts: int, stops: list[str]) -> str:
+    """How the sessions ended, from their STOP events' messages (``supervisor/lifecycle.py``:
+    ``end``, ``preemption: SIGTERM``, ``error: ...``; none before they existed)."""
+    ended = sum(1 for m in stops if m in ("", "end"))
+    signals: dict[str, int] = {}
+    for m in stops:
+        if m.startswith("preemption"):
+            name = m.partition(": ")[2] or "a signal"
+            signals[name] = signals.get(name, 0) + 1
+    failed = sum(1 for m in stops if m.startswith("error"))
+    parts = [f"{ended} ended cleanly"]
+    parts += [f"{n} stopped by {name}" for name, n in sorted(signals.items())]
+    if failed:
+        parts.append(f"{failed} failed")
+    missing = starts - len(stops)
+    if missing > 0:
+        parts.append(f"{missing} without a stop (killed, or still running)")
+    return ", ".join(parts)
 
 
 def write_csv(runs: list[Run], out: Any) -> int:
