@@ -30,7 +30,7 @@ WORKER = worker("summary_steps_worker.py")
 # The worker's lines, and the DDP example's (its chief's).
 _RESTORED = re.compile(r"^(?:RESTORED |rank 0: resumed at step )(\d+)")
 _STEP = re.compile(r"^(?:STEP |step )(\d+)")
-LINE_TIMEOUT_SECS = 120
+LINE_TIMEOUT_SECS = 300  # A busy machine starts torchrun's workers slowly.
 REQUEUE = 42  # The preemptible script's exit status after a clean preemption.
 
 

@@ -102,10 +102,9 @@ def test_event_accumulator_shows_one_continuous_series(resumed_logdir):
     assert evals == _expected(EVAL_STEPS)
 
 
-@pytest.mark.timeout(300)
 def test_tensorboard_server_shows_one_continuous_series(resumed_logdir, tmp_path):
     with serve(resumed_logdir, str(tmp_path), env=_env()) as server:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 540  # A busy machine starts TensorBoard slowly.
         loss = evals = None
         while time.monotonic() < deadline:
             assert server.process.poll() is None, server.log()

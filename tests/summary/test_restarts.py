@@ -174,7 +174,6 @@ def test_on_an_object_store(memory_url):
 # ----------------------------------------------------------- a real TensorBoard server
 
 
-@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "load_fast, first",  # The data server, the legacy loader (which purges at START).
     [("true", RESTORED + 1), ("false", RESTORED + 1), ("false", RESTORED)],
@@ -187,7 +186,7 @@ def test_both_tensorboard_loaders_show_no_point_of_the_lost_segment(tmp_path, lo
     _crashed_run(logdir, first=first - RESTORED)
     _resumed_run(logdir, 25, first=first)
     with serve(logdir, str(tmp_path), f"--load_fast={load_fast}") as server:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 540  # A busy machine starts TensorBoard slowly.
         tags: dict = {}
         while time.monotonic() < deadline:
             assert server.process.poll() is None, server.log()

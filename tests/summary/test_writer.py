@@ -313,7 +313,6 @@ def test_first_event_flushed_at_once_then_batched_and_flushed_every_flush_secs(
         w.close()
 
 
-@pytest.mark.timeout(60)
 def test_max_queue_blocks_the_caller(tmp_path):
     storage = GatedStorage()
     gate = storage.hold("write", timeout_secs=30)

@@ -60,7 +60,6 @@ def test_on_full_must_be_block_or_drop(tmp_path):
         SummaryWriter(tmp_path, on_full="wait")
 
 
-@pytest.mark.timeout(60)
 def test_drop_policy_counts_reports_and_keeps_the_order_of_what_it_keeps(
     tmp_path, monkeypatch, caplog
 ):
@@ -95,7 +94,6 @@ def test_drop_policy_counts_reports_and_keeps_the_order_of_what_it_keeps(
     assert (final.events_written, final.events_pending, final.events_dropped) == (5, 0, 7)
 
 
-@pytest.mark.timeout(60)
 def test_block_policy_counts_blocked_calls_and_their_time(tmp_path, caplog):
     held = HeldWrites()
     clock = FakeClock(epoch_secs=1_599_999_000.25, auto_advance=False)
@@ -125,7 +123,6 @@ def test_block_policy_counts_blocked_calls_and_their_time(tmp_path, caplog):
     assert [s for s, _ in scalars(all_events(tmp_path), "x")] == [0, 1, 2, 3]
 
 
-@pytest.mark.timeout(60)
 def test_memory_bound_of_queued_tensors(tmp_path):
     held = HeldWrites()
     w = SummaryWriter(
@@ -185,7 +182,6 @@ def test_unbounded_queue_never_blocks_or_drops(tmp_path):
 # --------------------------------------------------------------------------- batching, flushing
 
 
-@pytest.mark.timeout(60)
 def test_events_are_written_together_after_the_first_batch(tmp_path):
     writes = []
     written = threading.Event()
@@ -220,7 +216,6 @@ def test_events_are_written_together_after_the_first_batch(tmp_path):
     assert [s for s, _ in scalars(all_events(tmp_path), "x")] == list(range(61))
 
 
-@pytest.mark.timeout(60)
 def test_request_flush_writes_and_syncs_without_waiting(tmp_path):
     synced = threading.Event()
     storage = FaultyStorage()
@@ -345,7 +340,6 @@ def test_writer_thread_priority(tmp_path):
     assert seen == [base, 7]
 
 
-@pytest.mark.timeout(60)
 def test_a_failing_writer_thread_never_leaves_callers_waiting(tmp_path, monkeypatch, caplog):
     def broken(self, batch):
         raise RuntimeError("bug in the writer")
