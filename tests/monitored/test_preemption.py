@@ -142,12 +142,13 @@ def test_a_final_checkpoint_that_cannot_finish_in_the_grace_period_is_abandoned(
     finally:
         gate.open()
     assert leaving.value.code == 1
-    assert "The final checkpoint at step 1 could not be written within 30 s: abandoned" in (
-        caplog.text
+    assert (
+        "The final checkpoint at step 1 could not be written within the 30 s left of the grace "
+        "period: abandoned" in caplog.text
     )
     assert (
         "Stopped by SIGTERM at step 1 but the final checkpoint failed (not written within the "
-        f"30 s grace period); the last committed checkpoint is step 0 "
+        f"grace period: 30 s were left); the last committed checkpoint is step 0 "
         f"({tmp_path / 'model.ckpt-0'}); 1 step will be redone"
     ) in caplog.text
     assert saver.wait(JOIN_SECS)  # The cancelled write ends at its next stage...
