@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from torch.distributed.checkpoint.metadata import MetadataIndex
+if TYPE_CHECKING:  # DCP costs a second to import; a process without sharded saves skips it.
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
 __all__ = ["BoundToPrefix", "ChunkKey", "RememberErrors", "chunk_key"]
 

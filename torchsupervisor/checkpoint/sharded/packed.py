@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator
-from typing import Any
-
-from torch.distributed.checkpoint.storage import WriteResult
+from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.checkpoint.entries import ShardEntry, TensorEntry
 from torchsupervisor.checkpoint.sharded.common import ChunkKey, chunk_key
 from torchsupervisor.checkpoint.tensor_table import PackedTensors
+
+if TYPE_CHECKING:  # DCP costs a second to import; a process without sharded saves skips it.
+    from torch.distributed.checkpoint.storage import WriteResult
 
 __all__ = [
     "PackedWrite",
