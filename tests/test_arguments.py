@@ -287,7 +287,34 @@ CASES = [
         "x",
         TypeError,
     ),
+    ("MonitoredTrainingSession", lambda d, v: _mts(d, scaffold=v), "scaffold", "sc", TypeError),
+    ("MonitoredTrainingSession", lambda d, v: _mts(d, hooks=v), "hooks", [7], TypeError),
+    (
+        "MonitoredTrainingSession",
+        lambda d, v: _mts(d, chief_only_hooks=v),
+        "chief_only_hooks",
+        ["hook"],
+        TypeError,
+    ),
 ]
+
+
+def test_monitored_training_session_takes_tfs_positional_order_and_names_a_misplaced_one(
+    tmp_path,
+):
+    step = ts.GlobalStep()
+    state = {"w": torch.zeros(1), "global_step": step}
+    hooks = [ts.StopAtStepHook(last_step=1)]
+    # TF's order: master, is_chief, checkpoint_dir, scaffold, hooks, chief_only_hooks, ...
+    with ts.MonitoredTrainingSession(
+        "", True, str(tmp_path), None, hooks, None, state=state
+    ) as sess:
+        while not sess.should_stop():
+            sess.run(step.increment)
+    # Hooks one place early (where the scaffold goes): an error naming the argument and
+    # the order, not an AttributeError from inside.
+    with pytest.raises(TypeError, match=r"^scaffold must be a Scaffold or None.*TF's \(master"):
+        ts.MonitoredTrainingSession("", True, str(tmp_path), hooks, state=state)
 
 
 @pytest.mark.parametrize(

@@ -304,6 +304,22 @@ def test_errors_without_a_coordinator_are_kept(caplog):
     assert "Exception in QueueRunner" in caplog.text
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_enqueue_error_without_a_coordinator_closes_the_queue():
+    # The seed: the close op "will be run if the enqueue ops raise exceptions". The consumer
+    # gets what was queued, then OutOfRangeError, instead of waiting forever.
+    queue = FIFOQueue(4)
+    records = iter([1, 2])
+
+    def read():
+        queue.enqueue(next(records))  # The third call raises StopIteration: not end of input.
+
+    runner = QueueRunner(queue, [read])
+    join_all(runner.create_threads(None, start=True))
+    assert [type(e) for e in runner.exceptions_raised] == [StopIteration]
+    assert drain(queue) == [1, 2]
+
+
 def test_ops_taking_the_session_receive_it():
     queue = FIFOQueue(10)
     seen = []

@@ -266,10 +266,12 @@ def test_chief_without_logdir_has_no_save_path_writer_or_services(
     sv = Supervisor(logdir=logdir, state=c.state)
     assert sv.save_path is None
     assert sv.summary_writer is None
-    with sv.managed_session() as sess:
-        with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
-            assert sv.start_standard_services(sess) is None
+    with caplog.at_level(logging.WARNING, logger="torchsupervisor"), sv.managed_session() as sess:
+        # The session starts without services (TF's warning); asked for them, it refuses, as
+        # the seed documents.
         assert "Standard services need a 'logdir' passed to the SessionManager" in caplog.messages
+        with pytest.raises(ValueError, match=r"^Standard services need a 'logdir'"):
+            sv.start_standard_services(sess)
         assert _sv_threads() == []
         with pytest.raises(RuntimeError, match=r"^Writing a summary requires a summary writer\.$"):
             sv.summary_computed(sess, Summary())
@@ -285,7 +287,8 @@ def test_explicit_writer_without_logdir_gets_summaries_but_no_services(tmp_path)
     sv = Supervisor(summary_writer=writer, state=c.state)
     assert sv.summary_writer is writer and sv.save_path is None
     with sv.managed_session() as sess:
-        assert sv.start_standard_services(sess) is None
+        with pytest.raises(ValueError, match="need a 'logdir'"):
+            sv.start_standard_services(sess)
         sess.run(c.step)
         sv.summary_computed(sess, Summary(value=[Summary.Value(tag="x", simple_value=2.0)]))
     # No START (no standard services), the summary at the current step, then STOP: stop()

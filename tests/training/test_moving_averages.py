@@ -89,8 +89,7 @@ def test_module_names_average_and_average_name():
     assert ema.average(torch.zeros(1)) is None
     assert ema.average("missing") is None
     assert set(ema.state_dict()) == {"weight", "bias"}
-    with pytest.raises(ValueError, match="does not know the name"):
-        ema.average_name(torch.zeros(1))
+    assert ema.average_name(torch.zeros(1)) == "ema/Variable"  # TF's name for it; see below.
     with pytest.raises(TypeError, match="a tensor or its name"):
         ema.average(3)
 
@@ -124,8 +123,6 @@ def test_apply_errors():
         ema.apply({"w": torch.ones(3)})
     with pytest.raises(ValueError, match=r"^Moving average already computed for: w"):
         ema.apply({"w2": w})
-    with pytest.raises(TypeError, match="needs a name"):
-        ema.apply([torch.ones(2)])
     with pytest.raises(ValueError, match="without '/'"):
         ema.apply({"dense/kernel": torch.ones(1)})
     with pytest.raises(TypeError, match="var_list must be"):
@@ -278,3 +275,42 @@ def test_variables_to_restore_defaults_and_errors(tmp_path):
     path = Saver({"elsewhere": ema}).save(None, str(tmp_path / "x.ckpt"))
     with pytest.raises(NotFoundError, match="avg/weight"):
         Saver(mapping).restore(None, path)
+
+
+def test_the_seeds_example_applies_bare_tensors_and_restores_by_average_name(tmp_path):
+    # Training: ema.apply([var0, var1]) with plain tensors, as the seed writes it.
+    var0, var1 = torch.zeros(3), torch.ones(2)
+    ema = ExponentialMovingAverage(0.5)
+    ema.apply([var0, var1])
+    var0.fill_(4.0)
+    var1.fill_(3.0)
+    ema.apply([var0, var1])
+    assert ema.average(var0).tolist() == [2.0, 2.0, 2.0]
+    assert ema.average_name(var1) == "ExponentialMovingAverage/Variable_1"
+    path = Saver().save(Session({ema.name: ema}), str(tmp_path / "model.ckpt"))
+
+    # Evaluation, another program: a new EMA names the new tensors before any apply().
+    eval0, eval1 = torch.zeros(3), torch.zeros(2)
+    ema = ExponentialMovingAverage(0.5)
+    shadow_var0_name = ema.average_name(eval0)
+    shadow_var1_name = ema.average_name(eval1)
+    Saver({shadow_var0_name: eval0, shadow_var1_name: eval1}).restore(None, path)
+    assert eval0.tolist() == [2.0, 2.0, 2.0] and eval1.tolist() == [2.0, 2.0]
+    # apply() keeps the names average_name() gave.
+    ema.apply([eval0, eval1])
+    assert set(ema.state_dict()) == {"Variable", "Variable_1"}
+
+
+def test_a_list_names_its_tensors_by_place_at_every_call():
+    # A loss is a new tensor at every step: the same place goes on with the same average.
+    ema = ExponentialMovingAverage(0.5)
+    for value in (2.0, 4.0):
+        ema.apply([torch.tensor(value), torch.tensor(10 * value)])
+    assert ema.average("Variable").item() == 3.0
+    assert ema.average("Variable_1").item() == 30.0
+    assert set(ema.state_dict()) == {"Variable", "Variable_1"}
+    # A name average_name() gave another tensor is never taken by a place.
+    other = ExponentialMovingAverage(0.5)
+    assert other.average_name(torch.ones(1)) == "ExponentialMovingAverage/Variable"
+    with pytest.raises(ValueError, match="average_name\\(\\) named another tensor 'Variable'"):
+        other.apply([torch.ones(2)])

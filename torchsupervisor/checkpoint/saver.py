@@ -47,9 +47,7 @@ from torchsupervisor.core.checks import (
 )
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import read_checkpoint_step, read_step
-from torchsupervisor.core.state import (
-    select_state,
-)
+from torchsupervisor.core.state_names import check_var_list, select_state
 from torchsupervisor.core.training_state import shared_entries
 from torchsupervisor.distributed.env import rank, world_size
 from torchsupervisor.errors import CheckpointSaveError
@@ -106,8 +104,11 @@ class Saver(ShardedSaves):
         var_list: What to save. None: the whole state of the session passed to ``save`` /
             ``restore``. A mapping of names to stateful objects: exactly those (the session may
             then be None); a name may be a ``/`` path into a bigger checkpoint on restore
-            (``{"model/backbone": net.backbone}``). A list of names: those entries of the
-            session's state.
+            (``{"model/backbone": net.backbone}``). A list (TF's ``Saver([var1, var2])``) of
+            state entry names and objects of the session's state (tensors, sub-modules,
+            optimizers): each object is saved under its path in the state, found by identity
+            at each save and restore (``Saver([model.fc.weight])`` covers
+            ``model/fc.weight``, as a checkpoint of the whole state names it).
         reshape, restore_sequentially, saver_def, builder, defer_build, write_version,
             filename: Accepted in TF's positional order and ignored: they configure TF's
             graph (restore ops, the ``SaverDef``, the V1/V2 format); nothing here needs them.
@@ -150,7 +151,8 @@ class Saver(ShardedSaves):
             negative ``max_to_keep``, a ``keep_checkpoint_every_n_hours`` that is not
             positive, a ``max_shard_bytes`` or ``full_save_every_n_saves`` below 1 (naming
             the argument and the value).
-        TypeError: For a ``var_list`` of another kind; for an argument of the wrong type
+        TypeError: For a ``var_list`` of another kind, or a list item that is neither a
+            name, a tensor nor a stateful object; for an argument of the wrong type
             (``max_to_keep=2.5`` or ``"3"``), naming it and the value.
 
     Thread safety: ``save``/``save_async``/``restore`` are meant for one (training) thread;
@@ -184,14 +186,9 @@ class Saver(ShardedSaves):
         clock: Clock | None = None,
     ) -> None:
         del reshape, restore_sequentially, saver_def, builder, defer_build, write_version, filename
-        if var_list is not None:
-            if not isinstance(var_list, (Mapping, list, tuple)):
-                raise TypeError(
-                    "var_list must be None, a mapping of names to stateful objects, or a list of "
-                    f"state names; got {type(var_list).__name__}"
-                )
-            if not var_list and not allow_empty:
-                raise ValueError("No variables to save")
+        check_var_list(var_list)
+        if var_list is not None and not var_list and not allow_empty:
+            raise ValueError("No variables to save")
         max_to_keep = check_int("max_to_keep", max_to_keep, allow_none=True)
         keep_checkpoint_every_n_hours = check_number(
             "keep_checkpoint_every_n_hours", keep_checkpoint_every_n_hours, positive=True

@@ -31,6 +31,7 @@ __all__ = [
     "check_bool",
     "check_clock",
     "check_duck",
+    "check_hooks",
     "check_int",
     "check_iterable",
     "check_number",
@@ -228,6 +229,24 @@ def check_clock(name: str, value: Any) -> Any:
         TypeError: It lacks ``time``, ``monotonic``, ``sleep`` or ``wait``.
     """
     return check_duck(name, value, ("time", "monotonic", "sleep", "wait"), "a Clock")
+
+
+def check_hooks(name: str, value: Any) -> Any:
+    """Return ``value`` after checking it is None or an iterable of ``SessionRunHook`` s.
+
+    Raises:
+        TypeError: Not iterable, or an item without the hook methods (``before_run``,
+            ``after_run``), naming the argument and the item.
+    """
+    check_iterable(name, value)
+    if value is None:
+        return None
+    value = list(value)
+    for i, hook in enumerate(value):
+        check_duck(
+            f"{name}[{i}]", hook, ("before_run", "after_run"), "a SessionRunHook", allow_none=False
+        )
+    return value
 
 
 def check_iterable(name: str, value: Any, *, allow_none: bool = True) -> Any:

@@ -44,7 +44,6 @@ __all__ = [
     "is_materialized",
     "iter_state_tensors",
     "not_saveable",
-    "select_state",
     "state_entries",
 ]
 
@@ -295,30 +294,3 @@ def check_saveable(tensor: torch.Tensor, path: str) -> None:
         raise ValueError(
             f"Cannot save {path!r}: tensor subclass {type(tensor).__name__} is not supported"
         )
-
-
-def select_state(state: Mapping[str, Any], var_list: Any) -> Mapping[str, Any]:
-    """Return the part of ``state`` that a saver with ``var_list`` covers.
-
-    Args:
-        state: The session's state.
-        var_list: None (the whole state), a mapping of names to stateful objects (used as is),
-            or a list/tuple of names of ``state`` entries.
-
-    Raises:
-        ValueError: If a listed name is not in the state.
-        TypeError: For another kind of ``var_list``.
-    """
-    if var_list is None:
-        return state
-    if isinstance(var_list, Mapping):
-        return var_list
-    if isinstance(var_list, (list, tuple)):
-        missing = [name for name in var_list if name not in state]
-        if missing:
-            raise ValueError(f"var_list names {missing} are not in the state ({sorted(state)})")
-        return {name: state[name] for name in var_list}
-    raise TypeError(
-        "var_list must be None, a mapping of names to stateful objects, or a list of state "
-        f"names; got {type(var_list).__name__}"
-    )

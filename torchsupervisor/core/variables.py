@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from torchsupervisor.core.session import session_op
-from torchsupervisor.core.state import is_materialized, iter_state_tensors, select_state
+from torchsupervisor.core.state import is_materialized, iter_state_tensors
+from torchsupervisor.core.state_names import select_state
 
 __all__ = [
     "global_variables_initializer",

@@ -30,11 +30,22 @@ __all__ = ["ClusterSpec", "Server"]
 _REPLICA_JOBS = ("chief", "worker")
 
 
+def _is_cluster_def(cluster: Mapping[str, Any]) -> bool:
+    """Whether ``cluster`` is ``as_cluster_def``'s form (``{"job": [{"name": ...}]}``)."""
+    jobs = cluster.get("job")
+    return (
+        len(cluster) == 1
+        and isinstance(jobs, list)
+        and all(isinstance(job, Mapping) and "name" in job for job in jobs)
+    )
+
+
 class ClusterSpec:
     """A cluster: job names mapped to task addresses (``"host:port"``).
 
     Args:
-        cluster: ``{job: [address, ...]}`` or ``{job: {task_index: address}}``, or another
+        cluster: ``{job: [address, ...]}`` or ``{job: {task_index: address}}``, the dict
+            form of TF's ``ClusterDef`` that ``as_cluster_def`` returns, or another
             ``ClusterSpec``.
 
     Raises:
@@ -53,6 +64,8 @@ class ClusterSpec:
                 f"{type(cluster).__name__}"
             )
         self._jobs: dict[str, dict[int, str]] = {}
+        if _is_cluster_def(cluster):
+            cluster = {job["name"]: job.get("tasks", {}) for job in cluster["job"]}
         for job, tasks in cluster.items():
             if isinstance(tasks, Mapping):
                 self._jobs[str(job)] = {int(i): str(a) for i, a in tasks.items()}
@@ -117,6 +130,22 @@ class ClusterSpec:
             dense = sorted(tasks) == list(range(len(tasks)))
             out[job] = [tasks[i] for i in range(len(tasks))] if dense else dict(tasks)
         return out
+
+    def as_cluster_def(self) -> dict[str, list[dict[str, Any]]]:
+        """Return TF's ``ClusterDef`` as plain data, with the proto's field names.
+
+        Returns:
+            ``{"job": [{"name": job, "tasks": {task_index: address}}, ...]}``, the jobs
+            sorted by name, as TF's ``ClusterDef`` lists them; ``ClusterSpec`` accepts it.
+
+        TF name: ``tf.train.ClusterSpec.as_cluster_def`` (which returns the protocol buffer).
+        """
+        return {
+            "job": [
+                {"name": job, "tasks": dict(sorted(self._jobs[job].items()))}
+                for job in sorted(self._jobs)
+            ]
+        }
 
     def replicas(self) -> list[tuple[str, int, str]]:
         """Return ``(job, task_index, address)`` of the replicas in rank order.

@@ -80,10 +80,12 @@ class QueueRunner:
     thread ends, and the last thread to end runs ``close_op`` (remaining elements can still be
     dequeued; after them ``dequeue`` raises ``OutOfRangeError``). Any other exception ends the
     thread and is reported to the coordinator (which stops training and re-raises it from
-    ``join()``), or, without a coordinator, logged, kept in ``exceptions_raised`` and re-raised
-    in the thread. With a coordinator, one more thread waits for the stop request and then runs
-    ``cancel_op`` (closes the queue, failing the enqueues waiting for room), so that no runner
-    thread stays blocked.
+    ``join()``), or, without a coordinator, logged, kept in ``exceptions_raised``, closes the
+    queue with ``close_op`` (the seed's "that op will be run if the enqueue ops raise
+    exceptions": a consumer gets what was queued, then ``OutOfRangeError``, instead of
+    waiting forever) and is re-raised in the thread. With a coordinator, one more thread waits
+    for the stop request and then runs ``cancel_op`` (closes the queue, failing the enqueues
+    waiting for room), so that no runner thread stays blocked.
 
     Args:
         queue: The queue the ops fill (its ``close`` gives the default close and cancel ops).
@@ -309,6 +311,9 @@ class QueueRunner:
                 logger.error("Exception in QueueRunner: %s", e)
                 with self._lock:
                     self._exceptions_raised.append(e)
+                # Nothing else would ever close the queue: its consumer would wait forever.
+                # Closed, it gets the elements already queued, then OutOfRangeError.
+                self._run_close(self._close_op, sess)
                 raise
         finally:
             if not counted:

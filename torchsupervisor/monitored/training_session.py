@@ -145,6 +145,14 @@ def MonitoredTrainingSession(
     )
     checkpoint_dir = checks.check_path("checkpoint_dir", checkpoint_dir)
     summary_dir = checks.check_path("summary_dir", summary_dir)
+    if scaffold is not None and not isinstance(scaffold, Scaffold):
+        raise TypeError(
+            f"scaffold must be a Scaffold or None, got {scaffold!r} ({type(scaffold).__name__}): "
+            "the positional order is TF's (master, is_chief, checkpoint_dir, scaffold, hooks, "
+            "chief_only_hooks, save_checkpoint_secs, ...)"
+        )
+    hooks = checks.check_hooks("hooks", hooks)
+    chief_only_hooks = checks.check_hooks("chief_only_hooks", chief_only_hooks)
     for name, value in (
         ("save_checkpoint_secs", save_checkpoint_secs),
         ("save_summaries_secs", save_summaries_secs),

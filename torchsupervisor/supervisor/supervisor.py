@@ -349,14 +349,17 @@ class Supervisor:
         self._asked = False  # Whether this session's loop ever asked should_stop().
         if start_standard_services:
             mode.start_services(sess)
-            if self._settings.is_chief:
+            if self._settings.is_chief and not self._settings.logdir:
+                # A session without a logdir (an evaluation) has nothing to write to.
+                logger.warning("Standard services need a 'logdir' passed to the SessionManager")
+            elif self._settings.is_chief:
                 logger.info("Starting standard services.")
                 self.start_standard_services(sess)
             logger.info("Starting queue runners.")
             self.start_queue_runners(sess)
         return sess
 
-    def start_standard_services(self, sess: Session) -> list[LooperThread] | None:
+    def start_standard_services(self, sess: Session) -> list[LooperThread]:
         """Start the summary, step-counter and checkpoint services for ``sess``.
 
         Writes a ``SessionLog.START`` event first, at the first step this session produces
@@ -366,10 +369,13 @@ class Supervisor:
         stands behind (``summary/restarts.py``).
 
         Returns:
-            The started threads, or None (with a warning) when there is no logdir.
+            The started threads.
 
         Raises:
             RuntimeError: On a non-chief (TF's text).
+            ValueError: Without a logdir, as the seed documents it (TF's code only warned
+                and returned None; ``prepare_or_wait_for_session`` still only warns and
+                starts none: a session without a logdir has nothing to write to).
 
         TF name: ``Supervisor.start_standard_services``.
         """
@@ -379,8 +385,10 @@ class Supervisor:
                 "supervisors can write events."
             )
         if not self._settings.logdir:
-            logger.warning("Standard services need a 'logdir' passed to the SessionManager")
-            return None
+            raise ValueError(
+                "Standard services need a 'logdir' passed to the Supervisor: it has none "
+                f"(logdir={self._settings.logdir!r})"
+            )
         writer = self._settings.summary_writer
         if self._settings.global_step is not None and writer is not None:
             write_start(writer, current_step(self))

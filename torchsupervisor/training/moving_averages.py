@@ -43,6 +43,12 @@ from torchsupervisor.errors import InvalidArgumentError
 
 __all__ = ["ExponentialMovingAverage"]
 
+
+def _default_name(place: int) -> str:
+    """TF's name for the unnamed variable at ``place`` (0: ``"Variable"``, 1: ``"Variable_1"``)."""
+    return "Variable" if place == 0 else f"Variable_{place}"
+
+
 logger = logging.getLogger("torchsupervisor")
 
 _FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -99,6 +105,8 @@ class ExponentialMovingAverage:
         self._shadows: dict[str, torch.Tensor] = {}  # name -> its moving average
         self._names: dict[int, str] = {}  # id(averaged tensor) -> name
         self._restored: dict[str, torch.Tensor] = {}  # loaded before apply() named them
+        # id(tensor) -> (name, tensor): names average_name() gave tensors apply() had not seen.
+        self._given: dict[int, tuple[str, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -162,15 +170,11 @@ class ExponentialMovingAverage:
                 f"(name, tensor) pairs or averaged tensors; got {type(var_list).__name__}"
             )
         pairs = []
+        unnamed = 0  # The place of a bare tensor among the list's bare tensors.
         for item in items:
             if isinstance(item, torch.Tensor):
-                name = self._names.get(id(item))
-                if name is None:
-                    raise TypeError(
-                        "A tensor that is not averaged yet needs a name: pass an nn.Module, a "
-                        "mapping of names to tensors, or (name, tensor) pairs"
-                    )
-                pairs.append((name, item))
+                pairs.append((self._bare_name(item, unnamed), item))
+                unnamed += 1
             elif isinstance(item, tuple) and len(item) == 2:
                 pairs.append(item)
             else:
@@ -183,6 +187,29 @@ class ExponentialMovingAverage:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name!r} is not a tensor: {type(tensor).__name__}")
         return pairs
+
+    def _bare_name(self, tensor: torch.Tensor, place: int) -> str:
+        """The name of a tensor given without one, at ``place`` among a list's bare tensors.
+
+        Its name if it is averaged or was named by ``average_name()``; else TF's default
+        name for the variable at that place (``_default_name``), so that the same list
+        names its tensors alike at every call, new tensors included (a loss each step).
+        """
+        known = self._names.get(id(tensor))
+        if known is not None and self._tensors.get(known) is tensor:
+            return known
+        given = self._given.get(id(tensor))
+        if given is not None and given[1] is tensor:
+            return given[0]
+        name = _default_name(place)
+        other = next((t for n, t in self._given.values() if n == name), None)
+        if other is not None:
+            raise ValueError(
+                f"average_name() named another tensor {name!r}, the name of the tensor at "
+                f"place {place} of apply()'s list: call average_name() in the order of that "
+                "list, or give the tensors names (a module, a mapping, (name, tensor) pairs)"
+            )
+        return name
 
     def _track(self, name: str, tensor: torch.Tensor) -> None:
         """Start averaging ``tensor`` under ``name`` (a no-op if it already is)."""
@@ -233,13 +260,28 @@ class ExponentialMovingAverage:
         self._tensors[name] = tensor
         self._shadows[name] = shadow
         self._names[id(tensor)] = name
+        self._given.pop(id(tensor), None)
 
     def _name_of(self, var: Any) -> str | None:
         if isinstance(var, str):
             return var
         if isinstance(var, torch.Tensor):
-            return self._names.get(id(var))
+            name = self._names.get(id(var))
+            if name is not None and self._tensors.get(name) is var:
+                return name
+            given = self._given.get(id(var))
+            return given[0] if given is not None and given[1] is var else None
         raise TypeError(f"Expected a tensor or its name, got {type(var).__name__}: {var!r}")
+
+    def _give_name(self, var: torch.Tensor) -> str:
+        """Name a tensor ``apply()`` has not seen: the first of TF's default names that no
+        other tensor has, remembered (with the tensor) for ``apply()`` and later calls."""
+        taken = set(self._tensors) | {name for name, _ in self._given.values()}
+        name = next(
+            _default_name(i) for i in range(len(taken) + 1) if _default_name(i) not in taken
+        )
+        self._given[id(var)] = (name, var)
+        return name
 
     # ------------------------------------------------------------------------ averaging
 
@@ -252,17 +294,23 @@ class ExponentialMovingAverage:
 
         Args:
             var_list: An ``nn.Module`` (all its ``named_parameters()``), a mapping of names to
-                tensors, an iterable of ``(name, tensor)`` pairs or of tensors already
-                averaged, or None: every tensor averaged so far. Tensors must be float16,
-                bfloat16, float32 or float64 (any device); names must not contain ``/``.
+                tensors, an iterable of ``(name, tensor)`` pairs and tensors (TF's
+                ``apply([var0, var1])``), or None: every tensor averaged so far. A tensor
+                given without a name keeps the name it has (from an earlier ``apply()`` or
+                ``average_name()``); a new one gets TF's name for an unnamed variable by its
+                place among the list's tensors without a name: ``"Variable"``,
+                ``"Variable_1"``, ... So one list names its tensors alike at every call,
+                and a new tensor at a place (a loss, new at every step) goes on with the
+                average of that place. Tensors must be float16, bfloat16, float32 or float64
+                (any device); names must not contain ``/``.
 
         Raises:
             TypeError: ``"The variables must be half, float, or double: <name>"`` for another
-                dtype; for an unnamed tensor that is not averaged yet, or a ``var_list`` of
-                another kind.
+                dtype; for a ``var_list`` of another kind.
             ValueError: ``"Moving average already computed for: <name>"`` if a tensor is
                 already averaged under another name; if ``var_list`` is None before anything
-                is averaged.
+                is averaged; if ``average_name()`` gave another tensor the default name of
+                a place in the list.
             InvalidArgumentError: If a value restored for a name, or the average of a name
                 given a new tensor, has another shape.
 
@@ -318,20 +366,24 @@ class ExponentialMovingAverage:
         are entries of the EMA's own state (checkpoint paths are state paths, SPEC section 5),
         so code that built TF's names by hand must call this method instead.
 
+        As in TF, it can be called before ``apply()`` (an evaluation program that restores
+        the averages never applies): a tensor ``apply()`` has not seen gets the first of TF's
+        default names no other tensor has (``"Variable"``, ``"Variable_1"``, ...), which
+        ``apply()`` then keeps. Called in the order of the list the training program gives
+        ``apply()``, it returns the names that program saved; a restore checks the shapes.
+
         Args:
-            var: A tensor averaged by ``apply()``, or a name (a str; it need not be averaged).
+            var: A tensor (averaged by ``apply()`` or not), or a name (a str; it need not be
+                averaged).
 
         Raises:
-            ValueError: For a tensor that ``apply()`` has not seen (its name is unknown).
+            TypeError: For a ``var`` that is neither a tensor nor a str.
 
         TF name: ``tf.compat.v1.train.ExponentialMovingAverage.average_name``.
         """
         name = self._name_of(var)
         if name is None:
-            raise ValueError(
-                f"{self._name} does not know the name of this tensor: average it with apply() "
-                "first, or pass its name"
-            )
+            name = self._give_name(var)
         return f"{self._name}/{name}"
 
     def variables_to_restore(
