@@ -137,6 +137,7 @@ from torchsupervisor.training.optimizers import (
     FtrlOptimizer,
     ProximalAdagradOptimizer,
     ProximalGradientDescentOptimizer,
+    RMSPropOptimizer,
 )
 
 __all__ = [
@@ -169,6 +170,7 @@ __all__ = [
     "PriorityQueue",
     "ProximalAdagradOptimizer",
     "ProximalGradientDescentOptimizer",
+    "RMSPropOptimizer",
     "QueueBase",
     "QueueRunner",
     "RNGState",

@@ -35,6 +35,7 @@ from torchsupervisor.hooks import CheckpointSaverHook
 from torchsupervisor.monitored.creators import ChiefSessionCreator
 from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.monitored.session import MonitoredSession
+from torchsupervisor.monitored.training_session import MonitoredTrainingSession
 from torchsupervisor.monitored.wrappers import _HookedSession
 from torchsupervisor.testing import FaultyStorage
 
@@ -460,6 +461,37 @@ def test_stop_on_checkpoint_error_raises_at_the_next_step(tmp_path):
         sess.run(counter.step)
     assert counter.calls == 1
     assert checkpoint_steps(tmp_path) == []
+
+
+def test_monitored_training_session_offers_tfs_stop_on_a_failed_checkpoint(tmp_path):
+    # TF stopped on a checkpoint that could not be written; the default goes on (README).
+    for stop in (False, True):
+        counter = Counter()
+        storage = FaultyStorage()
+        fill_disk(storage)
+        saver = Saver(storage=storage)
+        logdir = tmp_path / str(stop)
+        sess = MonitoredTrainingSession(
+            checkpoint_dir=str(logdir),
+            scaffold=Scaffold(saver=saver),
+            state=counter.state,
+            save_checkpoint_steps=1,
+            save_summaries_steps=None,
+            log_step_count_steps=None,
+            stop_on_checkpoint_error=stop,
+        )
+        saver.wait()  # The save at step 0 failed.
+        if stop:
+            with pytest.raises(CheckpointSaveError), sess:
+                sess.run(counter.step)
+            assert counter.calls == 1
+        else:
+            storage.clear()
+            with sess:
+                for _ in range(3):
+                    sess.run(counter.step)
+            assert counter.calls == 3
+            assert checkpoint_steps(logdir)  # Later saves were written.
 
 
 def test_a_failed_final_save_raises(tmp_path):

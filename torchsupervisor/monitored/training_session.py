@@ -58,6 +58,7 @@ def MonitoredTrainingSession(
     preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
     preemption_grace_secs: float = 30.0,
     preemption_exit_code: int | None = None,
+    stop_on_checkpoint_error: bool = False,
 ) -> MonitoredSession:
     """Create a ``MonitoredSession`` for training, with the standard hooks on the chief.
 
@@ -113,6 +114,10 @@ def MonitoredTrainingSession(
         preemption_exit_code: If set, leaving the session's ``with`` block after a preemption
             signal raises ``SystemExit`` with this code, once everything is saved and closed;
             None: exit normally (status 0).
+        stop_on_checkpoint_error: TF's behaviour: a checkpoint that cannot be written stops
+            training with its ``CheckpointSaveError`` (from the step that sees it). False
+            (the default, for days-long runs): it is logged and reported in the events file,
+            and training goes on to the next save (``CheckpointSaverHook``).
 
     Returns:
         A ``MonitoredSession`` (recovering from preemption errors).
@@ -173,6 +178,9 @@ def MonitoredTrainingSession(
     checks.check_signals("preemption_signals", preemption_signals)
     checks.check_number("preemption_grace_secs", preemption_grace_secs)
     checks.check_int("preemption_exit_code", preemption_exit_code, allow_none=True)
+    stop_on_checkpoint_error = checks.check_bool(
+        "stop_on_checkpoint_error", stop_on_checkpoint_error
+    )
     if save_summaries_steps is USE_DEFAULT and save_summaries_secs is USE_DEFAULT:
         save_summaries_steps, save_summaries_secs = 100, None
     elif save_summaries_steps is USE_DEFAULT:
@@ -240,6 +248,7 @@ def MonitoredTrainingSession(
                 save_secs=save_checkpoint_secs,
                 scaffold=scaffold,
                 clock=clock,
+                stop_on_checkpoint_error=stop_on_checkpoint_error,
             )
         )
     all_hooks.extend(hooks or [])

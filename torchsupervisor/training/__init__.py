@@ -10,7 +10,8 @@ ordinary ``torch.optim`` citizens:
 - ``moving_averages``: ``ExponentialMovingAverage``, checkpointed with the state, and
   ``variables_to_restore()`` for evaluating with the averaged weights through a ``Saver``.
 - ``optimizers``: ``FtrlOptimizer``, ``ProximalGradientDescentOptimizer``,
-  ``ProximalAdagradOptimizer``, ``AdagradDAOptimizer`` (``torch.optim.Optimizer`` subclasses).
+  ``ProximalAdagradOptimizer``, ``AdagradDAOptimizer``, ``RMSPropOptimizer`` (TF's exact update)
+  (``torch.optim.Optimizer`` subclasses).
 - ``clip_ops``: ``clip_by_value``, ``clip_by_norm``, ``clip_by_average_norm``,
   ``clip_by_global_norm``, ``global_norm`` with TF's return values.
 
