@@ -11,10 +11,11 @@ from monitored_helpers import JOIN_SECS, Counter
 
 from torchsupervisor import GlobalStep, Supervisor
 from torchsupervisor.core.coordinator import Coordinator
-from torchsupervisor.core.registry import GraphKeys, get_collection
+from torchsupervisor.core.registry import Graph, GraphKeys, get_collection
 from torchsupervisor.errors import (
     CancelledError,
     DeadlineExceededError,
+    FailedPreconditionError,
     OutOfRangeError,
     UnimplementedError,
 )
@@ -25,6 +26,7 @@ from torchsupervisor.input.queue_runner import (
     queue_from_iterable,
     start_queue_runners,
 )
+from torchsupervisor.input.queues import PaddingFIFOQueue
 
 
 def join_all(threads):
@@ -479,3 +481,55 @@ def test_dequeue_many_of_zero_and_bad_counts():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="non-negative int"):
             q.dequeue_many(bad)
+
+
+def test_a_list_of_components_is_an_element_of_that_many_components():
+    # TF's queue.enqueue([image, label]): a list is the element's components, as a tuple.
+    pairs = FIFOQueue(10, dtypes=[torch.float32, torch.int64])
+    for i in range(3):
+        pairs.enqueue([torch.full((2,), float(i)), torch.tensor(i)])
+    images, labels = pairs.dequeue_many(2)
+    assert images.shape == (2, 2) and labels.tolist() == [0, 1]
+    assert isinstance(pairs.dequeue(), tuple)
+    with pytest.raises(ValueError, match=r"Queue 'fifo_queue' has 2 components.*got 3 components"):
+        pairs.enqueue([torch.zeros(1), torch.zeros(1), torch.zeros(1)])
+    with pytest.raises(ValueError, match=r"Queue 'fifo_queue' has 2 components.*got a Tensor"):
+        pairs.enqueue(torch.zeros(2))
+    # A PaddingFIFOQueue pads and checks the list's components like a tuple's.
+    padded = PaddingFIFOQueue(10, dtypes=[torch.float32, torch.int64], shapes=[[None], []])
+    padded.enqueue([torch.ones(1), torch.tensor(0)])
+    padded.enqueue([torch.ones(3), torch.tensor(1)])
+    values, lengths = padded.dequeue_many(2)
+    assert values.tolist() == [[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]] and lengths.tolist() == [0, 1]
+    with pytest.raises(ValueError, match="padding_fifo_queue"):
+        padded.enqueue([torch.ones(2, 2), torch.tensor(0)])
+    # One declared component: a list of one is that component; undeclared lists stay whole.
+    single = FIFOQueue(4, dtypes=[torch.float32])
+    single.enqueue([torch.tensor(5.0)])
+    assert single.dequeue() == torch.tensor(5.0)
+    plain = FIFOQueue(4)
+    plain.enqueue([1, 2])
+    assert plain.dequeue() == [1, 2]
+
+
+def test_a_dequeue_before_the_runners_start_fails_at_once_instead_of_hanging():
+    # TF's graph-building `images, labels = queue.dequeue_many(n)` before the session: here it
+    # would run at once and wait forever for a runner that starts with the session.
+    with Graph().as_default():
+        queue = FIFOQueue(10, dtypes=[torch.float32, torch.int64])
+        runner = QueueRunner(queue, [lambda: queue.enqueue([torch.zeros(1), torch.tensor(0)])])
+        add_queue_runner(runner)
+        with pytest.raises(
+            FailedPreconditionError,
+            match=r"dequeue_many\(4\) on FIFOQueue 'fifo_queue' would wait forever",
+        ):
+            queue.dequeue_many(4)
+        with pytest.raises(FailedPreconditionError, match=r"^dequeue\(\) on"):
+            queue.dequeue()
+        # Once started, the same call waits for the runner as usual.
+        coord = Coordinator()
+        threads = runner.create_threads(None, coord=coord, start=True)
+        images, _ = queue.dequeue_many(4)
+        assert images.shape == (4, 1)
+        coord.request_stop()
+        coord.join(threads, stop_grace_period_secs=JOIN_SECS)

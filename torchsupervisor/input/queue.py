@@ -33,7 +33,13 @@ from typing import Any
 import torch
 
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
-from torchsupervisor.errors import CancelledError, DeadlineExceededError, OutOfRangeError
+from torchsupervisor.core.registry import GraphKeys, get_collection
+from torchsupervisor.errors import (
+    CancelledError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    OutOfRangeError,
+)
 from torchsupervisor.input.gate import GATE
 
 __all__ = ["FIFOQueue", "QueueBase", "check_shapes", "collate"]
@@ -118,7 +124,9 @@ class QueueBase:
     Args:
         capacity: The most elements the queue holds (> 0).
         dtypes: Accepted for TF's signature; a list or tuple gives the number of components of
-            an element (what ``enqueue_many`` splits along); types are not checked.
+            an element: an enqueued element is then a tuple or list of that many (a list is
+            stored as a tuple, TF's rule; a list of one component as that component), and
+            ``enqueue_many`` splits along them; types are not checked.
         shapes: Accepted for TF's signature; checked only by ``PaddingFIFOQueue``.
         names: Component names: elements are then dicts with these keys (for
             ``enqueue_many``); None: unnamed.
@@ -153,7 +161,8 @@ class QueueBase:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
         self._capacity = capacity
-        self._num_components = len(dtypes) if isinstance(dtypes, (list, tuple)) else 1
+        self._declared = isinstance(dtypes, (list, tuple))  # TF's list of component types.
+        self._num_components = len(dtypes) if self._declared else 1
         self._names = list(names) if names is not None else None
         self._dtypes = dtypes
         self._shapes_given = shapes
@@ -254,6 +263,29 @@ class QueueBase:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self._name!r}, capacity={self._capacity})"
 
+    def _check_fillable(self, n: int) -> None:
+        """Raise rather than wait forever for runners that have not started (lock held).
+
+        TF's ``images, labels = queue.dequeue_many(n)`` in graph-building code built an op;
+        here a dequeue runs at once, before the session starts the queue's runners: waiting
+        would hang the program without a word. A queue whose registered runners all never
+        started (and that no enqueue is waiting to fill) is in that case.
+        """
+        runners = [
+            r for r in get_collection(GraphKeys.QUEUE_RUNNERS) if getattr(r, "queue", None) is self
+        ]
+        if runners and not any(getattr(r, "started", True) for r in runners):
+            what = "dequeue()" if n == 1 else f"dequeue_many({n})"
+            raise FailedPreconditionError(
+                None,
+                None,
+                f"{what} on {self._kind} '{self._name}' would wait forever: its QueueRunner "
+                "has not started (a session starts it). TF's dequeue built an op; here it runs "
+                "at once: call it inside the training loop (in the session, at each step), or "
+                "use the batching functions (ts.batch, ts.shuffle_batch), whose outputs run "
+                "at each sess.run"
+            )
+
     def _deadline(self, timeout_secs: float | None) -> float | None:
         return None if timeout_secs is None else self._clock.monotonic() + timeout_secs
 
@@ -318,8 +350,8 @@ class QueueBase:
         """Add one element, waiting while the queue is full.
 
         Args:
-            vals: The element (any object; a tuple of components, or a dict of named ones,
-                by convention).
+            vals: The element (any object; a tuple or list of components, or a dict of
+                named ones, by convention; see ``dtypes``).
             timeout_secs: The longest wait for room, in seconds; None waits as long as needed.
 
         Raises:
@@ -327,12 +359,38 @@ class QueueBase:
                 ``"Enqueue operation was cancelled"`` if it is closed with
                 ``cancel_pending_enqueues`` while waiting.
             DeadlineExceededError: If ``timeout_secs`` passed without room.
-            ValueError: If the element does not fit the queue (``PaddingFIFOQueue`` shapes,
-                ``PriorityQueue`` priorities).
+            ValueError: If the element does not fit the queue (its number of components,
+                ``PaddingFIFOQueue`` shapes, ``PriorityQueue`` priorities).
 
         TF name: ``tf.queue.QueueBase.enqueue``.
         """
-        self._enqueue([self._check(vals)], timeout_secs)
+        self._enqueue([self._check(self._as_element(vals))], timeout_secs)
+
+    def _as_element(self, vals: Any) -> Any:
+        """An element as queued: TF's list of components is a tuple (``dtypes`` declares them).
+
+        Raises:
+            ValueError: For a queue declaring several components (``dtypes`` a list of k), an
+                element that is not a tuple or list of k components (or, with ``names``, a
+                dict), naming the queue.
+        """
+        if self._names is not None and isinstance(vals, Mapping):
+            return vals
+        if self._num_components > 1 and self._declared:
+            if not isinstance(vals, (tuple, list)) or len(vals) != self._num_components:
+                got = (
+                    f"{len(vals)} components"
+                    if isinstance(vals, (tuple, list))
+                    else f"a {type(vals).__name__}"
+                )
+                raise ValueError(
+                    f"Queue '{self._name}' has {self._num_components} components (dtypes): an "
+                    f"element is a tuple or list of {self._num_components}, got {got}"
+                )
+            return tuple(vals)
+        if self._declared and isinstance(vals, (tuple, list)) and len(vals) == 1:
+            return vals[0]  # TF: a list of the one component.
+        return vals
 
     def enqueue_many(self, vals: Any, *, timeout_secs: float | None = None) -> None:
         """Add several elements, in order, waiting for room as needed.
@@ -353,7 +411,7 @@ class QueueBase:
 
         TF name: ``tf.queue.QueueBase.enqueue_many``.
         """
-        self._enqueue([self._check(e) for e in self._split(vals)], timeout_secs)
+        self._enqueue([self._check(self._as_element(e)) for e in self._split(vals)], timeout_secs)
 
     def _split(self, vals: Any) -> list[Any]:
         if self._names is not None and isinstance(vals, Mapping):
@@ -391,6 +449,8 @@ class QueueBase:
                                 f"{self._kind} '{self._name}' is closed and has insufficient "
                                 f"elements (requested {n}, current size {len(dequeue.held)})"
                             )
+                        if deadline is None and not self._pending:
+                            self._check_fillable(n)
                     self._wait(deadline)
             finally:
                 self._dequeues.remove(dequeue)

@@ -151,6 +151,7 @@ class QueueRunner:
         self._runs: dict[Any, int] = {}  # session -> threads still running for it
         self._exceptions_raised: list[BaseException] = []
         self._closed_queue = False
+        self.started = False  # Whether threads were ever created (a queue's check reads it).
 
     @property
     def queue(self) -> Any:
@@ -244,6 +245,7 @@ class QueueRunner:
             reopen = self._closed_queue and not any(self._runs.values())
             self._closed_queue = False
             self._runs[sess] = len(self._enqueue_ops)
+            self.started = True
             self._exceptions_raised = []
         if reopen and hasattr(self._queue, "_reopen"):
             logger.info("Reopening queue '%s' for a new session", self.name)

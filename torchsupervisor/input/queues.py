@@ -262,6 +262,8 @@ class PriorityQueue(QueueBase):
     ) -> None:
         components = [None, *types] if isinstance(types, (list, tuple)) else [None, None]
         super().__init__(capacity, components, shapes, names, shared_name, name, clock=clock)
+        # Without types, an element is (priority, *components) of any length.
+        self._declared = isinstance(types, (list, tuple))
 
     def _init_storage(self) -> None:
         self._heap: list[tuple[int, int, Any]] = []
