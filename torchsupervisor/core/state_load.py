@@ -26,9 +26,11 @@ __all__ = ["check_state", "copy_tensor", "find_subtree", "load_state"]
 def find_subtree(tree: Mapping[Any, Any], name: str) -> Any:
     """Find the restored value for a state entry called ``name``.
 
-    ``name`` is looked up as a key first, then as a ``/`` path. A path that enters a module's
-    flat state dict continues with ``.``-joined parts, so ``"model/backbone"`` finds the
-    ``backbone.*`` entries of ``tree["model"]`` (restoring a sub-module from a full checkpoint).
+    ``name`` is looked up as a key first, then as a ``/`` path; at each level the rest of the
+    path is tried as one key too (``"ema/local3/weight_loss"``: an EMA's scoped name). A path
+    that enters a module's flat state dict continues with ``.``-joined parts, so
+    ``"model/backbone"`` finds the ``backbone.*`` entries of ``tree["model"]`` (restoring a
+    sub-module from a full checkpoint).
 
     Returns:
         The value, or raises.
@@ -43,6 +45,9 @@ def find_subtree(tree: Mapping[Any, Any], name: str) -> Any:
     for i, part in enumerate(parts):
         if not isinstance(node, Mapping):
             raise KeyError(name)
+        rest = "/".join(parts[i:])
+        if i and rest in node:  # A key holding "/" itself (an EMA's "local3/weight_loss").
+            return node[rest]
         key = _match_key(node, part)
         if key is not MISSING:
             node = node[key]

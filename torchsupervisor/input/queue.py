@@ -283,7 +283,7 @@ class QueueBase:
                 "has not started (a session starts it). TF's dequeue built an op; here it runs "
                 "at once: call it inside the training loop (in the session, at each step), or "
                 "use the batching functions (ts.batch, ts.shuffle_batch), whose outputs run "
-                "at each sess.run"
+                "at each sess.run",
             )
 
     def _deadline(self, timeout_secs: float | None) -> float | None:

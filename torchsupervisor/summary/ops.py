@@ -55,12 +55,28 @@ __all__ = [
 logger = logging.getLogger("torchsupervisor")
 
 
+class _NoValueYet(Exception):
+    """A summary's source has no value yet (the op is skipped, see ``SummaryOp``)."""
+
+
 def _read_source(source: Any) -> Any:
-    """Return the current value of a summary op's source."""
+    """Return the current value of a summary op's source.
+
+    Raises:
+        _NoValueYet: A callable source raised ``LookupError`` (``KeyError``, ``IndexError``:
+            a value not computed yet, such as a validation loss before the first
+            validation) or returned None.
+    """
     if isinstance(source, torch.Tensor):
         return source.detach()
     if callable(source):
-        return source()
+        try:
+            value = source()
+        except LookupError as e:
+            raise _NoValueYet(f"{type(e).__name__}: {e}") from e
+        if value is None:
+            raise _NoValueYet("it returned None")
+        return value
     return source
 
 
@@ -75,6 +91,10 @@ class SummaryOp:
             scope=...)`` filters on it.
         fn: A zero-argument callable returning a ``Summary``.
 
+    A source with no value yet (a callable that raises ``KeyError``/``IndexError`` or
+    returns None: a validation loss before the first validation) gives an empty ``Summary``,
+    with one WARNING per op, instead of stopping training.
+
     Thread safety: calling an op from several threads is safe when its source may be read from
     several threads (a tensor's value read while the training thread updates it in place may
     mix old and new elements, as in TF).
@@ -82,15 +102,28 @@ class SummaryOp:
     TF name: the string ``Tensor`` returned by ``tf.compat.v1.summary.*``.
     """
 
-    __slots__ = ("__weakref__", "_fn", "name")
+    __slots__ = ("__weakref__", "_fn", "_warned", "name")
 
     def __init__(self, name: str, fn: Callable[[], summary_pb2.Summary]) -> None:
         self.name = name
         self._fn = fn
+        self._warned = False
 
     def __call__(self) -> summary_pb2.Summary:
-        """Evaluate the op: read the source and return the encoded ``Summary``."""
-        return self._fn()
+        """Evaluate the op: read the source and return the encoded ``Summary`` (empty while
+        the source has no value yet)."""
+        try:
+            return self._fn()
+        except _NoValueYet as e:
+            if not self._warned:
+                self._warned = True
+                logger.warning(
+                    "Summary %r skipped: its source has no value yet (%s); skipped quietly "
+                    "from now on until it has one",
+                    self.name,
+                    e,
+                )
+            return summary_pb2.Summary()
 
     def __repr__(self) -> str:
         return f"SummaryOp(name={self.name!r})"

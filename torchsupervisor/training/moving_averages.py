@@ -243,8 +243,8 @@ class ExponentialMovingAverage:
             raise TypeError(
                 f"The variables must be half, float, or double: {name} (got {tensor.dtype})"
             )
-        if not name or "/" in name:
-            raise ValueError(f"Averaged tensors need a name without '/', got {name!r}")
+        if not name:
+            raise ValueError("Averaged tensors need a non-empty name")
         restored = self._restored.pop(name, None)
         with torch.no_grad():
             if restored is None:
@@ -302,7 +302,7 @@ class ExponentialMovingAverage:
                 ``"Variable_1"``, ... So one list names its tensors alike at every call,
                 and a new tensor at a place (a loss, new at every step) goes on with the
                 average of that place. Tensors must be float16, bfloat16, float32 or float64
-                (any device); names must not contain ``/``.
+                (any device); a name may be scoped as TF's (``"local3/weight_loss"``).
 
         Raises:
             TypeError: ``"The variables must be half, float, or double: <name>"`` for another
