@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import signal
 
@@ -199,3 +200,66 @@ def test_the_worker_init_wrapper_pickles_for_spawned_workers():
     assert init.worker_init_fn is _user_init
     assert init.signals == WORKER_IGNORED_SIGNALS
     assert "SIGTERM" in repr(init)
+
+
+def _indices(batches):
+    return [int(i) for batch in batches for i in batch]
+
+
+def test_ranks_read_disjoint_shares_and_resume_from_rank_0s_position():
+    # It replaces DistributedSampler + set_epoch: each rank its share, the epoch moving by
+    # itself, and one position (rank 0's, the checkpoint's) resuming every rank exactly.
+    data = torch.arange(10)
+
+    def loaders():
+        steps = [GlobalStep(), GlobalStep()]
+        made = [
+            ResumableDataLoader(
+                data, batch_size=2, seed=3, global_step=steps[r], rank=r, world_size=2
+            )
+            for r in range(2)
+        ]
+        return made, steps
+
+    whole, steps = loaders()
+    assert [len(loader) for loader in whole] == [3, 3]  # ceil(10 / 2) = 5 samples: 3 batches.
+    uninterrupted = {r: [] for r in range(2)}
+    for epoch in range(2):
+        shares = []
+        for r, loader in enumerate(whole):
+            batches = []
+            for batch in loader:
+                batches.append(batch.tolist())
+                steps[r].increment()
+            uninterrupted[r].extend(batches)
+            shares.append(_indices(batches))
+        assert sorted(shares[0] + shares[1]) == list(range(10))  # Disjoint, complete.
+        assert all(loader.epoch == epoch + 1 for loader in whole)
+
+    # Stop both ranks after 4 steps (epoch 1, batch 1); resume both from rank 0's state.
+    first, steps = loaders()
+    seen = {r: [] for r in range(2)}
+    for r, loader in enumerate(first):
+        for i, batch in enumerate(itertools.chain(iter(loader), iter(loader))):
+            if i == 4:
+                break
+            seen[r].append(batch.tolist())
+            steps[r].increment()
+    saved = first[0].state_dict()
+    assert saved == first[1].state_dict() == {"epoch": 1, "batches_consumed": 1}
+    resumed, steps = loaders()
+    for r, loader in enumerate(resumed):
+        loader.load_state_dict(saved)
+        seen[r].extend(batch.tolist() for batch in loader)
+    assert seen == uninterrupted
+
+
+def test_a_rank_share_pads_like_distributed_sampler_and_checks_its_arguments():
+    sampler = ResumableSampler(5, shuffle=False, rank=1, world_size=3)
+    assert sampler.shard(0) == [1, 4]  # [0..4] padded with 0: [0, 1, 2, 3, 4, 0].
+    assert ResumableSampler(5, shuffle=False, rank=2, world_size=3).shard(0) == [2, 0]
+    assert len(sampler) == 2
+    with pytest.raises(ValueError, match="rank must be below world_size"):
+        ResumableSampler(5, rank=2, world_size=2)
+    with pytest.raises(TypeError, match="world_size"):
+        ResumableDataLoader(torch.arange(4), world_size="2")

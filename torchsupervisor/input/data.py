@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from torchsupervisor.core.checks import check_int
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.driver.preemption import IgnorePreemptionSignals
 
@@ -68,6 +69,11 @@ class ResumableSampler(Sampler[int]):
         shuffle: A seeded permutation per epoch (``seed`` and ``epoch`` determine it);
             otherwise ``0 .. n-1``.
         seed: The shuffling seed.
+        rank, world_size: This replica's share of each epoch, as ``DistributedSampler``
+            splits it: the epoch's order (the same on every rank) padded with its first
+            indices to a multiple of ``world_size``, then every ``world_size``-th index from
+            ``rank``. Every rank gets ``ceil(n / world_size)`` indices, disjoint but for the
+            padding. Default: the whole epoch (rank 0 of 1).
 
     Attributes:
         epoch: The epoch whose order is yielded.
@@ -81,7 +87,15 @@ class ResumableSampler(Sampler[int]):
     their position).
     """
 
-    def __init__(self, data_source: Sized | int, *, shuffle: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        data_source: Sized | int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         if not isinstance(data_source, (int, Sized)) or isinstance(data_source, bool):
             raise TypeError(
                 f"data_source must be a dataset with a length, or a length, got {data_source!r}"
@@ -89,22 +103,41 @@ class ResumableSampler(Sampler[int]):
         self._n = data_source if isinstance(data_source, int) else len(data_source)
         if self._n < 0:
             raise ValueError(f"data_source length must be >= 0, got {self._n}")
+        world_size = check_int("world_size", world_size, minimum=1)
+        rank = check_int("rank", rank)
+        if rank >= world_size:
+            raise ValueError(f"rank must be below world_size ({world_size}), got {rank}")
         self.shuffle = shuffle
         self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
         self.epoch = 0
         self.start = 0
 
     def order(self, epoch: int) -> list[int]:
-        """Return the full order of ``epoch``."""
+        """Return the full order of ``epoch`` (every rank's, before the split)."""
         if self.shuffle:
             return _permutation(self._n, self.seed, epoch).tolist()
         return list(range(self._n))
 
+    def shard(self, epoch: int) -> list[int]:
+        """Return this rank's indices of ``epoch``, in order (see ``rank``)."""
+        order = self.order(epoch)
+        if self.world_size == 1 or not order:
+            return order
+        per_rank = -(-len(order) // self.world_size)
+        padding = per_rank * self.world_size - len(order)
+        order += (order * (padding // len(order) + 1))[:padding]
+        return order[self.rank :: self.world_size]
+
+    def _shard_length(self) -> int:
+        return -(-self._n // self.world_size) if self._n else 0
+
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order(self.epoch)[self.start :])
+        return iter(self.shard(self.epoch)[self.start :])
 
     def __len__(self) -> int:
-        return max(0, self._n - self.start)
+        return max(0, self._shard_length() - self.start)
 
     def state_dict(self) -> dict[str, int]:
         """Refuse to be checkpointed: the sampler does not know what was trained on.
@@ -150,13 +183,27 @@ class ResumableDataLoader:
         drop_last: Drop the last incomplete batch of an epoch.
         global_step: The global step (see the module docstring); None: a batch counts as
             consumed when fetched.
+        rank, world_size: Read this replica's share of each epoch, as a
+            ``DistributedSampler`` would (``ResumableSampler``): pass
+            ``torch.distributed.get_rank()`` and ``get_world_size()``. It replaces
+            ``DistributedSampler`` and its ``set_epoch``: the epoch moves by itself and is
+            checkpointed. Every rank reads as many batches an epoch, so in a run whose ranks
+            step together the position is the same on all of them, and the checkpoint's
+            (rank 0's) resumes every rank exactly. Default: the whole dataset.
         **loader_kwargs: Passed to ``DataLoader`` (``num_workers``, ``collate_fn``,
             ``pin_memory``, ...; not ``sampler``, ``shuffle``, ``batch_sampler``,
             ``generator``). A ``worker_init_fn`` is wrapped in ``IgnorePreemptionSignals``:
             the workers ignore the preemption signals, then it runs.
 
+    Attributes:
+        epoch: The epoch being read (0 first); it moves when an iteration ends, and is
+            saved and restored with the position.
+
     Raises:
-        ValueError: For ``batch_size < 1`` or a forbidden keyword.
+        ValueError: For ``batch_size < 1``, a forbidden keyword, or a ``rank`` not below
+            ``world_size``.
+        TypeError: For a dataset without a length, or a ``rank``/``world_size`` that is not
+            an int.
 
     Thread safety: iterate from one thread (the training loop).
 
@@ -173,6 +220,8 @@ class ResumableDataLoader:
         seed: int = 0,
         drop_last: bool = False,
         global_step: Any = None,
+        rank: int = 0,
+        world_size: int = 1,
         **loader_kwargs: Any,
     ) -> None:
         if batch_size < 1:
@@ -187,7 +236,13 @@ class ResumableDataLoader:
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
-        self.sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
+        self.sampler = ResumableSampler(
+            len(dataset),  # type: ignore[arg-type]
+            shuffle=shuffle,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+        )
         self._seed = seed
         self._global_step = global_step
         init = loader_kwargs.pop("worker_init_fn", None)
@@ -200,7 +255,8 @@ class ResumableDataLoader:
         self._fetched_at: collections.deque[int] = collections.deque()
 
     def __len__(self) -> int:
-        n = len(self.dataset)  # type: ignore[arg-type]
+        """The batches of one epoch (of this rank's share)."""
+        n = self.sampler._shard_length()
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def _settle(self) -> None:
