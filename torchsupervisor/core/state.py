@@ -45,6 +45,8 @@ __all__ = [
     "iter_state_tensors",
     "not_saveable",
     "state_entries",
+    "uncompiled",
+    "without_compiled_prefix",
 ]
 
 _SCALARS = (str, int, float, bool, type(None), bytes)
@@ -81,6 +83,37 @@ def dtensor_class() -> type | None:
     return getattr(module, "DTensor", None)
 
 
+_COMPILED_PREFIX = "_orig_mod."
+
+
+def uncompiled(obj: Any) -> Any:
+    """The module a ``torch.compile`` wrapper compiles, or ``obj`` itself.
+
+    ``torch.compile(model)`` returns an ``OptimizedModule`` whose ``state_dict`` names every
+    entry ``_orig_mod.<name>``: checkpointed as it is, a compiled run's checkpoint would not
+    load into an uncompiled model and the other way round. The state is saved and restored
+    through the wrapped module instead, so compiling or not never changes a checkpoint.
+    """
+    if isinstance(obj, torch.nn.Module) and "torch._dynamo" in sys.modules:
+        wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+        while wrapper is not None and isinstance(obj, wrapper):
+            obj = obj._orig_mod
+    return obj
+
+
+def without_compiled_prefix(value: Any) -> Any:
+    """A module's saved entries without the ``_orig_mod.`` prefix a compiled model's
+    ``state_dict`` gave them (checkpoints of a compiled model by other tools or older
+    versions), when every entry has it; else ``value``."""
+    if (
+        isinstance(value, Mapping)
+        and value
+        and all(isinstance(k, str) and k.startswith(_COMPILED_PREFIX) for k in value)
+    ):
+        return {k[len(_COMPILED_PREFIX) :]: v for k, v in value.items()}
+    return value
+
+
 def is_materialized(tensor: torch.Tensor) -> bool:
     """Return False for tensors without data: on the ``meta`` device or lazy (uninitialized)."""
     if isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin):
@@ -97,6 +130,7 @@ def _children(obj: Any) -> Any:
     """Return what a stateful object stands for in the tree (its state_dict), or the object."""
     if isinstance(obj, (torch.Tensor, np.ndarray, Mapping, list, tuple, *_SCALARS)):
         return obj
+    obj = uncompiled(obj)
     state_dict = getattr(obj, "state_dict", None)
     if callable(state_dict):
         return state_dict()

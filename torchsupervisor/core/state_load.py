@@ -17,7 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchsupervisor.core.state import MISSING, TensorSpec, join_path
+from torchsupervisor.core.state import (
+    MISSING,
+    TensorSpec,
+    join_path,
+    uncompiled,
+    without_compiled_prefix,
+)
 from torchsupervisor.errors import InvalidArgumentError, NotFoundError
 
 __all__ = ["check_state", "copy_tensor", "find_subtree", "load_state"]
@@ -132,6 +138,8 @@ def copy_tensor(dest: torch.Tensor, value: torch.Tensor, mismatch: str) -> None:
 
 
 def _load_one(container: Any, key: Any, obj: Any, value: Any, path: str, source: str) -> None:
+    if isinstance(obj, torch.nn.Module):
+        obj, value = uncompiled(obj), without_compiled_prefix(value)
     if isinstance(obj, torch.Tensor):
         if not isinstance(value, torch.Tensor):
             raise InvalidArgumentError(
@@ -271,6 +279,8 @@ def _check_spec(
 
 
 def _check_one(obj: Any, value: Any, path: str, source: str, warnings: list[str]) -> None:
+    if isinstance(obj, torch.nn.Module):
+        obj, value = uncompiled(obj), without_compiled_prefix(value)
     if isinstance(obj, torch.Tensor):
         if not isinstance(value, TensorSpec):
             raise InvalidArgumentError(

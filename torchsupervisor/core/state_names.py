@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.core.state import join_path
+from torchsupervisor.core.state import join_path, uncompiled
 
 __all__ = ["check_var_list", "describe", "name_in_state", "select_state"]
 
@@ -54,6 +54,7 @@ def describe(obj: Any) -> str:
 def _named(value: Any, path: str) -> Iterator[tuple[str, Any]]:
     """Every object reachable from ``value`` at ``path``, with its path."""
     yield path, value
+    value = uncompiled(value)
     if isinstance(value, torch.nn.Module):
         for name, module in value.named_modules(remove_duplicate=False):
             if name:

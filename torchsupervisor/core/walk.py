@@ -44,6 +44,7 @@ from torchsupervisor.core.state import (
     frozen_among,
     not_saveable,
     state_entries,
+    uncompiled,
 )
 from torchsupervisor.errors import ShardedStateError
 
@@ -267,6 +268,7 @@ def walk_state(
         # A stateful object stands for its state dict, at its own depth.
         if not sharded and getattr(obj, "is_sharded_state", False):
             raise ShardedStateError(path)
+        obj = uncompiled(obj)  # A torch.compile wrapper: its module's own names.
         if isinstance(obj, torch.nn.Module):
             stateful.append(obj)
             # A class's own ``state_dict`` may not take ``keep_vars``: called as it is.
