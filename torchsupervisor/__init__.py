@@ -92,6 +92,14 @@ from torchsupervisor.input.queue_runner import (
     start_queue_runners,
 )
 from torchsupervisor.input.queues import PaddingFIFOQueue, PriorityQueue, RandomShuffleQueue
+from torchsupervisor.input.readers import (
+    FixedLengthRecordReader,
+    ReaderBase,
+    TextLineReader,
+    TFRecordReader,
+    WholeFileReader,
+    decode_raw,
+)
 from torchsupervisor.monitored.creators import (
     ChiefSessionCreator,
     SessionCreator,
@@ -254,4 +262,10 @@ __all__ = [
     "summary",
     "summary_iterator",
     "update_checkpoint_state",
+    "FixedLengthRecordReader",
+    "ReaderBase",
+    "TextLineReader",
+    "TFRecordReader",
+    "WholeFileReader",
+    "decode_raw",
 ]
