@@ -50,4 +50,11 @@ def test_the_ported_loop_resumes_exactly_where_it_stopped(tmp_path):
     assert resumed["state"]["best_val_loss"] == straight["state"]["best_val_loss"] < 1e9
     for name, value in straight["model"].state_dict().items():
         assert torch.equal(resumed["model"].state_dict()[name], value), name
-    assert ts.latest_checkpoint(str(tmp_path / "stopped" / "runs" / "gpt" / "best"))
+    # The checkpoint of the best validation loss is kept beside the newest.
+    logdir = tmp_path / "stopped" / "runs" / "gpt"
+    kept = [
+        ts.CheckpointReader(p).manifest
+        for p in ts.get_checkpoint_state(str(logdir)).all_model_checkpoint_paths
+    ]
+    losses = [m.metrics["val_loss"] for m in kept if m.metrics]
+    assert min(losses) == resumed["state"]["best_val_loss"]

@@ -93,6 +93,7 @@ def persist(
     storage: Storage = BY_PATH,
     cancel: threading.Event | None = None,
     trees: TreeMemo | None = None,
+    metrics: dict[str, float] | None = None,
 ) -> Commit:
     """Write ``snapshot`` as the checkpoint ``prefix`` with the commit protocol.
 
@@ -107,6 +108,7 @@ def persist(
             cannot finish within a preemption grace period is abandoned, never half-written).
         trees: The last save's tree encodings, for a snapshot of a walk's skeleton
             (``tree_memo.TreeMemo``; used one save at a time); None: encoded anew.
+        metrics: Recorded in the manifest (``Saver.save(metrics=)``); None: none.
 
     Returns:
         The manifest committed and where every tensor's bytes live.
@@ -162,6 +164,7 @@ def persist(
             library_version=library_version,
             torch_version=torch_version,
             world_size=world_size,
+            metrics=metrics,
         )
         return manifest, manifest.to_bytes(tree_text)
 

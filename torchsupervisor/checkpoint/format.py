@@ -104,6 +104,9 @@ class Manifest:
     torch_version: str
     world_size: int = 1
     format_version: int = FORMAT_VERSION
+    metrics: dict[str, float] | None = None
+    """What the run measured at this checkpoint (``Saver.save(metrics=)``), for keep-best
+    retention; written only when given (older manifests have none)."""
 
     def to_bytes(self, tree_text: EncodedItem | None = None) -> bytes:
         """Serialize to the JSON text of ``P.index`` (UTF-8), with its own CRC-32C.
@@ -133,6 +136,7 @@ class Manifest:
             "shards": [_shard_item(s) for s in self.shards],
             "tensors": tensors_field(self.tensors),
             "tree": self.tree,
+            **({} if self.metrics is None else {"metrics": dict(self.metrics)}),
         }
 
     @classmethod
@@ -184,6 +188,7 @@ class Manifest:
                 torch_version=as_str(body["torch_version"]),
                 world_size=non_negative_int(body.get("world_size", 1)),
                 format_version=version,
+                metrics=parse_metrics(body.get("metrics")),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ManifestError):
@@ -335,6 +340,20 @@ def _checked_body(data: bytes) -> dict[str, Any]:
     if version != FORMAT_VERSION:
         raise ManifestError(f"format_version {version!r} is not supported (expected 1)")
     return body
+
+
+def parse_metrics(x: Any) -> dict[str, float] | None:
+    """A manifest's ``metrics``: None, or names mapped to finite numbers; else ``ManifestError``."""
+    if x is None:
+        return None
+    metrics = {}
+    for name, value in as_dict(x).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ManifestError(f"metric {name!r} is not a number: {value!r}")
+        if not math.isfinite(value):
+            raise ManifestError(f"metric {name!r} is not finite: {value!r}")
+        metrics[as_str(name)] = float(value)
+    return metrics
 
 
 def non_negative_int(x: Any) -> int:

@@ -1,4 +1,4 @@
-"""Which checkpoints to keep: ``max_to_keep`` and ``keep_checkpoint_every_n_hours``.
+"""Which checkpoints to keep: ``max_to_keep``, ``keep_checkpoint_every_n_hours`` and the best.
 
 Pure functions over plain data; the time is passed in, so tests use synthetic timestamps.
 They reproduce TF's ``Saver`` bookkeeping:
@@ -8,6 +8,12 @@ They reproduce TF's ``Saver`` bookkeeping:
   evicted. ``max_to_keep`` of 0 or None tracks nothing (and so never deletes).
 * ``sweep``: an evicted checkpoint whose timestamp is later than the next "keep" time is
   preserved forever (and the keep time advances by N hours); the others are to be deleted.
+
+Keep-best (``Saver(keep_best=K)``, after Orbax's ``best_fn``/``best_mode``): ``record`` also
+ranks a checkpoint saved with a score among the ``best`` K; one pushed out of them is evicted
+unless it is still among the newest. ``sweep`` never deletes a checkpoint that is among the
+newest or the best: the newest ``max_to_keep`` plus the best K are kept, and a best one is
+deleted only once K better ones exist. ``listed`` is what the state file names: both.
 
 And they decide when an incremental save must be a full one instead (``may_reference``).
 An incremental checkpoint references the data files of earlier checkpoints, so one damaged
@@ -27,7 +33,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["Retention", "default_full_save_interval", "may_reference", "record", "sweep"]
+__all__ = [
+    "Retention",
+    "default_full_save_interval",
+    "listed",
+    "may_reference",
+    "record",
+    "sweep",
+]
 
 KEEP_ALL_FULL_SAVE_INTERVAL = 4
 """Saves per chain when every checkpoint is kept (``max_to_keep`` 0 or None)."""
@@ -44,25 +57,70 @@ class Retention:
             oldest first.
         evicted: Checkpoints pushed out of ``tracked`` and not yet swept.
         next_keep_time: Wall time (seconds) after which an evicted checkpoint is preserved.
+        best: ``(prefix, score, timestamp_secs)`` of the best checkpoints, best first (keep
+            best); empty without.
     """
 
     tracked: tuple[Entry, ...] = ()
     evicted: tuple[Entry, ...] = ()
     next_keep_time: float = float("inf")
+    best: tuple[tuple[str, float, float], ...] = ()
 
 
-def record(state: Retention, prefix: str, now_secs: float, max_to_keep: int | None) -> Retention:
-    """Return the bookkeeping after a checkpoint ``prefix`` was committed at ``now_secs``."""
+def rank_best(
+    best: list[tuple[str, float, float]], keep_best: int, higher_is_better: bool
+) -> tuple[list[tuple[str, float, float]], list[tuple[str, float, float]]]:
+    """Split ``best`` into the ``keep_best`` best (best first; of equal scores the older
+    first) and the rest."""
+    ordered = sorted(best, key=lambda b: (-b[1] if higher_is_better else b[1], b[2]))
+    return ordered[:keep_best], ordered[keep_best:]
+
+
+def record(
+    state: Retention,
+    prefix: str,
+    now_secs: float,
+    max_to_keep: int | None,
+    *,
+    score: float | None = None,
+    keep_best: int = 0,
+    higher_is_better: bool = True,
+) -> Retention:
+    """Return the bookkeeping after a checkpoint ``prefix`` was committed at ``now_secs``.
+
+    Args:
+        score: The checkpoint's score (keep best); None: it ranks nowhere.
+        keep_best: How many best checkpoints to keep besides the newest (0: none).
+        higher_is_better: Whether a higher score is better.
+    """
     if not max_to_keep:
         return state
     tracked = [entry for entry in state.tracked if entry[0] != prefix]
     tracked.append((prefix, now_secs))
     overflow = max(0, len(tracked) - max_to_keep)
+    best = [b for b in state.best if b[0] != prefix]
+    displaced: list[tuple[str, float, float]] = []
+    if keep_best and score is not None:
+        best, displaced = rank_best([*best, (prefix, score, now_secs)], keep_best, higher_is_better)
+    newest = {p for p, _ in tracked[overflow:]}
     return Retention(
         tracked=tuple(tracked[overflow:]),
-        evicted=state.evicted + tuple(tracked[:overflow]),
+        evicted=(
+            state.evicted
+            + tuple(tracked[:overflow])
+            + tuple((p, t) for p, _, t in displaced if p not in newest)
+        ),
         next_keep_time=state.next_keep_time,
+        best=tuple(best),
     )
+
+
+def listed(state: Retention) -> list[str]:
+    """The checkpoints the state file names: the newest and the best, oldest first."""
+    entries = {p: t for p, t in state.tracked}
+    for prefix, _, timestamp in state.best:
+        entries.setdefault(prefix, timestamp)
+    return [p for p, _ in sorted(entries.items(), key=lambda e: e[1])]
 
 
 def sweep(state: Retention, keep_every_secs: float) -> tuple[Retention, list[str], list[str]]:
@@ -79,14 +137,19 @@ def sweep(state: Retention, keep_every_secs: float) -> tuple[Retention, list[str
     next_keep_time = state.next_keep_time
     to_delete: list[str] = []
     preserved: list[str] = []
+    kept = {p for p, _ in state.tracked} | {p for p, _, _ in state.best}
     for prefix, timestamp in state.evicted:
+        if prefix in kept:  # Still among the newest or the best.
+            continue
         if timestamp > next_keep_time:
             preserved.append(prefix)
             next_keep_time += keep_every_secs
         else:
             to_delete.append(prefix)
     return (
-        Retention(tracked=state.tracked, evicted=(), next_keep_time=next_keep_time),
+        Retention(
+            tracked=state.tracked, evicted=(), next_keep_time=next_keep_time, best=state.best
+        ),
         to_delete,
         preserved,
     )

@@ -28,11 +28,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from torchsupervisor.checkpoint import policy
+from torchsupervisor.checkpoint.best import BestRule
 from torchsupervisor.checkpoint.files import list_checkpoint_files, remove_checkpoint
+from torchsupervisor.checkpoint.format import MAX_INDEX_BYTES, Manifest
 from torchsupervisor.checkpoint.incremental import Committed
 from torchsupervisor.checkpoint.references import referenced_data_files
 from torchsupervisor.checkpoint.state_file import (
@@ -40,8 +42,10 @@ from torchsupervisor.checkpoint.state_file import (
     update_checkpoint_state_internal,
 )
 from torchsupervisor.core.clock import Clock
+from torchsupervisor.errors import ManifestError
 from torchsupervisor.storage import Storage
 from torchsupervisor.storage import paths as url_paths
+from torchsupervisor.storage.base import read_whole
 
 __all__ = ["Keeper"]
 
@@ -109,6 +113,7 @@ class Keeper:
         save_relative_paths: As ``Saver``.
         incremental: Whether saves may reference committed tensors.
         full_every: ``full_save_every_n_saves`` (resolved).
+        best: Keep-best retention; None: the newest only.
     """
 
     def __init__(
@@ -121,8 +126,10 @@ class Keeper:
         save_relative_paths: bool,
         incremental: bool,
         full_every: int,
+        best: BestRule | None = None,
     ) -> None:
         self._storage = storage
+        self._best = best
         self._clock = clock
         self._max_to_keep = max_to_keep
         self._keep_every_secs = keep_every_secs
@@ -236,27 +243,41 @@ class Keeper:
         return family
 
     def record(
-        self, prefix: str, save_path: str, latest_filename: str | None
+        self,
+        prefix: str,
+        save_path: str,
+        latest_filename: str | None,
+        metrics: Mapping[str, float] | None = None,
     ) -> tuple[list[str], list[str], list[str]]:
         """Record ``prefix`` in the retention of its state file; return what retention says.
 
+        Args:
+            metrics: The checkpoint's metrics (keep best ranks it by them); None: none.
+
         Returns:
-            ``(tracked, to_delete, preserved)``: the prefixes the state file lists (oldest
-            first), those to delete now and those kept for good
+            ``(listed, to_delete, preserved)``: the prefixes the state file lists (the newest
+            and the best, oldest first), those to delete now and those kept for good
             (``keep_checkpoint_every_n_hours``).
         """
         key = _state_key(save_path, latest_filename)
+        best = self._best
         with self._lock:
             self._switch_retention(key)
             retention = policy.record(
-                self._retention, prefix, self._clock.time(), self._max_to_keep
+                self._retention,
+                prefix,
+                self._clock.time(),
+                self._max_to_keep,
+                score=None if best is None else best.of(metrics),
+                keep_best=0 if best is None else best.keep,
+                higher_is_better=best is None or best.higher_is_better,
             )
             retention, to_delete, preserved = policy.sweep(retention, self._keep_every_secs)
             self._retention = self._retentions[key] = retention
             family = self.family(save_path)
             for path in to_delete + preserved:  # No longer counted by the chain rule.
                 family.chain_of.pop(path, None)
-            return [path for path, _ in retention.tracked], to_delete, preserved
+            return policy.listed(retention), to_delete, preserved
 
     def _switch_retention(self, key: tuple[str, str]) -> None:
         """Make ``key``'s state file the current one (lock held).
@@ -274,8 +295,11 @@ class Keeper:
             for path, _ in self._retention.tracked:
                 if not _in_directory(path, key[0], self._storage):
                     logger.info("Not tracking %s: it is not in %s", path, key[0])
+            best = tuple(
+                b for b in self._retention.best if _in_directory(b[0], key[0], self._storage)
+            )
             retention = policy.Retention(
-                tracked=entries, next_keep_time=self._retention.next_keep_time
+                tracked=entries, next_keep_time=self._retention.next_keep_time, best=best
             )
         else:
             retention = self._retentions.get(key) or policy.Retention(
@@ -284,7 +308,14 @@ class Keeper:
         self._retentions[key] = retention
         self._retention, self._retention_key = retention, key
 
-    def record_and_sweep(self, prefix: str, save_path: str, latest_filename: str | None) -> None:
+    def record_and_sweep(
+        self,
+        prefix: str,
+        save_path: str,
+        latest_filename: str | None,
+        *,
+        metrics: Mapping[str, float] | None = None,
+    ) -> None:
         """Record the committed ``prefix``, write the state file, then delete what retention
         lets go: only checkpoints of the directory of ``save_path``, never a file elsewhere.
 
@@ -294,7 +325,7 @@ class Keeper:
         directory (``recovery.plan_restore``).
         """
         save_dir = os.path.dirname(save_path)
-        tracked, to_delete, preserved = self.record(prefix, save_path, latest_filename)
+        tracked, to_delete, preserved = self.record(prefix, save_path, latest_filename, metrics)
 
         def write_state_file(pending: list[str]) -> bool:
             try:
@@ -377,17 +408,40 @@ class Keeper:
 
     # ------------------------------------------------------------------------- TF's lists
 
+    def _metrics_of(self, prefix: str) -> Mapping[str, float] | None:
+        """The metrics in ``prefix``'s manifest (None: none, or it cannot be read)."""
+        try:
+            with self._storage.open_read(prefix + ".index") as f:
+                data = read_whole(f, max_bytes=MAX_INDEX_BYTES)
+            return Manifest.from_bytes(data).metrics
+        except (OSError, ManifestError) as e:
+            logger.warning("Cannot read the metrics of checkpoint %s: %s", prefix, e)
+            return None
+
     @property
     def last_checkpoints(self) -> list[str]:
-        """The prefixes tracked by the current state file, oldest first."""
+        """The prefixes the current state file lists (the newest and the best), oldest first."""
         with self._lock:
-            return [path for path, _ in self._retention.tracked]
+            return policy.listed(self._retention)
 
     def set_last_checkpoints_with_time(self, entries: tuple[tuple[str, float], ...]) -> None:
-        """Replace the tracked list of the current state file (``(prefix, time)``)."""
+        """Replace the tracked list of the current state file (``(prefix, time)``).
+
+        With keep-best retention, the best of them are found again from the metrics in their
+        manifests, so that a restarted run never deletes a best checkpoint of the last one.
+        """
+        best: tuple[tuple[str, float, float], ...] = ()
+        if self._best is not None:
+            scored = [(p, self._best.of(self._metrics_of(p)), t) for p, t in entries]
+            ranked, _ = policy.rank_best(
+                [(p, s, t) for p, s, t in scored if s is not None],
+                self._best.keep,
+                self._best.higher_is_better,
+            )
+            best = tuple(ranked)
         with self._lock:
             self._retention = policy.Retention(
-                tracked=entries, next_keep_time=self._retention.next_keep_time
+                tracked=entries, next_keep_time=self._retention.next_keep_time, best=best
             )
             if self._retention_key is not None:
                 self._retentions[self._retention_key] = self._retention

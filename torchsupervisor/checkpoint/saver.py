@@ -24,10 +24,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from torchsupervisor.checkpoint import policy
+from torchsupervisor.checkpoint.best import best_rule, check_metrics
 from torchsupervisor.checkpoint.files import (
     checkpoint_exists,
     get_checkpoint_mtimes,
@@ -72,6 +73,11 @@ WRITE_AFTER_WAIT_SECS = 10.0
 """The longest a save waits for ``save_async``'s ``write_after`` before it writes anyway."""
 
 _WAIT_SLICE_SECS = 0.05  # How often that wait looks for a cancellation.
+
+
+def _no_metrics(metrics: dict[str, float] | None) -> None:
+    if metrics is not None:
+        raise ValueError("metrics are not supported yet for a state of DTensors (FSDP2)")
 
 
 def replica_entries(state: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -145,12 +151,20 @@ class Saver(ShardedSaves):
             file (a damaged full save breaks the incremental ones that follow it).
         storage: Where the checkpoints live (tests inject faults here).
         clock: Time source for timestamps and retention.
+        keep_best: Also keep the best this many checkpoints by the metrics saved with them
+            (``save(metrics=...)``), besides the newest ``max_to_keep``; a best one is
+            deleted only once this many better ones exist (``checkpoint/best.py``). 0: none.
+        best_fn: With ``keep_best``: the name of the metric that ranks them, or a function
+            of the metrics returning the score (None: the checkpoint ranks nowhere).
+        best_mode: ``"max"`` (a higher score is better, e.g. an accuracy) or ``"min"`` (a
+            loss).
 
     Raises:
         ValueError: If ``var_list`` is given, empty, and ``allow_empty`` is False; for a
             negative ``max_to_keep``, a ``keep_checkpoint_every_n_hours`` that is not
             positive, a ``max_shard_bytes`` or ``full_save_every_n_saves`` below 1 (naming
-            the argument and the value).
+            the argument and the value); a ``keep_best`` without ``best_fn`` or a
+            ``best_mode`` other than ``"max"``/``"min"``.
         TypeError: For a ``var_list`` of another kind, or a list item that is neither a
             name, a tensor nor a stateful object; for an argument of the wrong type
             (``max_to_keep=2.5`` or ``"3"``), naming it and the value.
@@ -184,6 +198,9 @@ class Saver(ShardedSaves):
         full_save_every_n_saves: int | None = None,
         storage: Storage | None = None,
         clock: Clock | None = None,
+        keep_best: int = 0,
+        best_fn: str | Callable[[Mapping[str, float]], float | None] | None = None,
+        best_mode: str = "max",
     ) -> None:
         del reshape, restore_sequentially, saver_def, builder, defer_build, write_version, filename
         check_var_list(var_list)
@@ -214,6 +231,7 @@ class Saver(ShardedSaves):
         self._keeper = Keeper(
             self._storage,
             self._clock,
+            best=best_rule(keep_best, best_fn, best_mode),
             max_to_keep=max_to_keep,
             keep_every_secs=float(keep_checkpoint_every_n_hours) * 3600.0,
             save_relative_paths=save_relative_paths,
@@ -255,6 +273,8 @@ class Saver(ShardedSaves):
         write_state: bool = True,
         strip_default_attrs: bool = False,
         save_debug_info: bool = False,
+        *,
+        metrics: Mapping[str, float] | None = None,
     ) -> str | None:
         """Save a checkpoint and return its prefix once it is committed.
 
@@ -271,6 +291,10 @@ class Saver(ShardedSaves):
             write_state: Record the checkpoint in the state file and apply retention.
             strip_default_attrs: Ignored (a meta-graph option).
             save_debug_info: Ignored (graph debug information).
+            metrics: What the run measured at this checkpoint (``{"accuracy": 0.98}``:
+                numbers, or one-element tensors), stored in its manifest; ``keep_best``
+                ranks checkpoints by them and ``torchsupervisor ls`` shows them. Not with a
+                state of DTensors.
 
         Returns:
             The checkpoint prefix, or None for an empty state with ``allow_empty``.
@@ -296,12 +320,14 @@ class Saver(ShardedSaves):
         """
         del meta_graph_suffix, write_meta_graph, strip_default_attrs, save_debug_info
         start = time.perf_counter()
+        metrics = check_metrics(metrics)
         state = self._state_for(sess)
         if self._is_sharded(state, sess):  # DTensors: a collective, every rank writes its part.
+            _no_metrics(metrics)
             return self._save_sharded(
                 replica_entries(state), save_path, global_step, latest_filename, write_state
             )
-        target = self._target(save_path, global_step, latest_filename, write_state)
+        target = self._target(save_path, global_step, latest_filename, write_state, metrics)
         snapshot = self._stage(state, target, global_step, check_dir=True)
         if snapshot is None:
             return None
@@ -316,6 +342,7 @@ class Saver(ShardedSaves):
         write_state: bool = True,
         *,
         write_after: Waitable | None = None,
+        metrics: Mapping[str, float] | None = None,
     ) -> concurrent.futures.Future[str | None]:
         """Take the snapshot now and write it on the background writer thread.
 
@@ -351,8 +378,10 @@ class Saver(ShardedSaves):
         """
         start = time.perf_counter()
         done: concurrent.futures.Future[str | None]
+        metrics = check_metrics(metrics)
         state = self._state_for(sess)
         if self._is_sharded(state, sess):  # DTensors: local shards copied, written by all.
+            _no_metrics(metrics)
             return self._save_async_sharded(
                 replica_entries(state),
                 save_path,
@@ -362,7 +391,7 @@ class Saver(ShardedSaves):
                 start,
                 write_after,
             )
-        target = self._target(save_path, global_step, latest_filename, write_state)
+        target = self._target(save_path, global_step, latest_filename, write_state, metrics)
         # The directory is checked by the writer: a stat is not worth a stall.
         snapshot = self._stage(state, target, global_step, check_dir=False)
         if snapshot is None:
@@ -510,10 +539,15 @@ class Saver(ShardedSaves):
         return pattern % (save_path, step), step
 
     def _target(
-        self, save_path: str, global_step: Any, latest_filename: str | None, write_state: bool
+        self,
+        save_path: str,
+        global_step: Any,
+        latest_filename: str | None,
+        write_state: bool,
+        metrics: dict[str, float] | None = None,
     ) -> SaveTarget:
         prefix, _ = self._checkpoint_prefix(save_path, global_step, latest_filename)
-        return SaveTarget(prefix, save_path, latest_filename, write_state)
+        return SaveTarget(prefix, save_path, latest_filename, write_state, metrics)
 
     def _stage(
         self, state: Mapping[str, Any], target: SaveTarget, global_step: Any, *, check_dir: bool

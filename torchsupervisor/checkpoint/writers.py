@@ -65,12 +65,15 @@ class SaveTarget:
         save_path: The prefix family (``logdir/model.ckpt``).
         latest_filename: The state file's name; None: ``"checkpoint"``.
         write_state: Record the checkpoint in the state file and apply retention.
+        metrics: What the run measured at this checkpoint (in its manifest; keep-best
+            retention ranks by it); None: none.
     """
 
     prefix: str
     save_path: str
     latest_filename: str | None
     write_state: bool
+    metrics: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,9 @@ class SnapshotWriter:
 
     def _record(self, target: SaveTarget) -> None:
         if target.write_state:
-            self._keeper.record_and_sweep(target.prefix, target.save_path, target.latest_filename)
+            self._keeper.record_and_sweep(
+                target.prefix, target.save_path, target.latest_filename, metrics=target.metrics
+            )
 
     def flatten(self, state: Mapping[str, Any]) -> tuple[Any, dict[str, Any], set[str]]:
         """Flatten ``state``: its skeleton, its tensors, and the names of the frozen ones.
@@ -187,6 +192,7 @@ class SnapshotWriter:
                 storage=self._storage,
                 cancel=self.cancel,
                 trees=self._trees,
+                metrics=target.metrics,
             )
         except CheckpointSaveError as e:
             stale = e.names if isinstance(e, StaleReferenceError) else ()

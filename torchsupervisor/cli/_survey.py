@@ -37,6 +37,7 @@ CORRUPT = "corrupt"
 UNCHECKED = "unchecked"
 
 KEPT_MAX_TO_KEEP = "max_to_keep"
+KEPT_NEWEST_OR_BEST = "max_to_keep/best"
 KEPT_UNLISTED = "unlisted"
 KEPT_NEWER_THAN_STATE = "not yet in state file"
 KEPT_NO_STATE_FILE = "no state file"
@@ -58,6 +59,7 @@ class CheckpointInfo:
         kept_by: Why it is still on disk (see the module docstring).
         candidate: Its position in the order a restart tries checkpoints (0 first).
         elsewhere: It is in another directory (named by the state file with an absolute path).
+        metrics: The metrics saved with it (``Saver.save(metrics=)``); None: none.
     """
 
     prefix: str
@@ -70,6 +72,7 @@ class CheckpointInfo:
     kept_by: str = ""
     candidate: int | None = None
     elsewhere: bool = False
+    metrics: dict[str, float] | None = None
 
     @property
     def name(self) -> str:
@@ -148,6 +151,7 @@ def _check(info: CheckpointInfo, verify: bool) -> Manifest | None:
     manifest = reader.manifest
     info.step = manifest.global_step
     info.wall_time = manifest.wall_time
+    info.metrics = manifest.metrics
     if verify:
         try:
             reader.verify()
@@ -230,7 +234,8 @@ def survey(logdir: str, *, verify: bool = True) -> Survey:
         if state is None:
             info.kept_by = KEPT_NO_STATE_FILE
         elif _key(info.prefix) in listed:
-            info.kept_by = KEPT_MAX_TO_KEEP
+            # With metrics, it may be listed as one of the best (``Saver(keep_best=)``).
+            info.kept_by = KEPT_MAX_TO_KEEP if info.metrics is None else KEPT_NEWEST_OR_BEST
         elif head_info is not None and _newer(info, head_info):
             info.kept_by = KEPT_NEWER_THAN_STATE
         else:

@@ -9,6 +9,8 @@ restart would restore: the first valid checkpoint in the order ``SessionManager`
 Why a checkpoint is kept:
     max_to_keep            listed in the state file: one of the newest ``max_to_keep``
                            (the newest only, when the Saver keeps everything)
+    max_to_keep/best       listed, and saved with metrics: one of the newest, or one of the
+                           best a ``Saver(keep_best=...)`` keeps (the METRICS column)
     unlisted               committed, older than the state file's newest entry and not
                            listed in it: the Saver never deletes it. Either
                            ``keep_checkpoint_every_n_hours`` preserved it, or the Saver keeps
@@ -69,6 +71,13 @@ def _note(info, found: Survey) -> str:
     return ""
 
 
+def _metrics(metrics: dict[str, float] | None) -> str:
+    """``accuracy=0.981 loss=0.0712``, or ``-``."""
+    if not metrics:
+        return "-"
+    return " ".join(f"{name}={value:.4g}" for name, value in sorted(metrics.items()))
+
+
 def print_survey(found: Survey) -> None:
     """Print ``found`` as the table of ``torchsupervisor ls``."""
     where = found.state_file or "no state file"
@@ -76,6 +85,7 @@ def print_survey(found: Survey) -> None:
     if found.state_file_error:
         print(f"  The state file is ignored: {found.state_file_error}")
     rows = []
+    with_metrics = any(info.metrics for info in found.checkpoints)
     for info in found.checkpoints:
         size = human_bytes(info.size_bytes)
         if info.own_bytes != info.size_bytes:
@@ -87,12 +97,16 @@ def print_survey(found: Survey) -> None:
                 size,
                 info.status.upper() if info.status == CORRUPT else info.status,
                 info.kept_by,
+                *([_metrics(info.metrics)] if with_metrics else []),
                 info.name,
                 _note(info, found),
             ]
         )
     if rows:
-        print_table(["STEP", "SAVED", "SIZE", "STATUS", "KEPT BY", "CHECKPOINT", ""], rows, (0,))
+        header = ["STEP", "SAVED", "SIZE", "STATUS", "KEPT BY", "CHECKPOINT", ""]
+        if with_metrics:
+            header.insert(5, "METRICS")
+        print_table(header, rows, (0,))
     else:
         print("  (no committed checkpoint)")
     for info in found.checkpoints:

@@ -329,10 +329,14 @@ class CheckpointDriver:
 
     # ------------------------------------------------------------------- synchronous saves
 
-    def save(self, session: Any, step: int | None) -> str | None:
+    def save(
+        self, session: Any, step: int | None, *, metrics: dict[str, float] | None = None
+    ) -> str | None:
         """Save at ``step`` now and wait until it is committed (after the save in flight).
 
-        Skipped (returns None) when ``step`` is the step of the last checkpoint.
+        Skipped (returns None) when ``step`` is the step of the last checkpoint, unless
+        ``metrics`` are given: the checkpoint of that step is then written again with them
+        (``Saver.save(metrics=)``, keep-best retention).
 
         Returns:
             The prefix, or None.
@@ -342,7 +346,7 @@ class CheckpointDriver:
                 not called: the caller gets the error).
         """
         self.wait()
-        if self.unchanged(step):
+        if metrics is None and self.unchanged(step):
             return None
         logger.info("Saving checkpoint to path %s", self.save_path)
         flushed = self._flush_summaries()
@@ -350,7 +354,12 @@ class CheckpointDriver:
             flushed.ask()
             flushed.wait(WRITE_AFTER_WAIT_SECS)  # As a background save does (``start``).
         try:
-            prefix = self.saver.save(session, self.save_path, global_step=step)
+            if metrics is None:
+                prefix = self.saver.save(session, self.save_path, global_step=step)
+            else:
+                prefix = self.saver.save(
+                    session, self.save_path, global_step=step, metrics=metrics
+                )
         except Exception as e:
             self._failed(step, e)
             raise

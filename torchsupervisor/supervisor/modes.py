@@ -109,17 +109,23 @@ class Mode:
             )
         return self.sv._preemption.outcome(current_step(self.sv), self.driver)
 
-    def checkpoint(self) -> str | None:
+    def checkpoint(self, metrics: dict[str, float] | None = None) -> str | None:
         """Save now (``Supervisor.checkpoint``), from the training thread."""
         save = self._save_now()
         if save is None:
             raise RuntimeError("checkpoint() needs a running checkpoint service on the chief")
         self._check_training_thread()
-        return save()
+        if metrics is None:
+            return save()
+        return self._save_with_metrics(metrics)
 
     def _save_now(self) -> Callable[[], str | None] | None:
         """What saves a checkpoint now; None without checkpoints in this session."""
         return None
+
+    def _save_with_metrics(self, metrics: dict[str, float]) -> str | None:
+        """Save now with ``metrics`` in the checkpoint (``Saver.save(metrics=)``)."""
+        raise ValueError("metrics are not supported yet for a state of DTensors (FSDP2)")
 
     @staticmethod
     def _final(save: Callable[[], Any]) -> BaseException | None:
@@ -220,6 +226,10 @@ class ChiefMode(Mode):
         if driver is None:
             return None
         return lambda: driver.save(self.sess, driver.current_step())
+
+    def _save_with_metrics(self, metrics: dict[str, float]) -> str | None:
+        assert self.driver is not None  # checkpoint() found a save.
+        return self.driver.save(self.sess, self.driver.current_step(), metrics=metrics)
 
     def stop(self, aborted: bool) -> None:
         if self.driver is None:

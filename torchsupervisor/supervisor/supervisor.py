@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from torchsupervisor.checkpoint.best import check_metrics
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.registry import USE_DEFAULT, Graph, GraphKeys
@@ -502,11 +503,18 @@ class Supervisor:
     def _stop_on_error(self, error: BaseException) -> None:
         self._coord.request_stop((type(error), error, error.__traceback__))
 
-    def checkpoint(self) -> str | None:
+    def checkpoint(self, metrics: Mapping[str, float] | None = None) -> str | None:
         """Save a checkpoint now, at the current step, and wait until it is committed.
 
         Call it from the training thread between steps. Skipped (returns None) when the
-        step did not move since the last checkpoint.
+        step did not move since the last checkpoint, unless ``metrics`` are given.
+
+        Args:
+            metrics: What the run measured now (``{"accuracy": 0.98}``), stored with the
+                checkpoint: a saver with ``keep_best`` keeps the best by them
+                (``Supervisor(saver=ts.Saver(keep_best=1, best_fn="accuracy"))``). The
+                checkpoint of the current step is written again if it exists. Not with a
+                sharded state.
 
         Returns:
             The checkpoint prefix, or None.
@@ -526,7 +534,7 @@ class Supervisor:
         """
         if self._mode is None:
             raise RuntimeError("checkpoint() needs a running checkpoint service on the chief")
-        return self._mode.checkpoint()
+        return self._mode.checkpoint(check_metrics(metrics))
 
     def stop(
         self,
