@@ -357,9 +357,7 @@ class CheckpointDriver:
             if metrics is None:
                 prefix = self.saver.save(session, self.save_path, global_step=step)
             else:
-                prefix = self.saver.save(
-                    session, self.save_path, global_step=step, metrics=metrics
-                )
+                prefix = self.saver.save(session, self.save_path, global_step=step, metrics=metrics)
         except Exception as e:
             self._failed(step, e)
             raise

@@ -500,4 +500,3 @@ def decode_raw(
     if isinstance(input_bytes, OpOutput) or callable(input_bytes):
         return py_func(decode, [input_bytes], out_type, name=name or "decode_raw")
     return decode(evaluate(input_bytes))
-
