@@ -49,28 +49,6 @@ __all__ = [
 _WHOLE_FILE_MAX_BYTES = 1 << 31
 
 
-class _From(io.RawIOBase):
-    """A storage object read in order from ``offset`` on."""
-
-    def __init__(self, readable: Any, offset: int) -> None:
-        self._readable = readable
-        self._offset = offset
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = self._readable.readinto(view, self._offset)
-        self._offset += n
-        return n
-
-    def close(self) -> None:
-        if not self.closed:
-            self._readable.close()
-        super().close()
-
-
 class ReaderBase:
     """What every reader shares: the work (file) queue, the position, ``read``/``read_up_to``.
 
@@ -114,7 +92,7 @@ class ReaderBase:
         assert self._work is not None
         readable = storage_for(self._work).open_read(self._work)
         self._size = readable.size
-        self._file = io.BufferedReader(_From(readable, self._offset), 1 << 20)
+        self._file = io.BufferedReader(readable.stream(self._offset), 1 << 20)
 
     def _close(self) -> None:
         if self._file is not None:

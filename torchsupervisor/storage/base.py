@@ -110,9 +110,9 @@ class Readable(abc.ABC):
     def close(self) -> None:
         """Release the object; further reads are errors."""
 
-    def stream(self) -> io.RawIOBase:
-        """A sequential reader from offset 0 (for ``io.BufferedReader``)."""
-        return _Stream(self)
+    def stream(self, offset: int = 0) -> io.RawIOBase:
+        """A sequential reader from ``offset`` (bytes; for ``io.BufferedReader``)."""
+        return _Stream(self, offset)
 
     def __enter__(self) -> Readable:
         return self
@@ -155,11 +155,11 @@ def read_whole(f: Readable, *, max_bytes: int) -> bytes:
 
 
 class _Stream(io.RawIOBase):
-    """A ``Readable`` read from the start, in order (events files, small manifests)."""
+    """A ``Readable`` read in order from an offset (events files, manifests, record files)."""
 
-    def __init__(self, readable: Readable) -> None:
+    def __init__(self, readable: Readable, offset: int = 0) -> None:
         self._readable = readable
-        self._offset = 0
+        self._offset = offset
 
     def readable(self) -> bool:
         return True
