@@ -314,6 +314,11 @@ def test_a_list_names_its_tensors_by_place_at_every_call():
     assert other.average_name(torch.ones(1)) == "ExponentialMovingAverage/Variable"
     with pytest.raises(ValueError, match="average_name\\(\\) named another tensor 'Variable'"):
         other.apply([torch.ones(2)])
+    # A trainable tensor's average is never handed to another tensor at its place.
+    weights = ExponentialMovingAverage(0.5)
+    weights.apply([torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(ValueError, match="Place 0 of apply\\(\\)'s list is 'Variable'"):
+        weights.apply([torch.nn.Parameter(torch.zeros(2))])
 
 
 def test_tfs_scoped_names_are_averaged_saved_and_restored(tmp_path):

@@ -209,6 +209,15 @@ class ExponentialMovingAverage:
                 f"place {place} of apply()'s list: call average_name() in the order of that "
                 "list, or give the tensors names (a module, a mapping, (name, tensor) pairs)"
             )
+        current = self._tensors.get(name)
+        if current is not None and current.is_leaf and current.requires_grad:
+            # A new value at a place is the next value of a computed tensor (a loss); a
+            # trainable variable's average is never handed to another tensor.
+            raise ValueError(
+                f"Place {place} of apply()'s list is {name!r}, the average of a trainable "
+                "tensor, but another tensor is there now: give the tensors names (a module, "
+                "a mapping, (name, tensor) pairs) when lists differ from call to call"
+            )
         return name
 
     def _track(self, name: str, tensor: torch.Tensor) -> None:
