@@ -28,7 +28,15 @@ from supervisor_helpers import (
 )
 from tensorboard.compat.proto.event_pb2 import LogMessage
 
-from torchsupervisor import GlobalStep, Saver, Session, SummaryWriter, SummaryWriterCache
+from torchsupervisor import (
+    GlobalStep,
+    Saver,
+    Session,
+    StopAtStepHook,
+    SummaryWriter,
+    SummaryWriterCache,
+    summary,
+)
 from torchsupervisor.core.registry import GraphKeys, add_to_collection
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.hooks import CheckpointSaverHook
@@ -123,6 +131,32 @@ def test_snapshots_are_taken_between_steps(tmp_path):
     for step in checkpoint_steps(tmp_path):
         tree = read_checkpoint(tmp_path / f"model.ckpt-{step}")
         assert float(tree["w"]) == step  # w and the step move together in every step.
+
+
+def test_a_loop_that_waits_for_each_save_does_not_hold_back_its_summaries(tmp_path, caplog):
+    # A checkpoint's save waits for the summaries' flush, left for the next step boundary.
+    # A loop that waits for the save itself (saver.wait()) never reaches that boundary
+    # first: the wait asks for the flush now. Before, each save waited 10 s and warned.
+    counter = Counter()
+    summary.scalar("w", counter.w)
+    scaffold = Scaffold()
+    with (
+        caplog.at_level(logging.WARNING, logger="torchsupervisor"),
+        MonitoredTrainingSession(
+            checkpoint_dir=str(tmp_path),
+            scaffold=scaffold,
+            state=counter.state,
+            hooks=[StopAtStepHook(last_step=4)],
+            save_checkpoint_steps=2,
+            save_summaries_steps=1,
+            log_step_count_steps=None,
+        ) as sess,
+    ):
+        while not sess.should_stop():
+            sess.run(counter.step)
+            scaffold.saver.wait()
+    assert checkpoint_steps(tmp_path) == [0, 2, 4]
+    assert "were not flushed within" not in caplog.text
 
 
 def test_steps_schedule_in_a_bare_hooked_session(tmp_path):

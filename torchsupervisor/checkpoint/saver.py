@@ -221,6 +221,7 @@ class Saver(ShardedSaves):
             "full_save_every_n_saves", full_save_every_n_saves, minimum=1, allow_none=True
         )
         self._var_list = var_list
+        self._write_after: Waitable | None = None  # The last save_async's write_after.
         self._sharded = sharded
         self._name = name or "save"
         self._allow_empty = allow_empty
@@ -379,6 +380,7 @@ class Saver(ShardedSaves):
         start = time.perf_counter()
         done: concurrent.futures.Future[str | None]
         metrics = check_metrics(metrics)
+        self._write_after = write_after  # What ``wait`` asks for (a save waits for it).
         state = self._state_for(sess)
         if self._is_sharded(state, sess):  # DTensors: local shards copied, written by all.
             _no_metrics(metrics)
@@ -454,11 +456,18 @@ class Saver(ShardedSaves):
     def wait(self, timeout_secs: float | None = None) -> bool:
         """Wait for the save in flight, if any (its errors go to its future, not here).
 
+        A save still waiting for its ``write_after`` gets it asked now when it can be asked
+        (``ask()``: the summaries' flush a ``CheckpointDriver`` leaves for the next step
+        boundary), since the caller's wait would otherwise hold that boundary back.
+
         Returns:
             True when nothing is in flight any more, False on timeout.
 
         TF name: none.
         """
+        ask = getattr(self._write_after, "ask", None)
+        if callable(ask):
+            ask()
         return self._engine.wait(timeout_secs)
 
     def cancel(self, timeout_secs: float | None = None) -> bool:
