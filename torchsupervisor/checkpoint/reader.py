@@ -496,12 +496,14 @@ def load_variable(ckpt_dir_or_file: str, name: str) -> torch.Tensor:
     return load_checkpoint(ckpt_dir_or_file).get_tensor(name)
 
 
-def read_manifests(prefixes: Iterable[str]) -> dict[str, Manifest | None]:
+def read_manifests(
+    prefixes: Iterable[str], *, storage: Storage = BY_PATH
+) -> dict[str, Manifest | None]:
     """Return each prefix's manifest, or None where it cannot be read (for listings)."""
     out: dict[str, Manifest | None] = {}
     for prefix in prefixes:
         try:
-            out[prefix] = CheckpointReader(prefix).manifest
+            out[prefix] = CheckpointReader(prefix, storage=storage).manifest
         except (NotFoundError, CorruptCheckpointError):
             out[prefix] = None
     return out

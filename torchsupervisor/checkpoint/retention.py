@@ -34,18 +34,16 @@ from dataclasses import dataclass, field
 from torchsupervisor.checkpoint import policy
 from torchsupervisor.checkpoint.best import BestRule
 from torchsupervisor.checkpoint.files import list_checkpoint_files, remove_checkpoint
-from torchsupervisor.checkpoint.format import MAX_INDEX_BYTES, Manifest
 from torchsupervisor.checkpoint.incremental import Committed
+from torchsupervisor.checkpoint.reader import read_manifests
 from torchsupervisor.checkpoint.references import referenced_data_files
 from torchsupervisor.checkpoint.state_file import (
     state_file_path,
     update_checkpoint_state_internal,
 )
 from torchsupervisor.core.clock import Clock
-from torchsupervisor.errors import ManifestError
 from torchsupervisor.storage import Storage
 from torchsupervisor.storage import paths as url_paths
-from torchsupervisor.storage.base import read_whole
 
 __all__ = ["Keeper"]
 
@@ -408,16 +406,6 @@ class Keeper:
 
     # ------------------------------------------------------------------------- TF's lists
 
-    def _metrics_of(self, prefix: str) -> Mapping[str, float] | None:
-        """The metrics in ``prefix``'s manifest (None: none, or it cannot be read)."""
-        try:
-            with self._storage.open_read(prefix + ".index") as f:
-                data = read_whole(f, max_bytes=MAX_INDEX_BYTES)
-            return Manifest.from_bytes(data).metrics
-        except (OSError, ManifestError) as e:
-            logger.warning("Cannot read the metrics of checkpoint %s: %s", prefix, e)
-            return None
-
     @property
     def last_checkpoints(self) -> list[str]:
         """The prefixes the current state file lists (the newest and the best), oldest first."""
@@ -432,7 +420,11 @@ class Keeper:
         """
         best: tuple[tuple[str, float, float], ...] = ()
         if self._best is not None:
-            scored = [(p, self._best.of(self._metrics_of(p)), t) for p, t in entries]
+            manifests = read_manifests([p for p, _ in entries], storage=self._storage)
+            scored = [
+                (p, self._best.of(m.metrics if (m := manifests[p]) else None), t)
+                for p, t in entries
+            ]
             ranked, _ = policy.rank_best(
                 [(p, s, t) for p, s, t in scored if s is not None],
                 self._best.keep,

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchsupervisor.input.elements import check_shapes
 from torchsupervisor.input.ops import evaluate, outputs
-from torchsupervisor.input.queue import QueueBase, check_shapes
+from torchsupervisor.input.queue import QueueBase
 from torchsupervisor.input.queue_runner import QueueRunner, add_queue_runner
 
 __all__ = ["build_batch"]

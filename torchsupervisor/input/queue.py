@@ -27,10 +27,8 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-import torch
 
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.registry import GraphKeys, get_collection
@@ -40,57 +38,14 @@ from torchsupervisor.errors import (
     FailedPreconditionError,
     OutOfRangeError,
 )
+from torchsupervisor.input.elements import as_element, collate
 from torchsupervisor.input.gate import GATE
 
-__all__ = ["FIFOQueue", "QueueBase", "check_shapes", "collate"]
+__all__ = ["FIFOQueue", "QueueBase"]
 
 logger = logging.getLogger("torchsupervisor")
 
 _TIMEOUT_TEXT = "Timed out waiting for notification"
-
-
-def collate(elements: list[Any], stack: Callable[[list[Any]], Any] = torch.stack) -> Any:
-    """Batch elements: tensors are stacked; tuples and dicts per component; others listed.
-
-    Args:
-        elements: The elements (at least one).
-        stack: Batches the tensors of one component (``PaddingFIFOQueue`` pads them).
-
-    Raises:
-        RuntimeError: From ``torch.stack`` if tensors of one component differ in shape.
-    """
-    first = elements[0]
-    if all(isinstance(e, torch.Tensor) for e in elements):
-        return stack(elements)
-    if isinstance(first, tuple) and all(
-        isinstance(e, tuple) and len(e) == len(first) for e in elements
-    ):
-        return tuple(collate(list(column), stack) for column in zip(*elements))
-    if isinstance(first, Mapping) and all(isinstance(e, Mapping) for e in elements):
-        return {key: collate([e[key] for e in elements], stack) for key in first}
-    return list(elements)
-
-
-def check_shapes(components: Sequence[Any], shapes: Sequence[Any], queue: str) -> None:
-    """Check each tensor component against its shape (None sizes match any; a None shape or a
-    non-tensor component is not checked).
-
-    Raises:
-        ValueError: ``"Shape mismatch in tuple component <i> of queue '<queue>'. Expected
-            [...], got [...]"``.
-    """
-    for i, (value, shape) in enumerate(zip(components, shapes)):
-        if shape is None or not isinstance(value, torch.Tensor):
-            continue
-        shape = list(shape)
-        fits = value.dim() == len(shape) and all(
-            want is None or want == got for want, got in zip(shape, value.shape)
-        )
-        if not fits:
-            raise ValueError(
-                f"Shape mismatch in tuple component {i} of queue '{queue}'. "
-                f"Expected {shape}, got {list(value.shape)}"
-            )
 
 
 class _Enqueue:
@@ -367,30 +322,12 @@ class QueueBase:
         self._enqueue([self._check(self._as_element(vals))], timeout_secs)
 
     def _as_element(self, vals: Any) -> Any:
-        """An element as queued: TF's list of components is a tuple (``dtypes`` declares them).
-
-        Raises:
-            ValueError: For a queue declaring several components (``dtypes`` a list of k), an
-                element that is not a tuple or list of k components (or, with ``names``, a
-                dict), naming the queue.
-        """
-        if self._names is not None and isinstance(vals, Mapping):
-            return vals
-        if self._num_components > 1 and self._declared:
-            if not isinstance(vals, (tuple, list)) or len(vals) != self._num_components:
-                got = (
-                    f"{len(vals)} components"
-                    if isinstance(vals, (tuple, list))
-                    else f"a {type(vals).__name__}"
-                )
-                raise ValueError(
-                    f"Queue '{self._name}' has {self._num_components} components (dtypes): an "
-                    f"element is a tuple or list of {self._num_components}, got {got}"
-                )
-            return tuple(vals)
-        if self._declared and isinstance(vals, (tuple, list)) and len(vals) == 1:
-            return vals[0]  # TF: a list of the one component.
-        return vals
+        return as_element(
+            vals,
+            queue=self._name,
+            components=self._num_components if self._declared else None,
+            named=self._names is not None,
+        )
 
     def enqueue_many(self, vals: Any, *, timeout_secs: float | None = None) -> None:
         """Add several elements, in order, waiting for room as needed.

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from torchsupervisor.core.clock import Clock
-from torchsupervisor.input.queue import FIFOQueue, QueueBase, check_shapes, collate
+from torchsupervisor.input.elements import check_shapes, collate
+from torchsupervisor.input.queue import FIFOQueue, QueueBase
 
 __all__ = ["PaddingFIFOQueue", "PriorityQueue", "RandomShuffleQueue"]
 

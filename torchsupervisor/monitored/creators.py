@@ -37,7 +37,7 @@ from torchsupervisor.core.registry import get_default_graph
 from torchsupervisor.core.session import Session
 from torchsupervisor.core.training_state import TrainingState
 from torchsupervisor.distributed.replicas import ReplicaGroup
-from torchsupervisor.monitored.scaffold import Scaffold, prepare_state, same_state
+from torchsupervisor.monitored.scaffold import Scaffold, check_scaffold, prepare_state, same_state
 from torchsupervisor.storage import DirectoryLock, storage_for
 from torchsupervisor.supervisor.session_manager import SessionManager
 
@@ -87,8 +87,7 @@ class _ScaffoldedCreator(SessionCreator):
         device: Any,
         clock: Clock | None,
     ) -> None:
-        if scaffold is not None and not isinstance(scaffold, Scaffold):
-            raise TypeError(f"scaffold must be a Scaffold or None, got {scaffold!r}")
+        check_scaffold(scaffold)
         check_str("master", master)
         check_state("state", state)
         check_clock("clock", clock)

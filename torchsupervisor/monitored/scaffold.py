@@ -42,7 +42,7 @@ from torchsupervisor.core.variables import (
 from torchsupervisor.hooks._global_step import is_step
 from torchsupervisor.summary.ops import merge_all
 
-__all__ = ["Scaffold"]
+__all__ = ["Scaffold", "check_scaffold"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -322,3 +322,16 @@ class Scaffold:
         TF name: ``tf.compat.v1.train.Scaffold.saver``.
         """
         return self._saver
+
+
+def check_scaffold(value: Any, hint: str = "") -> Scaffold | None:
+    """Return ``value`` after checking it is a ``Scaffold`` or None.
+
+    Raises:
+        TypeError: Naming the argument and the value, followed by ``hint``.
+    """
+    if value is not None and not isinstance(value, Scaffold):
+        raise TypeError(
+            f"scaffold must be a Scaffold or None, got {value!r} ({type(value).__name__}){hint}"
+        )
+    return value

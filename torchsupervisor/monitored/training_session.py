@@ -25,7 +25,7 @@ from torchsupervisor.hooks.session_run_hook import SessionRunHook
 from torchsupervisor.hooks.step_counter import StepCounterHook
 from torchsupervisor.hooks.summary_saver import SummarySaverHook
 from torchsupervisor.monitored.creators import ChiefSessionCreator, WorkerSessionCreator
-from torchsupervisor.monitored.scaffold import Scaffold
+from torchsupervisor.monitored.scaffold import Scaffold, check_scaffold
 from torchsupervisor.monitored.session import MonitoredSession
 
 __all__ = ["USE_DEFAULT", "MonitoredTrainingSession"]
@@ -150,12 +150,11 @@ def MonitoredTrainingSession(
     )
     checkpoint_dir = checks.check_path("checkpoint_dir", checkpoint_dir)
     summary_dir = checks.check_path("summary_dir", summary_dir)
-    if scaffold is not None and not isinstance(scaffold, Scaffold):
-        raise TypeError(
-            f"scaffold must be a Scaffold or None, got {scaffold!r} ({type(scaffold).__name__}): "
-            "the positional order is TF's (master, is_chief, checkpoint_dir, scaffold, hooks, "
-            "chief_only_hooks, save_checkpoint_secs, ...)"
-        )
+    check_scaffold(
+        scaffold,
+        ": the positional order is TF's (master, is_chief, checkpoint_dir, scaffold, hooks, "
+        "chief_only_hooks, save_checkpoint_secs, ...)",
+    )
     hooks = checks.check_hooks("hooks", hooks)
     chief_only_hooks = checks.check_hooks("chief_only_hooks", chief_only_hooks)
     for name, value in (
