@@ -90,7 +90,7 @@ def test_ls_shows_the_metrics(tmp_path, capsys):
     assert out.count("max_to_keep/best") == 2
 
 
-def test_bad_arguments_are_named():
+def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(ValueError, match="keep_best needs best_fn"):
         Saver(keep_best=1)
     with pytest.raises(ValueError, match="best_mode must be 'max' or 'min'"):
@@ -99,6 +99,8 @@ def test_bad_arguments_are_named():
         Saver(keep_best="1", best_fn="acc")
     saver = Saver(keep_best=1, best_fn="acc")
     with pytest.raises(ValueError, match="metric 'acc' is not finite"):
-        saver.save(Session({"w": torch.zeros(1)}), "/tmp/unused", metrics={"acc": float("nan")})
+        saver.save(
+            Session({"w": torch.zeros(1)}), str(tmp_path / "m"), metrics={"acc": float("nan")}
+        )
     with pytest.raises(TypeError, match="metric 'acc' must be a number"):
-        saver.save(Session({"w": torch.zeros(1)}), "/tmp/unused", metrics={"acc": "high"})
+        saver.save(Session({"w": torch.zeros(1)}), str(tmp_path / "m"), metrics={"acc": "high"})

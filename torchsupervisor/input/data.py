@@ -130,14 +130,15 @@ class ResumableSampler(Sampler[int]):
         order += (order * (padding // len(order) + 1))[:padding]
         return order[self.rank :: self.world_size]
 
-    def _shard_length(self) -> int:
+    def shard_length(self) -> int:
+        """This rank's indices in an epoch: ``ceil(n / world_size)``."""
         return -(-self._n // self.world_size) if self._n else 0
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.shard(self.epoch)[self.start :])
 
     def __len__(self) -> int:
-        return max(0, self._shard_length() - self.start)
+        return max(0, self.shard_length() - self.start)
 
     def state_dict(self) -> dict[str, int]:
         """Refuse to be checkpointed: the sampler does not know what was trained on.
@@ -256,7 +257,7 @@ class ResumableDataLoader:
 
     def __len__(self) -> int:
         """The batches of one epoch (of this rank's share)."""
-        n = self.sampler._shard_length()
+        n = self.sampler.shard_length()
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def _settle(self) -> None:

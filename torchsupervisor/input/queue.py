@@ -369,7 +369,7 @@ class QueueBase:
         with self._lock:
             dequeue = _Dequeue(n, self._rng_state())
             self._dequeues.append(dequeue)
-            done = False
+            done = waited = False
             try:
                 while True:
                     if self._dequeues[0] is dequeue:
@@ -386,8 +386,9 @@ class QueueBase:
                                 f"{self._kind} '{self._name}' is closed and has insufficient "
                                 f"elements (requested {n}, current size {len(dequeue.held)})"
                             )
-                        if deadline is None and not self._pending:
-                            self._check_fillable(n)
+                        if deadline is None and not self._pending and not waited:
+                            self._check_fillable(n)  # Once: before the first wait.
+                    waited = True
                     self._wait(deadline)
             finally:
                 self._dequeues.remove(dequeue)

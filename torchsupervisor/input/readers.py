@@ -475,6 +475,6 @@ def decode_raw(
             )
         return _decode(value, out_type, little_endian)
 
-    if isinstance(input_bytes, OpOutput) or callable(input_bytes):
+    if callable(input_bytes):  # A reader's output (an OpOutput) or another lazy value.
         return py_func(decode, [input_bytes], out_type, name=name or "decode_raw")
     return decode(evaluate(input_bytes))
