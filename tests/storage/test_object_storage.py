@@ -456,7 +456,12 @@ def test_a_holder_that_lost_its_lock_writes_nothing_more(url, caplog):
     mine = _storage(url, lock_ttl_secs=0.3)
     lock = mine.lock(url)
     lost = []
-    lock.on_lost(lost.append)
+
+    def slow_callback(error):
+        time.sleep(0.3)  # A refused write still comes after it: the callback stops training.
+        lost.append(error)
+
+    lock.on_lost(slow_callback)
     try:
         with caplog.at_level("ERROR", logger="torchsupervisor"):
             _write_lock(url, {"pid": 1, "host": "elsewhere", "heartbeat": time.time()})

@@ -89,6 +89,7 @@ def read_lock(client: ObjectClient, key: str) -> tuple[dict[str, object], str]:
 
 _LEASE_FRACTION = 0.9  # Of the TTL: how long a holder trusts its lock after a renewal.
 _WATCH_POLLS = 10  # Looks at a lock held elsewhere during its TTL.
+_TELL_WAIT_SECS = 10.0  # How long a refused write waits for the loss's callbacks to have run.
 
 
 def _holder_ttl(owner: dict[str, object], ours: float) -> float:
@@ -245,6 +246,10 @@ class _HeldLock:
         self._mutex = threading.Lock()
         self._lost: LogdirLockedError | None = None
         self._callbacks: list[Callable[[LogdirLockedError], object]] = []
+        # Set once the callbacks of the loss have run: a write refused for the loss is refused
+        # after them, so what a callback does (stop training) comes first.
+        self._told = threading.Event()
+        self._teller: int | None = None
         self._etag = self._take()
         self._renewed = time.monotonic()
         self._stop = threading.Event()
@@ -362,14 +367,22 @@ class _HeldLock:
             owner=owner or {},
         )
         with self._mutex:
+            if self._lost is not None:
+                return  # The heartbeat and a write's check both saw it: the first one tells.
             self._lost = error
+            self._teller = threading.get_ident()
             callbacks = list(self._callbacks)
         logger.error("%s", error)
-        for callback in callbacks:
-            try:
-                callback(error)
-            except Exception:
-                logger.exception("A callback of the lost writer lock of %s failed", self._directory)
+        try:
+            for callback in callbacks:
+                try:
+                    callback(error)
+                except Exception:
+                    logger.exception(
+                        "A callback of the lost writer lock of %s failed", self._directory
+                    )
+        finally:
+            self._told.set()
 
     def check(self) -> None:
         """Raise the ``LogdirLockedError`` of a lost lock (a write must not go on).
@@ -383,6 +396,8 @@ class _HeldLock:
                 self._lose(f"its writer lock was not renewed for {self._ttl:g} s")
             lost = self._lost
         if lost is not None:
+            if self._teller != threading.get_ident():
+                self._told.wait(_TELL_WAIT_SECS)
             raise lost
 
     def on_lost(self, callback: Callable[[LogdirLockedError], object]) -> None:
