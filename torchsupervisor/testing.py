@@ -172,14 +172,9 @@ class Fault:
 
 
 def _this_rank() -> int:
-    try:
-        import torch.distributed as dist
+    from torchsupervisor.distributed.env import rank
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    return int(os.environ.get("RANK", "0"))
+    return rank()
 
 
 class FaultyStorage(LocalStorage):

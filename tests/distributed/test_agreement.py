@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torchsupervisor.core.boundary import StepBoundary
 from torchsupervisor.core.global_step import GlobalStep, read_step
 from torchsupervisor.distributed.replicas import ReplicaAbort, ReplicaGroup
-from torchsupervisor.distributed.sharded_checkpoints import ShardedCheckpointService, _combine
+from torchsupervisor.driver.sharded_checkpoints import ShardedCheckpointService, _combine
 from torchsupervisor.errors import DeadlineExceededError
 from torchsupervisor.testing import FakeClock
 

@@ -12,7 +12,7 @@ TF name: ``tf.compat.v1.Session``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,9 +20,35 @@ import torch
 from torchsupervisor.core.boundary import StepBoundary
 from torchsupervisor.core.checks import check_state
 from torchsupervisor.core.global_step import GlobalStep
-from torchsupervisor.distributed.env import connect
+from torchsupervisor.errors import InvalidArgumentError
 
-__all__ = ["Session", "call_op", "evaluate_fetches", "session_op"]
+__all__ = ["Session", "call_op", "evaluate_fetches", "join_masters_with", "session_op"]
+
+
+def _in_process_only(master: str) -> object:
+    if master not in ("", "local"):
+        raise InvalidArgumentError(
+            f"master={master!r} needs torchsupervisor.distributed (import torchsupervisor)"
+        )
+    return False
+
+
+# What joins the process group a master string names. The core floor never joins one itself:
+# ``torchsupervisor.distributed.env`` installs its ``connect`` here when it is imported (as
+# ``import torchsupervisor`` does), so the arrow of imports runs from distributed/ to core/.
+_JOIN: list[Callable[[str], object]] = [_in_process_only]
+
+
+def join_masters_with(connect: Callable[[str], object]) -> None:
+    """Make ``Session(master=...)`` call ``connect(master)`` to join its process group.
+
+    Args:
+        connect: Called once per session with its master string; raises for a master it
+            does not accept (``InvalidArgumentError``) or a group that did not form.
+
+    TF name: none.
+    """
+    _JOIN[0] = connect
 
 
 class Session:
@@ -62,7 +88,7 @@ class Session:
             self._device = torch.device(device) if device is not None else torch.device("cpu")
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"device: {device!r} is not a torch device: {e}") from None
-        connect(master)  # Joins the process group of a distributed master (once).
+        _JOIN[0](master)  # Joins the process group of a distributed master (once).
         self._state = {} if state is None else state
         self._master = master
         self._config = config

@@ -6,12 +6,13 @@ here are processes of one ``torch.distributed`` process group, usually launched 
 
 * ``''`` or ``'local'``: this process only, no process group (unless one is already
   initialized by the program, which is then used as is);
-* ``'env://'``: the process group described by the environment ``torchrun`` sets
-  (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``); under ``torchrun`` the rendezvous
-  keys of each restart attempt are kept apart (``attempt.py``), so that ``--max-restarts``
-  works with gloo, on one node or several;
+* ``'env://'``: the process group described by the launcher's environment (``launcher.py``:
+  ``torchrun``'s ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, or SLURM's
+  ``SLURM_PROCID``, ``SLURM_NTASKS``, ...); under ``torchrun`` the rendezvous keys of each
+  restart attempt are kept apart (``attempt.py``), so that ``--max-restarts`` works with gloo,
+  on one node or several;
 * ``'tcp://host:port?rank=R&world_size=W'`` (``rank`` and ``world_size`` may come from the
-  environment instead): a rendezvous at ``host:port``, hosted by rank 0; this is what
+  launcher instead): a rendezvous at ``host:port``, hosted by rank 0; this is what
   ``Server.target`` returns.
 
 The backend is gloo on CPU and NCCL when CUDA is available. Parameter servers are not
@@ -23,7 +24,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -33,7 +33,9 @@ from urllib.parse import parse_qs, urlparse
 import torch
 import torch.distributed as dist
 
-from torchsupervisor.distributed.attempt import DEFAULT_TIMEOUT_SECS, attempt_namespace
+from torchsupervisor.core.session import join_masters_with
+from torchsupervisor.distributed.attempt import DEFAULT_TIMEOUT_SECS
+from torchsupervisor.distributed.launcher import NAMESPACED_GROUPS, current_launcher
 from torchsupervisor.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 
 __all__ = [
@@ -75,17 +77,19 @@ def is_distributed_master(master: str) -> bool:
 
 
 def rank() -> int:
-    """This process's rank: the process group's, else ``$RANK``, else 0."""
+    """This process's rank: the process group's, else the launcher's (``$RANK``,
+    ``$SLURM_PROCID``), else 0."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return current_launcher().rank
 
 
 def world_size() -> int:
-    """The number of replicas: the process group's, else ``$WORLD_SIZE``, else 1."""
+    """The number of replicas: the process group's, else the launcher's (``$WORLD_SIZE``,
+    ``$SLURM_NTASKS``), else 1."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return current_launcher().world_size
 
 
 def communication_device(
@@ -163,36 +167,15 @@ def background_group() -> Any:
     return group
 
 
-def _agent_store(timeout: datetime.timedelta) -> dict[str, Any]:
-    """The torchrun agents' store, under a namespace of this restart attempt's own.
-
-    The store outlives a restart and still holds the keys of the dead workers (gloo's peer
-    addresses among them); ``attempt.attempt_namespace`` gives every attempt a fresh prefix
-    that all ranks agree on, on one node or many.
-    """
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-    )
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    prefix = attempt_namespace(store, rank, size, timeout.total_seconds())
-    return {"store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": size}
-
-
-# The groups ``connect`` made on torchrun's agent store, under a namespace of their attempt.
-_NAMESPACED: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
 def store_outlives_attempts(group: Any) -> bool:
-    """Whether ``group``'s store may hold keys of an earlier torchrun restart attempt.
+    """Whether ``group``'s store may hold keys of an earlier restart attempt.
 
     True under torchrun's shared agent store (``TORCHELASTIC_USE_AGENT_STORE``) for a group
     that ``connect`` did not make (``init_process_group`` by the program); False otherwise:
     ``connect`` put its group under a namespace of its attempt, and other stores are new in
-    each run.
+    each run. The launcher decides (``launcher.Launcher.store_outlives_attempts``).
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return False
-    return group not in _NAMESPACED
+    return current_launcher().store_outlives_attempts(group)
 
 
 _EXIT_HOOK: list[bool] = []
@@ -253,29 +236,24 @@ def connect(master: str, timeout_secs: float | None = None, backend: str | None 
         return dist.is_available() and dist.is_initialized()
     if dist.is_initialized():
         return True
-    kwargs: dict[str, Any] = {"backend": backend or default_backend(), "init_method": master}
-    namespaced = False
+    launcher = current_launcher()
+    kwargs: dict[str, Any] = {"backend": backend or default_backend()}
+    waited = int(DEFAULT_TIMEOUT_SECS if timeout_secs is None else timeout_secs)
     if urlparse(master).scheme == "tcp":
         query = parse_qs(urlparse(master).query)
-        rank_text = (query.get("rank") or [os.environ.get("RANK")])[0]
-        size_text = (query.get("world_size") or [os.environ.get("WORLD_SIZE")])[0]
-        if rank_text is None or size_text is None:
+        given = {name: (query.get(name) or [None])[0] for name in ("rank", "world_size")}
+        if any(value is None for value in given.values()) and not launcher.launched:
             raise InvalidArgumentError(
-                f"master={master!r} needs rank and world_size (in the URL or as $RANK and "
-                "$WORLD_SIZE)"
+                f"master={master!r} needs rank and world_size (in the URL, or from a launcher: "
+                "$RANK and $WORLD_SIZE, or SLURM's)"
             )
         kwargs["init_method"] = master.split("?")[0]
-        kwargs["rank"], kwargs["world_size"] = int(rank_text), int(size_text)
+        kwargs["rank"] = int(given["rank"] or launcher.rank)
+        kwargs["world_size"] = int(given["world_size"] or launcher.world_size)
+    else:
+        kwargs.update(launcher.rendezvous(waited))
     if timeout_secs is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_secs)
-    waited = int(DEFAULT_TIMEOUT_SECS if timeout_secs is None else timeout_secs)
-    if (
-        urlparse(master).scheme == "env"
-        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    ):
-        kwargs.update(_agent_store(datetime.timedelta(seconds=waited)))
-        del kwargs["init_method"]
-        namespaced = True
     try:
         dist.init_process_group(**kwargs)
     except (RuntimeError, TimeoutError) as e:
@@ -290,13 +268,18 @@ def connect(master: str, timeout_secs: float | None = None, backend: str | None 
                 None, None, f"Session was not ready after waiting {waited} secs."
             ) from e
         raise
-    if namespaced:
-        _NAMESPACED.add(dist.group.WORLD)
+    if "store" in kwargs:
+        NAMESPACED_GROUPS.add(dist.group.WORLD)
     _destroy_at_exit()
     logger.info(
-        "Joined the process group as rank %d of %d (%s)",
+        "Joined the process group as rank %d of %d (%s; launcher %s, restart %d)",
         dist.get_rank(),
         dist.get_world_size(),
         kwargs["backend"],
+        launcher.name,
+        launcher.restart_count,
     )
     return True
+
+
+join_masters_with(connect)  # Session(master=...) joins through this module.

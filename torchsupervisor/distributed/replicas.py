@@ -37,8 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchsupervisor.checkpoint.format import dtype_from_code, dtype_to_code
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.dtypes import dtype_from_code, dtype_to_code
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.state import flatten_state
 from torchsupervisor.core.state_load import load_state

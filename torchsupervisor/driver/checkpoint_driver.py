@@ -3,7 +3,7 @@
 Every front end checkpoints through one driver: the Supervisor (its timer thread asks, the
 training thread snapshots at its next step boundary), ``CheckpointSaverHook`` (its schedule
 runs on the training thread), and every rank of a sharded save (the ranks' agreement decides
-the step, ``distributed/sharded_checkpoints.py``). The driver owns:
+the step, ``driver/sharded_checkpoints.py``). The driver owns:
 
 * the skip rule: a checkpoint at the step of the last one committed (or restored) is not
   written again;

@@ -11,7 +11,7 @@ state (``choose_mode``):
   replicas, receives the chief's state. It never checkpoints.
 * ``ShardedMode``: every rank of a sharded state (FSDP2 / DTensor). Every rank restores its
   shards of the same checkpoint, and saves them together with the other ranks at steps they
-  agree on (``distributed/sharded_checkpoints.py``).
+  agree on (``driver/sharded_checkpoints.py``).
 
 A mode reads the Supervisor's settings (its private attributes) and holds what one session
 needs: the driver of its checkpoints, the stop agreement between replicas, the sharded
@@ -38,8 +38,8 @@ from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.session import Session
 from torchsupervisor.distributed import env as distributed
 from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement, agree
-from torchsupervisor.distributed.sharded_checkpoints import ShardedCheckpointService
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
+from torchsupervisor.driver.sharded_checkpoints import ShardedCheckpointService
 from torchsupervisor.errors import AbortedError, InvalidArgumentError
 from torchsupervisor.supervisor.services import SVTimerCheckpointThread
 
