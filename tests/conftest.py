@@ -3,18 +3,15 @@ server (SeaweedFS, started once per session on loopback) and ``memory://`` bucke
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 import time
 import uuid
 
 import pytest
 
-from torchsupervisor.checkpoint import commit as checkpoint_commit
-from torchsupervisor.checkpoint import engine as checkpoint_engine
 from torchsupervisor.core.registry import reset_default_graph
 from torchsupervisor.summary import SummaryWriterCache
-from torchsupervisor.testing import FakeClock
+from torchsupervisor.testing import FakeClock, wait_for_quiet
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -124,11 +121,7 @@ def _clean_graph_and_threads():
     yield
     SummaryWriterCache.clear()
     reset_default_graph()
-    pending = [f for f in list(checkpoint_engine._in_flight) if not f.done()]
-    _, not_done = concurrent.futures.wait(pending, timeout=10.0)
-    assert not not_done, "checkpoint saves still running after the test"
-    checkpoint_engine._close_all()  # Idle writer threads of savers the test still references.
-    checkpoint_commit._Beside.stop_helper()  # The process-wide checksum helper, idle now.
+    wait_for_quiet(10.0)  # Saves in flight, idle writer threads of savers still referenced.
     deadline = time.monotonic() + 10.0
     leaked = []
     for thread in set(threading.enumerate()) - before:

@@ -46,6 +46,7 @@ __all__ = [
     "GatedStorage",
     "WorldError",
     "run_world",
+    "wait_for_quiet",
 ]
 
 
@@ -169,6 +170,26 @@ class Fault:
     rank: int | None = None
     seen: int = 0
     raised: int = 0
+
+
+def wait_for_quiet(timeout_secs: float = 10.0) -> None:
+    """Wait until torchsupervisor's background machinery is quiet: every checkpoint save in
+    flight written, the idle writer and checksum threads ended (a later save starts them
+    again). For the end of a test, before it looks for leaked threads.
+
+    Args:
+        timeout_secs: How long to wait, for everything together (seconds).
+
+    Raises:
+        TimeoutError: Something was still busy at the deadline (named in the message).
+
+    TF name: none.
+    """
+    from torchsupervisor.core import thread_registry
+
+    busy = thread_registry.wait_for_quiet(timeout_secs)
+    if busy:
+        raise TimeoutError(f"still busy after {timeout_secs:g} s: {'; '.join(busy)}")
 
 
 def _this_rank() -> int:

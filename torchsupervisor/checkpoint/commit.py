@@ -46,6 +46,7 @@ from torchsupervisor.checkpoint.references import referenced_data_files
 from torchsupervisor.checkpoint.shard_header import shard_checksum
 from torchsupervisor.checkpoint.snapshot import Snapshot
 from torchsupervisor.checkpoint.tree_memo import TreeMemo
+from torchsupervisor.core import thread_registry
 from torchsupervisor.core import threads as priority
 from torchsupervisor.core.tree import encode_tree
 from torchsupervisor.errors import CheckpointSaveError
@@ -209,7 +210,7 @@ class _Beside:
 
     @classmethod
     def stop_helper(cls) -> None:
-        """End the helper thread once it is idle (a later save starts a new one); for tests."""
+        """End the helper thread once it is idle (a later save starts a new one)."""
         with cls._lock:
             jobs, cls._jobs = cls._jobs, None
         if jobs is not None:
@@ -254,8 +255,12 @@ def _serve(jobs: queue.SimpleQueue[_Beside | None]) -> None:
         del job  # Do not keep the last snapshot alive while idle.
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_Beside._forget_thread)
+def _quiet_helper(timeout_secs: float) -> list[str]:
+    _Beside.stop_helper()  # Ends once idle; what it is doing belongs to a save in flight.
+    return []
+
+
+thread_registry.register("checksum helper", at_fork=_Beside._forget_thread, quiet=_quiet_helper)
 
 
 def _add_references(

@@ -30,20 +30,19 @@ waited for took 4.2 to 7.1 s under ``SCHED_IDLE`` and 0.5 to 0.7 s at nice 15 (1
 nice 19, 0.2 s at nice 10); on the idle machine training kept 92% of its speed while 500 MB
 saves ran back to back (94% at nice 19, 81% at nice 10; 99% under ``SCHED_IDLE``).
 
-The thread is a daemon, but interpreter exit waits for a save being written (an ``atexit``
-hook registered at the first save) rather than abandoning it half-way. At exit: a program that
-waits for its last save (``future.result()``) and returns starts the interpreter's shutdown at
-once. A tensor freed on the writer thread after that point releases the GIL in PyTorch's C++
-deallocator and cannot take it back: the interpreter ends the thread with a forced unwind
-through C++ frames, and the process aborts ("terminate called without an active exception",
-exit status 134; 4 runs in 6 here, before the writer was made to free them first). So every
-tensor of a job (its snapshot, and the locals of an error's traceback frames, which hold it) is
-released before the job's future completes; the writer then holds no tensor.
+The thread is a daemon, but interpreter exit waits for a save being written (the exit drain
+of ``core/thread_registry.py``, joined at the first save) rather than abandoning it half-way.
+At exit: a program that waits for its last save (``future.result()``) and returns starts the
+interpreter's shutdown at once. A tensor freed on the writer thread after that point releases
+the GIL in PyTorch's C++ deallocator and cannot take it back: the interpreter ends the thread
+with a forced unwind through C++ frames, and the process aborts ("terminate called without an
+active exception", exit status 134; 4 runs in 6 here, before the writer was made to free them
+first). So every tensor of a job (its snapshot, and the locals of an error's traceback frames,
+which hold it) is released before the job's future completes; the writer then holds no tensor.
 """
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import logging
 import queue
@@ -56,7 +55,7 @@ from typing import Any
 
 import torch
 
-from torchsupervisor.core import collector
+from torchsupervisor.core import collector, thread_registry
 from torchsupervisor.core import threads as priority
 
 __all__ = ["BACKGROUND_NICENESS", "UNRAISABLE_NICENESS", "CheckpointEngine", "background_priority"]
@@ -86,9 +85,6 @@ _abandoned: weakref.WeakKeyDictionary[concurrent.futures.Future[Any], float] = (
 )
 _engines: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
 _unraisable_logged = False  # ``background_priority`` logs its fallback once per process.
-_atexit_lock = threading.Lock()
-_atexit_registered = False
-
 _Job = tuple["_Save", Callable[..., Any], tuple]
 
 
@@ -98,12 +94,30 @@ def _wait_for_saves_at_exit() -> None:
         concurrent.futures.wait([future], timeout=max(0.0, until - time.monotonic()))
 
 
-def _register_atexit() -> None:
-    global _atexit_registered
-    with _atexit_lock:
-        if not _atexit_registered:
-            atexit.register(_wait_for_saves_at_exit)
-            _atexit_registered = True
+def _quiet(timeout_secs: float) -> list[str]:
+    """Wait for the saves in flight, then end every idle writer thread."""
+    pending = [future for future in list(_in_flight) if not future.done()]
+    _, not_done = concurrent.futures.wait(pending, timeout=timeout_secs)
+    if not_done:
+        return [f"{len(not_done)} save(s) still being written"]
+    _close_all()
+    return []
+
+
+_registered: list[bool] = []
+
+
+def _register() -> None:
+    """Join the thread registry at the first save (its exit drain then runs before the atexit
+    hooks registered before it)."""
+    if not _registered:
+        _registered.append(True)
+        thread_registry.register(
+            "checkpoint writer",
+            order=thread_registry.DRAIN_SAVES,
+            drain=_wait_for_saves_at_exit,
+            quiet=_quiet,
+        )
 
 
 class CheckpointEngine:
@@ -144,7 +158,7 @@ class CheckpointEngine:
             RuntimeError: If a job is still in flight (callers check ``in_flight`` or call
                 ``wait`` first).
         """
-        _register_atexit()
+        _register()
         with self._lock:
             if self.in_flight:
                 raise RuntimeError("A checkpoint is already being written")
@@ -258,7 +272,7 @@ class _Save(concurrent.futures.Future):
 
 
 def _close_all() -> None:
-    """End the writer threads of every engine (after their saves); for tests and forks."""
+    """End the writer threads of every engine (after their saves)."""
     for engine in list(_engines):
         engine.close()
 

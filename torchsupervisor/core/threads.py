@@ -34,6 +34,8 @@ import threading
 import weakref
 from typing import NamedTuple
 
+from torchsupervisor.core import thread_registry
+
 __all__ = ["Priority", "current", "follow", "hurry", "lower", "raise_permitted", "restore"]
 
 logger = logging.getLogger("torchsupervisor")
@@ -54,8 +56,7 @@ def _forget_threads() -> None:
     _hurriable, _hurriable_lock = weakref.WeakSet(), threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_threads)
+thread_registry.register("hurriable threads", at_fork=_forget_threads)
 
 
 class Priority(NamedTuple):

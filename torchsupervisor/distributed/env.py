@@ -21,7 +21,6 @@ emulated: replicas average gradients with all-reduce (``DistributedDataParallel`
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import logging
 import threading
@@ -33,6 +32,7 @@ from urllib.parse import parse_qs, urlparse
 import torch
 import torch.distributed as dist
 
+from torchsupervisor.core import thread_registry
 from torchsupervisor.core.session import join_masters_with
 from torchsupervisor.distributed.attempt import DEFAULT_TIMEOUT_SECS
 from torchsupervisor.distributed.launcher import NAMESPACED_GROUPS, current_launcher
@@ -206,7 +206,9 @@ def _destroy_at_exit() -> None:
         helper.start()
         helper.join(_TEARDOWN_SECS)
 
-    atexit.register(at_exit)
+    thread_registry.register(
+        "process group", order=thread_registry.DRAIN_PROCESS_GROUP, drain=at_exit
+    )
 
 
 _TEARDOWN_SECS = 5.0

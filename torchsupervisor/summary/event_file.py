@@ -34,7 +34,6 @@ TF names: ``EventFileWriter`` (and its logger thread), C++ ``EventsWriter``.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import logging
 import sys
@@ -43,6 +42,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from torchsupervisor.core import thread_registry
 from torchsupervisor.core import threads as priority
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.errors import OpError
@@ -596,8 +596,8 @@ def live_workers() -> list[EventFileWriter]:
     return list(_live_workers)
 
 
-_atexit_lock = threading.Lock()
-_atexit_registered = False
+_track_lock = threading.Lock()
+_registered = False
 _EXIT_JOIN_SECS = 10.0
 
 
@@ -612,9 +612,11 @@ def _close_workers_at_exit() -> None:
 
 
 def _track(worker: EventFileWriter) -> None:
-    global _atexit_registered
-    with _atexit_lock:
+    global _registered
+    with _track_lock:
         _live_workers.add(worker)
-        if not _atexit_registered:
-            atexit.register(_close_workers_at_exit)
-            _atexit_registered = True
+        if not _registered:
+            _registered = True
+            thread_registry.register(
+                "events writers", order=thread_registry.DRAIN_EVENTS, drain=_close_workers_at_exit
+            )
