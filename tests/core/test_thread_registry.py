@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.repo_paths import ROOT
 from torchsupervisor import GlobalStep, Saver, Session
 from torchsupervisor.core import thread_registry
 from torchsupervisor.testing import GatedStorage, wait_for_quiet
-from tests.repo_paths import ROOT
 
 PACKAGE = Path(ROOT) / "torchsupervisor"
 
