@@ -439,7 +439,7 @@ def test_sharded_save_and_shard_count_change(tmp_path):
     assert all(torch.equal(restored[k], state[k]) for k in state)
     Saver().save(Session(state), str(tmp_path / "m"), global_step=1)  # Same prefix, 1 shard.
     assert [f for f in _files(tmp_path) if ".data-" in f] == ["m-1.data-00000-of-00001"]
-    assert Saver(sharded=True)._writer._max_shard_bytes == 1 << 30
+    assert Saver(sharded=True)._max_shard_bytes == 1 << 30
 
 
 def test_save_async_snapshot_is_isolated_from_later_training(tmp_path):

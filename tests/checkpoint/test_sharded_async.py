@@ -44,9 +44,9 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
     changed = threading.Event()
     persist = ShardedWriter.persist
 
-    def gated(self, *args):
+    def gated(self, *args, **kwargs):
         assert changed.wait(WAIT_SECS)
-        return persist(self, *args)
+        return persist(self, *args, **kwargs)
 
     ShardedWriter.persist = gated
     placed = []  # What each shard write found in place: (bytes in place, chunks copied after).
@@ -386,7 +386,7 @@ def teardown_rank(rank: int, world_size: int, directory: str) -> dict:
         )
     saver.close()
     background = weakref.ref(env.background_group())
-    replayed = saver._sharded_writer._plans.replayed
+    replayed = saver._writers[True]._plans.replayed
     dist.destroy_process_group()
     return {"replayed": replayed, "background_alive": background() is not None}
 

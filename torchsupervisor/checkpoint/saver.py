@@ -1,17 +1,17 @@
 """``Saver``: TF's checkpoint API over the writers, the commit protocol and the keeper.
 
-Saving is split in two: a writer stages the state on the calling thread (a copy into host
-staging buffers), then persists it with the commit protocol, on the calling thread for
-``save`` and on the background writer thread for ``save_async``; the ``Keeper`` then updates
-the state file and deletes what retention lets go (``writers.py``, ``commit.py``,
+Saving is split in two: a ``Writer`` (``writer.py``) stages the state on the calling thread (a
+copy into host staging buffers), then persists it with the commit protocol, on the calling
+thread for ``save`` and on the background writer thread for ``save_async``; the ``Keeper``
+then updates the state file and deletes what retention lets go (``writers.py``, ``commit.py``,
 ``retention.py``). At most one save is in flight: a new save first waits until the one being
 written is committed (or failed).
 
 Saves are incremental by default (unchanged frozen tensors are referenced, not copied), and a
 save is full whenever an incremental one would leave every kept checkpoint depending on one
 data file (``policy.may_reference``). A state holding ``DTensor`` s (FSDP2) is saved and
-restored by every rank together (``saver_sharded.py``, ``sharded/``); the writer is chosen
-once per state.
+restored by every rank together (``writers.ShardedWriter``, ``sharded/``); the writer is
+chosen once per state.
 
 TF name: ``tf.compat.v1.train.Saver``.
 """
@@ -19,7 +19,6 @@ TF name: ``tf.compat.v1.train.Saver``.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
 import os
 import threading
@@ -29,16 +28,16 @@ from typing import Any, Protocol
 
 from torchsupervisor.checkpoint import policy
 from torchsupervisor.checkpoint.best import best_rule, check_metrics
+from torchsupervisor.checkpoint.engine import CheckpointEngine
 from torchsupervisor.checkpoint.files import (
     checkpoint_exists,
     get_checkpoint_mtimes,
 )
-from torchsupervisor.checkpoint.restore import restore_state
 from torchsupervisor.checkpoint.retention import Keeper
-from torchsupervisor.checkpoint.saver_sharded import ShardedSaves
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
-from torchsupervisor.checkpoint.snapshot import Snapshot
-from torchsupervisor.checkpoint.writers import SaveStats, SaveTarget, ShardedWriter, SnapshotWriter
+from torchsupervisor.checkpoint.snapshot import Stager
+from torchsupervisor.checkpoint.writer import Directories, SaveStats, SaveTarget, Writer
+from torchsupervisor.checkpoint.writers import ShardedWriter, SnapshotWriter
 from torchsupervisor.core.checks import (
     check_bool,
     check_clock,
@@ -47,14 +46,13 @@ from torchsupervisor.core.checks import (
     check_str,
 )
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
-from torchsupervisor.core.global_step import read_checkpoint_step, read_step
+from torchsupervisor.core.global_step import read_checkpoint_step
 from torchsupervisor.core.state_names import check_var_list, select_state
 from torchsupervisor.core.training_state import shared_entries
 from torchsupervisor.distributed.env import rank, world_size
-from torchsupervisor.errors import CheckpointSaveError
-from torchsupervisor.storage import BY_PATH, DirectoryLock, Storage
+from torchsupervisor.storage import BY_PATH, Storage
 
-__all__ = ["SaveStats", "Saver"]  # SaveStats: see writers.py
+__all__ = ["SaveStats", "Saver"]  # SaveStats: see writer.py
 
 
 logger = logging.getLogger("torchsupervisor")
@@ -73,11 +71,6 @@ WRITE_AFTER_WAIT_SECS = 10.0
 """The longest a save waits for ``save_async``'s ``write_after`` before it writes anyway."""
 
 _WAIT_SLICE_SECS = 0.05  # How often that wait looks for a cancellation.
-
-
-def _no_metrics(metrics: dict[str, float] | None) -> None:
-    if metrics is not None:
-        raise ValueError("metrics are not supported yet for a state of DTensors (FSDP2)")
 
 
 def replica_entries(state: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -103,7 +96,7 @@ def replica_entries(state: Mapping[str, Any]) -> Mapping[str, Any]:
 _told_per_rank: list[bool] = []
 
 
-class Saver(ShardedSaves):
+class Saver:
     """Save and restore the state as checkpoints, keeping the newest ``max_to_keep``.
 
     Args:
@@ -222,13 +215,14 @@ class Saver(ShardedSaves):
         )
         self._var_list = var_list
         self._write_after: Waitable | None = None  # The last save_async's write_after.
-        self._sharded = sharded
+        self._split_files = sharded  # TF's "sharded": several data files per save.
         self._name = name or "save"
         self._allow_empty = allow_empty
         self._pad_step_number = pad_step_number
+        self._incremental = incremental
+        self._max_shard_bytes = max_shard_bytes or (_DEFAULT_SHARD_BYTES if sharded else None)
         self._storage = storage or BY_PATH
         self._clock = check_clock("clock", clock) or REAL_CLOCK
-        self._lock = threading.Lock()
         self._keeper = Keeper(
             self._storage,
             self._clock,
@@ -239,25 +233,17 @@ class Saver(ShardedSaves):
             incremental=incremental,
             full_every=full_save_every_n_saves or policy.default_full_save_interval(max_to_keep),
         )
-        self._writer = SnapshotWriter(
-            self._storage,
-            self._clock,
-            self._keeper,
-            incremental=incremental,
-            max_shard_bytes=max_shard_bytes or (_DEFAULT_SHARD_BYTES if sharded else None),
-        )
-        self._sharded_writer = ShardedWriter(
-            self._storage, self._clock, self._keeper, self._writer.stager
-        )
-        self._engine = self._writer.engine
-        self._cancel = self._writer.cancel
+        self._engine = CheckpointEngine()
+        self._cancel = threading.Event()
+        self._stager = Stager()  # Host staging buffers, reused by either writer.
+        self._directories = Directories(self._storage)
         self._optional: set[str] = set()
         # The writer: sharded (every rank writes its part) or this process's snapshot; chosen
         # once per state (at construction for a ``var_list`` mapping), with that state.
-        self._writer_choice: tuple[Any, bool] | None = None
+        self._writers: dict[bool, Writer] = {}
+        self._writer_choice: tuple[Any, Writer] | None = None
         if isinstance(var_list, Mapping):
-            self._writer_choice = (var_list, is_sharded(var_list))
-        self._dir_locks: dict[str, DirectoryLock] = {}
+            self._writer_choice = (var_list, self._writer_of(is_sharded(var_list)))
         self.last_save: SaveStats | None = None
         """What the last committed save cost (None before the first)."""
 
@@ -322,17 +308,18 @@ class Saver(ShardedSaves):
         del meta_graph_suffix, write_meta_graph, strip_default_attrs, save_debug_info
         start = time.perf_counter()
         metrics = check_metrics(metrics)
-        state = self._state_for(sess)
-        if self._is_sharded(state, sess):  # DTensors: a collective, every rank writes its part.
-            _no_metrics(metrics)
-            return self._save_sharded(
-                replica_entries(state), save_path, global_step, latest_filename, write_state
-            )
-        target = self._target(save_path, global_step, latest_filename, write_state, metrics)
-        snapshot = self._stage(state, target, global_step, check_dir=True)
-        if snapshot is None:
+        state, writer = self._state_and_writer(sess)
+        target, error = self._target_for(
+            writer, save_path, global_step, latest_filename, write_state, metrics
+        )
+        staged = writer.stage(state, target, global_step, background=False, error=error)
+        if staged is None:
             return None
-        return self._persist(snapshot, target, time.perf_counter() - start, check_dir=False)
+        self.last_save = writer.persist(
+            staged, target, time.perf_counter() - start, background=False
+        )
+        logger.debug("Checkpoint %s: %s", target.prefix, self.last_save)
+        return target.prefix
 
     def save_async(
         self,
@@ -378,35 +365,19 @@ class Saver(ShardedSaves):
         TF name: none (TF saved on the calling thread).
         """
         start = time.perf_counter()
-        done: concurrent.futures.Future[str | None]
         metrics = check_metrics(metrics)
         self._write_after = write_after  # What ``wait`` asks for (a save waits for it).
-        state = self._state_for(sess)
-        if self._is_sharded(state, sess):  # DTensors: local shards copied, written by all.
-            _no_metrics(metrics)
-            return self._save_async_sharded(
-                replica_entries(state),
-                save_path,
-                global_step,
-                latest_filename,
-                write_state,
-                start,
-                write_after,
-            )
-        target = self._target(save_path, global_step, latest_filename, write_state, metrics)
-        # The directory is checked by the writer: a stat is not worth a stall.
-        snapshot = self._stage(state, target, global_step, check_dir=False)
-        if snapshot is None:
-            done = concurrent.futures.Future()
+        state, writer = self._state_and_writer(sess)
+        target, error = self._target_for(
+            writer, save_path, global_step, latest_filename, write_state, metrics
+        )
+        staged = writer.stage(state, target, global_step, background=True, error=error)
+        if staged is None:
+            done: concurrent.futures.Future[str | None] = concurrent.futures.Future()
             done.set_result(None)
             return done
         stall = time.perf_counter() - start
-        return self._engine.submit(
-            functools.partial(self._persist, check_dir=True, write_after=write_after),
-            snapshot,
-            target,
-            stall,
-        )
+        return self._engine.submit(self._persist, writer, staged, target, stall, write_after)
 
     def close(self) -> None:
         """Wait for the save in flight and end the writer thread (a later save restarts it).
@@ -425,25 +396,7 @@ class Saver(ShardedSaves):
             )
             return
         self._engine.close()
-        with self._lock:
-            locks, self._dir_locks = self._dir_locks, {}
-        for lock in locks.values():
-            lock.release()
-
-    def _lock_directory(self, save_path: str) -> None:
-        """Take the writer lock of ``save_path``'s directory at the first save there.
-
-        Raises:
-            LogdirLockedError: Another process writes to that directory.
-        """
-        directory = os.path.dirname(save_path)
-        if directory in self._dir_locks:  # One dict lookup per save: the training thread's.
-            return
-        if not self._storage.accepts_objects(directory):
-            return  # The save reports the missing directory.
-        lock = self._storage.lock(directory)  # Shared with other handles on the same dir.
-        with self._lock:
-            self._dir_locks[directory] = lock
+        self._directories.release()
 
     @property
     def in_flight(self) -> bool:
@@ -504,8 +457,38 @@ class Saver(ShardedSaves):
         """
         self._optional.update(names)
 
-    def _is_sharded(self, state: Mapping[str, Any], sess: Any = None) -> bool:
-        """Whether ``state`` is written by every rank (DTensors): decided once per state.
+    def _writer_of(self, sharded: bool) -> Writer:
+        """The writer of a state of DTensors (``sharded``) or of this process's state."""
+        writer = self._writers.get(sharded)
+        if writer is None:
+            if sharded:
+                writer = ShardedWriter(
+                    self._storage,
+                    self._clock,
+                    self._keeper,
+                    self._engine,
+                    self._stager,
+                    self._directories,
+                )
+            else:
+                writer = SnapshotWriter(
+                    self._storage,
+                    self._clock,
+                    self._keeper,
+                    self._engine,
+                    self._cancel,
+                    self._stager,
+                    self._directories,
+                    incremental=self._incremental,
+                    max_shard_bytes=self._max_shard_bytes,
+                    allow_empty=self._allow_empty,
+                )
+            self._writers[sharded] = writer
+        return writer
+
+    def _writer_for(self, state: Mapping[str, Any], sess: Any = None) -> Writer:
+        """The writer of ``state``: every rank's (DTensors) or this process's; decided once
+        per state.
 
         The decision is remembered with the state it was made for (the ``var_list`` mapping,
         or the session's state), so a run decides at its first save, not at every one.
@@ -516,8 +499,17 @@ class Saver(ShardedSaves):
             source = getattr(sess, "state", state)
         known = self._writer_choice
         if known is None or known[0] is not source:
-            known = self._writer_choice = (source, is_sharded(state))
+            known = self._writer_choice = (source, self._writer_of(is_sharded(state)))
         return known[1]
+
+    def _state_and_writer(self, sess: Any) -> tuple[Mapping[str, Any], Writer]:
+        """What a save of ``sess`` writes, and with which writer. A collective writer saves
+        what the replicas share (``replica_entries``), and takes no metrics yet."""
+        state = self._state_for(sess)
+        writer = self._writer_for(state, sess)
+        if writer.collective:
+            state = replica_entries(state)
+        return state, writer
 
     def _state_for(self, sess: Any) -> Mapping[str, Any]:
         if isinstance(self._var_list, Mapping):
@@ -538,7 +530,7 @@ class Saver(ShardedSaves):
             raise ValueError("'latest_filename' must not contain path components")
         step = read_checkpoint_step(global_step)
         if step is None:
-            if os.path.basename(save_path) == latest_filename and not self._sharded:
+            if os.path.basename(save_path) == latest_filename and not self._split_files:
                 raise ValueError(
                     f"'latest_filename' collides with 'save_path': '{latest_filename}' and "
                     f"'{save_path}'"
@@ -558,39 +550,38 @@ class Saver(ShardedSaves):
         prefix, _ = self._checkpoint_prefix(save_path, global_step, latest_filename)
         return SaveTarget(prefix, save_path, latest_filename, write_state, metrics)
 
-    def _stage(
-        self, state: Mapping[str, Any], target: SaveTarget, global_step: Any, *, check_dir: bool
-    ) -> Snapshot | None:
-        if check_dir:
-            self._check_dir(target.save_path)
-        flat = self._writer.flatten(state)
-        if not flat[0]:
-            if self._allow_empty:
-                return None
-            raise ValueError("No variables to save")
-        self._lock_directory(target.save_path)
-        step = None if global_step is None else read_step(global_step)
-        return self._writer.stage(flat, target, step)
+    def _target_for(
+        self,
+        writer: Writer,
+        save_path: str,
+        global_step: Any,
+        latest_filename: str | None,
+        write_state: bool,
+        metrics: dict[str, float] | None,
+    ) -> tuple[SaveTarget, Exception | None]:
+        """Where a save goes; for a collective writer also what is wrong with it, returned,
+        not raised: this rank still joins the collective, which raises it on every rank (a
+        rank that raised alone would leave the others waiting in it)."""
+        if not writer.collective:
+            return self._target(save_path, global_step, latest_filename, write_state, metrics), None
+        try:
+            if metrics is not None:
+                raise ValueError("metrics are not supported yet for a state of DTensors (FSDP2)")
+            return self._target(save_path, global_step, latest_filename, write_state), None
+        except Exception as e:  # No prefix: the save fails before anything is written.
+            return SaveTarget(save_path, save_path, latest_filename, write_state=False), e
 
     def _persist(
         self,
-        snapshot: Snapshot,
+        writer: Writer,
+        staged: Any,
         target: SaveTarget,
         stall_secs: float,
-        *,
-        check_dir: bool,
-        write_after: Waitable | None = None,
+        write_after: Waitable | None,
     ) -> str:
-        """Write ``snapshot`` (``check_dir``: on the writer thread, which checks the directory
-        first: the caller's stat is not worth a stall)."""
+        """Write a staged save on the writer thread, after ``write_after``."""
         self._wait_before_writing(write_after)
-        if check_dir:
-            try:
-                self._check_dir(target.save_path)
-            except ValueError as e:
-                self._writer.stager.release(snapshot)
-                raise CheckpointSaveError(str(e), path=target.prefix) from None
-        self.last_save = self._writer.persist(snapshot, target, stall_secs)
+        self.last_save = writer.persist(staged, target, stall_secs, background=True)
         logger.debug("Checkpoint %s: %s", target.prefix, self.last_save)
         return target.prefix
 
@@ -613,11 +604,6 @@ class Saver(ShardedSaves):
                     WRITE_AFTER_WAIT_SECS,
                 )
                 return
-
-    def _check_dir(self, save_path: str) -> None:
-        save_dir = os.path.dirname(save_path)
-        if save_dir and not self._storage.accepts_objects(save_dir):
-            raise ValueError(f"Parent directory of {save_path} doesn't exist, can't save.")
 
     # ---------------------------------------------------------------------------- restoring
 
@@ -661,16 +647,10 @@ class Saver(ShardedSaves):
         found = checkpoint_exists(save_path) or self._storage.exists(save_path + ".index")
         whole = self._state_for(sess)
         state = replica_entries(whole)
-        if self._is_sharded(state, sess):  # A collective: every rank reads the chunks it needs.
-            self._restore_sharded(state, save_path, found)
-            return
-        if not found:
-            raise ValueError("The passed save_path is not a valid checkpoint: " + save_path)
-        logger.info("Restoring parameters from %s", save_path)
-        restore_state(
+        self._writer_for(state, sess).restore(
             state,
             save_path,
-            storage=self._storage,
+            found=found,
             optional=self._optional,
             whole_state=self._var_list is None and state is whole,
         )

@@ -1,20 +1,19 @@
-"""The two writers of a ``Saver``: one process's snapshot, or every rank's shards.
-
-A ``Saver`` chooses one per state, once (``Saver._is_sharded``):
+"""The two ``Writer`` implementations (``writer.py``): one process's snapshot, every rank's shards.
 
 * ``SnapshotWriter``: the state of this process. ``stage`` copies it into host staging buffers
   on the calling thread (incremental: frozen tensors unchanged since the last commit of the
   same prefix family are referenced, not copied); ``persist`` writes it with the commit
   protocol (``commit.persist``), on the calling thread or the background writer thread, then
   hands it to the ``Keeper`` (state file, retention).
-* ``ShardedWriter``: a state of DTensors (FSDP2). Every rank calls ``save`` (or, for an
-  asynchronous save, ``stage`` then ``persist`` on the writer thread) at the same step and
-  writes its own part with ``sharded.write_sharded`` (the same commit protocol), then rank 0
-  applies retention and the others keep the same bookkeeping.
+* ``ShardedWriter``: a state of DTensors (FSDP2), ``collective``. Every rank stages and persists
+  at the same step and writes its own part with ``sharded.write_sharded`` (the same commit
+  protocol); rank 0 then applies retention and the others keep the same bookkeeping. A
+  background save copies the local shards into reusable host buffers in ``stage`` and agrees
+  through a process group of its own (``env.background_group``) in ``persist``, so it never
+  interleaves with training's collectives.
 
-Both return ``SaveStats``: what the save cost.
-
-Thread safety: ``stage``/``save`` on the training thread; ``persist`` on the writer thread.
+Thread safety: ``stage`` on the training thread; ``persist`` on the writer thread (or the
+training thread for a synchronous save).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,8 +31,9 @@ from torchsupervisor._version import __version__
 from torchsupervisor.checkpoint.commit import persist
 from torchsupervisor.checkpoint.engine import CheckpointEngine
 from torchsupervisor.checkpoint.incremental import StaleReferenceError
+from torchsupervisor.checkpoint.restore import restore_state
 from torchsupervisor.checkpoint.retention import Keeper
-from torchsupervisor.checkpoint.sharded.collective import write_sharded
+from torchsupervisor.checkpoint.sharded.collective import load_sharded, write_sharded
 from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.sharded.staging import (
     ShardedSave,
@@ -45,86 +44,61 @@ from torchsupervisor.checkpoint.sharded.staging import (
 )
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.checkpoint.tree_memo import TreeMemo
+from torchsupervisor.checkpoint.writer import Directories, SaveStats, SaveTarget
 from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.walk import WalkMemo, walk_state
-from torchsupervisor.distributed.env import background_group, rank, world_size
+from torchsupervisor.distributed.env import background_group, on_every_rank, rank, world_size
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import Storage
 
-__all__ = ["SaveStats", "SaveTarget", "ShardedWriter", "SnapshotWriter"]
+__all__ = ["ShardedWriter", "SnapshotWriter"]
 
 logger = logging.getLogger("torchsupervisor")
 
 
-@dataclass(frozen=True)
-class SaveTarget:
-    """Where one save goes.
-
-    Attributes:
-        prefix: The checkpoint prefix (``save_path-<step>``).
-        save_path: The prefix family (``logdir/model.ckpt``).
-        latest_filename: The state file's name; None: ``"checkpoint"``.
-        write_state: Record the checkpoint in the state file and apply retention.
-        metrics: What the run measured at this checkpoint (in its manifest; keep-best
-            retention ranks by it); None: none.
-    """
-
-    prefix: str
-    save_path: str
-    latest_filename: str | None
-    write_state: bool
-    metrics: dict[str, float] | None = None
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """What the last committed save cost.
-
-    Attributes:
-        prefix: The checkpoint written.
-        stall_secs: Time the calling (training) thread spent in the snapshot.
-        commit_secs: Time from the end of the snapshot until the index was committed.
-        total_secs: ``commit_secs`` plus the state file and the deletion of old checkpoints.
-        bytes_written: Bytes of shard data written (headers included, the index excluded).
-        bytes_reused: Bytes of unchanged tensors referenced instead of written (incremental).
-    """
-
-    prefix: str
-    stall_secs: float
-    commit_secs: float
-    total_secs: float
-    bytes_written: int
-    bytes_reused: int
-
-
 class SnapshotWriter:
-    """Stage this process's state now, persist it later (see the module docstring).
+    """This process's state, staged now and persisted later (a ``Writer``, not collective).
 
     Args:
         storage: Where the checkpoints go.
         clock: Time for the manifest's wall time.
         keeper: The Saver's ``Keeper``.
+        engine: The Saver's writer thread (``stage`` waits for its save in flight).
+        cancel: Set to abandon the save being persisted.
+        stager: The host staging buffers, reused between saves.
+        directories: Checks and locks the directories written to.
         incremental: Reference unchanged frozen tensors instead of copying them.
         max_shard_bytes: Largest shard in bytes; None: one shard.
+        allow_empty: ``stage`` returns None for an empty state instead of raising.
     """
+
+    collective = False
 
     def __init__(
         self,
         storage: Storage,
         clock: Clock,
         keeper: Keeper,
+        engine: CheckpointEngine,
+        cancel: threading.Event,
+        stager: Stager,
+        directories: Directories,
         *,
         incremental: bool,
         max_shard_bytes: int | None,
+        allow_empty: bool,
     ) -> None:
         self._storage = storage
         self._clock = clock
         self._keeper = keeper
+        self._engine = engine
+        self._cancel = cancel
+        self._stager = stager
+        self._directories = directories
         self._incremental = incremental
         self._max_shard_bytes = max_shard_bytes
-        self.stager = Stager()
-        self.engine = CheckpointEngine()
-        self.cancel = threading.Event()
+        self._allow_empty = allow_empty
         self._memo = WalkMemo()  # What the last save's walk made of the state, reused.
         self._trees = TreeMemo()  # The last manifest's tree encodings (the writer thread).
 
@@ -156,14 +130,37 @@ class SnapshotWriter:
         return skeleton, tensors, frozen
 
     def stage(
-        self, flat: tuple[Any, dict[str, Any], set[str]], target: SaveTarget, step: int | None
-    ) -> Snapshot:
-        """Copy the flattened state into staging buffers (after the save in flight)."""
-        skeleton, tensors, frozen = flat
-        self.engine.wait()
-        self.cancel.clear()  # A cancellation is for the save it was aimed at only.
+        self,
+        state: Mapping[str, Any],
+        target: SaveTarget,
+        global_step: Any,
+        *,
+        background: bool,
+        error: Exception | None = None,
+    ) -> Snapshot | None:
+        """1. Copy ``state`` into staging buffers, after the save in flight (``Writer``).
+
+        Raises:
+            ValueError: Nothing to save (without ``allow_empty``), or (not ``background``)
+                the directory is missing.
+            TypeError: An entry that cannot be saved.
+            LogdirLockedError: Another process writes to the directory.
+        """
+        if error is not None:
+            raise error
+        if not background:
+            self._directories.check(target.save_path)
+        skeleton, tensors, frozen = self.flatten(state)
+        if not skeleton:
+            if self._allow_empty:
+                return None
+            raise ValueError("No variables to save")
+        self._directories.lock(target.save_path)
+        step = None if global_step is None else read_step(global_step)
+        self._engine.wait()
+        self._cancel.clear()  # A cancellation is for the save it was aimed at only.
         frozen = self._keeper.copied_always(frozen)
-        return self.stager.stage(
+        return self._stager.stage(
             skeleton,
             tensors,
             step=step,
@@ -175,12 +172,25 @@ class SnapshotWriter:
             reusable=frozen,
         )
 
-    def persist(self, snapshot: Snapshot, target: SaveTarget, stall_secs: float) -> SaveStats:
-        """Write ``snapshot`` with the commit protocol, then record it and apply retention.
+    def release(self, staged: Snapshot) -> None:
+        """3. Give the staging buffers back without writing."""
+        self._stager.release(staged)
+
+    def persist(
+        self, snapshot: Snapshot, target: SaveTarget, stall_secs: float, *, background: bool
+    ) -> SaveStats:
+        """2. Write ``snapshot`` with the commit protocol, then record it and apply retention.
 
         Raises:
-            CheckpointSaveError: If writing fails (the next save copies everything).
+            CheckpointSaveError: If writing fails (the next save copies everything), or
+                (``background``) the directory is missing, with ``stage``'s text.
         """
+        if background:  # The directory is checked here: a stat is not worth a stall.
+            try:
+                self._directories.check(target.save_path)
+            except ValueError as e:
+                self.release(snapshot)
+                raise CheckpointSaveError(str(e), path=target.prefix) from None
         start = time.perf_counter()
         try:
             result = persist(
@@ -190,7 +200,7 @@ class SnapshotWriter:
                 torch_version=torch.__version__,
                 world_size=world_size(),
                 storage=self._storage,
-                cancel=self.cancel,
+                cancel=self._cancel,
                 trees=self._trees,
                 metrics=target.metrics,
             )
@@ -199,7 +209,7 @@ class SnapshotWriter:
             self._keeper.failed(target.save_path, stale)  # The next save copies everything.
             raise
         finally:
-            self.stager.release(snapshot)
+            self.release(snapshot)
         committed = time.perf_counter()
         self._keeper.committed(
             target.save_path,
@@ -218,74 +228,135 @@ class SnapshotWriter:
             bytes_reused=sum(c.entry.nbytes for c in snapshot.references.values()),
         )
 
+    def restore(
+        self,
+        state: Mapping[str, Any],
+        save_path: str,
+        *,
+        found: bool,
+        optional: set[str],
+        whole_state: bool,
+    ) -> None:
+        """Verify checkpoint ``save_path`` and load it into ``state`` (``Saver.restore``).
+
+        Raises:
+            ValueError: ``found`` is False (TF's text).
+            CorruptCheckpointError, NotFoundError, InvalidArgumentError: As ``restore_state``.
+        """
+        if not found:
+            raise ValueError("The passed save_path is not a valid checkpoint: " + save_path)
+        logger.info("Restoring parameters from %s", save_path)
+        restore_state(
+            state,
+            save_path,
+            storage=self._storage,
+            optional=optional,
+            whole_state=whole_state,
+        )
+
 
 class ShardedWriter:
-    """Every rank saves its part of a state of DTensors (see the module docstring).
+    """Every rank saves its part of a state of DTensors (a collective ``Writer``).
 
-    ``save`` writes on the calling thread. ``stage`` + ``persist`` split an asynchronous
-    save: ``stage`` (training thread) copies this rank's local shards into reusable host
-    buffers, ``persist`` (writer thread) writes and commits them through a process group of
-    its own (``env.background_group``), so it never interleaves with training's collectives.
+    A synchronous save (``background=False``) stages nothing: ``persist`` plans, writes and
+    commits on the calling thread through the default process group. A background save copies
+    this rank's local shards into reusable host buffers in ``stage`` (the training thread's
+    whole part) and writes them in ``persist`` through a process group of its own.
 
     Args:
         storage: Where the checkpoints go.
         clock: Time for the manifest's wall time.
         keeper: The Saver's ``Keeper``.
-        stager: Staging buffers of the shard layout, reused between saves (the snapshot
-            writer's).
+        engine: The Saver's writer thread (``stage`` waits for its save in flight).
+        stager: Staging buffers of the shard layout, reused between saves.
+        directories: Checks and locks the directories written to (rank 0 locks).
 
-    Distributed: every rank calls ``save`` (or ``stage``) at the same step.
+    Distributed: every rank calls each method at the same step.
     """
 
-    def __init__(self, storage: Storage, clock: Clock, keeper: Keeper, stager: Stager) -> None:
+    collective = True
+
+    def __init__(
+        self,
+        storage: Storage,
+        clock: Clock,
+        keeper: Keeper,
+        engine: CheckpointEngine,
+        stager: Stager,
+        directories: Directories,
+    ) -> None:
         self._storage = storage
         self._clock = clock
         self._keeper = keeper
+        self._engine = engine
         self._stager = stager
+        self._directories = directories
         self._host = Stager()  # The asynchronous saves' copies of the local shards.
         self._staged = StageMemo()  # What the last one staged over them, reused.
         self._memo = WalkMemo()  # The asynchronous saves' walks of the state, reused.
         self._plans = PlanCache()  # The last save's plan, replayed while the layout holds.
         self._sequence = 0  # Sharded saves begun (the ranks agree on it at each save).
 
-    def save(
-        self,
-        state: Mapping[str, Any],
-        target: SaveTarget,
-        global_step: Any,
-        error: Exception | None = None,
-    ) -> SaveStats:
-        """Save every rank's part as checkpoint ``prefix`` (a collective), then retention.
-
-        ``error``: what this rank found wrong before the save (the save fails with it).
-
-        Raises:
-            CheckpointSaveError: On every rank, if any rank failed (nothing committed).
-            Exception: On every rank, what any rank found before the save or in its state
-                (``TypeError``, ``ValueError``, what a ``state_dict`` raised; nothing is
-                written).
-        """
-        start = time.perf_counter()
-        save = self._begin(state, target, global_step, error, keep_vars=False)
-        return self._write(save, target, start, None, None)
-
     def stage(
         self,
         state: Mapping[str, Any],
         target: SaveTarget,
         global_step: Any,
+        *,
+        background: bool,
         error: Exception | None = None,
     ) -> ShardedSave:
-        """Copy this rank's local shards to host buffers (the training thread's whole part).
+        """1. This rank's part of the save, after the save in flight; copied to host buffers
+        when ``background`` (which also makes the background group at the first call, a
+        collective).
 
-        Also makes the background process group at the first call (a collective). Nothing
-        is raised here: what is wrong (``error``, found before the save, or in the state or
-        its copy) is raised by ``persist``, on every rank.
+        Nothing is raised here: what is wrong (``error``, the directory, the state or its
+        copy) is raised by ``persist``, on every rank.
         """
-        save = self._begin(state, target, global_step, error, keep_vars=True)
-        background_group()
-        stage(save, self._host, self._staged)  # At once: the live parameters are not detached.
+        self._engine.wait()
+        if error is None and not background:
+            error = self._directory_error(target)
+        save = self._begin(state, target, global_step, error, keep_vars=background)
+        if background:
+            background_group()
+            stage(save, self._host, self._staged)  # At once: the live parameters are live.
         return save
+
+    def release(self, staged: ShardedSave) -> None:
+        """3. Give the host buffers back without writing."""
+        staged.release()
+
+    def _directory_error(self, target: SaveTarget) -> Exception | None:
+        """What is wrong with the directory on this rank: missing, or (rank 0) locked by
+        another process; None when nothing is. Takes the lock at the first save."""
+        try:
+            self._directories.check(target.save_path)
+            if rank() == 0:  # The other ranks write their shards under rank 0's lock.
+                self._directories.lock(target.save_path)
+        except Exception as e:
+            return e
+        return None
+
+    def restore(
+        self,
+        state: Mapping[str, Any],
+        save_path: str,
+        *,
+        found: bool,
+        optional: set[str],
+        whole_state: bool,
+    ) -> None:
+        """Every rank reads the chunks it needs of ``save_path`` (a collective).
+
+        Raises:
+            ValueError: On every rank, when any rank did not find the checkpoint.
+        """
+        del whole_state  # Each rank's state is its part; the manifest is checked per chunk.
+        if not on_every_rank(found):  # Else this rank alone would raise.
+            where = "" if not found else " (another rank cannot find it)"
+            raise ValueError(f"The passed save_path is not a valid checkpoint: {save_path}{where}")
+        logger.info("Restoring parameters from %s", save_path)
+        load_sharded(state, save_path, allow_missing=optional, storage=self._storage)
 
     def _begin(
         self,
@@ -313,14 +384,23 @@ class ShardedWriter:
         save.sequence, self._sequence = self._sequence, self._sequence + 1
         return save
 
-    def persist(self, save: ShardedSave, target: SaveTarget, stall_secs: float) -> SaveStats:
-        """Write and commit a staged save (writer thread), then retention; frees its buffers.
+    def persist(
+        self, save: ShardedSave, target: SaveTarget, stall_secs: float, *, background: bool
+    ) -> SaveStats:
+        """2. Write and commit every rank's part, then retention; frees the host buffers.
 
         Raises:
-            CheckpointSaveError, TypeError, ValueError: As ``save`` (on every rank).
+            CheckpointSaveError: On every rank, if any rank failed (nothing committed), or the
+                ranks are at different saves.
+            Exception: On every rank, what any rank found before the save or in its state
+                (``ValueError``, ``TypeError``, what a ``state_dict`` raised; nothing written).
         """
+        start = time.perf_counter() - stall_secs  # The save began with its stall.
+        if not background:  # The whole save is the stall.
+            return self._write(save, target, start, None, None)
+        if save.error is None:  # The directory is checked here: a stat is not worth a stall.
+            save.error = self._directory_error(target)
         try:
-            start = time.perf_counter() - stall_secs  # The save began with its stall.
             return self._write(save, target, start, background_group(), stall_secs)
         finally:
             save.release()
