@@ -223,3 +223,67 @@ def test_gpu_state_is_staged_in_pinned_buffers_and_fenced(tmp_path):
     Saver().restore(Session(fresh), prefix)
     for a, b in zip(state["model"].parameters(), fresh["model"].parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_staging_without_wait_returns_events_and_later_kernels_do_not_reach_it():
+    """``wait=False`` returns once the copies are queued (no device-wide sync); the events
+    mark their end, and kernels queued right after (the next step) run after the copies."""
+    torch.manual_seed(0)
+    tensors = {"big": torch.randn(16 << 20, device="cuda"), "cpu": torch.arange(5.0)}
+    expected = {name: t.cpu() for name, t in tensors.items()}
+    torch.cuda.synchronize()
+    snapshot = Stager().stage({}, tensors, step=1, wall_time=0.0, wait=False)
+    assert len(snapshot.copies) == 1  # One device, one event.
+    for t in tensors.values():
+        t.mul_(2)  # Queued after the copy on the same stream.
+    snapshot.wait_copied()
+    for name, value in expected.items():
+        assert torch.equal(_values(snapshot, name), value), name
+
+
+def test_a_host_state_is_copied_at_once_and_has_no_copies_to_wait_for():
+    tensors = _tensors()
+    expected = {name: t.clone() for name, t in tensors.items()}
+    snapshot = Stager().stage({}, tensors, step=1, wall_time=0.0, wait=False)
+    assert snapshot.copies == ()
+    for t in tensors.values():
+        if t.dtype != torch.bool and t.numel():
+            t.add_(1)
+    for name, value in expected.items():
+        assert torch.equal(_values(snapshot, name), value), name
+
+
+def test_the_writer_waits_for_the_device_copies_before_it_reads_a_buffer(tmp_path, monkeypatch):
+    """What a GPU run relies on, checked with the CPU path: ``SnapshotWriter.stage`` asks
+    for ``wait=False`` and its ``persist`` waits for the copies before the commit reads."""
+    import dataclasses
+
+    from torchsupervisor import Saver, Session
+    from torchsupervisor.checkpoint import writers
+
+    order = []
+
+    class Copy:
+        def synchronize(self):
+            order.append("copies done")
+
+    real_stage = Stager.stage
+
+    def stage(self, *args, **kwargs):
+        order.append(f"staged, wait={kwargs.get('wait', True)}")
+        return dataclasses.replace(real_stage(self, *args, **kwargs), copies=(Copy(),))
+
+    real_persist = writers.persist
+
+    def persist(snapshot, *args, **kwargs):
+        order.append("commit reads the buffers")
+        return real_persist(snapshot, *args, **kwargs)
+
+    monkeypatch.setattr(Stager, "stage", stage)
+    monkeypatch.setattr(writers, "persist", persist)
+    saver = Saver()
+    future = saver.save_async(Session({"w": torch.ones(4)}), str(tmp_path / "m"), global_step=1)
+    assert future.result(60) == str(tmp_path / "m-1")
+    saver.close()
+    assert order == ["staged, wait=False", "copies done", "commit reads the buffers"]

@@ -20,9 +20,9 @@ from __future__ import annotations
 import functools
 import operator
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import crc32c
 import torch
@@ -36,7 +36,7 @@ from torchsupervisor.checkpoint.incremental import Committed, is_unchanged, tens
 from torchsupervisor.checkpoint.shard_header import safetensors_header
 from torchsupervisor.storage.local import DIRECT_IO_ALIGNMENT
 
-__all__ = ["Layout", "ShardLayout", "Snapshot", "Stager", "plan_layout"]
+__all__ = ["CopyDone", "Layout", "ShardLayout", "Snapshot", "Stager", "plan_layout"]
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)  # A private op (torch 2.1 and later).
 
@@ -143,6 +143,12 @@ def _placement(tensor: torch.Tensor) -> tuple[bool, int]:
     return (nbytes == 0 or nbytes % DATA_ALIGNMENT_BYTES != 0, -tensor.dtype.itemsize)
 
 
+class CopyDone(Protocol):
+    """Marks when the copies queued on a device stream are done (``torch.cuda.Event``)."""
+
+    def synchronize(self) -> None: ...
+
+
 @dataclass(frozen=True, eq=False)
 class Snapshot:
     """An immutable copy of the state at one step, ready to be persisted.
@@ -160,6 +166,9 @@ class Snapshot:
         references: Tensors not copied because they are unchanged since they were committed.
         views: Every copied tensor as a host tensor over its staging buffer, made once per
             buffer set (``tensors``).
+        copies: For a snapshot of device tensors staged with ``wait=False``, the events that
+            mark the end of its copies (one per device; ``torch.cuda.Event``); the buffers
+            hold the state only after ``wait_copied()``. Empty otherwise.
     """
 
     step: int | None
@@ -170,6 +179,13 @@ class Snapshot:
     sources: dict[str, tuple[torch.Tensor, int | None]] = field(default_factory=dict)
     references: dict[str, Committed] = field(default_factory=dict)
     views: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    copies: tuple[CopyDone, ...] = ()
+
+    def wait_copied(self) -> None:
+        """Block until the device-to-host copies into the buffers are done (the writer thread,
+        before it reads them); at once for a snapshot of host tensors."""
+        for event in self.copies:
+            event.synchronize()
 
     def shard_view(self, shard: int) -> memoryview:
         """Return the bytes of shard ``shard`` (a view on its staging buffer, no copy)."""
@@ -275,6 +291,40 @@ def _signature(tensors: dict[str, torch.Tensor], *options: Any) -> tuple[Any, ..
     return (*options, *((n, t.dtype, t.shape) for n, t in tensors.items()))
 
 
+def _copy_from_devices(
+    destinations: Iterable[tuple[str, torch.Tensor]],
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    wait: bool,
+) -> tuple[CopyDone, ...]:
+    """Copy device tensors into (pinned) host buffers; return the events that mark the end of
+    the CUDA copies (none when ``wait``: they are waited for here, device by device).
+
+    A CUDA copy is queued on the current stream of its source's device, after the work that
+    produced the value and before the work queued later; an event recorded on each of those
+    streams marks its end. No device-wide ``torch.cuda.synchronize()``: only the streams the
+    copies were queued on are waited for, and with ``wait=False`` not even those (the writer
+    thread waits, in ``Snapshot.wait_copied``). Other devices (MPS, XPU) copy blocking.
+    """
+    devices: dict[torch.device, None] = {}
+    for name, dst in destinations:
+        source = tensors[name]
+        cuda = source.device.type == "cuda"
+        dst.copy_(source, non_blocking=cuda)
+        if cuda:
+            devices[source.device] = None
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    if wait:
+        for event in events:
+            event.synchronize()
+        return ()
+    return tuple(events)
+
+
 class Stager:
     """Copies the state into host staging buffers that are reused between snapshots.
 
@@ -305,6 +355,7 @@ class Stager:
         header_spare: int = 0,
         keep_sources: bool = True,
         layout_key: Any = None,
+        wait: bool = True,
     ) -> Snapshot:
         """Copy ``tensors`` into staging buffers and return the snapshot.
 
@@ -326,6 +377,13 @@ class Stager:
             layout_key: What the tensors' names, dtypes and shapes are, where the caller
                 knows it more cheaply than by reading them: equal for two calls exactly when
                 those are equal. None: they are read from ``tensors``.
+            wait: Return once the copies of CUDA tensors are done. False: return once they are
+                queued, on the current stream of each tensor's device, after the work queued
+                there before (which is what makes the state's values final); the snapshot's
+                ``copies`` events mark their end and its reader calls ``wait_copied()``
+                first. Later work on those streams (the next step's kernels) runs after the
+                copies, so it cannot change what they read. Other devices are always waited
+                for.
 
         Returns:
             A snapshot whose buffers hold the exact bytes of the shard files (with ``tail``,
@@ -351,12 +409,13 @@ class Stager:
         else:
             signature = (*options, layout_key)
         staging = self._take(signature, tensors, options, on_gpu)
+        copies: tuple[CopyDone, ...] = ()
         with torch.no_grad():  # The tensors may be live parameters.
-            if on_gpu or _foreach_copy is None:
+            if on_gpu:
+                copies = _copy_from_devices(staging.destinations, tensors, wait=wait)
+            elif _foreach_copy is None:
                 for name, dst in staging.destinations:
-                    dst.copy_(tensors[name], non_blocking=on_gpu)
-                if on_gpu:
-                    torch.cuda.synchronize()
+                    dst.copy_(tensors[name])
             elif staging.destinations:
                 # One call for every copy: 0.7 us a tensor instead of 1.8 (a state of 1600
                 # tensors: 1.1 ms instead of 2.9, before the bytes).
@@ -370,6 +429,7 @@ class Stager:
             sources,
             references,
             staging.views,
+            copies,
         )
         with self._lock:
             self._in_use[id(snapshot)] = staging

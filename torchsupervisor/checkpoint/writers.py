@@ -170,6 +170,7 @@ class SnapshotWriter:
                 target.save_path, target.prefix, frozen, target.latest_filename
             ),
             reusable=frozen,
+            wait=False,  # The device copies are waited for by ``persist`` (writer thread).
         )
 
     def release(self, staged: Snapshot) -> None:
@@ -185,6 +186,7 @@ class SnapshotWriter:
             CheckpointSaveError: If writing fails (the next save copies everything), or
                 (``background``) the directory is missing, with ``stage``'s text.
         """
+        snapshot.wait_copied()  # CUDA tensors: their copies were only queued by ``stage``.
         if background:  # The directory is checked here: a stat is not worth a stall.
             try:
                 self._directories.check(target.save_path)
