@@ -42,7 +42,7 @@ from torchsupervisor.driver.stop_record import (
 from torchsupervisor.errors import LogdirLockedError, OutOfRangeError
 from torchsupervisor.storage import storage_for
 from torchsupervisor.summary.writer import SummaryWriter
-from torchsupervisor.supervisor.modes import agreed_stop, current_step
+from torchsupervisor.supervisor.modes import agreed_stop
 
 __all__ = [
     "end_unmanaged",
@@ -96,9 +96,11 @@ def stop_decision(sv: Any) -> bool:
     if mode is None or mode.agreement is None:
         stop = sv._coord.should_stop()
     else:
-        stop = agreed_stop(sv, mode.agreement)
+        stop = agreed_stop(sv._context, mode.agreement)
     if stop and preemption.received is not None:
-        preemption.report(current_step(sv), saving=mode is not None and mode.driver is not None)
+        preemption.report(
+            sv._context.current_step(), saving=mode is not None and mode.driver is not None
+        )
         if sv._unmanaged:
             finish(sv, clean=True)
     return stop
@@ -119,7 +121,7 @@ def stop_at_run(sv: Any) -> None:
         sess.boundary.poke()  # The agreed step is not reached yet: look again.
         return
     message = (
-        f"Stopped by {sv._preemption.describe()} at step {current_step(sv)} (the loop "
+        f"Stopped by {sv._preemption.describe()} at step {sv._context.current_step()} (the loop "
         "does not call should_stop())"
     )
     if not sv._unmanaged:
@@ -151,7 +153,7 @@ def record_end(
     logdir = sv._settings.logdir
     if not sv._settings.is_chief or not logdir or sv._lock_refused:
         return message
-    step, checkpoint = current_step(sv), _newest_checkpoint(sv._mode)
+    step, checkpoint = sv._context.current_step(), _newest_checkpoint(sv._mode)
 
     def write() -> None:
         try:

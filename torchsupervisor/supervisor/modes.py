@@ -13,10 +13,10 @@ state (``choose_mode``):
   shards of the same checkpoint, and saves them together with the other ranks at steps they
   agree on (``driver/sharded_checkpoints.py``).
 
-A mode reads the Supervisor's settings (its private attributes) and holds what one session
-needs: the driver of its checkpoints, the stop agreement between replicas, the sharded
-checkpoint service. The Supervisor facade calls it; the mode never touches the facade's
-session bookkeeping.
+A mode sees the Supervisor through a ``ModeContext`` (its settings, coordinator, preemption
+controller, and how to stop on an error) and holds what one session needs: the driver of its
+checkpoints, the stop agreement between replicas, the sharded checkpoint service. The
+Supervisor facade calls it; the mode never touches the facade itself.
 
 Thread safety: used on the training thread, as the Supervisor.
 """
@@ -27,30 +27,33 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, restore_candidates
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
-from torchsupervisor.core.coordinator import LooperThread
+from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.session import Session
 from torchsupervisor.distributed import env as distributed
 from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement, agree
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
+from torchsupervisor.driver.preemption import Preemption
 from torchsupervisor.driver.sharded_checkpoints import ShardedCheckpointService
 from torchsupervisor.errors import AbortedError, InvalidArgumentError
 from torchsupervisor.supervisor.services import SVTimerCheckpointThread
+from torchsupervisor.supervisor.settings import Settings
 
 __all__ = [
     "ChiefMode",
     "Mode",
+    "ModeContext",
     "ShardedMode",
     "WorkerMode",
     "agreed_stop",
     "choose_mode",
-    "current_step",
     "start_mode",
 ]
 
@@ -64,6 +67,39 @@ for waiting on a model that another process initializes) would only make a rank 
 too early sleep half a minute for nothing."""
 
 
+@dataclass(frozen=True)
+class ModeContext:
+    """What a mode takes from the Supervisor (no reference to the Supervisor itself: one
+    dropped without ``stop()`` is still freed at once, its threads with it).
+
+    Attributes:
+        settings: The Supervisor's resolved arguments.
+        coord: Its coordinator (stop requests, thread errors).
+        preemption: Its preemption controller (signals, grace budget, exit).
+    """
+
+    settings: Settings
+    coord: Coordinator
+    preemption: Preemption
+
+    def stop_on_error(self, error: BaseException) -> None:
+        """Stop training with ``error`` (a failed checkpoint, with ``stop_on_checkpoint_error``)."""
+        self.coord.request_stop((type(error), error, error.__traceback__))
+
+    def current_step(self) -> int | None:
+        """The global step now (None without one)."""
+        step = self.settings.global_step
+        return None if step is None else read_step(step)
+
+    def thread_failed(self) -> bool:
+        """Whether a thread reported an error to the coordinator."""
+        try:
+            self.coord.raise_requested_exception()
+        except BaseException:
+            return True
+        return False
+
+
 class Mode:
     """What differs between the shapes of a run; the defaults are a non-checkpointing rank.
 
@@ -72,9 +108,9 @@ class Mode:
         agreement: The stop agreement between replicas (None without replicas).
     """
 
-    def __init__(self, sv: Any, replicas: ReplicaGroup | None) -> None:
-        self.sv = sv
-        self.settings = sv._settings
+    def __init__(self, context: ModeContext, replicas: ReplicaGroup | None) -> None:
+        self.context = context
+        self.settings = context.settings
         self.replicas = replicas
         self.driver: CheckpointDriver | None = None
         self.agreement: StopAgreement | None = None
@@ -101,13 +137,13 @@ class Mode:
     def finish(self, clean_exit: bool) -> BaseException | None:
         """The final checkpoint; after a preemption, the exit to raise if it is missing."""
         error = self.final_checkpoint(clean_exit)
-        if error is not None or not clean_exit or _thread_failed(self.sv):
+        if error is not None or not clean_exit or self.context.thread_failed():
             return error  # A thread's error is raised instead.
         if self.peer_failure is not None:
             return AbortedError(
                 None, None, f"Stopped because another rank failed: {self.peer_failure}"
             )
-        return self.sv._preemption.outcome(current_step(self.sv), self.driver)
+        return self.context.preemption.outcome(self.context.current_step(), self.driver)
 
     def checkpoint(self, metrics: dict[str, float] | None = None) -> str | None:
         """Save now (``Supervisor.checkpoint``), from the training thread."""
@@ -175,23 +211,21 @@ class ChiefMode(Mode):
     def prepare(
         self, master: str, config: Any, wait_for_checkpoint: bool, max_wait_secs: float
     ) -> Session:
-        sv = self.sv
-        st = sv._settings
+        st = self.settings
         if st.logdir:
             clean_checkpoint_dir(st.logdir)
-        sess = _prepare_session(sv, master, config, wait_for_checkpoint, max_wait_secs)
+        sess = _prepare_session(st, master, config, wait_for_checkpoint, max_wait_secs)
         self.sess = sess
         if self.replicas is not None:
             self.replicas.publish_ready(
-                {"checkpoint": sess.restored_checkpoint, "step": current_step(sv)}
+                {"checkpoint": sess.restored_checkpoint, "step": self.context.current_step()}
             )
             self.replicas.broadcast_state(sess.state)
             self._stop_agreement()
         return sess
 
     def checkpoint_threads(self, sess: Session) -> list[LooperThread]:
-        sv = self.sv
-        st = sv._settings
+        st = self.settings
         if st.saver is None or not st.save_model_secs or not st.save_path:
             return []
         restored = sess.restored_checkpoint
@@ -202,12 +236,12 @@ class ChiefMode(Mode):
             st.global_step,
             writer=st.summary_writer,
             clock=st.clock,
-            on_error=sv._stop_on_error if st.stop_on_checkpoint_error else None,
+            on_error=self.context.stop_on_error if st.stop_on_checkpoint_error else None,
             stop_on_error=st.stop_on_checkpoint_error,
-            last_step=current_step(sv) if restored else None,
+            last_step=self.context.current_step() if restored else None,
             last_prefix=restored,
         )
-        return [SVTimerCheckpointThread(sv._coord, st.save_model_secs, self.driver, sess)]
+        return [SVTimerCheckpointThread(self.context.coord, st.save_model_secs, self.driver, sess)]
 
     def final_checkpoint(self, clean_exit: bool) -> BaseException | None:
         """The chief saves the last step after a clean end (within a preemption's budget).
@@ -216,9 +250,9 @@ class ChiefMode(Mode):
         the half-updated state of an interrupted step.
         """
         driver = self.driver
-        if driver is None or not clean_exit or _thread_failed(self.sv):
+        if driver is None or not clean_exit or self.context.thread_failed():
             return None
-        driver.grace_budget_secs = self.sv._preemption.budget()
+        driver.grace_budget_secs = self.context.preemption.budget()
         return self._final(lambda: driver.final(self.sess, driver.current_step()))
 
     def _save_now(self) -> Callable[[], str | None] | None:
@@ -245,8 +279,7 @@ class WorkerMode(Mode):
     def prepare(
         self, master: str, config: Any, wait_for_checkpoint: bool, max_wait_secs: float
     ) -> Session:
-        sv = self.sv
-        st = sv._settings
+        st = self.settings
         info: dict[str, Any] = {}
         if self.replicas is not None:
             info = self.replicas.wait_ready(st.recovery_wait_secs, max_wait_secs, clock=st.clock)
@@ -264,8 +297,8 @@ class WorkerMode(Mode):
 class ShardedMode(Mode):
     """Every rank of a sharded state restores and saves together (module docstring)."""
 
-    def __init__(self, sv: Any, replicas: ReplicaGroup) -> None:
-        super().__init__(sv, replicas)
+    def __init__(self, context: ModeContext, replicas: ReplicaGroup) -> None:
+        super().__init__(context, replicas)
         self.service: ShardedCheckpointService | None = None
 
     def prepare(
@@ -282,8 +315,8 @@ class ShardedMode(Mode):
         restore, each rank runs ``init_op`` and ``init_fn`` on its own shards. At the end the
         ranks check that they resumed from the same checkpoint at the same step.
         """
-        sv, replicas = self.sv, self.replicas
-        st = sv._settings
+        replicas = self.replicas
+        st = self.settings
         assert replicas is not None
         logdir = st.replica_logdir
         if st.is_chief:
@@ -303,7 +336,7 @@ class ShardedMode(Mode):
         )
         try:
             sess = _prepare_session(
-                sv, master, config, wait_for_checkpoint, max_wait_secs, checkpoint_dir=logdir
+                st, master, config, wait_for_checkpoint, max_wait_secs, checkpoint_dir=logdir
             )
         except Exception as e:
             replicas.raise_flag("restore/failed", f"rank {replicas.rank}: {type(e).__name__}: {e}")
@@ -314,7 +347,7 @@ class ShardedMode(Mode):
             "restore/result",
             {
                 "checkpoint": os.path.basename(restored) if restored else None,
-                "step": current_step(sv),
+                "step": self.context.current_step(),
             },
             max_wait_secs,
             what="the resume point",
@@ -326,8 +359,7 @@ class ShardedMode(Mode):
 
     def start_services(self, sess: Session) -> None:
         """Every rank takes part in each sharded checkpoint: start this rank's service."""
-        sv = self.sv
-        st = sv._settings
+        st = self.settings
         if st.saver is None or not st.replica_save_model_secs or not st.replica_save_path:
             return
         assert self.replicas is not None
@@ -338,7 +370,7 @@ class ShardedMode(Mode):
             st.global_step,
             self.replicas,
             writer=st.summary_writer,
-            on_error=sv._stop_on_error if st.stop_on_checkpoint_error else None,
+            on_error=self.context.stop_on_error if st.stop_on_checkpoint_error else None,
             clock=st.clock,
         )
         self.driver = self.service.driver
@@ -346,10 +378,9 @@ class ShardedMode(Mode):
 
     def checkpoint_threads(self, sess: Session) -> list[LooperThread]:
         """The chief's timer only asks, through the store; every rank then saves."""
-        sv = self.sv
-        st = sv._settings
+        st = self.settings
         if self.service is not None and st.save_model_secs:
-            return [self.service.timer(sv._coord, st.save_model_secs)]
+            return [self.service.timer(self.context.coord, st.save_model_secs)]
         if st.saver is not None and st.save_model_secs and st.save_path:
             logger.warning(
                 "Sharded checkpoints need start_standard_services=True when the session "
@@ -371,13 +402,13 @@ class ShardedMode(Mode):
         reason = None if clean_exit else "its session ended with an error"
         if reason is None:
             try:
-                self.sv._coord.raise_requested_exception()
+                self.context.coord.raise_requested_exception()
             except BaseException as e:
                 reason = f"a thread failed: {type(e).__name__}: {e}"
         if reason is not None:
             service.veto(reason)
             return None
-        budget = self.sv._preemption.budget()
+        budget = self.context.preemption.budget()
         return self._final(lambda: service.final(self.settings.stop_grace_secs, budget))
 
     def _save_now(self) -> Callable[[], str | None] | None:
@@ -388,11 +419,11 @@ class ShardedMode(Mode):
             self.service.close(wait=not aborted)
 
 
-def start_mode(sv: Any, master: str, max_wait_secs: float, generation: int) -> Mode:
+def start_mode(context: ModeContext, master: str, max_wait_secs: float, generation: int) -> Mode:
     """Join the process group ``master`` names (if any) and choose the session's mode.
 
     Args:
-        sv: The Supervisor.
+        context: What the mode takes from the Supervisor.
         master: The master string (``""``: this process alone).
         max_wait_secs: Longest wait for the other replicas to join, in seconds.
         generation: The number of this session of the Supervisor (the same on every rank).
@@ -403,40 +434,43 @@ def start_mode(sv: Any, master: str, max_wait_secs: float, generation: int) -> M
     """
     distributed.connect(master, timeout_secs=max_wait_secs)
     replicas = None
+    settings = context.settings
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        if sv._settings.is_chief != (dist.get_rank() == 0):
+        if settings.is_chief != (dist.get_rank() == 0):
             raise InvalidArgumentError(
                 f"With replicas the chief is rank 0; this is rank {dist.get_rank()} with "
-                f"is_chief={sv._settings.is_chief}"
+                f"is_chief={settings.is_chief}"
             )
-        replicas = ReplicaGroup(generation, clock=sv._settings.clock)
-    return choose_mode(sv, replicas)
+        replicas = ReplicaGroup(generation, clock=settings.clock)
+    return choose_mode(context, replicas)
 
 
-def agreed_stop(sv: Any, agreement: StopAgreement) -> bool:
+def agreed_stop(context: ModeContext, agreement: StopAgreement) -> bool:
     """With replicas: stop when every rank has completed the agreed number of steps."""
-    if sv._coord.should_stop():
-        agreement.request(sv._preemption.describe() or "stop requested")
+    if context.coord.should_stop():
+        agreement.request(context.preemption.describe() or "stop requested")
     if not agreement.pending:
         return False
     stop_at = agreement.stop_step()
-    step = current_step(sv)
+    step = context.current_step()
     if stop_at is None or step is None or step >= stop_at:
-        sv._coord.request_stop()
+        context.coord.request_stop()
         return True
     return False
 
 
-def choose_mode(sv: Any, replicas: ReplicaGroup | None) -> Mode:
+def choose_mode(context: ModeContext, replicas: ReplicaGroup | None) -> Mode:
     """The mode of a session: sharded replicas, the chief, or a worker."""
-    st = sv._settings
-    if replicas is not None and is_sharded(st.state):
-        return ShardedMode(sv, replicas)
-    return ChiefMode(sv, replicas) if st.is_chief else WorkerMode(sv, replicas)
+    settings = context.settings
+    if replicas is not None and is_sharded(settings.state):
+        return ShardedMode(context, replicas)
+    if settings.is_chief:
+        return ChiefMode(context, replicas)
+    return WorkerMode(context, replicas)
 
 
 def _prepare_session(
-    sv: Any,
+    st: Settings,
     master: str,
     config: Any,
     wait_for_checkpoint: bool,
@@ -444,7 +478,6 @@ def _prepare_session(
     *,
     checkpoint_dir: str | None = None,
 ) -> Session:
-    st = sv._settings
     return st.session_manager.prepare_session(
         master,
         init_op=st.init_op,
@@ -456,17 +489,3 @@ def _prepare_session(
         init_feed_dict=st.init_feed_dict,
         init_fn=st.init_fn,
     )
-
-
-def _thread_failed(sv: Any) -> bool:
-    try:
-        sv._coord.raise_requested_exception()
-    except BaseException:
-        return True
-    return False
-
-
-def current_step(sv: Any) -> int | None:
-    """The Supervisor's global step now (None without one)."""
-    st = sv._settings
-    return None if st.global_step is None else read_step(st.global_step)

@@ -44,7 +44,7 @@ from torchsupervisor.supervisor.lifecycle import (
     stop_at_run,
     stop_decision,
 )
-from torchsupervisor.supervisor.modes import ChiefMode, Mode, current_step, start_mode
+from torchsupervisor.supervisor.modes import ChiefMode, Mode, ModeContext, start_mode
 from torchsupervisor.supervisor.services import standard_threads
 from torchsupervisor.supervisor.session_manager import SessionManager
 from torchsupervisor.supervisor.settings import resolve_settings
@@ -202,6 +202,7 @@ class Supervisor:
             clock=settings.clock,
         )
         self._coord = Coordinator(clock=settings.clock)
+        self._context = ModeContext(settings, self._coord, self._preemption)
         self._generation = 0  # Sessions so far: keys of earlier sessions are not reused.
         self._mode: Mode | None = None
         self._logdir_lock: DirectoryLock | None = None
@@ -340,7 +341,7 @@ class Supervisor:
         if self._settings.summary_writer is not None:
             self._settings.summary_writer.reopen()
         self._generation += 1
-        mode = self._mode = start_mode(self, master, max_wait_secs, self._generation)
+        mode = self._mode = start_mode(self._context, master, max_wait_secs, self._generation)
         sess = mode.prepare(master, config, wait_for_checkpoint, max_wait_secs)
         self._sess = sess
         # A signal pokes the boundary: a loop that never asks should_stop() stops at its
@@ -392,10 +393,10 @@ class Supervisor:
             )
         writer = self._settings.summary_writer
         if self._settings.global_step is not None and writer is not None:
-            write_start(writer, current_step(self))
+            write_start(writer, self._context.current_step())
         threads = standard_threads(self._settings, self._coord, sess)
         if self._mode is None:  # Services started on a session prepared elsewhere.
-            self._mode = ChiefMode(self, None)
+            self._mode = ChiefMode(self._context, None)
         threads.extend(self._mode.checkpoint_threads(sess))
         for thread in threads:
             thread.start()
@@ -499,9 +500,6 @@ class Supervisor:
                     except Exception:
                         pass
         self._preemption.exit()
-
-    def _stop_on_error(self, error: BaseException) -> None:
-        self._coord.request_stop((type(error), error, error.__traceback__))
 
     def checkpoint(self, metrics: Mapping[str, float] | None = None) -> str | None:
         """Save a checkpoint now, at the current step, and wait until it is committed.
@@ -672,7 +670,7 @@ class Supervisor:
         if self._settings.summary_writer is None:
             raise RuntimeError("Writing a summary requires a summary writer.")
         if global_step is None and self._settings.global_step is not None:
-            global_step = current_step(self)
+            global_step = self._context.current_step()
         self._settings.summary_writer.add_summary(summary, global_step)
 
     # TF's CamelCase aliases.
