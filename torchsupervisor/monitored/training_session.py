@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from torchsupervisor.core import checks
 from torchsupervisor.core.clock import Clock
@@ -145,120 +148,170 @@ def MonitoredTrainingSession(
     TF name: ``tf.compat.v1.train.MonitoredTrainingSession``.
     """
     del save_graph_def
-    is_chief = (
-        distributed.rank() == 0 if is_chief is None else checks.check_bool("is_chief", is_chief)
-    )
-    checkpoint_dir = checks.check_path("checkpoint_dir", checkpoint_dir)
-    summary_dir = checks.check_path("summary_dir", summary_dir)
-    check_scaffold(
-        scaffold,
-        ": the positional order is TF's (master, is_chief, checkpoint_dir, scaffold, hooks, "
-        "chief_only_hooks, save_checkpoint_secs, ...)",
-    )
-    hooks = checks.check_hooks("hooks", hooks)
-    chief_only_hooks = checks.check_hooks("chief_only_hooks", chief_only_hooks)
-    for name, value in (
-        ("save_checkpoint_secs", save_checkpoint_secs),
-        ("save_summaries_secs", save_summaries_secs),
-    ):
-        if value is not USE_DEFAULT:
-            checks.check_number(name, value, allow_none=True)
-    for name, value in (
-        ("save_checkpoint_steps", save_checkpoint_steps),
-        ("save_summaries_steps", save_summaries_steps),
-    ):
-        if value is not USE_DEFAULT:
-            checks.check_int(name, value, allow_none=True)
-    checks.check_int("log_step_count_steps", log_step_count_steps, minimum=None, allow_none=True)
-    checks.check_number("stop_grace_period_secs", stop_grace_period_secs)
-    checks.check_number("max_wait_secs", max_wait_secs)
-    checks.check_state("state", state)
-    save_rng_state = checks.check_bool("save_rng_state", save_rng_state)
-    checks.check_signals("preemption_signals", preemption_signals)
-    checks.check_number("preemption_grace_secs", preemption_grace_secs)
-    checks.check_int("preemption_exit_code", preemption_exit_code, allow_none=True)
-    stop_on_checkpoint_error = checks.check_bool(
-        "stop_on_checkpoint_error", stop_on_checkpoint_error
-    )
-    if save_summaries_steps is USE_DEFAULT and save_summaries_secs is USE_DEFAULT:
-        save_summaries_steps, save_summaries_secs = 100, None
-    elif save_summaries_steps is USE_DEFAULT:
-        save_summaries_steps = None
-    elif save_summaries_secs is USE_DEFAULT:
-        save_summaries_secs = None
-    if save_checkpoint_steps is USE_DEFAULT and save_checkpoint_secs is USE_DEFAULT:
-        save_checkpoint_steps, save_checkpoint_secs = None, 600
-    elif save_checkpoint_secs is USE_DEFAULT:
-        save_checkpoint_secs = None
-    elif save_checkpoint_steps is USE_DEFAULT:
-        save_checkpoint_steps = None
+    built = _Build(**locals())  # Exactly the arguments: nothing else is defined yet.
+    return built.chief_session() if built.is_chief else built.worker_session()
 
-    scaffold = scaffold or Scaffold(clock=clock)
-    rng_added = False
-    if save_rng_state:
-        state, rng_added = _with_rng_state(scaffold, state)
-    if not is_chief:
-        worker_creator = WorkerSessionCreator(
-            scaffold, master, config, max_wait_secs, state=state, device=device, clock=clock
+
+@dataclass
+class _Build:
+    """``MonitoredTrainingSession``'s arguments, checked, with TF's defaults resolved."""
+
+    master: str
+    is_chief: bool | None
+    checkpoint_dir: str | None
+    scaffold: Scaffold | None
+    hooks: Iterable[SessionRunHook] | None
+    chief_only_hooks: Iterable[SessionRunHook] | None
+    save_checkpoint_secs: float | None
+    save_summaries_steps: int | None
+    save_summaries_secs: float | None
+    config: object
+    stop_grace_period_secs: float
+    log_step_count_steps: int | None
+    max_wait_secs: float
+    save_checkpoint_steps: int | None
+    summary_dir: str | None
+    state: Mapping[str, Any] | None
+    device: torch.device | str | None
+    clock: Clock | None
+    save_rng_state: bool
+    preemption_signals: Iterable[int] | None
+    preemption_grace_secs: float
+    preemption_exit_code: int | None
+    stop_on_checkpoint_error: bool
+
+    def __post_init__(self) -> None:
+        self._check()
+        self._resolve_intervals()
+        self.scaffold = self.scaffold or Scaffold(clock=self.clock)
+        self.rng_added = False
+        if self.save_rng_state:
+            self.state, self.rng_added = _with_rng_state(self.scaffold, self.state)
+
+    def _check(self) -> None:
+        """Raise ``TypeError``/``ValueError`` naming an argument of the wrong type or range."""
+        is_chief = self.is_chief
+        self.is_chief = (
+            distributed.rank() == 0 if is_chief is None else checks.check_bool("is_chief", is_chief)
         )
+        self.checkpoint_dir = checks.check_path("checkpoint_dir", self.checkpoint_dir)
+        self.summary_dir = checks.check_path("summary_dir", self.summary_dir)
+        check_scaffold(
+            self.scaffold,
+            ": the positional order is TF's (master, is_chief, checkpoint_dir, scaffold, hooks, "
+            "chief_only_hooks, save_checkpoint_secs, ...)",
+        )
+        self.hooks = checks.check_hooks("hooks", self.hooks)
+        self.chief_only_hooks = checks.check_hooks("chief_only_hooks", self.chief_only_hooks)
+        for name in ("save_checkpoint_secs", "save_summaries_secs"):
+            if getattr(self, name) is not USE_DEFAULT:
+                checks.check_number(name, getattr(self, name), allow_none=True)
+        for name in ("save_checkpoint_steps", "save_summaries_steps"):
+            if getattr(self, name) is not USE_DEFAULT:
+                checks.check_int(name, getattr(self, name), allow_none=True)
+        checks.check_int(
+            "log_step_count_steps", self.log_step_count_steps, minimum=None, allow_none=True
+        )
+        checks.check_number("stop_grace_period_secs", self.stop_grace_period_secs)
+        checks.check_number("max_wait_secs", self.max_wait_secs)
+        checks.check_state("state", self.state)
+        self.save_rng_state = checks.check_bool("save_rng_state", self.save_rng_state)
+        checks.check_signals("preemption_signals", self.preemption_signals)
+        checks.check_number("preemption_grace_secs", self.preemption_grace_secs)
+        checks.check_int("preemption_exit_code", self.preemption_exit_code, allow_none=True)
+        self.stop_on_checkpoint_error = checks.check_bool(
+            "stop_on_checkpoint_error", self.stop_on_checkpoint_error
+        )
+
+    def _resolve_intervals(self) -> None:
+        """TF's defaults: summaries every 100 steps and checkpoints every 600 s when neither
+        interval of each is given; one given turns the other off."""
+        steps, secs = self.save_summaries_steps, self.save_summaries_secs
+        if steps is USE_DEFAULT and secs is USE_DEFAULT:
+            steps, secs = 100, None
+        self.save_summaries_steps = None if steps is USE_DEFAULT else steps
+        self.save_summaries_secs = None if secs is USE_DEFAULT else secs
+        steps, secs = self.save_checkpoint_steps, self.save_checkpoint_secs
+        if steps is USE_DEFAULT and secs is USE_DEFAULT:
+            steps, secs = None, 600
+        self.save_checkpoint_steps = None if steps is USE_DEFAULT else steps
+        self.save_checkpoint_secs = None if secs is USE_DEFAULT else secs
+
+    def _session(
+        self, creator: ChiefSessionCreator | WorkerSessionCreator, hooks: list[SessionRunHook]
+    ) -> MonitoredSession:
         return MonitoredSession(
-            session_creator=worker_creator,
-            hooks=list(hooks or []),
-            stop_grace_period_secs=stop_grace_period_secs,
-            preemption_signals=preemption_signals,
-            preemption_grace_secs=preemption_grace_secs,
-            preemption_exit_code=preemption_exit_code,
+            session_creator=creator,
+            hooks=hooks,
+            stop_grace_period_secs=self.stop_grace_period_secs,
+            preemption_signals=self.preemption_signals,
+            preemption_grace_secs=self.preemption_grace_secs,
+            preemption_exit_code=self.preemption_exit_code,
         )
 
-    all_hooks: list[SessionRunHook] = list(chief_only_hooks or [])
-    session_creator = ChiefSessionCreator(
-        scaffold, master, config, checkpoint_dir, state=state, device=device, clock=clock
-    )
-    if rng_added:
-        session_creator.allow_missing("rng")  # Checkpoints of runs that did not save it.
-    summary_dir = summary_dir or checkpoint_dir
-    if summary_dir:
-        if log_step_count_steps and log_step_count_steps > 0:
-            all_hooks.append(
+    def worker_session(self) -> MonitoredSession:
+        """A non-chief's: waits for a ready state; runs ``hooks`` only."""
+        creator = WorkerSessionCreator(
+            self.scaffold,
+            self.master,
+            self.config,
+            self.max_wait_secs,
+            state=self.state,
+            device=self.device,
+            clock=self.clock,
+        )
+        return self._session(creator, list(self.hooks or []))
+
+    def chief_session(self) -> MonitoredSession:
+        """The chief's: ``chief_only_hooks``, the standard hooks, then ``hooks``."""
+        creator = ChiefSessionCreator(
+            self.scaffold,
+            self.master,
+            self.config,
+            self.checkpoint_dir,
+            state=self.state,
+            device=self.device,
+            clock=self.clock,
+        )
+        if self.rng_added:
+            creator.allow_missing("rng")  # Checkpoints of runs that did not save it.
+        hooks = [*(self.chief_only_hooks or []), *self._standard_hooks(), *(self.hooks or [])]
+        return self._session(creator, hooks)
+
+    def _standard_hooks(self) -> list[SessionRunHook]:
+        hooks: list[SessionRunHook] = []
+        summary_dir = self.summary_dir or self.checkpoint_dir
+        clock = self.clock
+        if summary_dir and self.log_step_count_steps and self.log_step_count_steps > 0:
+            hooks.append(
                 StepCounterHook(
-                    output_dir=summary_dir, every_n_steps=log_step_count_steps, clock=clock
+                    output_dir=summary_dir, every_n_steps=self.log_step_count_steps, clock=clock
                 )
             )
-        if (save_summaries_steps and save_summaries_steps > 0) or (
-            save_summaries_secs and save_summaries_secs > 0
-        ):
-            all_hooks.append(
+        steps, secs = self.save_summaries_steps, self.save_summaries_secs
+        if summary_dir and ((steps and steps > 0) or (secs and secs > 0)):
+            hooks.append(
                 SummarySaverHook(
-                    scaffold=scaffold,
-                    save_steps=save_summaries_steps,
-                    save_secs=save_summaries_secs,
+                    scaffold=self.scaffold,
+                    save_steps=steps,
+                    save_secs=secs,
                     output_dir=summary_dir,
                     clock=clock,
                 )
             )
-    if checkpoint_dir and (
-        (save_checkpoint_secs and save_checkpoint_secs > 0)
-        or (save_checkpoint_steps and save_checkpoint_steps > 0)
-    ):
-        all_hooks.append(
-            CheckpointSaverHook(
-                checkpoint_dir,
-                save_steps=save_checkpoint_steps,
-                save_secs=save_checkpoint_secs,
-                scaffold=scaffold,
-                clock=clock,
-                stop_on_checkpoint_error=stop_on_checkpoint_error,
+        steps, secs = self.save_checkpoint_steps, self.save_checkpoint_secs
+        if self.checkpoint_dir and ((secs and secs > 0) or (steps and steps > 0)):
+            hooks.append(
+                CheckpointSaverHook(
+                    self.checkpoint_dir,
+                    save_steps=steps,
+                    save_secs=secs,
+                    scaffold=self.scaffold,
+                    clock=clock,
+                    stop_on_checkpoint_error=self.stop_on_checkpoint_error,
+                )
             )
-        )
-    all_hooks.extend(hooks or [])
-    return MonitoredSession(
-        session_creator=session_creator,
-        hooks=all_hooks,
-        stop_grace_period_secs=stop_grace_period_secs,
-        preemption_signals=preemption_signals,
-        preemption_grace_secs=preemption_grace_secs,
-        preemption_exit_code=preemption_exit_code,
-    )
+        return hooks
 
 
 def _with_rng_state(

@@ -139,10 +139,7 @@ def resolve_settings(
     stop_grace_secs = checks.check_number("stop_grace_secs", stop_grace_secs)
     checks.check_str("checkpoint_basename", checkpoint_basename, allow_empty=False)
     checks.check_state("state", state)
-    if init_feed_dict is not None and not isinstance(init_feed_dict, Mapping):
-        raise TypeError(f"init_feed_dict must be a mapping or None, got {init_feed_dict!r}")
-    if init_fn is not None and not callable(init_fn):
-        raise TypeError(f"init_fn must be callable or None, got {init_fn!r}")
+    _check_init(init_feed_dict, init_fn)
     stop_on_checkpoint_error = checks.check_bool(
         "stop_on_checkpoint_error", stop_on_checkpoint_error
     )
@@ -153,26 +150,15 @@ def resolve_settings(
     )
     save_rng_state = checks.check_bool("save_rng_state", save_rng_state)
     if logdir and not state and saver is USE_DEFAULT:
-        logger.warning(
-            "Supervisor(logdir=%r) has no state=: its checkpoints hold only the global "
-            "step, if any. TF saved every variable implicitly; pass the training state, e.g. "
-            "state={'model': model, 'optimizer': optimizer, 'global_step': step}",
-            logdir,
-        )
+        _warn_without_state(logdir)
     graph = checks.check_duck("graph", graph, ("get_collection",), "a Graph") or get_default_graph()
     clock = clock or REAL_CLOCK
     state = TrainingState.of(state)  # The user's mapping itself: what the loop sets is saved.
     add_rng = save_rng_state and bool(state) and "rng" not in state
     if add_rng:
         state.add("rng", RNGState())
-    # USE_DEFAULT arguments come from the graph's collections, else TF's defaults.
-    ready_op = resolve_default(graph, ready_op, GraphKeys.READY_OP, report_uninitialized_variables)
-    ready_for_local_init_op = resolve_default(
-        graph, ready_for_local_init_op, GraphKeys.READY_FOR_LOCAL_INIT_OP
-    )
-    init_op = resolve_default(graph, init_op, GraphKeys.INIT_OP, global_variables_initializer)
-    local_init_op = resolve_default(
-        graph, local_init_op, GraphKeys.LOCAL_INIT_OP, local_variables_initializer
+    ready_op, ready_for_local_init_op, init_op, local_init_op = _default_ops(
+        graph, ready_op, ready_for_local_init_op, init_op, local_init_op
     )
     global_step = _global_step(graph, global_step, state)
     make_saver = (lambda: Saver(clock=clock)) if state else None
@@ -184,23 +170,12 @@ def resolve_settings(
         is_chief = distributed.rank() == 0
     if session_manager is None:
         # TF's arguments in TF's order, then ours.
-        ops = (local_init_op, ready_op, ready_for_local_init_op)
+        ops = (local_init_op, ready_op, ready_for_local_init_op, graph, recovery_wait_secs)
         session_manager = SessionManager(
-            *ops,
-            graph,
-            recovery_wait_secs,
-            local_init_run_options,
-            state=state,
-            device=device,
-            clock=clock,
+            *ops, local_init_run_options, state=state, device=device, clock=clock
         )
     save_path = os.path.join(logdir, checkpoint_basename) if logdir else None
-    writer = None
-    if is_chief:
-        if summary_writer is not USE_DEFAULT:
-            writer = summary_writer
-        elif logdir:
-            writer = SummaryWriter(logdir, clock=clock)
+    writer = _chief_writer(summary_writer, logdir, clock) if is_chief else None
     return Settings(
         graph=graph,
         state=state,
@@ -231,6 +206,41 @@ def resolve_settings(
         preemption_exit_code=preemption_exit_code,
         clock=clock,
     )
+
+
+def _check_init(init_feed_dict: Any, init_fn: Any) -> None:
+    if init_feed_dict is not None and not isinstance(init_feed_dict, Mapping):
+        raise TypeError(f"init_feed_dict must be a mapping or None, got {init_feed_dict!r}")
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"init_fn must be callable or None, got {init_fn!r}")
+
+
+def _warn_without_state(logdir: str) -> None:
+    logger.warning(
+        "Supervisor(logdir=%r) has no state=: its checkpoints hold only the global "
+        "step, if any. TF saved every variable implicitly; pass the training state, e.g. "
+        "state={'model': model, 'optimizer': optimizer, 'global_step': step}",
+        logdir,
+    )
+
+
+def _default_ops(
+    graph: Graph, ready_op: Any, ready_for_local_init_op: Any, init_op: Any, local_init_op: Any
+) -> tuple[Any, Any, Any, Any]:
+    """The ops given as USE_DEFAULT, from the graph's collections, else TF's defaults."""
+    return (
+        resolve_default(graph, ready_op, GraphKeys.READY_OP, report_uninitialized_variables),
+        resolve_default(graph, ready_for_local_init_op, GraphKeys.READY_FOR_LOCAL_INIT_OP),
+        resolve_default(graph, init_op, GraphKeys.INIT_OP, global_variables_initializer),
+        resolve_default(graph, local_init_op, GraphKeys.LOCAL_INIT_OP, local_variables_initializer),
+    )
+
+
+def _chief_writer(summary_writer: Any, logdir: str | None, clock: Clock) -> Any:
+    """The chief's summary writer: the one given, else one of the logdir (else None)."""
+    if summary_writer is not USE_DEFAULT:
+        return summary_writer
+    return SummaryWriter(logdir, clock=clock) if logdir else None
 
 
 def _global_step(graph: Graph, global_step: Any, state: dict[str, Any]) -> Any:
