@@ -386,7 +386,7 @@ def teardown_rank(rank: int, world_size: int, directory: str) -> dict:
         )
     saver.close()
     background = weakref.ref(env.background_group())
-    replayed = saver._writers[True]._plans.replayed
+    replayed = saver._writers[True]._cache.plans.replayed
     dist.destroy_process_group()
     return {"replayed": replayed, "background_alive": background() is not None}
 

@@ -145,13 +145,13 @@ def stage_memo_rank(
     mesh = model[0].weight.device_mesh
     state["extra"]["d"] = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
     saver = Saver(var_list=state, max_to_keep=None)
-    memo = saver._writers[True]._staged
-    shards = saver._writers[True]._plans.shards
-    sent = saver._writers[True]._plans.sent
+    memo = saver._writers[True]._cache.staged
+    shards = saver._writers[True]._cache.plans.shards
+    sent = saver._writers[True]._cache.plans.sent
     save_path = os.path.join(directory, "model.ckpt")
     outcomes = []
 
-    trees = saver._writers[True]._plans.trees  # The coordinator's (``tree_memo``).
+    trees = saver._writers[True]._cache.plans.trees  # The coordinator's (``tree_memo``).
     taken_trees = []
 
     def save(label: str, step: int) -> None:

@@ -157,7 +157,7 @@ def test_a_savers_manifests_hold_the_states_tree_while_encodings_are_taken_again
         reader = CheckpointReader(path)
         reader.verify()
         assert reader.manifest.tree == encode_tree(flatten_state(state)[0]), step
-        taken.append(saver._writers[False]._trees.taken)
+        taken.append(saver._writers[False]._cache.trees.taken)
     saver.close()
     assert taken[0] == 0 and taken[1] > 0 and taken[2] > 0, taken
 

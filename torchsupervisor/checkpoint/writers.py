@@ -33,21 +33,19 @@ from torchsupervisor.checkpoint.engine import CheckpointEngine
 from torchsupervisor.checkpoint.incremental import StaleReferenceError
 from torchsupervisor.checkpoint.restore import restore_state
 from torchsupervisor.checkpoint.retention import Keeper
+from torchsupervisor.checkpoint.save_cache import SaveCache
 from torchsupervisor.checkpoint.sharded.collective import load_sharded, write_sharded
-from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.sharded.staging import (
     ShardedSave,
-    StageMemo,
     failed,
     prepare,
     stage,
 )
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
-from torchsupervisor.checkpoint.tree_memo import TreeMemo
 from torchsupervisor.checkpoint.writer import Directories, SaveStats, SaveTarget
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.global_step import read_step
-from torchsupervisor.core.walk import WalkMemo, walk_state
+from torchsupervisor.core.walk import walk_state
 from torchsupervisor.distributed.env import background_group, on_every_rank, rank, world_size
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import Storage
@@ -99,8 +97,7 @@ class SnapshotWriter:
         self._incremental = incremental
         self._max_shard_bytes = max_shard_bytes
         self._allow_empty = allow_empty
-        self._memo = WalkMemo()  # What the last save's walk made of the state, reused.
-        self._trees = TreeMemo()  # The last manifest's tree encodings (the writer thread).
+        self._cache = SaveCache.create()  # The walk's and the manifest tree's memos.
 
     def _record(self, target: SaveTarget) -> None:
         if target.write_state:
@@ -122,7 +119,7 @@ class SnapshotWriter:
         skeleton, tensors = walk_state(
             state,
             keep_vars=True,
-            memo=self._memo,
+            memo=self._cache.walk,
             sharded=False,
             detach=False,
             frozen=frozen if self._incremental else None,
@@ -203,7 +200,7 @@ class SnapshotWriter:
                 world_size=world_size(),
                 storage=self._storage,
                 cancel=self._cancel,
-                trees=self._trees,
+                trees=self._cache.trees,
                 metrics=target.metrics,
             )
         except CheckpointSaveError as e:
@@ -294,9 +291,7 @@ class ShardedWriter:
         self._stager = stager
         self._directories = directories
         self._host = Stager()  # The asynchronous saves' copies of the local shards.
-        self._staged = StageMemo()  # What the last one staged over them, reused.
-        self._memo = WalkMemo()  # The asynchronous saves' walks of the state, reused.
-        self._plans = PlanCache()  # The last save's plan, replayed while the layout holds.
+        self._cache = SaveCache.create()  # The walk's, the staging's and the plan's memos.
         self._sequence = 0  # Sharded saves begun (the ranks agree on it at each save).
 
     def stage(
@@ -321,7 +316,7 @@ class ShardedWriter:
         save = self._begin(state, target, global_step, error, keep_vars=background)
         if background:
             background_group()
-            stage(save, self._host, self._staged)  # At once: the live parameters are live.
+            stage(save, self._host, self._cache.staged)  # At once: the live parameters are live.
         return save
 
     def release(self, staged: ShardedSave) -> None:
@@ -379,7 +374,7 @@ class ShardedWriter:
                 global_step=global_step,
                 wall_time=wall_time,
                 keep_vars=keep_vars,
-                memo=self._memo if keep_vars else None,
+                memo=self._cache.walk if keep_vars else None,
             )
         else:
             save = failed(target.prefix, error, wall_time)
@@ -422,7 +417,7 @@ class ShardedWriter:
             write_state=False,
             storage=self._storage,
             stager=self._stager,
-            plans=self._plans,
+            plans=self._cache.plans,
         )
         committed = time.perf_counter()
         # Sharded saves are never incremental.
