@@ -104,11 +104,11 @@ class OpError(Exception):
 
     def __init__(
         self,
-        node_def: Any = None,
-        op: Any = None,
+        node_def: object = None,
+        op: object = None,
         message: str | None = None,
         error_code: int | None = None,
-        *args: Any,
+        *args: object,
     ) -> None:
         if message is None and op is None and isinstance(node_def, str):
             node_def, message = None, node_def
@@ -145,7 +145,7 @@ class OpError(Exception):
         return (_rebuild, (type(self), self._node_def, self._op, self._message, self._error_code))
 
 
-def _rebuild(cls: type[OpError], node_def: Any, op: Any, message: str, code: int) -> OpError:
+def _rebuild(cls: type[OpError], node_def: object, op: object, message: str, code: int) -> OpError:
     err = cls.__new__(cls)
     OpError.__init__(err, node_def, op, message, code)
     return err
@@ -162,7 +162,7 @@ class _CodedError(OpError):
     with its TF name. Subclasses of those (ours, not TF's) keep their parent's code.
     """
 
-    def __init_subclass__(cls, code: int | None = None, **kwargs: Any) -> None:
+    def __init_subclass__(cls, code: int | None = None, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if code is None:  # a subclass of a coded error keeps its parent's code
             return
@@ -171,7 +171,11 @@ class _CodedError(OpError):
         cls.__doc__ = f"{cls.__doc__}\n\nTF name: ``tf.errors.{cls.__name__}`` (error code {code})."
 
     def __init__(
-        self, node_def: Any = None, op: Any = None, message: str | None = None, *args: Any
+        self,
+        node_def: object = None,
+        op: object = None,
+        message: str | None = None,
+        *args: object,
     ):
         OpError.__init__(self, node_def, op, message, self._default_code, *args)
 

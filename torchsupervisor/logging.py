@@ -16,7 +16,6 @@ fatal,DEBUG,INFO,WARN,ERROR,FATAL}``.
 from __future__ import annotations
 
 import logging as _logging
-from typing import Any
 
 __all__ = [
     "DEBUG",
@@ -79,7 +78,7 @@ def get_verbosity() -> int:
     return _logger.getEffectiveLevel()
 
 
-def debug(msg: str, *args: Any, **kwargs: Any) -> None:
+def debug(msg: str, *args: object, **kwargs: object) -> None:
     """Log ``msg % args`` at DEBUG to the library's logger.
 
     TF name: ``tf.compat.v1.logging.debug``.
@@ -87,7 +86,7 @@ def debug(msg: str, *args: Any, **kwargs: Any) -> None:
     _logger.debug(msg, *args, **kwargs)
 
 
-def info(msg: str, *args: Any, **kwargs: Any) -> None:
+def info(msg: str, *args: object, **kwargs: object) -> None:
     """Log ``msg % args`` at INFO to the library's logger.
 
     TF name: ``tf.compat.v1.logging.info``.
@@ -95,7 +94,7 @@ def info(msg: str, *args: Any, **kwargs: Any) -> None:
     _logger.info(msg, *args, **kwargs)
 
 
-def warning(msg: str, *args: Any, **kwargs: Any) -> None:
+def warning(msg: str, *args: object, **kwargs: object) -> None:
     """Log ``msg % args`` at WARNING.
 
     TF name: ``tf.compat.v1.logging.warning``.
@@ -103,7 +102,7 @@ def warning(msg: str, *args: Any, **kwargs: Any) -> None:
     _logger.warning(msg, *args, **kwargs)
 
 
-def warn(msg: str, *args: Any, **kwargs: Any) -> None:
+def warn(msg: str, *args: object, **kwargs: object) -> None:
     """Log ``msg % args`` at WARNING.
 
     TF name: ``tf.compat.v1.logging.warn``.
@@ -111,7 +110,7 @@ def warn(msg: str, *args: Any, **kwargs: Any) -> None:
     _logger.warning(msg, *args, **kwargs)
 
 
-def error(msg: str, *args: Any, **kwargs: Any) -> None:
+def error(msg: str, *args: object, **kwargs: object) -> None:
     """Log ``msg % args`` at ERROR.
 
     TF name: ``tf.compat.v1.logging.error``.
@@ -119,7 +118,7 @@ def error(msg: str, *args: Any, **kwargs: Any) -> None:
     _logger.error(msg, *args, **kwargs)
 
 
-def fatal(msg: str, *args: Any, **kwargs: Any) -> None:
+def fatal(msg: str, *args: object, **kwargs: object) -> None:
     """Log ``msg % args`` at CRITICAL (it does not exit).
 
     TF name: ``tf.compat.v1.logging.fatal``.

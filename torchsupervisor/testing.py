@@ -405,7 +405,7 @@ def _check_operation(operation: str) -> None:
 
 def run_world(
     fn: Callable[..., Any],
-    *args: Any,
+    *args: object,
     world_size: int = 2,
     timeout_secs: float = 120.0,
     env: dict[str, str] | None = None,
@@ -433,7 +433,7 @@ def run_world(
     TF name: none.
     """
     context = _rank_context()
-    results: Any = context.Queue()
+    results: object = context.Queue()
     port = _free_port()
     processes = [
         context.Process(
@@ -500,7 +500,7 @@ def _rank_main(
     port: int,
     args: tuple[Any, ...],
     env: dict[str, str],
-    results: Any,
+    results: object,
 ) -> None:
     os.environ.update(env)
     os.environ.update(

@@ -148,7 +148,7 @@ class CheckpointEngine:
         future = self._future
         return future is not None and not future.done()
 
-    def submit(self, job: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+    def submit(self, job: Callable[..., Any], *args: object) -> concurrent.futures.Future[Any]:
         """Run ``job(*args)`` on the writer thread.
 
         Returns:
@@ -318,7 +318,7 @@ def _work(jobs: queue.SimpleQueue[_Job | None], niceness: int, lowered: threadin
         future, job, args = item
         # Another engine's wait may have raised this thread while it was idle (``_Save``).
         future.lower_unless_hurried(niceness, idle)
-        result: Any = None
+        result: object = None
         error: BaseException | None = None
         try:
             with collector.paused():  # No full collections for the job's objects (collector.py).

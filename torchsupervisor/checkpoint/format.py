@@ -97,7 +97,7 @@ class Manifest:
 
     global_step: int | None
     wall_time: float
-    tree: Any
+    tree: object
     tensors: dict[str, TensorEntry]
     shards: tuple[ShardEntry, ...]
     library_version: str
@@ -342,7 +342,7 @@ def _checked_body(data: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_metrics(x: Any) -> dict[str, float] | None:
+def parse_metrics(x: object) -> dict[str, float] | None:
     """A manifest's ``metrics``: None, or names mapped to finite numbers; else ``ManifestError``."""
     if x is None:
         return None
@@ -356,14 +356,14 @@ def parse_metrics(x: Any) -> dict[str, float] | None:
     return metrics
 
 
-def non_negative_int(x: Any) -> int:
+def non_negative_int(x: object) -> int:
     """``x`` if it is a non-negative ``int`` (not a bool); else ``ManifestError``."""
     if isinstance(x, bool) or not isinstance(x, int) or x < 0:
         raise ManifestError(f"expected a non-negative integer, got {x!r}")
     return x
 
 
-def _shard_file(x: Any) -> str:
+def _shard_file(x: object) -> str:
     """A shard's file name: a plain name inside the index's directory, nothing else."""
     name = as_str(x)
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:

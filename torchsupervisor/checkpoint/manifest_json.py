@@ -93,7 +93,7 @@ def pretty_json(body: Mapping[str, Any], expanded: tuple[str, ...] = ("shards", 
 
     dump = ITEM_ENCODER.encode
 
-    def item(v: Any) -> str:
+    def item(v: object) -> str:
         return v.text if isinstance(v, EncodedItem) else dump(v)
 
     lines = []
@@ -117,7 +117,7 @@ def canonical(body: Mapping[str, Any]) -> bytes:
     field's value, or in the values of its fields, one level down) by their canonical text."""
     dump = CANONICAL_ENCODER.encode
 
-    def item(v: Any) -> str:
+    def item(v: object) -> str:
         return v.canonical if isinstance(v, EncodedItem) else dump(v)
 
     fields = []

@@ -77,7 +77,7 @@ def restore_state(
 
 
 def _report_differences(
-    manifest: Any, tree: Any, state: Mapping[str, Any], source: str, whole_state: bool
+    manifest: Any, tree: object, state: Mapping[str, Any], source: str, whole_state: bool
 ) -> None:
     """Warn about what differs between the run that saved a checkpoint and this one.
 

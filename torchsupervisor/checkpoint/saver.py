@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torchsupervisor.checkpoint import policy
 from torchsupervisor.checkpoint.best import best_rule, check_metrics
@@ -51,6 +51,10 @@ from torchsupervisor.core.state_names import check_var_list, select_state
 from torchsupervisor.core.training_state import shared_entries
 from torchsupervisor.distributed.env import rank, world_size
 from torchsupervisor.storage import BY_PATH, Storage
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.global_step import GlobalStepLike
+    from torchsupervisor.core.session import SessionLike
 
 __all__ = ["SaveStats", "Saver"]  # SaveStats: see writer.py
 
@@ -177,7 +181,7 @@ class Saver:
         keep_checkpoint_every_n_hours: float = 10000.0,
         name: str | None = None,
         restore_sequentially: bool = False,
-        saver_def: Any = None,
+        saver_def: object = None,
         builder: Any = None,
         defer_build: bool = False,
         allow_empty: bool = False,
@@ -251,9 +255,9 @@ class Saver:
 
     def save(
         self,
-        sess: Any,
+        sess: SessionLike,
         save_path: str,
-        global_step: Any = None,
+        global_step: GlobalStepLike | None = None,
         latest_filename: str | None = None,
         meta_graph_suffix: str = "meta",
         write_meta_graph: bool = True,
@@ -323,9 +327,9 @@ class Saver:
 
     def save_async(
         self,
-        sess: Any,
+        sess: SessionLike,
         save_path: str,
-        global_step: Any = None,
+        global_step: GlobalStepLike | None = None,
         latest_filename: str | None = None,
         write_state: bool = True,
         *,
@@ -486,7 +490,7 @@ class Saver:
             self._writers[sharded] = writer
         return writer
 
-    def _writer_for(self, state: Mapping[str, Any], sess: Any = None) -> Writer:
+    def _writer_for(self, state: Mapping[str, Any], sess: SessionLike | None = None) -> Writer:
         """The writer of ``state``: every rank's (DTensors) or this process's; decided once
         per state.
 
@@ -494,7 +498,7 @@ class Saver:
         or the session's state), so a run decides at its first save, not at every one.
         """
         if isinstance(self._var_list, Mapping):
-            source: Any = self._var_list
+            source: object = self._var_list
         else:
             source = getattr(sess, "state", state)
         known = self._writer_choice
@@ -502,7 +506,7 @@ class Saver:
             known = self._writer_choice = (source, self._writer_of(is_sharded(state)))
         return known[1]
 
-    def _state_and_writer(self, sess: Any) -> tuple[Mapping[str, Any], Writer]:
+    def _state_and_writer(self, sess: SessionLike) -> tuple[Mapping[str, Any], Writer]:
         """What a save of ``sess`` writes, and with which writer. A collective writer saves
         what the replicas share (``replica_entries``), and takes no metrics yet."""
         state = self._state_for(sess)
@@ -511,7 +515,7 @@ class Saver:
             state = replica_entries(state)
         return state, writer
 
-    def _state_for(self, sess: Any) -> Mapping[str, Any]:
+    def _state_for(self, sess: SessionLike) -> Mapping[str, Any]:
         if isinstance(self._var_list, Mapping):
             return self._var_list
         state = getattr(sess, "state", None)
@@ -523,7 +527,7 @@ class Saver:
         return select_state(state, self._var_list)
 
     def _checkpoint_prefix(
-        self, save_path: str, global_step: Any, latest_filename: str | None
+        self, save_path: str, global_step: GlobalStepLike, latest_filename: str | None
     ) -> tuple[str, int | None]:
         latest_filename = latest_filename or "checkpoint"
         if os.path.split(latest_filename)[0]:
@@ -542,7 +546,7 @@ class Saver:
     def _target(
         self,
         save_path: str,
-        global_step: Any,
+        global_step: GlobalStepLike,
         latest_filename: str | None,
         write_state: bool,
         metrics: dict[str, float] | None = None,
@@ -554,7 +558,7 @@ class Saver:
         self,
         writer: Writer,
         save_path: str,
-        global_step: Any,
+        global_step: GlobalStepLike,
         latest_filename: str | None,
         write_state: bool,
         metrics: dict[str, float] | None,
@@ -607,7 +611,7 @@ class Saver:
 
     # ---------------------------------------------------------------------------- restoring
 
-    def restore(self, sess: Any, save_path: str | None) -> None:
+    def restore(self, sess: SessionLike, save_path: str | None) -> None:
         """Load the checkpoint ``save_path`` into the state, after verifying its checksums.
 
         Before anything is loaded, the manifest is compared with the live state (the run

@@ -173,7 +173,7 @@ class Snapshot:
 
     step: int | None
     wall_time: float
-    tree: Any
+    tree: object
     layout: Layout
     buffers: tuple[torch.Tensor, ...]
     sources: dict[str, tuple[torch.Tensor, int | None]] = field(default_factory=dict)
@@ -287,7 +287,7 @@ def _source(tensor: torch.Tensor, reusable: bool) -> tuple[torch.Tensor, int | N
     return tensor.detach(), tensor_version(tensor)
 
 
-def _signature(tensors: dict[str, torch.Tensor], *options: Any) -> tuple[Any, ...]:
+def _signature(tensors: dict[str, torch.Tensor], *options: object) -> tuple[Any, ...]:
     return (*options, *((n, t.dtype, t.shape) for n, t in tensors.items()))
 
 
@@ -343,7 +343,7 @@ class Stager:
 
     def stage(
         self,
-        tree: Any,
+        tree: object,
         tensors: dict[str, torch.Tensor],
         *,
         step: int | None,

@@ -33,7 +33,7 @@ __all__ = ["TreeMemo"]
 _CONTAINERS = (dict, list, tuple)
 
 
-def _dumped(value: Any) -> tuple[str, str]:
+def _dumped(value: object) -> tuple[str, str]:
     """The texts of ``value`` (JSON data) as the manifest's two encoders write it."""
     return ITEM_ENCODER.encode(value), CANONICAL_ENCODER.encode(value)
 
@@ -77,7 +77,7 @@ class TreeMemo:
         last = self._last
         taken = 0
 
-        def visit(node: Any, depth: int) -> tuple[Any, str, str]:
+        def visit(node: object, depth: int) -> tuple[Any, str, str]:
             nonlocal taken
             kind = type(node)
             if kind is str:

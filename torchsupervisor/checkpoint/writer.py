@@ -48,9 +48,12 @@ import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torchsupervisor.storage import DirectoryLock, Storage
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.global_step import GlobalStepLike
 
 __all__ = ["Directories", "SaveStats", "SaveTarget", "Writer"]
 
@@ -106,7 +109,7 @@ class Writer(Protocol):
         self,
         state: Mapping[str, Any],
         target: SaveTarget,
-        global_step: Any,
+        global_step: GlobalStepLike,
         *,
         background: bool,
         error: Exception | None = None,

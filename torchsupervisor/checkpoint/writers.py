@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +49,11 @@ from torchsupervisor.core.walk import walk_state
 from torchsupervisor.distributed.env import background_group, on_every_rank, rank, world_size
 from torchsupervisor.errors import CheckpointSaveError
 from torchsupervisor.storage import Storage
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from torchsupervisor.core.global_step import GlobalStepLike
 
 __all__ = ["ShardedWriter", "SnapshotWriter"]
 
@@ -130,7 +135,7 @@ class SnapshotWriter:
         self,
         state: Mapping[str, Any],
         target: SaveTarget,
-        global_step: Any,
+        global_step: GlobalStepLike,
         *,
         background: bool,
         error: Exception | None = None,
@@ -298,7 +303,7 @@ class ShardedWriter:
         self,
         state: Mapping[str, Any],
         target: SaveTarget,
-        global_step: Any,
+        global_step: GlobalStepLike,
         *,
         background: bool,
         error: Exception | None = None,
@@ -359,7 +364,7 @@ class ShardedWriter:
         self,
         state: Mapping[str, Any],
         target: SaveTarget,
-        global_step: Any,
+        global_step: GlobalStepLike,
         error: Exception | None,
         *,
         keep_vars: bool,
@@ -407,7 +412,7 @@ class ShardedWriter:
         save: ShardedSave,
         target: SaveTarget,
         start: float,
-        group: Any,
+        group: ProcessGroup | None,
         stall_secs: float | None,
     ) -> SaveStats:
         """Write ``save`` through ``group``; ``stall_secs`` None: the whole save was the stall."""

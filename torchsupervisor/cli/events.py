@@ -173,7 +173,7 @@ def _event(payload: bytes, path: str, offset: int) -> Any:
     return event
 
 
-def _note(found: _Scan, event: Any) -> None:
+def _note(found: _Scan, event: object) -> None:
     if event.HasField("summary"):
         found.restarts.extend(
             (event.step, v.simple_value) for v in event.summary.value if v.tag == STEPS_LOST_TAG
@@ -193,7 +193,7 @@ def _keep(tag: str, patterns: list[str] | None) -> bool:
     return not patterns or any(fnmatch.fnmatchcase(tag, p) for p in patterns)
 
 
-def _scalar_tensor(event: Any) -> float | None:
+def _scalar_tensor(event: object) -> float | None:
     from tensorboard.util import tensor_util
 
     try:
@@ -417,7 +417,7 @@ def _endings(starts: int, stops: list[str]) -> str:
     return ", ".join(parts)
 
 
-def write_csv(runs: list[Run], out: Any) -> int:
+def write_csv(runs: list[Run], out: object) -> int:
     """Write every scalar point as ``run,tag,step,wall_time,value``; return the row count."""
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["run", "tag", "step", "wall_time", "value"])

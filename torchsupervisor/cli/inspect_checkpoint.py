@@ -66,7 +66,7 @@ class _Tensor:
         self.name = name
 
 
-def _leaves(node: Any, path: str, out: list[tuple[str, Any]]) -> None:
+def _leaves(node: object, path: str, out: list[tuple[str, Any]]) -> None:
     if isinstance(node, _Tensor):
         return
     if isinstance(node, dict):

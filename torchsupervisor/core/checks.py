@@ -42,13 +42,13 @@ __all__ = [
 ]
 
 
-def _type_error(name: str, expected: str, value: Any, allow_none: bool) -> TypeError:
+def _type_error(name: str, expected: str, value: object, allow_none: bool) -> TypeError:
     expected = f"{expected} or None" if allow_none else expected
     return TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
 
 
 def check_int(
-    name: str, value: Any, *, minimum: int | None = 0, allow_none: bool = False
+    name: str, value: object, *, minimum: int | None = 0, allow_none: bool = False
 ) -> int | None:
     """Return ``value`` as an ``int`` after checking it is an integer ``>= minimum``.
 
@@ -74,7 +74,7 @@ def check_int(
 
 def check_number(
     name: str,
-    value: Any,
+    value: object,
     *,
     minimum: float | None = 0.0,
     positive: bool = False,
@@ -109,7 +109,7 @@ def check_number(
     return value
 
 
-def check_bool(name: str, value: Any) -> bool:
+def check_bool(name: str, value: object) -> bool:
     """Return ``value`` after checking it is a ``bool`` (or numpy's).
 
     Raises:
@@ -120,7 +120,9 @@ def check_bool(name: str, value: Any) -> bool:
     raise _type_error(name, "True or False", value, False)
 
 
-def check_str(name: str, value: Any, *, allow_none: bool = False, allow_empty: bool = True) -> Any:
+def check_str(
+    name: str, value: object, *, allow_none: bool = False, allow_empty: bool = True
+) -> Any:
     """Return ``value`` after checking it is a ``str``.
 
     Raises:
@@ -136,7 +138,7 @@ def check_str(name: str, value: Any, *, allow_none: bool = False, allow_empty: b
     return value
 
 
-def check_path(name: str, value: Any, *, allow_none: bool = True) -> str | None:
+def check_path(name: str, value: object, *, allow_none: bool = True) -> str | None:
     """Return ``value`` as a ``str`` path after checking it is a ``str`` or ``os.PathLike``.
 
     Raises:
@@ -155,7 +157,7 @@ def check_path(name: str, value: Any, *, allow_none: bool = True) -> str | None:
     return path
 
 
-def check_state(name: str, value: Any) -> Mapping[str, Any] | None:
+def check_state(name: str, value: object) -> Mapping[str, Any] | None:
     """Return ``value`` after checking it is None or a mapping of ``str`` names.
 
     Raises:
@@ -174,7 +176,7 @@ def check_state(name: str, value: Any) -> Mapping[str, Any] | None:
     return value
 
 
-def check_signals(name: str, value: Any) -> tuple[int, ...]:
+def check_signals(name: str, value: object) -> tuple[int, ...]:
     """Return ``value`` as a tuple of signal numbers after checking each is a valid signal.
 
     None or empty: no signals.
@@ -201,7 +203,7 @@ def check_signals(name: str, value: Any) -> tuple[int, ...]:
 
 
 def check_duck(
-    name: str, value: Any, methods: tuple[str, ...], expected: str, *, allow_none: bool = True
+    name: str, value: object, methods: tuple[str, ...], expected: str, *, allow_none: bool = True
 ) -> Any:
     """Return ``value`` after checking it has the callable attributes ``methods``.
 
@@ -222,7 +224,7 @@ def check_duck(
     return value
 
 
-def check_clock(name: str, value: Any) -> Any:
+def check_clock(name: str, value: object) -> Any:
     """Return ``value`` (None or a ``core.clock.Clock``-like object) after checking it.
 
     Raises:
@@ -231,7 +233,7 @@ def check_clock(name: str, value: Any) -> Any:
     return check_duck(name, value, ("time", "monotonic", "sleep", "wait"), "a Clock")
 
 
-def check_hooks(name: str, value: Any) -> Any:
+def check_hooks(name: str, value: object) -> Any:
     """Return ``value`` after checking it is None or an iterable of ``SessionRunHook`` s.
 
     Raises:
@@ -249,7 +251,7 @@ def check_hooks(name: str, value: Any) -> Any:
     return value
 
 
-def check_iterable(name: str, value: Any, *, allow_none: bool = True) -> Any:
+def check_iterable(name: str, value: object, *, allow_none: bool = True) -> Any:
     """Return ``value`` after checking it is None or an iterable other than a string.
 
     Raises:

@@ -411,7 +411,7 @@ class _StopOnException:
         return True
 
 
-def _as_exception_types(value: Any) -> tuple[type[BaseException], ...]:
+def _as_exception_types(value: object) -> tuple[type[BaseException], ...]:
     expected = "None or a sequence of exception classes"
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(f"clean_stop_exception_types must be {expected}, got {value!r}")

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import logging
 import numbers
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
 from torchsupervisor.core.checks import check_str
 from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
 
+if TYPE_CHECKING:
+    from torchsupervisor.core.session import SessionLike
+
 __all__ = [
     "GlobalStep",
+    "GlobalStepLike",
     "assert_global_step",
     "check_step_source",
     "create_global_step",
@@ -29,6 +33,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger("torchsupervisor")
+
+
+GlobalStepLike: TypeAlias = "int | torch.Tensor | GlobalStep"
+"""A global step as the API takes it: an int, a one-element integer tensor, or a ``GlobalStep``."""
 
 
 class GlobalStep:
@@ -132,13 +140,13 @@ class GlobalStep:
         or ``apply_gradients``).
         """
 
-        def _after_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
+        def _after_step(_opt: Any, _args: object, _kwargs: object) -> None:
             self._value += 1
 
         return optimizer.register_step_post_hook(_after_step)
 
 
-def _as_int(value: Any, what: str) -> int:
+def _as_int(value: object, what: str) -> int:
     if isinstance(value, torch.Tensor):
         dtype = value.dtype
         if value.numel() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
@@ -160,7 +168,7 @@ def read_step(step: Any) -> int:
     return _as_int(step, "global_step")
 
 
-def read_checkpoint_step(global_step: Any) -> int | None:
+def read_checkpoint_step(global_step: GlobalStepLike) -> int | None:
     """Return the step a checkpoint records: ``read_step`` of ``global_step``, or None.
 
     Raises:
@@ -176,7 +184,7 @@ def read_checkpoint_step(global_step: Any) -> int | None:
     return step
 
 
-def check_step_source(global_step: Any) -> Any:
+def check_step_source(global_step: GlobalStepLike) -> Any:
     """Return ``global_step`` if it is a ``GlobalStep`` or an integer scalar tensor.
 
     Raises:
@@ -191,7 +199,7 @@ def check_step_source(global_step: Any) -> Any:
     return global_step
 
 
-def assert_global_step(global_step_tensor: Any) -> None:
+def assert_global_step(global_step_tensor: GlobalStepLike) -> None:
     """Check that ``global_step_tensor`` can serve as a global step.
 
     A ``GlobalStep`` or a scalar integer tensor qualifies.
@@ -263,7 +271,7 @@ def get_or_create_global_step(graph: Graph | None = None) -> Any:
     return create_global_step(graph) if step is None else step
 
 
-def global_step(sess: Any, global_step_tensor: Any) -> int:
+def global_step(sess: SessionLike, global_step_tensor: GlobalStepLike) -> int:
     """Return the value of ``global_step_tensor`` as an int.
 
     Args:

@@ -75,13 +75,13 @@ class ModuleTree:
         parts: The mappings compared; the first must be ``_modules``.
     """
 
-    def __init__(self, module: Any, parts: tuple[Part, ...]) -> None:
+    def __init__(self, module: torch.nn.Module, parts: tuple[Part, ...]) -> None:
         self.modules = list(module.modules())  # Held: their ids stay theirs.
         self.types = list(map(type, self.modules))
         self._parts = parts
         self._held = contents(_gather(self.modules, parts))
 
-    def same(self, module: Any) -> bool:
+    def same(self, module: torch.nn.Module) -> bool:
         """Whether ``module`` is still made of the very same objects."""
         modules = self.modules
         return (
@@ -114,7 +114,7 @@ class _Record:
     result: dict[str, Any] | None  # None: not a function of the above alone.
 
     @classmethod
-    def of(cls, module: Any, result: dict[str, Any]) -> _Record:
+    def of(cls, module: torch.nn.Module, result: dict[str, Any]) -> _Record:
         tree = ModuleTree(module, STATE_PARTS)
         plain = all(map(_plain_class, set(tree.types))) and all(
             not m._state_dict_hooks and all(map(_known_pre_hook, m._state_dict_pre_hooks.values()))
@@ -123,7 +123,7 @@ class _Record:
         non_persistent = [set(s) for s in map(_non_persistent, tree.modules)]
         return cls(tree, non_persistent, result if plain else None)
 
-    def holds(self, module: Any) -> bool:
+    def holds(self, module: torch.nn.Module) -> bool:
         """Whether ``module`` is still made of the very same objects."""
         return (
             self.tree.same(module)
@@ -147,7 +147,7 @@ class ModuleStateMemo:
         self._met: dict[str, _Record] = {}
         self.taken = 0  # How many calls took the last result (for tests and benchmarks).
 
-    def state_dict(self, module: Any, path: str) -> dict[str, Any]:
+    def state_dict(self, module: torch.nn.Module, path: str) -> dict[str, Any]:
         """``module.state_dict(keep_vars=True)``, or the last call's result where it holds."""
         record = self._last.get(path)
         if record is not None and record.holds(module):

@@ -16,11 +16,12 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeAlias
 
 __all__ = [
     "Graph",
     "GraphKeys",
+    "UseDefault",
     "add_to_collection",
     "add_to_collections",
     "clear_collection",
@@ -100,7 +101,7 @@ class Graph:
                 self._names.add(candidate)
             return candidate
 
-    def add_to_collection(self, name: str, value: Any) -> None:
+    def add_to_collection(self, name: str, value: object) -> None:
         """Append ``value`` to the collection ``name`` (created when missing).
 
         TF name: ``tf.Graph.add_to_collection``.
@@ -108,7 +109,7 @@ class Graph:
         with self._lock:
             self._collections.setdefault(name, []).append(value)
 
-    def add_to_collections(self, names: str | Iterable[str], value: Any) -> None:
+    def add_to_collections(self, names: str | Iterable[str], value: object) -> None:
         """Append ``value`` to each collection in ``names`` (a string is one name).
 
         Duplicate names count once; the collections are not updated atomically together.
@@ -225,17 +226,17 @@ def reset_default_graph() -> None:
     _global_default = Graph()
 
 
-def add_to_collection(name: str, value: Any) -> None:
+def add_to_collection(name: str, value: object) -> None:
     """Add ``value`` to collection ``name`` of the default graph (``tf.add_to_collection``)."""
     get_default_graph().add_to_collection(name, value)
 
 
-def add_to_collections(names: str | Iterable[str], value: Any) -> None:
+def add_to_collections(names: str | Iterable[str], value: object) -> None:
     """Add ``value`` to each named collection of the default graph.
 
     Args:
         names: One collection name (a string) or an iterable of names; duplicates count once.
-        value: Any object.
+        value: object object.
 
     TF name: ``tf.add_to_collections``.
     """
@@ -283,6 +284,10 @@ class _UseDefault(int):
         return "USE_DEFAULT"  # Unpickles as this module's singleton.
 
 
+UseDefault: TypeAlias = _UseDefault
+"""The type of ``USE_DEFAULT``, for annotations (``Op | UseDefault = USE_DEFAULT``)."""
+
+
 USE_DEFAULT = _UseDefault()
 """The one sentinel for "use the default" (compared with ``is``): for the Supervisor, look the
 value up in the graph's collections, else make TF's default; for ``MonitoredTrainingSession``,
@@ -292,7 +297,7 @@ holds here too) and an ``object()`` for the second; one sentinel that no real ar
 
 
 def resolve_default(
-    graph: Graph, value: Any, key: str, make_default: Callable[[], Any] | None = None
+    graph: Graph, value: object, key: str, make_default: Callable[[], Any] | None = None
 ) -> Any:
     """Resolve a ``USE_DEFAULT`` argument as TF's Supervisor does.
 

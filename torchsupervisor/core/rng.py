@@ -36,7 +36,7 @@ def _process_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _as_bytes(value: Any, dtype: Any) -> bytes:
+def _as_bytes(value: object, dtype: Any) -> bytes:
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     return np.ascontiguousarray(np.asarray(value, dtype=dtype)).tobytes()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, TypeAlias
 
 import torch
 
@@ -22,7 +22,32 @@ from torchsupervisor.core.checks import check_state
 from torchsupervisor.core.global_step import GlobalStep
 from torchsupervisor.errors import InvalidArgumentError
 
-__all__ = ["Session", "call_op", "evaluate_fetches", "join_masters_with", "session_op"]
+__all__ = [
+    "Op",
+    "Session",
+    "SessionLike",
+    "call_op",
+    "evaluate_fetches",
+    "join_masters_with",
+    "session_op",
+]
+
+Op: TypeAlias = "Callable[..., object] | None"
+"""One of the Supervisor's "ops" (``init_op``, ``ready_op``, ...): a callable, given the
+session when it takes a positional parameter (``call_op``), or None."""
+
+
+class SessionLike(Protocol):
+    """What ops, hooks and savers use of a session: ``run`` (a ``Session``, a
+    ``MonitoredSession`` or one of its wrappers)."""
+
+    def run(
+        self,
+        fetches: object,
+        feed_dict: Mapping[Any, Any] | None = None,
+        options: object = None,
+        run_metadata: object = None,
+    ) -> Any: ...
 
 
 def _in_process_only(master: str) -> object:
@@ -77,7 +102,7 @@ class Session:
         self,
         state: Mapping[str, Any] | None = None,
         master: str = "",
-        config: Any = None,
+        config: object = None,
         *,
         device: torch.device | str | None = None,
     ) -> None:
@@ -137,7 +162,7 @@ class Session:
         """
         return self._closed
 
-    def run(self, fetches: Any, feed_dict: Mapping[str, Any] | None = None) -> Any:
+    def run(self, fetches: object, feed_dict: Mapping[str, Any] | None = None) -> Any:
         """Evaluate ``fetches`` and return their values in the same structure.
 
         On the thread that created the session, the work deferred to this step boundary (a
@@ -189,7 +214,7 @@ class Session:
         self.close()
 
 
-def session_op(fn: Any) -> Any:
+def session_op(fn: Callable[..., object]) -> Any:
     """Mark ``fn`` as an op that takes the session: ``sess.run(fn)`` calls ``fn(sess)``.
 
     TF's ops ran inside a session; the ops that need one here (``global_variables_initializer()``,
@@ -208,10 +233,10 @@ _CONSTANTS = "constants"  # The memo's key of ``evaluate_fetches(constants=...)`
 
 
 def evaluate_fetches(
-    fetches: Any,
+    fetches: object,
     feed_dict: Mapping[str, Any] | None = None,
     *,
-    session: Any = None,
+    session: SessionLike | None = None,
     constants: bool = False,
 ) -> Any:
     """Evaluate a fetch structure (see ``Session.run``) without a step boundary.
@@ -251,7 +276,9 @@ def evaluate_fetches(
     return result
 
 
-def _kwargs_for(fn: Any, feed: tuple[Mapping[str, Any], set[str]]) -> dict[str, Any]:
+def _kwargs_for(
+    fn: Callable[..., object], feed: tuple[Mapping[str, Any], set[str]]
+) -> dict[str, Any]:
     feed_dict, used = feed
     try:
         params = inspect.signature(fn).parameters.values()
@@ -271,7 +298,7 @@ def _kwargs_for(fn: Any, feed: tuple[Mapping[str, Any], set[str]]) -> dict[str, 
     return kwargs
 
 
-def _evaluate(fetch: Any, feed: Any, memo: dict[Any, Any]) -> Any:
+def _evaluate(fetch: object, feed: Any, memo: dict[Any, Any]) -> Any:
     if fetch is None:
         return None
     if isinstance(fetch, torch.Tensor):
@@ -310,7 +337,7 @@ def _evaluate(fetch: Any, feed: Any, memo: dict[Any, Any]) -> Any:
     )
 
 
-def call_op(op: Any, sess: Any, feed_dict: Mapping[str, Any] | None = None) -> Any:
+def call_op(op: Op, sess: SessionLike, feed_dict: Mapping[str, Any] | None = None) -> Any:
     """Run one of the Supervisor's "ops": a callable taking the session, or nothing.
 
     ``init_op``, ``ready_op``, ``local_init_op`` and ``summary_op`` are callables; one that has
@@ -328,7 +355,7 @@ def call_op(op: Any, sess: Any, feed_dict: Mapping[str, Any] | None = None) -> A
     return op(**kwargs)
 
 
-def _takes_session(op: Any) -> bool:
+def _takes_session(op: Op) -> bool:
     try:
         params = inspect.signature(op).parameters.values()
     except (TypeError, ValueError):

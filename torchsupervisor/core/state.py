@@ -86,7 +86,7 @@ def dtensor_class() -> type | None:
 _COMPILED_PREFIX = "_orig_mod."
 
 
-def uncompiled(obj: Any) -> Any:
+def uncompiled(obj: object) -> Any:
     """The module a ``torch.compile`` wrapper compiles, or ``obj`` itself.
 
     ``torch.compile(model)`` returns an ``OptimizedModule`` whose ``state_dict`` names every
@@ -101,7 +101,7 @@ def uncompiled(obj: Any) -> Any:
     return obj
 
 
-def without_compiled_prefix(value: Any) -> Any:
+def without_compiled_prefix(value: object) -> Any:
     """A module's saved entries without the ``_orig_mod.`` prefix a compiled model's
     ``state_dict`` gave them (checkpoints of a compiled model by other tools or older
     versions), when every entry has it; else ``value``."""
@@ -121,12 +121,12 @@ def is_materialized(tensor: torch.Tensor) -> bool:
     return not tensor.is_meta
 
 
-def join_path(prefix: str, key: Any) -> str:
+def join_path(prefix: str, key: object) -> str:
     """The state path of ``key`` below ``prefix`` (``model`` + ``fc1.weight``)."""
     return f"{prefix}/{key}" if prefix else str(key)
 
 
-def _children(obj: Any) -> Any:
+def _children(obj: object) -> Any:
     """Return what a stateful object stands for in the tree (its state_dict), or the object."""
     if isinstance(obj, (torch.Tensor, np.ndarray, Mapping, list, tuple, *_SCALARS)):
         return obj
@@ -144,7 +144,7 @@ def iter_state_tensors(state: Mapping[str, Any]) -> Iterator[tuple[str, torch.Te
     uninitialized parameters), not for saving.
     """
 
-    def walk(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    def walk(obj: object, path: str) -> Iterator[tuple[str, torch.Tensor]]:
         obj = _children(obj)
         if isinstance(obj, torch.Tensor):
             yield path, obj
@@ -159,7 +159,7 @@ def iter_state_tensors(state: Mapping[str, Any]) -> Iterator[tuple[str, torch.Te
         yield from walk(value, str(key))
 
 
-def not_saveable(path: str, obj: Any) -> TypeError:
+def not_saveable(path: str, obj: object) -> TypeError:
     """The error for a state entry the format cannot hold (no pickle)."""
     return TypeError(
         f"Cannot save {path!r}: objects of type "

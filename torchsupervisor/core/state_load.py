@@ -47,7 +47,7 @@ def find_subtree(tree: Mapping[Any, Any], name: str) -> Any:
     if name in tree:
         return tree[name]
     parts = name.split("/")
-    node: Any = tree
+    node: object = tree
     for i, part in enumerate(parts):
         if not isinstance(node, Mapping):
             raise KeyError(name)
@@ -137,7 +137,9 @@ def copy_tensor(dest: torch.Tensor, value: torch.Tensor, mismatch: str) -> None:
         dest.copy_(value)
 
 
-def _load_one(container: Any, key: Any, obj: Any, value: Any, path: str, source: str) -> None:
+def _load_one(
+    container: Any, key: object, obj: object, value: object, path: str, source: str
+) -> None:
     if isinstance(obj, torch.nn.Module):
         obj, value = uncompiled(obj), without_compiled_prefix(value)
     if isinstance(obj, torch.Tensor):
@@ -278,7 +280,7 @@ def _check_spec(
     )
 
 
-def _check_one(obj: Any, value: Any, path: str, source: str, warnings: list[str]) -> None:
+def _check_one(obj: object, value: object, path: str, source: str, warnings: list[str]) -> None:
     if isinstance(obj, torch.nn.Module):
         obj, value = uncompiled(obj), without_compiled_prefix(value)
     if isinstance(obj, torch.Tensor):
@@ -333,7 +335,9 @@ def _custom_loading(module: torch.nn.Module) -> bool:
     return False
 
 
-def _check_contents(live: Any, value: Any, path: str, source: str, warnings: list[str]) -> None:
+def _check_contents(
+    live: object, value: object, path: str, source: str, warnings: list[str]
+) -> None:
     """Compare the tensors of a live state dict with the checkpoint's, where both have one."""
     if isinstance(live, torch.Tensor):
         if isinstance(value, TensorSpec):

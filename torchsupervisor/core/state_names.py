@@ -44,14 +44,14 @@ def check_var_list(var_list: Any) -> None:
             )
 
 
-def describe(obj: Any) -> str:
+def describe(obj: object) -> str:
     """A short description of ``obj`` for an error (never its values)."""
     if isinstance(obj, torch.Tensor):
         return f"a {type(obj).__name__} of shape {list(obj.shape)} and dtype {obj.dtype}"
     return f"a {type(obj).__name__}"
 
 
-def _named(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+def _named(value: object, path: str) -> Iterator[tuple[str, Any]]:
     """Every object reachable from ``value`` at ``path``, with its path."""
     yield path, value
     value = uncompiled(value)
@@ -71,7 +71,7 @@ def _named(value: Any, path: str) -> Iterator[tuple[str, Any]]:
             yield from _named(item, join_path(path, i))
 
 
-def name_in_state(state: Mapping[str, Any], obj: Any, index: int) -> str:
+def name_in_state(state: Mapping[str, Any], obj: object, index: int) -> str:
     """The path of ``obj`` in ``state`` (the first one when it is reachable twice).
 
     Args:

@@ -62,7 +62,7 @@ class TrainingState(ChainMap):
         """The user's own mapping."""
         return self.maps[0]
 
-    def add(self, name: str, obj: Any) -> None:
+    def add(self, name: str, obj: object) -> None:
         """Add an entry of the library's own (the user's mapping does not receive it)."""
         self.maps[1][name] = obj
 
@@ -89,14 +89,14 @@ def _check_restorable(mapping: Mapping[str, Any], path: str, depth: int) -> None
             )
 
 
-def _plain(value: Any) -> bool:
+def _plain(value: object) -> bool:
     """True for a value restored by replacing it in its container (not loaded in place)."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return False
     return not callable(getattr(value, "load_state_dict", None))
 
 
-def is_per_rank(obj: Any) -> bool:
+def is_per_rank(obj: object) -> bool:
     """True for a state entry that each replica keeps for itself: its class says
     ``per_rank = True`` (``InputPipelineState``: each rank's queues hold its own batches).
 
@@ -139,7 +139,7 @@ class SharedEntries(MutableMapping):
             raise KeyError(name)
         return self.state[name]
 
-    def __setitem__(self, name: str, value: Any) -> None:
+    def __setitem__(self, name: str, value: object) -> None:
         self.state[name] = value  # type: ignore[index]
 
     def __delitem__(self, name: str) -> None:

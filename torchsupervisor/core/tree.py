@@ -42,29 +42,29 @@ written can be read back.
 """
 
 
-def as_str(x: Any) -> str:
+def as_str(x: object) -> str:
     if not isinstance(x, str):
         raise ManifestError(f"expected a string, got {x!r}")
     return x
 
 
-def _pair(item: Any) -> list[Any]:
+def _pair(item: object) -> list[Any]:
     return item if isinstance(item, list) else []
 
 
-def as_list(x: Any) -> list[Any]:
+def as_list(x: object) -> list[Any]:
     if not isinstance(x, list):
         raise ManifestError(f"expected a list, got {type(x).__name__}")
     return x
 
 
-def as_dict(x: Any) -> dict[str, Any]:
+def as_dict(x: object) -> dict[str, Any]:
     if not isinstance(x, dict):
         raise ManifestError(f"expected an object, got {type(x).__name__}")
     return x
 
 
-def check_tree_depth(tree: Any) -> None:
+def check_tree_depth(tree: object) -> None:
     """Refuse a tree nested deeper than ``MAX_TREE_DEPTH`` containers (without recursing)."""
     pending = [(tree, 0)]
     while pending:
@@ -89,7 +89,7 @@ def check_tree_depth(tree: Any) -> None:
 _FLOAT_TAGS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
-def encode_tree(node: Any, *, depth: int = 0) -> Any:
+def encode_tree(node: object, *, depth: int = 0) -> Any:
     """Encode a skeleton (from ``state.flatten_state``) as JSON-compatible data.
 
     ``depth``: how many containers hold ``node`` in the whole skeleton (0: it is the
@@ -104,7 +104,7 @@ def encode_tree(node: Any, *, depth: int = 0) -> Any:
     return _encode(node, depth)
 
 
-def _encode(node: Any, depth: int) -> Any:
+def _encode(node: object, depth: int) -> Any:
     if node is None or isinstance(node, (bool, int, str)):
         return node
     if isinstance(node, float):
@@ -133,13 +133,13 @@ def _encode(node: Any, depth: int) -> Any:
     raise TypeError(f"cannot encode {type(node).__name__} in a manifest")
 
 
-def _encode_key(key: Any) -> Any:
+def _encode_key(key: object) -> Any:
     if isinstance(key, float) and not math.isfinite(key):
         return encode_tree(key)
     return key
 
 
-def decode_tree(node: Any, tensor: Any) -> Any:
+def decode_tree(node: object, tensor: torch.Tensor) -> Any:
     """Rebuild the state tree from its JSON encoding.
 
     Args:

@@ -13,13 +13,16 @@ TF names: ``tf.compat.v1.report_uninitialized_variables``,
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchsupervisor.core.session import session_op
 from torchsupervisor.core.state import is_materialized, iter_state_tensors
 from torchsupervisor.core.state_names import select_state
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.session import SessionLike
 
 __all__ = [
     "global_variables_initializer",
@@ -43,7 +46,7 @@ def report_uninitialized_variables(var_list: Any = None) -> Callable[[Any], list
     """
 
     @session_op
-    def report_uninitialized(sess: Any) -> list[str]:
+    def report_uninitialized(sess: SessionLike) -> list[str]:
         state = _state(sess, var_list)
         return [name for name, t in iter_state_tensors(state) if not is_materialized(t)]
 
@@ -63,7 +66,7 @@ def global_variables_initializer() -> Callable[[Any], None]:
     """
 
     @session_op
-    def initialize(sess: Any) -> None:
+    def initialize(sess: SessionLike) -> None:
         for obj in _state(sess, None).values():
             if isinstance(obj, torch.nn.Module):
                 _materialize(obj, sess.device)
@@ -84,7 +87,7 @@ def local_variables_initializer() -> Callable[[], None]:
     return local_init
 
 
-def _state(sess: Any, var_list: Any) -> Mapping[str, Any]:
+def _state(sess: SessionLike, var_list: Any) -> Mapping[str, Any]:
     state = getattr(sess, "state", None) or {}
     return select_state(state, var_list)
 

@@ -202,7 +202,7 @@ def walk_state(
             candidates.append(name)
         return make_ref(TensorRef, (name, ndarray))
 
-    def add_dtensor(obj: Any, path: str) -> TensorRef:
+    def add_dtensor(obj: object, path: str) -> TensorRef:
         # The local tensor itself: outside autograd (the walk runs under ``no_grad``) that
         # is what ``to_local`` returns, but for a parameter a new view of it at each call
         # (torch 2.13: 1 us a parameter, and the memo would never see the same shard).
@@ -230,7 +230,7 @@ def walk_state(
     # state: thousands), so the common cases come first and cheapest: exact plain types by a
     # set lookup, then DTensors, tensors, then dicts (``dict`` before the slower ``Mapping``
     # check). A mapping's plain values and DTensors are taken without a call of ``walk``.
-    def walk(obj: Any, path: str, depth: int, origin: int) -> Any:
+    def walk(obj: object, path: str, depth: int, origin: int) -> Any:
         kind = type(obj)
         if kind in _EXACT_PLAIN:
             return obj

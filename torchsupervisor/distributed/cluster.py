@@ -216,7 +216,7 @@ class Server:
         job_name: str | None = None,
         task_index: int | None = None,
         protocol: str | None = None,
-        config: Any = None,
+        config: object = None,
         start: bool = True,
     ) -> None:
         del protocol, config
@@ -246,7 +246,7 @@ class Server:
             self.start()
 
     @staticmethod
-    def create_local_server(config: Any = None, start: bool = True) -> Server:
+    def create_local_server(config: object = None, start: bool = True) -> Server:
         """Return a one-replica server on a free local port.
 
         TF name: ``tf.distribute.Server.create_local_server``.

@@ -26,7 +26,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
 import torch
@@ -37,6 +37,9 @@ from torchsupervisor.core.session import join_masters_with
 from torchsupervisor.distributed.attempt import DEFAULT_TIMEOUT_SECS
 from torchsupervisor.distributed.launcher import NAMESPACED_GROUPS, current_launcher
 from torchsupervisor.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "IN_PROCESS_MASTERS",
@@ -167,7 +170,7 @@ def background_group() -> Any:
     return group
 
 
-def store_outlives_attempts(group: Any) -> bool:
+def store_outlives_attempts(group: ProcessGroup | None) -> bool:
     """Whether ``group``'s store may hold keys of an earlier restart attempt.
 
     True under torchrun's shared agent store (``TORCHELASTIC_USE_AGENT_STORE``) for a group

@@ -34,12 +34,15 @@ import re
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
 from torchsupervisor.distributed.attempt import attempt_namespace
 from torchsupervisor.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "LAUNCHER_ENV",
@@ -108,7 +111,7 @@ class Launcher(Protocol):
         """
         ...
 
-    def store_outlives_attempts(self, group: Any) -> bool:
+    def store_outlives_attempts(self, group: ProcessGroup | None) -> bool:
         """Whether ``group``'s store may hold keys of an earlier restart attempt."""
         ...
 
@@ -177,7 +180,7 @@ class TorchrunLauncher:
             "world_size": self.world_size,
         }
 
-    def store_outlives_attempts(self, group: Any) -> bool:
+    def store_outlives_attempts(self, group: ProcessGroup | None) -> bool:
         """True for a group on torchrun's shared agent store that ``connect`` did not make
         (``init_process_group`` by the program)."""
         return self.agent_store and group not in NAMESPACED_GROUPS
@@ -242,7 +245,7 @@ class SlurmLauncher:
             "world_size": self.world_size,
         }
 
-    def store_outlives_attempts(self, group: Any) -> bool:
+    def store_outlives_attempts(self, group: ProcessGroup | None) -> bool:
         """False: every attempt of a SLURM job starts its own rendezvous."""
         return False
 

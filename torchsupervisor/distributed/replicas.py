@@ -32,7 +32,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,9 @@ from torchsupervisor.errors import (
     InvalidArgumentError,
     ReplicaAbort,
 )
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.global_step import GlobalStepLike
 
 __all__ = [
     "ReplicaAbort",
@@ -188,7 +191,7 @@ class ReplicaGroup:
 
     # -------------------------------------------- every rank posts, every rank reads all
 
-    def post(self, name: str, value: Any) -> None:
+    def post(self, name: str, value: object) -> None:
         """Post this rank's value (JSON-serializable) under ``name``.
 
         Thread safety: any thread (the store client serializes its requests).
@@ -365,7 +368,7 @@ class ReplicaGroup:
 def agree(
     replicas: ReplicaGroup,
     name: str,
-    value: Any,
+    value: object,
     timeout_secs: float,
     *,
     what: str,
@@ -409,7 +412,9 @@ class StopAgreement:
     is logged on every other rank (the root cause when that rank failed).
     """
 
-    def __init__(self, group: ReplicaGroup, global_step: Any, poll_secs: float = 0.25) -> None:
+    def __init__(
+        self, group: ReplicaGroup, global_step: GlobalStepLike, poll_secs: float = 0.25
+    ) -> None:
         self._group = group
         self._store = group._store
         self._global_step = global_step

@@ -34,7 +34,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
 
@@ -42,6 +42,10 @@ from torchsupervisor.checkpoint.saver import WRITE_AFTER_WAIT_SECS
 from torchsupervisor.core import threads
 from torchsupervisor.core.clock import REAL_CLOCK, Clock, Deadline
 from torchsupervisor.core.global_step import read_step
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.global_step import GlobalStepLike
+    from torchsupervisor.core.session import SessionLike
 
 __all__ = ["CHECKPOINT_AGE_TAG", "LAG_FACTOR", "CheckpointDriver"]
 
@@ -89,7 +93,7 @@ class CheckpointDriver:
         self,
         saver: Any,
         save_path: str,
-        global_step: Any = None,
+        global_step: GlobalStepLike | None = None,
         *,
         writer: Any = None,
         clock: Clock | None = None,
@@ -140,7 +144,7 @@ class CheckpointDriver:
 
     # ------------------------------------------------------------------- background saves
 
-    def request(self, session: Any) -> None:
+    def request(self, session: SessionLike) -> None:
         """Ask for a checkpoint at ``session``'s next step boundary (from any thread).
 
         At the boundary (the training thread) the checkpoint is skipped when the step did
@@ -150,13 +154,13 @@ class CheckpointDriver:
         with self._lock:
             self._ask(session)
 
-    def _ask(self, session: Any) -> None:
+    def _ask(self, session: SessionLike) -> None:
         # Under self._lock. The boundary's own lock is only ever taken inside this one.
         if not self._requested:
             self._requested = True
             session.boundary.call_soon(lambda: self._at_boundary(session))
 
-    def _at_boundary(self, session: Any) -> None:
+    def _at_boundary(self, session: SessionLike) -> None:
         with self._lock:
             self._requested = False
             if self._halted:
@@ -170,7 +174,7 @@ class CheckpointDriver:
             self.start(session, step)
 
     def start(
-        self, session: Any, step: int | None, *, flush_at_next_boundary: bool = False
+        self, session: SessionLike, step: int | None, *, flush_at_next_boundary: bool = False
     ) -> concurrent.futures.Future | None:
         """Start a background save at ``step`` (the snapshot is taken now).
 
@@ -330,7 +334,7 @@ class CheckpointDriver:
     # ------------------------------------------------------------------- synchronous saves
 
     def save(
-        self, session: Any, step: int | None, *, metrics: dict[str, float] | None = None
+        self, session: SessionLike, step: int | None, *, metrics: dict[str, float] | None = None
     ) -> str | None:
         """Save at ``step`` now and wait until it is committed (after the save in flight).
 
@@ -366,7 +370,7 @@ class CheckpointDriver:
 
     def final(
         self,
-        session: Any,
+        session: SessionLike,
         step: int | None,
         before_save: Callable[[int | None], Any] | None = None,
     ) -> str | None:

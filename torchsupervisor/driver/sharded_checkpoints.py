@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.coordinator import Coordinator, LooperThread
@@ -70,6 +70,9 @@ from torchsupervisor.core.session import Session
 from torchsupervisor.distributed.replicas import ReplicaAbort, ReplicaGroup
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 from torchsupervisor.errors import CheckpointSaveError, DeadlineExceededError
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.global_step import GlobalStepLike
 
 __all__ = ["DEFAULT_AGREEMENT_SECS", "ShardedCheckpointService"]
 
@@ -134,7 +137,7 @@ class ShardedCheckpointService:
         sess: Session,
         saver: Any,
         save_path: str,
-        global_step: Any,
+        global_step: GlobalStepLike,
         group: ReplicaGroup,
         *,
         writer: Any = None,

@@ -9,16 +9,19 @@ run trains and checkpoints, whatever an earlier run left in a process-wide colle
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchsupervisor.core.global_step import GlobalStep, get_global_step
 
+if TYPE_CHECKING:
+    from torchsupervisor.core.session import SessionLike
+
 __all__ = ["is_step", "require_global_step", "session_global_step", "step_name"]
 
 
-def is_step(value: Any) -> bool:
+def is_step(value: object) -> bool:
     """True for a ``GlobalStep`` or an integer scalar tensor."""
     if isinstance(value, GlobalStep):
         return True
@@ -43,7 +46,7 @@ def require_global_step(hook_name: str) -> Any:
     return step
 
 
-def session_global_step(session: Any, current: Any) -> Any:
+def session_global_step(session: SessionLike, current: Any) -> Any:
     """Return the ``"global_step"`` entry of the session's state, or ``current``."""
     state = getattr(session, "state", None)
     if isinstance(state, Mapping):

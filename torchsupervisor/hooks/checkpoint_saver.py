@@ -32,7 +32,7 @@ import concurrent.futures
 import logging
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.core.checks import check_bool, check_int, check_number, check_path, check_str
 from torchsupervisor.core.clock import Clock
@@ -48,6 +48,10 @@ from torchsupervisor.hooks.session_run_hook import (
 )
 from torchsupervisor.storage import paths as url_paths
 from torchsupervisor.summary.writer_cache import SummaryWriterCache
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.coordinator import Coordinator
+    from torchsupervisor.core.session import SessionLike
 
 __all__ = ["CheckpointSaverHook", "CheckpointSaverListener"]
 
@@ -72,7 +76,7 @@ class CheckpointSaverListener:
         TF name: ``tf.compat.v1.train.CheckpointSaverListener.begin``.
         """
 
-    def before_save(self, session: Any, global_step_value: int) -> None:
+    def before_save(self, session: SessionLike, global_step_value: int) -> None:
         """Act just before the snapshot of the checkpoint at ``global_step_value``.
 
         Args:
@@ -82,7 +86,7 @@ class CheckpointSaverListener:
         TF name: ``tf.compat.v1.train.CheckpointSaverListener.before_save``.
         """
 
-    def after_save(self, session: Any, global_step_value: int) -> bool | None:
+    def after_save(self, session: SessionLike, global_step_value: int) -> bool | None:
         """Act once the checkpoint at ``global_step_value`` is committed.
 
         Not called for a save that failed.
@@ -98,7 +102,7 @@ class CheckpointSaverListener:
         TF name: ``tf.compat.v1.train.CheckpointSaverListener.after_save``.
         """
 
-    def end(self, session: Any, global_step_value: int) -> None:
+    def end(self, session: SessionLike, global_step_value: int) -> None:
         """Act at the end, after the final checkpoint at ``global_step_value``.
 
         Also called when a final save under a time budget was abandoned.
@@ -225,7 +229,7 @@ class CheckpointSaverHook(SessionRunHook):
         for listener in self._listeners:
             listener.begin()
 
-    def after_create_session(self, session: Any, coord: Any) -> None:
+    def after_create_session(self, session: SessionLike, coord: Coordinator) -> None:
         """Save a checkpoint at the step of the new session (unless it was just restored).
 
         Waits first for a save still being written. Without listeners the new save is left
@@ -274,7 +278,7 @@ class CheckpointSaverHook(SessionRunHook):
             if self._save(run_context.session, step, in_step=True):
                 run_context.request_stop()
 
-    def end(self, session: Any) -> None:
+    def end(self, session: SessionLike) -> None:
         """Wait for the save in flight, save the last step if needed, end the listeners.
 
         With a budget (``set_final_save_budget``) a save that fails or does not commit in
@@ -398,7 +402,7 @@ class CheckpointSaverHook(SessionRunHook):
         self._driver.saver = self._saver
         return self._saver
 
-    def _before_save(self, session: Any) -> Any:
+    def _before_save(self, session: SessionLike) -> Any:
         def before(step: int | None) -> None:
             logger.info("Saving checkpoints for %d into %s.", step, self._save_path)
             for listener in self._listeners:
@@ -406,7 +410,7 @@ class CheckpointSaverHook(SessionRunHook):
 
         return before
 
-    def _save(self, session: Any, step: int, *, in_step: bool = False) -> bool:
+    def _save(self, session: SessionLike, step: int, *, in_step: bool = False) -> bool:
         """Save at ``step`` in the background; return True if a listener asked to stop.
 
         Waits for the previous save first. With listeners the new save is waited for and
@@ -450,7 +454,7 @@ class CheckpointSaverHook(SessionRunHook):
             return False
         return self._after_save(session, step)
 
-    def _after_save(self, session: Any, step: int) -> bool:
+    def _after_save(self, session: SessionLike, step: int) -> bool:
         stop = False
         for listener in self._listeners:
             if listener.after_save(session, step):

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.errors import OutOfRangeError
 from torchsupervisor.hooks.session_run_hook import SessionRunHook
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.session import SessionLike
 
 __all__ = ["FinalOpsHook"]
 
@@ -48,7 +51,7 @@ class FinalOpsHook(SessionRunHook):
         """
         return self._final_ops_values
 
-    def end(self, session: Any) -> None:
+    def end(self, session: SessionLike) -> None:
         """Evaluate the final ops on ``session`` (nothing if ``final_ops`` is None).
 
         Raises:

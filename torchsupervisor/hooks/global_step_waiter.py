@@ -6,13 +6,18 @@ TF name: ``tf.compat.v1.train.GlobalStepWaiterHook``.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torchsupervisor.core.checks import check_int, check_number
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.hooks._global_step import require_global_step, session_global_step
 from torchsupervisor.hooks.session_run_hook import SessionRunContext, SessionRunHook
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.coordinator import Coordinator
+    from torchsupervisor.core.global_step import GlobalStepLike
+    from torchsupervisor.core.session import SessionLike
 
 __all__ = ["GlobalStepWaiterHook"]
 
@@ -50,7 +55,7 @@ class GlobalStepWaiterHook(SessionRunHook):
         self._poll_secs = check_number("poll_secs", poll_secs, positive=True)
         self._clock = clock or REAL_CLOCK
         self._worker_is_started = False
-        self._global_step: Any = None
+        self._global_step: GlobalStepLike | None = None
 
     def begin(self) -> None:
         """Find the global step; the next ``before_run`` waits again.
@@ -63,7 +68,7 @@ class GlobalStepWaiterHook(SessionRunHook):
         self._worker_is_started = False
         self._global_step = require_global_step("_GlobalStepWaiterHook")
 
-    def after_create_session(self, session: Any, coord: Any) -> None:
+    def after_create_session(self, session: SessionLike, coord: Coordinator) -> None:
         """Use the global step of the session's state.
 
         TF name: ``tf.compat.v1.train.GlobalStepWaiterHook.after_create_session`` (the

@@ -14,7 +14,7 @@ import logging
 import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,12 +31,15 @@ from torchsupervisor.hooks.session_run_hook import (
     SessionRunValues,
 )
 
+if TYPE_CHECKING:
+    from torchsupervisor.core.session import SessionLike
+
 __all__ = ["LoggingTensorHook", "NanLossDuringTrainingError", "NanTensorHook"]
 
 logger = logging.getLogger("torchsupervisor")
 
 
-def _is_nan(value: Any) -> bool:
+def _is_nan(value: object) -> bool:
     if isinstance(value, torch.Tensor):
         if value.numel() == 1:
             return math.isnan(value.item())
@@ -102,7 +105,7 @@ class NanTensorHook(SessionRunHook):
             run_context.request_stop()
 
 
-def _printable(value: Any) -> Any:
+def _printable(value: object) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy()
     return value
@@ -222,7 +225,7 @@ class LoggingTensorHook(SessionRunHook):
             self._log_tensors(results)
         self._iter_count += 1
 
-    def end(self, session: Any) -> None:
+    def end(self, session: SessionLike) -> None:
         """Log once more at the end if ``at_end``.
 
         Named entries of the caller's result give their values of the last run (absent if no

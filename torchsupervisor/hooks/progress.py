@@ -22,13 +22,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from torchsupervisor.core.checks import check_clock, check_duck, check_int, check_number
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.hooks._global_step import require_global_step
 from torchsupervisor.hooks.session_run_hook import SessionRunHook
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.global_step import GlobalStepLike
+    from torchsupervisor.core.session import SessionLike
 
 __all__ = ["Progress", "ProgressHook"]
 
@@ -102,7 +106,7 @@ class Progress:
         self._log_handler: logging.Handler | None = None  # Prints log lines above the bar.
 
     @classmethod
-    def for_supervisor(cls, sv: Any, last_step: int | None = None, **kwargs: Any) -> Progress:
+    def for_supervisor(cls, sv: Any, last_step: int | None = None, **kwargs: object) -> Progress:
         """A ``Progress`` that shows the checkpoints of ``sv`` (a ``Supervisor``)."""
 
         kwargs.setdefault("checkpoint_every_secs", sv.save_model_secs or None)
@@ -227,7 +231,7 @@ def _sized(stream: Any) -> bool:
 class _AboveBar(logging.Handler):
     """Print log records above a ``tqdm`` bar (``tqdm.write``), which is then redrawn."""
 
-    def __init__(self, bar: Any) -> None:
+    def __init__(self, bar: object) -> None:
         super().__init__(logging.WARNING)
         self._bar = bar
 
@@ -238,7 +242,7 @@ class _AboveBar(logging.Handler):
             self.handleError(record)
 
 
-def _handler_above(bar: Any) -> logging.Handler | None:
+def _handler_above(bar: object) -> logging.Handler | None:
     """Route the library's log lines above ``bar`` where nobody set up logging (they would
     go to Python's last-resort handler on stderr, glued to the bar's line)."""
     root = logging.getLogger()
@@ -287,13 +291,13 @@ class ProgressHook(SessionRunHook):
         driver = getattr(checkpoint_saver_hook, "checkpoint_driver", None)
         self.progress = Progress(last_step, checkpoint_driver=driver, **progress_options)
         self._loss = loss
-        self._global_step: Any = None
+        self._global_step: GlobalStepLike | None = None
 
     def begin(self) -> None:
         self._global_step = require_global_step("ProgressHook")
 
-    def after_run(self, run_context: Any, run_values: Any) -> None:
+    def after_run(self, run_context: Any, run_values: object) -> None:
         self.progress.update(read_step(self._global_step), self._loss)
 
-    def end(self, session: Any) -> None:
+    def end(self, session: SessionLike) -> None:
         self.progress.close()

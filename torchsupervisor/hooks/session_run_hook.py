@@ -28,7 +28,11 @@ TF names: ``tf.compat.v1.train.SessionRunHook``, ``SessionRunArgs``, ``SessionRu
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.coordinator import Coordinator
+    from torchsupervisor.core.session import SessionLike
 
 __all__ = [
     "SessionRunArgs",
@@ -64,7 +68,7 @@ class SessionRunHook:
         TF name: ``tf.compat.v1.train.SessionRunHook.begin``.
         """
 
-    def after_create_session(self, session: Any, coord: Any) -> None:
+    def after_create_session(self, session: SessionLike, coord: Coordinator) -> None:
         """Act on a new session whose state is restored or initialized.
 
         Called after every session creation, including re-creation after an ``AbortedError``
@@ -103,7 +107,7 @@ class SessionRunHook:
         TF name: ``tf.compat.v1.train.SessionRunHook.after_run``.
         """
 
-    def end(self, session: Any) -> None:
+    def end(self, session: SessionLike) -> None:
         """Act at the end of the session (a clean close, or end of input).
 
         Not called when the ``with`` block exits with an error other than ``OutOfRangeError``
@@ -129,9 +133,9 @@ class SessionRunArgs(NamedTuple):
     TF name: ``tf.compat.v1.train.SessionRunArgs``.
     """
 
-    fetches: Any
+    fetches: object
     feed_dict: Mapping[str, Any] | None = None
-    options: Any = None
+    options: object = None
 
 
 class SessionRunValues(NamedTuple):
@@ -146,9 +150,9 @@ class SessionRunValues(NamedTuple):
     TF name: ``tf.compat.v1.train.SessionRunValues``.
     """
 
-    results: Any
-    options: Any = None
-    run_metadata: Any = None
+    results: object
+    options: object = None
+    run_metadata: object = None
 
 
 class SessionRunContext:
@@ -165,7 +169,7 @@ class SessionRunContext:
 
     __slots__ = ("_original_args", "_session", "_stop_requested")
 
-    def __init__(self, original_args: SessionRunArgs, session: Any) -> None:
+    def __init__(self, original_args: SessionRunArgs, session: SessionLike) -> None:
         self._original_args = original_args
         self._session = session
         self._stop_requested = False

@@ -6,7 +6,7 @@ TF name: ``tf.compat.v1.train.StepCounterHook``.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorboard.compat.proto.summary_pb2 import Summary
 
@@ -25,6 +25,11 @@ from torchsupervisor.hooks.session_run_hook import (
     SessionRunValues,
 )
 from torchsupervisor.summary.writer_cache import SummaryWriterCache
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.coordinator import Coordinator
+    from torchsupervisor.core.global_step import GlobalStepLike
+    from torchsupervisor.core.session import SessionLike
 
 __all__ = ["StepCounterHook"]
 
@@ -78,7 +83,7 @@ class StepCounterHook(SessionRunHook):
         )
         self._output_dir = output_dir
         self._summary_writer = summary_writer
-        self._global_step: Any = None
+        self._global_step: GlobalStepLike | None = None
         self._summary_tag = "global_step/sec"
         self._last_step: int | None = None
         self._stale_warnings = 0
@@ -96,7 +101,7 @@ class StepCounterHook(SessionRunHook):
         self._global_step = require_global_step("StepCounterHook")
         self._summary_tag = step_name(self._global_step) + "/sec"
 
-    def after_create_session(self, session: Any, coord: Any) -> None:
+    def after_create_session(self, session: SessionLike, coord: Coordinator) -> None:
         """Take the session state's global step and start counting afresh.
 
         The timer is reset, since after a recovery the step may have moved back.

@@ -5,7 +5,7 @@ TF name: ``tf.compat.v1.train.StopAtStepHook``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torchsupervisor.core.checks import check_int
 from torchsupervisor.core.global_step import read_step
@@ -15,6 +15,11 @@ from torchsupervisor.hooks.session_run_hook import (
     SessionRunHook,
     SessionRunValues,
 )
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.coordinator import Coordinator
+    from torchsupervisor.core.global_step import GlobalStepLike
+    from torchsupervisor.core.session import SessionLike
 
 __all__ = ["StopAtStepHook"]
 
@@ -50,7 +55,7 @@ class StopAtStepHook(SessionRunHook):
         last_step = check_int("last_step", last_step, allow_none=True)
         self._num_steps = num_steps
         self._last_step = last_step
-        self._global_step: Any = None
+        self._global_step: GlobalStepLike | None = None
 
     @property
     def last_step(self) -> int | None:
@@ -70,7 +75,7 @@ class StopAtStepHook(SessionRunHook):
         """
         self._global_step = require_global_step("StopAtStepHook")
 
-    def after_create_session(self, session: Any, coord: Any) -> None:
+    def after_create_session(self, session: SessionLike, coord: Coordinator) -> None:
         """Take the session state's global step; compute ``last_step`` on the first session.
 
         ``last_step`` is the step read now plus ``num_steps``; a later session keeps it.

@@ -5,7 +5,7 @@ TF name: ``tf.compat.v1.train.SummarySaverHook``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.core.checks import check_int, check_number, check_path
 from torchsupervisor.core.clock import Clock
@@ -20,6 +20,11 @@ from torchsupervisor.hooks.session_run_hook import (
 )
 from torchsupervisor.summary.writer import write_start
 from torchsupervisor.summary.writer_cache import SummaryWriterCache
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.coordinator import Coordinator
+    from torchsupervisor.core.global_step import GlobalStepLike
+    from torchsupervisor.core.session import Op, SessionLike
 
 __all__ = ["SummarySaverHook"]
 
@@ -61,7 +66,7 @@ class SummarySaverHook(SessionRunHook):
         output_dir: str | None = None,
         summary_writer: Any = None,
         scaffold: Any = None,
-        summary_op: Any = None,
+        summary_op: Op | None = None,
         *,
         clock: Clock | None = None,
     ) -> None:
@@ -75,7 +80,7 @@ class SummarySaverHook(SessionRunHook):
         self._output_dir = output_dir
         self._scaffold = scaffold
         self._timer = SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
-        self._global_step: Any = None
+        self._global_step: GlobalStepLike | None = None
         self._next_step: int | None = None
         self._start_step: int | None = None  # The step of the first run (before it).
         self._request_summary = False
@@ -95,7 +100,7 @@ class SummarySaverHook(SessionRunHook):
         self._next_step = None
         self._global_step = require_global_step("SummarySaverHook")
 
-    def after_create_session(self, session: Any, coord: Any) -> None:
+    def after_create_session(self, session: SessionLike, coord: Coordinator) -> None:
         """Use the global step of the session's state.
 
         TF name: ``tf.compat.v1.train.SummarySaverHook.after_create_session`` (the inherited no-op
@@ -157,7 +162,7 @@ class SummarySaverHook(SessionRunHook):
                         writer.add_summary(summary, step)
         self._next_step = step + 1
 
-    def end(self, session: Any) -> None:
+    def end(self, session: SessionLike) -> None:
         """Flush the writer.
 
         TF name: ``tf.compat.v1.train.SummarySaverHook.end``.

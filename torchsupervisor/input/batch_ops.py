@@ -38,7 +38,7 @@ def _flatten(tensors: Any, fn: str) -> tuple[list[Any], list[Any]]:
     return keys, leaves
 
 
-def _as_value(value: Any) -> Any:
+def _as_value(value: object) -> Any:
     """A component as it is queued: numbers and NumPy arrays become tensors."""
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value)

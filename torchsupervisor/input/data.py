@@ -44,7 +44,7 @@ import collections
 import contextlib
 import signal
 from collections.abc import Iterable, Iterator, Sized
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -52,6 +52,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchsupervisor.core.checks import check_int
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.driver.preemption import IgnorePreemptionSignals
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.global_step import GlobalStepLike
 
 __all__ = ["ResumableDataLoader", "ResumableSampler"]
 
@@ -220,7 +223,7 @@ class ResumableDataLoader:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
-        global_step: Any = None,
+        global_step: GlobalStepLike | None = None,
         rank: int = 0,
         world_size: int = 1,
         **loader_kwargs: Any,

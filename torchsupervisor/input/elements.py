@@ -18,7 +18,7 @@ import torch
 __all__ = ["as_element", "check_shapes", "collate"]
 
 
-def as_element(vals: Any, *, queue: str, components: int | None, named: bool) -> Any:
+def as_element(vals: object, *, queue: str, components: int | None, named: bool) -> Any:
     """An element as queued.
 
     Args:

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.core.session import evaluate_fetches
 from torchsupervisor.errors import OutOfRangeError
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["OpOutput", "evaluate", "limit_epochs", "outputs", "py_func"]
 
 
-def evaluate(structure: Any) -> Any:
+def evaluate(structure: object) -> Any:
     """Evaluate an input structure once: shared ops run once, constants are kept.
 
     Raises:
@@ -53,7 +56,7 @@ class OpOutput:
         self.output_of = op
         self._index = index
 
-    def select(self, value: Any) -> Any:
+    def select(self, value: object) -> Any:
         """Pick this output from the op's result."""
         return value[self._index]
 
@@ -113,7 +116,7 @@ def outputs(op: Callable[[], Any], like: Any, keys: list[Any]) -> Any:
 class _LimitEpochs:
     """The op of ``limit_epochs``: its value, at most ``num_epochs`` times."""
 
-    def __init__(self, tensor: Any, num_epochs: int, name: str) -> None:
+    def __init__(self, tensor: torch.Tensor, num_epochs: int, name: str) -> None:
         self._tensor = tensor
         self._num_epochs = num_epochs
         self._epochs = 0
@@ -142,7 +145,9 @@ class _LimitEpochs:
             self._epochs = int(state["epochs"])
 
 
-def limit_epochs(tensor: Any, num_epochs: int | None = None, name: str | None = None) -> Any:
+def limit_epochs(
+    tensor: torch.Tensor, num_epochs: int | None = None, name: str | None = None
+) -> Any:
     """Return a value that yields ``tensor`` ``num_epochs`` times, then ``OutOfRangeError``.
 
     Args:

@@ -38,7 +38,7 @@ from torchsupervisor.input.ops import OpOutput
 __all__ = ["InputPipelineState"]
 
 
-def _stateful(node: Any, found: dict[int, Any], depth: int = 0) -> None:
+def _stateful(node: object, found: dict[int, Any], depth: int = 0) -> None:
     """Collect the objects with a state below an enqueue op or an input value, in order."""
     if depth > 32 or id(node) in found:
         return

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 
-def _rows(value: Any, what: str) -> list[Any]:
+def _rows(value: object, what: str) -> list[Any]:
     """The elements of an input: a tensor's rows (dimension 0), or a sequence's items."""
     if isinstance(value, np.ndarray):
         value = torch.from_numpy(value)
@@ -203,7 +203,7 @@ def input_producer(
 
 
 def string_input_producer(
-    string_tensor: Any,
+    string_tensor: object,
     num_epochs: int | None = None,
     shuffle: bool = True,
     seed: int | None = None,

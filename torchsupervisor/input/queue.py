@@ -62,7 +62,7 @@ class _Dequeue:
 
     __slots__ = ("held", "n", "rng_before")
 
-    def __init__(self, n: int, rng_before: Any) -> None:
+    def __init__(self, n: int, rng_before: object) -> None:
         self.n = n
         self.held: list[Any] = []
         self.rng_before = rng_before
@@ -140,7 +140,7 @@ class QueueBase:
     def _count(self) -> int:
         raise NotImplementedError
 
-    def _add(self, element: Any, seq: int) -> None:
+    def _add(self, element: object, seq: int) -> None:
         raise NotImplementedError
 
     def _can_take(self) -> bool:
@@ -150,7 +150,7 @@ class QueueBase:
         """Remove the entry that leaves next and return it."""
         raise NotImplementedError
 
-    def _element(self, entry: Any) -> Any:
+    def _element(self, entry: object) -> Any:
         return entry
 
     def _give_back(self, entries: list[Any]) -> None:
@@ -167,7 +167,7 @@ class QueueBase:
     def _set_rng_state(self, state: Any) -> None:
         del state
 
-    def _check(self, element: Any) -> Any:
+    def _check(self, element: object) -> Any:
         return element
 
     def _batch(self, elements: list[Any]) -> Any:
@@ -301,7 +301,7 @@ class QueueBase:
                     self._pending = collections.deque(others)
                     raise
 
-    def enqueue(self, vals: Any, *, timeout_secs: float | None = None) -> None:
+    def enqueue(self, vals: object, *, timeout_secs: float | None = None) -> None:
         """Add one element, waiting while the queue is full.
 
         Args:
@@ -321,7 +321,7 @@ class QueueBase:
         """
         self._enqueue([self._check(self._as_element(vals))], timeout_secs)
 
-    def _as_element(self, vals: Any) -> Any:
+    def _as_element(self, vals: object) -> Any:
         return as_element(
             vals,
             queue=self._name,
@@ -329,7 +329,7 @@ class QueueBase:
             named=self._names is not None,
         )
 
-    def enqueue_many(self, vals: Any, *, timeout_secs: float | None = None) -> None:
+    def enqueue_many(self, vals: object, *, timeout_secs: float | None = None) -> None:
         """Add several elements, in order, waiting for room as needed.
 
         Args:
@@ -350,7 +350,7 @@ class QueueBase:
         """
         self._enqueue([self._check(self._as_element(e)) for e in self._split(vals)], timeout_secs)
 
-    def _split(self, vals: Any) -> list[Any]:
+    def _split(self, vals: object) -> list[Any]:
         if self._names is not None and isinstance(vals, Mapping):
             keys = self._names
             return [dict(zip(keys, row)) for row in zip(*(vals[k] for k in keys))]
@@ -568,7 +568,7 @@ class FIFOQueue(QueueBase):
     def _count(self) -> int:
         return len(self._items)
 
-    def _add(self, element: Any, seq: int) -> None:
+    def _add(self, element: object, seq: int) -> None:
         self._items.append(element)
 
     def _remove(self) -> Any:

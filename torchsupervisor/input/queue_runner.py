@@ -36,13 +36,16 @@ import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.core.coordinator import Coordinator
 from torchsupervisor.core.registry import GraphKeys, get_default_graph
 from torchsupervisor.errors import OutOfRangeError
 from torchsupervisor.input.gate import GATE
 from torchsupervisor.input.queue import FIFOQueue
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.session import Op, SessionLike
 
 __all__ = [
     "QueueRunner",
@@ -54,7 +57,7 @@ __all__ = [
 logger = logging.getLogger("torchsupervisor")
 
 
-def _bind_session(op: Callable[..., Any], sess: Any) -> Callable[[], Any]:
+def _bind_session(op: Callable[..., Any], sess: SessionLike) -> Callable[[], Any]:
     """Return ``op`` as a zero-argument callable: ``op(sess)`` if it takes the session."""
     try:
         params = list(inspect.signature(op).parameters.values())
@@ -67,7 +70,7 @@ def _bind_session(op: Callable[..., Any], sess: Any) -> Callable[[], Any]:
     return functools.partial(op, sess) if takes_session else op
 
 
-def _op_name(op: Any) -> str:
+def _op_name(op: Op) -> str:
     return getattr(op, "name", None) or getattr(op, "__name__", None) or type(op).__name__
 
 
@@ -116,7 +119,7 @@ class QueueRunner:
         close_op: Callable[..., Any] | None = None,
         cancel_op: Callable[..., Any] | None = None,
         queue_closed_exception_types: tuple[type[BaseException], ...] | None = None,
-        queue_runner_def: Any = None,
+        queue_runner_def: object = None,
         import_scope: str | None = None,
     ) -> None:
         if queue_runner_def is not None or import_scope is not None:
@@ -215,7 +218,7 @@ class QueueRunner:
 
     def create_threads(
         self,
-        sess: Any,
+        sess: SessionLike,
         coord: Coordinator | None = None,
         daemon: bool = False,
         start: bool = False,
@@ -274,7 +277,7 @@ class QueueRunner:
                 thread.start()
         return threads
 
-    def _thread_done(self, sess: Any) -> bool:
+    def _thread_done(self, sess: SessionLike) -> bool:
         """Count one thread of ``sess`` as ended; True if it was the last one."""
         with self._lock:
             left = self._runs.get(sess, 1) - 1
@@ -284,7 +287,7 @@ class QueueRunner:
             self._runs.pop(sess, None)
             return True
 
-    def _run_close(self, op: Callable[..., Any], sess: Any) -> None:
+    def _run_close(self, op: Callable[..., Any], sess: SessionLike) -> None:
         try:
             _bind_session(op, sess)()
         except Exception as e:
@@ -292,7 +295,7 @@ class QueueRunner:
         with self._lock:
             self._closed_queue = True
 
-    def _run(self, sess: Any, op: Callable[..., Any], coord: Coordinator | None) -> None:
+    def _run(self, sess: SessionLike, op: Callable[..., Any], coord: Coordinator | None) -> None:
         counted = False
         try:
             enqueue = _bind_session(op, sess)
@@ -321,7 +324,7 @@ class QueueRunner:
             if not counted:
                 self._thread_done(sess)
 
-    def _close_on_stop(self, sess: Any, coord: Coordinator) -> None:
+    def _close_on_stop(self, sess: SessionLike, coord: Coordinator) -> None:
         coord.wait_for_stop()
         self._run_close(self._cancel_op, sess)
 
@@ -342,7 +345,7 @@ def add_queue_runner(qr: QueueRunner, collection: str = GraphKeys.QUEUE_RUNNERS)
 
 
 def start_queue_runners(
-    sess: Any = None,
+    sess: SessionLike | None = None,
     coord: Coordinator | None = None,
     daemon: bool = True,
     start: bool = True,

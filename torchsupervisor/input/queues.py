@@ -93,7 +93,7 @@ class RandomShuffleQueue(QueueBase):
     def _count(self) -> int:
         return len(self._items)
 
-    def _add(self, element: Any, seq: int) -> None:
+    def _add(self, element: object, seq: int) -> None:
         self._items.append((seq, element))
 
     def _can_take(self) -> bool:
@@ -104,7 +104,7 @@ class RandomShuffleQueue(QueueBase):
         window = min(len(self._items), self._min_after_dequeue + 1)
         return self._items.pop(self._rng.randrange(window))
 
-    def _element(self, entry: Any) -> Any:
+    def _element(self, entry: object) -> Any:
         return entry[1]
 
     def _give_back(self, entries: list[Any]) -> None:
@@ -134,7 +134,7 @@ def _padded_stack(tensors: list[torch.Tensor], queue: str) -> torch.Tensor:
     return out
 
 
-def _components(element: Any) -> list[Any]:
+def _components(element: object) -> list[Any]:
     if isinstance(element, tuple):
         return list(element)
     if isinstance(element, Mapping):
@@ -182,7 +182,7 @@ class PaddingFIFOQueue(FIFOQueue):
                 )
         self._shapes = None if shapes is None else [None if s is None else list(s) for s in shapes]
 
-    def _check(self, element: Any) -> Any:
+    def _check(self, element: object) -> Any:
         if self._shapes is None:
             return element
         components = _components(element)
@@ -198,13 +198,13 @@ class PaddingFIFOQueue(FIFOQueue):
         return collate(elements, lambda tensors: _padded_stack(tensors, self._name))
 
 
-def _is_shape(value: Any) -> bool:
+def _is_shape(value: object) -> bool:
     return isinstance(value, (list, tuple, torch.Size)) and all(
         d is None or isinstance(d, int) for d in value
     )
 
 
-def _priority(element: Any, queue: str) -> int:
+def _priority(element: object, queue: str) -> int:
     if not isinstance(element, (tuple, list)) or not element:
         raise ValueError(
             f"queue '{queue}': an element is a tuple whose first component is its priority, "
@@ -269,20 +269,20 @@ class PriorityQueue(QueueBase):
     def _init_storage(self) -> None:
         self._heap: list[tuple[int, int, Any]] = []
 
-    def _check(self, element: Any) -> Any:
+    def _check(self, element: object) -> Any:
         _priority(element, self._name)
         return tuple(element)
 
     def _count(self) -> int:
         return len(self._heap)
 
-    def _add(self, element: Any, seq: int) -> None:
+    def _add(self, element: object, seq: int) -> None:
         heapq.heappush(self._heap, (_priority(element, self._name), seq, element))
 
     def _remove(self) -> Any:
         return heapq.heappop(self._heap)
 
-    def _element(self, entry: Any) -> Any:
+    def _element(self, entry: object) -> Any:
         return entry[2]
 
     def _give_back(self, entries: list[Any]) -> None:

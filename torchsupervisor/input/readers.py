@@ -394,7 +394,7 @@ class TFRecordReader(ReaderBase):
     TF name: ``tf.compat.v1.TFRecordReader``.
     """
 
-    def __init__(self, name: str | None = None, options: Any = None) -> None:
+    def __init__(self, name: str | None = None, options: object = None) -> None:
         super().__init__(name)
         if options not in (None, "", 0):
             raise ValueError(f"options {options!r} are not supported: store the records raw")
@@ -420,7 +420,7 @@ class TFRecordReader(ReaderBase):
         return self._key(offset), data
 
 
-def _decode(value: Any, out_type: torch.dtype, little_endian: bool) -> torch.Tensor:
+def _decode(value: object, out_type: torch.dtype, little_endian: bool) -> torch.Tensor:
     if isinstance(value, (list, tuple)):
         parts = [_decode(v, out_type, little_endian) for v in value]
         return torch.stack(parts) if parts else torch.empty(0, dtype=out_type)
@@ -466,7 +466,7 @@ def decode_raw(
     TF name: ``tf.io.decode_raw`` (``tf.compat.v1.decode_raw``).
     """
 
-    def decode(value: Any) -> torch.Tensor:
+    def decode(value: object) -> torch.Tensor:
         if fixed_length is not None:
             value = (
                 [v[:fixed_length] for v in value]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -40,6 +40,9 @@ from torchsupervisor.distributed.replicas import ReplicaGroup
 from torchsupervisor.monitored.scaffold import Scaffold, check_scaffold, prepare_state, same_state
 from torchsupervisor.storage import DirectoryLock, storage_for
 from torchsupervisor.supervisor.session_manager import SessionManager
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ChiefSessionCreator", "SessionCreator", "WorkerSessionCreator"]
 
@@ -82,9 +85,9 @@ class _ScaffoldedCreator(SessionCreator):
         self,
         scaffold: Scaffold | None,
         master: str,
-        config: Any,
+        config: object,
         state: Mapping[str, Any] | None,
-        device: Any,
+        device: torch.device | str | None,
         clock: Clock | None,
     ) -> None:
         check_scaffold(scaffold)
@@ -179,12 +182,12 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         self,
         scaffold: Scaffold | None = None,
         master: str = "",
-        config: Any = None,
+        config: object = None,
         checkpoint_dir: str | None = None,
         checkpoint_filename_with_path: str | None = None,
         *,
         state: Mapping[str, Any] | None = None,
-        device: Any = None,
+        device: torch.device | str | None = None,
         clock: Clock | None = None,
     ) -> None:
         super().__init__(scaffold, master, config, state, device, clock)
@@ -345,11 +348,11 @@ class WorkerSessionCreator(_ScaffoldedCreator):
         self,
         scaffold: Scaffold | None = None,
         master: str = "",
-        config: Any = None,
+        config: object = None,
         max_wait_secs: float = 30 * 60,
         *,
         state: Mapping[str, Any] | None = None,
-        device: Any = None,
+        device: torch.device | str | None = None,
         clock: Clock | None = None,
     ) -> None:
         super().__init__(scaffold, master, config, state, device, clock)

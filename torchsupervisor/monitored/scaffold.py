@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.checkpoint.saver import Saver
 from torchsupervisor.core.checks import check_clock, check_state
@@ -41,6 +41,9 @@ from torchsupervisor.core.variables import (
 )
 from torchsupervisor.hooks._global_step import is_step
 from torchsupervisor.summary.ops import merge_all
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.session import Op
 
 __all__ = ["Scaffold", "check_scaffold"]
 
@@ -107,13 +110,13 @@ class Scaffold:
 
     def __init__(
         self,
-        init_op: Any = None,
+        init_op: Op | None = None,
         init_feed_dict: Mapping[str, Any] | None = None,
         init_fn: Callable[[Scaffold, Any], None] | None = None,
-        ready_op: Any = None,
-        ready_for_local_init_op: Any = None,
-        local_init_op: Any = None,
-        summary_op: Any = None,
+        ready_op: Op | None = None,
+        ready_for_local_init_op: Op | None = None,
+        local_init_op: Op | None = None,
+        summary_op: Op | None = None,
         saver: Any = None,
         copy_from_scaffold: Scaffold | None = None,
         local_init_feed_dict: Mapping[str, Any] | None = None,
@@ -126,7 +129,7 @@ class Scaffold:
                 raise TypeError("copy_from_scaffold is not a Scaffold instance.")
             other = copy_from_scaffold
 
-            def pick(mine: Any, theirs: Any) -> Any:
+            def pick(mine: Any, theirs: object) -> Any:
                 return mine if mine is not None else theirs
 
             init_op = pick(init_op, other._init_op)
@@ -324,7 +327,7 @@ class Scaffold:
         return self._saver
 
 
-def check_scaffold(value: Any, hint: str = "") -> Scaffold | None:
+def check_scaffold(value: object, hint: str = "") -> Scaffold | None:
     """Return ``value`` after checking it is a ``Scaffold`` or None.
 
     Raises:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.core.checks import (
     check_duck,
@@ -72,6 +72,9 @@ from torchsupervisor.monitored.wrappers import (
     _HookedSession,
     _RecoverableSession,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "MonitoredSession",
@@ -213,10 +216,10 @@ class _MonitoredSession:
 
     def run(
         self,
-        fetches: Any,
+        fetches: object,
         feed_dict: Mapping[str, Any] | None = None,
-        options: Any = None,
-        run_metadata: Any = None,
+        options: object = None,
+        run_metadata: object = None,
     ) -> Any:
         """Run fetches with the hooks, recovering from preemption errors.
 
@@ -381,7 +384,7 @@ class _MonitoredSession:
     def __enter__(self) -> _MonitoredSession:
         return self
 
-    def __exit__(self, exception_type: Any, exception_value: Any, traceback: Any) -> bool:
+    def __exit__(self, exception_type: Any, exception_value: Any, traceback: object) -> bool:
         if exception_type in (OutOfRangeError, StopIteration):
             exception_type = None
         self._close_internal(exception_type)
@@ -492,13 +495,13 @@ class SingularMonitoredSession(_MonitoredSession):
         hooks: Iterable[SessionRunHook] | None = None,
         scaffold: Scaffold | None = None,
         master: str = "",
-        config: Any = None,
+        config: object = None,
         checkpoint_dir: str | None = None,
         stop_grace_period_secs: float = 120,
         checkpoint_filename_with_path: str | None = None,
         *,
         state: Mapping[str, Any] | None = None,
-        device: Any = None,
+        device: torch.device | str | None = None,
         clock: Clock | None = None,
         preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
         preemption_grace_secs: float = 30.0,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.errors import AbortedError, NotFoundError, UnavailableError
 from torchsupervisor.hooks.session_run_hook import (
@@ -27,6 +27,10 @@ from torchsupervisor.hooks.session_run_hook import (
     SessionRunHook,
     SessionRunValues,
 )
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.coordinator import Coordinator
+    from torchsupervisor.core.session import SessionLike
 
 __all__ = ["PREEMPTION_ERRORS", "StepContext"]
 
@@ -52,7 +56,7 @@ class StepContext:
 
     __slots__ = ("_run_with_hooks_fn", "_session")
 
-    def __init__(self, session: Any, run_with_hooks_fn: Callable[..., Any]) -> None:
+    def __init__(self, session: SessionLike, run_with_hooks_fn: Callable[..., Any]) -> None:
         self._session = session
         self._run_with_hooks_fn = run_with_hooks_fn
 
@@ -64,7 +68,7 @@ class StepContext:
         """
         return self._session
 
-    def run_with_hooks(self, *args: Any, **kwargs: Any) -> Any:
+    def run_with_hooks(self, *args: object, **kwargs: object) -> Any:
         """Run fetches like ``MonitoredSession.run``: with every hook.
 
         TF name: ``StepContext.run_with_hooks``.
@@ -88,7 +92,7 @@ class StepContext:
 class _WrappedSession:
     """Forwards to the wrapped session; subclasses add one behaviour."""
 
-    def __init__(self, sess: Any) -> None:
+    def __init__(self, sess: SessionLike) -> None:
         self._sess = sess
         self._wrapped_is_stoppable = isinstance(sess, _WrappedSession)
 
@@ -122,11 +126,11 @@ class _WrappedSession:
         finally:
             self._sess = None
 
-    def run(self, *args: Any, **kwargs: Any) -> Any:
+    def run(self, *args: object, **kwargs: object) -> Any:
         return self._sess.run(*args, **kwargs)
 
     def run_step_fn(
-        self, step_fn: Callable[[StepContext], Any], raw_session: Any, run_with_hooks: Any
+        self, step_fn: Callable[[StepContext], Any], raw_session: SessionLike, run_with_hooks: Any
     ) -> Any:
         return step_fn(StepContext(raw_session, run_with_hooks or self.run))
 
@@ -143,7 +147,7 @@ class _Named:
         return self
 
 
-def _scan(fetch: Any) -> tuple[bool, bool]:
+def _scan(fetch: object) -> tuple[bool, bool]:
     """Return (has string leaves, has other non-None leaves) of a fetch structure."""
     if isinstance(fetch, str):
         return True, False
@@ -163,7 +167,7 @@ def _scan(fetch: Any) -> tuple[bool, bool]:
     return names, others
 
 
-def _mark_names(fetch: Any) -> Any:
+def _mark_names(fetch: object) -> Any:
     """Replace the string leaves of a fetch structure by ``_Named`` markers."""
     if isinstance(fetch, str):
         return _Named(fetch)
@@ -176,7 +180,7 @@ def _mark_names(fetch: Any) -> Any:
     return fetch
 
 
-def _lookup(outputs: Any, name: str) -> Any:
+def _lookup(outputs: object, name: str) -> Any:
     if isinstance(outputs, Mapping):
         try:
             return outputs[name]
@@ -191,7 +195,7 @@ def _lookup(outputs: Any, name: str) -> Any:
     )
 
 
-def _resolve(value: Any, outputs: Any, leaf: type) -> Any:
+def _resolve(value: object, outputs: object, leaf: type) -> Any:
     """Replace the ``leaf`` leaves (``_Named`` markers, or strings) by the caller's entries."""
     if isinstance(value, leaf):
         return _lookup(outputs, value if leaf is str else value.name)
@@ -220,7 +224,7 @@ class _HookedSession(_WrappedSession):
     Hooks that do not override a method are not called for it.
     """
 
-    def __init__(self, sess: Any, hooks: list[Any]) -> None:
+    def __init__(self, sess: SessionLike, hooks: list[Any]) -> None:
         super().__init__(sess)
         self._hooks = hooks
         self._before_hooks = [h for h in hooks if _overrides(h, "before_run")]
@@ -285,7 +289,7 @@ class _HookedSession(_WrappedSession):
 
 
 def _run_with_requests(
-    sess: Any, fetches: Any, feed_dict: Any, requests: list[tuple[Any, Any]]
+    sess: SessionLike, fetches: object, feed_dict: Any, requests: list[tuple[Any, Any]]
 ) -> tuple[Any, dict[int, Any]]:
     """Evaluate the caller's fetches, then the hooks', in one run; resolve named entries.
 
@@ -324,7 +328,9 @@ def _run_with_requests(
 class _CoordinatedSession(_WrappedSession):
     """Adds the session's ``Coordinator``: thread errors surface, ``close`` stops and joins."""
 
-    def __init__(self, sess: Any, coord: Any, stop_grace_period_secs: float = 120) -> None:
+    def __init__(
+        self, sess: SessionLike, coord: Coordinator, stop_grace_period_secs: float = 120
+    ) -> None:
         super().__init__(sess)
         self._coord = coord
         self._stop_grace_period_secs = stop_grace_period_secs
@@ -348,7 +354,7 @@ class _CoordinatedSession(_WrappedSession):
             except Exception:
                 pass
 
-    def run(self, *args: Any, **kwargs: Any) -> Any:
+    def run(self, *args: object, **kwargs: object) -> Any:
         try:
             return self._sess.run(*args, **kwargs)
         except PREEMPTION_ERRORS:
@@ -358,7 +364,7 @@ class _CoordinatedSession(_WrappedSession):
             raise
 
     def run_step_fn(
-        self, step_fn: Callable[[StepContext], Any], raw_session: Any, run_with_hooks: Any
+        self, step_fn: Callable[[StepContext], Any], raw_session: SessionLike, run_with_hooks: Any
     ) -> Any:
         try:
             return _WrappedSession.run_step_fn(self, step_fn, raw_session, run_with_hooks)
@@ -418,7 +424,7 @@ class _RecoverableSession(_WrappedSession):
         except Exception:
             return True  # close() raises it.
 
-    def run(self, *args: Any, **kwargs: Any) -> Any:
+    def run(self, *args: object, **kwargs: object) -> Any:
         while True:
             try:
                 if self._sess is None:
@@ -428,7 +434,7 @@ class _RecoverableSession(_WrappedSession):
                 self._recover(e)
 
     def run_step_fn(
-        self, step_fn: Callable[[StepContext], Any], raw_session: Any, run_with_hooks: Any
+        self, step_fn: Callable[[StepContext], Any], raw_session: SessionLike, run_with_hooks: Any
     ) -> Any:
         del raw_session, run_with_hooks
         while True:

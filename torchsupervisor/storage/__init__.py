@@ -47,11 +47,11 @@ _options: dict[tuple[str, str], dict[str, Any]] = {}
 _stores: dict[tuple[str, str], ObjectStorage] = {}
 
 
-def configure(url: str, **options: Any) -> None:
+def configure(url: str, **options: object) -> None:
     """Set how the bucket of ``url`` is reached (instead of the standard environment).
 
     Args:
-        url: Any URL in the bucket (``s3://bucket`` or ``s3://bucket/run``).
+        url: object URL in the bucket (``s3://bucket`` or ``s3://bucket/run``).
         **options: For ``s3://``: ``endpoint_url``, ``aws_access_key_id``,
             ``aws_secret_access_key``, ``aws_session_token``, ``region_name``,
             ``connect_timeout`` and ``read_timeout`` (seconds), ``max_attempts``; for
@@ -151,7 +151,7 @@ def _object_storage(url: URL, options: dict[str, Any]) -> ObjectStorage:
 
 
 def _forward(name: str) -> Callable[..., Any]:
-    def by_path(self: Storage, path: str, *args: Any, **kwargs: Any) -> Any:
+    def by_path(self: Storage, path: str, *args: object, **kwargs: object) -> Any:
         return getattr(storage_for(path), name)(path, *args, **kwargs)
 
     by_path.__name__ = by_path.__qualname__ = name

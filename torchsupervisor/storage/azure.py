@@ -170,7 +170,7 @@ class AzureClient(UploadsAsObjects, ObjectClient):
 
     # ------------------------------------------------------------------------------ writing
 
-    def _checked(self, key: str, data: Any, crc: int) -> bytes:
+    def _checked(self, key: str, data: object, crc: int) -> bytes:
         """``data`` as bytes, if its CRC-32C is ``crc`` (Azure cannot check a CRC-32C: it
         checks the Content-MD5 that the SDK computes from these very bytes)."""
         body = bytes(data)
@@ -180,7 +180,7 @@ class AzureClient(UploadsAsObjects, ObjectClient):
             )
         return body
 
-    def put_object(self, key: str, data: Any, *, crc: int, only_if: str | None = None) -> str:
+    def put_object(self, key: str, data: object, *, crc: int, only_if: str | None = None) -> str:
         blob = self._container.get_blob_client(key)
         kwargs: dict[str, Any] = {}
         if only_if is not None and only_if != ABSENT:
@@ -207,7 +207,7 @@ class AzureClient(UploadsAsObjects, ObjectClient):
         )
         return upload
 
-    def upload_part(self, upload: Upload, number: int, data: Any, *, crc: int) -> object:
+    def upload_part(self, upload: Upload, number: int, data: object, *, crc: int) -> object:
         blob = self._container.get_blob_client(upload.key)
         block = _block_id(upload, number)
         body = self._checked(upload.key, data, crc)

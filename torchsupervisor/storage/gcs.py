@@ -181,7 +181,7 @@ class GCSClient(UploadsAsObjects, ObjectClient):
 
     # ------------------------------------------------------------------------------ writing
 
-    def put_object(self, key: str, data: Any, *, crc: int, only_if: str | None = None) -> str:
+    def put_object(self, key: str, data: object, *, crc: int, only_if: str | None = None) -> str:
         if only_if == ABSENT:
             generation: int | None = 0
         elif only_if is not None:
@@ -215,7 +215,7 @@ class GCSClient(UploadsAsObjects, ObjectClient):
         self.put_object(f"{upload_prefix(upload)}{_STARTED}", b"", crc=0)
         return upload
 
-    def upload_part(self, upload: Upload, number: int, data: Any, *, crc: int) -> object:
+    def upload_part(self, upload: Upload, number: int, data: object, *, crc: int) -> object:
         name = f"{upload_prefix(upload)}{number:05d}"
         self.put_object(name, data, crc=crc)
         return name

@@ -151,7 +151,7 @@ class S3Client(ObjectClient):
         except self._errors.BotoCoreError as e:
             raise OSError(errno.EIO, f"S3: {e}", where) from None
 
-    def put_object(self, key: str, data: Any, *, crc: int, only_if: str | None = None) -> str:
+    def put_object(self, key: str, data: object, *, crc: int, only_if: str | None = None) -> str:
         kwargs: dict[str, Any] = {"ChecksumCRC32C": _crc_header(crc)}
         if only_if == ABSENT:
             kwargs["IfNoneMatch"] = "*"
@@ -173,7 +173,7 @@ class S3Client(ObjectClient):
         )
         return Upload(key, response["UploadId"])
 
-    def upload_part(self, upload: Upload, number: int, data: Any, *, crc: int) -> object:
+    def upload_part(self, upload: Upload, number: int, data: object, *, crc: int) -> object:
         checksum = _crc_header(crc)
         body = bytes(data)
         response = self._call(

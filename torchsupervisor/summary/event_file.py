@@ -91,7 +91,7 @@ class BatchEncoder(Protocol):
 
     errors: int
 
-    def queued_bytes(self, item: Any) -> int:
+    def queued_bytes(self, item: object) -> int:
         """Return the ``nbytes`` that ``put`` counted for ``item``."""
         ...
 
@@ -204,7 +204,7 @@ class EventFileWriter:
         self._batch: list[Any] = []  # the items being written
         # A restart to settle once the session logs past its step (``summary/restarts.py``);
         # set by the caller before it enqueues the START that opens the file.
-        self.restart: Any = None
+        self.restart: object = None
         # A ``close`` that timed out gave up on this thread: the exit does not wait for it.
         self.abandoned = False
         self.unflushed = False
@@ -225,7 +225,7 @@ class EventFileWriter:
         self.idle = False
         self.wake_event.set()
 
-    def put(self, item: Any, nbytes: int = 0) -> bool:
+    def put(self, item: object, nbytes: int = 0) -> bool:
         """Enqueue ``item``, applying the full-queue policy. False if closed.
 
         Args:

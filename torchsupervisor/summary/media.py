@@ -12,7 +12,7 @@ TF names: none (``torch.utils.tensorboard.SummaryWriter``'s methods).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,16 +24,19 @@ from torchsupervisor.summary.encoders.text import string_array
 from torchsupervisor.summary.queue_items import AUDIO, HISTOGRAM, IMAGE, TEXT, Item
 from torchsupervisor.summary.snapshot import snapshot_array, snapshot_bins, snapshot_step
 
+if TYPE_CHECKING:
+    from torchsupervisor.core.global_step import GlobalStepLike
+
 __all__ = ["MediaMethods", "check_tag"]
 
 
-def _shape_of(value: Any) -> tuple[int, ...]:
+def _shape_of(value: object) -> tuple[int, ...]:
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return tuple(value.shape)
     return np.shape(value)
 
 
-def check_tag(tag: Any) -> None:
+def check_tag(tag: object) -> None:
     """Raise ``TypeError`` unless ``tag`` is a ``str``."""
     if type(tag) is not str:
         raise TypeError(f"tag must be a str, got {type(tag).__name__}")
@@ -45,14 +48,20 @@ class MediaMethods:
     The class mixing them in provides ``_put(item)`` and ``_wall_time(walltime)``.
     """
 
-    def _put(self, item: Any) -> None:
+    def _put(self, item: object) -> None:
         raise NotImplementedError
 
     def _wall_time(self, walltime: float | None) -> float:
         raise NotImplementedError
 
     def _enqueue(
-        self, kind: int, tag: str, value: Any, extra: Any, global_step: Any, walltime: Any
+        self,
+        kind: int,
+        tag: str,
+        value: object,
+        extra: Any,
+        global_step: GlobalStepLike,
+        walltime: object,
     ) -> None:
         """Queue one item: its kind, wall time, step (checked here), tag, value, extra."""
         step = snapshot_step(global_step)
@@ -61,8 +70,8 @@ class MediaMethods:
     def add_histogram(
         self,
         tag: str,
-        values: Any,
-        global_step: Any = None,
+        values: object,
+        global_step: GlobalStepLike | None = None,
         bins: Any = "tensorflow",
         walltime: float | None = None,
     ) -> None:
@@ -105,7 +114,7 @@ class MediaMethods:
         self,
         tag: str,
         img_tensor: Any,
-        global_step: Any = None,
+        global_step: GlobalStepLike | None = None,
         walltime: float | None = None,
         dataformats: str = "CHW",
     ) -> None:
@@ -143,8 +152,8 @@ class MediaMethods:
     def add_audio(
         self,
         tag: str,
-        snd_tensor: Any,
-        global_step: Any = None,
+        snd_tensor: object,
+        global_step: GlobalStepLike | None = None,
         sample_rate: float = 44100,
         walltime: float | None = None,
     ) -> None:
@@ -184,7 +193,7 @@ class MediaMethods:
         self,
         tag: str,
         text_string: str | Sequence[str],
-        global_step: Any = None,
+        global_step: GlobalStepLike | None = None,
         walltime: float | None = None,
     ) -> None:
         """Enqueue text for TensorBoard's text plugin (Markdown).

@@ -78,5 +78,5 @@ class NullSummaryWriter:
         return _nothing
 
 
-def _nothing(*args: Any, **kwargs: Any) -> None:
+def _nothing(*args: object, **kwargs: object) -> None:
     del args, kwargs

@@ -59,7 +59,7 @@ class _NoValueYet(Exception):
     """A summary's source has no value yet (the op is skipped, see ``SummaryOp``)."""
 
 
-def _read_source(source: Any) -> Any:
+def _read_source(source: object) -> Any:
     """Return the current value of a summary op's source.
 
     Raises:
@@ -156,7 +156,7 @@ def _collect(op: SummaryOp, collections: Iterable[str] | None, default: list[str
 
 def scalar(
     name: str,
-    tensor: Any,
+    tensor: torch.Tensor,
     collections: Iterable[str] | None = None,
     family: str | None = None,
 ) -> SummaryOp:
@@ -187,7 +187,7 @@ def scalar(
 
 def histogram(
     name: str,
-    values: Any,
+    values: object,
     collections: Iterable[str] | None = None,
     family: str | None = None,
 ) -> SummaryOp:
@@ -217,7 +217,7 @@ def histogram(
 
 def image(
     name: str,
-    tensor: Any,
+    tensor: torch.Tensor,
     max_outputs: int = 3,
     collections: Iterable[str] | None = None,
     family: str | None = None,
@@ -249,7 +249,7 @@ def image(
 
 def audio(
     name: str,
-    tensor: Any,
+    tensor: torch.Tensor,
     sample_rate: Any,
     max_outputs: int = 3,
     collections: Iterable[str] | None = None,
@@ -285,7 +285,7 @@ def audio(
     return op
 
 
-def text(name: str, tensor: Any, collections: Iterable[str] | None = None) -> SummaryOp:
+def text(name: str, tensor: torch.Tensor, collections: Iterable[str] | None = None) -> SummaryOp:
     """Create an op that summarizes strings for TensorBoard's text plugin.
 
     Args:
@@ -308,7 +308,7 @@ def text(name: str, tensor: Any, collections: Iterable[str] | None = None) -> Su
     return op
 
 
-def _as_summary(item: Any) -> summary_pb2.Summary:
+def _as_summary(item: object) -> summary_pb2.Summary:
     if isinstance(item, summary_pb2.Summary):
         return item
     if isinstance(item, (bytes, bytearray, memoryview)):
@@ -319,7 +319,7 @@ def _as_summary(item: Any) -> summary_pb2.Summary:
     raise _not_a_summary_input(item)
 
 
-def _not_a_summary_input(item: Any) -> TypeError:
+def _not_a_summary_input(item: object) -> TypeError:
     return TypeError(
         "summary inputs must be SummaryOps, Summary protos or serialized Summary bytes, "
         f"got {type(item).__name__}"
@@ -398,7 +398,7 @@ def merge_all(
     return merge(ops, name=name)
 
 
-def zero_fraction(value: Any, name: str | None = None) -> torch.Tensor:
+def zero_fraction(value: object, name: str | None = None) -> torch.Tensor:
     """Return the fraction of zeros in ``value``, computed now.
 
     For a tensor the count runs on its device without a host synchronisation.

@@ -77,7 +77,7 @@ class Item(tuple):
     __slots__ = ()
 
 
-def _value_bytes(value: Any) -> int:
+def _value_bytes(value: object) -> int:
     if type(value) is DeviceCopy:
         value = value.tensor
     if isinstance(value, torch.Tensor):
@@ -89,7 +89,7 @@ def _value_bytes(value: Any) -> int:
     return 0
 
 
-def queued_bytes(item: Any) -> int:
+def queued_bytes(item: object) -> int:
     """Return the memory a queued item holds (0 for a scalar): what ``max_queue_bytes`` counts.
 
     An event's serialized size, or the bytes of the tensor or array copy of a histogram, image,
@@ -126,7 +126,7 @@ class ItemEncoder:
         self._batch_new_tags: list[str] = []
 
     @staticmethod
-    def queued_bytes(item: Any) -> int:
+    def queued_bytes(item: object) -> int:
         """Return the memory an item holds while queued: its tensor or array copy, its proto.
 
         0 for scalars (their bound is ``max_queue``).
@@ -166,7 +166,7 @@ class ItemEncoder:
         self.seen_tags.difference_update(self._batch_new_tags)
         self._batch_new_tags = []
 
-    def _dropped(self, item: Any, error: Exception) -> None:
+    def _dropped(self, item: object, error: Exception) -> None:
         self.errors += 1
         if type(item) is tuple:
             tag = item[2]

@@ -73,7 +73,7 @@ def masked_crc32c(data: bytes | bytearray | memoryview) -> int:
     """Return the masked CRC-32C of ``data``, as stored in TFRecord files.
 
     Args:
-        data: Any bytes-like object.
+        data: object bytes-like object.
 
     Returns:
         An unsigned 32-bit integer: ``rotr15(crc32c(data)) + 0xA282EAD8`` modulo 2**32.

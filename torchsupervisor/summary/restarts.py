@@ -336,7 +336,7 @@ class PendingRestart:
         ]
 
 
-def _summaries(item: Any) -> Iterator[tuple[int, Sequence[str]]]:
+def _summaries(item: object) -> Iterator[tuple[int, Sequence[str]]]:
     """Yield ``(step, tags)`` for the summary a queued item carries (nothing for others)."""
     if type(item) is tuple:  # A scalar: (wall, step, tag, value).
         step = _step(item[1])

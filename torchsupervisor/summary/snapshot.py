@@ -58,7 +58,7 @@ class DeviceCopy:
         return self.tensor
 
 
-def resolve(value: Any) -> Any:
+def resolve(value: object) -> Any:
     """Return the value a snapshot stands for (waiting for a ``DeviceCopy``)."""
     return value.get() if type(value) is DeviceCopy else value
 
@@ -117,7 +117,7 @@ def resolve_step(step: Any) -> int | None:
     return step
 
 
-def snapshot_scalar(tag: str, value: Any) -> Any:
+def snapshot_scalar(tag: str, value: object) -> Any:
     """Snapshot an ``add_scalar`` value: a float, or a ``DeviceCopy`` of a one-element tensor.
 
     Raises:
@@ -139,7 +139,7 @@ def snapshot_scalar(tag: str, value: Any) -> Any:
     return scalar_value(tag, value)
 
 
-def snapshot_array(value: Any, what: str | None = None) -> Any:
+def snapshot_array(value: object, what: str | None = None) -> Any:
     """Snapshot an array-like value: a CPU copy, a ``DeviceCopy``, or the value itself.
 
     Args:

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -80,6 +80,10 @@ _CLOSED_WARNING = (
     "Attempting to use a closed FileWriter. The operation will be a noop unless the "
     "FileWriter is explicitly reopened."
 )
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.global_step import GlobalStepLike
+    from torchsupervisor.core.session import SessionLike
 
 
 def _stop_current(holder: list[EventFileWriter]) -> None:
@@ -195,7 +199,7 @@ class SummaryWriter(MediaMethods):
         flush_secs: float = 120,
         graph_def: Any = None,
         filename_suffix: str | None = None,
-        session: Any = None,
+        session: SessionLike | None = None,
         *,
         on_full: str = BLOCK,
         max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
@@ -259,7 +263,7 @@ class SummaryWriter(MediaMethods):
         """
         return self._logdir
 
-    def _put(self, item: Any) -> None:
+    def _put(self, item: object) -> None:
         if not self._holder[0].put(item, queued_bytes(item)):
             logger.warning(_CLOSED_WARNING)
 
@@ -285,7 +289,9 @@ class SummaryWriter(MediaMethods):
         copy.CopyFrom(event)
         self._put(Item((RAW_EVENT, copy, None)))
 
-    def add_summary(self, summary: summary_pb2.Summary | bytes, global_step: Any = None) -> None:
+    def add_summary(
+        self, summary: summary_pb2.Summary | bytes, global_step: GlobalStepLike | None = None
+    ) -> None:
         """Enqueue a ``Summary`` as an event with the current wall time.
 
         For each value carrying ``metadata``, only the first occurrence of its tag in this
@@ -324,7 +330,7 @@ class SummaryWriter(MediaMethods):
     def add_session_log(
         self,
         session_log: event_pb2.SessionLog,
-        global_step: Any = None,
+        global_step: GlobalStepLike | None = None,
         *,
         restored_step: int | None = None,
     ) -> None:
@@ -511,8 +517,8 @@ class SummaryWriter(MediaMethods):
     def add_scalar(
         self,
         tag: str,
-        scalar_value: Any,
-        global_step: Any = None,
+        scalar_value: object,
+        global_step: GlobalStepLike | None = None,
         walltime: float | None = None,
     ) -> None:
         """Enqueue one scalar; no host/device synchronisation on the calling thread.

@@ -118,7 +118,7 @@ class Mode:
         self.sess: Session | None = None
 
     def prepare(
-        self, master: str, config: Any, wait_for_checkpoint: bool, max_wait_secs: float
+        self, master: str, config: object, wait_for_checkpoint: bool, max_wait_secs: float
     ) -> Session:
         """Create this rank's session, its state restored, initialized or received."""
         raise NotImplementedError
@@ -209,7 +209,7 @@ class ChiefMode(Mode):
     """One process, or the chief of replicas with a replicated state (module docstring)."""
 
     def prepare(
-        self, master: str, config: Any, wait_for_checkpoint: bool, max_wait_secs: float
+        self, master: str, config: object, wait_for_checkpoint: bool, max_wait_secs: float
     ) -> Session:
         st = self.settings
         if st.logdir:
@@ -277,7 +277,7 @@ class WorkerMode(Mode):
     """A non-chief: waits for the chief's state; never checkpoints (module docstring)."""
 
     def prepare(
-        self, master: str, config: Any, wait_for_checkpoint: bool, max_wait_secs: float
+        self, master: str, config: object, wait_for_checkpoint: bool, max_wait_secs: float
     ) -> Session:
         st = self.settings
         info: dict[str, Any] = {}
@@ -302,7 +302,7 @@ class ShardedMode(Mode):
         self.service: ShardedCheckpointService | None = None
 
     def prepare(
-        self, master: str, config: Any, wait_for_checkpoint: bool, max_wait_secs: float
+        self, master: str, config: object, wait_for_checkpoint: bool, max_wait_secs: float
     ) -> Session:
         """Every rank restores its shards of the same checkpoint, or initializes them.
 
@@ -472,7 +472,7 @@ def choose_mode(context: ModeContext, replicas: ReplicaGroup | None) -> Mode:
 def _prepare_session(
     st: Settings,
     master: str,
-    config: Any,
+    config: object,
     wait_for_checkpoint: bool,
     max_wait_secs: float,
     *,

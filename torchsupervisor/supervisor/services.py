@@ -12,7 +12,7 @@ has it written in the background (``driver/checkpoint_driver.py``).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorboard.compat.proto.summary_pb2 import Summary
 
@@ -20,6 +20,10 @@ from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.global_step import GlobalStep, read_step
 from torchsupervisor.core.session import Session, call_op
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.global_step import GlobalStepLike
+    from torchsupervisor.core.session import Op
 
 __all__ = [
     "SVStepCounterThread",
@@ -44,8 +48,8 @@ class SVSummaryThread(LooperThread):
         coord: Coordinator,
         interval_secs: float,
         sess: Session,
-        summary_op: Any,
-        global_step: Any,
+        summary_op: Op,
+        global_step: GlobalStepLike,
         writer: Any,
     ) -> None:
         super().__init__(coord, interval_secs)
@@ -74,7 +78,7 @@ class SVStepCounterThread(LooperThread):
     """
 
     def __init__(
-        self, coord: Coordinator, interval_secs: float, global_step: Any, writer: Any
+        self, coord: Coordinator, interval_secs: float, global_step: GlobalStepLike, writer: Any
     ) -> None:
         super().__init__(coord, interval_secs)
         self._global_step = global_step

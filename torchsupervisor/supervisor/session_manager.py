@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.checkpoint.recovery import plan_restore
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
@@ -28,12 +28,19 @@ from torchsupervisor.errors import (
     FailedPreconditionError,
 )
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+    from torchsupervisor.core.session import Op
+
 __all__ = ["SessionManager"]
 
 logger = logging.getLogger("torchsupervisor")
 
 
-def _op_name(op: Any) -> str:
+def _op_name(op: Op) -> str:
     if op is None:
         return "None"
     return getattr(op, "name", None) or getattr(op, "__name__", None) or repr(op)
@@ -63,16 +70,16 @@ class SessionManager:
 
     def __init__(
         self,
-        local_init_op: Any = None,
-        ready_op: Any = None,
-        ready_for_local_init_op: Any = None,
+        local_init_op: Op | None = None,
+        ready_op: Op | None = None,
+        ready_for_local_init_op: Op | None = None,
         graph: Any = None,
         recovery_wait_secs: float = 30,
-        local_init_run_options: Any = None,
+        local_init_run_options: object = None,
         local_init_feed_dict: Mapping[str, Any] | None = None,
         *,
         state: Mapping[str, Any] | None = None,
-        device: Any = None,
+        device: torch.device | str | None = None,
         clock: Clock | None = None,
     ) -> None:
         if ready_for_local_init_op is not None and local_init_op is None:
@@ -90,7 +97,7 @@ class SessionManager:
         self._device = device
         self._clock = clock or REAL_CLOCK
 
-    def _new_session(self, master: str, config: Any) -> Session:
+    def _new_session(self, master: str, config: object) -> Session:
         return Session(self._state, master=master, config=config, device=self._device)
 
     def _restore_checkpoint(
@@ -101,7 +108,7 @@ class SessionManager:
         checkpoint_filename_with_path: str | None = None,
         wait_for_checkpoint: bool = False,
         max_wait_secs: float = 7200,
-        config: Any = None,
+        config: object = None,
     ) -> tuple[Session, bool]:
         sess = self._new_session(master, config)
         if checkpoint_dir and checkpoint_filename_with_path:
@@ -131,15 +138,15 @@ class SessionManager:
     def prepare_session(
         self,
         master: str = "",
-        init_op: Any = None,
+        init_op: Op | None = None,
         saver: Any = None,
         checkpoint_dir: str | None = None,
         checkpoint_filename_with_path: str | None = None,
         wait_for_checkpoint: bool = False,
         max_wait_secs: float = 7200,
-        config: Any = None,
+        config: object = None,
         init_feed_dict: Mapping[str, Any] | None = None,
-        init_fn: Any = None,
+        init_fn: Callable[..., object] | None = None,
     ) -> Session:
         """Create a session, restoring or initializing its state, and check it is ready.
 
@@ -200,7 +207,7 @@ class SessionManager:
         checkpoint_filename_with_path: str | None = None,
         wait_for_checkpoint: bool = False,
         max_wait_secs: float = 7200,
-        config: Any = None,
+        config: object = None,
     ) -> tuple[Session, bool]:
         """Create a session and restore it if possible; never initializes.
 
@@ -235,7 +242,7 @@ class SessionManager:
         return sess, True
 
     def wait_for_session(
-        self, master: str = "", config: Any = None, max_wait_secs: float | None = float("inf")
+        self, master: str = "", config: object = None, max_wait_secs: float | None = float("inf")
     ) -> Session:
         """Create sessions until one is ready (the state was initialized by the chief).
 
@@ -292,7 +299,7 @@ class SessionManager:
         return True, None
 
 
-def _ready(op: Any, sess: Session, msg: str) -> tuple[bool, str | None]:
+def _ready(op: Op, sess: Session, msg: str) -> tuple[bool, str | None]:
     if op is None:
         return True, None
     try:
@@ -307,7 +314,7 @@ def _ready(op: Any, sess: Session, msg: str) -> tuple[bool, str | None]:
     return False, "Variables not initialized: " + ", ".join(names)
 
 
-def _not_ready_names(result: Any) -> list[str]:
+def _not_ready_names(result: object) -> list[str]:
     if result is None:
         return []
     if isinstance(result, (str, bytes)):

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,12 @@ from torchsupervisor.summary.ops import merge_all
 from torchsupervisor.summary.writer import SummaryWriter
 from torchsupervisor.supervisor.session_manager import SessionManager
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torchsupervisor.core.global_step import GlobalStepLike
+    from torchsupervisor.core.session import Op
+
 __all__ = ["Settings", "resolve_settings"]
 
 logger = logging.getLogger("torchsupervisor")
@@ -61,17 +67,17 @@ class Settings:
     graph: Graph
     state: dict[str, Any]
     is_chief: bool
-    ready_op: Any
-    ready_for_local_init_op: Any
-    init_op: Any
+    ready_op: Op
+    ready_for_local_init_op: Op
+    init_op: Op
     init_feed_dict: Mapping[str, Any] | None
-    local_init_op: Any
-    global_step: Any
+    local_init_op: Op
+    global_step: GlobalStepLike
     saver: Any
-    summary_op: Any
+    summary_op: Op
     summary_writer: Any
     session_manager: SessionManager
-    init_fn: Any
+    init_fn: Callable[..., object] | None
     logdir: str | None
     save_summaries_secs: float | None
     save_model_secs: float | None
@@ -91,16 +97,16 @@ class Settings:
 def resolve_settings(
     *,
     graph: Graph | None,
-    ready_op: Any,
-    ready_for_local_init_op: Any,
+    ready_op: Op,
+    ready_for_local_init_op: Op,
     is_chief: bool | None,
-    init_op: Any,
+    init_op: Op,
     init_feed_dict: Mapping[str, Any] | None,
-    local_init_op: Any,
+    local_init_op: Op,
     logdir: str | None,
-    summary_op: Any,
+    summary_op: Op,
     saver: Any,
-    global_step: Any,
+    global_step: GlobalStepLike,
     save_summaries_secs: float,
     save_model_secs: float,
     recovery_wait_secs: float,
@@ -108,8 +114,8 @@ def resolve_settings(
     checkpoint_basename: str,
     session_manager: SessionManager | None,
     summary_writer: Any,
-    init_fn: Any,
-    local_init_run_options: Any,
+    init_fn: Callable[..., object] | None,
+    local_init_run_options: object,
     state: Mapping[str, Any] | None,
     device: torch.device | str | None,
     stop_on_checkpoint_error: bool,
@@ -208,7 +214,7 @@ def resolve_settings(
     )
 
 
-def _check_init(init_feed_dict: Any, init_fn: Any) -> None:
+def _check_init(init_feed_dict: Any, init_fn: Callable[..., object] | None) -> None:
     if init_feed_dict is not None and not isinstance(init_feed_dict, Mapping):
         raise TypeError(f"init_feed_dict must be a mapping or None, got {init_feed_dict!r}")
     if init_fn is not None and not callable(init_fn):
@@ -225,7 +231,7 @@ def _warn_without_state(logdir: str) -> None:
 
 
 def _default_ops(
-    graph: Graph, ready_op: Any, ready_for_local_init_op: Any, init_op: Any, local_init_op: Any
+    graph: Graph, ready_op: Op, ready_for_local_init_op: Op, init_op: Op, local_init_op: Op
 ) -> tuple[Any, Any, Any, Any]:
     """The ops given as USE_DEFAULT, from the graph's collections, else TF's defaults."""
     return (
@@ -243,7 +249,7 @@ def _chief_writer(summary_writer: Any, logdir: str | None, clock: Clock) -> Any:
     return SummaryWriter(logdir, clock=clock) if logdir else None
 
 
-def _global_step(graph: Graph, global_step: Any, state: dict[str, Any]) -> Any:
+def _global_step(graph: Graph, global_step: GlobalStepLike, state: dict[str, Any]) -> Any:
     """The global step: ``state["global_step"]`` first, then the ``GLOBAL_STEP`` collection.
 
     A global step missing from the state is added to it, so it is checkpointed.
@@ -267,7 +273,7 @@ def _global_step(graph: Graph, global_step: Any, state: dict[str, Any]) -> Any:
     return global_step
 
 
-def _is_int_step(value: Any) -> bool:
+def _is_int_step(value: object) -> bool:
     if isinstance(value, GlobalStep):
         return True
     return isinstance(value, torch.Tensor) and not (

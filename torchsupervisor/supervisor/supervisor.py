@@ -24,7 +24,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,13 @@ from torchsupervisor.supervisor.modes import ChiefMode, Mode, ModeContext, start
 from torchsupervisor.supervisor.services import standard_threads
 from torchsupervisor.supervisor.session_manager import SessionManager
 from torchsupervisor.supervisor.settings import resolve_settings
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torchsupervisor.core.global_step import GlobalStepLike
+    from torchsupervisor.core.registry import UseDefault
+    from torchsupervisor.core.session import Op, SessionLike
 
 __all__ = ["Supervisor"]
 
@@ -162,16 +169,16 @@ class Supervisor:
     def __init__(
         self,
         graph: Graph | None = None,
-        ready_op: Any = USE_DEFAULT,
-        ready_for_local_init_op: Any = USE_DEFAULT,
+        ready_op: Op | UseDefault = USE_DEFAULT,
+        ready_for_local_init_op: Op | UseDefault = USE_DEFAULT,
         is_chief: bool | None = None,
-        init_op: Any = USE_DEFAULT,
+        init_op: Op | UseDefault = USE_DEFAULT,
         init_feed_dict: Mapping[str, Any] | None = None,
-        local_init_op: Any = USE_DEFAULT,
+        local_init_op: Op | UseDefault = USE_DEFAULT,
         logdir: str | None = None,
-        summary_op: Any = USE_DEFAULT,
+        summary_op: Op | UseDefault = USE_DEFAULT,
         saver: Any = USE_DEFAULT,
-        global_step: Any = USE_DEFAULT,
+        global_step: GlobalStepLike | UseDefault = USE_DEFAULT,
         save_summaries_secs: float = 120,
         save_model_secs: float = 600,
         recovery_wait_secs: float = 30,
@@ -179,8 +186,8 @@ class Supervisor:
         checkpoint_basename: str = "model.ckpt",
         session_manager: SessionManager | None = None,
         summary_writer: Any = USE_DEFAULT,
-        init_fn: Any = None,
-        local_init_run_options: Any = None,
+        init_fn: Callable[..., object] | None = None,
+        local_init_run_options: object = None,
         *,
         state: Mapping[str, Any] | None = None,
         device: torch.device | str | None = None,
@@ -263,7 +270,7 @@ class Supervisor:
     def prepare_or_wait_for_session(
         self,
         master: str = "",
-        config: Any = None,
+        config: object = None,
         wait_for_checkpoint: bool = False,
         max_wait_secs: float = 7200,
         start_standard_services: bool = True,
@@ -331,7 +338,7 @@ class Supervisor:
     def _prepare(
         self,
         master: str,
-        config: Any,
+        config: object,
         wait_for_checkpoint: bool,
         max_wait_secs: float,
         start_standard_services: bool,
@@ -423,7 +430,7 @@ class Supervisor:
     def managed_session(
         self,
         master: str = "",
-        config: Any = None,
+        config: object = None,
         start_standard_services: bool = True,
         close_summary_writer: bool = True,
     ) -> Iterator[Session]:
@@ -632,9 +639,9 @@ class Supervisor:
     def loop(
         self,
         timer_interval_secs: float | None,
-        target: Any,
-        args: Any = None,
-        kwargs: Any = None,
+        target: object,
+        args: object = None,
+        kwargs: object = None,
     ) -> LooperThread:
         """Start a thread calling ``target(*args, **kwargs)`` every ``timer_interval_secs``.
 
@@ -652,7 +659,9 @@ class Supervisor:
         thread.start()
         return thread
 
-    def summary_computed(self, sess: Any, summary: Any, global_step: Any = None) -> None:
+    def summary_computed(
+        self, sess: SessionLike, summary: object, global_step: GlobalStepLike | None = None
+    ) -> None:
         """Write a computed summary (a ``Summary`` proto or its bytes) at the current step.
 
         Args:

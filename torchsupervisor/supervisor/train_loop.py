@@ -13,8 +13,8 @@ __all__ = ["basic_train_loop"]
 def basic_train_loop(
     supervisor: Supervisor,
     train_step_fn: Any,
-    args: Any = None,
-    kwargs: Any = None,
+    args: object = None,
+    kwargs: object = None,
     master: str = "",
 ) -> None:
     """Run ``train_step_fn(sess, *args, **kwargs)`` until the supervisor stops.

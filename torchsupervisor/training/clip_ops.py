@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-def _tensor(t: Any, what: str = "t") -> torch.Tensor:
+def _tensor(t: object, what: str = "t") -> torch.Tensor:
     if isinstance(t, torch.Tensor):
         return t
     try:
@@ -46,7 +46,7 @@ def _require_float(t: torch.Tensor, fn: str) -> None:
         raise TypeError(f"{fn} needs a floating point or complex tensor, got {t.dtype}")
 
 
-def _scalar(value: Any, like: torch.Tensor, what: str) -> torch.Tensor:
+def _scalar(value: object, like: torch.Tensor, what: str) -> torch.Tensor:
     """Return ``value`` as a 0-D tensor with ``like``'s real dtype and device."""
     dtype = like.real.dtype if like.dtype.is_complex else like.dtype
     if isinstance(value, torch.Tensor):
@@ -69,7 +69,7 @@ def _check_sequence(t_list: Any) -> list[Any]:
 
 
 def clip_by_value(
-    t: Any, clip_value_min: Any, clip_value_max: Any, name: str | None = None
+    t: object, clip_value_min: Any, clip_value_max: Any, name: str | None = None
 ) -> torch.Tensor:
     """Return ``t`` with values below ``clip_value_min`` / above ``clip_value_max`` replaced.
 
@@ -113,7 +113,7 @@ def clip_by_value(
 
 
 def clip_by_norm(
-    t: Any, clip_norm: Any, axes: int | Sequence[int] | None = None, name: str | None = None
+    t: object, clip_norm: Any, axes: int | Sequence[int] | None = None, name: str | None = None
 ) -> torch.Tensor:
     """Return ``t`` scaled so that its L2 norm (along ``axes``) is at most ``clip_norm``.
 
@@ -155,7 +155,7 @@ def clip_by_norm(
     return t * clip / torch.maximum(norm, clip)
 
 
-def clip_by_average_norm(t: Any, clip_norm: Any, name: str | None = None) -> torch.Tensor:
+def clip_by_average_norm(t: object, clip_norm: Any, name: str | None = None) -> torch.Tensor:
     """Return ``t`` scaled so that its average L2 norm (norm / size) is at most ``clip_norm``.
 
     ``t * clip_norm * min(n / l2norm(t), 1 / clip_norm)`` with ``n`` the number of elements,

@@ -41,7 +41,7 @@ import itertools
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ from torchsupervisor.core.global_step import (
     read_step,
 )
 from torchsupervisor.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.global_step import GlobalStepLike
 
 __all__ = [
     "GlobalStepLR",
@@ -69,7 +72,7 @@ __all__ = [
 # ------------------------------------------------------------------------------ arguments
 
 
-def _number(value: Any, what: str) -> float:
+def _number(value: object, what: str) -> float:
     """Return ``value`` (a real number or a one-element tensor/array) as a float."""
     if isinstance(value, GlobalStep):
         return float(value.value)
@@ -86,7 +89,7 @@ def _number(value: Any, what: str) -> float:
     return float(value)
 
 
-def _global_step(global_step: Any, fn_name: str) -> float:
+def _global_step(global_step: GlobalStepLike, fn_name: str) -> float:
     if global_step is None:
         raise ValueError(f"global_step is required for {fn_name}.")
     return _number(global_step, "global_step")
@@ -124,7 +127,7 @@ def _period_decay(curve: _Curve) -> Callable[..., float]:
 
     def decay(
         learning_rate: Any,
-        global_step: Any,
+        global_step: GlobalStepLike,
         decay_steps: Any,
         decay_rate: Any,
         staircase: bool = False,
@@ -206,7 +209,7 @@ def natural_exp_decay(lr: np.float64, rate: np.float64, periods: np.float64) -> 
 
 def polynomial_decay(
     learning_rate: Any,
-    global_step: Any,
+    global_step: GlobalStepLike,
     decay_steps: Any,
     end_learning_rate: Any = 0.0001,
     power: Any = 1.0,
@@ -262,7 +265,7 @@ def polynomial_decay(
     )
 
 
-def _tf_dtype(value: Any) -> str:
+def _tf_dtype(value: object) -> str:
     """Return the TF dtype name ``value`` would convert to (Python ints: int32 when they fit)."""
     if isinstance(value, GlobalStep):
         return "int64"
@@ -282,7 +285,7 @@ def _tf_dtype(value: Any) -> str:
     )
 
 
-def _selectable(value: Any) -> Any:
+def _selectable(value: object) -> Any:
     """Return ``value`` with a one-element tensor or array turned into a Python number."""
     if isinstance(value, torch.Tensor | np.ndarray | np.generic):
         size = value.numel() if isinstance(value, torch.Tensor) else np.size(value)
@@ -293,7 +296,7 @@ def _selectable(value: Any) -> Any:
 
 
 def piecewise_constant(
-    x: Any, boundaries: Sequence[Any], values: Sequence[Any], name: str | None = None
+    x: object, boundaries: Sequence[Any], values: Sequence[Any], name: str | None = None
 ) -> Any:
     """Return the value of the interval of ``boundaries`` that contains ``x``.
 
@@ -415,7 +418,7 @@ class GlobalStepLR(LRScheduler):
         self,
         optimizer: torch.optim.Optimizer,
         lr_fn: Callable[[int], Any] | Sequence[Callable[[int], Any]],
-        global_step: Any = None,
+        global_step: GlobalStepLike | None = None,
         *,
         sync_before_step: bool = True,
     ) -> None:
@@ -442,7 +445,7 @@ class GlobalStepLR(LRScheduler):
         super().__init__(optimizer)
         if sync_before_step:
 
-            def _sync(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+            def _sync(_optimizer: Any, _args: object, _kwargs: object) -> None:
                 self._set_lrs(self._compute())
 
             self._pre_step_hook = optimizer.register_step_pre_hook(_sync)

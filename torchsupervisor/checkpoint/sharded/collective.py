@@ -42,7 +42,7 @@ import logging
 import os
 import warnings
 from collections.abc import Collection, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,6 +69,11 @@ from torchsupervisor.errors import (
 )
 from torchsupervisor.storage import Storage, storage_for
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from torchsupervisor.core.global_step import GlobalStepLike
+
 __all__ = ["load_sharded", "save_sharded", "write_sharded"]
 
 logger = logging.getLogger("torchsupervisor")
@@ -77,13 +82,13 @@ logger = logging.getLogger("torchsupervisor")
 # --------------------------------------------------------------------------- save / load
 
 
-def _group(process_group: Any, no_dist: bool) -> dict[str, Any]:
+def _group(process_group: ProcessGroup | None, no_dist: bool) -> dict[str, Any]:
     """DCP's arguments naming the process group of a save or load."""
     return {"process_group": process_group, "no_dist": no_dist}
 
 
 @contextlib.contextmanager
-def _dcp_call(process_group: Any) -> Iterator[bool]:
+def _dcp_call(process_group: ProcessGroup | None) -> Iterator[bool]:
     """Yield DCP's ``no_dist`` (no process group initialized), silencing its warning then."""
     dist = torch.distributed
     no_dist = not (dist.is_available() and dist.is_initialized())
@@ -121,8 +126,8 @@ def save_sharded(
     state: Mapping[str, Any],
     prefix: str,
     *,
-    global_step: Any = None,
-    process_group: Any = None,
+    global_step: GlobalStepLike | None = None,
+    process_group: ProcessGroup | None = None,
     write_state: bool = True,
     latest_filename: str | None = None,
     storage: Storage | None = None,
@@ -189,7 +194,7 @@ def save_sharded(
 def write_sharded(
     save: ShardedSave,
     *,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     write_state: bool = True,
     latest_filename: str | None = None,
     storage: Storage | None = None,
@@ -289,7 +294,7 @@ class _Agreed:
 
 
 def _agree_on_the_save(
-    save: ShardedSave, process_group: Any, plans: PlanCache | None, storage: Storage
+    save: ShardedSave, process_group: ProcessGroup | None, plans: PlanCache | None, storage: Storage
 ) -> _Agreed:
     """Check, before anything is written, that every rank is at the same save; and agree
     whether it replays the kept plan (``plans``).
@@ -345,7 +350,7 @@ def load_sharded(
     state: Mapping[str, Any],
     prefix: str,
     *,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     allow_missing: Collection[str] = (),
     storage: Storage | None = None,
 ) -> ShardedManifest:
@@ -467,7 +472,7 @@ def _targets(
     return targets
 
 
-def _collect_refs(node: Any, out: set[str]) -> None:
+def _collect_refs(node: object, out: set[str]) -> None:
     if isinstance(node, TensorRef):
         out.add(node.name)
     elif isinstance(node, Mapping):
@@ -484,7 +489,7 @@ def _load_into(
     targets: dict[str, torch.Tensor],
     prefix: str,
     allow_missing: Collection[str],
-    process_group: Any,
+    process_group: ProcessGroup | None,
 ) -> None:
     def leaf(name: str, ndarray: bool) -> Any:
         tensor = targets.get(name)
@@ -510,7 +515,7 @@ def _load_into(
     load_state(state, tree, source=prefix, on_missing=missing)
 
 
-def _world_size(process_group: Any) -> int:
+def _world_size(process_group: ProcessGroup | None) -> int:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(process_group)
@@ -527,7 +532,7 @@ _REBUILD: dict[str, Any] = {
 }
 
 
-def _agree(error: BaseException | None, process_group: Any, no_dist: bool) -> None:
+def _agree(error: BaseException | None, process_group: ProcessGroup | None, no_dist: bool) -> None:
     """Raise on every rank if any rank failed: its own error, or a copy of the first one."""
     if no_dist:
         if error is not None:

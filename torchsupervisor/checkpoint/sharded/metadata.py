@@ -33,7 +33,6 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -224,7 +223,7 @@ def _sharded_item(t: ShardedTensorEntry) -> EncodedItem:
     )
 
 
-def _parse_sharded(raw: Any, base: Manifest) -> dict[str, ShardedTensorEntry]:
+def _parse_sharded(raw: object, base: Manifest) -> dict[str, ShardedTensorEntry]:
     if not isinstance(raw, dict):
         raise ManifestError(f"{SHARDED_TENSORS_KEY} is not an object")
     out: dict[str, ShardedTensorEntry] = {}
@@ -253,7 +252,7 @@ def _parse_sharded(raw: Any, base: Manifest) -> dict[str, ShardedTensorEntry]:
     return out
 
 
-def _dims(value: Any) -> tuple[int, ...]:
+def _dims(value: object) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(
         isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
     ):

@@ -54,7 +54,7 @@ class ShardedOptimizerState:
     """Tells ``flatten_state`` (the unsharded path) that this entry needs ``save_sharded``."""
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, options: Any = None
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, options: object = None
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -207,7 +207,7 @@ def _plain_state_dict(optimizer: torch.optim.Optimizer) -> bool:
 _OPTIMIZER_STATE_DICT = torch.optim.Optimizer.state_dict
 
 
-def _identical(ours: Any, theirs: Any) -> bool:
+def _identical(ours: Any, theirs: object) -> bool:
     """Same structure, same keys in the same order, tensors the very same objects."""
     if isinstance(ours, torch.Tensor) or isinstance(theirs, torch.Tensor):
         return ours is theirs

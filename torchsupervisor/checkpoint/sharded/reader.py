@@ -95,7 +95,7 @@ class ShardedStorageReader(BoundToPrefix, StorageReader, RememberErrors):
         self._pending = error
         self.error = None
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         """Return DCP's metadata of the checkpoint (empty after an earlier error)."""
         with self._remembering():
             if self._pending is not None:
@@ -104,7 +104,7 @@ class ShardedStorageReader(BoundToPrefix, StorageReader, RememberErrors):
             return to_dcp_metadata(self._manifest)
 
     def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+        self, metadata: Metadata, is_coordinator: bool, *args: object, **kwargs: object
     ) -> None:
         """Nothing to set up."""
 

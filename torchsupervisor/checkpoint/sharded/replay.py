@@ -27,7 +27,7 @@ import dataclasses
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from torchsupervisor.checkpoint.tree_memo import TreeMemo
 from torchsupervisor.core.same_objects import Contents, contents, same_contents
 from torchsupervisor.core.state import dtensor_class
 from torchsupervisor.distributed.env import communication_device
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["PlanCache", "layout_of"]
 
@@ -77,7 +80,7 @@ class _Kept:
     chunk_layout: Any  # The coordinator's ``writer.ChunkLayout`` (None on other ranks).
 
 
-def _weak(group: Any) -> Callable[[], Any]:
+def _weak(group: ProcessGroup | None) -> Callable[[], Any]:
     """A weak reference to ``group`` (None: the default group, or none at all).
 
     A kept plan must not keep its process group alive: after ``destroy_process_group`` a
@@ -96,7 +99,7 @@ class _Resolver:
         self.tensors = tensors  # The staged table (``ShardMemo`` compares it).
         self._dtensor = dtensor_class()
 
-    def resolve_data(self, item: Any) -> Any:
+    def resolve_data(self, item: object) -> Any:
         """This rank's chunk of the item's tensor, as DCP's default planner resolves it.
 
         A DTensor over a plain local tensor is its local tensor (``to_local``), as DCP
@@ -147,7 +150,7 @@ class PlanCache:
         self.sent.forget()
         self._laid_out = None
 
-    def remember(self, save: ShardedSave, writer: Any, group: Any) -> None:
+    def remember(self, save: ShardedSave, writer: Any, group: ProcessGroup | None) -> None:
         """Keep the plan of ``save``, just committed through DCP by ``writer``."""
         # The shard of an older plan: every save DCP plans ends here or in ``forget``.
         self.shards.forget()
@@ -185,7 +188,7 @@ class PlanCache:
         self._laid_out = (contents([save.tensors]), answer)
         return answer
 
-    def fits(self, save: ShardedSave, group: Any) -> bool:
+    def fits(self, save: ShardedSave, group: ProcessGroup | None) -> bool:
         """Whether this rank can replay the kept plan for ``save`` through ``group``: it has
         one, made through that group for the same layout, and ``save`` carries no error.
         Every rank must agree before any replays (``collective.write_sharded``)."""
@@ -197,7 +200,9 @@ class PlanCache:
             and kept.layout == self._layout_of(save)[0]
         )
 
-    def replay(self, save: ShardedSave, writer: Any, group: Any, *, retire: bool) -> Any:
+    def replay(
+        self, save: ShardedSave, writer: Any, group: ProcessGroup | None, *, retire: bool
+    ) -> Any:
         """Write and commit ``save`` with the kept plan, once every rank agreed that it
         ``fits``.
 

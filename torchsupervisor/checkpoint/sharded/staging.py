@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.core.global_step import read_checkpoint_step
 from torchsupervisor.core.state import dtensor_class
 from torchsupervisor.core.walk import WalkMemo, walk_state
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.global_step import GlobalStepLike
 
 __all__ = ["ShardedSave", "StageMemo", "failed", "prepare", "stage"]
 
@@ -85,7 +88,7 @@ def prepare(
     state: Mapping[str, Any],
     prefix: str,
     *,
-    global_step: Any,
+    global_step: GlobalStepLike,
     wall_time: float,
     keep_vars: bool = False,
     memo: WalkMemo | None = None,
@@ -233,7 +236,7 @@ def _stage(save: ShardedSave, stager: Stager, memo: StageMemo) -> None:
 
 
 def _wrap(
-    dtensor: Any,
+    dtensor: torch.Tensor,
     tensors: Mapping[str, Any],
     copies: Mapping[str, torch.Tensor],
     cache: dict[str, tuple[Any, ...]],
@@ -257,7 +260,7 @@ def _wrap(
     return staged
 
 
-def _in_place_layout(dtensor: Any, tensors: Mapping[str, Any]) -> tuple[list[str], int]:
+def _in_place_layout(dtensor: torch.Tensor, tensors: Mapping[str, Any]) -> tuple[list[str], int]:
     """The staging layout that lets the writer put the shard from the staging buffer itself.
 
     Each rank writes all of its sharded DTensors' local data, but a replicated tensor (a
@@ -292,7 +295,7 @@ def _in_place_layout(dtensor: Any, tensors: Mapping[str, Any]) -> tuple[list[str
     return tail, spare
 
 
-def _wrap_key(copy: torch.Tensor, live: Any) -> tuple[Any, ...]:
+def _wrap_key(copy: torch.Tensor, live: object) -> tuple[Any, ...]:
     """What a DTensor over ``copy`` like ``live`` depends on: the buffer, the mesh (by id),
     the placements, the global shape and stride (and dtype)."""
     spec = getattr(live, "_spec", None)  # Three attribute reads, not five dispatched ones.
@@ -307,7 +310,7 @@ def _wrap_key(copy: torch.Tensor, live: Any) -> tuple[Any, ...]:
     )
 
 
-def _over(dtensor: Any, local: torch.Tensor, live: Any) -> Any:
+def _over(dtensor: torch.Tensor, local: torch.Tensor, live: object) -> Any:
     """A DTensor like ``live`` (mesh, placements, global shape and stride) over ``local``.
 
     ``DTensor.from_local`` would move a host copy back to the mesh's device (a GPU), so the

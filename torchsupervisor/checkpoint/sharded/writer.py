@@ -265,7 +265,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         self.table_memo: TableMemo | None = None
         self.tree_memo: TreeMemo | None = None
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_writer(self, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         """Record this rank's role and rank (DCP passes ``rank=``)."""
         self.is_coordinator = is_coordinator
         self._rank = int(kwargs.get("rank", 0))

@@ -120,7 +120,7 @@ def audio_pb(tag: str, audio: Any, sample_rate: Any, max_outputs: int = 3) -> su
     return summary
 
 
-def torch_audio_pb(tag: str, snd: Any, sample_rate: Any = 44100) -> summary_pb2.Summary:
+def torch_audio_pb(tag: str, snd: object, sample_rate: Any = 44100) -> summary_pb2.Summary:
     """Encode one mono clip given as ``add_audio`` takes it: ``[L]`` or ``[1, L]``.
 
     Args:

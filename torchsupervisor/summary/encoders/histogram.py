@@ -50,7 +50,7 @@ def default_bucket_limits() -> np.ndarray:
     return _BUCKET_LIMITS
 
 
-def _histogram_values(tag: str, values: Any) -> np.ndarray:
+def _histogram_values(tag: str, values: object) -> np.ndarray:
     arr = to_numpy(values)
     if arr.dtype.kind not in "biuf":
         raise errors.InvalidArgumentError(
@@ -134,7 +134,7 @@ def check_bins(bins: Any) -> None:
         )
 
 
-def histogram_pb(tag: str, values: Any) -> summary_pb2.Summary:
+def histogram_pb(tag: str, values: object) -> summary_pb2.Summary:
     """Encode the distribution of ``values`` as a histogram summary with TF's default buckets.
 
     Buckets: ``default_bucket_limits()``; bucket ``i`` counts values in
@@ -160,7 +160,7 @@ def histogram_pb(tag: str, values: Any) -> summary_pb2.Summary:
     return torch_histogram_pb(tag, values, "tensorflow")
 
 
-def torch_histogram_pb(tag: str, values: Any, bins: Any = "tensorflow") -> summary_pb2.Summary:
+def torch_histogram_pb(tag: str, values: object, bins: Any = "tensorflow") -> summary_pb2.Summary:
     """Encode the distribution of ``values`` with the bins ``add_histogram`` accepts.
 
     Args:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 from tensorboard.compat.proto import summary_pb2
@@ -14,7 +12,7 @@ from torchsupervisor.summary.encoders.values import shape_str, to_numpy
 __all__ = ["scalar_pb", "scalar_value"]
 
 
-def scalar_value(tag: str, value: Any) -> float:
+def scalar_value(tag: str, value: object) -> float:
     """Return the one real number ``value`` holds, as a Python float.
 
     Args:
@@ -46,7 +44,7 @@ def scalar_value(tag: str, value: Any) -> float:
     return float(arr.reshape(()))
 
 
-def scalar_pb(tag: str, value: Any) -> summary_pb2.Summary:
+def scalar_pb(tag: str, value: object) -> summary_pb2.Summary:
     """Encode one real number as a scalar summary.
 
     Args:

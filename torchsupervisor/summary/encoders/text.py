@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
@@ -14,7 +12,7 @@ from torchsupervisor import errors
 __all__ = ["string_array", "text_pb"]
 
 
-def string_array(tag: str, value: Any) -> np.ndarray:
+def string_array(tag: str, value: object) -> np.ndarray:
     """Return ``value`` as a numpy array of ``str``/``bytes`` (``value`` itself if it is one).
 
     Args:
@@ -48,7 +46,7 @@ def _text_metadata_proto() -> summary_pb2.SummaryMetadata:
     return _text_metadata.create_summary_metadata(display_name="", description="")
 
 
-def text_pb(tag: str, text: Any) -> summary_pb2.Summary:
+def text_pb(tag: str, text: object) -> summary_pb2.Summary:
     """Encode strings as a text summary readable by TensorBoard's text plugin.
 
     Args:

@@ -7,7 +7,6 @@ tensor is detached and copied to the host here, so encoders themselves only see 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -17,7 +16,7 @@ from torchsupervisor import errors
 __all__ = ["check_max_outputs", "output_tag", "shape_str", "to_numpy"]
 
 
-def to_numpy(value: Any) -> np.ndarray:
+def to_numpy(value: object) -> np.ndarray:
     """Return ``value`` as a numpy array (a torch tensor is detached and copied to the host).
 
     Tensors of dtypes numpy lacks (bfloat16, float8 variants, ...) are widened to float32.

@@ -6,12 +6,15 @@ TF name: ``tf.compat.v1.train.AdagradDAOptimizer``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchsupervisor.core.global_step import check_step_source, read_step
 from torchsupervisor.training.optimizers._base import _TFOptimizer, check_l1_l2
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.global_step import GlobalStepLike
 
 __all__ = ["AdagradDAOptimizer"]
 
@@ -67,7 +70,7 @@ class AdagradDAOptimizer(_TFOptimizer):
         self,
         params: Iterable[Any],
         learning_rate: float,
-        global_step: Any,
+        global_step: GlobalStepLike,
         initial_gradient_squared_accumulator_value: float = 0.1,
         l1_regularization_strength: float = 0.0,
         l2_regularization_strength: float = 0.0,
