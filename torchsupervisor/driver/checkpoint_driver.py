@@ -34,7 +34,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
 
@@ -47,7 +47,55 @@ if TYPE_CHECKING:
     from torchsupervisor.core.global_step import GlobalStepLike
     from torchsupervisor.core.session import SessionLike
 
-__all__ = ["CHECKPOINT_AGE_TAG", "LAG_FACTOR", "CheckpointDriver"]
+__all__ = ["CHECKPOINT_AGE_TAG", "LAG_FACTOR", "CheckpointDriver", "EventSink", "SaverLike"]
+
+
+class SaverLike(Protocol):
+    """What the drivers, the session managers and the hooks use of a saver: a ``Saver``, or
+    anything with these members."""
+
+    @property
+    def in_flight(self) -> bool: ...
+
+    def save(
+        self,
+        sess: SessionLike | None,
+        save_path: str,
+        global_step: GlobalStepLike | None = None,
+        *args: object,
+        **kwargs: object,
+    ) -> str | None: ...
+
+    def save_async(
+        self,
+        sess: SessionLike | None,
+        save_path: str,
+        global_step: GlobalStepLike | None = None,
+        *args: object,
+        **kwargs: object,
+    ) -> concurrent.futures.Future[str | None]: ...
+
+    def restore(self, sess: SessionLike | None, save_path: str | None) -> None: ...
+
+    def cancel(self, timeout_secs: float | None = None) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class EventSink(Protocol):
+    """Where a driver (and the Supervisor's services) write events: a ``SummaryWriter``, or
+    anything with these members."""
+
+    def add_session_log(
+        self, session_log: SessionLog, global_step: GlobalStepLike | None = None
+    ) -> None: ...
+
+    def add_summary(self, summary: object, global_step: GlobalStepLike | None = None) -> None: ...
+
+    def add_event(self, event: Event) -> None: ...
+
+    def flush(self) -> None: ...
+
 
 LAG_FACTOR = 2.0
 """A newest checkpoint older than this many intervals is reported (``keep_up``)."""
@@ -91,11 +139,11 @@ class CheckpointDriver:
 
     def __init__(
         self,
-        saver: Any,
+        saver: SaverLike,
         save_path: str,
         global_step: GlobalStepLike | None = None,
         *,
-        writer: Any = None,
+        writer: EventSink | None = None,
         clock: Clock | None = None,
         on_error: Callable[[BaseException], Any] | None = None,
         stop_on_error: bool = False,

@@ -73,6 +73,7 @@ from torchsupervisor.errors import CheckpointSaveError, DeadlineExceededError
 
 if TYPE_CHECKING:
     from torchsupervisor.core.global_step import GlobalStepLike
+    from torchsupervisor.driver.checkpoint_driver import EventSink, SaverLike
 
 __all__ = ["DEFAULT_AGREEMENT_SECS", "ShardedCheckpointService"]
 
@@ -135,12 +136,12 @@ class ShardedCheckpointService:
     def __init__(
         self,
         sess: Session,
-        saver: Any,
+        saver: SaverLike,
         save_path: str,
         global_step: GlobalStepLike,
         group: ReplicaGroup,
         *,
-        writer: Any = None,
+        writer: EventSink | None = None,
         on_error: Any = None,
         poll_secs: float = 0.1,
         agreement_secs: float = DEFAULT_AGREEMENT_SECS,

@@ -52,6 +52,7 @@ from torchsupervisor.summary.writer_cache import SummaryWriterCache
 if TYPE_CHECKING:
     from torchsupervisor.core.coordinator import Coordinator
     from torchsupervisor.core.session import SessionLike
+    from torchsupervisor.driver.checkpoint_driver import SaverLike
 
 __all__ = ["CheckpointSaverHook", "CheckpointSaverListener"]
 
@@ -165,7 +166,7 @@ class CheckpointSaverHook(SessionRunHook):
         checkpoint_dir: str,
         save_secs: float | None = None,
         save_steps: int | None = None,
-        saver: Any = None,
+        saver: SaverLike | None = None,
         checkpoint_basename: str = "model.ckpt",
         scaffold: Any = None,
         listeners: Iterable[CheckpointSaverListener] | None = None,

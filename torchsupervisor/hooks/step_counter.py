@@ -6,7 +6,7 @@ TF name: ``tf.compat.v1.train.StepCounterHook``.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tensorboard.compat.proto.summary_pb2 import Summary
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from torchsupervisor.core.coordinator import Coordinator
     from torchsupervisor.core.global_step import GlobalStepLike
     from torchsupervisor.core.session import SessionLike
+    from torchsupervisor.driver.checkpoint_driver import EventSink
 
 __all__ = ["StepCounterHook"]
 
@@ -69,7 +70,7 @@ class StepCounterHook(SessionRunHook):
         every_n_steps: int | None = 100,
         every_n_secs: float | None = None,
         output_dir: str | None = None,
-        summary_writer: Any = None,
+        summary_writer: EventSink | None = None,
         *,
         clock: Clock | None = None,
     ) -> None:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torchsupervisor.core.coordinator import Coordinator
     from torchsupervisor.core.global_step import GlobalStepLike
     from torchsupervisor.core.session import Op, SessionLike
+    from torchsupervisor.driver.checkpoint_driver import EventSink
 
 __all__ = ["SummarySaverHook"]
 
@@ -64,7 +65,7 @@ class SummarySaverHook(SessionRunHook):
         save_steps: int | None = None,
         save_secs: float | None = None,
         output_dir: str | None = None,
-        summary_writer: Any = None,
+        summary_writer: EventSink | None = None,
         scaffold: Any = None,
         summary_op: Op | None = None,
         *,

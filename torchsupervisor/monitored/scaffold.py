@@ -44,6 +44,7 @@ from torchsupervisor.summary.ops import merge_all
 
 if TYPE_CHECKING:
     from torchsupervisor.core.session import Op
+    from torchsupervisor.driver.checkpoint_driver import SaverLike
 
 __all__ = ["Scaffold", "check_scaffold"]
 
@@ -117,7 +118,7 @@ class Scaffold:
         ready_for_local_init_op: Op | None = None,
         local_init_op: Op | None = None,
         summary_op: Op | None = None,
-        saver: Any = None,
+        saver: SaverLike | None = None,
         copy_from_scaffold: Scaffold | None = None,
         local_init_feed_dict: Mapping[str, Any] | None = None,
         *,

@@ -26,7 +26,7 @@ TF name: none (TF's Supervisor handled no signal and saved no final checkpoint).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorboard.compat.proto.event_pb2 import SessionLog
 
@@ -44,6 +44,9 @@ from torchsupervisor.storage import storage_for
 from torchsupervisor.summary.writer import SummaryWriter
 from torchsupervisor.supervisor.modes import agreed_stop
 
+if TYPE_CHECKING:
+    from torchsupervisor.supervisor.supervisor import Supervisor
+
 __all__ = [
     "end_unmanaged",
     "finish",
@@ -57,7 +60,7 @@ __all__ = [
 logger = logging.getLogger("torchsupervisor")
 
 
-def open_logdir(sv: Any) -> None:
+def open_logdir(sv: Supervisor) -> None:
     """The chief takes its logdir's writer lock and removes the last session's stop record.
 
     Raises:
@@ -82,7 +85,7 @@ def open_logdir(sv: Any) -> None:
         logger.warning("Could not remove %s's stop record: %s", logdir, e)
 
 
-def stop_decision(sv: Any) -> bool:
+def stop_decision(sv: Supervisor) -> bool:
     """Whether to stop now (``should_stop`` without its step boundary).
 
     After a preemption signal, once the stop is decided (with replicas, at the step every
@@ -106,7 +109,7 @@ def stop_decision(sv: Any) -> bool:
     return stop
 
 
-def stop_at_run(sv: Any) -> None:
+def stop_at_run(sv: Supervisor) -> None:
     """The step boundary's watcher: after a preemption signal, a loop that never asks
     ``should_stop()`` stops at its ``sess.run`` (with replicas, at the agreed step).
 
@@ -131,7 +134,7 @@ def stop_at_run(sv: Any) -> None:
 
 
 def record_end(
-    sv: Any, ending: tuple[bool, BaseException | None] | None, deadline: Deadline
+    sv: Supervisor, ending: tuple[bool, BaseException | None] | None, deadline: Deadline
 ) -> str:
     """Record how the session ended (the chief, in its logdir: ``driver/stop_record.py``),
     before ``deadline``; return it as the STOP event's message (``"preemption: SIGTERM"``,
@@ -185,7 +188,7 @@ def _newest_checkpoint(mode: Any) -> str | None:
     return None if driver is None else driver.last_prefix
 
 
-def finish(sv: Any, clean: bool) -> None:
+def finish(sv: Supervisor, clean: bool) -> None:
     """End a session prepared outside ``managed_session``, once: tell the replicas, save
     the final checkpoint of a clean stop; keep the error ``stop`` raises at the end."""
     if sv._finished or sv._mode is None:
@@ -196,7 +199,7 @@ def finish(sv: Any, clean: bool) -> None:
 
 
 def end_unmanaged(
-    sv: Any, propagating: BaseException | None
+    sv: Supervisor, propagating: BaseException | None
 ) -> tuple[tuple[bool, BaseException | None], BaseException | None]:
     """``stop()`` of a session prepared outside ``managed_session``: its final checkpoint,
     unless ``stop`` is called while an exception propagates (``propagating``: the state may
@@ -212,7 +215,7 @@ def end_unmanaged(
 
 
 def release_session(
-    sv: Any,
+    sv: Supervisor,
     ending: tuple[bool, BaseException | None] | None,
     unmanaged: bool,
     close_summary_writer: bool,

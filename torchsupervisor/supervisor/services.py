@@ -24,6 +24,7 @@ from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 if TYPE_CHECKING:
     from torchsupervisor.core.global_step import GlobalStepLike
     from torchsupervisor.core.session import Op
+    from torchsupervisor.driver.checkpoint_driver import EventSink
 
 __all__ = [
     "SVStepCounterThread",
@@ -50,7 +51,7 @@ class SVSummaryThread(LooperThread):
         sess: Session,
         summary_op: Op,
         global_step: GlobalStepLike,
-        writer: Any,
+        writer: EventSink,
     ) -> None:
         super().__init__(coord, interval_secs)
         self._sess = sess
@@ -78,7 +79,11 @@ class SVStepCounterThread(LooperThread):
     """
 
     def __init__(
-        self, coord: Coordinator, interval_secs: float, global_step: GlobalStepLike, writer: Any
+        self,
+        coord: Coordinator,
+        interval_secs: float,
+        global_step: GlobalStepLike,
+        writer: EventSink,
     ) -> None:
         super().__init__(coord, interval_secs)
         self._global_step = global_step

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
     from torchsupervisor.core.session import Op
+    from torchsupervisor.driver.checkpoint_driver import SaverLike
 
 __all__ = ["SessionManager"]
 
@@ -103,7 +104,7 @@ class SessionManager:
     def _restore_checkpoint(
         self,
         master: str,
-        saver: Any = None,
+        saver: SaverLike | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_filename_with_path: str | None = None,
         wait_for_checkpoint: bool = False,
@@ -139,7 +140,7 @@ class SessionManager:
         self,
         master: str = "",
         init_op: Op | None = None,
-        saver: Any = None,
+        saver: SaverLike | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_filename_with_path: str | None = None,
         wait_for_checkpoint: bool = False,
@@ -202,7 +203,7 @@ class SessionManager:
     def recover_session(
         self,
         master: str = "",
-        saver: Any = None,
+        saver: SaverLike | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_filename_with_path: str | None = None,
         wait_for_checkpoint: bool = False,
@@ -328,7 +329,9 @@ def _not_ready_names(result: object) -> list[str]:
     return [n.decode("utf-8") if isinstance(n, bytes) else str(n) for n in result]
 
 
-def _restore_newest_valid(saver: Any, sess: Session, candidates: list[str], directory: str) -> str:
+def _restore_newest_valid(
+    saver: SaverLike, sess: Session, candidates: list[str], directory: str
+) -> str:
     failures = []
     for prefix in candidates:
         try:

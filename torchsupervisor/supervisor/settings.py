@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
     from torchsupervisor.core.global_step import GlobalStepLike
     from torchsupervisor.core.session import Op
+    from torchsupervisor.driver.checkpoint_driver import EventSink, SaverLike
 
 __all__ = ["Settings", "resolve_settings"]
 
@@ -73,9 +74,9 @@ class Settings:
     init_feed_dict: Mapping[str, Any] | None
     local_init_op: Op
     global_step: GlobalStepLike
-    saver: Any
+    saver: SaverLike
     summary_op: Op
-    summary_writer: Any
+    summary_writer: EventSink
     session_manager: SessionManager
     init_fn: Callable[..., object] | None
     logdir: str | None
@@ -105,7 +106,7 @@ def resolve_settings(
     local_init_op: Op,
     logdir: str | None,
     summary_op: Op,
-    saver: Any,
+    saver: SaverLike,
     global_step: GlobalStepLike,
     save_summaries_secs: float,
     save_model_secs: float,
@@ -113,7 +114,7 @@ def resolve_settings(
     stop_grace_secs: float,
     checkpoint_basename: str,
     session_manager: SessionManager | None,
-    summary_writer: Any,
+    summary_writer: EventSink,
     init_fn: Callable[..., object] | None,
     local_init_run_options: object,
     state: Mapping[str, Any] | None,
@@ -242,7 +243,7 @@ def _default_ops(
     )
 
 
-def _chief_writer(summary_writer: Any, logdir: str | None, clock: Clock) -> Any:
+def _chief_writer(summary_writer: EventSink, logdir: str | None, clock: Clock) -> Any:
     """The chief's summary writer: the one given, else one of the logdir (else None)."""
     if summary_writer is not USE_DEFAULT:
         return summary_writer

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from torchsupervisor.core.global_step import GlobalStepLike
     from torchsupervisor.core.registry import UseDefault
     from torchsupervisor.core.session import Op, SessionLike
+    from torchsupervisor.driver.checkpoint_driver import EventSink, SaverLike
 
 __all__ = ["Supervisor"]
 
@@ -177,7 +178,7 @@ class Supervisor:
         local_init_op: Op | UseDefault = USE_DEFAULT,
         logdir: str | None = None,
         summary_op: Op | UseDefault = USE_DEFAULT,
-        saver: Any = USE_DEFAULT,
+        saver: SaverLike | UseDefault = USE_DEFAULT,
         global_step: GlobalStepLike | UseDefault = USE_DEFAULT,
         save_summaries_secs: float = 120,
         save_model_secs: float = 600,
@@ -185,7 +186,7 @@ class Supervisor:
         stop_grace_secs: float = 120,
         checkpoint_basename: str = "model.ckpt",
         session_manager: SessionManager | None = None,
-        summary_writer: Any = USE_DEFAULT,
+        summary_writer: EventSink | UseDefault = USE_DEFAULT,
         init_fn: Callable[..., object] | None = None,
         local_init_run_options: object = None,
         *,
