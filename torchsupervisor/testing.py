@@ -45,7 +45,12 @@ __all__ = [
     "Gate",
     "GatedStorage",
     "WorldError",
+    "events_worker_of",
+    "hooks_of",
+    "raw_session_of",
     "run_world",
+    "save_cache_of",
+    "timer_of",
     "wait_for_quiet",
 ]
 
@@ -190,6 +195,51 @@ def wait_for_quiet(timeout_secs: float = 10.0) -> None:
     busy = thread_registry.wait_for_quiet(timeout_secs)
     if busy:
         raise TimeoutError(f"still busy after {timeout_secs:g} s: {'; '.join(busy)}")
+
+
+def hooks_of(session: Any) -> list[Any]:
+    """The hooks a ``MonitoredSession`` runs (``MonitoredTrainingSession``'s standard ones
+    included), in the order it runs them.
+
+    TF name: none.
+    """
+    return list(session._hooks)
+
+
+def raw_session_of(session: Any) -> Any:
+    """The ``Session`` inside a ``MonitoredSession`` (the current one: a recovered session
+    replaces it), or None before it is created.
+
+    TF name: none (TF's ``MonitoredSession._tf_sess``).
+    """
+    return session._tf_sess()
+
+
+def events_worker_of(writer: Any) -> Any:
+    """The ``EventFileWriter`` (queue, thread, file) behind a ``SummaryWriter`` now (a
+    ``reopen`` makes a new one).
+
+    TF name: none.
+    """
+    return writer._holder[0]
+
+
+def save_cache_of(saver: Any) -> Any:
+    """The ``SaveCache`` of the writer a ``Saver`` chose for its state (after its first save
+    or restore, or at construction for a ``var_list`` mapping); None before.
+
+    TF name: none.
+    """
+    choice = saver._writer_choice
+    return None if choice is None else choice[1]._cache
+
+
+def timer_of(hook: Any) -> Any:
+    """The ``SecondOrStepTimer`` that paces a hook (``every_steps``, ``every_secs``).
+
+    TF name: none.
+    """
+    return hook._timer
 
 
 def _this_rank() -> int:

@@ -140,11 +140,11 @@ def test_a_module_not_met_by_a_walk_is_let_go():
     memo.end_walk()
     memo.begin_walk()
     memo.end_walk()  # The state no longer has "model": its modules are not held.
-    assert memo._last == {}
+    assert memo.last == {}
     memo.begin_walk()
     memo.state_dict(model, "model")  # Called again, and recorded again.
     memo.end_walk()
-    assert memo.taken == 0 and memo._last["model"].tree.modules[0] is model
+    assert memo.taken == 0 and memo.last["model"].tree.modules[0] is model
 
 
 def fsdp2_rank(rank: int, world_size: int) -> list[tuple[str, bool, bool]]:

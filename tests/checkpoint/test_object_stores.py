@@ -114,7 +114,7 @@ def test_a_start_cleans_what_a_crash_left(url, caplog):
         saver.close()
     # A crash after the shards of step 2 and before its manifest, and one in an upload.
     storage.put(f"{url}/model.ckpt-2.data-00000-of-00001", [b"shard without a manifest"])
-    upload = storage.client.create_upload(storage._key(f"{url}/model.ckpt-3.data-00000-of-00001"))
+    upload = storage.client.create_upload(storage.key(f"{url}/model.ckpt-3.data-00000-of-00001"))
     assert storage.leftovers(url) == [f"{url}/model.ckpt-3.data-00000-of-00001"]
 
     state = {"w": torch.zeros(8), "global_step": ts.GlobalStep()}
@@ -247,7 +247,7 @@ def test_a_state_file_replaced_at_every_read_is_ignored_and_the_directory_scanne
     finally:
         saver.close()
     client = storage_for(url).client
-    rewriting = _RewritesOnEveryRead(client, storage_for(url)._key(f"{url}/checkpoint"))
+    rewriting = _RewritesOnEveryRead(client, storage_for(url).key(f"{url}/checkpoint"))
     with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
         candidates = restore_candidates(url, storage=ObjectStorage(rewriting))
     # Read as it was, the state file would put model.ckpt-1 first.

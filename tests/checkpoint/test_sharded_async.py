@@ -24,7 +24,7 @@ from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
 from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.writers import ShardedWriter
 from torchsupervisor.distributed import env
-from torchsupervisor.testing import FaultyStorage, run_world
+from torchsupervisor.testing import FaultyStorage, run_world, save_cache_of
 
 WAIT_SECS = 60.0
 
@@ -386,7 +386,7 @@ def teardown_rank(rank: int, world_size: int, directory: str) -> dict:
         )
     saver.close()
     background = weakref.ref(env.background_group())
-    replayed = saver._writers[True]._cache.plans.replayed
+    replayed = save_cache_of(saver).plans.replayed
     dist.destroy_process_group()
     return {"replayed": replayed, "background_alive": background() is not None}
 

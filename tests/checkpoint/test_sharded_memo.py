@@ -18,7 +18,7 @@ from test_sharded import _build, _full_tensors, _state, _train_step
 from torchsupervisor import Saver
 from torchsupervisor.core.tree import encode_tree
 from torchsupervisor.core.walk import walk_state
-from torchsupervisor.testing import run_world
+from torchsupervisor.testing import run_world, save_cache_of
 
 WAIT_SECS = 60.0
 
@@ -69,12 +69,12 @@ def walk_memo_rank(rank: int, world_size: int) -> list[tuple[str, list[str], lis
     outcomes = []
 
     def walk(label: str) -> None:
-        before = dict(memo._last)
+        before = dict(memo.last)
         local: dict = {}
         fresh_local: dict = {}
         ours = walk_state(state, keep_vars=True, local=local, memo=memo)
         fresh = walk_state(state, keep_vars=True, local=fresh_local)
-        walked = sorted(p for p, leaves in memo._last.items() if before.get(p) is not leaves)
+        walked = sorted(p for p, leaves in memo.last.items() if before.get(p) is not leaves)
         detached = {"loose/b"} if extra["b"].requires_grad else set()
         outcomes.append((label, _same_walk(ours, fresh, local, fresh_local, detached), walked))
 
@@ -145,13 +145,13 @@ def stage_memo_rank(
     mesh = model[0].weight.device_mesh
     state["extra"]["d"] = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
     saver = Saver(var_list=state, max_to_keep=None)
-    memo = saver._writers[True]._cache.staged
-    shards = saver._writers[True]._cache.plans.shards
-    sent = saver._writers[True]._cache.plans.sent
+    memo = save_cache_of(saver).staged
+    shards = save_cache_of(saver).plans.shards
+    sent = save_cache_of(saver).plans.sent
     save_path = os.path.join(directory, "model.ckpt")
     outcomes = []
 
-    trees = saver._writers[True]._cache.plans.trees  # The coordinator's (``tree_memo``).
+    trees = save_cache_of(saver).plans.trees  # The coordinator's (``tree_memo``).
     taken_trees = []
 
     def save(label: str, step: int) -> None:

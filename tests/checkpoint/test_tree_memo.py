@@ -13,6 +13,7 @@ from torchsupervisor.checkpoint.tree_memo import TreeMemo
 from torchsupervisor.core.state import MAX_STATE_DEPTH, TensorRef
 from torchsupervisor.core.tree import encode_tree
 from torchsupervisor.core.walk import WalkMemo, walk_state
+from torchsupervisor.testing import save_cache_of
 
 JSON_VALUES = [
     None,
@@ -157,7 +158,7 @@ def test_a_savers_manifests_hold_the_states_tree_while_encodings_are_taken_again
         reader = CheckpointReader(path)
         reader.verify()
         assert reader.manifest.tree == encode_tree(flatten_state(state)[0]), step
-        taken.append(saver._writers[False]._cache.trees.taken)
+        taken.append(save_cache_of(saver).trees.taken)
     saver.close()
     assert taken[0] == 0 and taken[1] > 0 and taken[2] > 0, taken
 

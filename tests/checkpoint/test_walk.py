@@ -88,7 +88,7 @@ class _Holder:
 
 def _walked(memo, before) -> list[str]:
     """The mappings the last walk did not take from the memo."""
-    return sorted(path for path, leaves in memo._last.items() if before.get(path) is not leaves)
+    return sorted(path for path, leaves in memo.last.items() if before.get(path) is not leaves)
 
 
 def test_the_memo_walk_of_one_process_gives_what_flatten_state_gives():
@@ -98,7 +98,7 @@ def test_the_memo_walk_of_one_process_gives_what_flatten_state_gives():
     outcomes = {}
 
     def walk(label):
-        before = dict(memo._last)
+        before = dict(memo.last)
         outcomes[label] = (_differences(state, memo), _walked(memo, before))
 
     head, side, backbone = state["head"], state["side"], state["backbone"]

@@ -44,7 +44,7 @@ from torchsupervisor.monitored.creators import ChiefSessionCreator
 from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.monitored.session import MonitoredSession
 from torchsupervisor.monitored.training_session import MonitoredTrainingSession
-from torchsupervisor.monitored.wrappers import _HookedSession
+from torchsupervisor.monitored.wrappers import HookedSession
 from torchsupervisor.testing import FaultyStorage
 
 
@@ -167,7 +167,7 @@ def test_steps_schedule_in_a_bare_hooked_session(tmp_path):
     hook = CheckpointSaverHook(str(tmp_path), save_steps=2, saver=saver, listeners=[listener])
     hook.begin()
     raw = Session(counter.state)
-    sess = _HookedSession(raw, [hook])
+    sess = HookedSession(raw, [hook])
     run_steps(sess, counter, saver, 5)
     hook.end(raw)
     assert listener.steps("before_save") == [1, 3, 5]

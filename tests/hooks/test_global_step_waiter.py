@@ -11,7 +11,7 @@ from torchsupervisor import Session
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.registry import GraphKeys, add_to_collection
 from torchsupervisor.hooks import GlobalStepWaiterHook
-from torchsupervisor.monitored.wrappers import _HookedSession
+from torchsupervisor.monitored.wrappers import HookedSession
 
 
 class StepMovingClock(Clock):
@@ -40,7 +40,7 @@ def test_waiter_blocks_the_first_run_until_the_step_is_reached(caplog):
     clock = StepMovingClock(counter.global_step, by=400)
     hook = GlobalStepWaiterHook(2500, clock=clock)
     hook.begin()
-    sess = _HookedSession(Session(counter.state), [hook])
+    sess = HookedSession(Session(counter.state), [hook])
     with caplog.at_level(logging.INFO, logger="torchsupervisor"):
         sess.run(lambda: None)
     assert counter.global_step.value == 2800
@@ -58,5 +58,5 @@ def test_waiter_with_a_non_positive_step_never_waits():
     clock = StepMovingClock(counter.global_step, by=1)
     hook = GlobalStepWaiterHook(0, clock=clock)
     hook.begin()
-    _HookedSession(Session(counter.state), [hook]).run(lambda: None)
+    HookedSession(Session(counter.state), [hook]).run(lambda: None)
     assert clock.sleeps == []

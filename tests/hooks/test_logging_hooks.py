@@ -14,13 +14,13 @@ from torchsupervisor import GlobalStep, Session
 from torchsupervisor.hooks import LoggingTensorHook, NanLossDuringTrainingError, NanTensorHook
 from torchsupervisor.monitored.creators import ChiefSessionCreator
 from torchsupervisor.monitored.session import MonitoredSession
-from torchsupervisor.monitored.wrappers import _HookedSession
+from torchsupervisor.monitored.wrappers import HookedSession
 
 
 def hooked(hooks):
     for hook in hooks:
         hook.begin()
-    return _HookedSession(Session({}), hooks)
+    return HookedSession(Session({}), hooks)
 
 
 def messages(caplog):

@@ -16,11 +16,11 @@ from torchsupervisor.hooks import (
 )
 from torchsupervisor.monitored.creators import ChiefSessionCreator
 from torchsupervisor.monitored.session import MonitoredSession
-from torchsupervisor.monitored.wrappers import _HookedSession
+from torchsupervisor.monitored.wrappers import HookedSession
 
 
 def hooked(hooks, state=None):
-    return _HookedSession(Session(state or {}), hooks)
+    return HookedSession(Session(state or {}), hooks)
 
 
 def test_value_objects():

@@ -13,7 +13,7 @@ from torchsupervisor.core.registry import GraphKeys, add_to_collection
 from torchsupervisor.hooks import StepCounterHook
 from torchsupervisor.monitored.creators import ChiefSessionCreator
 from torchsupervisor.monitored.session import MonitoredSession
-from torchsupervisor.monitored.wrappers import _HookedSession
+from torchsupervisor.monitored.wrappers import HookedSession
 
 
 def test_argument_errors():
@@ -51,7 +51,7 @@ def test_rates_every_n_secs_and_the_tag_of_a_named_step(tmp_path, fake_clock):
         every_n_steps=None, every_n_secs=10.0, summary_writer=writer, clock=fake_clock
     )
     hook.begin()
-    sess = _HookedSession(Session({"global_step": step}), [hook])
+    sess = HookedSession(Session({"global_step": step}), [hook])
     for _ in range(12):
         fake_clock.advance(2.0)
         sess.run(lambda: step.increment(3))
@@ -66,7 +66,7 @@ def test_no_writer_only_logs(caplog, fake_clock):
     add_to_collection(GraphKeys.GLOBAL_STEP, counter.global_step)
     hook = StepCounterHook(every_n_steps=2, clock=fake_clock)
     hook.begin()
-    sess = _HookedSession(Session(counter.state), [hook])
+    sess = HookedSession(Session(counter.state), [hook])
     with caplog.at_level(logging.INFO, logger="torchsupervisor"):
         for _ in range(3):
             fake_clock.advance(1.0)
@@ -79,7 +79,7 @@ def test_a_stuck_global_step_is_reported_five_times(caplog, fake_clock):
     add_to_collection(GraphKeys.GLOBAL_STEP, counter.global_step)
     hook = StepCounterHook(every_n_steps=100, clock=fake_clock)
     hook.begin()
-    sess = _HookedSession(Session(counter.state), [hook])
+    sess = HookedSession(Session(counter.state), [hook])
     with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
         for _ in range(10):
             sess.run(lambda: None)
@@ -97,7 +97,7 @@ def test_after_a_new_session_the_first_trigger_only_records(tmp_path, fake_clock
     for _ in range(2):  # Two sessions (a recovery): each starts by recording only.
         raw = Session(counter.state)
         hook.after_create_session(raw, None)
-        sess = _HookedSession(raw, [hook])
+        sess = HookedSession(raw, [hook])
         for _ in range(2):
             fake_clock.advance(1.0)
             sess.run(counter.step)

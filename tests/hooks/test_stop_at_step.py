@@ -11,7 +11,7 @@ from torchsupervisor.hooks import StopAtStepHook
 from torchsupervisor.monitored.creators import ChiefSessionCreator
 from torchsupervisor.monitored.session import MonitoredSession
 from torchsupervisor.monitored.training_session import MonitoredTrainingSession
-from torchsupervisor.monitored.wrappers import _HookedSession
+from torchsupervisor.monitored.wrappers import HookedSession
 
 
 def test_argument_errors():
@@ -76,7 +76,7 @@ def test_a_step_moving_by_more_than_one_per_run():
     add_to_collection(GraphKeys.GLOBAL_STEP, step)
     hook = StopAtStepHook(last_step=10)
     hook.begin()
-    sess = _HookedSession(Session({"global_step": step}), [hook])
+    sess = HookedSession(Session({"global_step": step}), [hook])
     runs = 0
     while not sess.should_stop():
         sess.run(lambda: step.increment(4))
@@ -89,7 +89,7 @@ def test_bare_hooked_session_counts_num_steps_from_the_first_run():
     add_to_collection(GraphKeys.GLOBAL_STEP, step)
     hook = StopAtStepHook(num_steps=2)
     hook.begin()
-    sess = _HookedSession(Session({"global_step": step}), [hook])
+    sess = HookedSession(Session({"global_step": step}), [hook])
     sess.run(step.increment)
     assert not sess.should_stop()
     sess.run(step.increment)

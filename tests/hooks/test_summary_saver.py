@@ -12,7 +12,7 @@ from torchsupervisor.hooks import SummarySaverHook
 from torchsupervisor.monitored.creators import ChiefSessionCreator
 from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.monitored.session import MonitoredSession
-from torchsupervisor.monitored.wrappers import _HookedSession
+from torchsupervisor.monitored.wrappers import HookedSession
 
 
 def test_argument_errors():
@@ -70,7 +70,7 @@ def test_scaffold_summary_op_and_a_list_of_ops(tmp_path):
     writer = SummaryWriter(str(listed))
     hook = SummarySaverHook(save_steps=2, summary_writer=writer, summary_op=ops)
     hook.begin()
-    sess = _HookedSession(Session(counter.state), [hook])
+    sess = HookedSession(Session(counter.state), [hook])
     sess.run(counter.step)
     writer.close()
     SummaryWriterCache.clear()
@@ -117,6 +117,6 @@ def test_without_a_writer_nothing_is_evaluated():
     add_to_collection(GraphKeys.GLOBAL_STEP, counter.global_step)
     hook = SummarySaverHook(save_steps=1, summary_op=lambda: calls.append(1))
     hook.begin()
-    sess = _HookedSession(Session(counter.state), [hook])
+    sess = HookedSession(Session(counter.state), [hook])
     sess.run(counter.step)
     assert calls == []

@@ -24,7 +24,7 @@ from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.monitored.session import SingularMonitoredSession
 from torchsupervisor.monitored.training_session import MonitoredTrainingSession
 from torchsupervisor.storage import is_temporary_name
-from torchsupervisor.testing import FakeClock
+from torchsupervisor.testing import FakeClock, hooks_of, raw_session_of
 
 WORKER = repo_paths.worker("monitored_preemption_worker.py")
 STEPS = 60
@@ -134,7 +134,7 @@ def test_a_final_checkpoint_that_cannot_finish_in_the_grace_period_is_abandoned(
                 clock=FakeClock(),
             ) as sess,
         ):
-            sess._hooks[-1].wait_for_save()  # Step 0 is committed.
+            hooks_of(sess)[-1].wait_for_save()  # Step 0 is committed.
             sess.run(counter.step)
             os.kill(os.getpid(), signal.SIGTERM)
             assert sess.should_stop()
@@ -173,7 +173,7 @@ def test_ctrl_c_stops_gracefully_and_a_second_one_aborts(tmp_path, caplog):
                 checkpoint_dir=str(tmp_path / "abort"), state=other.state
             ) as sess,
         ):
-            sess._hooks[-1].wait_for_save()  # Step 0 is committed.
+            hooks_of(sess)[-1].wait_for_save()  # Step 0 is committed.
             sess.run(other.step)
             os.kill(os.getpid(), signal.SIGINT)
             assert sess.should_stop()
@@ -284,14 +284,14 @@ def test_a_resumed_run_continues_bitwise_with_the_rng_state(tmp_path, save_rng_s
 def test_rng_state_goes_into_the_given_or_the_scaffold_state(tmp_path):
     state = Counter().state
     with MonitoredTrainingSession(state=state) as sess:
-        assert isinstance(sess._tf_sess().state["rng"], RNGState)
+        assert isinstance(raw_session_of(sess).state["rng"], RNGState)
     assert "rng" not in state  # The caller's mapping is not changed.
     scaffold = Scaffold(state=Counter().state)
     with MonitoredTrainingSession(scaffold=scaffold) as sess:
-        assert sess._tf_sess().state["rng"] is scaffold.state["rng"]
+        assert raw_session_of(sess).state["rng"] is scaffold.state["rng"]
     own = RNGState()
     with MonitoredTrainingSession(state={**Counter().state, "rng": own}) as sess:
-        assert sess._tf_sess().state["rng"] is own
+        assert raw_session_of(sess).state["rng"] is own
 
 
 def test_a_checkpoint_without_rng_state_still_restores(tmp_path, caplog):

@@ -52,6 +52,7 @@ from torchsupervisor.monitored.session import MonitoredSession, SingularMonitore
 from torchsupervisor.monitored.training_session import MonitoredTrainingSession
 from torchsupervisor.storage import temporary_name
 from torchsupervisor.storage.lock import LOCK_FILENAME
+from torchsupervisor.testing import hooks_of, raw_session_of, timer_of
 
 # ------------------------------------------------------------------------------------ Scaffold
 
@@ -403,7 +404,7 @@ def test_run_step_fn_checks_the_signature():
 
 
 def hook_types(sess):
-    return [type(h) for h in sess._hooks]
+    return [type(h) for h in hooks_of(sess)]
 
 
 def test_default_hooks_and_their_order(tmp_path):
@@ -419,10 +420,10 @@ def test_default_hooks_and_their_order(tmp_path):
             CheckpointSaverHook,
             RecordingHook,
         ]
-        assert sess._hooks[0] is first and sess._hooks[-1] is last
-        assert sess._hooks[3]._timer._every_secs == 600
-        assert sess._hooks[2]._timer._every_steps == 100
-        assert sess._hooks[1]._timer._every_steps == 100
+        assert hooks_of(sess)[0] is first and hooks_of(sess)[-1] is last
+        assert timer_of(hooks_of(sess)[3]).every_secs == 600
+        assert timer_of(hooks_of(sess)[2]).every_steps == 100
+        assert timer_of(hooks_of(sess)[1]).every_steps == 100
 
 
 def test_disabling_the_default_hooks(tmp_path):
@@ -460,11 +461,14 @@ def test_only_one_interval_given_disables_the_other(tmp_path):
         save_checkpoint_steps=5,
         save_summaries_secs=30,
     ) as sess:
-        summary_hook, checkpoint_hook = sess._hooks[1], sess._hooks[2]
+        summary_hook, checkpoint_hook = hooks_of(sess)[1], hooks_of(sess)[2]
         assert (
-            checkpoint_hook._timer._every_steps == 5 and checkpoint_hook._timer._every_secs is None
+            timer_of(checkpoint_hook).every_steps == 5
+            and timer_of(checkpoint_hook).every_secs is None
         )
-        assert summary_hook._timer._every_secs == 30 and summary_hook._timer._every_steps is None
+        assert (
+            timer_of(summary_hook).every_secs == 30 and timer_of(summary_hook).every_steps is None
+        )
 
 
 def test_training_writes_checkpoints_and_summaries_then_resumes(tmp_path):
@@ -587,7 +591,7 @@ def test_recovery_waits_for_the_checkpoint_being_written(tmp_path):
             for _ in range(4):
                 sess.run(step)
             sess.run(step)  # Fails; the new session restores model.ckpt-3 and runs it again.
-            assert sess._tf_sess().restored_checkpoint == str(tmp_path / "model.ckpt-3")
+            assert raw_session_of(sess).restored_checkpoint == str(tmp_path / "model.ckpt-3")
             assert counter.global_step.value == 4
     finally:
         gate.open()
@@ -633,7 +637,7 @@ def test_training_recovery_always_has_a_checkpoint_to_restore(tmp_path):
     with MonitoredTrainingSession(checkpoint_dir=str(tmp_path), state=counter.state) as sess:
         sess.run(step)
         sess.run(step)  # No save since step 0 (600 s): the recovery restores model.ckpt-0.
-        assert sess._tf_sess().restored_checkpoint == str(tmp_path / "model.ckpt-0")
+        assert raw_session_of(sess).restored_checkpoint == str(tmp_path / "model.ckpt-0")
         assert counter.global_step.value == 1 and float(counter.w) == 1.0
 
 

@@ -130,7 +130,7 @@ def test_readers_see_the_old_object_until_a_multipart_upload_completes(url):
 
 def test_the_store_refuses_a_body_whose_crc32c_does_not_match(url):
     client = storage_for(url).client
-    key = storage_for(url)._key(f"{url}/obj")
+    key = storage_for(url).key(f"{url}/obj")
     # S3 refuses the request; GCS (or its emulator, which stores and reports the CRC-32C of
     # what it got) is checked by the client, which deletes the object; for Azure (MD5 only)
     # the client checks the bytes before it sends them.
@@ -145,7 +145,7 @@ def test_a_delete_on_a_stale_version_is_refused(url):
     # delete, so the GCS client also looks first.
     st = storage_for(url)
     client = st.client
-    key = st._key(f"{url}/lock")
+    key = st.key(f"{url}/lock")
     first = client.put_object(key, b"1", crc=crc32c.crc32c(b"1"))
     second = client.put_object(key, b"2", crc=crc32c.crc32c(b"2"), only_if=first)
     with pytest.raises(PreconditionFailed):
@@ -157,9 +157,9 @@ def test_a_delete_on_a_stale_version_is_refused(url):
 def test_unfinished_uploads_are_leftovers_and_cleaned(url):
     st = storage_for(url)
     client = st.client
-    upload = client.create_upload(st._key(f"{url}/crashed"))
+    upload = client.create_upload(st.key(f"{url}/crashed"))
     client.upload_part(upload, 1, b"part", crc=crc32c.crc32c(b"part"))
-    deeper = client.create_upload(st._key(f"{url}/sub/other"))
+    deeper = client.create_upload(st.key(f"{url}/sub/other"))
     assert st.leftovers(url) == [f"{url}/crashed"]
     assert st.clean_leftovers(url) == [f"{url}/crashed"]
     assert st.leftovers(url) == [] and not st.exists(f"{url}/crashed")
@@ -168,7 +168,7 @@ def test_unfinished_uploads_are_leftovers_and_cleaned(url):
 
 def test_conditional_puts(url):
     client = storage_for(url).client
-    key = storage_for(url)._key(f"{url}/lock")
+    key = storage_for(url).key(f"{url}/lock")
     first = client.put_object(key, b"1", crc=crc32c.crc32c(b"1"), only_if=ABSENT)
     with pytest.raises(PreconditionFailed):
         client.put_object(key, b"2", crc=crc32c.crc32c(b"2"), only_if=ABSENT)
@@ -309,7 +309,7 @@ class _ReplacedWhileRead:
 def test_a_lock_renewed_while_it_is_read_is_read_again_whole(url):
     st = storage_for(url)
     _write_lock(url, {"pid": 1, "host": "elsewhere", "heartbeat": 1.0})
-    key = lock_key(st._key(url))
+    key = lock_key(st.key(url))
     renewed = {"pid": 1, "host": "elsewhere", "heartbeat": 1234567890.125, "ttl": 30.0}
     client = _ReplacedWhileRead(st.client, key, json.dumps(renewed).encode())
     owner, etag = read_lock(client, key)
@@ -323,7 +323,7 @@ def test_an_object_replaced_while_it_is_read_is_read_again_whole(url):
     path = f"{url}/checkpoint"
     st.put(path, [b'model_checkpoint_path: "model.ckpt-90"\n'])
     new = b'model_checkpoint_path: "model.ckpt-100"\nall_model_checkpoint_paths: "model.ckpt-100"\n'
-    client = _ReplacedWhileRead(st.client, st._key(path), new)
+    client = _ReplacedWhileRead(st.client, st.key(path), new)
     assert ObjectStorage(client).read_bytes(path, max_bytes=1000) == new
     assert client.replaced == 1  # Not the new version's first 39 bytes, a cut text.
 
@@ -332,7 +332,7 @@ def test_an_object_replaced_at_every_read_is_an_error_not_a_cut_text(url):
     st = storage_for(url)
     path = f"{url}/checkpoint"
     st.put(path, [b"first version"])
-    client = _ReplacedWhileRead(st.client, st._key(path), b"")
+    client = _ReplacedWhileRead(st.client, st.key(path), b"")
     bodies = iter(f"version {i}, longer than the one before{'!' * i}".encode() for i in range(9))
 
     def replace_each_time(key, offset, length):
@@ -376,10 +376,10 @@ def test_unknown_schemes_are_refused_with_the_available_ones():
 
 def _fresh(url: str, **options):
     """A storage made anew for the bucket of ``url`` with ``options`` (not the cached one)."""
-    from torchsupervisor.storage import _object_storage
+    from torchsupervisor.storage import object_storage
     from torchsupervisor.storage.paths import parse_url
 
-    return _object_storage(parse_url(url), dict(options))
+    return object_storage(parse_url(url), dict(options))
 
 
 def test_a_missing_bucket_is_named(s3_server):
@@ -484,7 +484,7 @@ def test_a_holder_that_cannot_renew_for_its_ttl_counts_its_lock_lost(memory_url,
     mine = _storage(memory_url, lock_ttl_secs=0.5)
     lock = mine.lock(memory_url)
     real_put = mine.client.put_object
-    key = lock_key(mine._key(memory_url))
+    key = lock_key(mine.key(memory_url))
 
     def partitioned(k, *args, **kwargs):
         if k == key:

@@ -24,6 +24,7 @@ from torchsupervisor.summary.snapshot import (
     snapshot_scalar,
     snapshot_step,
 )
+from torchsupervisor.testing import events_worker_of
 
 READS = frozenset(
     {
@@ -133,7 +134,8 @@ def test_long_runs_of_device_scalars_are_read_on_the_writer_thread(tmp_path):
     calls: list[tuple[str, str]] = []
     count = VECTORIZE_MIN_RUN * 2  # the vectorized encoder's path
     with SummaryWriter(tmp_path, max_queue=0) as w:
-        w._holder[0].batch_at = w._holder[0].wake_at = 10**6  # long runs: batches at close
+        worker = events_worker_of(w)
+        worker.batch_at = worker.wake_at = 10**6  # long runs: batches at close
         for step in range(count):
             w.add_scalar("x", recording_tensor(float(step), calls), recording_tensor(step, calls))
         assert threading.current_thread().name not in reads_by_thread(calls)

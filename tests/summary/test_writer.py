@@ -30,7 +30,7 @@ from torchsupervisor.summary import (
     text_pb,
 )
 from torchsupervisor.summary.scalar_event import scalar_event_bytes
-from torchsupervisor.testing import FakeClock, FaultyStorage, GatedStorage
+from torchsupervisor.testing import FakeClock, FaultyStorage, GatedStorage, events_worker_of
 
 HOST = socket.gethostname()
 T0 = 1_600_000_000
@@ -288,7 +288,7 @@ def test_first_event_flushed_at_once_then_batched_and_flushed_every_flush_secs(
         w.add_scalar("x", 1.0, 1)
         assert synced.wait(10)
         # The writer thread is idle again: the flush is complete (its deadline is set).
-        wait_until(lambda: w.counters().flushes == 1 and w._holder[0].idle)
+        wait_until(lambda: w.counters().flushes == 1 and events_worker_of(w).idle)
         assert len(fsyncs) == 1
         written.clear()
         synced.clear()
@@ -324,7 +324,7 @@ def test_max_queue_blocks_the_caller(tmp_path):
         w.add_scalar("x", 2.0, 2)  # queue now full (2 pending)
         producer = threading.Thread(target=w.add_scalar, args=("x", 3.0, 3))
         producer.start()
-        wait_until(lambda: w._holder[0].blocked_producers == 1)
+        wait_until(lambda: events_worker_of(w).blocked_producers == 1)
         assert producer.is_alive()
         gate.open()
         producer.join(10)
@@ -641,7 +641,7 @@ def test_writer_cache(tmp_path, caplog):
 def test_collected_writer_stops_its_thread(tmp_path):
     w = SummaryWriter(tmp_path)
     w.add_scalar("x", 1.0, 1)
-    thread = w._holder[0].thread
+    thread = events_worker_of(w).thread
     del w
     gc.collect()
     thread.join(10)

@@ -16,7 +16,7 @@ from torchsupervisor.summary import event_file as event_file_mod
 from torchsupervisor.summary.counters import WriterCounters
 from torchsupervisor.summary.event_file import DROP_REPORT_SECS, WRITE_BATCH
 from torchsupervisor.summary.queue_items import VECTORIZE_MIN_RUN
-from torchsupervisor.testing import FakeClock, FaultyStorage, GatedStorage
+from torchsupervisor.testing import FakeClock, FaultyStorage, GatedStorage, events_worker_of
 
 
 def event_files(logdir):
@@ -105,7 +105,7 @@ def test_block_policy_counts_blocked_calls_and_their_time(tmp_path, caplog):
         w.add_scalar("x", 2.0, 2)
         producer = threading.Thread(target=w.add_scalar, args=("x", 3.0, 3))
         producer.start()
-        wait_until(lambda: w._holder[0].blocked_producers == 1)
+        wait_until(lambda: events_worker_of(w).blocked_producers == 1)
         clock.advance(2.5)  # the caller waits 2.5 s (fake) for room
         held.release()
         producer.join(10)
@@ -136,10 +136,10 @@ def test_memory_bound_of_queued_tensors(tmp_path):
         w.add_scalar("x", 3.0, 3)  # scalars are bounded by max_queue only
         counters = w.counters()
         assert (counters.events_pending, counters.events_dropped) == (2, 1)
-        assert w._holder[0].pending_bytes == 80_000
+        assert events_worker_of(w).pending_bytes == 80_000
         held.release()
         w.flush()
-        assert w._holder[0].pending_bytes == 0
+        assert events_worker_of(w).pending_bytes == 0
         w.add_histogram("big", torch.zeros(50_000), 4)  # 200 kB, alone in the queue: accepted
     finally:
         held.release()
@@ -280,7 +280,8 @@ def test_long_runs_mixed_with_other_events_keep_their_order(tmp_path):
 
 def test_bad_items_in_a_long_run_are_dropped_and_logged(tmp_path, caplog):
     with caplog.at_level(logging.ERROR, logger="torchsupervisor"), SummaryWriter(tmp_path) as w:
-        w._holder[0].batch_at = w._holder[0].wake_at = 10**6  # one batch at close
+        worker = events_worker_of(w)
+        worker.batch_at = worker.wake_at = 10**6  # one batch at close
         for step in range(VECTORIZE_MIN_RUN * 2):
             if step == 10:
                 w.add_scalar("meta", torch.zeros((), device="meta"), step)  # cannot be read
@@ -331,7 +332,7 @@ def test_writer_thread_priority(tmp_path):
     for cls in (SummaryWriter, LowPriority):
         w = cls(tmp_path / cls.__name__)
         try:
-            worker = w._holder[0]
+            worker = events_worker_of(w)
             wait_until(lambda worker=worker: worker.idle)
             thread = worker.thread
             seen.append(os.getpriority(os.PRIO_PROCESS, thread.native_id))
@@ -349,7 +350,7 @@ def test_a_failing_writer_thread_never_leaves_callers_waiting(tmp_path, monkeypa
     with caplog.at_level(logging.ERROR, logger="torchsupervisor"):
         w.add_scalar("x", 1.0, 1)
         w.flush()  # returns: the thread died, and released the flush marker of its batch
-        w._holder[0].thread.join(10)
+        events_worker_of(w).thread.join(10)
     assert "The summary writer thread for" in caplog.text and "bug in the writer" in caplog.text
     for step in range(5):  # the queue is closed now: no caller blocks on it
         w.add_scalar("x", 1.0, step)

@@ -29,7 +29,8 @@ import dataclasses
 import functools
 import itertools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -146,6 +147,11 @@ class ModuleStateMemo:
         self._last: dict[str, _Record] = {}
         self._met: dict[str, _Record] = {}
         self.taken = 0  # How many calls took the last result (for tests and benchmarks).
+
+    @property
+    def last(self) -> Mapping[str, Any]:
+        """What the last walk kept, by state path (read-only; for tests and diagnostics)."""
+        return MappingProxyType(self._last)
 
     def state_dict(self, module: torch.nn.Module, path: str) -> dict[str, Any]:
         """``module.state_dict(keep_vars=True)``, or the last call's result where it holds."""

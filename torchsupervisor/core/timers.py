@@ -61,6 +61,22 @@ class SecondOrStepTimer:
         self._last_step: int | None = None
         self._last_time: float | None = None
 
+    @property
+    def every_secs(self) -> float | None:
+        """The interval in seconds (None: by steps).
+
+        TF name: none (TF keeps it private).
+        """
+        return self._every_secs
+
+    @property
+    def every_steps(self) -> int | None:
+        """The interval in steps (None: by seconds).
+
+        TF name: none (TF keeps it private).
+        """
+        return self._every_steps
+
     def reset(self) -> None:
         """Forget the last trigger: the next ``should_trigger_for_step`` returns True.
 

@@ -25,6 +25,7 @@ import dataclasses
 import operator
 from collections import OrderedDict
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -113,6 +114,11 @@ class WalkMemo:
         self._last: dict[str, _Leaves] = {}
         self._lists: dict[str, tuple[list[Any], list[type]]] = {}  # Skeleton lists, by path.
         self.modules = ModuleStateMemo()  # The modules' state dicts.
+
+    @property
+    def last(self) -> Mapping[str, Any]:
+        """What the last walk kept, by state path (read-only; for tests and diagnostics)."""
+        return MappingProxyType(self._last)
 
 
 def walk_state(

@@ -67,9 +67,9 @@ from torchsupervisor.monitored.creators import (
 )
 from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.monitored.wrappers import (
+    HookedSession,
     StepContext,
     _CoordinatedSession,
-    _HookedSession,
     _RecoverableSession,
 )
 
@@ -141,7 +141,7 @@ class _CoordinatedSessionCreator:
         if lock is not None:  # Lost to another writer: the session stops with its error.
             lock.on_lost(lambda e: coord.request_stop((type(e), e, e.__traceback__)))
         return _CoordinatedSession(
-            _HookedSession(sess, self._hooks), coord, self._stop_grace_period_secs
+            HookedSession(sess, self._hooks), coord, self._stop_grace_period_secs
         )
 
 

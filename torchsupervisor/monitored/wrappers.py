@@ -5,7 +5,7 @@
     _RecoverableSession          (MonitoredSession only) AbortedError/UnavailableError:
      |                           close, create a new session, retry the same run
      +- _CoordinatedSession      the session's Coordinator: its threads' errors, stop, join
-         +- _HookedSession       SessionRunHooks around every run
+         +- HookedSession        SessionRunHooks around every run
              +- Session          the raw session: evaluates fetches (the step boundary)
 
 ``should_stop()`` asks each wrapper in turn (its own ``_check_stop()``, then the wrapped one).
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from torchsupervisor.core.coordinator import Coordinator
     from torchsupervisor.core.session import SessionLike
 
-__all__ = ["PREEMPTION_ERRORS", "StepContext"]
+__all__ = ["PREEMPTION_ERRORS", "HookedSession", "StepContext"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -218,7 +218,7 @@ def _overrides(hook: Any, method: str) -> bool:
     return getattr(type(hook), method, None) is not getattr(SessionRunHook, method)
 
 
-class _HookedSession(_WrappedSession):
+class HookedSession(_WrappedSession):
     """Calls the hooks' ``before_run``/``after_run`` around every run.
 
     Hooks that do not override a method are not called for it.

@@ -32,6 +32,7 @@ __all__ = [
     "ObjectStorage",
     "configure",
     "is_temporary_name",
+    "object_storage",
     "storage_for",
     "temporary_name",
 ]
@@ -105,12 +106,22 @@ def storage_for(path: str, storage: Storage | None = None) -> Storage:
         options = dict(_options.get(key, {}))
     if found is not None:
         return found
-    made = _object_storage(url, options)
+    made = object_storage(url, options)
     with _mutex:
         return _stores.setdefault(key, made)
 
 
-def _object_storage(url: URL, options: dict[str, Any]) -> ObjectStorage:
+def object_storage(url: URL, options: dict[str, Any]) -> ObjectStorage:
+    """A new ``ObjectStorage`` of ``url``'s bucket with ``options`` (``configure``'s); unlike
+    ``storage_for``, not the one shared by the process. ``options`` loses the tuning keys.
+
+    Raises:
+        ValueError: For an unknown option (``memory://``), or a bad tuning value.
+        UnimplementedError: For a scheme without a storage.
+        OSError: The bucket cannot be reached or does not exist (``check_bucket``).
+
+    TF name: none.
+    """
     tuning = {
         k: options.pop(k)
         for k in ("part_bytes", "max_concurrency", "lock_ttl_secs", "events_roll_bytes")

@@ -236,7 +236,7 @@ class _HeldLock:
         self._client = storage.client
         self._ttl = storage.lock_ttl_secs
         self._directory = directory
-        self._key = lock_key(storage._key(directory))
+        self._key = lock_key(storage.key(directory))
         self._owner: dict[str, object] = {
             "pid": os.getpid(),
             "host": socket.gethostname(),

@@ -132,7 +132,12 @@ class ObjectStorage(Storage):
             raise ValueError(f"events_roll_bytes must be positive, not {events_roll_bytes}")
         self.events_roll_bytes = events_roll_bytes
 
-    def _key(self, path: str) -> str:
+    def key(self, path: str) -> str:
+        """The object key of ``path`` (``s3://bucket/run/a`` -> ``run/a``).
+
+        Raises:
+            ValueError: ``path`` is not in this storage's bucket.
+        """
         url = parse_url(os.fspath(path))
         if (url.scheme, url.bucket) != (self.client.url.scheme, self.client.url.bucket):
             raise ValueError(f"{path} is not in {self.client.url.root}")
@@ -151,7 +156,7 @@ class ObjectStorage(Storage):
         Raises:
             LogdirLockedError: This process lost the writer lock of the prefix ``path`` is in.
         """
-        key = self._key(path)
+        key = self.key(path)
         LOCKS.check_write(self._path(key))
         part = bytearray()
         upload: _MultipartUpload | None = None
@@ -186,14 +191,14 @@ class ObjectStorage(Storage):
         Raises:
             LogdirLockedError: This process lost the writer lock of the prefix ``path`` is in.
         """
-        key = self._key(path)
+        key = self.key(path)
         LOCKS.check_write(self._path(key))
         self.client.head(key)
         self.client.delete(key)
 
     def makedirs(self, path: str) -> None:
         """Nothing: a prefix exists once an object lies below it."""
-        self._key(path)
+        self.key(path)
 
     def recover_spooled(self, directory: str) -> list[str]:
         """Upload the events files a previous run of ``directory`` left in the local spool.
@@ -236,9 +241,9 @@ class ObjectStorage(Storage):
 
     def open_read(self, path: str, *, inside: str | None = None) -> Readable:
         """Ranged GETs of the object; see ``Storage.open_read``."""
-        key = self._key(path)
+        key = self.key(path)
         if inside is not None:
-            directory = self._key(inside)
+            directory = self.key(inside)
             parent = key.rpartition("/")[0]
             if parent != directory:
                 raise OutsideDirectoryError(path, inside, self._path(parent))
@@ -267,7 +272,7 @@ class ObjectStorage(Storage):
             FileNotFoundError: It does not exist, or was deleted while it was read.
             NotRegularFileError, OSError: As ``Storage.read_bytes``.
         """
-        key = self._key(path)
+        key = self.key(path)
 
         def read(info: ObjectInfo) -> bytes:
             with _ObjectReadable(self.client, path, key, info.size) as f:
@@ -281,14 +286,14 @@ class ObjectStorage(Storage):
 
     def list(self, directory: str) -> list[str]:
         """The objects and sub-prefixes one level below ``directory`` (empty if none)."""
-        prefix = _as_prefix(self._key(directory))
+        prefix = _as_prefix(self.key(directory))
         keys, prefixes = self.client.list(prefix, delimiter=True)
         names = [k[len(prefix) :] for k in keys] + [p[len(prefix) :].rstrip("/") for p in prefixes]
         return sorted(n for n in names if n)
 
     def list_tree(self, directory: str) -> list[str]:
         """Every object below ``directory``, relative to it, sorted."""
-        prefix = _as_prefix(self._key(directory))
+        prefix = _as_prefix(self.key(directory))
         keys, _ = self.client.list(prefix, delimiter=False)
         found = sorted(k[len(prefix) :] for k in keys if len(k) > len(prefix))
         if not found and not self.is_dir(directory):
@@ -301,7 +306,7 @@ class ObjectStorage(Storage):
 
     def is_file(self, path: str) -> bool:
         """True if the object exists."""
-        key = self._key(path)
+        key = self.key(path)
         if not key:
             return False
         try:
@@ -312,7 +317,7 @@ class ObjectStorage(Storage):
 
     def is_dir(self, path: str) -> bool:
         """True if objects lie below the prefix ``path/`` (the bucket's root always is)."""
-        key = self._key(path)
+        key = self.key(path)
         if not key:
             return True
         keys, prefixes = self.client.list(_as_prefix(key), delimiter=True)
@@ -320,20 +325,20 @@ class ObjectStorage(Storage):
 
     def accepts_objects(self, directory: str) -> bool:
         """True: any prefix takes objects."""
-        self._key(directory)
+        self.key(directory)
         return True
 
     def size(self, path: str) -> int:
         """The object's size in bytes (HEAD)."""
-        return self.client.head(self._key(path)).size
+        return self.client.head(self.key(path)).size
 
     def mtime(self, path: str) -> float:
         """The object's last modification, seconds since the epoch (HEAD)."""
-        return self.client.head(self._key(path)).mtime
+        return self.client.head(self.key(path)).mtime
 
     def canonical(self, path: str) -> str:
         """The URL with its key normalized."""
-        return self._path(self._key(path))
+        return self._path(self.key(path))
 
     # ----------------------------------------------------------------------- one writer
 
@@ -344,7 +349,7 @@ class ObjectStorage(Storage):
     def lock_owner(self, directory: str) -> dict[str, object]:
         """What the lock object says about its writer; {} if there is none."""
         try:
-            return read_lock(self.client, lock_key(self._key(directory)))[0]
+            return read_lock(self.client, lock_key(self.key(directory)))[0]
         except (FileNotFoundError, PreconditionFailed):
             return {}
 
@@ -361,7 +366,7 @@ class ObjectStorage(Storage):
         return removed
 
     def _uploads(self, directory: str) -> list[Upload]:
-        prefix = _as_prefix(self._key(directory))
+        prefix = _as_prefix(self.key(directory))
         found = self.client.list_uploads(prefix)
         return sorted((u for u in found if "/" not in u.key[len(prefix) :]), key=_upload_order)
 
