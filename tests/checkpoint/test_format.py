@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from torchsupervisor.checkpoint.format import (
-    _RECENT_SHARD_FILES,
     DATA_ALIGNMENT_BYTES,
+    RECENT_SHARD_FILES,
     Manifest,
     ManifestError,
+    RecentShardFiles,
     ShardEntry,
     TensorEntry,
-    _RecentShardFiles,
     dtype_from_code,
     dtype_to_code,
     shard_files,
@@ -209,9 +209,9 @@ def test_shard_files_reads_the_shards_of_a_valid_manifest():
     )
     data = _manifest(shards=shards).to_bytes()
     expected = ("m.ckpt-12.data-00000-of-00002", "m.ckpt-10.data-00001-of-00002")
-    assert _RECENT_SHARD_FILES.get(data) == expected  # As signed by to_bytes.
+    assert RECENT_SHARD_FILES.get(data) == expected  # As signed by to_bytes.
     assert shard_files(data) == expected
-    _RECENT_SHARD_FILES.clear()
+    RECENT_SHARD_FILES.clear()
     assert shard_files(bytes(bytearray(data))) == expected  # Parsed and checked.
     assert shard_files(data) == expected  # As parsed.
 
@@ -243,8 +243,8 @@ def test_shard_files_of_a_sharded_manifest_as_signed_and_as_parsed():
         },
     )
     data = manifest.to_bytes()
-    signed = _RECENT_SHARD_FILES.get(data)
-    _RECENT_SHARD_FILES.clear()
+    signed = RECENT_SHARD_FILES.get(data)
+    RECENT_SHARD_FILES.clear()
     assert shard_files(data) == signed == tuple(s.file for s in manifest.shards)
 
 
@@ -260,7 +260,7 @@ def test_shard_files_of_damaged_bytes_are_never_remembered_ones():
 
 
 def test_remembered_shard_files_are_bounded_in_count_and_bytes():
-    recent = _RecentShardFiles(max_entries=3, max_bytes=100)
+    recent = RecentShardFiles(max_entries=3, max_bytes=100)
     for i in range(5):
         recent.put(b"%d" % i * 10, (str(i),))
     assert len(recent) == 3
@@ -277,7 +277,7 @@ def test_remembered_shard_files_are_bounded_in_count_and_bytes():
 def test_remembered_shard_files_are_only_for_the_very_bytes(monkeypatch):
     from torchsupervisor.checkpoint import format as fmt
 
-    recent = _RecentShardFiles(max_entries=3, max_bytes=100)
+    recent = RecentShardFiles(max_entries=3, max_bytes=100)
     recent.put(b"abcd", ("a",))
     assert recent.get(bytearray(b"abcd")) == ("a",) and recent.get(memoryview(b"abcd")) == ("a",)
     assert recent.get(b"abce") is None and recent.get(b"abc") is None
@@ -355,7 +355,7 @@ _ODD_NAMES = ["w", 'q"uote\\back', "line\nfeed\x00nul", "é😀\u2028", "a" * 30
 @pytest.mark.parametrize("name", _ODD_NAMES)
 @pytest.mark.parametrize("shape,crc", [((2, 3), 7), ((), None), ((0,), 2**32 - 1), ((1,) * 9, 0)])
 def test_encoded_items_are_what_json_writes(name, shape, crc):
-    from torchsupervisor.checkpoint.format import _shard_item, tensors_field
+    from torchsupervisor.checkpoint.format import shard_item, tensors_field
     from torchsupervisor.checkpoint.manifest_json import CANONICAL_ENCODER as _CANONICAL_ENCODER
     from torchsupervisor.checkpoint.manifest_json import ITEM_ENCODER as _ITEM_ENCODER
 
@@ -374,7 +374,7 @@ def test_encoded_items_are_what_json_writes(name, shape, crc):
         want = {"file": name, "size_bytes": 2**50, "data_offset": 64, "crc32c": 2**31}
         if header is not None:
             want["header_crc32c"] = header
-        item = _shard_item(shard)
+        item = shard_item(shard)
         assert item.text == _ITEM_ENCODER.encode(want)
         assert item.canonical == _CANONICAL_ENCODER.encode(want)
     for _ in range(2):  # Made, then taken from the recent tables' texts.
@@ -399,7 +399,7 @@ def test_encoded_sharded_items_are_what_json_writes():
     from torchsupervisor.checkpoint.sharded.metadata import (
         ChunkEntry,
         ShardedTensorEntry,
-        _sharded_item,
+        sharded_item,
     )
 
     for name in _ODD_NAMES:
@@ -416,7 +416,7 @@ def test_encoded_sharded_items_are_what_json_writes():
                 {"offsets": [4, 0], "sizes": [3, 16], "entry": name + "x"},
             ],
         }
-        item = _sharded_item(entry)
+        item = sharded_item(entry)
         assert item.text == _ITEM_ENCODER.encode(value)
         assert item.canonical == _CANONICAL_ENCODER.encode(value)
 
@@ -435,15 +435,15 @@ def test_remembered_tensor_entry_texts_are_bounded_and_keyed_by_every_other_fiel
     from torchsupervisor.checkpoint import tensor_table as fmt
     from torchsupervisor.checkpoint.manifest_json import ITEM_ENCODER
 
-    monkeypatch.setattr(fmt, "_MAX_TENSOR_ITEM_PARTS", 2)
-    monkeypatch.setattr(fmt, "_TENSOR_ITEM_PARTS", {})
+    monkeypatch.setattr(fmt, "MAX_TENSOR_ITEM_PARTS", 2)
+    monkeypatch.setattr(fmt, "TENSOR_ITEM_PARTS", {})
     entries = [TensorEntry(0, torch.float32, (2,), 8 * i, 8 * i + 8, i) for i in range(3)]
     entries.append(entries[0].with_fields(crc32c=77))  # Same layout, another CRC.
     for e in entries:
         value = {"shard": 0, "dtype": "F32", "shape": [2], "offsets": [e.begin, e.end]}
-        head, _ = fmt._item_parts(fmt._entry_layout(e))
+        head, _ = fmt.item_parts(fmt.entry_layout(e))
         assert f"{head}{e.crc32c}}}" == ITEM_ENCODER.encode({**value, "crc32c": e.crc32c})
-        assert len(fmt._TENSOR_ITEM_PARTS) <= 2
+        assert len(fmt.TENSOR_ITEM_PARTS) <= 2
 
 
 def _plain_signed(manifest: Manifest) -> bytes:
@@ -525,8 +525,8 @@ def test_a_sharded_layout_text_is_reused_only_for_the_very_same_layout():
 def test_kept_tensor_table_texts_are_bounded_in_count_and_entries(monkeypatch):
     from torchsupervisor.checkpoint import tensor_table as fmt
 
-    monkeypatch.setattr(fmt, "_RECENT_TENSORS_TEXTS", [])
-    monkeypatch.setattr(fmt, "_MAX_TENSORS_TEXT_ENTRIES", 5)
+    monkeypatch.setattr(fmt, "RECENT_TENSORS_TEXTS", [])
+    monkeypatch.setattr(fmt, "MAX_TENSORS_TEXT_ENTRIES", 5)
 
     def table(n, tag):
         return {
@@ -535,10 +535,10 @@ def test_kept_tensor_table_texts_are_bounded_in_count_and_entries(monkeypatch):
 
     for tag in "abcdef":
         fmt.tensors_field(table(2, tag))
-    assert [t.names[0] for t in fmt._RECENT_TENSORS_TEXTS] == ["f0", "e0"]  # 4 entries.
+    assert [t.names[0] for t in fmt.RECENT_TENSORS_TEXTS] == ["f0", "e0"]  # 4 entries.
     fmt.tensors_field(table(7, "g"))  # Larger than the bound alone: kept, alone.
-    assert [t.names[0] for t in fmt._RECENT_TENSORS_TEXTS] == ["g0"]
-    monkeypatch.setattr(fmt, "_MAX_TENSORS_TEXT_ENTRIES", 1 << 17)
+    assert [t.names[0] for t in fmt.RECENT_TENSORS_TEXTS] == ["g0"]
+    monkeypatch.setattr(fmt, "MAX_TENSORS_TEXT_ENTRIES", 1 << 17)
     for tag in "hijkl":
         fmt.tensors_field(table(2, tag))
-    assert len(fmt._RECENT_TENSORS_TEXTS) == fmt._MAX_TENSORS_TEXTS
+    assert len(fmt.RECENT_TENSORS_TEXTS) == fmt.MAX_TENSORS_TEXTS

@@ -133,7 +133,7 @@ class Manifest:
             "torch_version": self.torch_version,
             "world_size": self.world_size,
             "checksum": CHECKSUM_ALGORITHM,
-            "shards": [_shard_item(s) for s in self.shards],
+            "shards": [shard_item(s) for s in self.shards],
             "tensors": tensors_field(self.tensors),
             "tree": self.tree,
             **({} if self.metrics is None else {"metrics": dict(self.metrics)}),
@@ -196,7 +196,7 @@ class Manifest:
             raise ManifestError(f"malformed manifest field ({type(e).__name__}: {e})") from None
 
 
-def _shard_item(s: ShardEntry) -> EncodedItem:
+def shard_item(s: ShardEntry) -> EncodedItem:
     file, crc = json_string(s.file), json_int(s.crc32c)
     if s.header_crc32c is None:
         return EncodedItem(
@@ -220,7 +220,7 @@ def signed_json(body: dict[str, Any], expanded: tuple[str, ...] = ("shards", "te
     fields may be ``EncodedItem``s, a whole field an ``EncodedMapping``."""
     body["manifest_crc32c"] = crc32c.crc32c(canonical(body))
     data = pretty_json(body, expanded).encode("utf-8")
-    _RECENT_SHARD_FILES.put(data, _body_shard_files(body))
+    RECENT_SHARD_FILES.put(data, _body_shard_files(body))
     return data
 
 
@@ -231,7 +231,7 @@ def shard_files(data: bytes) -> tuple[str, ...]:
     which data files they still use: the JSON, the format and the manifest's checksum are
     checked, the tensor table is not (``Manifest.from_bytes`` checks every entry, a cost that
     grows with the number of tensors). The answers for the last few manifests written or read
-    by this process are kept, for their exact bytes (``_RecentShardFiles``).
+    by this process are kept, for their exact bytes (``RecentShardFiles``).
 
     Returns:
         The shard file names (plain names in the index's directory), in shard order.
@@ -240,7 +240,7 @@ def shard_files(data: bytes) -> tuple[str, ...]:
         ManifestError: If the text is not a manifest, its checksum does not match, or a shard
             file is not a plain file name.
     """
-    files = _RECENT_SHARD_FILES.get(data)
+    files = RECENT_SHARD_FILES.get(data)
     if files is not None:
         return files
     body = _checked_body(data)
@@ -250,7 +250,7 @@ def shard_files(data: bytes) -> tuple[str, ...]:
         if isinstance(e, ManifestError):
             raise
         raise ManifestError(f"malformed manifest field ({type(e).__name__}: {e})") from None
-    _RECENT_SHARD_FILES.put(data, files)
+    RECENT_SHARD_FILES.put(data, files)
     return files
 
 
@@ -268,7 +268,7 @@ def _body_shard_files(body: Mapping[str, Any]) -> tuple[str, ...] | None:
         return None
 
 
-class _RecentShardFiles:
+class RecentShardFiles:
     """The shard lists of the manifests this process wrote or read last, for their exact
     bytes (any other bytes, a single flipped bit included, miss and are parsed and checked).
 
@@ -321,7 +321,7 @@ class _RecentShardFiles:
 
 
 # A few manifests, 64 MiB at most (a manifest of 1,000 tensors is about 0.5 MB).
-_RECENT_SHARD_FILES = _RecentShardFiles(max_entries=8, max_bytes=64 << 20)
+RECENT_SHARD_FILES = RecentShardFiles(max_entries=8, max_bytes=64 << 20)
 
 
 def _checked_body(data: bytes) -> dict[str, Any]:

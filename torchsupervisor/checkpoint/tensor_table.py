@@ -68,17 +68,17 @@ class PackedTensors(Mapping[str, TensorEntry]):
         return len(self.names)
 
 
-def _item_parts(layout: tuple[Any, ...]) -> tuple[str, str]:
+def item_parts(layout: tuple[Any, ...]) -> tuple[str, str]:
     """The readable text of an entry of ``layout`` (``(shard, dtype, shape, begin, end)``)
     up to its CRC, and the canonical text after it."""
     shard, dtype, shape, begin, end = layout
     key = (shard, dtype, tuple(shape), begin, end)
-    parts = _TENSOR_ITEM_PARTS.get(key)
+    parts = TENSOR_ITEM_PARTS.get(key)
     if parts is None:
-        if len(_TENSOR_ITEM_PARTS) >= _MAX_TENSOR_ITEM_PARTS:
-            _TENSOR_ITEM_PARTS.clear()
+        if len(TENSOR_ITEM_PARTS) >= MAX_TENSOR_ITEM_PARTS:
+            TENSOR_ITEM_PARTS.clear()
         code = json_string(dtype_to_code(dtype))
-        parts = _TENSOR_ITEM_PARTS[key] = (
+        parts = TENSOR_ITEM_PARTS[key] = (
             f'{{"shard": {shard:d}, "dtype": {code}, "shape": [{json_ints(shape, ", ")}], '
             f'"offsets": [{begin:d}, {end:d}], "crc32c": ',
             f',"dtype":{code},"offsets":[{begin:d},{end:d}],'
@@ -92,10 +92,10 @@ def _item_parts(layout: tuple[Any, ...]) -> tuple[str, str]:
 # encoding them anew cost 3.5 us an entry (1,800 a sharded save of 1,000 tensors). A pure
 # function of its key (equal keys give equal texts), so it is never stale; cleared when full
 # (65,536 entries, some 30 MB at most).
-_TENSOR_ITEM_PARTS: dict[tuple[Any, ...], tuple[str, str]] = {}
-_MAX_TENSOR_ITEM_PARTS = 1 << 16
+TENSOR_ITEM_PARTS: dict[tuple[Any, ...], tuple[str, str]] = {}
+MAX_TENSOR_ITEM_PARTS = 1 << 16
 
-_entry_layout = operator.attrgetter("shard", "dtype", "shape", "begin", "end")
+entry_layout = operator.attrgetter("shard", "dtype", "shape", "begin", "end")
 _entry_crc = operator.attrgetter("crc32c")
 
 
@@ -111,7 +111,7 @@ class _TensorsText:
 
     def __init__(self, names: list[str], layouts: list[tuple[Any, ...]]) -> None:
         self.names, self.layouts = names, layouts  # Not empty.
-        parts = list(map(_item_parts, layouts))
+        parts = list(map(item_parts, layouts))
         heads = [f"  {json_string(n)}: {head}" for n, (head, _) in zip(names, parts)]
         self.glue = [heads[0], *["},\n" + h for h in heads[1:]]]  # Each before its CRC.
         self.order = sorted(range(len(names)), key=names.__getitem__)  # The canonical order.
@@ -132,7 +132,7 @@ def tensors_field(tensors: Mapping[str, TensorEntry]) -> EncodedMapping | dict[s
     """The ``tensors`` field of a manifest, encoded (``EncodedMapping``; ``{}`` when empty).
 
     The saves of one state write the same names and entries but for the CRCs: the texts of
-    the last few tables are kept (``_RECENT_TENSORS_TEXTS``) and used again when the names and
+    the last few tables are kept (``RECENT_TENSORS_TEXTS``) and used again when the names and
     every entry's other fields are equal, which a pass in C over each list tells. A sharded
     save of 1,008 tensors (1,764 entries), the coordinator's CPU for the manifest's text
     (``to_bytes``, with the ``sharded_tensors`` field kept likewise): 6.5-6.6 -> 3.6-4.2 ms.
@@ -144,19 +144,19 @@ def tensors_field(tensors: Mapping[str, TensorEntry]) -> EncodedMapping | dict[s
     else:
         names = list(tensors)
         entries = list(tensors.values())
-        layouts = list(map(_entry_layout, entries))
+        layouts = list(map(entry_layout, entries))
         crcs = list(map(_entry_crc, entries))
     with _TENSORS_TEXTS_LOCK:
         texts = next(
-            (t for t in _RECENT_TENSORS_TEXTS if t.names == names and t.layouts == layouts), None
+            (t for t in RECENT_TENSORS_TEXTS if t.names == names and t.layouts == layouts), None
         )
     if texts is None:
         texts = _TensorsText(names, layouts)
         with _TENSORS_TEXTS_LOCK:
-            kept = _RECENT_TENSORS_TEXTS
+            kept = RECENT_TENSORS_TEXTS
             kept.insert(0, texts)
-            del kept[_MAX_TENSORS_TEXTS:]
-            while len(kept) > 1 and sum(len(t.names) for t in kept) > _MAX_TENSORS_TEXT_ENTRIES:
+            del kept[MAX_TENSORS_TEXTS:]
+            while len(kept) > 1 and sum(len(t.names) for t in kept) > MAX_TENSORS_TEXT_ENTRIES:
                 del kept[-1]  # The newest is kept, however large.
     try:
         return texts.encode(list(map(int.__repr__, crcs)))  # An int as JSON, in C; else:
@@ -167,7 +167,7 @@ def tensors_field(tensors: Mapping[str, TensorEntry]) -> EncodedMapping | dict[s
 # The texts of the tables of the last few manifests written, newest first (each saver writes
 # one state's; a process may have several savers, each on its own writer thread, hence the
 # lock): 4 tables and 131,072 entries at most (about 300 bytes an entry), or the newest.
-_RECENT_TENSORS_TEXTS: list[_TensorsText] = []
-_MAX_TENSORS_TEXTS = 4
-_MAX_TENSORS_TEXT_ENTRIES = 1 << 17
+RECENT_TENSORS_TEXTS: list[_TensorsText] = []
+MAX_TENSORS_TEXTS = 4
+MAX_TENSORS_TEXT_ENTRIES = 1 << 17
 _TENSORS_TEXTS_LOCK = threading.Lock()

@@ -111,7 +111,7 @@ class ShardedTensorEntry:
     def encoded(self) -> EncodedItem:
         """Its item of the manifest's ``sharded_tensors``, encoded once: a replayed save
         reuses the entries of the save before it (``writer.ChunkLayout``)."""
-        return _sharded_item(self)
+        return sharded_item(self)
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ def _sharded_field(sharded: dict[str, ShardedTensorEntry]) -> EncodedMapping:
 _LAST_SHARDED: list[tuple[dict[str, ShardedTensorEntry], EncodedMapping] | None] = [None]
 
 
-def _sharded_item(t: ShardedTensorEntry) -> EncodedItem:
+def sharded_item(t: ShardedTensorEntry) -> EncodedItem:
     """``{"dtype": ..., "shape": [...], "chunks": [{"offsets", "sizes", "entry"}, ...]}``,
     readable and canonical (as ``json`` writes them, without its cost: 1,000 a save)."""
     code = json_string(dtype_to_code(t.dtype))
