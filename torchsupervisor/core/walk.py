@@ -57,6 +57,7 @@ _MEMO_MAPPINGS = frozenset({dict, OrderedDict})  # Not a Mapping whose items() m
 _requires_grad = operator.attrgetter("requires_grad")
 _MODULE_STATE_DICT = torch.nn.Module.state_dict
 _local_tensor = operator.attrgetter("_local_tensor")  # A DTensor's local shard, itself.
+_make_ref = tuple.__new__  # ``TensorRef(name, ndarray)`` without its Python ``__new__``.
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -178,23 +179,56 @@ def walk_state(
         ShardedStateError: (a ``ValueError``) With ``sharded=False``, for a DTensor or an
             entry that needs a sharded save.
     """
-    dtensor = dtensor_class() if sharded else None
-    tensors: dict[str, torch.Tensor] = {}
-    make_ref = tuple.__new__  # ``TensorRef(name, ndarray)`` without its Python ``__new__``.
-    detach = detach or not keep_vars
     if not keep_vars:
         memo = None
-    last = memo._last if memo is not None else {}
-    met: dict[str, _Leaves] = {}  # This walk's mappings of leaves, for the memo.
-    last_lists = memo._lists if memo is not None else {}
-    met_lists: dict[str, tuple[list[Any], list[type]]] = {}  # This walk's lists of leaves.
-    track = frozen is not None
-    candidates: list[str] = []  # Frozen unless they share memory with a volatile tensor.
-    stateful: list[Any] = []  # The modules and optimizers met (what makes tensors volatile).
+    options = (keep_vars, local, sharded, detach or not keep_vars, frozen is not None)
+    walker = _Walker(*options) if memo is None else _MemoWalker(memo, *options)
+    skeleton = walker.run(state)
+    if frozen is not None:
+        frozen.update(frozen_among(walker.candidates, walker.tensors, walker.stateful))
+    return skeleton, walker.tensors
+
+
+class _Walker:
+    """One walk of a state, without a memo (``walk_state``; its arguments, by name).
+
+    The walk visits every tensor and value of the state at each save (a transformer's state:
+    thousands), so the common cases come first and cheapest: exact plain types by a set
+    lookup, then DTensors, tensors, then dicts (``dict`` before the slower ``Mapping`` check).
+    A mapping's plain values and DTensors are taken without a call of ``walk``.
+
+    The memo layer (``_MemoWalker``) overrides the four places where a walk may take what
+    the last one made: ``take_mapping``/``made_mapping``, ``plain_list`` and
+    ``module_state``.
+    """
+
+    def __init__(
+        self,
+        keep_vars: bool,
+        local: dict[str, torch.Tensor] | None,
+        sharded: bool,
+        detach: bool,
+        track: bool,
+    ) -> None:
+        self.keep_vars = keep_vars
+        self.local = local
+        self.sharded = sharded
+        self.detach = detach
+        self.track = track
+        self.dtensor = dtensor_class() if sharded else None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.candidates: list[str] = []  # Frozen unless they share memory with a volatile one.
+        self.stateful: list[Any] = []  # The modules and optimizers met (they make volatile).
+
+    def run(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The skeleton of ``state`` (the table is ``tensors``)."""
+        with torch.no_grad():  # Once for the walk (entering it costs ~2 us a time).
+            return {key: self.walk(value, key, 0, _BARE) for key, value in state_entries(state)}
 
     def add(
-        path: str, tensor: torch.Tensor, ndarray: bool, data: torch.Tensor, origin: int
+        self, path: str, tensor: torch.Tensor, ndarray: bool, data: torch.Tensor, origin: int
     ) -> TensorRef:
+        tensors = self.tensors
         name = path
         if name in tensors:  # Two paths alike (keys with "/"): "#1", "#2", ...
             k = 1
@@ -202,13 +236,13 @@ def walk_state(
                 k += 1
             name = f"{path}#{k}"
         tensors[name] = tensor
-        if local is not None:
-            local[name] = data
-        if track and origin != _OTHER:
-            candidates.append(name)
-        return make_ref(TensorRef, (name, ndarray))
+        if self.local is not None:
+            self.local[name] = data
+        if self.track and origin != _OTHER:
+            self.candidates.append(name)
+        return _make_ref(TensorRef, (name, ndarray))
 
-    def add_dtensor(obj: object, path: str) -> TensorRef:
+    def add_dtensor(self, obj: Any, path: str) -> TensorRef:
         # The local tensor itself: outside autograd (the walk runs under ``no_grad``) that
         # is what ``to_local`` returns, but for a parameter a new view of it at each call
         # (torch 2.13: 1 us a parameter, and the memo would never see the same shard).
@@ -218,43 +252,40 @@ def walk_state(
         if data is None:
             data = obj.to_local()
         check_saveable(data, path)
-        tensor = obj if keep_vars or not obj.requires_grad else obj.detach()
-        return add(path, tensor, False, data, _OTHER)
+        tensor = obj if self.keep_vars or not obj.requires_grad else obj.detach()
+        return self.add(path, tensor, False, data, _OTHER)
 
-    def add_tensor(obj: torch.Tensor, path: str, origin: int) -> TensorRef:
+    def add_tensor(self, obj: torch.Tensor, path: str, origin: int) -> TensorRef:
         check_saveable(obj, path)  # A DTensor of an unsharded walk: ``ShardedStateError``.
         if obj.requires_grad:
             origin = _OTHER  # Trained: never frozen.
-            tensor = obj if not detach else obj.detach()
+            tensor = obj if not self.detach else obj.detach()
         else:
             # A tensor outside autograd is kept as it is (``detach`` makes a new tensor
             # object: 1.5 us); without ``keep_vars``, a parameter is detached all the same.
-            tensor = obj if keep_vars or type(obj) is torch.Tensor else obj.detach()
-        return add(path, tensor, False, tensor, origin)
+            tensor = obj if self.keep_vars or type(obj) is torch.Tensor else obj.detach()
+        return self.add(path, tensor, False, tensor, origin)
 
-    # The walk visits every tensor and value of the state at each save (a transformer's
-    # state: thousands), so the common cases come first and cheapest: exact plain types by a
-    # set lookup, then DTensors, tensors, then dicts (``dict`` before the slower ``Mapping``
-    # check). A mapping's plain values and DTensors are taken without a call of ``walk``.
-    def walk(obj: object, path: str, depth: int, origin: int) -> Any:
+    def walk(self, obj: Any, path: str, depth: int, origin: int) -> Any:
         kind = type(obj)
         if kind in _EXACT_PLAIN:
             return obj
+        dtensor = self.dtensor
         if kind is dtensor:
-            return add_dtensor(obj, path)
+            return self.add_dtensor(obj, path)
         if isinstance(obj, torch.Tensor):
             if dtensor is not None and isinstance(obj, dtensor):
-                return add_dtensor(obj, path)
-            return add_tensor(obj, path, origin)
+                return self.add_dtensor(obj, path)
+            return self.add_tensor(obj, path, origin)
         if kind is dict:
-            return walk_mapping(obj, path, depth, origin)
+            return self.walk_mapping(obj, path, depth, origin)
         if isinstance(obj, np.ndarray):
             if obj.dtype.kind not in "biufc":
                 raise TypeError(
                     f"Cannot save {path!r}: numpy arrays of dtype {obj.dtype} need pickle"
                 )
             tensor = torch.from_numpy(np.ascontiguousarray(obj))
-            return add(path, tensor, True, tensor, _OTHER)
+            return self.add(path, tensor, True, tensor, _OTHER)
         if isinstance(obj, np.generic):
             return obj.item()
         if isinstance(obj, torch.Size):
@@ -262,68 +293,41 @@ def walk_state(
         if isinstance(obj, _PLAIN):
             return obj
         if isinstance(obj, Mapping):
-            return walk_mapping(obj, path, depth, origin)
+            return self.walk_mapping(obj, path, depth, origin)
         if isinstance(obj, list):
-            deeper = below(path, depth)
+            deeper = _below(path, depth)
             if all(type(value) in _EXACT_PLAIN for value in obj):  # An optimizer's "params".
-                return plain_list(obj, path) if memo is not None else list(obj)
-            return [walk(value, f"{path}/{i}", deeper, origin) for i, value in enumerate(obj)]
+                return self.plain_list(obj, path)
+            return [self.walk(v, f"{path}/{i}", deeper, origin) for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
-            deeper = below(path, depth)
-            return tuple(walk(value, f"{path}/{i}", deeper, origin) for i, value in enumerate(obj))
-        # A stateful object stands for its state dict, at its own depth.
-        if not sharded and getattr(obj, "is_sharded_state", False):
+            deeper = _below(path, depth)
+            return tuple(self.walk(v, f"{path}/{i}", deeper, origin) for i, v in enumerate(obj))
+        return self.walk_stateful(obj, path, depth)
+
+    def walk_stateful(self, obj: Any, path: str, depth: int) -> Any:
+        """A stateful object stands for its state dict, at its own depth."""
+        if not self.sharded and getattr(obj, "is_sharded_state", False):
             raise ShardedStateError(path)
         obj = uncompiled(obj)  # A torch.compile wrapper: its module's own names.
         if isinstance(obj, torch.nn.Module):
-            stateful.append(obj)
+            self.stateful.append(obj)
             # A class's own ``state_dict`` may not take ``keep_vars``: called as it is.
-            if keep_vars and type(obj).state_dict is _MODULE_STATE_DICT:
-                if memo is not None:
-                    return walk(memo.modules.state_dict(obj, path), path, depth, _MODULE)
-                return walk(obj.state_dict(keep_vars=True), path, depth, _MODULE)
-            return walk(obj.state_dict(), path, depth, _MODULE)
+            if self.keep_vars and type(obj).state_dict is _MODULE_STATE_DICT:
+                return self.walk(self.module_state(obj, path), path, depth, _MODULE)
+            return self.walk(obj.state_dict(), path, depth, _MODULE)
         state_dict = getattr(obj, "state_dict", None)
         if callable(state_dict):
-            stateful.append(obj)
-            return walk(state_dict(), path, depth, _OTHER)
+            self.stateful.append(obj)
+            return self.walk(state_dict(), path, depth, _OTHER)
         raise not_saveable(path, obj)
 
-    def plain_list(obj: list, path: str) -> list:
-        # The last walk's list where this one is equal to it, item for item and type for type
-        # (``WalkMemo``): never changed once made, like every container of a skeleton.
-        types = list(map(type, obj))
-        known = last_lists.get(path)
-        if known is not None and known[1] == types and known[0] == obj:
-            met_lists[path] = known
-            return known[0]
-        out = list(obj)
-        if float not in types:
-            met_lists[path] = (out, types)
-        return out
-
-    def below(path: str, depth: int) -> int:
-        # The limit of ``state.flatten_state``: no manifest reader takes a deeper tree, and
-        # a container holding itself is refused here instead of exhausting the stack.
-        if depth >= MAX_STATE_DEPTH:
-            raise ValueError(
-                f"Cannot save {path!r}: the state nests deeper than {MAX_STATE_DEPTH} levels"
-            )
-        return depth + 1
-
-    def walk_mapping(obj: Mapping, path: str, depth: int, origin: int) -> dict:
-        deeper = below(path, depth)
-        if memo is not None and type(obj) in _MEMO_MAPPINGS:
-            known = last.get(path)
-            if known is not None and known.origin == origin and same_leaves(obj, known):
-                tensors.update(known.tensors)
-                if local is not None:
-                    local.update(known.local)
-                candidates.extend(known.candidates)
-                met[path] = known
-                met.update(known.records)  # For a later walk that finds only some the same.
-                return known.out  # The last walk's, never changed (see ``Returns``).
+    def walk_mapping(self, obj: Mapping, path: str, depth: int, origin: int) -> dict:
+        deeper = _below(path, depth)
+        taken = self.take_mapping(obj, path, origin)
+        if taken is not None:
+            return taken
         out = {}
+        dtensor = self.dtensor
         for key, value in obj.items():
             if type(key) is not str and not isinstance(key, (str, int, float, bool, type(None))):
                 raise TypeError(
@@ -334,27 +338,94 @@ def walk_state(
             if kind in _EXACT_PLAIN:
                 out[key] = value
             elif kind is dtensor:
-                out[key] = add_dtensor(value, f"{path}/{key}")
+                out[key] = self.add_dtensor(value, f"{path}/{key}")
             else:
-                out[key] = walk(value, f"{path}/{key}", deeper, origin)
-        if memo is not None and type(obj) in _MEMO_MAPPINGS:
-            remember(obj, path, out, origin)
+                out[key] = self.walk(value, f"{path}/{key}", deeper, origin)
+        self.made_mapping(obj, path, out, origin)
         return out
 
-    def same_leaves(obj: dict, known: _Leaves) -> bool:
+    # The places where the memo layer takes what the last walk made.
+
+    def take_mapping(self, obj: Mapping, path: str, origin: int) -> dict | None:
+        """The last walk's skeleton mapping of ``obj``, or None: walk it."""
+        return None
+
+    def made_mapping(self, obj: Mapping, path: str, out: dict, origin: int) -> None:
+        """``obj`` was walked into ``out``."""
+
+    def plain_list(self, obj: list, path: str) -> list:
+        """The skeleton of a list of exact plain values."""
+        return list(obj)
+
+    def module_state(self, module: torch.nn.Module, path: str) -> dict[str, Any]:
+        """``module.state_dict(keep_vars=True)``."""
+        return module.state_dict(keep_vars=True)
+
+
+class _MemoWalker(_Walker):
+    """A walk that takes what the last one made where nothing changed (``WalkMemo``)."""
+
+    def __init__(self, memo: WalkMemo, *options: Any) -> None:
+        super().__init__(*options)
+        self.memo = memo
+        self.last = memo._last
+        self.met: dict[str, _Leaves] = {}  # This walk's mappings of leaves, for the memo.
+        self.last_lists = memo._lists
+        self.met_lists: dict[str, tuple[list[Any], list[type]]] = {}  # Its lists of leaves.
+
+    def run(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        self.memo.modules.begin_walk()
+        skeleton = super().run(state)
+        memo = self.memo  # Only what this walk met: nothing older is kept alive.
+        memo._last, memo._lists = self.met, self.met_lists
+        memo.modules.end_walk()
+        return skeleton
+
+    def module_state(self, module: torch.nn.Module, path: str) -> dict[str, Any]:
+        return self.memo.modules.state_dict(module, path)
+
+    def plain_list(self, obj: list, path: str) -> list:
+        # The last walk's list where this one is equal to it, item for item and type for type
+        # (``WalkMemo``): never changed once made, like every container of a skeleton.
+        types = list(map(type, obj))
+        known = self.last_lists.get(path)
+        if known is not None and known[1] == types and known[0] == obj:
+            self.met_lists[path] = known
+            return known[0]
+        out = list(obj)
+        if float not in types:
+            self.met_lists[path] = (out, types)
+        return out
+
+    def take_mapping(self, obj: Mapping, path: str, origin: int) -> dict | None:
+        if type(obj) not in _MEMO_MAPPINGS:
+            return None
+        known = self.last.get(path)
+        if known is None or known.origin != origin or not self.same_leaves(obj, known):
+            return None
+        self.tensors.update(known.tensors)
+        if self.local is not None:
+            self.local.update(known.local)
+        self.candidates.extend(known.candidates)
+        self.met[path] = known
+        self.met.update(known.records)  # For a later walk that finds only some the same.
+        return known.out  # The last walk's, never changed (see ``walk_state``'s Returns).
+
+    def same_leaves(self, obj: dict, known: _Leaves) -> bool:
         # Each test a pass in C (no Python step per value). The inner mappings are the very
         # same objects as the mapping's values, once those are checked.
         return (
             same_contents([obj, *known.inner], known.contents)  # type: ignore[arg-type]
             and all(map(operator.is_, map(_local_tensor, known.dtensors), known.shards))
             and list(map(_requires_grad, known.plain)) == known.grads
-            and tensors.keys().isdisjoint(known.tensors)
+            and self.tensors.keys().isdisjoint(known.tensors)
         )
 
-    def remember(obj: dict, path: str, out: dict, origin: int) -> None:
-        # Called once the mapping's values are walked: recorded only if each is a leaf or a
-        # mapping of leaves just recorded (met at the same origin), and each tensor went into
-        # the table as it is, under its path alone.
+    def made_mapping(self, obj: Mapping, path: str, out: dict, origin: int) -> None:
+        # Recorded only if each value is a leaf or a mapping of leaves just recorded (met at
+        # the same origin), and each tensor went into the table as it is, under its path.
+        if type(obj) not in _MEMO_MAPPINGS:
+            return
         leaves = _Leaves(out, origin=origin)
         for key, value in obj.items():
             kind = type(value)
@@ -362,60 +433,60 @@ def walk_state(
                 continue
             name = f"{path}/{key}"
             if kind in _MEMO_MAPPINGS:
-                inner = met.get(name)
-                if (
-                    inner is None
-                    or inner.inner  # One level only.
-                    or inner.origin != origin
-                    or not same_contents([value], inner.contents)  # type: ignore[arg-type]
-                ):
+                if not self._add_inner(leaves, value, name, origin):
                     return
-                leaves.inner.append(value)
-                leaves.records[name] = inner
-                leaves.tensors.update(inner.tensors)
-                leaves.local.update(inner.local)
-                leaves.dtensors.extend(inner.dtensors)
-                leaves.shards.extend(inner.shards)
-                leaves.plain.extend(inner.plain)
-                leaves.grads.extend(inner.grads)
-                leaves.candidates.extend(inner.candidates)
-                continue
-            if tensors.get(name) is not value:
-                return  # Detached, converted, renamed ("#1") or not a tensor.
-            data = local[name] if local is not None else value
-            if kind is dtensor:
-                if data is not getattr(value, "_local_tensor", None):
-                    return  # A DTensor without one (another torch): not checked cheaply.
-                leaves.dtensors.append(value)
-                leaves.shards.append(data)
-            elif kind in _PLAIN_TENSOR_TYPES:
-                grad = value.requires_grad
-                leaves.plain.append(value)
-                leaves.grads.append(grad)
-                if track and origin != _OTHER and not grad:
-                    leaves.candidates.append(name)
-            else:
+            elif not self._add_leaf(leaves, value, name, kind, origin):
                 return
-            leaves.tensors[name] = value
-            leaves.local[name] = data
         leaves.contents = contents([obj, *leaves.inner])
-        met[path] = leaves
+        self.met[path] = leaves
 
-    if memo is not None:
-        memo.modules.begin_walk()
-    try:
-        with torch.no_grad():  # Once for the walk (entering it costs ~2 us a time).
-            skeleton = {key: walk(value, key, 0, _BARE) for key, value in state_entries(state)}
-    finally:
-        # ``walk`` and ``walk_mapping`` call themselves through their closures' cells: a
-        # reference cycle that would keep what the walk met (the state's stateful objects,
-        # the table) alive until the garbage collector runs, and with them, say, a data
-        # loader's worker processes. Rebinding the names breaks it.
-        walk = walk_mapping = None  # type: ignore[assignment]
-    if memo is not None:
-        memo._last = met  # Only what this walk met: nothing older is kept alive.
-        memo._lists = met_lists
-        memo.modules.end_walk()
-    if frozen is not None:
-        frozen.update(frozen_among(candidates, tensors, stateful))
-    return skeleton, tensors
+    def _add_inner(self, leaves: _Leaves, value: dict, name: str, origin: int) -> bool:
+        inner = self.met.get(name)
+        if (
+            inner is None
+            or inner.inner  # One level only.
+            or inner.origin != origin
+            or not same_contents([value], inner.contents)  # type: ignore[arg-type]
+        ):
+            return False
+        leaves.inner.append(value)
+        leaves.records[name] = inner
+        leaves.tensors.update(inner.tensors)
+        leaves.local.update(inner.local)
+        leaves.dtensors.extend(inner.dtensors)
+        leaves.shards.extend(inner.shards)
+        leaves.plain.extend(inner.plain)
+        leaves.grads.extend(inner.grads)
+        leaves.candidates.extend(inner.candidates)
+        return True
+
+    def _add_leaf(self, leaves: _Leaves, value: Any, name: str, kind: type, origin: int) -> bool:
+        if self.tensors.get(name) is not value:
+            return False  # Detached, converted, renamed ("#1") or not a tensor.
+        data = self.local[name] if self.local is not None else value
+        if kind is self.dtensor:
+            if data is not getattr(value, "_local_tensor", None):
+                return False  # A DTensor without one (another torch): not checked cheaply.
+            leaves.dtensors.append(value)
+            leaves.shards.append(data)
+        elif kind in _PLAIN_TENSOR_TYPES:
+            grad = value.requires_grad
+            leaves.plain.append(value)
+            leaves.grads.append(grad)
+            if self.track and origin != _OTHER and not grad:
+                leaves.candidates.append(name)
+        else:
+            return False
+        leaves.tensors[name] = value
+        leaves.local[name] = data
+        return True
+
+
+def _below(path: str, depth: int) -> int:
+    # The limit of ``state.flatten_state``: no manifest reader takes a deeper tree, and a
+    # container holding itself is refused here instead of exhausting the stack.
+    if depth >= MAX_STATE_DEPTH:
+        raise ValueError(
+            f"Cannot save {path!r}: the state nests deeper than {MAX_STATE_DEPTH} levels"
+        )
+    return depth + 1
