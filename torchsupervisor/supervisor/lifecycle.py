@@ -26,7 +26,7 @@ TF name: none (TF's Supervisor handled no signal and saved no final checkpoint).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tensorboard.compat.proto.event_pb2 import SessionLog
 
@@ -42,7 +42,7 @@ from torchsupervisor.driver.stop_record import (
 from torchsupervisor.errors import LogdirLockedError, OutOfRangeError
 from torchsupervisor.storage import storage_for
 from torchsupervisor.summary.writer import SummaryWriter
-from torchsupervisor.supervisor.modes import agreed_stop
+from torchsupervisor.supervisor.modes import Mode, agreed_stop
 
 if TYPE_CHECKING:
     from torchsupervisor.supervisor.supervisor import Supervisor
@@ -180,11 +180,9 @@ def record_end(
     return message
 
 
-def _newest_checkpoint(mode: Any) -> str | None:
+def _newest_checkpoint(mode: Mode | None) -> str | None:
     """The prefix of the newest checkpoint the session committed or restored, if any."""
-    driver = getattr(mode, "driver", None) or getattr(
-        getattr(mode, "service", None), "driver", None
-    )
+    driver = None if mode is None else mode.driver  # A sharded mode's is its service's.
     return None if driver is None else driver.last_prefix
 
 

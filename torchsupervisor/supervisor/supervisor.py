@@ -263,7 +263,8 @@ class Supervisor:
 
     coord = property(lambda self: self._coord, doc="The ``Coordinator`` of the services.")
     checkpoint_driver = property(
-        lambda self: getattr(self._mode, "driver", None), doc="The session's CheckpointDriver."
+        lambda self: None if self._mode is None else self._mode.driver,
+        doc="The session's CheckpointDriver.",
     )
 
     # --------------------------------------------------------------------------- sessions
