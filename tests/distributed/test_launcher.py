@@ -21,6 +21,7 @@ from torchsupervisor.distributed.launcher import (
 from torchsupervisor.errors import InvalidArgumentError
 
 SLURM = {
+    "SLURM_STEP_ID": "0",
     "SLURM_PROCID": "5",
     "SLURM_NTASKS": "8",
     "SLURM_LOCALID": "1",
@@ -87,6 +88,19 @@ def test_torchrun_under_srun_is_torchrun_and_the_override_wins():
     forced = current_launcher({**SLURM, **TORCHRUN, "TORCHSUPERVISOR_LAUNCHER": "slurm"})
     assert forced.name == "slurm" and forced.rank == 5
     assert current_launcher({**SLURM, "TORCHSUPERVISOR_LAUNCHER": "torchrun"}).rank == 0
+
+
+def test_a_program_run_straight_from_a_batch_script_is_one_process():
+    # A batch script sees the job's SLURM_PROCID=0 and SLURM_NTASKS, but no job step.
+    batch = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
+    launcher = current_launcher({**batch, "SLURM_PROCID": "0"})
+    assert (launcher.name, launcher.rank, launcher.world_size) == ("torchrun", 0, 1)
+
+
+def test_a_step_of_fewer_tasks_than_the_job_counts_its_own():
+    step = {**SLURM, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "cpu[3-4]"}
+    launcher = current_launcher(step)
+    assert (launcher.world_size, launcher.master_addr) == (2, "cpu3")
 
 
 def test_a_plain_process_is_rank_0_of_1():
@@ -176,6 +190,7 @@ def test_two_tasks_with_only_slurm_variables_form_a_group():
     for rank in range(2):
         environ = {
             **base,
+            "SLURM_STEP_ID": "0",
             "SLURM_PROCID": str(rank),
             "SLURM_NTASKS": "2",
             "SLURM_LOCALID": str(rank),

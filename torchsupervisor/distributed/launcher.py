@@ -13,11 +13,14 @@ Two implementations:
   (``attempt.py``) when torchrun shares it (``TORCHELASTIC_USE_AGENT_STORE``). Also what a
   program that sets ``RANK``/``WORLD_SIZE`` by hand gets, and a plain single process (rank 0 of
   1).
-* ``SlurmLauncher``: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NODEID``,
-  ``SLURM_RESTART_COUNT`` (requeues), ``SLURM_JOB_ID``; the ranks meet on ``MASTER_ADDR`` (else
-  the first host of ``SLURM_JOB_NODELIST``, where task 0 runs) and ``MASTER_PORT`` (else a port
-  derived from the job id, the same on every node), hosted by rank 0. Chosen when
-  ``SLURM_PROCID`` is set and ``RANK`` is not (``srun torchrun ...`` is torchrun's).
+* ``SlurmLauncher``: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``),
+  ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_RESTART_COUNT`` (requeues), ``SLURM_JOB_ID``;
+  the ranks meet on ``MASTER_ADDR`` (else the first host of ``SLURM_STEP_NODELIST`` or
+  ``SLURM_JOB_NODELIST``, where task 0 runs) and ``MASTER_PORT`` (else a port derived from the
+  job id, the same on every node), hosted by rank 0. Chosen inside a job step that ``srun``
+  started (``SLURM_STEP_ID`` set) when ``RANK`` is not set: ``srun torchrun ...`` is
+  torchrun's, and a program run straight from a batch script (which sees the job's
+  ``SLURM_PROCID=0`` and ``SLURM_NTASKS``, but is one process) is a plain process.
 
 ``TORCHSUPERVISOR_LAUNCHER=torchrun`` or ``=slurm`` overrides the choice.
 
@@ -203,25 +206,32 @@ class SlurmLauncher:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> SlurmLauncher:
-        """Read ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NODEID``,
-        ``SLURM_RESTART_COUNT``, ``SLURM_JOB_ID`` and where the ranks meet.
+        """Read ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``),
+        ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_RESTART_COUNT``, ``SLURM_JOB_ID`` and where
+        the ranks meet.
 
-        The meeting host is ``$MASTER_ADDR``, else the first host of ``$SLURM_JOB_NODELIST``
-        (``$SLURM_NODELIST``); the port ``$MASTER_PORT``, else 20000 + the job id modulo 10000.
+        The meeting host is ``$MASTER_ADDR``, else the first host of ``$SLURM_STEP_NODELIST``
+        (``$SLURM_JOB_NODELIST``, ``$SLURM_NODELIST``); the port ``$MASTER_PORT``, else 20000 +
+        the job id modulo 10000.
 
         Raises:
             InvalidArgumentError: A variable that should be an integer is not, or a node list
                 that cannot be read.
         """
         job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or None
+        tasks = "SLURM_STEP_NUM_TASKS" if environ.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
         port = _int(environ, "MASTER_PORT", 0) or None
         if port is None and job_id is not None and job_id.isdigit():
             port = _SLURM_PORT_BASE + int(job_id) % _SLURM_PORT_SPAN
-        nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        nodelist = (
+            environ.get("SLURM_STEP_NODELIST")
+            or environ.get("SLURM_JOB_NODELIST")
+            or environ.get("SLURM_NODELIST")
+        )
         addr = environ.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else None)
         return cls(
             rank=_int(environ, "SLURM_PROCID", 0),
-            world_size=_int(environ, "SLURM_NTASKS", 1),
+            world_size=_int(environ, tasks, 1),
             local_rank=_int(environ, "SLURM_LOCALID", 0),
             node_id=_int(environ, "SLURM_NODEID", 0),
             restart_count=_int(environ, "SLURM_RESTART_COUNT", 0),
@@ -291,6 +301,9 @@ def current_launcher(environ: Mapping[str, str] | None = None) -> TorchrunLaunch
         raise InvalidArgumentError(
             f"${LAUNCHER_ENV}={env[LAUNCHER_ENV]!r}: use 'torchrun' or 'slurm'"
         )
-    if chosen == "slurm" or (not chosen and "SLURM_PROCID" in env and "RANK" not in env):
+    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env  # Started by srun.
+    if chosen == "slurm" or (
+        not chosen and in_step and "SLURM_PROCID" in env and "RANK" not in env
+    ):
         return SlurmLauncher.from_environ(env)
     return TorchrunLauncher.from_environ(env)
