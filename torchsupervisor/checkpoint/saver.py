@@ -255,7 +255,7 @@ class Saver:
 
     def save(
         self,
-        sess: SessionLike,
+        sess: SessionLike | None,
         save_path: str,
         global_step: GlobalStepLike | None = None,
         latest_filename: str | None = None,
@@ -327,7 +327,7 @@ class Saver:
 
     def save_async(
         self,
-        sess: SessionLike,
+        sess: SessionLike | None,
         save_path: str,
         global_step: GlobalStepLike | None = None,
         latest_filename: str | None = None,
@@ -506,7 +506,7 @@ class Saver:
             known = self._writer_choice = (source, self._writer_of(is_sharded(state)))
         return known[1]
 
-    def _state_and_writer(self, sess: SessionLike) -> tuple[Mapping[str, Any], Writer]:
+    def _state_and_writer(self, sess: SessionLike | None) -> tuple[Mapping[str, Any], Writer]:
         """What a save of ``sess`` writes, and with which writer. A collective writer saves
         what the replicas share (``replica_entries``), and takes no metrics yet."""
         state = self._state_for(sess)
@@ -515,7 +515,7 @@ class Saver:
             state = replica_entries(state)
         return state, writer
 
-    def _state_for(self, sess: SessionLike) -> Mapping[str, Any]:
+    def _state_for(self, sess: SessionLike | None) -> Mapping[str, Any]:
         if isinstance(self._var_list, Mapping):
             return self._var_list
         state = getattr(sess, "state", None)
@@ -611,7 +611,7 @@ class Saver:
 
     # ---------------------------------------------------------------------------- restoring
 
-    def restore(self, sess: SessionLike, save_path: str | None) -> None:
+    def restore(self, sess: SessionLike | None, save_path: str | None) -> None:
         """Load the checkpoint ``save_path`` into the state, after verifying its checksums.
 
         Before anything is loaded, the manifest is compared with the live state (the run
