@@ -47,6 +47,7 @@ __all__ = [
     "WorldError",
     "events_worker_of",
     "hooks_of",
+    "pending_enqueues",
     "raw_session_of",
     "run_world",
     "save_cache_of",
@@ -204,6 +205,14 @@ def hooks_of(session: Any) -> list[Any]:
     TF name: none.
     """
     return list(session._hooks)
+
+
+def pending_enqueues(queue: Any) -> int:
+    """How many elements wait to enter a full queue (enqueues blocked on its capacity).
+
+    TF name: none.
+    """
+    return len(queue._pending)
 
 
 def raw_session_of(session: Any) -> Any:

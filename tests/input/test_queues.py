@@ -13,7 +13,7 @@ from monitored_helpers import JOIN_SECS
 import torchsupervisor as ts
 from torchsupervisor.errors import CancelledError, DeadlineExceededError, OutOfRangeError
 from torchsupervisor.input.gate import GATE
-from torchsupervisor.testing import FakeClock
+from torchsupervisor.testing import FakeClock, pending_enqueues
 
 
 def wait_until(predicate, what="condition"):
@@ -67,9 +67,9 @@ def test_enqueues_waiting_for_room_enter_in_arrival_order_and_whole():
     queue = ts.FIFOQueue(1)
     queue.enqueue("x")
     first, _ = in_thread(lambda: queue.enqueue_many(["a1", "a2", "a3"]))
-    wait_until(lambda: len(queue._pending) == 3, "first enqueue waiting")
+    wait_until(lambda: pending_enqueues(queue) == 3, "first enqueue waiting")
     second, _ = in_thread(lambda: queue.enqueue_many(["b1", "b2"]))
-    wait_until(lambda: len(queue._pending) == 5, "second enqueue waiting")
+    wait_until(lambda: pending_enqueues(queue) == 5, "second enqueue waiting")
     taken = [queue.dequeue() for _ in range(6)]
     finish(first)
     finish(second)
@@ -97,14 +97,14 @@ def test_a_timed_out_dequeue_gives_back_and_a_timed_out_enqueue_withdraws():
     queue.enqueue(2)
     with pytest.raises(DeadlineExceededError):
         queue.enqueue_many([3, 4], timeout_secs=0)
-    assert queue.size() == 2 and not queue._pending
+    assert queue.size() == 2 and not pending_enqueues(queue)
 
 
 def test_cancelled_enqueues_are_kept_for_a_reopen_not_dequeued():
     queue = ts.FIFOQueue(1)
     queue.enqueue("in")
     thread, result = in_thread(lambda: queue.enqueue_many(["p1", "p2"]))
-    wait_until(lambda: len(queue._pending) == 2, "enqueue waiting")
+    wait_until(lambda: pending_enqueues(queue) == 2, "enqueue waiting")
     queue.close(cancel_pending_enqueues=True)
     finish(thread)
     assert isinstance(result["error"], CancelledError)
@@ -239,7 +239,7 @@ def test_a_restored_queue_continues_as_the_original(make):
     for element in elements:
         original.enqueue(element)
     thread, _ = in_thread(lambda: original.enqueue((9, "e9")))
-    wait_until(lambda: len(original._pending) == 1, "enqueue waiting")
+    wait_until(lambda: pending_enqueues(original) == 1, "enqueue waiting")
     state = original.state_dict()
     copy.load_state_dict(state)
     assert copy.size() == 8 and copy.state_dict()["pending"] == [(9, "e9")]

@@ -344,7 +344,7 @@ def test_each_checkpoint_flushes_the_events_file(tmp_path):
     sv = Supervisor(logdir=logdir, state=c.state, save_summaries_secs=0, save_model_secs=3600)
     with sv.managed_session() as sess:
         wait_for_checkpoint(sv, 0)
-        sv._mode.driver.wait()  # The step-0 commit and its CHECKPOINT event are done.
+        sv.checkpoint_driver.wait()  # The step-0 commit and its CHECKPOINT event are done.
         writer = sv.summary_writer
         requests = []
         request_flush = writer.request_flush
@@ -640,7 +640,7 @@ def test_a_request_while_a_save_is_in_flight_is_served_after_it_without_blocking
     )
     with sv.managed_session() as sess:
         wait_for_checkpoint(sv, 0)
-        driver = sv._mode.driver  # What the timer thread calls on schedule.
+        driver = sv.checkpoint_driver  # What the timer thread calls on schedule.
         gate = storage.hold("fsync")  # The next save is held in its first fsync.
         watchdog = threading.Timer(30, gate.open)  # Fails the test below, never hangs.
         watchdog.start()
