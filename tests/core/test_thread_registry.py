@@ -50,6 +50,22 @@ def test_drains_run_once_at_exit_in_their_order_and_one_failure_stops_none():
     assert "Draining the broken at exit failed" in done.stderr
 
 
+def test_the_drains_run_before_an_exit_hook_registered_before_a_later_part():
+    # As each part's own atexit hook did: a hook registered before the first save runs
+    # after that save is drained.
+    done = _run(
+        """
+        import atexit
+        from torchsupervisor.core import thread_registry as r
+        r.register("group", order=r.DRAIN_PROCESS_GROUP, drain=lambda: print("group"))
+        atexit.register(lambda: print("user"))
+        r.register("saves", order=r.DRAIN_SAVES, drain=lambda: print("saves"))
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["saves", "group", "user"]
+
+
 def test_a_forked_child_runs_each_at_fork_hook():
     done = _run(
         """

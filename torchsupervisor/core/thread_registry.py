@@ -8,8 +8,8 @@ once, and nothing else in the package calls ``atexit`` or ``os.register_at_fork`
 * **drain** runs once, at interpreter exit, in ``order`` (lower first): saves in flight are
   finished before the events writers close (a commit writes a CHECKPOINT event), and those
   before the process group is torn down. Each drain bounds its own wait. The one ``atexit``
-  hook is registered with the first part that drains (the first save, the first events file),
-  so it runs before the hooks registered earlier.
+  hook is registered again with each part that drains (the first save, the first events
+  file, the process group), so it runs before every hook registered before any of them.
 * **at_fork** runs in a forked child, before anything else there: only the forking thread
   exists in the child, so each part forgets the threads (and locks) it had.
 * **quiet** (for tests, through ``torchsupervisor.testing.wait_for_quiet``) waits up to a
@@ -63,8 +63,6 @@ class _Part:
 _parts: dict[str, _Part] = {}
 _lock = threading.Lock()
 _drained = False
-_exit_hook = False  # Registered with the first part that drains: it then runs before the
-# atexit hooks registered earlier (the interpreter runs them last in, first out).
 
 
 def register(
@@ -87,11 +85,13 @@ def register(
 
     TF name: none.
     """
-    global _exit_hook
     with _lock:
         _parts[name] = _Part(name, order, drain, at_fork, quiet)
-        if drain is not None and not _exit_hook:
-            _exit_hook = True
+        if drain is not None:
+            # Registered again at each part that drains: the hook then runs before every
+            # atexit hook registered before that part (the interpreter runs them last in,
+            # first out), as each part's own hook did when it registered it.
+            atexit.unregister(_drain_all)
             atexit.register(_drain_all)
 
 
