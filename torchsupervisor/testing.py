@@ -198,7 +198,7 @@ def wait_for_quiet(timeout_secs: float = 10.0) -> None:
         raise TimeoutError(f"still busy after {timeout_secs:g} s: {'; '.join(busy)}")
 
 
-def hooks_of(session: Any) -> list[Any]:
+def hooks_of(session: object) -> list[Any]:
     """The hooks a ``MonitoredSession`` runs (``MonitoredTrainingSession``'s standard ones
     included), in the order it runs them.
 
@@ -207,7 +207,7 @@ def hooks_of(session: Any) -> list[Any]:
     return list(session._hooks)
 
 
-def pending_enqueues(queue: Any) -> int:
+def pending_enqueues(queue: object) -> int:
     """How many elements wait to enter a full queue (enqueues blocked on its capacity).
 
     TF name: none.
@@ -215,7 +215,7 @@ def pending_enqueues(queue: Any) -> int:
     return len(queue._pending)
 
 
-def raw_session_of(session: Any) -> Any:
+def raw_session_of(session: object) -> Any:
     """The ``Session`` inside a ``MonitoredSession`` (the current one: a recovered session
     replaces it), or None before it is created.
 
@@ -224,7 +224,7 @@ def raw_session_of(session: Any) -> Any:
     return session._tf_sess()
 
 
-def events_worker_of(writer: Any) -> Any:
+def events_worker_of(writer: object) -> Any:
     """The ``EventFileWriter`` (queue, thread, file) behind a ``SummaryWriter`` now (a
     ``reopen`` makes a new one).
 
@@ -233,7 +233,7 @@ def events_worker_of(writer: Any) -> Any:
     return writer._holder[0]
 
 
-def save_cache_of(saver: Any) -> Any:
+def save_cache_of(saver: object) -> Any:
     """The ``SaveCache`` of the writer a ``Saver`` chose for its state (after its first save
     or restore, or at construction for a ``var_list`` mapping); None before.
 
@@ -243,7 +243,7 @@ def save_cache_of(saver: Any) -> Any:
     return None if choice is None else choice[1]._cache
 
 
-def timer_of(hook: Any) -> Any:
+def timer_of(hook: object) -> Any:
     """The ``SecondOrStepTimer`` that paces a hook (``every_steps``, ``every_secs``).
 
     TF name: none.

@@ -244,8 +244,8 @@ class Saver:
         self._optional: set[str] = set()
         # The writer: sharded (every rank writes its part) or this process's snapshot; chosen
         # once per state (at construction for a ``var_list`` mapping), with that state.
-        self._writers: dict[bool, Writer] = {}
-        self._writer_choice: tuple[Any, Writer] | None = None
+        self._writers: dict[bool, Writer[Any]] = {}
+        self._writer_choice: tuple[object, Writer[Any]] | None = None
         if isinstance(var_list, Mapping):
             self._writer_choice = (var_list, self._writer_of(is_sharded(var_list)))
         self.last_save: SaveStats | None = None
@@ -461,7 +461,7 @@ class Saver:
         """
         self._optional.update(names)
 
-    def _writer_of(self, sharded: bool) -> Writer:
+    def _writer_of(self, sharded: bool) -> Writer[Any]:
         """The writer of a state of DTensors (``sharded``) or of this process's state."""
         writer = self._writers.get(sharded)
         if writer is None:
@@ -490,7 +490,7 @@ class Saver:
             self._writers[sharded] = writer
         return writer
 
-    def _writer_for(self, state: Mapping[str, Any], sess: SessionLike | None = None) -> Writer:
+    def _writer_for(self, state: Mapping[str, Any], sess: SessionLike | None = None) -> Writer[Any]:
         """The writer of ``state``: every rank's (DTensors) or this process's; decided once
         per state.
 
@@ -506,7 +506,7 @@ class Saver:
             known = self._writer_choice = (source, self._writer_of(is_sharded(state)))
         return known[1]
 
-    def _state_and_writer(self, sess: SessionLike | None) -> tuple[Mapping[str, Any], Writer]:
+    def _state_and_writer(self, sess: SessionLike | None) -> tuple[Mapping[str, Any], Writer[Any]]:
         """What a save of ``sess`` writes, and with which writer. A collective writer saves
         what the replicas share (``replica_entries``), and takes no metrics yet."""
         state = self._state_for(sess)
@@ -556,7 +556,7 @@ class Saver:
 
     def _target_for(
         self,
-        writer: Writer,
+        writer: Writer[Any],
         save_path: str,
         global_step: GlobalStepLike,
         latest_filename: str | None,
@@ -577,8 +577,8 @@ class Saver:
 
     def _persist(
         self,
-        writer: Writer,
-        staged: Any,
+        writer: Writer[Any],
+        staged: object,
         target: SaveTarget,
         stall_secs: float,
         write_after: Waitable | None,

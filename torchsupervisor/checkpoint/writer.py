@@ -48,14 +48,14 @@ import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from torchsupervisor.storage import DirectoryLock, Storage
 
 if TYPE_CHECKING:
     from torchsupervisor.core.global_step import GlobalStepLike
 
-__all__ = ["Directories", "SaveStats", "SaveTarget", "Writer"]
+__all__ = ["Directories", "SaveStats", "SaveTarget", "Staged", "Writer"]
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,11 @@ class SaveStats:
     bytes_reused: int
 
 
-class Writer(Protocol):
+Staged = TypeVar("Staged")
+"""What a writer's ``stage`` returns and its ``persist`` takes (its own kind of snapshot)."""
+
+
+class Writer(Protocol[Staged]):
     """One way of making a snapshot durable (see the module docstring for the call order)."""
 
     collective: bool
@@ -113,18 +117,18 @@ class Writer(Protocol):
         *,
         background: bool,
         error: Exception | None = None,
-    ) -> Any:
+    ) -> Staged | None:
         """1. Copy ``state`` for ``target`` (training thread); None: nothing to save
         (``allow_empty``). ``error``: what this rank found wrong before (collective only)."""
         ...
 
     def persist(
-        self, staged: Any, target: SaveTarget, stall_secs: float, *, background: bool
+        self, staged: Staged, target: SaveTarget, stall_secs: float, *, background: bool
     ) -> SaveStats:
         """2. Write and commit ``staged``, record it, apply retention; frees ``staged``."""
         ...
 
-    def release(self, staged: Any) -> None:
+    def release(self, staged: Staged) -> None:
         """3. Free ``staged`` without writing it."""
         ...
 

@@ -242,7 +242,7 @@ class _Walker:
             self.candidates.append(name)
         return _make_ref(TensorRef, (name, ndarray))
 
-    def add_dtensor(self, obj: Any, path: str) -> TensorRef:
+    def add_dtensor(self, obj: object, path: str) -> TensorRef:
         # The local tensor itself: outside autograd (the walk runs under ``no_grad``) that
         # is what ``to_local`` returns, but for a parameter a new view of it at each call
         # (torch 2.13: 1 us a parameter, and the memo would never see the same shard).
@@ -266,7 +266,7 @@ class _Walker:
             tensor = obj if self.keep_vars or type(obj) is torch.Tensor else obj.detach()
         return self.add(path, tensor, False, tensor, origin)
 
-    def walk(self, obj: Any, path: str, depth: int, origin: int) -> Any:
+    def walk(self, obj: object, path: str, depth: int, origin: int) -> Any:
         kind = type(obj)
         if kind in _EXACT_PLAIN:
             return obj
@@ -304,7 +304,7 @@ class _Walker:
             return tuple(self.walk(v, f"{path}/{i}", deeper, origin) for i, v in enumerate(obj))
         return self.walk_stateful(obj, path, depth)
 
-    def walk_stateful(self, obj: Any, path: str, depth: int) -> Any:
+    def walk_stateful(self, obj: object, path: str, depth: int) -> Any:
         """A stateful object stands for its state dict, at its own depth."""
         if not self.sharded and getattr(obj, "is_sharded_state", False):
             raise ShardedStateError(path)
