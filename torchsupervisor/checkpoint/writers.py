@@ -321,7 +321,7 @@ class ShardedWriter:
         save = self._begin(state, target, global_step, error, keep_vars=background)
         if background:
             background_group()
-            stage(save, self._host, self._cache.staged)  # At once: the live parameters are live.
+            stage(save, self._host, self._cache.staged)  # At once: the parameters are not detached.
         return save
 
     def release(self, staged: ShardedSave) -> None:
