@@ -221,3 +221,24 @@ def test_two_tasks_with_only_slurm_variables_form_a_group():
     assert outputs == [
         {"rank": r, "world": 2, "sum": 3, "local": r, "node": 0, "restart": 1} for r in range(2)
     ]
+
+
+def test_nothing_but_the_launcher_reads_the_launchers_variables():
+    # The seam's promise: rank, world size and the rest come from ``current_launcher()``.
+    import ast
+    from pathlib import Path
+
+    from tests.repo_paths import ROOT
+
+    names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    found = []
+    for path in (Path(ROOT) / "torchsupervisor").rglob("*.py"):
+        if path.name == "launcher.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            value = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(value, str) and (
+                value in names or value.startswith(("SLURM_", "TORCHELASTIC_"))
+            ):
+                found.append(f"{path.name}:{node.lineno} {value}")
+    assert found == []

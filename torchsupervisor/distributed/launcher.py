@@ -130,8 +130,8 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
 
 
 @dataclass(frozen=True)
-class TorchrunLauncher:
-    """``torchrun``'s variables (and a plain process: rank 0 of 1). See the module docstring."""
+class _Placement:
+    """The fields both launchers read (see ``Launcher``), and where the ranks meet."""
 
     rank: int = 0
     world_size: int = 1
@@ -140,9 +140,15 @@ class TorchrunLauncher:
     restart_count: int = 0
     job_id: str | None = None
     launched: bool = False
-    agent_store: bool = False
     master_addr: str | None = None
     master_port: int | None = None
+
+
+@dataclass(frozen=True)
+class TorchrunLauncher(_Placement):
+    """``torchrun``'s variables (and a plain process: rank 0 of 1). See the module docstring."""
+
+    agent_store: bool = False
     name: str = "torchrun"
 
     @classmethod
@@ -190,18 +196,9 @@ class TorchrunLauncher:
 
 
 @dataclass(frozen=True)
-class SlurmLauncher:
+class SlurmLauncher(_Placement):
     """SLURM's variables (``srun``, ``sbatch``). See the module docstring."""
 
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    node_id: int = 0
-    restart_count: int = 0
-    job_id: str | None = None
-    launched: bool = False
-    master_addr: str | None = None
-    master_port: int | None = None
     name: str = "slurm"
 
     @classmethod
