@@ -133,11 +133,8 @@ class ObjectStorage(Storage):
         self.events_roll_bytes = events_roll_bytes
 
     def key(self, path: str) -> str:
-        """The object key of ``path`` (``s3://bucket/run/a`` -> ``run/a``).
-
-        Raises:
-            ValueError: ``path`` is not in this storage's bucket.
-        """
+        """The object key of ``path`` (``s3://b/run/a`` -> ``run/a``); ``ValueError`` when
+        ``path`` is not in this storage's bucket."""
         url = parse_url(os.fspath(path))
         if (url.scheme, url.bucket) != (self.client.url.scheme, self.client.url.bucket):
             raise ValueError(f"{path} is not in {self.client.url.root}")
