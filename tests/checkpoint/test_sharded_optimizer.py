@@ -183,12 +183,10 @@ def test_fsdp2_ranks_remap_to_dcps_names(tmp_path):
         assert names == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
 
-def test_the_packed_state_is_torchs_remapped_for_several_groups_and_a_schedule(dcp_calls):
-    # ``_ParamNames._packed`` keys the state by name at once; it must give exactly what
-    # remapping ``optimizer.state_dict()`` gives: the same keys in the same order (the
-    # state's), the same state objects, the groups' hyperparameters read afresh.
-    from torchsupervisor.checkpoint.sharded import plan
-
+def test_several_groups_and_a_schedule_give_dcps_state_without_dcp(dcp_calls):
+    # The names learnt at the first call remap ``optimizer.state_dict()``: exactly what DCP
+    # gives (the same keys in the same order, the state's; the same state objects; the
+    # groups' hyperparameters read afresh).
     model = _model()
     optimizer = torch.optim.AdamW(
         [
@@ -200,17 +198,20 @@ def test_the_packed_state_is_torchs_remapped_for_several_groups_and_a_schedule(d
     state = ShardedOptimizerState(model, optimizer)
     _step(model, optimizer)
     state.state_dict()
-    names = state._names
-    assert names is not None and plan._plain_state_dict(optimizer)
     for lr in (0.2, 0.3):
         optimizer.param_groups[1]["lr"] = lr
-        packed = names._packed(optimizer)
-        remapped = names._remap(optimizer.state_dict())
-        assert plan._identical(packed, remapped)
-        assert list(packed["state"]) == ["2.weight", "2.bias", "0.weight", "0.bias"]
-        assert packed["param_groups"][1]["lr"] == lr
-        assert _same(state.state_dict(), dcp_state_dict.get_optimizer_state_dict(model, optimizer))
+        ours = state.state_dict()
+        assert list(ours["state"]) == ["2.weight", "2.bias", "0.weight", "0.bias"]
+        assert ours["param_groups"][1]["lr"] == lr
+        theirs = dcp_state_dict.get_optimizer_state_dict(model, optimizer)
+        assert _same(ours, theirs)
+        assert all(ours["state"][n] is optimizer.state[p] for n, p in _named(model, optimizer))
     assert len(dcp_calls) == 1 + 2  # Only the comparisons asked DCP.
+
+
+def _named(model, optimizer):
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return [(by_id[id(p)], p) for p in optimizer.state]
 
 
 @pytest.mark.parametrize("hook", ["pre", "post", "subclass"])
@@ -244,7 +245,7 @@ def test_an_optimizer_with_state_dict_hooks_is_packed_by_torch(dcp_calls, hook):
 
 
 def test_a_state_key_that_is_no_parameter_goes_to_dcp(dcp_calls):
-    # ``_packed`` names only the parameters; anything else in the state is left to torch and
+    # The names learnt are the parameters'; anything else in the state is left to torch and
     # DCP, which raise for it as they would without the names learnt.
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)

@@ -116,7 +116,6 @@ class _ParamNames:
         self._params = params  # Held: their ids stay theirs.
         self._tree = tree
         self._names = names
-        self._name_of = dict(zip(map(id, params), names))
 
     @classmethod
     def learn(
@@ -153,32 +152,7 @@ class _ParamNames:
             or not self._tree.same(model)
         ):
             return None
-        if _plain_state_dict(optimizer):
-            return self._packed(optimizer)
         return self._remap(optimizer.state_dict())
-
-    def _packed(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """What ``_remap(optimizer.state_dict())`` gives, without numbering the parameters.
-
-        For an optimizer whose ``state_dict`` is ``Optimizer``'s and runs no hooks (checked by
-        the caller): its packing numbers every parameter by ``id`` and keys the state with the
-        numbers, which ``_remap`` then turns into names; here the state is keyed by the names
-        at once, in the same order (the state's), with the same per-parameter state objects.
-        The parameters are those named (the caller compared them by identity).
-        """
-        state = optimizer.state
-        names = list(map(self._name_of.get, map(id, state)))
-        if None in names:
-            return None  # A state key that is not one of the parameters: let torch pack it.
-        groups = []
-        start = 0
-        for group in optimizer.param_groups:
-            packed = {key: value for key, value in group.items() if key != "params"}
-            count = len(group["params"])
-            packed["params"] = self._names[start : start + count]
-            start += count
-            groups.append(packed)
-        return {"state": dict(zip(names, state.values())), "param_groups": groups}
 
     def _remap(self, packed: Mapping[str, Any]) -> dict[str, Any] | None:
         names = self._names
@@ -193,18 +167,6 @@ class _ParamNames:
             group["params"] = [names[i] for i in group["params"]]
             groups.append(group)
         return {"state": state, "param_groups": groups}
-
-
-def _plain_state_dict(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.state_dict()`` is ``Optimizer``'s own and runs no hooks."""
-    return (
-        type(optimizer).state_dict is _OPTIMIZER_STATE_DICT
-        and not optimizer._optimizer_state_dict_pre_hooks
-        and not optimizer._optimizer_state_dict_post_hooks
-    )
-
-
-_OPTIMIZER_STATE_DICT = torch.optim.Optimizer.state_dict
 
 
 def _identical(ours: Any, theirs: object) -> bool:
