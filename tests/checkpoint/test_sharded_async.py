@@ -292,7 +292,7 @@ def stage_rank(rank: int, world_size: int) -> dict:
         save = prepare(state, "unused", global_step=3, wall_time=0.0, keep_vars=True)
         live = dict(save.tensors)
         stage(save, stager, memo)
-        buffer = save._snapshot.buffers[0]
+        buffer = save.snapshot.buffers[0]
         start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
         for name, staged in save.tensors.items():
             source = live[name]
@@ -399,3 +399,46 @@ def test_ending_the_process_group_ends_the_writers_group_too(tmp_path):
     for result in run_world(teardown_rank, str(tmp_path)):
         assert result["replayed"] == 1, result
         assert not result["background_alive"], result
+
+
+def copy_order_rank(rank: int, world_size: int, directory: str) -> list[str]:
+    """An asynchronous sharded save whose staging reports one (fake) CUDA copy event."""
+    import dataclasses
+
+    from torchsupervisor.checkpoint import writers
+    from torchsupervisor.checkpoint.snapshot import Stager
+
+    order = []
+
+    class Copy:
+        def synchronize(self):
+            order.append("copies done")
+
+    real_stage = Stager.stage
+
+    def stage(self, *args, **kwargs):
+        order.append(f"staged, wait={kwargs.get('wait', True)}")
+        return dataclasses.replace(real_stage(self, *args, **kwargs), copies=(Copy(),))
+
+    real_write = writers.write_sharded
+
+    def write_sharded(save, *args, **kwargs):
+        order.append("write reads the buffers")
+        return real_write(save, *args, **kwargs)
+
+    Stager.stage = stage
+    writers.write_sharded = write_sharded
+    model, optimizer = _build(0, world_size)
+    _train_step(model, optimizer, 0)
+    saver = Saver(var_list=_state(model, optimizer, 1))
+    saver.save_async(None, os.path.join(directory, "model.ckpt"), global_step=1).result(WAIT_SECS)
+    saver.close()
+    return order
+
+
+def test_the_sharded_writer_waits_for_the_device_copies_before_it_reads_a_buffer(tmp_path):
+    # What a GPU run relies on, checked with the CPU path: the sharded staging only queues
+    # the copies (no wait on the training thread); the writer thread waits for them before
+    # the collective write reads the buffers (and the release that follows, again at once).
+    for order in run_world(copy_order_rank, str(tmp_path)):
+        assert order[:3] == ["staged, wait=False", "copies done", "write reads the buffers"]

@@ -436,7 +436,9 @@ class Stager:
         return snapshot
 
     def release(self, snapshot: Snapshot) -> None:
-        """Give a persisted snapshot's buffers back for reuse by the next snapshot."""
+        """Give a persisted snapshot's buffers back for reuse by the next snapshot (once the
+        device copies into them are done: a save given up before it waited for them)."""
+        snapshot.wait_copied()
         with self._lock:
             staging = self._in_use.pop(id(snapshot), None)
             if staging is not None:

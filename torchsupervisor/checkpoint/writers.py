@@ -321,7 +321,9 @@ class ShardedWriter:
         save = self._begin(state, target, global_step, error, keep_vars=background)
         if background:
             background_group()
-            stage(save, self._host, self._cache.staged)  # At once: the parameters are not detached.
+            # At once (the parameters are not detached); CUDA copies are only queued: the
+            # writer thread waits for them (``persist``).
+            stage(save, self._host, self._cache.staged, wait=False)
         return save
 
     def release(self, staged: ShardedSave) -> None:
@@ -400,6 +402,8 @@ class ShardedWriter:
         start = time.perf_counter() - stall_secs  # The save began with its stall.
         if not background:  # The whole save is the stall.
             return self._write(save, target, start, None, None)
+        if save.snapshot is not None:
+            save.snapshot.wait_copied()  # CUDA tensors: their copies were only queued.
         if save.error is None:  # The directory is checked here: a stat is not worth a stall.
             save.error = self._directory_error(target)
         try:

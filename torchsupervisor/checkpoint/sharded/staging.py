@@ -154,11 +154,14 @@ class StageMemo:
         self.last: _Staged | None = None
 
 
-def stage(save: ShardedSave, stager: Stager, memo: StageMemo | None = None) -> None:
+def stage(
+    save: ShardedSave, stager: Stager, memo: StageMemo | None = None, *, wait: bool = True
+) -> None:
     """Copy this rank's local data into ``stager``'s host buffers; point ``save`` at the copies.
 
-    Blocks until the copies are complete (device-to-host copies are fenced), so the training
-    step after it may change every tensor. Call ``save.release()`` once the save is written.
+    The training step after it may change every tensor: host copies are done when it returns,
+    and device-to-host copies are done (``wait``) or queued on the streams that later work
+    waits behind (``Stager.stage``). Call ``save.release()`` once the save is written.
     What fails here (a dtype the format cannot hold, ``complex128``; buffers that cannot be
     allocated) is kept in ``save.error``, as ``prepare`` does, for the collective to raise
     on every rank; the buffers are given back.
@@ -168,11 +171,13 @@ def stage(save: ShardedSave, stager: Stager, memo: StageMemo | None = None) -> N
         stager: The host staging buffers (reused while the local shards keep their layout).
         memo: What the last ``stage`` with this ``stager`` made (``StageMemo``), kept by the
             caller between saves; updated. None: nothing is reused.
+        wait: Return once the CUDA copies are done. False: once they are queued; whoever
+            reads the buffers calls ``save.snapshot.wait_copied()`` first.
     """
     if save.error is not None or not save.tensors:
         return
     try:
-        _stage(save, stager, StageMemo() if memo is None else memo)
+        _stage(save, stager, StageMemo() if memo is None else memo, wait)
     except Exception as e:  # Raised inside the collective, so that every rank learns of it.
         if memo is not None:
             memo.last = None
@@ -183,7 +188,7 @@ def stage(save: ShardedSave, stager: Stager, memo: StageMemo | None = None) -> N
 _spec_of = operator.attrgetter("_spec")
 
 
-def _stage(save: ShardedSave, stager: Stager, memo: StageMemo) -> None:
+def _stage(save: ShardedSave, stager: Stager, memo: StageMemo, wait: bool) -> None:
     dtensor = dtensor_class()
     local, save.local = save.local, None
     if local is None:
@@ -219,6 +224,7 @@ def _stage(save: ShardedSave, stager: Stager, memo: StageMemo) -> None:
             header_spare=layout[1],
             keep_sources=False,  # No incremental saves of sharded states.
             layout_key=layout_key,
+            wait=wait,
         )
     save._snapshot, save._stager = snapshot, stager
     if same and snapshot.views is last.views:  # type: ignore[union-attr]
