@@ -68,19 +68,6 @@ def _wait_for_a_new_checkpoint(logdir: str, before: set[str], proc: subprocess.P
     raise AssertionError("no checkpoint was committed in 120 s")
 
 
-def test_demo_trains_and_resumes(tmp_path):
-    logdir = str(tmp_path / "run")
-    first = _run(logdir, "--max-steps", "150")
-    assert "Starting from scratch" in first
-    step, accuracy = _DONE.search(first).groups()
-    assert step == "150" and float(accuracy) > 50.0
-    second = _run(logdir, "--max-steps", "300")
-    assert "Resumed at step 150" in second
-    step, accuracy_2 = _DONE.search(second).groups()
-    assert step == "300" and float(accuracy_2) > 80.0
-    assert _committed_steps(logdir)[-1] == 300
-
-
 def test_sigkill_at_random_moments_always_resumes_from_a_complete_checkpoint(tmp_path):
     logdir = str(tmp_path / "run")
     rng = random.Random(7)
@@ -120,14 +107,22 @@ def test_sigkill_at_random_moments_always_resumes_from_a_complete_checkpoint(tmp
     assert last_accuracy > 85.0
 
 
-def test_tensorboard_reads_the_demo_logdir(tmp_path):
+def test_demo_trains_resumes_and_tensorboard_reads_its_logdir(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from torchsupervisor import summary_iterator
 
     logdir = str(tmp_path / "run")
-    _run(logdir, "--max-steps", "120", "--save-summaries-secs", "0.2")
-    _run(logdir, "--max-steps", "200", "--save-summaries-secs", "0.2")
+    first = _run(logdir, "--max-steps", "150", "--save-summaries-secs", "0.2")
+    assert "Starting from scratch" in first
+    step, accuracy = _DONE.search(first).groups()
+    assert step == "150" and float(accuracy) > 50.0
+    second = _run(logdir, "--max-steps", "300", "--save-summaries-secs", "0.2")
+    assert "Resumed at step 150" in second
+    step, accuracy = _DONE.search(second).groups()
+    assert step == "300" and float(accuracy) > 80.0
+    assert _committed_steps(logdir)[-1] == 300
+
     files = sorted(f for f in os.listdir(logdir) if "tfevents" in f)
     assert len(files) == 2
     logs = []
@@ -136,7 +131,7 @@ def test_tensorboard_reads_the_demo_logdir(tmp_path):
         assert events[0].file_version == "brain.Event:2"
         logs.append([(e.session_log.status, e.step) for e in events if e.HasField("session_log")])
     start, stop, checkpoint = 1, 2, 3
-    for run_logs, first_step, last_step in zip(logs, (0, 120), (120, 200)):
+    for run_logs, first_step, last_step in zip(logs, (0, 150), (150, 300)):
         assert run_logs[0] == (start, first_step + 1)  # START at the first step produced.
         assert run_logs[-1] == (stop, 0)  # STOP at exit, without a step.
         assert (checkpoint, last_step) in run_logs  # The final checkpoint.
@@ -146,12 +141,12 @@ def test_tensorboard_reads_the_demo_logdir(tmp_path):
     assert {"train/loss", "eval/accuracy", "global_step/sec"} <= set(tags["scalars"])
     assert {"weights/conv1", "weights/fc1"} <= set(tags["histograms"])
     losses = accumulator.Scalars("train/loss")
-    assert [e.step for e in losses] == list(range(1, 201))  # One continuous series.
+    assert [e.step for e in losses] == list(range(1, 301))  # One continuous series.
     accuracies = [e.step for e in accumulator.Scalars("eval/accuracy")]
-    assert accuracies == [0, 50, 100, 120, 150, 200]
+    assert accuracies == [0, 50, 100, 150, 200, 250, 300]
     # Run again once finished (its start and restore span many 0.05 s summary intervals): it
     # trains nothing and writes no global_step/sec of 0 (TF's first value, or a "stall").
-    _run(logdir, "--max-steps", "200", "--save-summaries-secs", "0.05")
+    _run(logdir, "--max-steps", "300", "--save-summaries-secs", "0.05")
     (rerun,) = sorted(set(f for f in os.listdir(logdir) if "tfevents" in f) - set(files))
     rates = [
         v.simple_value
