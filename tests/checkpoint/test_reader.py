@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+import torchsupervisor.checkpoint.reader as reader_module
 from torchsupervisor import (
     CheckpointReader,
     GlobalStep,
@@ -22,6 +23,7 @@ from torchsupervisor import (
     load_checkpoint,
     load_variable,
 )
+from torchsupervisor.checkpoint.shard_io import open_shard
 from torchsupervisor.errors import CorruptCheckpointError, DataLossError, NotFoundError
 
 
@@ -344,7 +346,7 @@ def test_pipelined_reads_match(checkpoint, pipelined):
     assert all(torch.equal(tensors[name], value) for name, value in state.items())
 
 
-def test_pipelined_reads_report_damage_and_truncation(checkpoint, pipelined):
+def test_pipelined_reads_report_damage_and_truncation(checkpoint, pipelined, monkeypatch):
     prefix, _ = checkpoint
     reader = CheckpointReader(prefix)
     entry = reader.manifest.tensors["a"]
@@ -353,14 +355,14 @@ def test_pipelined_reads_report_damage_and_truncation(checkpoint, pipelined):
         reader.read_tensors()
     size = os.path.getsize(_shard(prefix))
     with open(_shard(prefix), "r+b") as f:  # Shrink after the size check: a read comes short.
-        reader._open_shard = _shrinking(reader._open_shard, f, size - 30)
+        monkeypatch.setattr(reader_module, "open_shard", _shrinking(f, size - 30))
         with pytest.raises(CorruptCheckpointError, match="is truncated"):
             reader.read_tensors()
 
 
-def _shrinking(open_shard, handle, new_size):
-    def opened(index):
-        f = open_shard(index)
+def _shrinking(handle, new_size):
+    def opened(*args, **kwargs):
+        f = open_shard(*args, **kwargs)
         handle.truncate(new_size)
         return f
 
@@ -378,10 +380,9 @@ def test_an_error_while_checksumming_stops_every_read_before_the_shard_is_closed
     prefix, _ = checkpoint
     reader = CheckpointReader(prefix)
     readers_at_close: list[list[str]] = []
-    open_shard = reader._open_shard
 
-    def opened(index):
-        f = open_shard(index)
+    def opened(*args, **kwargs):
+        f = open_shard(*args, **kwargs)
         close = f.close
 
         def closing():
@@ -403,7 +404,7 @@ def test_an_error_while_checksumming_stops_every_read_before_the_shard_is_closed
             raise Interrupted
         return checksum(data, value)
 
-    reader._open_shard = opened
+    monkeypatch.setattr(reader_module, "open_shard", opened)
     monkeypatch.setattr(crc32c, "crc32c", failing)
     with pytest.raises(Interrupted):
         reader.read_tensors()

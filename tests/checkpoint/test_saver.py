@@ -15,6 +15,7 @@ from torchsupervisor import GlobalStep, Saver, Session, get_checkpoint_state, la
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.errors import CheckpointSaveError, InvalidArgumentError, NotFoundError
 from torchsupervisor.storage.lock import LOCK_FILENAME
+from torchsupervisor.testing import FakeClock
 
 
 def _model():
@@ -439,7 +440,18 @@ def test_sharded_save_and_shard_count_change(tmp_path):
     assert all(torch.equal(restored[k], state[k]) for k in state)
     Saver().save(Session(state), str(tmp_path / "m"), global_step=1)  # Same prefix, 1 shard.
     assert [f for f in _files(tmp_path) if ".data-" in f] == ["m-1.data-00000-of-00001"]
-    assert Saver(sharded=True)._max_shard_bytes == 1 << 30
+
+
+def test_sharded_true_splits_at_the_default_shard_size(tmp_path, monkeypatch):
+    import torchsupervisor.checkpoint.saver as saver_module
+
+    assert saver_module.DEFAULT_MAX_SHARD_BYTES == 1 << 30
+    monkeypatch.setattr(saver_module, "DEFAULT_MAX_SHARD_BYTES", 2048)
+    state = {f"t{i}": torch.full((256,), float(i)) for i in range(6)}  # 1 KiB each
+    Saver(sharded=True).save(Session(state), str(tmp_path / "m"), global_step=1)
+    assert len([f for f in _files(tmp_path) if ".data-" in f]) == 3
+    Saver().save(Session(state), str(tmp_path / "m"), global_step=2)  # Not sharded: one file.
+    assert [f for f in _files(tmp_path) if "m-2.data-" in f] == ["m-2.data-00000-of-00001"]
 
 
 def test_save_async_snapshot_is_isolated_from_later_training(tmp_path):
@@ -477,12 +489,18 @@ def test_set_and_recover_last_checkpoints(tmp_path):
 
 
 def test_mtimes_of_recovered_checkpoints_are_used(tmp_path):
-    saver = Saver()
-    a = saver.save(Session({"w": torch.zeros(1)}), str(tmp_path / "m"), global_step=1)
-    os.utime(a + ".index", (1000.0, 1000.0))
-    other = Saver()
-    other.recover_last_checkpoints([a])
-    assert other._keeper._retention.tracked == ((a, 1000.0),)
+    sess = Session({"w": torch.zeros(1)})
+    old, older = (Saver().save(sess, str(tmp_path / "m"), global_step=s) for s in (2, 1))
+    os.utime(older + ".index", (100.0, 100.0))
+    os.utime(old + ".index", (1000.0, 1000.0))
+    # The Saver starts at wall time 0 and keeps one checkpoint each 0.1 h (360 s) for good.
+    clock = FakeClock(start_secs=0.0, epoch_secs=0.0)
+    other = Saver(max_to_keep=1, keep_checkpoint_every_n_hours=0.1, clock=clock)
+    other.recover_last_checkpoints([older, old])
+    clock.advance(2000.0)
+    other.save(sess, str(tmp_path / "m"), global_step=3)
+    # Only the files' times tell them apart: 1000 s is past the first 360 s, 100 s is not.
+    assert os.path.exists(old + ".index") and not os.path.exists(older + ".index")
 
 
 def test_save_does_not_keep_the_training_thread_waiting_for_io(tmp_path):

@@ -101,13 +101,13 @@ def test_a_local_shard_is_read_on_the_reader_threads(tmp_path, monkeypatch):
     path = tmp_path / "shard"
     path.write_bytes(DATA)
     threads: set[str] = set()
-    read = shard_io._pread_exactly
+    read = shard_io.pread_exactly
 
     def recorded(f, view, offset):
         threads.add(threading.current_thread().name)
         read(f, view, offset)
 
-    monkeypatch.setattr(shard_io, "_pread_exactly", recorded)
+    monkeypatch.setattr(shard_io, "pread_exactly", recorded)
     with LocalStorage().open_read(str(path)) as f:
         assert f.concurrent_reads == 4
         got = b"".join(bytes(chunk) for _, _, chunk in tensor_reads(f, [("a", 0, len(DATA))]))

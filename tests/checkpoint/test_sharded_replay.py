@@ -62,7 +62,7 @@ def replay_rank(rank: int, world_size: int, directory: str) -> tuple[int, bool]:
     for step in (1, 2, 3):
         _train(state)
         manifests.append(_save(state, directory, step, plans))
-        layouts.append(plans._kept.chunk_layout)
+        layouts.append(plans.chunk_layout)
     assert plans.replayed == 2
     # The coordinator's replayed saves reused the chunk layout of the first (checked below
     # against a save that DCP plans), the first of them kept with its own chunk names (an

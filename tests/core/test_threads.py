@@ -132,7 +132,7 @@ def _lowered_thread(hurriable: bool):
 def _can_raise_priorities() -> bool:
     thread, tid, release, _ = _lowered_thread(hurriable=False)
     try:
-        priority._apply(tid, priority.current())
+        priority.apply_priority(tid, priority.current())
         return priority.current(tid) == priority.current()
     finally:
         release.set()
@@ -146,7 +146,7 @@ def test_raise_permitted_tells_what_a_raise_of_a_lowered_thread_does(monkeypatch
     assert priority.raise_permitted() is expected
     assert priority.current() == priority.current(os.getpid())  # The probe changed no thread.
     applied = []
-    monkeypatch.setattr(priority, "_apply", lambda *args: applied.append(args))
+    monkeypatch.setattr(priority, "apply_priority", lambda *args: applied.append(args))
     assert priority.raise_permitted() is expected
     assert applied == []  # Asked once per process: no second probe.
 
@@ -211,8 +211,10 @@ def test_a_save_waited_for_runs_at_the_waiters_priority_then_idle_again(waiter):
     engine = CheckpointEngine()
     gate, running, called_back = threading.Event(), threading.Event(), threading.Event()
     seen: list[priority.Priority] = []
+    writer_ids: list[int] = []
 
     def job():
+        writer_ids.append(threading.get_native_id())
         running.set()
         assert gate.wait(60)
         return priority.current()
@@ -225,7 +227,7 @@ def test_a_save_waited_for_runs_at_the_waiters_priority_then_idle_again(waiter):
         future = engine.submit(job)
         future.add_done_callback(record)
         assert running.wait(60)
-        assert priority.current(engine._thread.native_id) == priority.Priority(19, os.SCHED_IDLE)
+        assert priority.current(writer_ids[0]) == priority.Priority(19, os.SCHED_IDLE)
         if waiter == "engine.wait":
             assert engine.wait(0.01) is False
         else:
@@ -306,9 +308,11 @@ def test_a_writer_raised_while_idle_by_another_engines_wait_runs_its_next_job_id
     waited, other = CheckpointEngine(), CheckpointEngine()
     gate, running = threading.Event(), threading.Event()
     seen: list[priority.Priority] = []
+    other_writer: list[int] = []
 
     def record():  # A job that nobody waits for: its future's result is never asked.
         seen.append(priority.current())
+        other_writer.append(threading.get_native_id())
 
     def gated():
         running.set()
@@ -328,7 +332,7 @@ def test_a_writer_raised_while_idle_by_another_engines_wait_runs_its_next_job_id
         waited.submit(gated)
         assert running.wait(60)
         assert waited.wait(0.01) is False  # Hurries: raises the other, idle writer too.
-        assert priority.current(other._thread.native_id) == priority.current()
+        assert priority.current(other_writer[0]) == priority.current()
         gate.set()
         assert waited.wait(60)
         run_unwaited(other)

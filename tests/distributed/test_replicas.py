@@ -234,7 +234,7 @@ def test_every_rank_stops_after_the_largest_posted_count_and_logs_the_first_reas
             agreements[0].request("error")  # Later: the first reason is kept.
             assert [a.stop_step() for a in agreements] == [8, 8]
             for agreement in agreements:  # A poller ends once it has reported the stop.
-                agreement._thread.join(30)
+                agreement.poller.join(30)
         assert g0.flag("stop") == "rank 1: RuntimeError: boom"
         reported = [m for m in (r.getMessage() for r in caplog.records) if "Every rank" in m]
         assert reported == ["Every rank stops: rank 1: RuntimeError: boom"]  # Rank 0, once.
@@ -263,8 +263,8 @@ def test_a_rank_that_fails_stops_the_others_at_once_and_they_learn_that_it_faile
         assert agreements[1].peer_failure() is None  # Its own failure is not a peer's.
         # Rank 1's poller saw the flag too (it ends once it has), and did not post a count
         # over its "gone".
-        agreements[1]._thread.join(30)
-        assert agreements[1].pending and not agreements[1]._thread.is_alive()
+        agreements[1].poller.join(30)
+        assert agreements[1].pending and not agreements[1].poller.is_alive()
         assert g0.flag("progress/1") == "-1"
     finally:
         for agreement in agreements:

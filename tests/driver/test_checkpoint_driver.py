@@ -221,7 +221,7 @@ def test_a_hung_fsync_cannot_overrun_the_grace_budget(tmp_path, caplog, hangs):
         assert saver.in_flight  # Still stuck in fsync...
         # ...and the interpreter's exit hook waits for it only a little.
         exit_start = time.monotonic()
-        engine_module._wait_for_saves_at_exit()
+        engine_module.wait_for_saves_at_exit()
         assert time.monotonic() - exit_start < engine_module.ABANDONED_EXIT_WAIT_SECS + 10
     finally:
         gate.open()

@@ -17,6 +17,7 @@ from torchsupervisor import SummaryWriter, summary_iterator
 from torchsupervisor.storage import storage_for
 from torchsupervisor.summary.restarts import drop_lost_segment
 from torchsupervisor.summary.writer import write_start
+from torchsupervisor.testing import events_worker_of
 
 KILLED_AFTER, RESTORED = 29, 20
 
@@ -146,7 +147,7 @@ def test_files_open_in_this_process_and_damaged_tails(tmp_path):
     )
     with open(crashed_file, "ab") as f:
         f.write(b"\x07\x00\x00")  # A torn record: the writer was killed mid-write.
-    lost = drop_lost_segment(storage_for(logdir), logdir, RESTORED, {live._worker.path})
+    lost = drop_lost_segment(storage_for(logdir), logdir, RESTORED, {events_worker_of(live).path})
     assert lost.files == [crashed_file] and lost.last_step == KILLED_AFTER
     assert lost.events_dropped == 10 and lost.steps_lost == 9 and lost.points_replaced == 0
     assert _points(logdir, "other") == [(50, 1.0)]  # The open file was left alone.

@@ -87,5 +87,5 @@ def test_tag_cache_restarts_when_full(monkeypatch):
     for round_ in range(3):
         items = [(1.0, i, f"r{round_}t{i}", 1.0) for i in range(3)]
         assert encode(encoder, items) == reference(items)
-        assert len(encoder._heads) <= 4
+        assert encoder.cached_tags <= 4
     assert MAX_CACHED_TAGS == 65536

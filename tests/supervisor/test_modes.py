@@ -7,7 +7,6 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -18,20 +17,33 @@ from torchsupervisor.testing import FakeClock, run_world
 
 
 class _SignallingClock(FakeClock):
-    """A fake clock that tells the other ranks (through the store) once this rank waits."""
+    """A fake clock that tells the other ranks (a file appears) once this rank waits."""
+
+    def __init__(self, signal_path: str) -> None:
+        super().__init__()
+        self.signal_path = signal_path
 
     def sleep(self, secs: float) -> None:
-        dist.distributed_c10d._get_default_store().set("test/rank1-waits", "1")
+        with open(self.signal_path, "w"):
+            pass
         super().sleep(secs)
+
+
+def _wait_for_file(path: str, timeout_secs: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_secs
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
 
 
 def sharded_start_rank(rank: int, world_size: int, logdir: str) -> list[float]:
     """Rank 1 starts first and must wait for rank 0; return rank 1's sleeps (seconds)."""
     model = torch.nn.Linear(4, 4)
     fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
-    clock = _SignallingClock() if rank == 1 else FakeClock()
+    signal_path = logdir + ".rank1-waits"
+    clock = _SignallingClock(signal_path) if rank == 1 else FakeClock()
     if rank == 0:  # Only once rank 1 is surely waiting for the chief.
-        dist.distributed_c10d._get_default_store().wait(["test/rank1-waits"])
+        _wait_for_file(signal_path)
     sv = Supervisor(
         logdir=logdir,
         state={"model": model, "global_step": GlobalStep()},

@@ -51,7 +51,7 @@ from torchsupervisor import (
 from torchsupervisor.core.coordinator import Coordinator
 from torchsupervisor.errors import CheckpointSaveError, OutOfRangeError
 from torchsupervisor.supervisor.services import SVStepCounterThread
-from torchsupervisor.testing import FakeClock, FaultyStorage, GatedStorage
+from torchsupervisor.testing import FakeClock, FaultyStorage, GatedStorage, events_worker_of
 
 
 def _only_events(logdir):
@@ -356,7 +356,7 @@ def test_each_checkpoint_flushes_the_events_file(tmp_path):
         (path,) = event_files(logdir)
         wait_until(lambda: 1 in [step for step, _ in scalars(read_events(path), "loss")])
         # The Supervisor's writer queues thousands of events, not TF's 10, before blocking.
-        assert writer._max_queue >= 4096
+        assert events_worker_of(writer).max_queue >= 4096
 
 
 # ------------------------------------------------------------------------ consistency

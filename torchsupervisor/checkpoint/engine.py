@@ -88,7 +88,9 @@ _unraisable_logged = False  # ``background_priority`` logs its fallback once per
 _Job = tuple["_Save", Callable[..., Any], tuple]
 
 
-def _wait_for_saves_at_exit() -> None:
+def wait_for_saves_at_exit() -> None:
+    """What the interpreter's exit waits for: every save in flight, and each abandoned one up
+    to its deadline (``ABANDONED_EXIT_WAIT_SECS`` after it was abandoned)."""
     concurrent.futures.wait(list(_in_flight))
     for future, until in list(_abandoned.items()):
         concurrent.futures.wait([future], timeout=max(0.0, until - time.monotonic()))
@@ -115,7 +117,7 @@ def _register() -> None:
         thread_registry.register(
             "checkpoint writer",
             order=thread_registry.DRAIN_SAVES,
-            drain=_wait_for_saves_at_exit,
+            drain=wait_for_saves_at_exit,
             quiet=_quiet,
         )
 

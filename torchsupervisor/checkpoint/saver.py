@@ -61,7 +61,8 @@ __all__ = ["SaveStats", "Saver"]  # SaveStats: see writer.py
 
 logger = logging.getLogger("torchsupervisor")
 
-_DEFAULT_SHARD_BYTES = 1 << 30
+DEFAULT_MAX_SHARD_BYTES = 1 << 30
+"""``max_shard_bytes`` of a ``sharded=True`` Saver that gives none: 1 GiB."""
 
 
 class Waitable(Protocol):
@@ -224,7 +225,7 @@ class Saver:
         self._allow_empty = allow_empty
         self._pad_step_number = pad_step_number
         self._incremental = incremental
-        self._max_shard_bytes = max_shard_bytes or (_DEFAULT_SHARD_BYTES if sharded else None)
+        self._max_shard_bytes = max_shard_bytes or (DEFAULT_MAX_SHARD_BYTES if sharded else None)
         self._storage = storage or BY_PATH
         self._clock = check_clock("clock", clock) or REAL_CLOCK
         self._keeper = Keeper(

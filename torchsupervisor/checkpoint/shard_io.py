@@ -49,6 +49,7 @@ __all__ = [
     "open_shard",
     "parallel_reads",
     "pipelined_reads",
+    "pread_exactly",
     "read_tensor",
     "scratch_reads",
     "tensor_reads",
@@ -102,7 +103,7 @@ def check_shard(
 
     path = f.path
     header = bytearray(shard.data_offset)
-    _pread_exactly(f, memoryview(header), 0)
+    pread_exactly(f, memoryview(header), 0)
     if shard.header_crc32c is not None:
         if crc32c.crc32c(header) != shard.header_crc32c:
             raise damaged("checksum mismatch")
@@ -210,7 +211,7 @@ def parallel_reads(
         try:
             while True:
                 for name, raw, chunk, at in itertools.islice(chunks, ahead - len(pending)):
-                    pending.append((name, raw, chunk, pool.submit(_pread_exactly, f, chunk, at)))
+                    pending.append((name, raw, chunk, pool.submit(pread_exactly, f, chunk, at)))
                 if not pending:
                     return
                 name, raw, chunk, future = pending.popleft()
@@ -259,7 +260,7 @@ def pipelined_reads(
         # Zero-filled, not just allocated: touching fresh pages in user space is several
         # times cheaper than letting the kernel fault them in during read().
         for name, raw, chunk, at in _chunks(tensors, _CHUNK_BYTES, torch.zeros):
-            _pread_exactly(f, chunk, at)
+            pread_exactly(f, chunk, at)
             yield name, raw, chunk
 
     if sum(nbytes for _, _, nbytes in tensors) < _PIPELINE_MIN_BYTES:
@@ -307,11 +308,16 @@ def scratch_reads(
             yield name, None, buffer[:0]
         for start in range(0, nbytes, _CHUNK_BYTES):
             chunk = buffer[: min(_CHUNK_BYTES, nbytes - start)]
-            _pread_exactly(f, chunk, offset + start)
+            pread_exactly(f, chunk, offset + start)
             yield name, None, chunk
 
 
-def _pread_exactly(f: Readable, view: memoryview, offset: int) -> None:
+def pread_exactly(f: Readable, view: memoryview, offset: int) -> None:
+    """Fill ``view`` with the bytes of ``f`` from ``offset`` (in bytes) on.
+
+    Raises:
+        CorruptCheckpointError: The file ends first (it is truncated).
+    """
     try:
         read_exactly(f, view, offset)
     except EOFError:
@@ -324,7 +330,7 @@ def read_tensor(f: Readable, offset: int, entry: TensorEntry) -> tuple[torch.Ten
         return torch.empty(entry.shape, dtype=entry.dtype), 0
     raw = torch.empty(entry.nbytes, dtype=torch.uint8)
     view = memoryview(raw.numpy())
-    _pread_exactly(f, view, offset)
+    pread_exactly(f, view, offset)
     return raw.view(entry.dtype).reshape(entry.shape), crc32c.crc32c(view)
 
 

@@ -36,7 +36,16 @@ from typing import NamedTuple
 
 from torchsupervisor.core import thread_registry
 
-__all__ = ["Priority", "current", "follow", "hurry", "lower", "raise_permitted", "restore"]
+__all__ = [
+    "Priority",
+    "apply_priority",
+    "current",
+    "follow",
+    "hurry",
+    "lower",
+    "raise_permitted",
+    "restore",
+]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -122,7 +131,7 @@ def restore(priority: Priority, *, hurriable: bool = False) -> None:
     if hurriable and raise_permitted():  # Else ``hurry`` could not raise it anyway.
         with _hurriable_lock:
             _hurriable.add(threading.current_thread())
-    _apply(threading.get_native_id(), priority)
+    apply_priority(threading.get_native_id(), priority)
 
 
 def follow(tid: int) -> None:
@@ -160,8 +169,8 @@ def raise_permitted() -> bool:
 
         def probe() -> None:
             tid = threading.get_native_id()
-            _apply(tid, Priority(19, _SCHED_IDLE))
-            answer.append(_apply(tid, target) is None and current(tid) == target)
+            apply_priority(tid, Priority(19, _SCHED_IDLE))
+            answer.append(apply_priority(tid, target) is None and current(tid) == target)
 
         thread = threading.Thread(target=probe, name="torchsupervisor-priority-probe")
         try:
@@ -198,7 +207,7 @@ def hurry() -> bool:
         tid = thread.native_id
         if thread is me or tid is None or not thread.is_alive():
             continue
-        refused = _apply(tid, target) or refused
+        refused = apply_priority(tid, target) or refused
     if refused is None:
         return True
     if not _refusal_logged:
@@ -212,7 +221,7 @@ def hurry() -> bool:
     return False
 
 
-def _apply(tid: int, priority: Priority) -> OSError | None:
+def apply_priority(tid: int, priority: Priority) -> OSError | None:
     """Give thread ``tid`` ``priority``; return the error if the system refused a part."""
     refused = None
     if priority.policy is not None:  # Before the niceness: leaving SCHED_IDLE comes first.

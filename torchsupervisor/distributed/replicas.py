@@ -428,10 +428,11 @@ class StopAgreement:
         self._gone = False
         self._stop_at: int | None = None
         self._closed = threading.Event()
-        self._thread = threading.Thread(
+        self.poller = threading.Thread(
             target=self._poll, name="torchsupervisor-stop-agreement", daemon=True
         )
-        self._thread.start()
+        """The thread that polls the store; it ends once it has seen a stop, or at ``close``."""
+        self.poller.start()
 
     def _completed(self) -> int:
         return 0 if self._global_step is None else read_step(self._global_step)
@@ -543,4 +544,4 @@ class StopAgreement:
     def close(self) -> None:
         """Stop the poller thread."""
         self._closed.set()
-        self._thread.join(10)
+        self.poller.join(10)

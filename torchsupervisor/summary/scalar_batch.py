@@ -73,6 +73,11 @@ class ScalarBatchEncoder:
         self._head_lengths = np.zeros(0, dtype=np.intp)
         self._length_headers: dict[int, int] = {}  # payload length -> masked CRC of it
 
+    @property
+    def cached_tags(self) -> int:
+        """How many tags' heads are cached now (at most ``MAX_CACHED_TAGS``)."""
+        return len(self._heads)
+
     def _add_tags(self, tags: set[str]) -> None:
         if len(self._heads) + len(tags) > MAX_CACHED_TAGS:
             self._tag_ids.clear()

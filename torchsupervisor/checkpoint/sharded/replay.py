@@ -142,6 +142,12 @@ class PlanCache:
         # The staged table last laid out (``layout_of``), and its answer.
         self._laid_out: tuple[Contents, tuple[tuple[Any, ...], list[Any]]] | None = None
 
+    @property
+    def chunk_layout(self) -> Any:
+        """The kept plan's chunk layout (``writer.ChunkLayout``): the coordinator's; None on
+        the other ranks, or with no plan kept."""
+        return None if self._kept is None else self._kept.chunk_layout
+
     def forget(self) -> None:
         """Drop the kept plan (after a failed save): the next save is planned by DCP."""
         self._kept = None
