@@ -1,0 +1,17 @@
+"""benchmarks/save_cache.py runs and writes its report (a smoke test; timings are not checked):
+each variant turns its memo off and the saves still replay their plan."""
+
+from __future__ import annotations
+
+
+def test_the_save_cache_benchmark_writes_its_report(run_benchmark):
+    stdout, report = run_benchmark(
+        "save_cache", "--variants", "on,no_shard,off", "--rounds", 1, "--saves", 2
+    )
+    assert "1008 tensors by 2 ranks" in stdout
+    rows = {row["variant"]: row for row in report["rows"]}
+    assert set(rows) == {"on", "no_shard", "off"}
+    assert rows["on"]["stall_spared_ms"] == 0.0
+    assert all(row["replayed"] == 4 for name, row in rows.items() if name != "off")
+    assert rows["off"]["replayed"] == 0  # No plan kept without the cache.
+    assert all(len(row["writer_cpu_ms"]) == 2 for row in rows.values())
