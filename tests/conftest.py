@@ -3,7 +3,6 @@ server (SeaweedFS, started once per session on loopback) and ``memory://`` bucke
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -141,21 +140,3 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("adversarial trials")
         for line in lines:
             terminalreporter.write_line(line)
-
-
-# Longest first. The end-to-end and benchmark tests (10-65 s each, in subprocesses) run before
-# the rest, then the multi-process ones: what the two workers run last is short. With work
-# stealing a worker that runs out takes tests from the end of the other's queue; a long test
-# left last kept one worker idle for up to a minute at the end of the run.
-_LONG_FIRST = {"e2e": 0, "benchmarks": 0, "distributed": 1, "driver": 1}
-
-
-def pytest_collection_modifyitems(config, items):
-    """Order the tests longest first by folder (stable within one: a module stays together)."""
-    tests = os.path.dirname(os.path.abspath(__file__))
-
-    def folder_rank(item) -> int:
-        folder = os.path.relpath(str(item.path), tests).split(os.sep)[0]
-        return _LONG_FIRST.get(folder, 2)
-
-    items.sort(key=folder_rank)
