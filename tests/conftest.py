@@ -3,6 +3,15 @@ server (SeaweedFS, started once per session on loopback) and ``memory://`` bucke
 
 from __future__ import annotations
 
+import os
+
+# One compute thread in every process the tests start, the workers included (a user's setting
+# wins). The suite runs two workers on two cores and many tests start several processes: at
+# torch's default of a thread per core they fought over the cores. Measured on the slowest
+# tests (demo, distributed examples, determinism, preemption; -n 2, two runs each): 145-163 s
+# and 245-278 s of CPU with one thread, 184-198 s and 326-348 s of CPU without.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import threading
 import time
 import uuid
