@@ -46,6 +46,7 @@ __all__ = [
     "InvalidArgumentError",
     "LogdirLockedError",
     "ManifestError",
+    "MemoryTierFullError",
     "NanLossDuringTrainingError",
     "NotFoundError",
     "NotRegularFileError",
@@ -344,6 +345,36 @@ def _rebuild_locked(
     message: str, path: str | None, directory: str | None, owner: dict[str, Any]
 ) -> LogdirLockedError:
     return LogdirLockedError(message, path=path, directory=directory, owner=owner)
+
+
+class MemoryTierFullError(CheckpointError, ResourceExhaustedError):
+    """The memory tier's file system (a tmpfs) has no room for its snapshots.
+
+    Raised at start, before training, naming the size needed.
+
+    Attributes:
+        path: The memory tier's directory.
+        needed_bytes: The bytes its snapshots need (slots x the state's size).
+        free_bytes: The bytes free for them (what the directory holds already included).
+
+    TF name: none.
+    """
+
+    def __init__(
+        self, message: str, *, path: str | None = None, needed_bytes: int = 0, free_bytes: int = 0
+    ) -> None:
+        CheckpointError.__init__(self, message, path=path, code=RESOURCE_EXHAUSTED)
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_full, (self._message, self.path, self.needed_bytes, self.free_bytes))
+
+
+def _rebuild_full(
+    message: str, path: str | None, needed_bytes: int, free_bytes: int
+) -> MemoryTierFullError:
+    return MemoryTierFullError(message, path=path, needed_bytes=needed_bytes, free_bytes=free_bytes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,12 @@
+"""The tiers a snapshot goes to besides the checkpoint directory: host memory that outlives the
+training process, and (to come) a peer host's memory.
+
+* ``selection``: which step a restart restores, and from which tier each rank reads it (pure
+  policy over what every tier holds);
+* ``memory_root``: where the memory tier lives (a tmpfs such as ``/dev/shm``), who may read it,
+  and whether it has room.
+"""
+
+from torchsupervisor.tiers.selection import Part, RestoreChoice, choose_restore, restore_newest
+
+__all__ = ["Part", "RestoreChoice", "choose_restore", "restore_newest"]
