@@ -6,12 +6,11 @@ from __future__ import annotations
 
 def test_the_save_cache_benchmark_writes_its_report(run_benchmark):
     stdout, report = run_benchmark(
-        "save_cache", "--variants", "on,no_shard,off", "--rounds", 1, "--saves", 2
+        "save_cache", "--variants", "on,no_shard", "--rounds", 1, "--saves", 1
     )
     assert "1008 tensors by 2 ranks" in stdout
     rows = {row["variant"]: row for row in report["rows"]}
-    assert set(rows) == {"on", "no_shard", "off"}
+    assert set(rows) == {"on", "no_shard"}
     assert rows["on"]["stall_spared_ms"] == 0.0
-    assert all(row["replayed"] == 4 for name, row in rows.items() if name != "off")
-    assert rows["off"]["replayed"] == 0  # No plan kept without the cache.
+    assert all(row["replayed"] == 3 for row in rows.values())  # All but the first save.
     assert all(len(row["writer_cpu_ms"]) == 2 for row in rows.values())
