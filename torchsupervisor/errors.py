@@ -350,7 +350,8 @@ def _rebuild_locked(
 class MemoryTierFullError(CheckpointError, ResourceExhaustedError):
     """The memory tier's file system (a tmpfs) has no room for its snapshots.
 
-    Raised at start, before training, naming the size needed.
+    Raised by the memory tier's room check (``tiers.memory_root.check_room``), naming the
+    size needed.
 
     Attributes:
         path: The memory tier's directory.
