@@ -99,3 +99,22 @@ def test_room_on_the_real_file_system(tmp_path):
     roots.check_room(str(tmp_path), 1)
     with pytest.raises(MemoryTierFullError, match="needs"):
         roots.check_room(str(tmp_path), 1 << 62)
+
+
+def test_the_memory_tiers_files_are_the_users_alone(tmp_path):
+    from torchsupervisor.storage import LocalStorage
+
+    private, shared = tmp_path / "snapshot.index", tmp_path / "checkpoint.index"
+    roots.MemoryTierStorage().put(str(private), [b"x" * (2 << 20)])  # O_DIRECT where it can.
+    roots.MemoryTierStorage().put(str(tmp_path / "small"), [b"x"])
+    LocalStorage().put(str(shared), [b"x"])
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "small").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o644 & ~_umask()
+    assert private.read_bytes() == b"x" * (2 << 20)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

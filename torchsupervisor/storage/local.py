@@ -88,8 +88,15 @@ def is_temporary_name(name: str) -> bool:
 class LocalStorage(Storage):
     """Files on a local (POSIX) file system; see the module docstring.
 
+    Attributes:
+        file_mode: The permission bits of the files it creates (less the umask): 0644, so that
+            a group that shares a log directory reads its checkpoints; a subclass may narrow
+            it (the memory tier's files are 0600).
+
     Thread safety: stateless but for the process-wide writer locks; share it freely.
     """
+
+    file_mode = 0o644
 
     def _before(self, operation: str, path: str) -> None:
         """Called before each system call (one of ``OPERATIONS``) on ``path``; no-op here."""
@@ -240,12 +247,12 @@ class LocalStorage(Storage):
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
         if direct and _O_DIRECT:
             try:
-                return os.open(path, flags | _O_DIRECT, 0o644)
+                return os.open(path, flags | _O_DIRECT, self.file_mode)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 _remove_quietly(path)  # Some file systems create the file, then refuse.
-        return os.open(path, flags, 0o644)
+        return os.open(path, flags, self.file_mode)
 
     def _write_all(
         self, fd: int, path: str, data: memoryview, cancel: threading.Event | None

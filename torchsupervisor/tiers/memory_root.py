@@ -18,9 +18,11 @@ import os
 import stat
 
 from torchsupervisor.errors import MemoryTierFullError
+from torchsupervisor.storage.local import LocalStorage
 
 __all__ = [
     "MEMORY_ROOT_ENV",
+    "MemoryTierStorage",
     "check_room",
     "memory_root",
     "prepare_directory",
@@ -32,6 +34,16 @@ MEMORY_ROOT_ENV = "TORCHSUPERVISOR_MEMORY_ROOT"
 """The environment variable naming the file system the memory tier uses (default ``/dev/shm``)."""
 
 _DEFAULT_BASE = "/dev/shm"
+
+
+class MemoryTierStorage(LocalStorage):
+    """The memory tier's files: written as any checkpoint's (temporary name, fsync, rename),
+    but readable by their owner only (mode 0600).
+
+    Thread safety: as ``LocalStorage``.
+    """
+
+    file_mode = 0o600
 
 
 def memory_root(base: str | None = None) -> str:
