@@ -350,7 +350,7 @@ def _rebuild_locked(
 class MemoryTierFullError(CheckpointError, ResourceExhaustedError):
     """The memory tier's file system (a tmpfs) has no room for its snapshots.
 
-    Raised by the memory tier's room check (``tiers.memory_root.check_room``), naming the
+    Raised by the memory tier's room check (``MemoryTierStorage.check_room``), naming the
     size needed.
 
     Attributes:

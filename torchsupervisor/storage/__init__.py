@@ -3,7 +3,8 @@
 ``base`` defines the interface (object-store operations: atomic put of a whole object, ranged
 reads, listing, delete, a writer lock); ``local`` implements it on a POSIX file system
 (temporary name, fsync, rename, fsync of the directory; ``O_DIRECT`` for large objects);
-``lock`` is the local writer lock; ``objects`` implements it on an object store (``s3`` on
+``lock`` is the local writer lock; ``private`` the memory tier's files (one user's alone, on a
+tmpfs); ``objects`` implements it on an object store (``s3`` on
 boto3, ``memory`` inside the process); ``paths`` compares and rebases paths that may be URLs.
 ``storage_for(path)`` picks the storage of a path; ``BY_PATH`` picks it at every call.
 

@@ -3,8 +3,8 @@ training process, and (to come) a peer host's memory.
 
 * ``selection``: which step a restart restores, and from which tier each rank reads it (pure
   policy over what every tier holds);
-* ``memory_root``: where the memory tier lives (a tmpfs such as ``/dev/shm``), who may read it
-  (directories 0700, files 0600: ``MemoryTierStorage``), and whether it has room.
+* ``memory_root``: where the memory tier lives (a tmpfs such as ``/dev/shm``); its files go
+  through ``storage.private.MemoryTierStorage`` (directories 0700, files 0600, a room check).
 """
 
 from torchsupervisor.tiers.selection import Part, RestoreChoice, choose_restore, restore_newest

@@ -1,0 +1,106 @@
+"""The memory tier's storage: directories and files for one user alone, a check of room."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import stat
+
+import pytest
+
+from torchsupervisor.errors import MemoryTierFullError, ResourceExhaustedError
+from torchsupervisor.storage import private
+from torchsupervisor.storage.private import MemoryTierStorage
+from torchsupervisor.tiers import memory_root as roots
+
+
+def test_every_level_is_made_the_users_alone(tmp_path):
+    root = str(tmp_path / "torchsupervisor-me")
+    directory = roots.rank_directory(root, "runs/a", 0)
+    MemoryTierStorage().prepare_directory(root, directory)
+    for level in (root, os.path.dirname(directory), directory):
+        assert stat.S_IMODE(os.lstat(level).st_mode) == 0o700, level
+    MemoryTierStorage().prepare_directory(
+        root, directory
+    )  # Again: what is there is checked, not remade.
+
+
+@pytest.mark.parametrize("kind", ["link", "open", "file", "owner"])
+def test_a_level_another_could_reach_is_refused_and_named(tmp_path, kind):
+    if kind == "owner" and os.getuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    root = tmp_path / "torchsupervisor-me"
+    root.mkdir(mode=0o700)
+    run = root / "run"
+    if kind == "link":  # A link planted to send the snapshots elsewhere.
+        (tmp_path / "elsewhere").mkdir()
+        run.symlink_to(tmp_path / "elsewhere")
+    elif kind == "open":
+        run.mkdir()
+        run.chmod(0o755)
+    elif kind == "owner":  # Made by another user before this one came.
+        run.mkdir(mode=0o700)
+        os.chown(run, 4321, -1)
+    else:
+        run.write_bytes(b"")
+    with pytest.raises(PermissionError, match=str(run)):
+        MemoryTierStorage().prepare_directory(str(root), str(run / "rank-0"))
+    assert not (tmp_path / "elsewhere" / "rank-0").exists()
+
+
+def test_a_directory_outside_the_root_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not under"):
+        MemoryTierStorage().prepare_directory(str(tmp_path / "root"), str(tmp_path / "other"))
+
+
+def test_room_counts_what_the_directory_holds_already(tmp_path, monkeypatch):
+    directory = tmp_path / "rank-0"
+    directory.mkdir()
+    (directory / "slot").write_bytes(os.urandom(1 << 20))  # 1 MiB of an older snapshot.
+    held = os.lstat(directory / "slot").st_blocks * 512
+
+    class Fs:
+        f_bavail, f_frsize = 1000, 4096  # 4,096,000 bytes free.
+
+    monkeypatch.setattr(private.os, "statvfs", lambda path: Fs)
+    MemoryTierStorage().check_room(
+        str(directory), 4_096_000 + held
+    )  # Fits: the old slot is rewritten.
+    with pytest.raises(MemoryTierFullError) as caught:
+        MemoryTierStorage().check_room(str(directory), 4_096_000 + held + 1)
+    error = caught.value
+    assert isinstance(error, ResourceExhaustedError)
+    assert error.path == str(directory) and error.needed_bytes == 4_096_000 + held + 1
+    assert error.free_bytes == 4_096_000 + held
+    assert f"needs {4_096_000 + held + 1} bytes" in str(error) and str(directory) in str(error)
+    again = pickle.loads(pickle.dumps(error))  # Crosses processes whole (a rank's error).
+    assert (again.path, again.needed_bytes, again.free_bytes) == (
+        error.path,
+        error.needed_bytes,
+        error.free_bytes,
+    )
+
+
+def test_room_on_the_real_file_system(tmp_path):
+    MemoryTierStorage().check_room(str(tmp_path), 1)
+    with pytest.raises(MemoryTierFullError, match="needs"):
+        MemoryTierStorage().check_room(str(tmp_path), 1 << 62)
+
+
+def test_the_memory_tiers_files_are_the_users_alone(tmp_path):
+    from torchsupervisor.storage import LocalStorage
+
+    private, shared = tmp_path / "snapshot.index", tmp_path / "checkpoint.index"
+    MemoryTierStorage().put(str(private), [b"x" * (2 << 20)])  # O_DIRECT where it can.
+    MemoryTierStorage().put(str(tmp_path / "small"), [b"x"])
+    LocalStorage().put(str(shared), [b"x"])
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "small").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o644 & ~_umask()
+    assert private.read_bytes() == b"x" * (2 << 20)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,104 @@
+"""Files for one user alone: the memory tier's directories and snapshots on a tmpfs.
+
+``MemoryTierStorage`` is a ``LocalStorage`` (same commit protocol: temporary name, fsync,
+rename) whose files are created 0600, which makes its directories 0700 and refuses a level
+another user could reach, and which checks that its file system has room for the snapshots.
+Where the directories are is ``tiers/memory_root``'s business.
+
+Thread safety: as ``LocalStorage``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from torchsupervisor.errors import MemoryTierFullError
+from torchsupervisor.storage.local import LocalStorage
+
+__all__ = ["MemoryTierStorage"]
+
+
+class MemoryTierStorage(LocalStorage):
+    """The memory tier's files: written as any checkpoint's, readable by their owner only.
+
+    Thread safety: as ``LocalStorage``.
+    """
+
+    file_mode = 0o600
+
+    def prepare_directory(self, root: str, directory: str) -> None:
+        """Create ``directory`` under ``root`` (both mode 0700), checking each level.
+
+        Raises:
+            ValueError: ``directory`` is not under ``root``.
+            PermissionError: A level is a symbolic link, not a directory, not the user's, or
+                open to others (group or other permission bits): named, and nothing is
+                written there.
+        """
+        root = os.path.abspath(root)
+        directory = os.path.abspath(directory)
+        if os.path.commonpath([root, directory]) != root:
+            raise ValueError(f"{directory} is not under the memory root {root}")
+        levels = [root]
+        for part in os.path.relpath(directory, root).split(os.sep):
+            if part != ".":
+                levels.append(os.path.join(levels[-1], part))
+        for level in levels:
+            self._before("makedirs", level)
+            try:
+                os.mkdir(level, 0o700)
+            except FileExistsError:
+                pass
+            _check_private(level)
+
+    def check_room(self, directory: str, needed_bytes: int) -> None:
+        """Check that the file system of ``directory`` can hold ``needed_bytes`` more than
+        now, counting what ``directory`` holds already as free (its slots are rewritten in
+        place of it).
+
+        Raises:
+            MemoryTierFullError: It cannot; the message names the directory, the bytes
+                needed and the bytes free.
+        """
+        fs = os.statvfs(directory)
+        free = fs.f_bavail * fs.f_frsize + _bytes_under(directory)
+        if free < needed_bytes:
+            raise MemoryTierFullError(
+                f"The memory tier at {directory} needs {needed_bytes} bytes but its file system "
+                f"has {free} bytes free; give it room (a larger tmpfs, or "
+                "TORCHSUPERVISOR_MEMORY_ROOT naming another), keep fewer slots, or turn the "
+                "memory tier off",
+                path=directory,
+                needed_bytes=needed_bytes,
+                free_bytes=free,
+            )
+
+
+def _check_private(path: str) -> None:
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise PermissionError(f"The memory tier's directory {path} is a symbolic link; refusing it")
+    if not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"The memory tier's directory {path} is not a directory")
+    if info.st_uid != os.getuid():
+        raise PermissionError(
+            f"The memory tier's directory {path} belongs to user {info.st_uid}, not to this "
+            f"user ({os.getuid()}); refusing it"
+        )
+    if info.st_mode & 0o077:
+        raise PermissionError(
+            f"The memory tier's directory {path} is open to other users (mode "
+            f"{stat.S_IMODE(info.st_mode):04o}); make it 0700 or remove it"
+        )
+
+
+def _bytes_under(directory: str) -> int:
+    total = 0
+    for parent, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(parent, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
