@@ -403,31 +403,12 @@ def test_ending_the_process_group_ends_the_writers_group_too(tmp_path):
 
 def copy_order_rank(rank: int, world_size: int, directory: str) -> list[str]:
     """An asynchronous sharded save whose staging reports one (fake) CUDA copy event."""
-    import dataclasses
+    from fake_copies import fake_device_copies
 
     from torchsupervisor.checkpoint import writers
-    from torchsupervisor.checkpoint.snapshot import Stager
 
     order = []
-
-    class Copy:
-        def synchronize(self):
-            order.append("copies done")
-
-    real_stage = Stager.stage
-
-    def stage(self, *args, **kwargs):
-        order.append(f"staged, wait={kwargs.get('wait', True)}")
-        return dataclasses.replace(real_stage(self, *args, **kwargs), copies=(Copy(),))
-
-    real_write = writers.write_sharded
-
-    def write_sharded(save, *args, **kwargs):
-        order.append("write reads the buffers")
-        return real_write(save, *args, **kwargs)
-
-    Stager.stage = stage
-    writers.write_sharded = write_sharded
+    fake_device_copies(order, (writers, "write_sharded", "write reads the buffers"))
     model, optimizer = _build(0, world_size)
     _train_step(model, optimizer, 0)
     saver = Saver(var_list=_state(model, optimizer, 1))

@@ -257,31 +257,13 @@ def test_a_host_state_is_copied_at_once_and_has_no_copies_to_wait_for():
 def test_the_writer_waits_for_the_device_copies_before_it_reads_a_buffer(tmp_path, monkeypatch):
     """What a GPU run relies on, checked with the CPU path: ``SnapshotWriter.stage`` asks
     for ``wait=False`` and its ``persist`` waits for the copies before the commit reads."""
-    import dataclasses
+    from fake_copies import fake_device_copies
 
     from torchsupervisor import Saver, Session
     from torchsupervisor.checkpoint import writers
 
     order = []
-
-    class Copy:
-        def synchronize(self):
-            order.append("copies done")
-
-    real_stage = Stager.stage
-
-    def stage(self, *args, **kwargs):
-        order.append(f"staged, wait={kwargs.get('wait', True)}")
-        return dataclasses.replace(real_stage(self, *args, **kwargs), copies=(Copy(),))
-
-    real_persist = writers.persist
-
-    def persist(snapshot, *args, **kwargs):
-        order.append("commit reads the buffers")
-        return real_persist(snapshot, *args, **kwargs)
-
-    monkeypatch.setattr(Stager, "stage", stage)
-    monkeypatch.setattr(writers, "persist", persist)
+    fake_device_copies(order, (writers, "persist", "commit reads the buffers"), monkeypatch.setattr)
     saver = Saver()
     future = saver.save_async(Session({"w": torch.ones(4)}), str(tmp_path / "m"), global_step=1)
     assert future.result(60) == str(tmp_path / "m-1")
