@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -42,8 +41,16 @@ import threading
 import time
 from typing import Any
 
-VARIANTS = ["on", "off", "no_shard", "no_table", "no_sent", "no_stage_table", "no_stage"]
-VARIANTS += ["no_laid_out"]
+VARIANTS = [
+    "on",
+    "off",
+    "no_shard",
+    "no_table",
+    "no_sent",
+    "no_stage_table",
+    "no_stage",
+    "no_laid_out",
+]
 BLOCKS, WIDTH = 63, 64  # 63 blocks x 16 tensors (4 parameters, 8 Adam moments, 4 steps)
 WARM_SAVES = 3  # The first save is planned by DCP; the memos fill at the next ones.
 WRITER_THREAD = "torchsupervisor-checkpoint-writer"
@@ -205,9 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:
         if variant not in VARIANTS:
             parser.error(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
-    import torch
-
-    root = tempfile.mkdtemp(prefix="torchsupervisor-bench-", dir="/dev/shm")
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # Files in memory: no disk noise.
+    root = tempfile.mkdtemp(prefix="torchsupervisor-bench-", dir=shm)
     results: dict[str, list[list[dict]]] = {v: [] for v in variants}
     try:
         for round_ in range(args.rounds):
@@ -222,13 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     rows = summarize(results)
     print_table(rows, args.saves, args.rounds)
+    from checkpoint import machine_facts  # benchmarks/checkpoint.py (this script's folder)
+
     report = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "platform": platform.platform(),
-        },
+        "machine": machine_facts(),
         "saves": args.saves,
         "rounds": args.rounds,
         "rows": rows,
