@@ -123,6 +123,7 @@ from torchsupervisor.summary import (
 from torchsupervisor.supervisor.session_manager import SessionManager
 from torchsupervisor.supervisor.supervisor import Supervisor
 from torchsupervisor.supervisor.train_loop import basic_train_loop
+from torchsupervisor.tiers.memory import MemoryTierConfig
 from torchsupervisor.training.clip_ops import (
     clip_by_average_norm,
     clip_by_global_norm,
@@ -195,6 +196,7 @@ __all__ = [
     "ShardedOptimizerState",
     "SingularMonitoredSession",
     "StepContext",
+    "MemoryTierConfig",
     "NullSummaryWriter",
     "SummaryWriter",
     "SummaryWriterCache",

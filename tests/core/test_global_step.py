@@ -94,3 +94,16 @@ def test_increment_and_read_step_check_their_types():
         pass
 
     assert read_step(Named(7)) == 7  # Subclasses are global steps too.
+
+
+def test_a_gate_runs_before_every_increment_and_can_be_taken_back():
+    step = GlobalStep()
+    seen = []
+    assert step.gate_increments(lambda: seen.append(step.value)) is None
+    step.increment()
+    step.increment(2)
+    assert seen == [0, 1] and step.value == 3
+    gate = step.gate_increments(None)
+    assert gate is not None
+    step.increment()
+    assert seen == [0, 1]

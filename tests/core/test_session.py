@@ -153,3 +153,24 @@ def test_sess_run_of_the_initializers_works_as_in_tf():
 def test_numbers_are_fetched_as_they_are():
     # Eager values such as a queue's size() may be fetched, as TF's size tensors were.
     assert Session().run([3, 2.5, True]) == [3, 2.5, True]
+
+
+def test_call_each_runs_at_every_boundary_after_the_queued_tasks_until_removed():
+    sess = Session({})
+    order = []
+
+    def each() -> None:
+        order.append("each")
+
+    sess.boundary.call_each(each)
+    sess.boundary.call_soon(lambda: order.append("once"))
+    sess.run(lambda: None)
+    sess.run(lambda: None)
+    assert order == ["once", "each", "each"]
+    sess.boundary.remove_each(each)
+    assert not sess.boundary.pending
+    sess.run(lambda: None)
+    assert order == ["once", "each", "each"]
+    sess.boundary.call_each(each)
+    sess.close()  # Closing drops them too.
+    assert not sess.boundary.pending

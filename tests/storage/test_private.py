@@ -104,3 +104,40 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_a_counter_outlives_its_mapping_and_is_the_users_alone(tmp_path):
+    storage = MemoryTierStorage()
+    path = str(tmp_path / "reached_step")
+    assert storage.read_counter(path) is None
+    counter = storage.open_counter(path)
+    counter.set(41)
+    assert storage.read_counter(path) == 41  # Visible at once: the page is shared.
+    counter.set(-42)
+    counter.close()
+    assert storage.read_counter(path) == -42
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    os.unlink(path)
+    os.symlink(str(tmp_path / "elsewhere"), path)
+    with pytest.raises(OSError):
+        storage.open_counter(path)
+    assert not os.path.exists(tmp_path / "elsewhere")
+
+
+def test_remove_directory_stays_under_the_root_and_keeps_other_ranks(tmp_path):
+    storage = MemoryTierStorage()
+    root = str(tmp_path / "root")
+    rank0, rank1 = (roots.rank_directory(root, "logdir", r) for r in (0, 1))
+    for directory in (rank0, rank1):
+        storage.prepare_directory(root, directory)
+        storage.put(os.path.join(directory, "f"), [b"x"])
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    os.symlink(str(outside), os.path.join(rank0, "link"))
+    with pytest.raises(ValueError, match="not under"):
+        storage.remove_directory(root, str(tmp_path))
+    storage.remove_directory(root, rank0)
+    assert not os.path.exists(rank0) and outside.read_bytes() == b"keep"
+    assert os.path.exists(rank1)  # Its run directory is kept for the other rank.
+    storage.remove_directory(root, rank1)
+    assert os.listdir(root) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torchsupervisor.tiers import Part, RestoreChoice, choose_restore, restore_newest
+from torchsupervisor.tiers.selection import restore_order
 
 ORDER = ("memory", "peer", "disk", "bucket")
 
@@ -95,3 +96,25 @@ def test_bad_arguments_are_named():
         choose_restore({}, 0, ORDER)
     with pytest.raises(ValueError, match="twice"):
         choose_restore({}, 1, ("disk", "disk"))
+
+
+@pytest.mark.parametrize(
+    ("candidates", "newest", "held", "expected"),
+    [
+        # Memory newer than disk: memory first (newest first), then disk.
+        (["d30"], 30, [("memory", 41, "m41"), ("memory", 40, "m40")], ["m41", "m40", "d30"]),
+        # The same step: the faster tier first.
+        (["d41", "d30"], 41, [("memory", 41, "m41")], ["m41", "d41", "d30"]),
+        # Memory older than disk: tried only after every disk checkpoint.
+        (["d50", "d40"], 50, [("memory", 45, "m45")], ["d50", "d40", "m45"]),
+        # No disk checkpoint: memory alone.
+        ([], None, [("memory", 3, "m3")], ["m3"]),
+        # A disk checkpoint without a step in its name: the directory's order first.
+        (["model.ckpt"], None, [("memory", 3, "m3")], ["model.ckpt", "m3"]),
+    ],
+)
+def test_restore_order(candidates, newest, held, expected):
+    order = restore_order("disk", candidates, newest, held)
+    assert [prefix for _, prefix in order] == expected
+    tiers = {prefix: tier for tier, prefix in order}
+    assert all(tiers[p] == "disk" for p in candidates)

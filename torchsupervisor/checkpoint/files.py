@@ -27,6 +27,7 @@ from torchsupervisor.storage import BY_PATH, Storage, storage_for
 
 __all__ = [
     "checkpoint_exists",
+    "checkpoint_step",
     "clean_stale_temporaries",
     "find_incomplete_checkpoints",
     "first_matching_file",
@@ -37,6 +38,18 @@ __all__ = [
 ]
 
 logger = logging.getLogger("torchsupervisor")
+
+_STEP_SUFFIX = re.compile(r"-(\d+)\Z")
+
+
+def checkpoint_step(prefix: str) -> int | None:
+    """The global step a checkpoint prefix names (``model.ckpt-120``: 120), or None.
+
+    TF name: none.
+    """
+    found = _STEP_SUFFIX.search(prefix)
+    return None if found is None else int(found.group(1))
+
 
 _V2 = 2  # SaverDef.V2; any other value means TF's V1 layout (a single file named like the prefix).
 _DATA_SUFFIX_RE = re.compile(r"\.data-[^/]{5}-of-[^/]{5}", re.DOTALL)

@@ -21,14 +21,16 @@ import logging
 import os
 from collections.abc import Iterator
 
-from torchsupervisor.checkpoint.files import find_incomplete_checkpoints
+from torchsupervisor.checkpoint.files import checkpoint_step, find_incomplete_checkpoints
 from torchsupervisor.checkpoint.format import Manifest
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.recovery import restore_candidates, scan_checkpoints
 from torchsupervisor.checkpoint.references import referenced_data_files
 from torchsupervisor.checkpoint.state_file import get_checkpoint_state, state_file_path
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
-from torchsupervisor.storage import storage_for
+from torchsupervisor.storage import is_url, storage_for
+from torchsupervisor.tiers.memory import MEMORY_TIER, held_in_memory
+from torchsupervisor.tiers.selection import restore_order
 
 __all__ = ["CheckpointInfo", "Survey", "check", "restart_order", "survey"]
 
@@ -41,6 +43,8 @@ KEPT_NEWEST_OR_BEST = "max_to_keep/best"
 KEPT_UNLISTED = "unlisted"
 KEPT_NEWER_THAN_STATE = "not yet in state file"
 KEPT_NO_STATE_FILE = "no state file"
+KEPT_MEMORY_SLOT = "memory slot"
+KEPT_OTHER_RUN = "another run's (deleted at start)"
 
 
 @dataclasses.dataclass
@@ -58,8 +62,11 @@ class CheckpointInfo:
         error: What is wrong, for a corrupt checkpoint.
         kept_by: Why it is still on disk (see the module docstring).
         candidate: Its position in the order a restart tries checkpoints (0 first).
-        elsewhere: It is in another directory (named by the state file with an absolute path).
+        elsewhere: It is in another directory (named by the state file with an absolute path,
+            or a snapshot of the memory tier).
         metrics: The metrics saved with it (``Saver.save(metrics=)``); None: none.
+        tier: ``"disk"``, ``"bucket"`` or ``"memory"``.
+        rank: The rank whose snapshot it is (the memory tier), else None.
     """
 
     prefix: str
@@ -73,6 +80,8 @@ class CheckpointInfo:
     candidate: int | None = None
     elsewhere: bool = False
     metrics: dict[str, float] | None = None
+    tier: str = "disk"
+    rank: int | None = None
 
     @property
     def name(self) -> str:
@@ -86,7 +95,8 @@ class Survey:
 
     Attributes:
         logdir: The directory.
-        checkpoints: Committed checkpoints, newest first (by step, then time).
+        checkpoints: Committed checkpoints, newest first (by step, then time), then the
+            memory tier's snapshots (by rank, newest first).
         restore: The checkpoint a restart restores (the first valid candidate), or None.
         first_candidate: The checkpoint a restart tries first, or None if there is none.
         state_file: The state file's path if it exists and could be read, else None.
@@ -182,13 +192,38 @@ def restart_order(logdir: str) -> list[str]:
         return restore_candidates(logdir)
 
 
-def survey(logdir: str, *, verify: bool = True) -> Survey:
-    """Describe the checkpoints of ``logdir``.
+def _memory_infos(logdir: str, verify: bool, root: str | None) -> list[CheckpointInfo]:
+    """The memory tier's snapshots of the run of ``logdir``, checked as checkpoints are.
+
+    A snapshot whose manifest names another step than its file is corrupt (an older
+    generation in its place), as a restart finds it.
+    """
+    infos = []
+    for held in held_in_memory(logdir, root):
+        for prefix in held.prefixes:
+            info = CheckpointInfo(prefix, elsewhere=True, tier=MEMORY_TIER, rank=held.rank)
+            manifest = _check(info, verify)
+            info.size_bytes, info.own_bytes = _sizes(prefix, manifest)
+            info.kept_by = KEPT_MEMORY_SLOT if held.same_run else KEPT_OTHER_RUN
+            if manifest is not None and manifest.global_step != checkpoint_step(prefix):
+                info.status = CORRUPT
+                info.error = (
+                    f"its manifest is of step {manifest.global_step}: an older generation in "
+                    "its place"
+                )
+            infos.append(info)
+    return infos
+
+
+def survey(logdir: str, *, verify: bool = True, memory_root: str | None = None) -> Survey:
+    """Describe the checkpoints of ``logdir``, and the memory tier's snapshots of its run.
 
     Args:
         logdir: A log directory (as given to the Supervisor or ``Saver.save``).
         verify: Check every byte of every checkpoint (else only the manifests are read and
             ``restore`` is the first candidate whose manifest reads).
+        memory_root: The memory tier's file system (``MemoryTierConfig.root``); None: the
+            default (``$TORCHSUPERVISOR_MEMORY_ROOT`` or ``/dev/shm``).
 
     Returns:
         A ``Survey``.
@@ -240,7 +275,24 @@ def survey(logdir: str, *, verify: bool = True) -> Survey:
             info.kept_by = KEPT_NEWER_THAN_STATE
         else:
             info.kept_by = KEPT_UNLISTED
-    order = [by_path.get(_key(p)) for p in candidates]
+    directory_tier = "bucket" if is_url(logdir) else "disk"
+    for info in infos:
+        info.tier = directory_tier
+    memory = _memory_infos(logdir, verify, memory_root)
+    infos.extend(memory)
+    by_path.update({_key(i.prefix): i for i in memory})
+    held = [  # What a restart of rank 0 (one process, a replicated run's chief) considers.
+        (MEMORY_TIER, i.step, i.prefix)
+        for i in memory
+        if i.rank == 0
+        and i.kept_by == KEPT_MEMORY_SLOT
+        and i.step is not None
+        and i.status != CORRUPT
+    ]
+    newest = checkpoint_step(candidates[0]) if candidates else None
+    order = [
+        by_path.get(_key(p)) for _, p in restore_order(directory_tier, candidates, newest, held)
+    ]
     for position, info in enumerate(i for i in order if i is not None):
         info.candidate = position
     tried = sorted((i for i in infos if i.candidate is not None), key=lambda i: i.candidate)

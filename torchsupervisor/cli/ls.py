@@ -1,6 +1,7 @@
 """``torchsupervisor ls LOGDIR``: the checkpoints of a log directory, checked byte by byte.
 
-For every committed checkpoint (a ``<prefix>.index`` file): its global step, when it was
+For every committed checkpoint (a ``<prefix>.index`` file) of the directory and every snapshot
+the memory tier holds for its run (``tiers/memory.py``): its tier, its global step, when it was
 saved (the wall time its manifest records, in local time), its size, whether every byte
 matches its checksums (``valid`` or ``CORRUPT``), why it is still on disk, and which one a
 restart would restore: the first valid checkpoint in the order ``SessionManager`` tries them
@@ -22,6 +23,11 @@ Why a checkpoint is kept:
                            first)
     no state file          the state file is missing or unreadable (a restart scans the
                            directory, newest first)
+    memory slot            a snapshot of the memory tier (rank 0's: a restart tries it before
+                           the directory's checkpoints when it is at least as new)
+    another run's          a snapshot of the memory tier left by an earlier run of a log
+                           directory of the same path (removed and made again): a restart
+                           deletes it unread
 """
 
 from __future__ import annotations
@@ -58,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not read the data: skip the byte-by-byte check (status 'unchecked')",
     )
+    parser.add_argument(
+        "--memory-root",
+        default=None,
+        help="the memory tier's file system (default $TORCHSUPERVISOR_MEMORY_ROOT or /dev/shm)",
+    )
     parser.add_argument("--json", action="store_true", help="print the listing as JSON")
 
 
@@ -86,12 +97,15 @@ def print_survey(found: Survey) -> None:
         print(f"  The state file is ignored: {found.state_file_error}")
     rows = []
     with_metrics = any(info.metrics for info in found.checkpoints)
+    with_tiers = any(info.rank is not None for info in found.checkpoints)
     for info in found.checkpoints:
         size = human_bytes(info.size_bytes)
         if info.own_bytes != info.size_bytes:
             size += f" ({human_bytes(info.own_bytes)} own)"
+        tier = info.tier if info.rank is None else f"{info.tier} (rank {info.rank})"
         rows.append(
             [
+                *([tier] if with_tiers else []),
                 "-" if info.step is None else str(info.step),
                 local_time(info.wall_time),
                 size,
@@ -106,7 +120,9 @@ def print_survey(found: Survey) -> None:
         header = ["STEP", "SAVED", "SIZE", "STATUS", "KEPT BY", "CHECKPOINT", ""]
         if with_metrics:
             header.insert(5, "METRICS")
-        print_table(header, rows, (0,))
+        if with_tiers:  # Only when the memory tier holds snapshots of this run.
+            header.insert(0, "TIER")
+        print_table(header, rows, (1,) if with_tiers else (0,))
     else:
         print("  (no committed checkpoint)")
     for info in found.checkpoints:
@@ -134,6 +150,8 @@ def restart_summary(found: Survey) -> str:
     if found.restore is not None:
         step = found.restore.step
         text = f"A restart restores {found.restore.name}"
+        if found.restore.rank is not None:
+            text += f" from the {found.restore.tier} tier"
         text += f" (step {step})." if step is not None else "."
         first = found.first_candidate
         if first is not None and first is not found.restore:
@@ -146,7 +164,9 @@ def restart_summary(found: Survey) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``torchsupervisor ls``; returns the exit status (0, or 1 for a missing logdir)."""
-    found = survey(resolve(args.logdir).logdir, verify=not args.no_verify)
+    found = survey(
+        resolve(args.logdir).logdir, verify=not args.no_verify, memory_root=args.memory_root
+    )
     if args.json:
         out = dataclasses.asdict(found)
         out["restore"] = found.restore.prefix if found.restore else None

@@ -39,7 +39,7 @@ class StepBoundary:
     thread that happens to call ``Session.run`` never takes a snapshot.
     """
 
-    __slots__ = ("_lock", "_tasks", "asked", "owner_ident", "pending", "watcher")
+    __slots__ = ("_each", "_lock", "_tasks", "asked", "owner_ident", "pending", "watcher")
 
     def __init__(self, owner_ident: int | None = None) -> None:
         self.owner_ident = threading.get_ident() if owner_ident is None else owner_ident
@@ -48,6 +48,7 @@ class StepBoundary:
         self.watcher: Callable[[], object] | None = None
         self._lock = threading.Lock()
         self._tasks: list[Callable[[], object]] = []
+        self._each: tuple[Callable[[], object], ...] = ()
 
     def poke(self) -> None:
         """Make the next boundary run (its ``watcher``); lock-free, for a signal handler."""
@@ -59,8 +60,23 @@ class StepBoundary:
             self._tasks.append(task)
             self.pending = True
 
+    def call_each(self, task: Callable[[], object]) -> None:
+        """Run ``task`` at every boundary of the owner thread (after the queued tasks) until
+        ``remove_each``: the memory tier's snapshot, which decides itself whether it is due.
+        While one is set, every boundary runs ``run_pending``."""
+        with self._lock:
+            self._each = (*self._each, task)
+            self.pending = True
+
+    def remove_each(self, task: Callable[[], object]) -> None:
+        """Stop running ``task`` at every boundary (absent: nothing happens)."""
+        with self._lock:
+            self._each = tuple(t for t in self._each if t != task)
+            self.pending = bool(self._tasks or self._each)
+
     def run_pending(self) -> None:
-        """Run the queued tasks if called from the owner thread; exceptions propagate.
+        """Run the queued tasks, then the ``call_each`` ones, if called from the owner thread;
+        exceptions propagate.
 
         A task may queue new tasks; those run at the following boundary. If a task raises,
         the tasks after it stay queued.
@@ -69,21 +85,25 @@ class StepBoundary:
             return
         with self._lock:
             tasks, self._tasks = self._tasks, []
-            self.pending = False
+            each = self._each
+            self.pending = bool(each)
         for i, task in enumerate(tasks):
             try:
                 task()
             except BaseException:
                 with self._lock:
                     self._tasks[:0] = tasks[i + 1 :]
-                    self.pending = bool(self._tasks)
+                    self.pending = bool(self._tasks or self._each)
                 raise
+        for task in each:
+            task()
         watcher = self.watcher
         if watcher is not None:
             watcher()
 
     def clear(self) -> None:
-        """Drop every queued task."""
+        """Drop every queued task and every ``call_each`` one."""
         with self._lock:
             self._tasks.clear()
+            self._each = ()
             self.pending = False

@@ -17,6 +17,8 @@ from torchsupervisor.core.checks import check_str
 from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torchsupervisor.core.session import SessionLike
 
 __all__ = [
@@ -56,11 +58,12 @@ class GlobalStep:
     TF name: the ``global_step`` variable (``tf.train.get_or_create_global_step()``).
     """
 
-    __slots__ = ("__weakref__", "_value", "name")
+    __slots__ = ("__weakref__", "_gate", "_value", "name")
 
     def __init__(self, value: int = 0, name: str = "global_step") -> None:
         self._value = _as_int(value, "value")
         self.name = check_str("name", name, allow_empty=False)
+        self._gate: Callable[[], object] | None = None
 
     @property
     def value(self) -> int:
@@ -95,8 +98,23 @@ class GlobalStep:
         """
         if type(n) is not int:
             n = _as_int(n, "n")
+        gate = self._gate
+        if gate is not None:
+            gate()
         self._value += n
         return self._value
+
+    def gate_increments(self, gate: Callable[[], object] | None) -> Callable[[], object] | None:
+        """Call ``gate`` before every ``increment`` (None: no more); return the one replaced.
+
+        The memory tier passes its wait for the snapshot being written: a step is counted
+        only once the snapshot of the step before it is committed, so a process killed at
+        any moment has lost at most the step it was running.
+
+        TF name: none.
+        """
+        previous, self._gate = self._gate, gate
+        return previous
 
     def assign(self, value: int) -> None:
         """Set the step to ``value`` (an int or an integer scalar tensor).

@@ -121,6 +121,8 @@ class Session:
         self.boundary = StepBoundary()
         self.restored_checkpoint: str | None = None
         """The checkpoint prefix this session's state was restored from, or None."""
+        self.restored_tier: str | None = None
+        """The tier it was restored from: ``"disk"``, ``"bucket"`` or ``"memory"``; None."""
 
     @property
     def state(self) -> Mapping[str, Any]:

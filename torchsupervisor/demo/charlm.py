@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from torchsupervisor import GlobalStep, Graph, Supervisor
-from torchsupervisor.demo.options import add_common_arguments, run_main
+from torchsupervisor.demo.options import add_common_arguments, memory_tier, resumed_from, run_main
 
 __all__ = ["CharLM", "Corpus", "add_arguments", "main", "run"]
 
@@ -162,6 +162,7 @@ def _run(args: argparse.Namespace) -> dict[str, float]:
         state={"model": model, "optimizer": optimizer, "global_step": step},
         save_model_secs=args.save_model_secs,
         save_summaries_secs=args.save_summaries_secs,
+        memory_tier=memory_tier(args),
     )
 
     def train_step() -> torch.Tensor:
@@ -179,7 +180,7 @@ def _run(args: argparse.Namespace) -> dict[str, float]:
     result = {"step": 0.0, "loss": math.nan, "valid_loss": math.nan}
     with sv.managed_session() as sess:
         writer = sv.summary_writer
-        where = sess.restored_checkpoint
+        where = resumed_from(sess)
         print(
             f"{f'Resumed at step {step.value} from {where}' if where else 'Starting'}: "
             f"{params:,} parameters, {len(corpus.train):,} training bytes from {corpus.files} "

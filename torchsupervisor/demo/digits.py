@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from torchsupervisor import GlobalStep, Graph, Supervisor, summary
-from torchsupervisor.demo.options import add_common_arguments, run_main
+from torchsupervisor.demo.options import add_common_arguments, memory_tier, resumed_from, run_main
 from torchsupervisor.hooks.progress import Progress
 
 __all__ = ["DigitsData", "add_arguments", "build_model", "main", "run"]
@@ -160,6 +160,7 @@ def _run(args: argparse.Namespace) -> dict[str, float]:
         state={"model": model, "optimizer": optimizer, "global_step": step},
         save_model_secs=args.save_model_secs,
         save_summaries_secs=args.save_summaries_secs,
+        memory_tier=memory_tier(args),
     )
     loss_fn = nn.CrossEntropyLoss()
 
@@ -182,7 +183,7 @@ def _run(args: argparse.Namespace) -> dict[str, float]:
         writer = sv.summary_writer
         start = step.value
         if sess.restored_checkpoint:
-            print(f"Resumed at step {start} from {sess.restored_checkpoint}", flush=True)
+            print(f"Resumed at step {start} from {resumed_from(sess)}", flush=True)
         else:
             print(f"Starting from scratch in {args.logdir}", flush=True)
         if start >= args.max_steps:

@@ -8,7 +8,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DEFAULTS", "Defaults", "add_common_arguments", "run_main"]
+from torchsupervisor.tiers.memory import MemoryTierConfig
+
+__all__ = [
+    "DEFAULTS",
+    "Defaults",
+    "add_common_arguments",
+    "memory_tier",
+    "resumed_from",
+    "run_main",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +77,38 @@ def add_common_arguments(parser: argparse.ArgumentParser, demo: str) -> None:
         default=0.0,
         help="sleep this long in every step (to watch a slow run, or stop it mid-way)",
     )
+    parser.add_argument(
+        "--memory-every-n-steps",
+        type=int,
+        default=0,
+        help="keep a snapshot in host memory (/dev/shm) every N steps, besides the "
+        "checkpoints: kill -9 the demo and it resumes at the step it died (0: off)",
+    )
+    parser.add_argument(
+        "--memory-slots",
+        type=int,
+        default=2,
+        help="snapshots the memory tier holds at once, the one being written included",
+    )
+    parser.add_argument(
+        "--memory-root",
+        default=None,
+        help="its tmpfs (None: $TORCHSUPERVISOR_MEMORY_ROOT or /dev/shm)",
+    )
+
+
+def memory_tier(args: argparse.Namespace) -> MemoryTierConfig | None:
+    """The memory tier the options ask for (None: off)."""
+    if not args.memory_every_n_steps:
+        return None
+    return MemoryTierConfig(args.memory_every_n_steps, args.memory_slots, args.memory_root)
+
+
+def resumed_from(sess: Any) -> str | None:
+    """``"<prefix> (<tier> tier)"`` of what ``sess`` was restored from; None if nothing."""
+    where = sess.restored_checkpoint
+    tier = getattr(sess, "restored_tier", None)
+    return None if where is None else f"{where} ({tier} tier)" if tier else where
 
 
 class _DefaultsAndRawDescription(

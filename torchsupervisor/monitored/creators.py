@@ -23,8 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from torchsupervisor.checkpoint.files import checkpoint_step
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir
+from torchsupervisor.checkpoint.run_id import ensure_run_id
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
+from torchsupervisor.checkpoint.state_file import latest_checkpoint
 from torchsupervisor.core.checks import (
     check_clock,
     check_number,
@@ -33,13 +36,17 @@ from torchsupervisor.core.checks import (
     check_str,
 )
 from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.global_step import get_global_step, read_step
 from torchsupervisor.core.registry import get_default_graph
 from torchsupervisor.core.session import Session
 from torchsupervisor.core.training_state import TrainingState
+from torchsupervisor.distributed import env as distributed
 from torchsupervisor.distributed.replicas import ReplicaGroup
+from torchsupervisor.hooks._global_step import session_global_step
 from torchsupervisor.monitored.scaffold import Scaffold, check_scaffold, prepare_state, same_state
 from torchsupervisor.storage import DirectoryLock, storage_for
 from torchsupervisor.supervisor.session_manager import SessionManager
+from torchsupervisor.tiers.memory import MEMORY_TIER, MemoryTier, MemoryTierConfig
 
 if TYPE_CHECKING:
     import torch
@@ -171,9 +178,14 @@ class ChiefSessionCreator(_ScaffoldedCreator):
             scaffold's state, or only the global step of the ``GLOBAL_STEP`` collection.
         device: Where the init op materializes meta-device modules.
         clock: Time source for waits.
+        memory_tier: Keep the newest snapshots in host memory as well (``checkpoint_dir``
+            needed; see ``Supervisor``'s ``memory_tier``): the sessions restore from it when
+            it holds a newer valid snapshot, and ``close`` frees it when the newest checkpoint
+            of ``checkpoint_dir`` holds the last step.
 
     Raises:
         ValueError: If ``state`` differs from a state the scaffold already has.
+        TypeError: For a ``memory_tier`` that is not a ``MemoryTierConfig``.
 
     TF name: ``tf.compat.v1.train.ChiefSessionCreator``.
     """
@@ -189,8 +201,17 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         state: Mapping[str, Any] | None = None,
         device: torch.device | str | None = None,
         clock: Clock | None = None,
+        memory_tier: MemoryTierConfig | None = None,
     ) -> None:
         super().__init__(scaffold, master, config, state, device, clock)
+        if memory_tier is not None and not isinstance(memory_tier, MemoryTierConfig):
+            raise TypeError(
+                f"memory_tier must be a MemoryTierConfig or None, got {memory_tier!r} "
+                f"({type(memory_tier).__name__})"
+            )
+        self._memory_config = memory_tier
+        self._memory: MemoryTier | None = None
+        self._last_session: Session | None = None
         self._checkpoint_dir = check_path("checkpoint_dir", checkpoint_dir)
         self._checkpoint_filename_with_path = check_path(
             "checkpoint_filename_with_path", checkpoint_filename_with_path
@@ -212,9 +233,51 @@ class ChiefSessionCreator(_ScaffoldedCreator):
 
         TF name: none (TF had no writer lock).
         """
+        self._close_memory_tier()
         if self._writer_lock is not None:
             self._writer_lock.release()
             self._writer_lock = None
+
+    def _open_memory_tier(self) -> list[MemoryTier]:
+        """The memory tier, opened at the first session (``memory_tier`` and a directory)."""
+        if self._memory is None and self._memory_config is not None and self._checkpoint_dir:
+            run_id = ensure_run_id(self._checkpoint_dir)
+            self._memory = MemoryTier(
+                self._memory_config,
+                self._checkpoint_dir,
+                run_id,
+                rank=distributed.rank(),
+                clock=self._clock,
+            )
+        return [] if self._memory is None else [self._memory]
+
+    def _start_memory_tier(self, sess: Session) -> None:
+        if self._memory is None:
+            return
+        step = session_global_step(sess, get_global_step())
+        if step is None:
+            logger.warning("The memory tier needs a global step; it is off")
+            self._memory.close()
+            self._memory = None
+            return
+        restored = sess.restored_checkpoint if sess.restored_tier == MEMORY_TIER else None
+        self._memory.start(sess, step, restored)
+
+    def _close_memory_tier(self) -> None:
+        """Stop the memory tier; free it when the newest checkpoint holds the last step."""
+        memory, self._memory = self._memory, None
+        if memory is None:
+            return
+        sess, self._last_session = self._last_session, None
+        step = None if sess is None else session_global_step(sess, get_global_step())
+        newest = latest_checkpoint(self._checkpoint_dir) if self._checkpoint_dir else None
+        held = (
+            step is not None and newest is not None and checkpoint_step(newest) == read_step(step)
+        )
+        try:
+            memory.close(free=held)
+        except OSError as e:
+            logger.warning("Could not free the memory tier at %s: %s", memory.directory, e)
 
     def create_session(self) -> Session:
         """Create a session whose state is restored or initialized and ready.
@@ -267,7 +330,10 @@ class ChiefSessionCreator(_ScaffoldedCreator):
             init_op=init_op,
             init_feed_dict=init_feed_dict,
             init_fn=init_fn,
+            tiers=self._open_memory_tier(),
         )
+        self._last_session = sess
+        self._start_memory_tier(sess)
         first, self._initialized = not self._initialized, True
         if first:
             group = _replica_group(True, _AGREE_ROLES_SECS, sess.state, self._clock)

@@ -30,6 +30,7 @@ from torchsupervisor.hooks.summary_saver import SummarySaverHook
 from torchsupervisor.monitored.creators import ChiefSessionCreator, WorkerSessionCreator
 from torchsupervisor.monitored.scaffold import Scaffold, check_scaffold
 from torchsupervisor.monitored.session import MonitoredSession
+from torchsupervisor.tiers.memory import MemoryTierConfig
 
 __all__ = ["USE_DEFAULT", "MonitoredTrainingSession"]
 
@@ -62,6 +63,7 @@ def MonitoredTrainingSession(
     preemption_grace_secs: float = 30.0,
     preemption_exit_code: int | None = None,
     stop_on_checkpoint_error: bool = False,
+    memory_tier: MemoryTierConfig | None = None,
 ) -> MonitoredSession:
     """Create a ``MonitoredSession`` for training, with the standard hooks on the chief.
 
@@ -121,6 +123,9 @@ def MonitoredTrainingSession(
             training with its ``CheckpointSaveError`` (from the step that sees it). False
             (the default, for days-long runs): it is logged and reported in the events file,
             and training goes on to the next save (``CheckpointSaverHook``).
+        memory_tier: Keep the newest snapshots in host memory as well, every
+            ``memory_tier.every_n_steps`` steps (the chief; ``checkpoint_dir`` needed): see
+            ``Supervisor``'s argument of the same name. None: off.
 
     Returns:
         A ``MonitoredSession`` (recovering from preemption errors).
@@ -179,6 +184,7 @@ class _Build:
     preemption_grace_secs: float
     preemption_exit_code: int | None
     stop_on_checkpoint_error: bool
+    memory_tier: MemoryTierConfig | None
 
     def __post_init__(self) -> None:
         self._check()
@@ -272,6 +278,7 @@ class _Build:
             state=self.state,
             device=self.device,
             clock=self.clock,
+            memory_tier=self.memory_tier,
         )
         if self.rng_added:
             creator.allow_missing("rng")  # Checkpoints of runs that did not save it.

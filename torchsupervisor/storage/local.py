@@ -223,7 +223,7 @@ class LocalStorage(Storage):
 
     def lock(self, directory: str) -> DirectoryLock:
         """A POSIX record lock on ``<directory>/.torchsupervisor-writer.lock`` (``lock.py``)."""
-        return lock_module.acquire(directory)
+        return lock_module.acquire(directory, self.file_mode)
 
     def lock_owner(self, directory: str) -> dict[str, object]:
         """What the lock file says about its writer; see ``lock.read_owner``."""

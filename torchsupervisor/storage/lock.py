@@ -102,11 +102,12 @@ class DirectoryLock(base.DirectoryLock):
                 os.close(held.fd)
 
 
-def acquire(directory: str) -> DirectoryLock:
+def acquire(directory: str, mode: int = 0o644) -> DirectoryLock:
     """Take the writer lock of ``directory`` for this process.
 
     Args:
         directory: The log or checkpoint directory.
+        mode: The permission bits of a lock file it creates (the storage's ``file_mode``).
 
     Returns:
         A handle; ``release()`` it when done writing (the lock also ends with the process).
@@ -126,7 +127,7 @@ def acquire(directory: str) -> DirectoryLock:
         if held is not None and held.pid == os.getpid():
             held.count += 1
             return DirectoryLock(key, directory)
-        fd = _lock_file(directory)
+        fd = _lock_file(directory, mode)
         _held[key] = _Held(fd, 1, os.getpid())
     return DirectoryLock(key, directory)
 
@@ -135,7 +136,7 @@ _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 
 _OPEN_ATTEMPTS = 8
 
 
-def _open_lock_file(path: str) -> int:
+def _open_lock_file(path: str, mode: int) -> int:
     """Open the lock file ``path`` of a directory, never anything it points to.
 
     A log directory may come from an archive: a symbolic link, a hard link or a special file
@@ -148,7 +149,7 @@ def _open_lock_file(path: str) -> int:
     """
     for _ in range(_OPEN_ATTEMPTS):
         try:
-            fd = os.open(path, _OPEN_FLAGS, 0o644)
+            fd = os.open(path, _OPEN_FLAGS, mode)
         except OSError as e:
             if e.errno != errno.ELOOP:  # ELOOP: the name is a symbolic link.
                 raise
@@ -184,10 +185,10 @@ def _still_named(path: str, fd: int) -> bool:
     return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
-def _lock_file(directory: str) -> int | None:
+def _lock_file(directory: str, mode: int) -> int | None:
     path = os.path.join(directory, LOCK_FILENAME)
     for _ in range(_OPEN_ATTEMPTS):
-        fd = _lock_named_file(directory, path)
+        fd = _lock_named_file(directory, path, mode)
         # A lock on a file that another starting writer replaced (unlinked) locks nothing:
         # take it again on the file the name stands for now.
         if fd is None or _still_named(path, fd):
@@ -197,9 +198,9 @@ def _lock_file(directory: str) -> int | None:
     return None
 
 
-def _lock_named_file(directory: str, path: str) -> int | None:
+def _lock_named_file(directory: str, path: str, mode: int) -> int | None:
     try:
-        fd = _open_lock_file(path)
+        fd = _open_lock_file(path, mode)
     except OSError as e:
         logger.warning(
             "Writing to %s without a writer lock: %s cannot be opened: %s", directory, path, e

@@ -10,13 +10,16 @@ Thread safety: as ``LocalStorage``.
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import stat
+import struct
 
 from torchsupervisor.errors import MemoryTierFullError
 from torchsupervisor.storage.local import LocalStorage
 
-__all__ = ["MemoryTierStorage"]
+__all__ = ["MemoryTierStorage", "SharedCounter"]
 
 
 class MemoryTierStorage(LocalStorage):
@@ -73,6 +76,84 @@ class MemoryTierStorage(LocalStorage):
                 needed_bytes=needed_bytes,
                 free_bytes=free,
             )
+
+    def remove_directory(self, root: str, directory: str) -> None:
+        """Delete ``directory`` (under ``root``) and the files in it, then its parents up to
+        ``root`` (excluded) that are left empty. Links are deleted, never followed; a
+        sub-directory (which the tier never makes) is left, and so is the directory then.
+
+        Raises:
+            ValueError: ``directory`` is not under ``root``.
+            OSError: A file could not be deleted.
+        """
+        root = os.path.abspath(root)
+        directory = os.path.abspath(directory)
+        if os.path.commonpath([root, directory]) != root or directory == root:
+            raise ValueError(f"{directory} is not under the memory root {root}")
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return
+        for name in names:
+            path = os.path.join(directory, name)
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                self._before("delete", path)
+                os.unlink(path)
+        level = directory
+        while level != root:
+            try:
+                os.rmdir(level)
+            except OSError:  # Not empty (another rank's directory, a sub-directory): kept.
+                return
+            level = os.path.dirname(level)
+
+    def open_counter(self, path: str) -> SharedCounter:
+        """A counter in the file ``path`` (made 0600 if missing, 8 bytes), mapped in memory:
+        what it is set to stays when the process is killed, at the cost of a store.
+
+        Raises:
+            OSError: It cannot be opened (a link in its place is refused: ``ELOOP``).
+        """
+        self._before("open", path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+            os.ftruncate(fd, _COUNTER_BYTES)
+            return SharedCounter(mmap.mmap(fd, _COUNTER_BYTES))
+        finally:
+            os.close(fd)
+
+    def read_counter(self, path: str) -> int | None:
+        """The value of the counter ``path`` (``open_counter``); None if there is none."""
+        try:
+            data = self.read_bytes(path, max_bytes=_COUNTER_BYTES)
+        except FileNotFoundError:
+            return None
+        return struct.unpack("<q", data)[0] if len(data) == _COUNTER_BYTES else None
+
+
+_COUNTER_BYTES = 8
+
+
+class SharedCounter:
+    """A signed 64-bit integer in a mapped file (``MemoryTierStorage.open_counter``).
+
+    Thread safety: one writer; an aligned 8-byte store is never seen torn.
+    """
+
+    __slots__ = ("_map",)
+
+    def __init__(self, mapped: mmap.mmap) -> None:
+        self._map = mapped
+
+    def set(self, value: int) -> None:
+        """Store ``value`` (no system call)."""
+        struct.pack_into("<q", self._map, 0, value)
+
+    def close(self) -> None:
+        """Unmap it (the value stays in the file)."""
+        self._map.close()
 
 
 def _check_private(path: str) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, restore_candidates
+from torchsupervisor.checkpoint.run_id import ensure_run_id, read_run_id
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
 from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.global_step import read_step
@@ -45,6 +46,7 @@ from torchsupervisor.driver.sharded_checkpoints import ShardedCheckpointService
 from torchsupervisor.errors import AbortedError, InvalidArgumentError
 from torchsupervisor.supervisor.services import SVTimerCheckpointThread
 from torchsupervisor.supervisor.settings import Settings
+from torchsupervisor.tiers.memory import MEMORY_TIER, MemoryTier
 
 __all__ = [
     "ChiefMode",
@@ -116,6 +118,7 @@ class Mode:
         self.agreement: StopAgreement | None = None
         self.peer_failure: str | None = None
         self.sess: Session | None = None
+        self.memory: MemoryTier | None = None
 
     def prepare(
         self, master: str, config: object, wait_for_checkpoint: bool, max_wait_secs: float
@@ -176,6 +179,49 @@ class Mode:
     def stop(self, aborted: bool) -> None:
         """End the checkpoints of the session (a second Ctrl-C ``aborted``: abandon)."""
 
+    def _open_memory_tier(self) -> list[MemoryTier]:
+        """This rank's memory tier, opened before the restore (``memory_tier`` set)."""
+        st = self.settings
+        logdir = st.replica_logdir
+        if st.memory_tier is None or not logdir or st.saver is None:
+            return []
+        if st.global_step is None:
+            logger.warning("The memory tier needs a global step; it is off")
+            return []
+        run_id = ensure_run_id(logdir) if st.is_chief else read_run_id(logdir)
+        if run_id is None:
+            logger.warning("No run id in %s: the memory tier is off on this rank", logdir)
+            return []
+        self.memory = MemoryTier(
+            st.memory_tier, logdir, run_id, rank=distributed.rank(), clock=st.clock
+        )
+        return [self.memory]
+
+    def _start_memory_tier(self, sess: Session) -> None:
+        """Snapshot into the memory tier from now on (the state restored or initialized)."""
+        if self.memory is None:
+            return
+        from_memory = sess.restored_tier == MEMORY_TIER
+        self.memory.start(
+            sess, self.settings.global_step, sess.restored_checkpoint if from_memory else None
+        )
+
+    def _close_memory_tier(self) -> None:
+        """Stop the memory tier; free it when the newest checkpoint holds the current step."""
+        memory, self.memory = self.memory, None
+        if memory is None:
+            return
+        driver = self.driver
+        saved = (
+            driver is not None
+            and driver.last_error is None
+            and (driver.last_step is not None and driver.last_step == self.context.current_step())
+        )
+        try:
+            memory.close(free=saved)
+        except OSError as e:
+            logger.warning("Could not free the memory tier at %s: %s", memory.directory, e)
+
     def end_agreement(self, clean_exit: bool, failure: BaseException | None) -> None:
         """At the end of the session: tell the other replicas why it ended, stop polling.
 
@@ -214,8 +260,10 @@ class ChiefMode(Mode):
         st = self.settings
         if st.logdir:
             clean_checkpoint_dir(st.logdir)
-        sess = _prepare_session(st, master, config, wait_for_checkpoint, max_wait_secs)
+        tiers = self._open_memory_tier() if st.is_chief else []
+        sess = _prepare_session(st, master, config, wait_for_checkpoint, max_wait_secs, tiers=tiers)
         self.sess = sess
+        self._start_memory_tier(sess)
         if self.replicas is not None:
             self.replicas.publish_ready(
                 {"checkpoint": sess.restored_checkpoint, "step": self.context.current_step()}
@@ -229,6 +277,7 @@ class ChiefMode(Mode):
         if st.saver is None or not st.save_model_secs or not st.save_path:
             return []
         restored = sess.restored_checkpoint
+        on_disk = restored is not None and sess.restored_tier != MEMORY_TIER
         self.sess = sess
         self.driver = CheckpointDriver(
             st.saver,
@@ -238,8 +287,8 @@ class ChiefMode(Mode):
             clock=st.clock,
             on_error=self.context.stop_on_error if st.stop_on_checkpoint_error else None,
             stop_on_error=st.stop_on_checkpoint_error,
-            last_step=self.context.current_step() if restored else None,
-            last_prefix=restored,
+            last_step=self.context.current_step() if on_disk else None,
+            last_prefix=restored if on_disk else None,
         )
         return [SVTimerCheckpointThread(self.context.coord, st.save_model_secs, self.driver, sess)]
 
@@ -266,11 +315,11 @@ class ChiefMode(Mode):
         return self.driver.save(self.sess, self.driver.current_step(), metrics=metrics)
 
     def stop(self, aborted: bool) -> None:
-        if self.driver is None:
-            return
-        if aborted:  # A second Ctrl-C: abandon, do not wait.
-            self.driver.abandon(timeout_secs=5.0)
-        self.driver.close()  # No idle writer thread outlives the session.
+        if self.driver is not None:
+            if aborted:  # A second Ctrl-C: abandon, do not wait.
+                self.driver.abandon(timeout_secs=5.0)
+            self.driver.close()  # No idle writer thread outlives the session.
+        self._close_memory_tier()
 
 
 class WorkerMode(Mode):
@@ -319,6 +368,11 @@ class ShardedMode(Mode):
         st = self.settings
         assert replicas is not None
         logdir = st.replica_logdir
+        if st.memory_tier is not None:
+            logger.warning(
+                "The memory tier is not available yet for a state of DTensors (FSDP2): only "
+                "the checkpoints of the log directory are taken"
+            )
         if st.is_chief:
             if logdir:
                 clean_checkpoint_dir(logdir)
@@ -477,6 +531,7 @@ def _prepare_session(
     max_wait_secs: float,
     *,
     checkpoint_dir: str | None = None,
+    tiers: list[MemoryTier] | None = None,
 ) -> Session:
     return st.session_manager.prepare_session(
         master,
@@ -488,4 +543,5 @@ def _prepare_session(
         config=config,
         init_feed_dict=st.init_feed_dict,
         init_fn=st.init_fn,
+        tiers=tiers or (),
     )

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from torchsupervisor.checkpoint.files import checkpoint_step
 from torchsupervisor.checkpoint.recovery import plan_restore
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.session import Session, call_op
@@ -27,6 +28,8 @@ from torchsupervisor.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
 )
+from torchsupervisor.storage import is_url
+from torchsupervisor.tiers.selection import restore_order
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
 
     from torchsupervisor.core.session import Op
     from torchsupervisor.driver.checkpoint_driver import SaverLike
+    from torchsupervisor.tiers.tier import Snapshot, SnapshotTier
 
 __all__ = ["SessionManager"]
 
@@ -110,6 +114,7 @@ class SessionManager:
         wait_for_checkpoint: bool = False,
         max_wait_secs: float = 7200,
         config: object = None,
+        tiers: Sequence[SnapshotTier] = (),
     ) -> tuple[Session, bool]:
         sess = self._new_session(master, config)
         if checkpoint_dir and checkpoint_filename_with_path:
@@ -121,18 +126,33 @@ class SessionManager:
         if checkpoint_filename_with_path:
             saver.restore(sess, checkpoint_filename_with_path)
             sess.restored_checkpoint = checkpoint_filename_with_path
+            sess.restored_tier = _tier_of(checkpoint_filename_with_path)
             return sess, True
+        assert checkpoint_dir is not None
         waited_secs = 0.0
         plan = plan_restore(checkpoint_dir)
-        while not plan.candidates:
+        held = _held_snapshots(tiers)
+        while not plan.candidates and not held:
             if not wait_for_checkpoint or waited_secs >= max_wait_secs:
                 return sess, False
             logger.info("Waiting for checkpoint to be available.")
             self._clock.sleep(self._recovery_wait_secs)
             waited_secs += self._recovery_wait_secs
             plan = plan_restore(checkpoint_dir)
-        prefix = _restore_newest_valid(saver, sess, plan.candidates, checkpoint_dir)
+        attempts = _attempts(saver, plan.candidates, held, _tier_of(checkpoint_dir))
+        tier, prefix = _restore_newest_valid(sess, attempts, checkpoint_dir)
         sess.restored_checkpoint = prefix
+        sess.restored_tier = tier
+        if tier != _tier_of(checkpoint_dir):
+            newest = checkpoint_step(plan.candidates[0]) if plan.candidates else None
+            logger.info(
+                "Restored step %s from the %s tier (%s); the newest checkpoint in %s is %s",
+                checkpoint_step(prefix),
+                tier,
+                prefix,
+                checkpoint_dir,
+                "none" if not plan.candidates else f"of step {newest}",
+            )
         saver.recover_last_checkpoints(plan.tracked)
         return sess, True
 
@@ -148,6 +168,8 @@ class SessionManager:
         config: object = None,
         init_feed_dict: Mapping[str, Any] | None = None,
         init_fn: Callable[..., object] | None = None,
+        *,
+        tiers: Sequence[SnapshotTier] = (),
     ) -> Session:
         """Create a session, restoring or initializing its state, and check it is ready.
 
@@ -162,20 +184,26 @@ class SessionManager:
             config: Passed to the new session.
             init_feed_dict: Keyword arguments for ``init_op``.
             init_fn: Called as ``init_fn(sess)`` when nothing was restored, after ``init_op``.
+            tiers: Other tiers to restore from besides ``checkpoint_dir`` (the memory tier):
+                their snapshots at least as new as its newest checkpoint are tried first,
+                the faster tier first at the same step; one that fails its checks is
+                reported and the next one tried.
 
         Returns:
-            The session. ``sess.restored_checkpoint`` is the prefix restored, or None.
+            The session. ``sess.restored_checkpoint`` is the prefix restored, or None;
+            ``sess.restored_tier`` its tier.
 
         Raises:
             RuntimeError: With TF's texts, when nothing initializes the model or the model is
                 not ready after initialization.
             ValueError: If both checkpoint locations are given.
-            DataLossError: If ``checkpoint_dir`` holds checkpoints but none is valid.
+            DataLossError: If ``checkpoint_dir`` (or a tier) holds checkpoints but none is
+                valid.
 
         TF name: ``SessionManager.prepare_session``.
         """
         where = (checkpoint_dir, checkpoint_filename_with_path, wait_for_checkpoint, max_wait_secs)
-        sess, restored = self._restore_checkpoint(master, saver, *where, config=config)
+        sess, restored = self._restore_checkpoint(master, saver, *where, config=config, tiers=tiers)
         if not restored:
             if init_op is None and not init_fn and self._local_init_op is None:
                 raise RuntimeError(
@@ -329,20 +357,75 @@ def _not_ready_names(result: object) -> list[str]:
     return [n.decode("utf-8") if isinstance(n, bytes) else str(n) for n in result]
 
 
+_Attempt = tuple[str, str, "Callable[[Session, str], None]"]
+"""One snapshot a restart may restore: its tier, its prefix, and what restores it."""
+
+
+def _tier_of(path: str) -> str:
+    """The name of the tier of a checkpoint directory or prefix: ``"bucket"`` or ``"disk"``."""
+    return "bucket" if is_url(path) else "disk"
+
+
+def _held_snapshots(tiers: Sequence[SnapshotTier]) -> list[tuple[SnapshotTier, Snapshot]]:
+    """Every tier's committed snapshots, the damaged ones reported (never tried)."""
+    held = []
+    for tier in tiers:
+        snapshots = tier.snapshots()
+        for damaged in tier.damaged:
+            logger.warning("The %s tier's snapshot %s: not restoring it", tier.name, damaged)
+        held.extend((tier, snap) for snap in snapshots)
+    return held
+
+
+def _attempts(
+    saver: SaverLike,
+    candidates: list[str],
+    held: list[tuple[SnapshotTier, Snapshot]],
+    directory_tier: str,
+) -> list[_Attempt]:
+    """What a restart tries, in order (``tiers.selection.restore_order``)."""
+    newest = checkpoint_step(candidates[0]) if candidates else None
+    restorers = {snap.prefix: tier.restore for tier, snap in held}
+    order = restore_order(
+        directory_tier, candidates, newest, [(t.name, s.step, s.prefix) for t, s in held]
+    )
+    return [
+        (tier, prefix, saver.restore if tier == directory_tier else restorers[prefix])
+        for tier, prefix in order
+    ]
+
+
 def _restore_newest_valid(
-    saver: SaverLike, sess: Session, candidates: list[str], directory: str
-) -> str:
+    sess: Session, attempts: list[_Attempt], directory: str
+) -> tuple[str, str]:
+    """Restore the first snapshot of ``attempts`` that passes its checks; each is tried once.
+
+    Returns:
+        ``(tier, prefix)`` restored.
+
+    Raises:
+        DataLossError: None passed (each failure named).
+    """
     failures = []
-    for prefix in candidates:
+    directory_tier = _tier_of(directory)
+    for tier, prefix, restore in attempts:
         try:
-            saver.restore(sess, prefix)
+            restore(sess, prefix)
         except CorruptCheckpointError as e:
-            logger.warning("Checkpoint %s is not usable, trying an older one: %s", prefix, e)
+            if tier == directory_tier:
+                logger.warning("Checkpoint %s is not usable, trying an older one: %s", prefix, e)
+            else:
+                logger.warning(
+                    "The %s tier's snapshot %s is not usable, trying the next tier: %s",
+                    tier,
+                    prefix,
+                    e,
+                )
             failures.append(f"{prefix}: {e}")
             continue
         if failures:
             logger.warning("Restored %s, the newest valid checkpoint in %s", prefix, directory)
-        return prefix
+        return tier, prefix
     raise DataLossError(
         None,
         None,

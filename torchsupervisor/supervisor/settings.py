@@ -42,6 +42,7 @@ from torchsupervisor.distributed import env as distributed
 from torchsupervisor.summary.ops import merge_all
 from torchsupervisor.summary.writer import SummaryWriter
 from torchsupervisor.supervisor.session_manager import SessionManager
+from torchsupervisor.tiers.memory import MemoryTierConfig
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -92,6 +93,7 @@ class Settings:
     preemption_signals: tuple[int, ...]
     preemption_grace_secs: float
     preemption_exit_code: int | None
+    memory_tier: MemoryTierConfig | None
     clock: Clock
 
 
@@ -124,6 +126,7 @@ def resolve_settings(
     preemption_grace_secs: float,
     preemption_exit_code: int | None,
     save_rng_state: bool,
+    memory_tier: MemoryTierConfig | None,
     clock: Clock | None,
 ) -> Settings:
     """Check the Supervisor's arguments and resolve them (see the module docstring).
@@ -156,6 +159,11 @@ def resolve_settings(
         "preemption_exit_code", preemption_exit_code, allow_none=True
     )
     save_rng_state = checks.check_bool("save_rng_state", save_rng_state)
+    if memory_tier is not None and not isinstance(memory_tier, MemoryTierConfig):
+        raise TypeError(
+            f"memory_tier must be a MemoryTierConfig or None, got {memory_tier!r} "
+            f"({type(memory_tier).__name__})"
+        )
     if logdir and not state and saver is USE_DEFAULT:
         _warn_without_state(logdir)
     graph = checks.check_duck("graph", graph, ("get_collection",), "a Graph") or get_default_graph()
@@ -211,6 +219,7 @@ def resolve_settings(
         preemption_signals=tuple(preemption_signals or ()),
         preemption_grace_secs=preemption_grace_secs,
         preemption_exit_code=preemption_exit_code,
+        memory_tier=memory_tier,
         clock=clock,
     )
 

@@ -48,6 +48,7 @@ from torchsupervisor.supervisor.modes import ChiefMode, Mode, ModeContext, start
 from torchsupervisor.supervisor.services import standard_threads
 from torchsupervisor.supervisor.session_manager import SessionManager
 from torchsupervisor.supervisor.settings import resolve_settings
+from torchsupervisor.tiers.memory import MemoryTierConfig
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -143,6 +144,16 @@ class Supervisor:
             the saved (or, with DDP, the chief's broadcast) state and ``r``
             (``rng.rank_rng_state``); the non-chiefs' streams are then a fixed function of
             the checkpoint and the rank, not the continuation of an uninterrupted run's.
+        memory_tier: Keep the newest snapshots of the state in host memory that outlives
+            the process (a tmpfs, ``/dev/shm`` by default), every
+            ``memory_tier.every_n_steps`` steps, besides the checkpoints of ``logdir``
+            (``save_model_secs``): after a hard failure (``kill -9``, an OOM kill) a restart
+            restores the newest snapshot of any tier that passes its checks, losing at most
+            ``every_n_steps`` steps (``tiers/memory.py``, ``docs/checkpoints.md``). Needs a
+            ``logdir`` and a global step. The tmpfs must hold ``slots`` x the state's bytes
+            (``MemoryTierFullError`` at the start otherwise). The snapshots are freed at a
+            clean end whose final checkpoint holds the last step. None: off. Not yet for a
+            state of DTensors (a warning).
         clock: Time source (tests pass a fake one).
 
     Distributed: with replicas (``managed_session("env://")`` under ``torchrun``), every rank
@@ -197,6 +208,7 @@ class Supervisor:
         preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
         save_rng_state: bool = True,
+        memory_tier: MemoryTierConfig | None = None,
         clock: Clock | None = None,
     ) -> None:
         arguments = dict(locals())  # Exactly the arguments: nothing else is defined yet.

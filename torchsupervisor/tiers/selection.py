@@ -16,7 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Holdings", "Part", "RestoreChoice", "choose_restore", "restore_newest"]
+__all__ = [
+    "Holdings",
+    "Part",
+    "RestoreChoice",
+    "choose_restore",
+    "restore_newest",
+    "restore_order",
+]
 
 Holdings = Mapping[str, Mapping[int, Collection[int]]]
 """``{tier: {rank: steps}}``: the steps of each rank's part that a tier holds complete."""
@@ -121,3 +128,35 @@ def restore_newest(
             raise ValueError(f"load reported parts it was not given: {sorted(unknown)}")
         failed.extend(sorted(bad))
     raise AssertionError("unreachable: each round drops at least one part")  # pragma: no cover
+
+
+def restore_order(
+    directory_tier: str,
+    candidates: Sequence[str],
+    newest_step: int | None,
+    held: Sequence[tuple[str, int, str]],
+) -> list[tuple[str, str]]:
+    """The order in which one process tries its snapshots, as ``(tier, prefix)`` pairs.
+
+    The other tiers' snapshots at least as new as the directory's newest checkpoint come
+    first (newest first; at the same step, in the order of ``held``: the faster tier first),
+    then the directory's checkpoints in their own order (``checkpoint.recovery``), then the
+    other tiers' older snapshots. Each is tried once.
+
+    Args:
+        directory_tier: The name of the checkpoint directory's tier (``"disk"``, ``"bucket"``).
+        candidates: The directory's checkpoints, in the order a restart tries them.
+        newest_step: The step of ``candidates[0]``; None when its name holds none (the other
+            tiers' snapshots then come after the directory's).
+        held: The other tiers' snapshots as ``(tier, step, prefix)``.
+    """
+    if not candidates:
+        newest_step = -1
+    ordered = sorted(held, key=lambda h: h[1], reverse=True)  # Stable: same step, same order.
+    first = [h for h in ordered if newest_step is not None and h[1] >= newest_step]
+    rest = [h for h in ordered if h not in first]
+    return [
+        *[(tier, prefix) for tier, _, prefix in first],
+        *[(directory_tier, prefix) for prefix in candidates],
+        *[(tier, prefix) for tier, _, prefix in rest],
+    ]

@@ -1,0 +1,423 @@
+"""The memory tier: the newest snapshots of a rank's state in host memory that outlives it.
+
+Every ``every_n_steps`` steps, at a step boundary, the training thread copies the state into
+host staging buffers (the stall: one copy) and a writer thread of the tier writes that
+snapshot as a checkpoint into the rank's directory on a tmpfs (``tiers/memory_root``): same
+layout, same CRC-32C table, same commit protocol as a checkpoint on disk (the parts first, the
+manifest last; a snapshot is visible only once complete). ``slots`` snapshots fit: the one
+being written and the ``slots - 1`` newest committed ones, so a kill during a write leaves
+the previous snapshot, and the tier's memory is at most ``slots`` x the state's bytes.
+
+A snapshot is started only once the previous one is committed, and a ``GlobalStep`` counts a
+step only once the snapshot of the step before it is committed (``increment`` waits for it;
+it is done already unless writing a snapshot takes longer than a step). So a process killed
+at any moment has a committed snapshot of the last step it counted, or of the one before:
+a hard failure loses at most the step it was running. (With a plain tensor as the global
+step there is no such wait: a step faster than a snapshot's write may then lose two.)
+
+Generations: the rank's directory is tagged with the run id of the log directory
+(``checkpoint/run_id``). Snapshots of another run (a log directory removed and made again)
+are deleted unread. At each start every snapshot but the one restored is deleted: a newer
+one belongs to a timeline the restart abandoned (it failed its checks, or the disk tier won),
+and must never be restored later. A snapshot whose manifest names another step than its file
+name is refused as damaged.
+
+Thread safety: ``snapshots`` and ``restore`` on the calling thread before ``start``; after it,
+the snapshot runs on the training thread at its step boundaries and ``close`` on that thread.
+
+TF name: none (TF had no memory tier).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torchsupervisor.checkpoint.files import checkpoint_step, remove_checkpoint
+from torchsupervisor.checkpoint.reader import read_manifests
+from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, scan_checkpoints
+from torchsupervisor.checkpoint.run_id import read_run_id
+from torchsupervisor.checkpoint.saver import Saver
+from torchsupervisor.core import checks
+from torchsupervisor.core.global_step import GlobalStep, read_step
+from torchsupervisor.core.state import flatten_state
+from torchsupervisor.errors import CorruptCheckpointError
+from torchsupervisor.storage.private import MemoryTierStorage, SharedCounter
+from torchsupervisor.tiers.memory_root import memory_root, rank_directory
+from torchsupervisor.tiers.tier import Snapshot
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.clock import Clock
+    from torchsupervisor.core.global_step import GlobalStepLike
+    from torchsupervisor.core.session import Session
+
+__all__ = ["MEMORY_TIER", "MemoryTier", "MemoryTierConfig", "RankHoldings", "held_in_memory"]
+
+MEMORY_TIER = "memory"
+"""The memory tier's name in logs, listings and ``Session.restored_tier``."""
+
+_BASENAME = "model.ckpt"
+_RUN_ID_FILE = "run_id"
+_RANK_FILE = re.compile(r"rank-\d+/")
+_REACHED_FILE = "reached_step"  # The global step at the newest step boundary (a counter).
+_MANIFEST_SLACK_BYTES = 1 << 20  # Room for the manifests and the state file, per slot.
+
+logger = logging.getLogger("torchsupervisor")
+
+
+@dataclass(frozen=True)
+class MemoryTierConfig:
+    """How the memory tier is kept (``Supervisor(memory_tier=...)``).
+
+    Args:
+        every_n_steps: Take a snapshot every this many steps (1: every step).
+        slots: Snapshots that fit in memory at once, the one being written included (at least
+            2: a kill during a write leaves the previous one). Memory used: at most
+            ``slots`` x the state's bytes.
+        root: The file system to keep the snapshots on (a tmpfs); None:
+            ``$TORCHSUPERVISOR_MEMORY_ROOT`` or ``/dev/shm``.
+
+    Raises:
+        TypeError, ValueError: For an argument of the wrong type or out of range, naming it.
+
+    TF name: none.
+    """
+
+    every_n_steps: int = 1
+    slots: int = 2
+    root: str | None = None
+
+    def __post_init__(self) -> None:
+        checks.check_int("every_n_steps", self.every_n_steps, minimum=1)
+        checks.check_int("slots", self.slots, minimum=2)
+        checks.check_path("root", self.root)
+
+
+class MemoryTier:
+    """One rank's memory tier of one run (module docstring).
+
+    Args:
+        config: Its interval, slots and file system.
+        logdir: The run's log directory (the snapshots' directory is derived from it).
+        run_id: The run id of ``logdir`` (``checkpoint.run_id``); snapshots tagged with
+            another are deleted.
+        rank: This process's rank (its own directory).
+        clock: Time source of the tier's saver.
+
+    Attributes:
+        directory: This rank's directory of snapshots.
+        save_path: The snapshots' prefix family (``<directory>/model.ckpt``).
+
+    Raises:
+        PermissionError: A level of the directory is a link, not the user's, or open to
+            others (``MemoryTierStorage.prepare_directory``).
+        OSError: The directory cannot be made.
+    """
+
+    name = MEMORY_TIER
+
+    def __init__(
+        self,
+        config: MemoryTierConfig,
+        logdir: str,
+        run_id: str,
+        *,
+        rank: int = 0,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config
+        self.storage = MemoryTierStorage()
+        root = memory_root(config.root)
+        self.directory = rank_directory(root, logdir, rank)
+        self.storage.prepare_directory(root, self.directory)
+        self.save_path = os.path.join(self.directory, _BASENAME)
+        self._adopt(run_id)
+        clean_checkpoint_dir(self.directory, storage=self.storage)
+        self.saver = Saver(
+            max_to_keep=config.slots - 1, incremental=False, storage=self.storage, clock=clock
+        )
+        self._session: Session | None = None
+        self._global_step: GlobalStepLike | None = None
+        self._last_step: int | None = None
+        self._reported: set[str] = set()
+        self._reached: SharedCounter | None = None
+        self._committed_step: int | None = None  # Of the newest snapshot committed.
+        self.damaged: list[str] = []
+        """What ``snapshots`` refused, as ``"<prefix>: <why>"``."""
+
+    # ---------------------------------------------------------------------------- restoring
+
+    def _adopt(self, run_id: str) -> None:
+        """Delete every file of another run's snapshots; tag the directory with ``run_id``."""
+        tag = self._path(_RUN_ID_FILE)
+        try:
+            found = self.storage.read_bytes(tag, max_bytes=256).decode("ascii", "replace").strip()
+        except FileNotFoundError:
+            found = None
+        if found == run_id:
+            return
+        names = [n for n in self.storage.list(self.directory) if n != _RUN_ID_FILE]
+        if names:
+            logger.warning(
+                "The memory tier at %s holds snapshots of another run (its log directory was "
+                "made again): deleting them",
+                self.directory,
+            )
+        for name in names:
+            self.storage.delete(self._path(name))
+        self.storage.put(tag, [f"{run_id}\n".encode("ascii")])
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def reached_step(self) -> int | None:
+        """The global step the run had reached at its newest step boundary with this tier on
+        (kept in memory through a kill); ``-1 - step`` once it stopped with a snapshot of
+        its last boundary's step committed; None if unknown."""
+        try:
+            return self.storage.read_counter(self._path(_REACHED_FILE))
+        except OSError:
+            return None
+
+    def snapshots(self) -> list[Snapshot]:
+        """The committed snapshots, newest first; a damaged one is left out (``damaged``).
+
+        Reads only the manifests (small). A manifest that cannot be read or names another step
+        than its file is reported in ``damaged``; the checksums of the data are checked by
+        ``restore``.
+        """
+        self.damaged = []
+        prefixes = scan_checkpoints(self.directory, storage=self.storage)
+        found = []
+        for prefix, manifest in read_manifests(prefixes, storage=self.storage).items():
+            if manifest is None:
+                self.damaged.append(f"{prefix}: its manifest is missing or damaged")
+            elif manifest.global_step is None or manifest.global_step != checkpoint_step(prefix):
+                self.damaged.append(
+                    f"{prefix}: its manifest is of step {manifest.global_step} (an older "
+                    "generation in its place)"
+                )
+            else:
+                found.append(Snapshot(manifest.global_step, prefix))
+        return sorted(found, key=lambda s: s.step, reverse=True)
+
+    def restore(self, sess: Session, prefix: str) -> None:
+        """Load the snapshot ``prefix`` into ``sess``'s state after checking every byte.
+
+        Raises:
+            CorruptCheckpointError: A file is missing, truncated or fails its checksum, or the
+                manifest names another step than the file (the state is then unchanged).
+            ValueError: It is not a snapshot any more (deleted meanwhile).
+            NotFoundError, InvalidArgumentError: As ``Saver.restore``: the state does not
+                match it.
+        """
+        if prefix not in {s.prefix for s in self.snapshots()}:
+            why = next((d for d in self.damaged if d.startswith(prefix + ":")), None)
+            raise CorruptCheckpointError(why or f"{prefix}: not a committed snapshot")
+        self.saver.restore(sess, prefix)
+
+    # ------------------------------------------------------------------------------ running
+
+    def start(
+        self, sess: Session, global_step: GlobalStepLike, restored: str | None = None
+    ) -> None:
+        """Keep only the snapshot restored (if from this tier), check the room, and take a
+        snapshot at ``sess``'s step boundaries from now on.
+
+        Args:
+            sess: The session whose state is snapshotted (its state materialized).
+            global_step: The run's global step.
+            restored: The snapshot of this tier the session was restored from, or None.
+
+        A second ``start`` (a session made again after an error) moves the tier to the new
+        session.
+
+        Raises:
+            MemoryTierFullError: The file system cannot hold ``slots`` x the state's bytes;
+                the message names the sizes.
+        """
+        self._detach()
+        self.saver.wait()
+        kept = []
+        for snap in self.snapshots():
+            if snap.prefix == restored:
+                kept.append(snap.prefix)
+            else:
+                self._remove(snap.prefix)
+        for entry in self.damaged:
+            self._remove(entry.split(": ", 1)[0])
+        self.saver.recover_last_checkpoints(kept)
+        _, tensors = flatten_state(sess.state)
+        state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        needed = self.config.slots * (state_bytes + _MANIFEST_SLACK_BYTES)
+        self.storage.check_room(self.directory, needed)
+        self._log_restart(sess, read_step(global_step))
+        self._reached = self.storage.open_counter(self._path(_REACHED_FILE))
+        self._session = sess
+        self._global_step = global_step
+        self._last_step = read_step(global_step) if restored else None
+        sess.boundary.call_each(self._at_boundary)
+        if isinstance(global_step, GlobalStep):
+            global_step.gate_increments(self._committed)
+        logger.info(
+            "Memory tier at %s: a snapshot every %d step(s), %d slots (at most %.1f MB)",
+            self.directory,
+            self.config.every_n_steps,
+            self.config.slots,
+            needed / 1e6,
+        )
+
+    def _log_restart(self, sess: Session, step: int | None) -> None:
+        """Log which tier the session resumed from and how many steps the last run lost."""
+        reached = self.reached_step()
+        if reached is None or step is None or sess.restored_checkpoint is None:
+            return
+        if reached < 0:  # It stopped with its last step snapshotted (``close``).
+            stopped = -reached - 1
+            lost = max(0, stopped - step)
+            (logger.warning if lost else logger.info)(
+                "Resumed at step %d from the %s tier: %d step%s lost (the last run stopped at "
+                "step %d)",
+                step,
+                sess.restored_tier,
+                lost,
+                "" if lost == 1 else "s",
+                stopped,
+            )
+            return
+        lost = max(0, reached - step) + 1  # The step it was running at the kill, too.
+        logger.warning(
+            "Resumed at step %d from the %s tier after a hard failure: at most %d step%s lost "
+            "(the last run's newest step boundary was at step %d)",
+            step,
+            sess.restored_tier,
+            lost,
+            "" if lost == 1 else "s",
+            reached,
+        )
+
+    def _remove(self, prefix: str) -> None:
+        remove_checkpoint(prefix, storage=self.storage)
+
+    def _at_boundary(self) -> None:
+        """Take a snapshot if ``every_n_steps`` passed since the last one (training thread)."""
+        assert self._global_step is not None and self._reached is not None
+        step = read_step(self._global_step)
+        if step is not None:
+            self._reached.set(step)
+        last = self._last_step
+        if step is None or (last is not None and 0 <= step - last < self.config.every_n_steps):
+            return
+        self._last_step = step
+        try:
+            future = self.saver.save_async(self._session, self.save_path, global_step=step)
+        except (OSError, ValueError) as error:
+            self._report(step, error)
+            return
+        future.add_done_callback(lambda f: self._done(f, step))
+
+    def _done(self, future: concurrent.futures.Future[Any], step: int) -> None:
+        error = future.exception()
+        if error is not None:
+            self._report(step, error)
+        else:
+            self._committed_step = step
+
+    def _report(self, step: int, error: BaseException) -> None:
+        """Log a failed snapshot: a warning the first time for each kind of error."""
+        kind = type(error).__name__
+        log = logger.debug if kind in self._reported else logger.warning
+        self._reported.add(kind)
+        log(
+            "The memory tier's snapshot at step %d failed (the checkpoints on disk are not "
+            "affected): %s",
+            step,
+            error,
+        )
+
+    def _committed(self) -> None:
+        """Before the global step counts a step: wait for the snapshot being written."""
+        self.saver.wait()
+
+    def _detach(self) -> None:
+        """Stop snapshotting at the session's boundaries."""
+        step = self._global_step
+        if isinstance(step, GlobalStep):
+            previous = step.gate_increments(None)
+            if previous is not None and previous != self._committed:
+                step.gate_increments(previous)  # Another tier's: left in place.
+        if self._session is not None:
+            self._session.boundary.remove_each(self._at_boundary)
+            self._session = None
+        if self._reached is not None:
+            self._reached.close()
+            self._reached = None
+
+    def wait(self, timeout_secs: float | None = None) -> bool:
+        """Wait for the snapshot being written; True when none is."""
+        return self.saver.wait(timeout_secs)
+
+    def close(self, *, free: bool = False) -> None:
+        """Stop taking snapshots, wait for the one being written; with ``free``, delete
+        every snapshot (a clean exit whose final checkpoint holds the same step).
+
+        Raises:
+            OSError: A file could not be deleted (what is left is deleted at the next start).
+        """
+        self.saver.wait()
+        last = self._last_step
+        if self._reached is not None and last is not None and self._committed_step == last:
+            self._reached.set(-1 - last)  # Stopped with its last step held: nothing lost.
+        self._detach()
+        self.saver.close()
+        if free:
+            self.storage.remove_directory(memory_root(self.config.root), self.directory)
+
+
+@dataclass(frozen=True)
+class RankHoldings:
+    """What the memory tier holds for one rank of a run (``held_in_memory``).
+
+    Attributes:
+        rank: The rank.
+        directory: Its directory of snapshots.
+        same_run: Its run id is the log directory's (else a restart deletes it unread).
+        prefixes: Its committed snapshots (newest first by their manifests' steps).
+    """
+
+    rank: int
+    directory: str
+    same_run: bool
+    prefixes: tuple[str, ...]
+
+
+def held_in_memory(logdir: str, root: str | None = None) -> list[RankHoldings]:
+    """What the memory tier holds for the run of ``logdir``, by rank; reads, never writes.
+
+    Args:
+        logdir: The run's log directory.
+        root: The memory tier's file system (``MemoryTierConfig.root``); None: the default.
+    """
+    storage = MemoryTierStorage()
+    run_dir = os.path.dirname(rank_directory(memory_root(root), logdir, 0))
+    try:
+        files = storage.list_tree(run_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    run_id = read_run_id(logdir)
+    held = []
+    ranks = sorted({int(f.split(os.sep)[0][5:]) for f in files if _RANK_FILE.match(f)})
+    for rank in ranks:
+        directory = os.path.join(run_dir, f"rank-{rank}")
+        try:
+            tag = storage.read_bytes(os.path.join(directory, _RUN_ID_FILE), max_bytes=256)
+        except FileNotFoundError:
+            tag = b""
+        prefixes = tuple(scan_checkpoints(directory, storage=storage))
+        same = run_id is not None and tag.decode("ascii", "replace").strip() == run_id
+        held.append(RankHoldings(rank, directory, same, prefixes))
+    return held
