@@ -62,6 +62,7 @@ bench: install
 	$(PY) benchmarks/hooks.py
 	$(PY) benchmarks/distributed.py
 	$(PY) benchmarks/save_cache.py
+	$(PY) benchmarks/memory_tier.py
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 		$(PY) benchmarks/gpu.py; \
 	else echo "No CUDA device: benchmarks/gpu.py skipped"; fi

@@ -1,0 +1,231 @@
+"""Memory tier benchmark: a snapshot every step, its stall and its cost to training, and the
+restore from it, against the alternatives in the same run.
+
+    python benchmarks/memory_tier.py                      # 100 MB and 500 MB states
+    python benchmarks/memory_tier.py --sizes 10MB --steps 5
+
+For each state size (an MLP plus its Adam state, as ``benchmarks/checkpoint.py`` builds it),
+with the memory tier on a tmpfs (``--memory-root``, default ``/dev/shm``):
+
+* stall: the training thread's time in the step boundary that takes the snapshot (the copy
+  into host staging buffers), against one host memcpy of the state (each tensor into a
+  preallocated buffer) measured between the same steps, and against ``torch.save`` of the
+  state into the same tmpfs (what a naive memory tier does on the training thread);
+* training: steps/s of a loop whose step takes at least ``--step-factor`` (20) times that
+  memcpy (fixed compute on a small model, then the state is marked modified), with a snapshot
+  every step against the same loop without the tier, alternating rounds; the ratio is the
+  median over rounds (target: at least 0.95);
+* restore: in a fresh process, after interpreter start and ``import torch`` (reported apart),
+  the time to restore the newest snapshot into the model and optimizer (every byte checked),
+  against the target 0.3 s + bytes / 2 GB/s, and ``torch.load(weights_only=True)`` +
+  ``load_state_dict`` of the same state from the tmpfs.
+
+It prints a table and writes JSON (``--json``, default ``benchmarks/results/memory_tier.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from typing import Any
+
+import torch
+
+from torchsupervisor import GlobalStep, MemoryTierConfig, Session
+from torchsupervisor.tiers.memory import MemoryTier
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from checkpoint import (  # noqa: E402 (benchmarks/checkpoint.py, this script's folder)
+    MB,
+    Memcpy,
+    TrainingLoop,
+    build_state,
+    machine_facts,
+    parse_size,
+    state_tensors,
+    tensor_bytes,
+    timed,
+    touch,
+)
+
+RUN_ID = "0" * 32
+
+
+class Steps:
+    """A training step of fixed work: small-model steps lasting about ``secs``, then every
+    tensor of the big state marked modified (as its optimizer's step would)."""
+
+    def __init__(self, state: dict[str, Any], secs: float) -> None:
+        self.state = state
+        self.loop = TrainingLoop()
+        self.loop.step()
+        one = min(timed(self.loop.step) for _ in range(5))
+        self.count = max(1, round(secs / one))
+
+    def __call__(self) -> None:
+        for _ in range(self.count):
+            self.loop.step()
+        touch(self.state)
+
+
+def run_loop(sess: Session, step: GlobalStep, work: Steps, n: int) -> tuple[float, list[float]]:
+    """``n`` steps, each ending with ``increment`` and a step boundary (``Session.run``);
+    returns the seconds of the whole and of each boundary."""
+    boundaries = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        work()
+        step.increment()
+        boundaries.append(timed(lambda: sess.run(lambda: None)))
+    return time.perf_counter() - t0, boundaries
+
+
+def measure_size(size_bytes: int, root: str, steps: int, rounds: int, factor: float) -> dict:
+    state = build_state(size_bytes)
+    step = GlobalStep()
+    state["global_step"] = step
+    nbytes = tensor_bytes(state_tensors(state))
+    memcpy = Memcpy(state)
+    memcpy()
+    copies = [timed(memcpy) for _ in range(5)]
+    work = Steps(state, factor * statistics.median(copies))
+    logdir = tempfile.mkdtemp(prefix="memory-tier-bench-")
+    tier = MemoryTier(MemoryTierConfig(every_n_steps=1, root=root), logdir, RUN_ID)
+    row: dict[str, Any] = {"bytes": nbytes, "step_work_secs": timed(work)}
+    try:
+        on_rates, off_rates, stalls, copies = [], [], [], []
+        for _ in range(rounds):
+            plain = Session(state)
+            secs, _ = run_loop(plain, step, work, steps)
+            off_rates.append(steps / secs)
+            plain.close()
+            sess = Session(state)
+            tier.start(sess, step)
+            run_loop(sess, step, work, 1)  # The first snapshot allocates the tmpfs pages.
+            secs, boundaries = run_loop(sess, step, work, steps)
+            on_rates.append(steps / secs)
+            stalls.extend(boundaries)
+            tier.wait()
+            sess.close()
+            work()
+            copies.append(timed(memcpy))
+        row["memcpy_secs"] = statistics.median(copies)
+        row["stall_secs"] = statistics.median(stalls)
+        row["steps_per_sec_off"] = statistics.median(off_rates)
+        row["steps_per_sec_on"] = statistics.median(on_rates)
+        row["training_ratio"] = statistics.median(on / off for on, off in zip(on_rates, off_rates))
+        row["torch_save_tmpfs_secs"] = _torch_save(state, root)
+        newest = tier.snapshots()[0].prefix
+        row["restore"] = _restore_in_fresh_process("ours", size_bytes, newest)
+        pt = os.path.join(root, "torch-save-bench.pt")
+        torch.save(
+            {"model": state["model"].state_dict(), "opt": state["optimizer"].state_dict()}, pt
+        )
+        try:
+            row["torch_load"] = _restore_in_fresh_process("torch", size_bytes, pt)
+        finally:
+            os.unlink(pt)
+        row["restore_target_secs"] = 0.3 + nbytes / 2e9
+    finally:
+        tier.close(free=True)
+        shutil.rmtree(logdir, ignore_errors=True)
+    return row
+
+
+def _payload(state: dict[str, Any]) -> dict[str, Any]:
+    return {"model": state["model"].state_dict(), "opt": state["optimizer"].state_dict()}
+
+
+def _torch_save(state: dict[str, Any], root: str) -> float:
+    """``torch.save`` of the model and optimizer into the tmpfs: the median of 3."""
+    path = os.path.join(root, "torch-save-bench.pt")
+    payload = _payload(state)
+    try:
+        return statistics.median(timed(lambda: torch.save(payload, path)) for _ in range(3))
+    finally:
+        os.unlink(path)
+
+
+_RESTORE = textwrap.dedent(
+    """
+    import sys, time
+    t0 = time.perf_counter()
+    import torch
+    t1 = time.perf_counter()
+    sys.path.insert(0, {here!r})
+    from checkpoint import build_state
+    from torchsupervisor import Saver, Session
+    state = build_state({size})
+    from torchsupervisor import GlobalStep
+    state["global_step"] = GlobalStep()
+    t2 = time.perf_counter()
+    if {which!r} == "ours":
+        Saver().restore(Session(state), {source!r})
+    else:
+        data = torch.load({source!r}, weights_only=True)
+        state["model"].load_state_dict(data["model"])
+        state["optimizer"].load_state_dict(data["opt"])
+    t3 = time.perf_counter()
+    print(t1 - t0, t3 - t2)
+    """
+)
+
+
+def _restore_in_fresh_process(which: str, size_bytes: int, source: str) -> dict[str, float]:
+    code = _RESTORE.format(here=HERE, size=size_bytes, which=which, source=source)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, check=True
+    ).stdout.split()
+    return {"import_torch_secs": float(out[0]), "restore_secs": float(out[1])}
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'state':>9} {'memcpy':>9} {'stall':>9} {'stall/memcpy':>12} {'torch.save':>10} "
+        f"{'train on/off':>12} {'restore':>9} {'target':>8} {'torch.load':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r['bytes'] / MB:>7.0f}MB {r['memcpy_secs'] * 1e3:>7.1f}ms "
+            f"{r['stall_secs'] * 1e3:>7.1f}ms {r['stall_secs'] / r['memcpy_secs']:>12.2f} "
+            f"{r['torch_save_tmpfs_secs'] * 1e3:>8.1f}ms {r['training_ratio']:>12.3f} "
+            f"{r['restore']['restore_secs']:>8.3f}s {r['restore_target_secs']:>7.3f}s "
+            f"{r['torch_load']['restore_secs']:>9.3f}s"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="100MB,500MB")
+    parser.add_argument("--steps", type=int, default=20, help="steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--step-factor", type=float, default=20.0, help="a step's work in memcpys of the state"
+    )
+    default_root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    parser.add_argument("--memory-root", default=default_root, help="the tmpfs to use")
+    parser.add_argument("--json", default=os.path.join(HERE, "results", "memory_tier.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = [
+        measure_size(parse_size(s), args.memory_root, args.steps, args.rounds, args.step_factor)
+        for s in args.sizes.split(",")
+    ]
+    print_table(rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"machine": machine_facts(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
