@@ -31,6 +31,12 @@ def main() -> None:
     parser.add_argument("--save-model-secs", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=100, help="print every N steps")
+    parser.add_argument(
+        "--memory-every-n-steps",
+        type=int,
+        default=0,
+        help="the chief keeps a snapshot in host memory (/dev/shm) every N steps (0: off)",
+    )
     args = parser.parse_args()
 
     # One GPU per rank when there are GPUs (the process group then uses NCCL, which only
@@ -56,6 +62,11 @@ def main() -> None:
         # The other ranks look for the chief's "ready" in the store this often (TF's default,
         # 30 s, makes every start of a small run wait half a minute).
         recovery_wait_secs=1,
+        memory_tier=(
+            ts.MemoryTierConfig(every_n_steps=args.memory_every_n_steps)
+            if args.memory_every_n_steps
+            else None
+        ),
     )
 
     def train_step() -> torch.Tensor:
@@ -69,8 +80,9 @@ def main() -> None:
 
     with sv.managed_session("env://") as sess:
         if sess.restored_checkpoint:
+            tier = f" ({sess.restored_tier} tier)" if sess.restored_tier else ""
             print(
-                f"rank {rank}: resumed at step {step.value} from {sess.restored_checkpoint}",
+                f"rank {rank}: resumed at step {step.value} from {sess.restored_checkpoint}{tier}",
                 flush=True,
             )
         while not sv.should_stop() and step.value < args.max_steps:

@@ -95,6 +95,7 @@ def persist(
     cancel: threading.Event | None = None,
     trees: TreeMemo | None = None,
     metrics: dict[str, float] | None = None,
+    origin: dict[str, str | int] | None = None,
 ) -> Commit:
     """Write ``snapshot`` as the checkpoint ``prefix`` with the commit protocol.
 
@@ -110,6 +111,7 @@ def persist(
         trees: The last save's tree encodings, for a snapshot of a walk's skeleton
             (``tree_memo.TreeMemo``; used one save at a time); None: encoded anew.
         metrics: Recorded in the manifest (``Saver.save(metrics=)``); None: none.
+        origin: Recorded in the manifest (``Saver(origin=)``); None: none.
 
     Returns:
         The manifest committed and where every tensor's bytes live.
@@ -166,6 +168,7 @@ def persist(
             torch_version=torch_version,
             world_size=world_size,
             metrics=metrics,
+            origin=origin,
         )
         return manifest, manifest.to_bytes(tree_text)
 

@@ -107,6 +107,9 @@ class Manifest:
     metrics: dict[str, float] | None = None
     """What the run measured at this checkpoint (``Saver.save(metrics=)``), for keep-best
     retention; written only when given (older manifests have none)."""
+    origin: dict[str, str | int] | None = None
+    """Who wrote it (``Saver(origin=...)``: the memory tier's run id and rank), so that a
+    snapshot found in another's place is refused; written only when given."""
 
     def to_bytes(self, tree_text: EncodedItem | None = None) -> bytes:
         """Serialize to the JSON text of ``P.index`` (UTF-8), with its own CRC-32C.
@@ -137,6 +140,7 @@ class Manifest:
             "tensors": tensors_field(self.tensors),
             "tree": self.tree,
             **({} if self.metrics is None else {"metrics": dict(self.metrics)}),
+            **({} if self.origin is None else {"origin": dict(self.origin)}),
         }
 
     @classmethod
@@ -189,6 +193,7 @@ class Manifest:
                 world_size=non_negative_int(body.get("world_size", 1)),
                 format_version=version,
                 metrics=parse_metrics(body.get("metrics")),
+                origin=parse_origin(body.get("origin")),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ManifestError):
@@ -354,6 +359,17 @@ def parse_metrics(x: object) -> dict[str, float] | None:
             raise ManifestError(f"metric {name!r} is not finite: {value!r}")
         metrics[as_str(name)] = float(value)
     return metrics
+
+
+def parse_origin(x: object) -> dict[str, str | int] | None:
+    """A manifest's ``origin``: names to strings or integers (None if absent)."""
+    if x is None:
+        return None
+    origin = as_dict(x)
+    for key, value in origin.items():
+        if not isinstance(value, (str, int)) or isinstance(value, bool):
+            raise ValueError(f"origin {key!r} is not a string or an integer")
+    return dict(origin)
 
 
 def non_negative_int(x: object) -> int:

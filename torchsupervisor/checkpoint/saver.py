@@ -101,6 +101,17 @@ def replica_entries(state: Mapping[str, Any]) -> Mapping[str, Any]:
 _told_per_rank: list[bool] = []
 
 
+def _check_origin(origin: Mapping[str, str | int] | None) -> dict[str, str | int] | None:
+    if origin is None:
+        return None
+    checked = {}
+    for key, value in dict(origin).items():
+        if not isinstance(key, str) or not isinstance(value, (str, int)) or isinstance(value, bool):
+            raise TypeError(f"origin must map strings to strings or integers, got {origin!r}")
+        checked[key] = value
+    return checked
+
+
 class Saver:
     """Save and restore the state as checkpoints, keeping the newest ``max_to_keep``.
 
@@ -156,6 +167,9 @@ class Saver:
             of the metrics returning the score (None: the checkpoint ranks nowhere).
         best_mode: ``"max"`` (a higher score is better, e.g. an accuracy) or ``"min"`` (a
             loss).
+        origin: Who writes these checkpoints, recorded in every manifest of one process's
+            state (``Manifest.origin``; the memory tier records its run id and rank there and
+            refuses a snapshot of another's); None: nothing recorded.
 
     Raises:
         ValueError: If ``var_list`` is given, empty, and ``allow_empty`` is False; for a
@@ -165,7 +179,8 @@ class Saver:
             ``best_mode`` other than ``"max"``/``"min"``.
         TypeError: For a ``var_list`` of another kind, or a list item that is neither a
             name, a tensor nor a stateful object; for an argument of the wrong type
-            (``max_to_keep=2.5`` or ``"3"``), naming it and the value.
+            (``max_to_keep=2.5`` or ``"3"``, an ``origin`` value that is not a string or an
+            integer), naming it and the value.
 
     Thread safety: ``save``/``save_async``/``restore`` are meant for one (training) thread;
     bookkeeping updated by the writer thread is protected by a lock.
@@ -199,6 +214,7 @@ class Saver:
         keep_best: int = 0,
         best_fn: str | Callable[[Mapping[str, float]], float | None] | None = None,
         best_mode: str = "max",
+        origin: Mapping[str, str | int] | None = None,
     ) -> None:
         del reshape, restore_sequentially, saver_def, builder, defer_build, write_version, filename
         check_var_list(var_list)
@@ -218,6 +234,7 @@ class Saver:
         full_save_every_n_saves = check_int(
             "full_save_every_n_saves", full_save_every_n_saves, minimum=1, allow_none=True
         )
+        self._origin = _check_origin(origin)
         self._var_list = var_list
         self._write_after: Waitable | None = None  # The last save_async's write_after.
         self._split_files = sharded  # TF's "sharded": several data files per save.
@@ -487,6 +504,7 @@ class Saver:
                     incremental=self._incremental,
                     max_shard_bytes=self._max_shard_bytes,
                     allow_empty=self._allow_empty,
+                    origin=self._origin,
                 )
             self._writers[sharded] = writer
         return writer

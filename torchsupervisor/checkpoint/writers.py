@@ -91,7 +91,9 @@ class SnapshotWriter:
         incremental: bool,
         max_shard_bytes: int | None,
         allow_empty: bool,
+        origin: dict[str, str | int] | None = None,
     ) -> None:
+        self._origin = origin
         self._storage = storage
         self._clock = clock
         self._keeper = keeper
@@ -207,6 +209,7 @@ class SnapshotWriter:
                 cancel=self._cancel,
                 trees=self._cache.trees,
                 metrics=target.metrics,
+                origin=self._origin,
             )
         except CheckpointSaveError as e:
             stale = e.names if isinstance(e, StaleReferenceError) else ()

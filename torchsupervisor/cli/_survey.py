@@ -26,6 +26,7 @@ from torchsupervisor.checkpoint.format import Manifest
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.recovery import restore_candidates, scan_checkpoints
 from torchsupervisor.checkpoint.references import referenced_data_files
+from torchsupervisor.checkpoint.run_id import read_run_id
 from torchsupervisor.checkpoint.state_file import get_checkpoint_state, state_file_path
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
 from torchsupervisor.storage import is_url, storage_for
@@ -199,6 +200,7 @@ def _memory_infos(logdir: str, verify: bool, root: str | None) -> list[Checkpoin
     generation in its place), as a restart finds it.
     """
     infos = []
+    run_id = read_run_id(logdir)
     for held in held_in_memory(logdir, root):
         for prefix in held.prefixes:
             info = CheckpointInfo(prefix, elsewhere=True, tier=MEMORY_TIER, rank=held.rank)
@@ -211,6 +213,9 @@ def _memory_infos(logdir: str, verify: bool, root: str | None) -> list[Checkpoin
                     f"its manifest is of step {manifest.global_step}: an older generation in "
                     "its place"
                 )
+            elif manifest is not None and manifest.origin != {"run_id": run_id, "rank": held.rank}:
+                info.status = CORRUPT
+                info.error = f"written by {manifest.origin}: another's snapshot in its place"
             infos.append(info)
     return infos
 

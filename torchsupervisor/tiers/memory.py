@@ -20,7 +20,8 @@ Generations: the rank's directory is tagged with the run id of the log directory
 are deleted unread. At each start every snapshot but the one restored is deleted: a newer
 one belongs to a timeline the restart abandoned (it failed its checks, or the disk tier won),
 and must never be restored later. A snapshot whose manifest names another step than its file
-name is refused as damaged.
+name, or whose recorded origin (run id and rank) is not this rank's of this run, is refused
+as damaged.
 
 Thread safety: ``snapshots`` and ``restore`` on the calling thread before ``start``; after it,
 the snapshot runs on the training thread at its step boundaries and ``close`` on that thread.
@@ -137,8 +138,14 @@ class MemoryTier:
         self.save_path = os.path.join(self.directory, _BASENAME)
         self._adopt(run_id)
         clean_checkpoint_dir(self.directory, storage=self.storage)
+        self.origin: dict[str, str | int] = {"run_id": run_id, "rank": rank}
+        """What every snapshot of this tier records as its ``origin`` (checked at restore)."""
         self.saver = Saver(
-            max_to_keep=config.slots - 1, incremental=False, storage=self.storage, clock=clock
+            max_to_keep=config.slots - 1,
+            incremental=False,
+            storage=self.storage,
+            clock=clock,
+            origin=self.origin,
         )
         self._session: Session | None = None
         self._global_step: GlobalStepLike | None = None
@@ -200,6 +207,11 @@ class MemoryTier:
                 self.damaged.append(
                     f"{prefix}: its manifest is of step {manifest.global_step} (an older "
                     "generation in its place)"
+                )
+            elif manifest.origin != self.origin:
+                self.damaged.append(
+                    f"{prefix}: it was written by {manifest.origin}, not by this run's rank "
+                    f"{self.origin['rank']} (another's snapshot in its place)"
                 )
             else:
                 found.append(Snapshot(manifest.global_step, prefix))
