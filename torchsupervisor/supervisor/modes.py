@@ -32,13 +32,16 @@ from typing import Any
 
 import torch.distributed as dist
 
+from torchsupervisor.checkpoint.files import checkpoint_step
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, restore_candidates
 from torchsupervisor.checkpoint.run_id import ensure_run_id, read_run_id
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
+from torchsupervisor.checkpoint.state_file import latest_checkpoint
 from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.session import Session
 from torchsupervisor.distributed import env as distributed
+from torchsupervisor.distributed.launcher import current_launcher
 from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement, agree
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 from torchsupervisor.driver.preemption import Preemption
@@ -46,7 +49,9 @@ from torchsupervisor.driver.sharded_checkpoints import ShardedCheckpointService
 from torchsupervisor.errors import AbortedError, InvalidArgumentError
 from torchsupervisor.supervisor.services import SVTimerCheckpointThread
 from torchsupervisor.supervisor.settings import Settings
+from torchsupervisor.tiers import replication
 from torchsupervisor.tiers.memory import MEMORY_TIER, MemoryTier
+from torchsupervisor.tiers.peer import PeerSender, PeerServer
 
 __all__ = [
     "ChiefMode",
@@ -60,6 +65,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("torchsupervisor")
+
+PEER_EXCHANGE_SECS = 120.0
+"""The longest the chief waits for the other ranks' peer posts, and for a last send (s)."""
 
 OPEN_POLL_SECS = 0.05
 """How often a sharded non-chief looks whether the chief has cleaned the logdir (seconds).
@@ -119,6 +127,8 @@ class Mode:
         self.peer_failure: str | None = None
         self.sess: Session | None = None
         self.memory: MemoryTier | None = None
+        self.peer_server: PeerServer | None = None
+        self.peer_sender: PeerSender | None = None
 
     def prepare(
         self, master: str, config: object, wait_for_checkpoint: bool, max_wait_secs: float
@@ -205,6 +215,48 @@ class Mode:
         self.memory.start(
             sess, self.settings.global_step, sess.restored_checkpoint if from_memory else None
         )
+        if self.peer_sender is not None:
+            self.memory.on_commit = self.peer_sender.offer
+
+    def _exchange_peers(self) -> None:
+        """With replicas and the memory tier: the chief gathers the peers' copies (fetching a
+        newer one before its restore) and picks the peer it sends to; every other rank
+        serves copies (``tiers/replication.py``)."""
+        st = self.settings
+        replicas, logdir = self.replicas, st.replica_logdir
+        if replicas is None or st.memory_tier is None or not logdir:
+            return
+        node = current_launcher().node_id
+        if not st.is_chief:
+            try:
+                self.peer_server = replication.serve_copies(st.memory_tier, logdir)
+            except OSError as e:
+                logger.warning("This rank keeps no peer replica of the memory tier: %s", e)
+            replication.exchange(replicas, node, self.peer_server, PEER_EXCHANGE_SECS)
+            return
+        if self.memory is None:
+            return
+        posts = replication.exchange(replicas, node, None, PEER_EXCHANGE_SECS)
+        candidates = restore_candidates(logdir)
+        newest = checkpoint_step(candidates[0]) if candidates else None
+        replication.adopt_local_copy(self.memory, newest)
+        if posts is None:
+            return
+        replication.fetch_newer(self.memory, posts, newest)
+        self.peer_sender = replication.start_sender(posts)
+
+    def _close_peers(self, free: bool) -> None:
+        """Stop sending (after the snapshot being sent) and serving; with ``free``, delete
+        the copies this rank keeps."""
+        sender, self.peer_sender = self.peer_sender, None
+        if sender is not None:
+            sender.close(PEER_EXCHANGE_SECS)
+        server, self.peer_server = self.peer_server, None
+        if server is not None:
+            try:
+                server.close(free=free)
+            except OSError as e:
+                logger.warning("Could not free the peer replica at %s: %s", server.directory, e)
 
     def _close_memory_tier(self) -> None:
         """Stop the memory tier; free it when the newest checkpoint holds the current step."""
@@ -261,6 +313,7 @@ class ChiefMode(Mode):
         if st.logdir:
             clean_checkpoint_dir(st.logdir)
         tiers = self._open_memory_tier() if st.is_chief else []
+        self._exchange_peers()
         sess = _prepare_session(st, master, config, wait_for_checkpoint, max_wait_secs, tiers=tiers)
         self.sess = sess
         self._start_memory_tier(sess)
@@ -330,6 +383,7 @@ class WorkerMode(Mode):
     ) -> Session:
         st = self.settings
         info: dict[str, Any] = {}
+        self._exchange_peers()
         if self.replicas is not None:
             info = self.replicas.wait_ready(st.recovery_wait_secs, max_wait_secs, clock=st.clock)
         sess = st.session_manager.wait_for_session(
@@ -341,6 +395,16 @@ class WorkerMode(Mode):
             self._stop_agreement()
         self.sess = sess
         return sess
+
+    def stop(self, aborted: bool) -> None:
+        """Stop serving peer copies; free them when the newest checkpoint holds the last
+        step (as the chief frees its memory tier)."""
+        logdir = self.settings.replica_logdir
+        newest = latest_checkpoint(logdir) if logdir and self.peer_server is not None else None
+        step = self.context.current_step()
+        self._close_peers(
+            newest is not None and step is not None and checkpoint_step(newest) == step
+        )
 
 
 class ShardedMode(Mode):

@@ -52,6 +52,8 @@ from torchsupervisor.tiers.memory_root import memory_root, rank_directory
 from torchsupervisor.tiers.tier import Snapshot
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torchsupervisor.core.clock import Clock
     from torchsupervisor.core.global_step import GlobalStepLike
     from torchsupervisor.core.session import Session
@@ -155,6 +157,9 @@ class MemoryTier:
         self._committed_step: int | None = None  # Of the newest snapshot committed.
         self.damaged: list[str] = []
         """What ``snapshots`` refused, as ``"<prefix>: <why>"``."""
+        self.on_commit: Callable[[str], object] | None = None
+        """Called with each snapshot's prefix once committed (on the writer thread): the
+        peer replica's sender."""
 
     # ---------------------------------------------------------------------------- restoring
 
@@ -336,8 +341,11 @@ class MemoryTier:
         error = future.exception()
         if error is not None:
             self._report(step, error)
-        else:
-            self._committed_step = step
+            return
+        self._committed_step = step
+        on_commit = self.on_commit
+        if on_commit is not None:
+            on_commit(future.result())
 
     def _report(self, step: int, error: BaseException) -> None:
         """Log a failed snapshot: a warning the first time for each kind of error."""

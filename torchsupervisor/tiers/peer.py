@@ -1,0 +1,372 @@
+"""Peer replicas: the chief's memory-tier snapshots copied into another node's memory.
+
+When a whole node is lost (its processes killed, its memory gone), its memory tier goes with
+it. So the chief of a replicated run (DDP) sends each snapshot it commits to a rank on another
+node, which keeps the newest copy in its own memory root; a restarted chief whose own memory
+lacks a newer snapshot fetches the copy back before it restores (every byte of it checked as
+any snapshot's), reading nothing from disk or the bucket.
+
+The transport is a plain TCP connection per snapshot:
+
+* ``PeerServer`` (on the receiving rank, a thread): listens on an ephemeral port of the node's
+  address, published to the other ranks through the process group's store with a random token
+  that every request must carry. ``put`` receives a snapshot's files (data first, the manifest
+  last) into ``<memory root>/<run key>/peer-<owner>/`` through ``MemoryTierStorage`` (the same
+  commit protocol and file modes as the tier; a name that is not a snapshot file, a size over
+  the room left, another owner or a wrong token is refused), then deletes the older copies;
+  ``get`` sends one back.
+* ``PeerSender`` (on the chief, a thread): takes the newest committed snapshot (a newer one
+  replaces one not yet sent: never a backlog), opens its files (an open file stays readable
+  when retention deletes it), and sends them.
+
+A request is one JSON line (at most 64 KiB), then the files' bytes; the answer is one JSON
+line. Nothing is ever pickled.
+
+Thread safety: the server and the sender run their own threads; their methods may be called
+from any thread.
+
+TF name: none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from torchsupervisor.checkpoint.files import checkpoint_step, remove_checkpoint
+from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, scan_checkpoints
+from torchsupervisor.storage.private import MemoryTierStorage
+
+__all__ = [
+    "PeerSender",
+    "PeerServer",
+    "fetch_snapshot",
+    "peer_directory",
+    "send_snapshot",
+    "snapshot_files",
+]
+
+logger = logging.getLogger("torchsupervisor")
+
+_FILE = re.compile(r"model\.ckpt-(\d+)\.(index|data-\d{5}-of-\d{5})\Z")
+_MAX_LINE = 1 << 16
+_CHUNK = 8 << 20
+_IO_TIMEOUT_SECS = 60.0
+_POLL_SECS = 0.2
+
+
+def peer_directory(run_directory: str, owner: int) -> str:
+    """Where a rank keeps its copies of rank ``owner``'s snapshots: ``<run dir>/peer-<owner>``."""
+    return os.path.join(run_directory, f"peer-{owner}")
+
+
+def _read_line(conn: socket.socket) -> dict[str, Any]:
+    data = bytearray()
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(1)
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        data += chunk
+        if len(data) > _MAX_LINE:
+            raise ValueError("a request line longer than 64 KiB")
+    value = json.loads(data.decode("utf-8"))
+    if not isinstance(value, dict):
+        raise ValueError("a request that is not a JSON object")
+    return value
+
+
+def _send_line(conn: socket.socket, value: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(value).encode("utf-8") + b"\n")
+
+
+def _receive(conn: socket.socket, size: int) -> Iterator[memoryview]:
+    """``size`` bytes from ``conn``, in chunks."""
+    buffer = bytearray(min(size, _CHUNK) or 1)
+    left = size
+    while left:
+        view = memoryview(buffer)[: min(left, len(buffer))]
+        got = conn.recv_into(view)
+        if not got:
+            raise ConnectionError(f"the peer closed the connection with {left} bytes to come")
+        left -= got
+        yield view[:got]
+
+
+def _files(files: object, step: int) -> list[tuple[str, int]]:
+    """The announced files, checked: snapshot files of ``step``, the manifest last."""
+    if not isinstance(files, list) or not files:
+        raise ValueError("no files")
+    checked = []
+    for item in files:
+        if not (isinstance(item, list) and len(item) == 2):
+            raise ValueError(f"a file entry that is not [name, size]: {item!r}")
+        name, size = item
+        match = _FILE.match(name) if isinstance(name, str) else None
+        if match is None or int(match.group(1)) != step:
+            raise ValueError(f"not a file of the snapshot of step {step}: {name!r}")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"a size that is not a byte count: {size!r}")
+        checked.append((name, size))
+    if not checked[-1][0].endswith(".index") or sum(n.endswith(".index") for n, _ in checked) != 1:
+        raise ValueError("the manifest must come last, once")
+    return checked
+
+
+class PeerServer:
+    """Keeps copies of rank ``owner``'s snapshots sent by it, and gives them back (module
+    docstring).
+
+    Args:
+        root: The memory tier's root (``tiers.memory_root.memory_root``).
+        directory: Where the copies go (``peer_directory``), made 0700 under ``root``.
+        owner: The rank whose snapshots are kept.
+        host: The address to listen on (this node's, as the other nodes reach it).
+
+    Attributes:
+        address: ``"host:port"`` to publish.
+        token: The secret every request must carry (published with the address).
+
+    Raises:
+        OSError: The directory cannot be made or the port not bound.
+    """
+
+    def __init__(self, root: str, directory: str, owner: int, host: str) -> None:
+        self.storage = MemoryTierStorage()
+        self.directory = directory
+        self.root = root
+        self.owner = owner
+        self.storage.prepare_directory(root, directory)
+        clean_checkpoint_dir(directory, storage=self.storage)
+        self.token = secrets.token_hex(16)
+        self._socket = socket.create_server((host, 0))
+        self._socket.settimeout(_POLL_SECS)
+        self.address = f"{host}:{self._socket.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve, name="torchsupervisor-peer-server", daemon=True
+        )
+        self._thread.start()
+
+    def holds(self) -> list[int]:
+        """The steps of the copies held, newest first (committed: their manifest is there)."""
+        steps = [checkpoint_step(p) for p in scan_checkpoints(self.directory, storage=self.storage)]
+        return sorted((s for s in steps if s is not None), reverse=True)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._socket.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # Closed.
+            with conn:
+                conn.settimeout(_IO_TIMEOUT_SECS)
+                try:
+                    self._handle(conn)
+                except Exception as e:  # A bad or broken request never stops the server.
+                    logger.warning("Peer replica: a request was refused: %s", e)
+                    with contextlib.suppress(OSError):
+                        _send_line(conn, {"error": str(e)})
+                        _close_gently(conn)
+
+    def _handle(self, conn: socket.socket) -> None:
+        request = _read_line(conn)
+        token = request.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(token, self.token):
+            raise PermissionError("a request without this server's token")
+        if request.get("owner") != self.owner:
+            raise ValueError(f"a snapshot of rank {request.get('owner')!r}, not {self.owner}")
+        step = request.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"not a step: {step!r}")
+        if request.get("op") == "put":
+            self._put(conn, step, _files(request.get("files"), step))
+        elif request.get("op") == "get":
+            self._get(conn, step)
+        else:
+            raise ValueError(f"unknown operation {request.get('op')!r}")
+
+    def _put(self, conn: socket.socket, step: int, files: list[tuple[str, int]]) -> None:
+        self.storage.check_room(self.directory, sum(size for _, size in files))
+        prefix = os.path.join(self.directory, f"model.ckpt-{step}")
+        try:
+            for name, size in files:
+                self.storage.put_streamed(os.path.join(self.directory, name), _receive(conn, size))
+        except BaseException:
+            remove_checkpoint(prefix, storage=self.storage)
+            raise
+        for held in self.holds():
+            if held != step:
+                remove_checkpoint(
+                    os.path.join(self.directory, f"model.ckpt-{held}"), storage=self.storage
+                )
+        _send_line(conn, {"ok": step})
+
+    def _get(self, conn: socket.socket, step: int) -> None:
+        if step not in self.holds():
+            raise ValueError(f"no copy of step {step}")
+        prefix = os.path.join(self.directory, f"model.ckpt-{step}")
+        _send_prefix(conn, prefix, self.storage, {"step": step})
+
+    def close(self, *, free: bool = False) -> None:
+        """Stop serving; with ``free``, delete the copies (a clean end)."""
+        self._stop.set()
+        self._socket.close()
+        self._thread.join(_IO_TIMEOUT_SECS)
+        if free:
+            self.storage.remove_directory(self.root, self.directory)
+
+
+def _close_gently(conn: socket.socket) -> None:
+    """Read what the peer still sends (for 5 s at most), so that closing does not reset the
+    connection before it has read the answer."""
+    conn.shutdown(socket.SHUT_WR)
+    conn.settimeout(1.0)
+    deadline = time.monotonic() + 5.0
+    with contextlib.suppress(OSError):
+        while time.monotonic() < deadline and conn.recv(1 << 16):
+            pass
+
+
+def snapshot_files(prefix: str, storage: MemoryTierStorage) -> list[str]:
+    """The files of the snapshot ``prefix``: its data files, then its manifest."""
+    directory, base = os.path.split(prefix)
+    names = sorted(n for n in storage.list(directory) if n.startswith(base + ".data-"))
+    return [*names, base + ".index"]
+
+
+def _send_prefix(
+    conn: socket.socket, prefix: str, storage: MemoryTierStorage, header: dict[str, Any]
+) -> None:
+    """Send the header line with the files' names and sizes, then their bytes. Every file is
+    opened first, so that a deletion meanwhile (retention) does not change what is sent."""
+    directory = os.path.dirname(prefix)
+    with contextlib.ExitStack() as stack:
+        opened = []
+        for name in snapshot_files(prefix, storage):
+            f = stack.enter_context(open(os.path.join(directory, name), "rb"))
+            opened.append((name, f, os.fstat(f.fileno()).st_size))
+        _send_line(conn, {**header, "files": [[name, size] for name, _, size in opened]})
+        for _, f, size in opened:
+            if conn.sendfile(f, 0, size) != size:
+                raise ConnectionError("the peer stopped reading")
+
+
+def _connect(address: str) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    conn = socket.create_connection((host, int(port)), timeout=_IO_TIMEOUT_SECS)
+    return conn
+
+
+def send_snapshot(address: str, token: str, owner: int, prefix: str) -> None:
+    """Send the snapshot ``prefix`` of rank ``owner`` to the ``PeerServer`` at ``address``.
+
+    Raises:
+        OSError: It could not be read or sent; ``RuntimeError``: the server refused it.
+    """
+    step = checkpoint_step(prefix)
+    storage = MemoryTierStorage()
+    with _connect(address) as conn:
+        header = {"op": "put", "token": token, "owner": owner, "step": step}
+        _send_prefix(conn, prefix, storage, header)
+        answer = _read_line(conn)
+    if answer.get("ok") != step:
+        raise RuntimeError(f"the peer at {address} refused the snapshot: {answer.get('error')}")
+
+
+def fetch_snapshot(
+    address: str, token: str, owner: int, step: int, root: str, directory: str
+) -> str:
+    """Fetch the copy of rank ``owner``'s snapshot of ``step`` from the ``PeerServer`` at
+    ``address`` into ``directory`` (the data first, the manifest last); return its prefix.
+
+    Raises:
+        OSError, ValueError: It could not be fetched (nothing of it is left).
+        RuntimeError: The server has no such copy.
+    """
+    storage = MemoryTierStorage()
+    storage.prepare_directory(root, directory)
+    prefix = os.path.join(directory, f"model.ckpt-{step}")
+    with _connect(address) as conn:
+        _send_line(conn, {"op": "get", "token": token, "owner": owner, "step": step})
+        answer = _read_line(conn)
+        if "error" in answer:
+            raise RuntimeError(f"the peer at {address} has no copy: {answer['error']}")
+        files = _files(answer.get("files"), step)
+        storage.check_room(directory, sum(size for _, size in files))
+        try:
+            for name, size in files:
+                storage.put_streamed(os.path.join(directory, name), _receive(conn, size))
+        except BaseException:
+            remove_checkpoint(prefix, storage=storage)
+            raise
+    return prefix
+
+
+class PeerSender:
+    """Sends the newest committed snapshot to a peer, on a thread of its own (module docstring).
+
+    Args:
+        address, token: The peer's ``PeerServer``.
+        owner: This rank (whose snapshots they are).
+
+    Thread safety: ``offer`` from any thread.
+    """
+
+    def __init__(self, address: str, token: str, owner: int) -> None:
+        self.address = address
+        self._token = token
+        self._owner = owner
+        self._lock = threading.Condition()
+        self._pending: str | None = None
+        self._closed = False
+        self._failures: set[str] = set()
+        self.sent: int | None = None
+        """The step of the newest snapshot the peer holds."""
+        self._thread = threading.Thread(
+            target=self._run, name="torchsupervisor-peer-sender", daemon=True
+        )
+        self._thread.start()
+
+    def offer(self, prefix: str) -> None:
+        """Send ``prefix`` next (replacing one offered and not yet started)."""
+        with self._lock:
+            self._pending = prefix
+            self._lock.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while self._pending is None and not self._closed:
+                    self._lock.wait()
+                if self._pending is None:
+                    return
+                prefix, self._pending = self._pending, None
+            try:
+                send_snapshot(self.address, self._token, self._owner, prefix)
+            except Exception as e:
+                kind = type(e).__name__
+                (logger.debug if kind in self._failures else logger.warning)(
+                    "Peer replica: %s could not be sent to %s: %s", prefix, self.address, e
+                )
+                self._failures.add(kind)
+            else:
+                self.sent = checkpoint_step(prefix)
+
+    def close(self, timeout_secs: float | None = None) -> None:
+        """Send what is pending, then stop (waiting at most ``timeout_secs``)."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join(timeout_secs)
