@@ -1,12 +1,12 @@
 """A whole node lost: the chief's node (its torchrun agent and worker killed, its memory root
 deleted) comes back empty, and the replicated (DDP) run resumes from the peer copy of the
-chief's memory-tier snapshot that the other node kept, not from the disk.
+chief's memory-tier snapshot that another node kept, not from the disk.
 
 Each "node" is a ``torchrun --nnodes=2 --nproc_per_node=1`` agent with its own working
-directory and memory root; the rendezvous store is hosted by this test (as an etcd or a
-login node would be), so that losing either node does not lose it. The log directory is
-shared (the disk tier), and holds only the checkpoint of the start: a resume past it comes
-from the memory tier.
+directory and memory root; the rendezvous store is hosted by this test (as an etcd or a login
+node would be), so that losing any node does not lose it. The log directory is shared (the
+disk tier), and holds only the checkpoint of the start: a resume past it comes from the
+memory tier.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch.distributed as dist
 from free_ports import free_port
 from repo_paths import repo
@@ -27,21 +28,21 @@ from repo_paths import repo
 from torchsupervisor.checkpoint.state_file import latest_checkpoint
 from torchsupervisor.tiers.memory_root import memory_root, run_key
 
-from .test_multi_node import _worker_with_rank
+from .test_multi_node import _children, _rank_of
 
 ROOT = repo()
 MAX_STEPS = 400
 _RESUMED = re.compile(r"rank (\d+): resumed at step (\d+) from (\S+)( \(memory tier\))?")
 
 
-def _agent(port: int, logdir: str, workdir, env) -> tuple[subprocess.Popen, object]:
+def _agent(port: int, logdir: str, workdir, env, n: int) -> tuple[subprocess.Popen, object]:
     workdir.mkdir()
     (workdir / "shm").mkdir()
     log = open(workdir / "out.log", "w")  # noqa: SIM115 (closed by the test)
     command = [
         sys.executable,
         *("-m", "torch.distributed.run"),
-        *("--nnodes=2", "--nproc_per_node=1", "--max-restarts=1"),
+        *(f"--nnodes={n}", "--nproc_per_node=1", "--max-restarts=1"),
         *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=node-loss"),
         "--rdzv-conf=is_host=false",
         os.path.join(ROOT, "examples", "ddp_digits.py"),
@@ -55,22 +56,37 @@ def _agent(port: int, logdir: str, workdir, env) -> tuple[subprocess.Popen, obje
     return process, log
 
 
+def _worker_with_rank(agents, rank: int, deadline: float) -> tuple[int, int]:
+    """The pid of the worker with ``rank`` and the index of its node (agent)."""
+    while time.monotonic() < deadline:
+        for node, agent in enumerate(agents):
+            for pid in _children(agent.pid):
+                if _rank_of(pid) == rank:
+                    return pid, node
+        time.sleep(0.1)
+    raise AssertionError(f"no worker with RANK={rank} among the agents' children")
+
+
 def _peer_copies(workdir, logdir: str) -> list[int]:
     run = os.path.join(memory_root(str(workdir / "shm")), run_key(logdir))
     found = glob.glob(os.path.join(run, "peer-0", "model.ckpt-*.index"))
     return sorted(int(os.path.basename(p)[len("model.ckpt-") : -len(".index")]) for p in found)
 
 
-def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(tmp_path):
+# With 3 nodes the restarted round does not form here yet (one survivor's agent starts no
+# worker and rank 0 waits for it): not understood yet, so not tested (issue 43's note).
+@pytest.mark.parametrize("n", [2], ids=["2 nodes"])
+def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(tmp_path, n):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     logdir = str(tmp_path / "logdir")
-    nodes = {i: _agent(port, logdir, tmp_path / f"node{i}", env) for i in (0, 1)}
+    nodes = {i: _agent(port, logdir, tmp_path / f"node{i}", env, n) for i in range(n)}
     try:
         deadline = time.monotonic() + 180
-        chief, chief_node = _worker_with_rank([nodes[0][0], nodes[1][0]], 0, deadline)
-        peer_node = 1 - chief_node
+        agents = [nodes[i][0] for i in range(n)]
+        chief, chief_node = _worker_with_rank(agents, 0, deadline)
+        _, peer_node = _worker_with_rank(agents, 1, deadline)  # The chief's peer: rank 1's.
         while not [s for s in _peer_copies(tmp_path / f"node{peer_node}", logdir) if s >= 20]:
             assert all(p.poll() is None for p, _ in nodes.values()), "a node ended too soon"
             assert time.monotonic() < deadline, "no peer copy past step 20 within 180 s"
@@ -84,9 +100,10 @@ def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(tmp_path
         copied = max(_peer_copies(tmp_path / f"node{peer_node}", logdir))
         assert copied < MAX_STEPS, "training ended before the node loss: raise MAX_STEPS"
         # It comes back, empty.
-        nodes[2] = _agent(port, logdir, tmp_path / "node2", env)
-        for process in (nodes[peer_node][0], nodes[2][0]):
-            process.wait(300)
+        nodes[n] = _agent(port, logdir, tmp_path / f"node{n}", env, n)
+        alive = [i for i in nodes if i != chief_node]
+        for i in alive:
+            nodes[i][0].wait(300)
     finally:
         for process, log in nodes.values():
             if process.poll() is None:
@@ -94,22 +111,22 @@ def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(tmp_path
                 process.wait(30)
             log.close()
         del store
-    survivor = (tmp_path / f"node{peer_node}" / "out.log").read_text()
-    back = (tmp_path / "node2" / "out.log").read_text()
-    assert [nodes[peer_node][0].returncode, nodes[2][0].returncode] == [0, 0], (
-        survivor[-3000:] + "\n\n" + back[-3000:]
+    outputs = [(tmp_path / f"node{i}" / "out.log").read_text() for i in alive]
+    assert [nodes[i][0].returncode for i in alive] == [0] * n, "\n\n".join(
+        o[-3000:] for o in outputs
     )
-    resumed = sorted(m.groups() for o in (survivor, back) for m in _RESUMED.finditer(o))
-    (rank0, rank1) = resumed
-    step = int(rank0[1])
+    text = "\n".join(outputs)
+    resumed = sorted(m.groups() for m in _RESUMED.finditer(text))
+    assert len(resumed) == n, resumed
+    step = int(resumed[0][1])
     # The chief resumed from the memory tier at a step no older than the copy seen before the
-    # loss; the disk held only the checkpoint of the start.
-    assert rank0[0] == "0" and rank0[3] == " (memory tier)", resumed
-    assert step >= copied and rank1[:2] == ("1", str(step))
-    assert "peer copy" in survivor + back
-    for output in (survivor, back):
-        assert re.search(rf"rank \d: done at step {MAX_STEPS}", output)
+    # loss (the disk held only the checkpoint of the start), and every rank with it.
+    assert resumed[0][0] == "0" and resumed[0][3] == " (memory tier)", resumed
+    assert step >= copied
+    assert [(r[0], r[1]) for r in resumed] == [(str(rank), str(step)) for rank in range(n)]
+    assert "peer copy" in text
+    assert len(re.findall(rf"rank \d: done at step {MAX_STEPS}", text)) == n
     assert latest_checkpoint(logdir).endswith(f"model.ckpt-{MAX_STEPS}")
     # A clean end whose final checkpoint holds the last step frees the memory and the copies.
-    for node in (peer_node, 2):
-        assert os.listdir(memory_root(str(tmp_path / f"node{node}" / "shm"))) == []
+    for i in alive:
+        assert os.listdir(memory_root(str(tmp_path / f"node{i}" / "shm"))) == [], i

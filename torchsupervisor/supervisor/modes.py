@@ -23,6 +23,7 @@ Thread safety: used on the training thread, as the Supervisor.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -36,7 +37,6 @@ from torchsupervisor.checkpoint.files import checkpoint_step
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, restore_candidates
 from torchsupervisor.checkpoint.run_id import ensure_run_id, read_run_id
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
-from torchsupervisor.checkpoint.state_file import latest_checkpoint
 from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.session import Session
@@ -68,6 +68,9 @@ logger = logging.getLogger("torchsupervisor")
 
 PEER_EXCHANGE_SECS = 120.0
 """The longest the chief waits for the other ranks' peer posts, and for a last send (s)."""
+
+PEER_END = "memory/end"
+"""Where the chief says whether the copies of its memory tier may be freed."""
 
 OPEN_POLL_SECS = 0.05
 """How often a sharded non-chief looks whether the chief has cleaned the logdir (seconds).
@@ -260,15 +263,20 @@ class Mode:
 
     def _close_memory_tier(self) -> None:
         """Stop the memory tier; free it when the newest checkpoint holds the current step."""
-        memory, self.memory = self.memory, None
-        if memory is None:
-            return
         driver = self.driver
         saved = (
             driver is not None
             and driver.last_error is None
             and (driver.last_step is not None and driver.last_step == self.context.current_step())
         )
+        self._close_peers(saved)
+        if self.replicas is not None and self.settings.memory_tier is not None:
+            # The ranks keeping copies free them on this word (``WorkerMode.stop``).
+            with contextlib.suppress(Exception):
+                self.replicas.publish_ready({"free": saved}, name=PEER_END)
+        memory, self.memory = self.memory, None
+        if memory is None:
+            return
         try:
             memory.close(free=saved)
         except OSError as e:
@@ -397,14 +405,20 @@ class WorkerMode(Mode):
         return sess
 
     def stop(self, aborted: bool) -> None:
-        """Stop serving peer copies; free them when the newest checkpoint holds the last
-        step (as the chief frees its memory tier)."""
-        logdir = self.settings.replica_logdir
-        newest = latest_checkpoint(logdir) if logdir and self.peer_server is not None else None
-        step = self.context.current_step()
-        self._close_peers(
-            newest is not None and step is not None and checkpoint_step(newest) == step
-        )
+        """Stop serving peer copies; free them when the chief says its final checkpoint
+        holds the last step (it publishes that at its own end; waited for at most
+        ``PEER_EXCHANGE_SECS``, not after an abort: the copies are kept)."""
+        free = False
+        if self.peer_server is not None and self.replicas is not None and not aborted:
+            try:
+                st = self.settings
+                info = self.replicas.wait_ready(
+                    0.05, PEER_EXCHANGE_SECS, name=PEER_END, clock=st.clock
+                )
+                free = bool(info.get("free"))
+            except Exception as e:
+                logger.info("Keeping the peer copy of the memory tier: %s", e)
+        self._close_peers(free)
 
 
 class ShardedMode(Mode):

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.checkpoint.files import checkpoint_step, remove_checkpoint
 from torchsupervisor.checkpoint.recovery import scan_checkpoints
+from torchsupervisor.distributed.launcher import current_launcher
 from torchsupervisor.errors import DeadlineExceededError
 from torchsupervisor.tiers.memory_root import memory_root, rank_directory
 from torchsupervisor.tiers.peer import (
@@ -62,12 +63,12 @@ _OWNER = 0  # The chief: the rank whose snapshots are copied (a replicated state
 
 
 def peer_host() -> str:
-    """``$TORCHSUPERVISOR_PEER_HOST``; else the loopback when the rendezvous is on it (every
-    node on this host); else this host's address."""
+    """``$TORCHSUPERVISOR_PEER_HOST``; else the loopback when the ranks meet on it (every
+    node on this host: the launcher's rendezvous address); else this host's address."""
     host = os.environ.get(PEER_HOST_ENV)
     if host:
         return host
-    if os.environ.get("MASTER_ADDR", "127.0.0.1") in _LOOPBACK:
+    if (current_launcher().master_addr or "127.0.0.1") in _LOOPBACK:
         return "127.0.0.1"
     return socket.gethostbyname(socket.gethostname())
 
