@@ -269,6 +269,8 @@ class Mode:
             and driver.last_error is None
             and (driver.last_step is not None and driver.last_step == self.context.current_step())
         )
+        if self.memory is not None:
+            self.memory.on_commit = None  # Nothing more goes to the peer after its close.
         self._close_peers(saved)
         if self.replicas is not None and self.settings.memory_tier is not None:
             # The ranks keeping copies free them on this word (``WorkerMode.stop``).
