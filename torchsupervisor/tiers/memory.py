@@ -226,9 +226,9 @@ class MemoryTier:
         """Load the snapshot ``prefix`` into ``sess``'s state after checking every byte.
 
         Raises:
-            CorruptCheckpointError: A file is missing, truncated or fails its checksum, or the
-                manifest names another step than the file (the state is then unchanged).
-            ValueError: It is not a snapshot any more (deleted meanwhile).
+            CorruptCheckpointError: A file is missing, truncated or fails its checksum, the
+                manifest names another step than the file or another origin, or it is not a
+                committed snapshot (deleted meanwhile); the state is then unchanged.
             NotFoundError, InvalidArgumentError: As ``Saver.restore``: the state does not
                 match it.
         """
