@@ -114,6 +114,7 @@ def test_a_kill_9_loses_at_most_one_step_and_resumes_bitwise(tmp_path, reference
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(4 * 3600)  # About 13 s a trial on 2 cores: 45 minutes.
 def test_200_kills_at_random_moments(tmp_path, reference):
     rng = random.Random(200)
     for trial in range(200):
