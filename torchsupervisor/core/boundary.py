@@ -84,7 +84,9 @@ class StepBoundary:
         if threading.get_ident() != self.owner_ident:
             return
         with self._lock:
-            tasks, self._tasks = self._tasks, []
+            tasks = self._tasks
+            if tasks:  # No new list at a boundary with only ``call_each`` work (every step).
+                self._tasks = []
             each = self._each
             self.pending = bool(each)
         for i, task in enumerate(tasks):

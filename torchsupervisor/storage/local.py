@@ -113,6 +113,26 @@ class LocalStorage(Storage):
         """
         parts = [memoryview(c).cast("B") for c in chunks]
         direct = bool(parts) and len(parts[0]) >= _DIRECT_MIN_BYTES
+        self._put_parts(path, parts, direct, cancel)
+
+    def put_streamed(self, path: str, chunks: Iterable[Buffer]) -> None:
+        """Write ``path`` as ``put`` does, each chunk as it comes (buffered): a chunk's buffer
+        may be reused once the next is asked for (a socket's), and the file is never held in
+        memory whole.
+
+        Raises:
+            OSError: The write failed (nothing of it is left); whatever ``chunks`` raises.
+        """
+        self._put_parts(path, (memoryview(c).cast("B") for c in chunks), False, None)
+
+    def _put_parts(
+        self,
+        path: str,
+        parts: Iterable[memoryview],
+        direct: bool,
+        cancel: threading.Event | None,
+    ) -> None:
+        """The commit protocol of one file: temporary name, write, fsync, rename, fsync dir."""
         tmp = temporary_name(path)
         renamed = False
         try:

@@ -10,17 +10,14 @@ Thread safety: as ``LocalStorage``.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import mmap
 import os
 import stat
 import struct
-from collections.abc import Iterable
 
 from torchsupervisor.errors import MemoryTierFullError
-from torchsupervisor.storage.base import Buffer
-from torchsupervisor.storage.local import LocalStorage, temporary_name
+from torchsupervisor.storage.local import LocalStorage
 
 __all__ = ["MemoryTierStorage", "SharedCounter"]
 
@@ -109,34 +106,6 @@ class MemoryTierStorage(LocalStorage):
             except OSError:  # Not empty (another rank's directory, a sub-directory): kept.
                 return
             level = os.path.dirname(level)
-
-    def put_streamed(self, path: str, chunks: Iterable[Buffer]) -> None:
-        """Write ``path`` as ``put`` does (temporary name, fsync, rename), each chunk as it
-        comes: a chunk's buffer may be reused once the next is asked for (a socket's), and
-        the file is never held in memory whole.
-
-        Raises:
-            OSError: The write failed (nothing of it is left); whatever ``chunks`` raises.
-        """
-        tmp = temporary_name(path)
-        renamed = False
-        try:
-            fd = self._create(tmp, direct=False)
-            try:
-                for chunk in chunks:
-                    self._write_all(fd, tmp, memoryview(chunk).cast("B"), None)
-                self._before("fsync", tmp)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            self._before("rename", path)
-            os.replace(tmp, path)
-            renamed = True
-            self._fsync_dir(os.path.dirname(path))
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path if renamed else tmp)
-            raise
 
     def open_counter(self, path: str) -> SharedCounter:
         """A counter in the file ``path`` (made 0600 if missing, 8 bytes), mapped in memory:

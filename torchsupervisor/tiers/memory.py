@@ -13,7 +13,9 @@ step only once the snapshot of the step before it is committed (``increment`` wa
 it is done already unless writing a snapshot takes longer than a step). So a process killed
 at any moment has a committed snapshot of the last step it counted, or of the one before:
 a hard failure loses at most the step it was running. (With a plain tensor as the global
-step there is no such wait: a step faster than a snapshot's write may then lose two.)
+step there is no such wait: a step faster than a snapshot's write may then lose two; and the
+step is read at every boundary to know whether a snapshot is due, a device sync for a CUDA
+tensor. Use a ``GlobalStep``.)
 
 Generations: the rank's directory is tagged with the run id of the log directory
 (``checkpoint/run_id``). Snapshots of another run (a log directory removed and made again)
