@@ -11,14 +11,17 @@ import textwrap
 
 import pytest
 
+from free_ports import free_port
+
 from torchsupervisor.distributed import env as dist_env
+from torchsupervisor.distributed import launcher as launcher_module
 from torchsupervisor.distributed.launcher import (
     SlurmLauncher,
     TorchrunLauncher,
     current_launcher,
     first_host,
 )
-from torchsupervisor.errors import InvalidArgumentError
+from torchsupervisor.errors import InvalidArgumentError, UnavailableError
 
 SLURM = {
     "SLURM_STEP_ID": "0",
@@ -81,6 +84,15 @@ def test_torchrun_variables_give_the_place_of_this_worker():
     assert launcher.store_outlives_attempts(object()) is False  # No shared agent store.
     shared = current_launcher({**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "True"})
     assert shared.store_outlives_attempts(object()) is True  # A group connect did not make.
+
+
+def test_an_agent_store_that_is_gone_is_a_clear_error_not_a_hang(monkeypatch):
+    # What a node that survived a lost rank-0 node gets from torchrun: the old store's address.
+    monkeypatch.setattr(launcher_module, "AGENT_STORE_WAIT_SECS", 0.5)
+    gone = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    launcher = current_launcher({**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "True", **gone})
+    with pytest.raises(UnavailableError, match=r"refused .* TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        launcher.rendezvous(30.0)
 
 
 def test_torchrun_under_srun_is_torchrun_and_the_override_wins():

@@ -34,6 +34,8 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
+import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,12 +44,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch.distributed as dist
 
 from torchsupervisor.distributed.attempt import attempt_namespace
-from torchsupervisor.errors import InvalidArgumentError
+from torchsupervisor.errors import InvalidArgumentError, UnavailableError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
+    "AGENT_STORE_WAIT_SECS",
     "LAUNCHER_ENV",
     "NAMESPACED_GROUPS",
     "Launcher",
@@ -58,6 +61,10 @@ __all__ = [
 ]
 
 LAUNCHER_ENV = "TORCHSUPERVISOR_LAUNCHER"
+# How long a worker waits for torchrun's agent store to accept a connection (seconds). The
+# rank-0 agent listens before any agent learns the address, so a store that refuses this long
+# is gone, not slow.
+AGENT_STORE_WAIT_SECS = 60.0
 """The environment variable that names the launcher (``torchrun`` or ``slurm``) over detection."""
 
 # The process groups made on a rendezvous under a namespace of their attempt (``connect`` adds
@@ -180,6 +187,7 @@ class TorchrunLauncher(_Placement):
             raise InvalidArgumentError(
                 "torchrun's agent store needs $MASTER_ADDR and $MASTER_PORT (unset here)"
             )
+        _wait_for_agent_store(self.master_addr, self.master_port, AGENT_STORE_WAIT_SECS)
         timeout = datetime.timedelta(seconds=timeout_secs)
         store = dist.TCPStore(self.master_addr, self.master_port, is_master=False, timeout=timeout)
         prefix = attempt_namespace(store, self.rank, self.world_size, timeout_secs)
@@ -193,6 +201,34 @@ class TorchrunLauncher(_Placement):
         """True for a group on torchrun's shared agent store that ``connect`` did not make
         (``init_process_group`` by the program)."""
         return self.agent_store and group not in NAMESPACED_GROUPS
+
+
+def _wait_for_agent_store(addr: str, port: int, within_secs: float) -> None:
+    """Return once ``addr:port`` accepts a TCP connection.
+
+    Raises:
+        UnavailableError: Nothing listened there within ``within_secs`` seconds. The known
+            cause, named in the message: a node that survives a lost rank-0 node keeps that
+            node's store address into the next round (torch's c10d rendezvous caches it when
+            the node is not rank 0 of the new round).
+    """
+    deadline = time.monotonic() + within_secs
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=5.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise UnavailableError(
+                    None,
+                    None,
+                    f"torchrun's agent store at {addr}:{port} ($MASTER_ADDR:$MASTER_PORT) "
+                    f"refused connections for {within_secs:g} s ({e}): its node is gone. "
+                    "torchrun gives a node that survived a lost rank-0 node the old round's "
+                    "store address; launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                    "where nodes can be lost",
+                ) from e
+        time.sleep(0.2)
 
 
 @dataclass(frozen=True)
