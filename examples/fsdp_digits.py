@@ -13,8 +13,10 @@ Every rank holds one shard of the parameters and of the Adam moments (DTensors).
   the manifest and the ``checkpoint`` state file, and the summaries.
 
 Stop it (Ctrl-C, SIGTERM to any rank) and run the same command again: every rank resumes at
-the same step from the final checkpoint. A sharded save blocks the training threads while the
-shards are written (see ``docs/distributed.md``).
+the same step from the final checkpoint. With ``--memory-every-n-steps 1`` every rank also
+keeps its shards in host memory at every step: ``kill -9`` a rank under ``torchrun
+--max-restarts=1`` and the restarted ranks resume from there, a step or two back. A sharded
+save blocks the training threads while the shards are written (see ``docs/distributed.md``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--save-model-secs", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=100, help="print every N steps")
+    parser.add_argument(
+        "--memory-every-n-steps",
+        type=int,
+        default=0,
+        help="every rank keeps a snapshot of its shards in host memory (/dev/shm) every N "
+        "steps (0: off)",
+    )
     args = parser.parse_args()
 
     # Join the replicas' process group (torchrun's environment) before sharding the model.
@@ -66,6 +76,11 @@ def main() -> None:
         save_model_secs=args.save_model_secs,
         save_summaries_secs=5,
         preemption_signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT),
+        memory_tier=(
+            ts.MemoryTierConfig(every_n_steps=args.memory_every_n_steps)
+            if args.memory_every_n_steps
+            else None
+        ),
     )
 
     def train_step() -> torch.Tensor:
@@ -79,15 +94,16 @@ def main() -> None:
 
     with sv.managed_session("env://") as sess:
         if sess.restored_checkpoint:
+            tier = f" ({sess.restored_tier} tier)" if sess.restored_tier else ""
             print(
-                f"rank {rank}: resumed at step {step.value} from {sess.restored_checkpoint}",
+                f"rank {rank}: resumed at step {step.value} from {sess.restored_checkpoint}{tier}",
                 flush=True,
             )
         while not sv.should_stop() and step.value < args.max_steps:
             loss = sess.run(train_step)
             if sv.is_chief:
                 sv.summary_writer.add_scalar("train/loss", loss, step.value)
-            if step.value % 100 == 0:
+            if step.value % args.log_every == 0:
                 # The forward pass gathers the shards: every rank evaluates, the chief prints.
                 acc = accuracy(model, data.test_x, data.test_y)
                 if sv.is_chief:

@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-
 from free_ports import free_port
 
 from torchsupervisor.distributed import env as dist_env

@@ -23,7 +23,6 @@ Thread safety: used on the training thread, as the Supervisor.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -33,25 +32,23 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchsupervisor.checkpoint.files import checkpoint_step
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, restore_candidates
-from torchsupervisor.checkpoint.run_id import ensure_run_id, read_run_id
+from torchsupervisor.checkpoint.run_id import ensure_run_id
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
 from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.session import Session
 from torchsupervisor.distributed import env as distributed
-from torchsupervisor.distributed.launcher import current_launcher
 from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement, agree
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 from torchsupervisor.driver.preemption import Preemption
 from torchsupervisor.driver.sharded_checkpoints import ShardedCheckpointService
 from torchsupervisor.errors import AbortedError, InvalidArgumentError
+from torchsupervisor.supervisor.mode_tiers import ModeTiers
 from torchsupervisor.supervisor.services import SVTimerCheckpointThread
 from torchsupervisor.supervisor.settings import Settings
-from torchsupervisor.tiers import replication
-from torchsupervisor.tiers.memory import MEMORY_TIER, MemoryTier
-from torchsupervisor.tiers.peer import PeerSender, PeerServer
+from torchsupervisor.tiers.agreed import agreed_tier
+from torchsupervisor.tiers.memory import MEMORY_TIER
 
 __all__ = [
     "ChiefMode",
@@ -65,12 +62,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("torchsupervisor")
-
-PEER_EXCHANGE_SECS = 120.0
-"""The longest the chief waits for the other ranks' peer posts, and for a last send (s)."""
-
-PEER_END = "memory/end"
-"""Where the chief says whether the copies of its memory tier may be freed."""
 
 OPEN_POLL_SECS = 0.05
 """How often a sharded non-chief looks whether the chief has cleaned the logdir (seconds).
@@ -129,9 +120,7 @@ class Mode:
         self.agreement: StopAgreement | None = None
         self.peer_failure: str | None = None
         self.sess: Session | None = None
-        self.memory: MemoryTier | None = None
-        self.peer_server: PeerServer | None = None
-        self.peer_sender: PeerSender | None = None
+        self.tiers = ModeTiers(self.settings, replicas)
 
     def prepare(
         self, master: str, config: object, wait_for_checkpoint: bool, max_wait_secs: float
@@ -192,76 +181,7 @@ class Mode:
     def stop(self, aborted: bool) -> None:
         """End the checkpoints of the session (a second Ctrl-C ``aborted``: abandon)."""
 
-    def _open_memory_tier(self) -> list[MemoryTier]:
-        """This rank's memory tier, opened before the restore (``memory_tier`` set)."""
-        st = self.settings
-        logdir = st.replica_logdir
-        if st.memory_tier is None or not logdir or st.saver is None:
-            return []
-        if st.global_step is None:
-            logger.warning("The memory tier needs a global step; it is off")
-            return []
-        run_id = ensure_run_id(logdir) if st.is_chief else read_run_id(logdir)
-        if run_id is None:
-            logger.warning("No run id in %s: the memory tier is off on this rank", logdir)
-            return []
-        self.memory = MemoryTier(
-            st.memory_tier, logdir, run_id, rank=distributed.rank(), clock=st.clock
-        )
-        return [self.memory]
-
-    def _start_memory_tier(self, sess: Session) -> None:
-        """Snapshot into the memory tier from now on (the state restored or initialized)."""
-        if self.memory is None:
-            return
-        from_memory = sess.restored_tier == MEMORY_TIER
-        self.memory.start(
-            sess, self.settings.global_step, sess.restored_checkpoint if from_memory else None
-        )
-        if self.peer_sender is not None:
-            self.memory.on_commit = self.peer_sender.offer
-
-    def _exchange_peers(self) -> None:
-        """With replicas and the memory tier: the chief gathers the peers' copies (fetching a
-        newer one before its restore) and picks the peer it sends to; every other rank
-        serves copies (``tiers/replication.py``)."""
-        st = self.settings
-        replicas, logdir = self.replicas, st.replica_logdir
-        if replicas is None or st.memory_tier is None or not logdir:
-            return
-        node = current_launcher().node_id
-        if not st.is_chief:
-            try:
-                self.peer_server = replication.serve_copies(st.memory_tier, logdir)
-            except OSError as e:
-                logger.warning("This rank keeps no peer replica of the memory tier: %s", e)
-            replication.exchange(replicas, node, self.peer_server, PEER_EXCHANGE_SECS)
-            return
-        if self.memory is None:
-            return
-        posts = replication.exchange(replicas, node, None, PEER_EXCHANGE_SECS)
-        candidates = restore_candidates(logdir)
-        newest = checkpoint_step(candidates[0]) if candidates else None
-        replication.adopt_local_copy(self.memory, newest)
-        if posts is None:
-            return
-        replication.fetch_newer(self.memory, posts, newest)
-        self.peer_sender = replication.start_sender(posts)
-
-    def _close_peers(self, free: bool) -> None:
-        """Stop sending (after the snapshot being sent) and serving; with ``free``, delete
-        the copies this rank keeps."""
-        sender, self.peer_sender = self.peer_sender, None
-        if sender is not None:
-            sender.close(PEER_EXCHANGE_SECS)
-        server, self.peer_server = self.peer_server, None
-        if server is not None:
-            try:
-                server.close(free=free)
-            except OSError as e:
-                logger.warning("Could not free the peer replica at %s: %s", server.directory, e)
-
-    def _close_memory_tier(self) -> None:
+    def _close_tiers(self) -> None:
         """Stop the memory tier; free it when the newest checkpoint holds the current step."""
         driver = self.driver
         saved = (
@@ -269,20 +189,7 @@ class Mode:
             and driver.last_error is None
             and (driver.last_step is not None and driver.last_step == self.context.current_step())
         )
-        if self.memory is not None:
-            self.memory.on_commit = None  # Nothing more goes to the peer after its close.
-        self._close_peers(saved)
-        if self.replicas is not None and self.settings.memory_tier is not None:
-            # The ranks keeping copies free them on this word (``WorkerMode.stop``).
-            with contextlib.suppress(Exception):
-                self.replicas.publish_ready({"free": saved}, name=PEER_END)
-        memory, self.memory = self.memory, None
-        if memory is None:
-            return
-        try:
-            memory.close(free=saved)
-        except OSError as e:
-            logger.warning("Could not free the memory tier at %s: %s", memory.directory, e)
+        self.tiers.close(saved)
 
     def end_agreement(self, clean_exit: bool, failure: BaseException | None) -> None:
         """At the end of the session: tell the other replicas why it ended, stop polling.
@@ -322,11 +229,11 @@ class ChiefMode(Mode):
         st = self.settings
         if st.logdir:
             clean_checkpoint_dir(st.logdir)
-        tiers = self._open_memory_tier() if st.is_chief else []
-        self._exchange_peers()
+        tiers = self.tiers.open() if st.is_chief else []
+        self.tiers.exchange_peers()
         sess = _prepare_session(st, master, config, wait_for_checkpoint, max_wait_secs, tiers=tiers)
         self.sess = sess
-        self._start_memory_tier(sess)
+        self.tiers.start(sess)
         if self.replicas is not None:
             self.replicas.publish_ready(
                 {"checkpoint": sess.restored_checkpoint, "step": self.context.current_step()}
@@ -382,7 +289,7 @@ class ChiefMode(Mode):
             if aborted:  # A second Ctrl-C: abandon, do not wait.
                 self.driver.abandon(timeout_secs=5.0)
             self.driver.close()  # No idle writer thread outlives the session.
-        self._close_memory_tier()
+        self._close_tiers()
 
 
 class WorkerMode(Mode):
@@ -393,7 +300,7 @@ class WorkerMode(Mode):
     ) -> Session:
         st = self.settings
         info: dict[str, Any] = {}
-        self._exchange_peers()
+        self.tiers.exchange_peers()
         if self.replicas is not None:
             info = self.replicas.wait_ready(st.recovery_wait_secs, max_wait_secs, clock=st.clock)
         sess = st.session_manager.wait_for_session(
@@ -407,20 +314,7 @@ class WorkerMode(Mode):
         return sess
 
     def stop(self, aborted: bool) -> None:
-        """Stop serving peer copies; free them when the chief says its final checkpoint
-        holds the last step (it publishes that at its own end; waited for at most
-        ``PEER_EXCHANGE_SECS``, not after an abort: the copies are kept)."""
-        free = False
-        if self.peer_server is not None and self.replicas is not None and not aborted:
-            try:
-                st = self.settings
-                info = self.replicas.wait_ready(
-                    0.05, PEER_EXCHANGE_SECS, name=PEER_END, clock=st.clock
-                )
-                free = bool(info.get("free"))
-            except Exception as e:
-                logger.info("Keeping the peer copy of the memory tier: %s", e)
-        self._close_peers(free)
+        self.tiers.stop_serving(aborted)
 
 
 class ShardedMode(Mode):
@@ -448,14 +342,11 @@ class ShardedMode(Mode):
         st = self.settings
         assert replicas is not None
         logdir = st.replica_logdir
-        if st.memory_tier is not None:
-            logger.warning(
-                "The memory tier is not available yet for a state of DTensors (FSDP2): only "
-                "the checkpoints of the log directory are taken"
-            )
         if st.is_chief:
             if logdir:
                 clean_checkpoint_dir(logdir)
+                if st.memory_tier is not None:
+                    ensure_run_id(logdir)  # Before the others read it.
             replicas.publish_ready({}, name="restore/open")
         else:
             interval = min(st.recovery_wait_secs, OPEN_POLL_SECS)
@@ -468,9 +359,19 @@ class ShardedMode(Mode):
             max_wait_secs,
             what="the checkpoints to restore from (is the logdir shared by every replica?)",
         )
+        tiers = self.tiers.open(sharded=True)
+        if st.memory_tier is not None and logdir and st.saver is not None:
+            agreed = agreed_tier(self.tiers.memory, replicas, max_wait_secs)
+            tiers = [agreed] if agreed is not None else []
         try:
             sess = _prepare_session(
-                st, master, config, wait_for_checkpoint, max_wait_secs, checkpoint_dir=logdir
+                st,
+                master,
+                config,
+                wait_for_checkpoint,
+                max_wait_secs,
+                checkpoint_dir=logdir,
+                tiers=tiers,
             )
         except Exception as e:
             replicas.raise_flag("restore/failed", f"rank {replicas.rank}: {type(e).__name__}: {e}")
@@ -488,6 +389,7 @@ class ShardedMode(Mode):
             abort="restore/failed",
         )
         self.sess = sess
+        self.tiers.start(sess)
         self._stop_agreement()
         return sess
 
@@ -551,6 +453,7 @@ class ShardedMode(Mode):
     def stop(self, aborted: bool) -> None:
         if self.service is not None:
             self.service.close(wait=not aborted)
+        self._close_tiers()
 
 
 def start_mode(context: ModeContext, master: str, max_wait_secs: float, generation: int) -> Mode:
@@ -611,7 +514,7 @@ def _prepare_session(
     max_wait_secs: float,
     *,
     checkpoint_dir: str | None = None,
-    tiers: list[MemoryTier] | None = None,
+    tiers: list[Any] | None = None,
 ) -> Session:
     return st.session_manager.prepare_session(
         master,

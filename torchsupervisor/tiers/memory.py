@@ -17,6 +17,12 @@ step there is no such wait: a step faster than a snapshot's write may then lose 
 step is read at every boundary to know whether a snapshot is due, a device sync for a CUDA
 tensor. Use a ``GlobalStep``.)
 
+A sharded state (FSDP2): every rank keeps its own part (``tiers/local_shards``: its local
+shards as plain tensors) in its own directory, at its own boundaries, and the ranks agree at a
+restart on a step every rank holds (``supervisor/sharded_memory``). Ranks write at their own
+pace, up to two snapshots apart (a rank runs at most one step ahead of the slowest, whose
+snapshot may be in flight), so a sharded tier keeps two more: ``slots + 2`` snapshots.
+
 Generations: the rank's directory is tagged with the run id of the log directory
 (``checkpoint/run_id``). Snapshots of another run (a log directory removed and made again)
 are deleted unread. At each start every snapshot but the one restored is deleted: a newer
@@ -50,6 +56,7 @@ from torchsupervisor.core.global_step import GlobalStep, read_step
 from torchsupervisor.core.state import flatten_state
 from torchsupervisor.errors import CorruptCheckpointError
 from torchsupervisor.storage.private import MemoryTierStorage, SharedCounter
+from torchsupervisor.tiers.local_shards import local_session
 from torchsupervisor.tiers.memory_root import memory_root, rank_directory
 from torchsupervisor.tiers.tier import Snapshot
 
@@ -111,6 +118,8 @@ class MemoryTier:
         run_id: The run id of ``logdir`` (``checkpoint.run_id``); snapshots tagged with
             another are deleted.
         rank: This process's rank (its own directory).
+        sharded: The state holds DTensors: keep this rank's local shards (module docstring).
+        world_size: The ranks of a sharded run (recorded in each snapshot's origin).
         clock: Time source of the tier's saver.
 
     Attributes:
@@ -132,9 +141,12 @@ class MemoryTier:
         run_id: str,
         *,
         rank: int = 0,
+        sharded: bool = False,
+        world_size: int = 1,
         clock: Clock | None = None,
     ) -> None:
         self.config = config
+        self.sharded = sharded
         self.storage = MemoryTierStorage()
         root = memory_root(config.root)
         self.directory = rank_directory(root, logdir, rank)
@@ -144,14 +156,19 @@ class MemoryTier:
         clean_checkpoint_dir(self.directory, storage=self.storage)
         self.origin: dict[str, str | int] = {"run_id": run_id, "rank": rank}
         """What every snapshot of this tier records as its ``origin`` (checked at restore)."""
+        if sharded:
+            self.origin["world_size"] = world_size
+        self.slots = config.slots + (2 if sharded else 0)
+        """Snapshots this tier holds at most, the one being written included."""
         self.saver = Saver(
-            max_to_keep=config.slots - 1,
+            max_to_keep=self.slots - 1,
             incremental=False,
             storage=self.storage,
             clock=clock,
             origin=self.origin,
         )
         self._session: Session | None = None
+        self._target: Any = None  # What the saver saves: the session, or its local view.
         self._global_step: GlobalStepLike | None = None
         self._last_step: int | None = None
         self._reported: set[str] = set()
@@ -237,7 +254,7 @@ class MemoryTier:
         if prefix not in {s.prefix for s in self.snapshots()}:
             why = next((d for d in self.damaged if d.startswith(prefix + ":")), None)
             raise CorruptCheckpointError(why or f"{prefix}: not a committed snapshot")
-        self.saver.restore(sess, prefix)
+        self.saver.restore(local_session(sess) if self.sharded else sess, prefix)
 
     # ------------------------------------------------------------------------------ running
 
@@ -270,13 +287,15 @@ class MemoryTier:
         for entry in self.damaged:
             self._remove(entry.split(": ", 1)[0])
         self.saver.recover_last_checkpoints(kept)
-        _, tensors = flatten_state(sess.state)
+        target = local_session(sess) if self.sharded else sess
+        _, tensors = flatten_state(target.state)
         state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        needed = self.config.slots * (state_bytes + _MANIFEST_SLACK_BYTES)
+        needed = self.slots * (state_bytes + _MANIFEST_SLACK_BYTES)
         self.storage.check_room(self.directory, needed)
         self._log_restart(sess, read_step(global_step))
         self._reached = self.storage.open_counter(self._path(_REACHED_FILE))
         self._session = sess
+        self._target = target
         self._global_step = global_step
         self._last_step = read_step(global_step) if restored else None
         sess.boundary.call_each(self._at_boundary)
@@ -286,7 +305,7 @@ class MemoryTier:
             "Memory tier at %s: a snapshot every %d step(s), %d slots (at most %.1f MB)",
             self.directory,
             self.config.every_n_steps,
-            self.config.slots,
+            self.slots,
             needed / 1e6,
         )
 
@@ -333,7 +352,7 @@ class MemoryTier:
             return
         self._last_step = step
         try:
-            future = self.saver.save_async(self._session, self.save_path, global_step=step)
+            future = self.saver.save_async(self._target, self.save_path, global_step=step)
         except (OSError, ValueError) as error:
             self._report(step, error)
             return
@@ -374,7 +393,7 @@ class MemoryTier:
                 step.gate_increments(previous)  # Another tier's: left in place.
         if self._session is not None:
             self._session.boundary.remove_each(self._at_boundary)
-            self._session = None
+            self._session = self._target = None
         if self._reached is not None:
             self._reached.close()
             self._reached = None

@@ -1,0 +1,126 @@
+"""The memory tier of a sharded state (FSDP2): a rank killed with SIGKILL, and every rank
+resumes from its own memory at one step they all hold; a damaged part on one rank moves every
+rank to the step before, together.
+
+``examples/fsdp_digits.py`` under ``torchrun --standalone --nproc_per_node=2`` with
+``--memory-every-n-steps 1`` and no periodic checkpoint (the disk holds only the first
+checkpoint): a worker is killed at a random moment past step 30; the newest step both ranks
+hold is then damaged on one rank (a flipped bit), and the run is started again: both ranks
+refuse that step and resume from the memory tier at the step before, and train to the end.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from repo_paths import repo
+
+from torchsupervisor import latest_checkpoint
+from torchsupervisor.tiers.memory_root import memory_root
+
+from .test_multi_node import _children, _rank_of
+
+ROOT = repo()
+MAX_STEPS = 120
+_RESUMED = re.compile(r"rank (\d): resumed at step (\d+) from \S+ \((\w+) tier\)")
+_LOST = re.compile(r"at most (\d+) steps? lost")
+
+
+def _torchrun(logdir, workdir, restarts: int, fresh: bool = True) -> subprocess.Popen:
+    if fresh:
+        workdir.mkdir()
+        (workdir / "shm").mkdir()
+    command = [
+        sys.executable,
+        *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
+        f"--max-restarts={restarts}",
+        os.path.join(ROOT, "examples", "fsdp_digits.py"),
+        *("--logdir", str(logdir), "--max-steps", str(MAX_STEPS), "--save-model-secs", "3600"),
+        *("--memory-every-n-steps", "1", "--log-every", "1000"),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TORCHSUPERVISOR_MEMORY_ROOT": str(workdir / "shm"),
+    }
+    log = open(workdir / "out.log", "w")  # noqa: SIM115 (the child holds it; closed on exit)
+    try:
+        return subprocess.Popen(
+            command, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, text=True, env=env
+        )
+    finally:
+        log.close()
+
+
+def _newest_snapshot(workdir, rank: int) -> int:
+    pattern = os.path.join(memory_root(str(workdir / "shm")), "*", f"rank-{rank}", "*.index")
+    steps = [int(p[: -len(".index")].rsplit("-", 1)[1]) for p in glob.glob(pattern)]
+    return max(steps, default=-1)
+
+
+def _held(workdir, rank: int) -> list[int]:
+    pattern = os.path.join(memory_root(str(workdir / "shm")), "*", f"rank-{rank}", "*.index")
+    return sorted(int(p[: -len(".index")].rsplit("-", 1)[1]) for p in glob.glob(pattern))
+
+
+def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_path):
+    run = tmp_path / "run"
+    victim = random.Random().randrange(2)
+    process = _torchrun(tmp_path / "logdir", run, restarts=0)
+    try:
+        deadline = time.monotonic() + 180
+        while min(_newest_snapshot(run, r) for r in (0, 1)) < 30:
+            assert process.poll() is None, (run / "out.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no snapshot of step 30 on every rank in 180 s"
+            time.sleep(0.02)
+        time.sleep(random.Random().uniform(0, 0.3))
+        pid = next(p for p in _children(process.pid) if _rank_of(p) == victim)
+        os.kill(pid, signal.SIGKILL)
+        assert process.wait(120) != 0  # No restarts: torchrun stops the other rank and fails.
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+    held = [_held(run, r) for r in (0, 1)]
+    common = sorted(set(held[0]) & set(held[1]))
+    assert len(common) >= 2, held  # The ranks' writers are at most two snapshots apart.
+    # The newest step both hold is damaged on one rank: both go to the one before, together.
+    damaged = random.Random().randrange(2)
+    data = glob.glob(
+        os.path.join(
+            memory_root(str(run / "shm")), "*", f"rank-{damaged}", f"model.ckpt-{common[-1]}.data-*"
+        )
+    )
+    with open(data[0], "r+b") as f:
+        f.seek(os.path.getsize(data[0]) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    (run / "out.log").rename(run / "first.log")
+    process = _torchrun(tmp_path / "logdir", run, restarts=0, fresh=False)
+    try:
+        assert process.wait(300) == 0, (run / "out.log").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+    text = (run / "out.log").read_text()
+    assert (
+        f"step {common[-1]} of the memory tier is not usable on every rank (rank {damaged}" in text
+    )
+    resumed = sorted(_RESUMED.findall(text))
+    expected = [("0", str(common[-2]), "memory"), ("1", str(common[-2]), "memory")]
+    assert resumed == expected, (held, text[-3000:])
+    lost = [int(n) for n in _LOST.findall(text)]
+    assert lost and max(lost) <= 4, text[-3000:]  # Two more: the damaged step was dropped.
+    assert len(re.findall(rf"rank \d: done at step {MAX_STEPS}", text)) == 2, text[-3000:]
+    assert latest_checkpoint(str(tmp_path / "logdir")).endswith(f"model.ckpt-{MAX_STEPS}")
+    # A clean end whose final checkpoint holds the last step frees every rank's memory.
+    assert _held(run, 0) == _held(run, 1) == []

@@ -1,0 +1,135 @@
+"""The memory tier of a sharded run at a restart: steps every rank holds, restored by all or none.
+
+In a sharded run (FSDP2) each rank keeps only its own part in its own memory
+(``tiers/local_shards``), and the ranks' writers may be a snapshot or two apart when a rank
+dies. ``agreed_tier`` gathers every rank's committed steps and offers, on every rank, the same
+list: the steps every rank holds (``selection.choose_restore``, again after dropping each
+chosen one), newest first, so ``SessionManager`` tries the same steps in the same order on
+every rank. A restore of one is agreed: every rank loads its part (every byte checked), then
+the ranks gather their outcomes, and if any rank's part failed, the step fails on every rank
+with the reason, and every rank goes on to the next step, or to the checkpoint directory,
+together. Never a mix of steps, and each step is tried once.
+
+TF name: none.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from torchsupervisor.errors import CorruptCheckpointError, InvalidArgumentError, NotFoundError
+from torchsupervisor.tiers.selection import Part, choose_restore
+from torchsupervisor.tiers.tier import Snapshot
+
+if TYPE_CHECKING:
+    from torchsupervisor.core.session import Session
+    from torchsupervisor.distributed.replicas import ReplicaGroup
+    from torchsupervisor.tiers.memory import MemoryTier
+
+__all__ = ["AgreedTier", "agreed_tier", "common_steps"]
+
+_HOLDINGS = "memory/holdings"
+_RESTORED = "memory/restored/"
+
+logger = logging.getLogger("torchsupervisor")
+
+
+def common_steps(held: list[list[int]]) -> list[int]:
+    """The steps every rank holds, newest first.
+
+    Args:
+        held: By rank, the steps of that rank's committed snapshots.
+    """
+    holdings = {"memory": dict(enumerate(held))}
+    steps: list[int] = []
+    while True:
+        failed = [Part("memory", rank, step) for step in steps for rank in range(len(held))]
+        choice = choose_restore(holdings, len(held), ["memory"], failed)
+        if choice is None:
+            return steps
+        steps.append(choice.step)
+
+
+class AgreedTier:
+    """This rank's ``MemoryTier`` as a ``SnapshotTier`` whose steps every rank holds and whose
+    restore succeeds on every rank or on none (module docstring).
+
+    Args:
+        memory: This rank's memory tier.
+        replicas: The run's ranks.
+        steps: The steps every rank holds, newest first (``common_steps``).
+        timeout_secs: How long a rank waits for the others' outcomes (seconds).
+    """
+
+    def __init__(
+        self, memory: MemoryTier, replicas: ReplicaGroup, steps: list[int], timeout_secs: float
+    ) -> None:
+        self.memory = memory
+        self.name = memory.name
+        self.damaged: list[str] = []
+        self._replicas = replicas
+        self._steps = steps
+        self._timeout_secs = timeout_secs
+
+    def snapshots(self) -> list[Snapshot]:
+        """This rank's snapshots of the steps every rank holds, newest first."""
+        own = {s.step: s for s in self.memory.snapshots()}
+        self.damaged = list(self.memory.damaged)
+        return [
+            own[step] if step in own else Snapshot(step, self._prefix(step)) for step in self._steps
+        ]
+
+    def _prefix(self, step: int) -> str:
+        return f"{self.memory.save_path}-{step}"
+
+    def restore(self, sess: Session, prefix: str) -> None:
+        """Load this rank's part of ``prefix``'s step; fail on every rank if one rank's fails.
+
+        Raises:
+            CorruptCheckpointError: This rank's part or another's failed (naming the ranks and
+                why); every rank raises it for the same step.
+        """
+        step = int(prefix.rsplit("-", 1)[1])
+        why = None
+        try:
+            self.memory.restore(sess, prefix)
+        except (CorruptCheckpointError, NotFoundError, InvalidArgumentError, OSError) as e:
+            why = f"{type(e).__name__}: {e}"
+        replicas = self._replicas
+        name = f"{_RESTORED}{step}"
+        replicas.post(name, why)
+        outcomes = replicas.gather(
+            name, self._timeout_secs, what=f"the memory tier's restore of step {step}"
+        )
+        failed = [f"rank {rank}: {reason}" for rank, reason in enumerate(outcomes) if reason]
+        if failed:
+            raise CorruptCheckpointError(
+                f"step {step} of the memory tier is not usable on every rank ({'; '.join(failed)})"
+            )
+
+
+def agreed_tier(
+    memory: MemoryTier | None, replicas: ReplicaGroup, timeout_secs: float
+) -> AgreedTier | None:
+    """Gather every rank's committed steps; this rank's tier over the steps all hold.
+
+    Called on every rank at the same point (a rank without a memory tier posts nothing held,
+    so no step is common). None on a rank without a memory tier.
+
+    Raises:
+        DeadlineExceededError: A rank did not post its steps within ``timeout_secs``.
+    """
+    own = [] if memory is None else [s.step for s in memory.snapshots()]
+    replicas.post(_HOLDINGS, own)
+    held = replicas.gather(_HOLDINGS, timeout_secs, what="the memory tier's steps on every rank")
+    steps = common_steps(held)
+    if memory is None:
+        return None
+    if own and not steps:
+        logger.warning(
+            "The memory tier holds no step that every rank holds (by rank: %s): restoring from "
+            "the checkpoints",
+            held,
+        )
+    return AgreedTier(memory, replicas, steps, timeout_secs)
