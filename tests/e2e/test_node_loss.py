@@ -44,7 +44,8 @@ def _agent(port: int, logdir: str, workdir, env, n: int) -> tuple[subprocess.Pop
         *("-m", "torch.distributed.run"),
         *(f"--nnodes={n}", "--nproc_per_node=1", "--max-restarts=1"),
         *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=node-loss"),
-        "--rdzv-conf=is_host=false",
+        # A lost node leaves the rendezvous when its heartbeats stop: after 2 s, not 15.
+        "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=2",
         os.path.join(ROOT, "examples", "ddp_digits.py"),
         *("--logdir", logdir, "--max-steps", str(MAX_STEPS), "--save-model-secs", "3600"),
         *("--memory-every-n-steps", "1", "--log-every", "50"),
