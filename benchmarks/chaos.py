@@ -34,6 +34,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,8 +42,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import psutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "chaos_worker.py")
@@ -115,22 +114,17 @@ class Job:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHSUPERVISOR_MEMORY_ROOT": self.shm}
         self.agent = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
-    def workers(self) -> list[psutil.Process]:
+    def workers(self) -> list[int]:
+        """The agent's worker processes (pids)."""
         if self.agent is None:
             return []
-        try:
-            return psutil.Process(self.agent.pid).children()
-        except psutil.NoSuchProcess:
-            return []
+        return [pid for pid in _children(self.agent.pid) if "chaos_worker.py" in _cmdline(pid)]
 
     def kill_a_process(self, rng: random.Random) -> bool:
         workers = self.workers()
         if len(workers) < 2:
             return False
-        with_rank = [w for w in workers if "chaos_worker.py" in " ".join(w.cmdline())]
-        if not with_rank:
-            return False
-        rng.choice(with_rank).kill()
+        _kill([rng.choice(workers)])
         return True
 
     def lose_the_node(self) -> None:
@@ -141,15 +135,48 @@ class Job:
     def stop(self) -> None:
         if self.agent is None:
             return
-        victims = [psutil.Process(self.agent.pid), *self.workers()]
-        for process in victims:
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
+        workers = self.workers()
+        _kill([self.agent.pid, *workers])
         self.agent.wait(60)
-        psutil.wait_procs(victims, timeout=30)
+        _wait_gone(workers, 30)
         self.agent = None
+
+
+def _children(pid: int) -> list[int]:
+    """The living children of ``pid`` (from ``/proc``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == pid:
+                found.append(int(entry))
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_gone(pids: list[int], timeout_secs: float) -> None:
+    deadline = time.monotonic() + timeout_secs
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.05)
 
 
 def schedule(args: argparse.Namespace, seed: int) -> list[tuple[float, str]]:
@@ -239,9 +266,10 @@ def clean_step_secs(args: argparse.Namespace, base: str) -> float:
             while _highest_step(progress) < 20 + args.clean_steps and time.time() < deadline:
                 time.sleep(0.2)
         finally:
-            for process in [psutil.Process(agent.pid), *psutil.Process(agent.pid).children()]:
-                process.kill()
+            workers = _children(agent.pid)
+            _kill([agent.pid, *workers])
             agent.wait(60)
+            _wait_gone(workers, 30)
     times = [t for kind, s, t in _read_progress(progress) if kind == "step" and s and s > 20]
     if len(times) < 2:
         raise RuntimeError(f"the clean run made too few steps (see {workdir})")

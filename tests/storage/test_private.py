@@ -141,3 +141,49 @@ def test_remove_directory_stays_under_the_root_and_keeps_other_ranks(tmp_path):
     assert os.path.exists(rank1)  # Its run directory is kept for the other rank.
     storage.remove_directory(root, rank1)
     assert os.listdir(root) == []
+
+
+def test_a_deleted_data_file_is_a_spare_whose_pages_the_next_one_overwrites(tmp_path):
+    storage = MemoryTierStorage()
+    directory = str(tmp_path)
+    old = os.path.join(directory, "model.ckpt-1.data-00000-of-00001")
+    storage.put(old, [b"x" * 4096])
+    inode = os.stat(old).st_ino
+    storage.delete(old)
+    assert not os.path.exists(old)
+    (spare,) = storage.spares(directory)
+    assert os.path.basename(spare).startswith(private.SPARE_PREFIX)
+    new = os.path.join(directory, "model.ckpt-2.data-00000-of-00001")
+    storage.put(new, [b"abc", b"de"])  # Shorter than the spare: cut to what was written.
+    with open(new, "rb") as f:
+        assert f.read() == b"abcde"
+    info = os.stat(new)
+    assert info.st_ino == inode and stat.S_IMODE(info.st_mode) == 0o600
+    assert storage.spares(directory) == []
+    # Other files are deleted, and at most MAX_SPARES data files are kept.
+    index = os.path.join(directory, "model.ckpt-2.index")
+    storage.put(index, [b"{}"])
+    storage.delete(index)
+    assert storage.spares(directory) == []
+    paths = [
+        os.path.join(directory, f"model.ckpt-{step}.data-00000-of-00001")
+        for step in range(3, 3 + storage.MAX_SPARES + 2)
+    ]
+    for path in paths:
+        storage.put(path, [b"y"])
+    for path in paths:
+        storage.delete(path)
+    assert len(storage.spares(directory)) == storage.MAX_SPARES
+
+
+def test_a_spare_that_is_a_link_is_never_written_through(tmp_path):
+    storage = MemoryTierStorage()
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"keep")
+    os.symlink(target, tmp_path / f"{private.SPARE_PREFIX}planted")
+    new = str(tmp_path / "model.ckpt-2.data-00000-of-00001")
+    storage.put(new, [b"data"])
+    assert target.read_bytes() == b"keep"
+    with open(new, "rb") as f:
+        assert f.read() == b"data"
+    assert not os.path.islink(new)

@@ -136,10 +136,12 @@ class LocalStorage(Storage):
         tmp = temporary_name(path)
         renamed = False
         try:
-            fd = self._create(tmp, direct=direct)
+            fd, reused = self._open_new(tmp, path, direct=direct)
             try:
                 for part in parts:
                     self._write_all(fd, tmp, part, cancel)
+                if reused:  # An old file's pages, overwritten: cut what is left of it.
+                    os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR))
                 self._before("fsync", tmp)
                 os.fsync(fd)
             finally:
@@ -260,6 +262,12 @@ class LocalStorage(Storage):
         return [p for p in paths if not os.path.isdir(p)]
 
     # ----------------------------------------------------------------------- system calls
+
+    def _open_new(self, tmp: str, path: str, *, direct: bool) -> tuple[int, bool]:
+        """The descriptor ``_put_parts`` writes ``path`` through, at the temporary ``tmp``,
+        and whether it is an old file to overwrite (then truncated to what was written).
+        Here a new file, created exclusively; ``MemoryTierStorage`` reuses old pages."""
+        return self._create(tmp, direct=direct), False
 
     def _create(self, path: str, *, direct: bool) -> int:
         """Create ``path`` exclusively; with ``O_DIRECT`` if asked and supported."""

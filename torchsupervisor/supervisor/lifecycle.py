@@ -228,7 +228,7 @@ def release_session(
         sv._unmanaged = False
         sv._preemption.uninstall()
     if sv._mode is not None:
-        sv._mode.stop(aborted=sv._preemption.aborted)
+        sv._mode.stop(aborted=sv._preemption.aborted, clean=ending is None or ending[0])
     deadline = sv._preemption.deadline or Deadline(sv._settings.clock, None)
     end = record_end(sv, ending, deadline)
     writer = sv._settings.summary_writer

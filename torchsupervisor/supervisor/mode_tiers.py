@@ -157,7 +157,9 @@ class ModeTiers:
     def stop_serving(self, aborted: bool) -> None:
         """A non-chief's end: stop serving peer copies; free them when the chief says its
         final checkpoint holds the last step (it publishes that at its own end; waited for at
-        most ``PEER_EXCHANGE_SECS``, not after an abort: the copies are kept)."""
+        most ``PEER_EXCHANGE_SECS``). With ``aborted`` (a second signal, or a session that
+        ended with an error: the chief may be gone) nothing is waited for and the copies are
+        kept (the next start of the run replaces them)."""
         free = False
         if self.peer_server is not None and self.replicas is not None and not aborted:
             try:

@@ -178,8 +178,9 @@ class Mode:
             return e
         return None
 
-    def stop(self, aborted: bool) -> None:
-        """End the checkpoints of the session (a second Ctrl-C ``aborted``: abandon)."""
+    def stop(self, aborted: bool, clean: bool = True) -> None:
+        """End the checkpoints of the session (a second Ctrl-C ``aborted``: abandon; not
+        ``clean``: the session ended with an error, another rank may be gone)."""
 
     def _close_tiers(self) -> None:
         """Stop the memory tier; free it when the newest checkpoint holds the current step."""
@@ -284,7 +285,7 @@ class ChiefMode(Mode):
         assert self.driver is not None  # checkpoint() found a save.
         return self.driver.save(self.sess, self.driver.current_step(), metrics=metrics)
 
-    def stop(self, aborted: bool) -> None:
+    def stop(self, aborted: bool, clean: bool = True) -> None:
         if self.driver is not None:
             if aborted:  # A second Ctrl-C: abandon, do not wait.
                 self.driver.abandon(timeout_secs=5.0)
@@ -313,8 +314,9 @@ class WorkerMode(Mode):
         self.sess = sess
         return sess
 
-    def stop(self, aborted: bool) -> None:
-        self.tiers.stop_serving(aborted)
+    def stop(self, aborted: bool, clean: bool = True) -> None:
+        # After an error the chief may be dead: its word on the copies never comes.
+        self.tiers.stop_serving(aborted or not clean or self.peer_failure is not None)
 
 
 class ShardedMode(Mode):
@@ -450,7 +452,7 @@ class ShardedMode(Mode):
     def _save_now(self) -> Callable[[], str | None] | None:
         return None if self.service is None else self.service.save_now
 
-    def stop(self, aborted: bool) -> None:
+    def stop(self, aborted: bool, clean: bool = True) -> None:
         if self.service is not None:
             self.service.close(wait=not aborted)
         self._close_tiers()
