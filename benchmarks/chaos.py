@@ -55,6 +55,7 @@ class Failure:
     reached: int  # The highest step completed before it.
     resumed: int | None = None
     recovered_at: float | None = None  # The first step completed after the resume.
+    parts: dict[str, float] = field(default_factory=dict)  # The recovery's parts, seconds.
 
 
 @dataclass
@@ -69,18 +70,26 @@ def _read_progress(path: str) -> list[tuple[str, int | None, float]]:
     events: list[tuple[str, int | None, float]] = []
     try:
         with open(path) as f:
-            lines = f.read().splitlines()
+            text = f.read()
+        lines = text.splitlines()
     except FileNotFoundError:
         return events
+    if lines and not text.endswith("\n"):
+        lines.pop()  # Unfinished: a kill, or a line being written now.
     for line in lines:
         words = line.split()
         try:
-            if words[0] == "start" and len(words) == 2:
-                events.append(("start", None, float(words[1])))
+            if words[0] in ("start", "connected") and len(words) == 2:
+                event: tuple[str, int | None, float] = (words[0], None, float(words[1]))
             elif words[0] in ("resume", "step") and len(words) == 3:
-                events.append((words[0], int(words[1]), float(words[2])))
+                event = (words[0], int(words[1]), float(words[2]))
+            else:
+                continue
         except (IndexError, ValueError):
             continue  # A line torn by a kill.
+        if events and event[2] < events[-1][2]:
+            continue  # Torn inside its time (a prefix of a number is smaller).
+        events.append(event)
     return events
 
 
@@ -236,6 +245,12 @@ def _after(progress: str, moment: float) -> float | None:
     )
 
 
+PARTS = ("launch", "rendezvous", "restore", "first step")
+"""A recovery's parts: to the new process's ``start`` (torchrun's restart, the interpreter,
+``import torch``), to ``connected`` (the process group), to ``resume`` (the state restored), to
+the first step completed."""
+
+
 def _account(run: Run, events: list[tuple[str, int | None, float]]) -> None:
     for failure in run.failures:
         resumes = [(s, t) for kind, s, t in events if kind == "resume" and t > failure.at]
@@ -244,6 +259,14 @@ def _account(run: Run, events: list[tuple[str, int | None, float]]) -> None:
         steps = [t for kind, _, t in events if kind == "step" and t > failure.at]
         if steps:
             failure.recovered_at = steps[0]
+        marks, moment = [failure.at], failure.at
+        for kind in ("start", "connected", "resume", "step"):
+            moment = next((t for k, _, t in events if k == kind and t > moment), None)
+            if moment is None:
+                break
+            marks.append(moment)
+        if len(marks) == len(PARTS) + 1:
+            failure.parts = {p: b - a for p, a, b in zip(PARTS, marks, marks[1:])}
 
 
 def clean_step_secs(args: argparse.Namespace, base: str) -> float:
@@ -283,6 +306,7 @@ def summarize(run: Run, step_secs: float) -> dict[str, Any]:
         ]
 
     recovery = [f.recovered_at - f.at for f in run.failures if f.recovered_at is not None]
+    broken = [f.parts for f in run.failures if f.parts]
     return {
         "variant": run.variant,
         "wall_secs": round(run.wall_secs, 1),
@@ -293,6 +317,11 @@ def summarize(run: Run, step_secs: float) -> dict[str, Any]:
         "lost_per_kill": lost("kill"),
         "lost_per_node_loss": lost("node"),
         "recovery_secs_median": round(statistics.median(recovery), 2) if recovery else None,
+        "recovery_parts_median": {
+            part: round(statistics.median(b[part] for b in broken), 2) for part in PARTS
+        }
+        if broken
+        else None,
     }
 
 
@@ -330,7 +359,8 @@ def main() -> None:
     print()
     print(
         f"{'variant':8} {'goodput':>8} {'kills':>6} {'lost/kill (max, mean)':>22} "
-        f"{'nodes':>6} {'lost/node (max, mean)':>22} {'recovery s':>10}"
+        f"{'nodes':>6} {'lost/node (max, mean)':>22} {'recovery s':>10}  "
+        "launch / rendezvous / restore / first step (medians, s)"
     )
     for row in rows:
 
@@ -340,7 +370,12 @@ def main() -> None:
         print(
             f"{row['variant']:8} {row['goodput']:8.3f} {row['kills']:6d} "
             f"{stats(row['lost_per_kill']):>22} {row['node_losses']:6d} "
-            f"{stats(row['lost_per_node_loss']):>22} {row['recovery_secs_median'] or '-':>10}"
+            f"{stats(row['lost_per_node_loss']):>22} {row['recovery_secs_median'] or '-':>10}  "
+            + (
+                " / ".join(f"{row['recovery_parts_median'][p]:.2f}" for p in PARTS)
+                if row["recovery_parts_median"]
+                else "-"
+            )
         )
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:

@@ -10,8 +10,10 @@ by one of four ways:
 * ``torch``: ``torch.save`` of the state by rank 0 every ``--save-secs`` (a temporary file
   renamed over the last one), resumed with ``torch.load(weights_only=True)``.
 
-Rank 0 appends to ``--progress``: ``start T``, ``resume STEP T`` (the step it resumed at; 0
-for a fresh start) and ``step STEP T`` after every completed step (T: ``time.time()``).
+Rank 0 appends to ``--progress``: ``start T`` (after the interpreter started and imported
+torch), ``connected T`` (the process group joined), ``resume STEP T`` (the state restored: the
+step it resumed at; 0 for a fresh start) and ``step STEP T`` after every completed step (T:
+``time.time()``).
 """
 
 from __future__ import annotations
@@ -49,13 +51,16 @@ class Progress:
 
     def write(self, *words: object) -> None:
         if self.file is not None:
-            self.file.write(" ".join(map(str, (*words, f"{time.time():.3f}"))) + "\n")
+            # A new process starts on a line of its own: the last one's may be torn by a kill.
+            head = "\n" if words == ("start",) else ""
+            self.file.write(head + " ".join(map(str, (*words, f"{time.time():.3f}"))) + "\n")
 
 
 def train_supervised(args: argparse.Namespace, progress: Progress) -> None:
     import torchsupervisor as ts
 
     ts.distributed.connect("env://")
+    progress.write("connected")
     model = nn.parallel.DistributedDataParallel(build(args.hidden, args.layers))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     step = ts.GlobalStep()
@@ -92,6 +97,7 @@ def train_plain(args: argparse.Namespace, progress: Progress) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     dist.init_process_group("gloo")
+    progress.write("connected")
     rank = dist.get_rank()
     model = nn.parallel.DistributedDataParallel(build(args.hidden, args.layers))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)

@@ -64,11 +64,12 @@ __all__ = [
 logger = logging.getLogger("torchsupervisor")
 
 OPEN_POLL_SECS = 0.05
-"""How often a sharded non-chief looks whether the chief has cleaned the logdir (seconds).
+"""How often a non-chief looks at the store for the chief's word (seconds): a sharded rank
+for the logdir cleaned, a replica for the state ready (at most ``recovery_wait_secs``).
 
-The chief does that in milliseconds, so TF's ``recovery_wait_secs`` (30 s by default, meant
-for waiting on a model that another process initializes) would only make a rank that looked
-too early sleep half a minute for nothing."""
+A look is one store check. TF's ``recovery_wait_secs`` (30 s by default) paced whole session
+runs; here it would only make a rank that looked too early sleep up to half a minute at every
+restart (measured: 0.5 s of every DDP recovery with ``recovery_wait_secs=1``)."""
 
 
 @dataclass(frozen=True)
@@ -303,7 +304,8 @@ class WorkerMode(Mode):
         info: dict[str, Any] = {}
         self.tiers.exchange_peers()
         if self.replicas is not None:
-            info = self.replicas.wait_ready(st.recovery_wait_secs, max_wait_secs, clock=st.clock)
+            interval = min(st.recovery_wait_secs, OPEN_POLL_SECS)
+            info = self.replicas.wait_ready(interval, max_wait_secs, clock=st.clock)
         sess = st.session_manager.wait_for_session(
             master, config=config, max_wait_secs=max_wait_secs
         )
