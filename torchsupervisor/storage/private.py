@@ -32,7 +32,9 @@ class MemoryTierStorage(LocalStorage):
     """The memory tier's files: written as any checkpoint's, readable by their owner only.
 
     A deleted snapshot's data file is kept as a spare (``.spare-<hex>``, at most
-    ``MAX_SPARES`` per directory) and the next data file written there overwrites its pages
+    ``MAX_SPARES`` per directory: the spare takes the place of the slot being written next, so
+    the tier still holds at most ``slots`` x the state's bytes) and the next data file written
+    there overwrites its pages
     (then is cut to its length): on a tmpfs, writing into pages that exist costs about 2/3
     of writing into new ones, and the deletion is a rename instead of freeing them (48 MB on
     this machine: 20 ms instead of 29 + 6 ms). The commit protocol is unchanged: the new
@@ -43,7 +45,7 @@ class MemoryTierStorage(LocalStorage):
     """
 
     file_mode = 0o600
-    MAX_SPARES = 2
+    MAX_SPARES = 1
 
     def delete(self, path: str) -> None:
         """Delete ``path``; a data file becomes a spare while there are fewer than
