@@ -30,6 +30,7 @@ It prints a table and writes JSON (``--json``, default ``benchmarks/results/chao
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -64,6 +65,7 @@ class Run:
     wall_secs: float = 0.0
     final_step: int = 0
     failures: list[Failure] = field(default_factory=list)
+    step_secs: float | None = None  # The median time of a step between failures.
 
 
 def _read_progress(path: str) -> list[tuple[str, int | None, float]]:
@@ -120,7 +122,14 @@ class Job:
             *("--progress", self.progress, "--save-secs", str(self.args.save_secs)),
             *("--hidden", str(self.args.hidden), "--layers", str(self.args.layers)),
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHSUPERVISOR_MEMORY_ROOT": self.shm}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "TORCHSUPERVISOR_MEMORY_ROOT": self.shm,
+            # Else a restarted plain init_process_group finds the dead workers' keys in
+            # torchrun's shared store (pytorch#135712; ours keeps attempts apart itself).
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
         self.agent = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def workers(self) -> list[int]:
@@ -247,11 +256,14 @@ def _after(progress: str, moment: float) -> float | None:
 
 PARTS = ("launch", "rendezvous", "restore", "first step")
 """A recovery's parts: to the new process's ``start`` (torchrun's restart, the interpreter,
-``import torch``), to ``connected`` (the process group), to ``resume`` (the state restored), to
-the first step completed."""
+``import torch``), to ``connected`` (the process group, and the model built), to ``resume``
+(the state restored), to the first step completed."""
 
 
 def _account(run: Run, events: list[tuple[str, int | None, float]]) -> None:
+    steps = [(s, t) for kind, s, t in events if kind == "step"]
+    gaps = [t2 - t1 for (s1, t1), (s2, t2) in itertools.pairwise(steps) if s2 == s1 + 1]
+    run.step_secs = statistics.median(gaps) if gaps else None
     for failure in run.failures:
         resumes = [(s, t) for kind, s, t in events if kind == "resume" and t > failure.at]
         if resumes:
@@ -269,9 +281,10 @@ def _account(run: Run, events: list[tuple[str, int | None, float]]) -> None:
             failure.parts = {p: b - a for p, a, b in zip(PARTS, marks, marks[1:])}
 
 
-def clean_step_secs(args: argparse.Namespace, base: str) -> float:
-    """Seconds per step of the job with no failure and no save (``dcp`` variant, no save)."""
-    workdir = os.path.join(base, "clean")
+def clean_step_secs(args: argparse.Namespace, base: str, before: str) -> float:
+    """Seconds per step of the job with no failure and no save (``torch`` variant, no save),
+    measured just before the variant ``before`` (the machine's speed drifts)."""
+    workdir = os.path.join(base, f"clean-before-{before}")
     os.makedirs(workdir)
     progress = os.path.join(workdir, "progress.log")
     command = [
@@ -311,7 +324,10 @@ def summarize(run: Run, step_secs: float) -> dict[str, Any]:
         "variant": run.variant,
         "wall_secs": round(run.wall_secs, 1),
         "final_step": run.final_step,
+        "clean_step_secs": round(step_secs, 4),
         "goodput": round(run.final_step * step_secs / run.wall_secs, 3) if run.wall_secs else 0,
+        # Its own steps' speed against the clean run's: what its saves cost the steps.
+        "steps_per_sec_vs_clean": round(step_secs / run.step_secs, 3) if run.step_secs else None,
         "kills": len([f for f in run.failures if f.kind == "kill"]),
         "node_losses": len([f for f in run.failures if f.kind == "node"]),
         "lost_per_kill": lost("kill"),
@@ -346,10 +362,10 @@ def main() -> None:
     base = args.workdir or tempfile.mkdtemp(prefix="chaos-")
     os.makedirs(base, exist_ok=True)
     try:
-        step_secs = clean_step_secs(args, base)
-        print(f"step time without failures or saves: {step_secs * 1000:.1f} ms", flush=True)
         rows = []
         for variant in variants:
+            step_secs = clean_step_secs(args, base, variant)
+            print(f"step time without failures or saves: {step_secs * 1000:.1f} ms", flush=True)
             row = summarize(run_variant(variant, args, base), step_secs)
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -358,7 +374,7 @@ def main() -> None:
             shutil.rmtree(base, ignore_errors=True)
     print()
     print(
-        f"{'variant':8} {'goodput':>8} {'kills':>6} {'lost/kill (max, mean)':>22} "
+        f"{'variant':8} {'goodput':>8} {'steps/s':>8} {'kills':>6} {'lost/kill (max, mean)':>22} "
         f"{'nodes':>6} {'lost/node (max, mean)':>22} {'recovery s':>10}  "
         "launch / rendezvous / restore / first step (medians, s)"
     )
@@ -368,7 +384,8 @@ def main() -> None:
             return f"{max(values)}, {statistics.mean(values):.1f}" if values else "-"
 
         print(
-            f"{row['variant']:8} {row['goodput']:8.3f} {row['kills']:6d} "
+            f"{row['variant']:8} {row['goodput']:8.3f} {row['steps_per_sec_vs_clean'] or 0:8.3f} "
+            f"{row['kills']:6d} "
             f"{stats(row['lost_per_kill']):>22} {row['node_losses']:6d} "
             f"{stats(row['lost_per_node_loss']):>22} {row['recovery_secs_median'] or '-':>10}  "
             + (
@@ -385,7 +402,6 @@ def main() -> None:
                 "kill_every": args.kill_every,
                 "node_loss_every": args.node_loss_every,
                 "save_secs": args.save_secs,
-                "step_secs": step_secs,
                 "rows": rows,
             },
             f,

@@ -11,7 +11,8 @@ by one of four ways:
   renamed over the last one), resumed with ``torch.load(weights_only=True)``.
 
 Rank 0 appends to ``--progress``: ``start T`` (after the interpreter started and imported
-torch), ``connected T`` (the process group joined), ``resume STEP T`` (the state restored: the
+torch), ``connected T`` (the process group joined and the model built: DDP's first use imports
+``torch._dynamo``, 3 s here), ``resume STEP T`` (the state restored: the
 step it resumed at; 0 for a fresh start) and ``step STEP T`` after every completed step (T:
 ``time.time()``).
 """
@@ -60,8 +61,8 @@ def train_supervised(args: argparse.Namespace, progress: Progress) -> None:
     import torchsupervisor as ts
 
     ts.distributed.connect("env://")
-    progress.write("connected")
     model = nn.parallel.DistributedDataParallel(build(args.hidden, args.layers))
+    progress.write("connected")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     step = ts.GlobalStep()
     step.bind(optimizer)
@@ -97,9 +98,11 @@ def train_plain(args: argparse.Namespace, progress: Progress) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     dist.init_process_group("gloo")
-    progress.write("connected")
     rank = dist.get_rank()
     model = nn.parallel.DistributedDataParallel(build(args.hidden, args.layers))
+    # DCP's background save runs collectives: on a group of its own, never beside training's.
+    save_group = dist.new_group(backend="gloo") if args.variant == "dcp" else None
+    progress.write("connected")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     os.makedirs(args.logdir, exist_ok=True)
     step = 0
@@ -108,7 +111,7 @@ def train_plain(args: argparse.Namespace, progress: Progress) -> None:
         if newest is not None:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=newest[1])
+            dcp.load(state, checkpoint_id=newest[1], process_group=save_group)
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
             step = newest[0]
     else:
@@ -141,7 +144,11 @@ def train_plain(args: argparse.Namespace, progress: Progress) -> None:
                 future.result()
             model_sd, optim_sd = get_state_dict(model, optimizer)
             target = os.path.join(args.logdir, f"ckpt-{step}")
-            future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=target)
+            future = dcp.async_save(
+                {"model": model_sd, "optim": optim_sd},
+                checkpoint_id=target,
+                process_group=save_group,
+            )
         elif rank == 0:
             state = {
                 "model": model.module.state_dict(),
