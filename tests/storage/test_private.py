@@ -187,3 +187,13 @@ def test_a_spare_that_is_a_link_is_never_written_through(tmp_path):
     with open(new, "rb") as f:
         assert f.read() == b"data"
     assert not os.path.islink(new)
+
+
+def test_a_spare_that_is_a_fifo_is_never_opened_for_writing(tmp_path):
+    storage = MemoryTierStorage()
+    os.mkfifo(tmp_path / f"{private.SPARE_PREFIX}planted", 0o600)
+    new = str(tmp_path / "model.ckpt-2.data-00000-of-00001")
+    storage.put(new, [b"data"])  # Would block forever on a FIFO opened for writing.
+    with open(new, "rb") as f:
+        assert f.read() == b"data"
+    assert storage.spares(str(tmp_path)) == []

@@ -74,8 +74,10 @@ class MemoryTierStorage(LocalStorage):
                     continue
                 self._before("open", tmp)
                 try:
-                    fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | _O_CLOEXEC)
-                except OSError:  # A link (never followed), or not openable: not reused.
+                    # Non-blocking: a FIFO in its place fails at once (no effect on a file).
+                    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC
+                    fd = os.open(tmp, flags)
+                except OSError:  # A link (never followed), a FIFO, not openable: not reused.
                     os.unlink(tmp)
                     continue
                 info = os.fstat(fd)
