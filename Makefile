@@ -45,7 +45,7 @@ test: lint
 	@# The suite starts several hundred Python processes: compile the package once, not in
 	@# each of them (they would, where PYTHONDONTWRITEBYTECODE is set: about 0.4 s apiece).
 	$(PY) -m compileall -q torchsupervisor
-	@echo "Running the test suite in two workers (about 15-19 minutes on 2 cores)"
+	@echo "Running the test suite in two workers (about 13-19 minutes on 2 cores)"
 	@# The slowest tests are listed at the end: the suite must stay well under 15 minutes.
 	@# Work stealing: a worker that runs out of tests takes some of the other's, so the slow
 	@# end-to-end tests do not leave one worker idle at the end (1-2 minutes less, measured).
