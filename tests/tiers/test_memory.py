@@ -282,3 +282,25 @@ def test_ls_shows_the_memory_tier_and_which_snapshot_a_restart_uses(dirs, capsys
     memory_line = next(line for line in out.splitlines() if line.startswith("memory (rank 0)"))
     assert "CORRUPT" in memory_line
     CheckpointReader(os.path.join(logdir, "model.ckpt-2")).verify()
+
+
+def test_a_sharded_snapshot_of_another_world_size_is_refused(dirs):
+    # A sharded tier records the world size in every snapshot's origin: a restart at another
+    # world size never takes a rank's local shards, whatever their shapes.
+    from types import SimpleNamespace
+
+    from torchsupervisor import MemoryTierConfig
+    from torchsupervisor.tiers.memory import MemoryTier
+
+    logdir, base = dirs
+    config = MemoryTierConfig(root=base)
+    written = MemoryTier(config, logdir, "r" * 32, sharded=True, world_size=2)
+    assert written.slots == config.slots + 2
+    state = {"w": torch.zeros(3)}
+    prefix = written.saver.save(SimpleNamespace(state=state), written.save_path, global_step=5)
+    assert [s.prefix for s in written.snapshots()] == [prefix]
+    written.saver.close()
+    other = MemoryTier(config, logdir, "r" * 32, sharded=True, world_size=4)
+    assert other.snapshots() == []
+    assert "'world_size': 2" in other.damaged[0] and prefix in other.damaged[0]
+    other.saver.close()
