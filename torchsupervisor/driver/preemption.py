@@ -10,7 +10,8 @@ log, or touch the state. The training loop notices the request at its next
 Data-loading worker processes must ignore these signals. Schedulers signal the whole process
 group (SLURM, ``kill -TERM -<pgid>``; Ctrl-C signals the terminal's foreground group), and a
 ``DataLoader`` worker dies of SIGTERM by default: the main process then fails with "DataLoader
-worker (pid ...) is killed by signal: Terminated" instead of stopping cleanly. The main process
+worker (pid ...) exited unexpectedly" instead of stopping cleanly, or hangs for ever when a
+worker dies holding the lock of the DataLoader's shared "workers done" event. The main process
 owns the shutdown: it stops at the next step, writes the final checkpoint, and ends its workers
 itself (and a worker whose main process died exits by itself, through the DataLoader's
 watchdog). ``ResumableDataLoader`` makes its workers ignore them; for a plain ``DataLoader`` or

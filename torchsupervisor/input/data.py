@@ -22,7 +22,7 @@ Preemption signals: the loader's worker processes ignore SIGTERM, SIGUSR1 and SI
 wraps ``worker_init_fn`` in ``IgnorePreemptionSignals``, which runs first and then calls
 yours), so that a scheduler signalling the whole process group (SLURM, ``kill -TERM -<pgid>``)
 stops the training cleanly with a final checkpoint instead of killing the workers and, with
-them, the main process ("DataLoader worker ... is killed by signal: Terminated"). The workers
+them, the main process ("DataLoader worker ... exited unexpectedly"), or hanging it. The workers
 are started with these signals blocked, so one arriving while they start is not lost in the
 main process nor fatal to a worker. With a plain ``DataLoader`` or a ``StatefulDataLoader``,
 pass ``worker_init_fn=IgnorePreemptionSignals()`` yourself (see
