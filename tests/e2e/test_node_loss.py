@@ -1,6 +1,8 @@
 """A whole node lost: the chief's node (its torchrun agent and worker killed, its memory root
-deleted) comes back empty, and the replicated (DDP) run resumes from the peer copy of the
-chief's memory-tier snapshot that another node kept, not from the disk.
+deleted) comes back empty, and the run resumes from the peer copies another node kept, not
+from the disk: a replicated (DDP) run from the copy of the chief's snapshot, a sharded (FSDP2)
+run from the copy of the lost rank's part (and the survivor's own part, whichever ranks the
+nodes get in the next round).
 
 Each "node" is a ``torchrun --nnodes=N --nproc_per_node=1`` agent (N = 2, 3) with its own working
 directory and memory root; the rendezvous store is hosted by this test (as an etcd or a login
@@ -35,7 +37,9 @@ MAX_STEPS = 200
 _RESUMED = re.compile(r"rank (\d+): resumed at step (\d+) from (\S+)( \(memory tier\))?")
 
 
-def _agent(port: int, logdir: str, workdir, env, n: int) -> tuple[subprocess.Popen, object]:
+def _agent(
+    port: int, logdir: str, workdir, env, n: int, example: str
+) -> tuple[subprocess.Popen, object]:
     workdir.mkdir()
     (workdir / "shm").mkdir()
     log = open(workdir / "out.log", "w")  # noqa: SIM115 (closed by the test)
@@ -46,7 +50,7 @@ def _agent(port: int, logdir: str, workdir, env, n: int) -> tuple[subprocess.Pop
         *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=node-loss"),
         # A lost node leaves the rendezvous when its heartbeats stop: after 2 s, not 15.
         "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=2",
-        os.path.join(ROOT, "examples", "ddp_digits.py"),
+        os.path.join(ROOT, "examples", example),
         *("--logdir", logdir, "--max-steps", str(MAX_STEPS), "--save-model-secs", "3600"),
         *("--memory-every-n-steps", "1", "--log-every", "50"),
     ]
@@ -80,13 +84,17 @@ def _peer_copies(workdir, logdir: str) -> list[int]:
     return sorted(int(os.path.basename(p)[len("model.ckpt-") : -len(".index")]) for p in found)
 
 
-@pytest.mark.parametrize("n", [2, 3], ids=["2 nodes", "3 nodes"])
-def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(tmp_path, n):
+@pytest.mark.parametrize(
+    ("example", "n"),
+    [("ddp_digits.py", 2), ("ddp_digits.py", 3), ("fsdp_digits.py", 2)],
+    ids=["DDP, 2 nodes", "DDP, 3 nodes", "FSDP2, 2 nodes"],
+)
+def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(tmp_path, example, n):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     logdir = str(tmp_path / "logdir")
-    nodes = {i: _agent(port, logdir, tmp_path / f"node{i}", env, n) for i in range(n)}
+    nodes = {i: _agent(port, logdir, tmp_path / f"node{i}", env, n, example) for i in range(n)}
     try:
         deadline = time.monotonic() + 180
         agents = [nodes[i][0] for i in range(n)]
@@ -105,7 +113,7 @@ def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(tmp_path
         copied = max(_peer_copies(tmp_path / f"node{peer_node}", logdir))
         assert copied < MAX_STEPS, "training ended before the node loss: raise MAX_STEPS"
         # It comes back, empty.
-        nodes[n] = _agent(port, logdir, tmp_path / f"node{n}", env, n)
+        nodes[n] = _agent(port, logdir, tmp_path / f"node{n}", env, n, example)
         alive = [i for i in nodes if i != chief_node]
         for i in alive:
             nodes[i][0].wait(300)
@@ -127,6 +135,8 @@ def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(tmp_path
     # The chief resumed from the memory tier at a step no older than the copy seen before the
     # loss (the disk held only the checkpoint of the start), and every rank with it.
     assert resumed[0][0] == "0" and resumed[0][3] == " (memory tier)", resumed
+    if example == "fsdp_digits.py":  # Every rank restored its own part from the memory tier.
+        assert all(r[3] == " (memory tier)" for r in resumed), resumed
     assert step >= copied
     assert [(r[0], r[1]) for r in resumed] == [(str(rank), str(step)) for rank in range(n)]
     assert "peer copy" in text

@@ -37,7 +37,7 @@ def setup(tmp_path):
     prefixes.append(tier.saver.save(Session(state), tier.save_path, global_step=6))
     (tmp_path / "peer").mkdir()
     root = memory_root(str(tmp_path / "peer"))
-    server = PeerServer(root, os.path.join(root, "run", "peer-0"), 0, "127.0.0.1")
+    server = PeerServer(root, os.path.join(root, "run"), "127.0.0.1")
     yield tier, prefixes, server, root
     server.close()
     tier.close()
@@ -47,9 +47,9 @@ def test_a_snapshot_is_kept_by_the_peer_and_fetched_back_byte_for_byte(setup):
     _, (five, six), server, root = setup
     send_snapshot(server.address, server.token, 0, five)
     send_snapshot(server.address, server.token, 0, six)
-    assert server.holds() == [6]  # The newest copy only.
-    for name in os.listdir(server.directory):
-        assert stat.S_IMODE(os.stat(os.path.join(server.directory, name)).st_mode) == 0o600
+    assert server.holds() == {0: [6]}  # The newest copy only.
+    for name in os.listdir(server.directory_of(0)):
+        assert stat.S_IMODE(os.stat(os.path.join(server.directory_of(0), name)).st_mode) == 0o600
     back = fetch_snapshot(server.address, server.token, 0, 6, root, os.path.join(root, "back"))
     for suffix in (".index", ".data-00000-of-00001"):
         with open(six + suffix, "rb") as a, open(back + suffix, "rb") as b:
@@ -86,7 +86,7 @@ def test_the_server_refuses_bad_requests_and_keeps_nothing(setup, change, error)
     header["files"] = [["model.ckpt-6.index", 3]]
     answer = _raw_request(server.address, {**header, **change}, b"abc")
     assert error in answer["error"]
-    assert os.listdir(server.directory) == []
+    assert os.listdir(server.directory_of(0)) == []
 
 
 def test_a_torn_send_leaves_no_copy(setup):
@@ -95,7 +95,7 @@ def test_a_torn_send_leaves_no_copy(setup):
     header["files"] = [["model.ckpt-6.data-00000-of-00001", 1000], ["model.ckpt-6.index", 10]]
     answer = _raw_request(server.address, header, b"x" * 500)  # Then the sender dies.
     assert "closed the connection" in answer["error"]
-    assert server.holds() == [] and os.listdir(server.directory) == []
+    assert server.holds() == {} and os.listdir(server.directory_of(0)) == []
 
 
 def test_the_sender_sends_the_newest_offered(setup):
@@ -104,7 +104,7 @@ def test_the_sender_sends_the_newest_offered(setup):
     sender.offer(five)
     sender.offer(six)
     sender.close(60)
-    assert sender.sent == 6 and server.holds() == [6]
+    assert sender.sent == 6 and server.holds() == {0: [6]}
 
 
 def test_a_restarted_chief_fetches_a_newer_copy_than_its_memory_and_the_disk(setup, tmp_path):
@@ -116,7 +116,7 @@ def test_a_restarted_chief_fetches_a_newer_copy_than_its_memory_and_the_disk(set
     )
     try:
         posts = [{"node": 0}, {"node": 1, "address": server.address, "token": server.token}]
-        posts[1]["holds"] = server.holds()
+        posts[1]["holds"] = server.holds()[0]
         assert replication.fetch_newer(fresh, posts, newest_elsewhere=6) is None  # Not newer.
         prefix = replication.fetch_newer(fresh, posts, newest_elsewhere=3)
         assert [s.step for s in fresh.snapshots()] == [6] and fresh.damaged == []

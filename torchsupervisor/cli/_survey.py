@@ -46,6 +46,8 @@ KEPT_NEWER_THAN_STATE = "not yet in state file"
 KEPT_NO_STATE_FILE = "no state file"
 KEPT_MEMORY_SLOT = "memory slot"
 KEPT_OTHER_RUN = "another run's (deleted at start)"
+KEPT_PEER_COPY = "peer copy"
+PEER_TIER = "peer"
 
 
 @dataclasses.dataclass
@@ -202,18 +204,24 @@ def _memory_infos(logdir: str, verify: bool, root: str | None) -> list[Checkpoin
     infos = []
     run_id = read_run_id(logdir)
     for held in held_in_memory(logdir, root):
+        tier = PEER_TIER if held.copy else MEMORY_TIER
         for prefix in held.prefixes:
-            info = CheckpointInfo(prefix, elsewhere=True, tier=MEMORY_TIER, rank=held.rank)
+            info = CheckpointInfo(prefix, elsewhere=True, tier=tier, rank=held.rank)
             manifest = _check(info, verify)
             info.size_bytes, info.own_bytes = _sizes(prefix, manifest)
             info.kept_by = KEPT_MEMORY_SLOT if held.same_run else KEPT_OTHER_RUN
+            if held.copy:
+                info.kept_by = KEPT_PEER_COPY
+            origin = {} if manifest is None else manifest.origin or {}
             if manifest is not None and manifest.global_step != checkpoint_step(prefix):
                 info.status = CORRUPT
                 info.error = (
                     f"its manifest is of step {manifest.global_step}: an older generation in "
                     "its place"
                 )
-            elif manifest is not None and manifest.origin != {"run_id": run_id, "rank": held.rank}:
+            elif manifest is not None and (
+                origin.get("run_id") != run_id or origin.get("rank") != held.rank
+            ):
                 info.status = CORRUPT
                 info.error = f"written by {manifest.origin}: another's snapshot in its place"
             infos.append(info)
@@ -286,11 +294,12 @@ def survey(logdir: str, *, verify: bool = True, memory_root: str | None = None) 
     memory = _memory_infos(logdir, verify, memory_root)
     infos.extend(memory)
     by_path.update({_key(i.prefix): i for i in memory})
-    held = [  # What a restart of rank 0 (one process, a replicated run's chief) considers.
-        (MEMORY_TIER, i.step, i.prefix)
+    held = [  # What a restart of rank 0 (one process, a replicated run's chief) considers:
+        # its memory, and a peer copy kept on this node (taken when newer).
+        (i.tier, i.step, i.prefix)
         for i in memory
         if i.rank == 0
-        and i.kept_by == KEPT_MEMORY_SLOT
+        and i.kept_by in (KEPT_MEMORY_SLOT, KEPT_PEER_COPY)
         and i.step is not None
         and i.status != CORRUPT
     ]

@@ -28,6 +28,9 @@ Why a checkpoint is kept:
     another run's          a snapshot of the memory tier left by an earlier run of a log
                            directory of the same path (removed and made again): a restart
                            deletes it unread
+    peer copy              a copy this node keeps of another node's snapshot of that rank
+                           (the ``peer`` tier): a restart of that rank takes it when it is
+                           newer than its own memory (a sharded run's ranks fetch it)
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ session, closed (and freed when the final checkpoint holds the last step) at its
 * A non-chief of a replicated run: serves the chief's copies (``stop_serving`` at its end
   frees them on the chief's word).
 * Every rank of a sharded run (FSDP2): a memory tier of its own shards (``open(sharded=True)``;
-  the ranks agree on the step to restore in ``ShardedMode``, ``tiers/agreed``).
+  the ranks agree on the step to restore in ``ShardedMode``, ``tiers/agreed``), each rank's
+  snapshots sent to the next node of a ring, and a server of what the node holds
+  (``exchange_ring``, ``tiers/ring``).
 
 Thread safety: the training thread, as the mode.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any
 
 from torchsupervisor.checkpoint.files import checkpoint_step
 from torchsupervisor.checkpoint.recovery import restore_candidates
@@ -24,12 +27,13 @@ from torchsupervisor.core.session import Session
 from torchsupervisor.distributed import env as distributed
 from torchsupervisor.distributed.launcher import current_launcher
 from torchsupervisor.distributed.replicas import ReplicaGroup
+from torchsupervisor.errors import DeadlineExceededError
 from torchsupervisor.supervisor.settings import Settings
-from torchsupervisor.tiers import replication
+from torchsupervisor.tiers import replication, ring
 from torchsupervisor.tiers.memory import MEMORY_TIER, MemoryTier
 from torchsupervisor.tiers.peer import PeerSender, PeerServer
 
-__all__ = ["PEER_END", "PEER_EXCHANGE_SECS", "ModeTiers"]
+__all__ = ["PEER_END", "PEER_EXCHANGE_SECS", "RING_END", "ModeTiers"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -38,6 +42,9 @@ PEER_EXCHANGE_SECS = 120.0
 
 PEER_END = "memory/end"
 """Where the chief says whether the copies of its memory tier may be freed."""
+
+RING_END = "memory/ring-end"
+"""Where each rank of a sharded run says it has sent its last copy and freed its tier."""
 
 
 class ModeTiers:
@@ -59,6 +66,7 @@ class ModeTiers:
         self.memory: MemoryTier | None = None
         self.peer_server: PeerServer | None = None
         self.peer_sender: PeerSender | None = None
+        self.ring_posts: list[dict[str, Any]] | None = None
 
     def open(self, sharded: bool = False) -> list[MemoryTier]:
         """This rank's memory tier, opened before the restore (``memory_tier`` set); of its
@@ -93,8 +101,34 @@ class ModeTiers:
         self.memory.start(
             sess, self.settings.global_step, sess.restored_checkpoint if from_memory else None
         )
+        if self.ring_posts is not None:
+            self.peer_sender = ring.start_sender(self.ring_posts, self.memory.rank)
         if self.peer_sender is not None:
             self.memory.on_commit = self.peer_sender.offer
+
+    def exchange_ring(self) -> dict[str, Any]:
+        """A sharded run with the memory tier, on every rank: serve this node's snapshots and
+        copies, gather every rank's post (``tiers/ring``); return ``agreed_tier``'s
+        ``offered`` and ``fetch`` for this rank."""
+        st = self.settings
+        replicas, logdir = self.replicas, st.replica_logdir
+        if replicas is None or st.memory_tier is None or not logdir:
+            return {}
+        memory = self.memory
+        if memory is not None:
+            try:
+                self.peer_server = ring.serve(st.memory_tier, logdir, memory.slots)
+            except OSError as e:
+                logger.warning("This rank keeps no peer copies of the memory tier: %s", e)
+        node = current_launcher().node_id
+        posts = ring.exchange(replicas, node, self.peer_server, PEER_EXCHANGE_SECS)
+        self.ring_posts = posts
+        if posts is None or memory is None:
+            return {}
+        return {
+            "offered": ring.offered_steps(posts, memory.rank),
+            "fetch": ring.fetcher(memory, posts),
+        }
 
     def exchange_peers(self) -> None:
         """With replicas and the memory tier: the chief gathers the peers' copies (fetching a
@@ -139,6 +173,9 @@ class ModeTiers:
     def close(self, saved: bool) -> None:
         """Stop the memory tier and the peers; free them with ``saved`` (the newest checkpoint
         holds the current step)."""
+        if self.ring_posts is not None:
+            self._close_ring(saved)
+            return
         if self.memory is not None:
             self.memory.on_commit = None  # Nothing more goes to the peer after its close.
         self.close_peers(saved)
@@ -153,6 +190,41 @@ class ModeTiers:
             memory.close(free=saved)
         except OSError as e:
             logger.warning("Could not free the memory tier at %s: %s", memory.directory, e)
+
+    def _close_ring(self, saved: bool) -> None:
+        """A sharded run's end on every rank: stop sending (after the snapshot being sent),
+        close the tier; with ``saved`` on every rank (they wait for each other, at most
+        ``PEER_EXCHANGE_SECS``, so that no copy arrives after), the lowest rank of each node
+        frees what the node still holds of the run."""
+        posts, self.ring_posts = self.ring_posts, None
+        memory, self.memory = self.memory, None
+        if memory is not None:
+            memory.on_commit = None
+        sender, self.peer_sender = self.peer_sender, None
+        if sender is not None:
+            sender.close(PEER_EXCHANGE_SECS)
+        if memory is not None:
+            try:
+                memory.close(free=saved)
+            except OSError as e:
+                logger.warning("Could not free the memory tier at %s: %s", memory.directory, e)
+        replicas = self.replicas
+        everyone = False
+        if replicas is not None:
+            replicas.post(RING_END, saved)
+            if saved:
+                try:
+                    everyone = all(
+                        replicas.gather(RING_END, PEER_EXCHANGE_SECS, what="the ring's end")
+                    )
+                except DeadlineExceededError as e:
+                    logger.info("Keeping the peer copies of the memory tier: %s", e)
+        self.close_peers(False)
+        if everyone and memory is not None and posts is not None:
+            try:
+                ring.remove_leftovers(memory, posts, current_launcher().node_id)
+            except OSError as e:
+                logger.warning("Could not free the peer copies of the memory tier: %s", e)
 
     def stop_serving(self, aborted: bool) -> None:
         """A non-chief's end: stop serving peer copies; free them when the chief says its

@@ -365,7 +365,8 @@ class ShardedMode(Mode):
         )
         tiers = self.tiers.open(sharded=True)
         if st.memory_tier is not None and logdir and st.saver is not None:
-            agreed = agreed_tier(self.tiers.memory, replicas, max_wait_secs)
+            ring = self.tiers.exchange_ring()
+            agreed = agreed_tier(self.tiers.memory, replicas, max_wait_secs, **ring)
             tiers = [agreed] if agreed is not None else []
         try:
             sess = _prepare_session(

@@ -8,7 +8,10 @@ chosen one), newest first, so ``SessionManager`` tries the same steps in the sam
 every rank. A restore of one is agreed: every rank loads its part (every byte checked), then
 the ranks gather their outcomes, and if any rank's part failed, the step fails on every rank
 with the reason, and every rank goes on to the next step, or to the checkpoint directory,
-together. Never a mix of steps, and each step is tried once.
+together. Never a mix of steps, and each step is tried once. With peer copies
+(``tiers/ring``) a rank also counts as held the steps of its part that other nodes offer, and
+fetches its part of the step tried when its memory lacks it (or its own fails), one copy at a
+time until one passes its checks.
 
 TF name: none.
 """
@@ -16,6 +19,7 @@ TF name: none.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from torchsupervisor.errors import CorruptCheckpointError, InvalidArgumentError, NotFoundError
@@ -60,10 +64,18 @@ class AgreedTier:
         replicas: The run's ranks.
         steps: The steps every rank holds, newest first (``common_steps``).
         timeout_secs: How long a rank waits for the others' outcomes (seconds).
+        fetch: A function of a step yielding, one at a time, copies of this rank's part of
+            it fetched into ``memory`` from its peers (``tiers/ring.fetcher``), tried when the
+            memory lacks the step or its own snapshot fails; None: no copies.
     """
 
     def __init__(
-        self, memory: MemoryTier, replicas: ReplicaGroup, steps: list[int], timeout_secs: float
+        self,
+        memory: MemoryTier,
+        replicas: ReplicaGroup,
+        steps: list[int],
+        timeout_secs: float,
+        fetch: Callable[[int], Iterable[str]] | None = None,
     ) -> None:
         self.memory = memory
         self.name = memory.name
@@ -71,6 +83,7 @@ class AgreedTier:
         self._replicas = replicas
         self._steps = steps
         self._timeout_secs = timeout_secs
+        self._fetch = fetch
 
     def snapshots(self) -> list[Snapshot]:
         """This rank's snapshots of the steps every rank holds, newest first."""
@@ -93,7 +106,7 @@ class AgreedTier:
         step = int(prefix.rsplit("-", 1)[1])
         why = None
         try:
-            self.memory.restore(sess, prefix)
+            self._restore_part(sess, prefix, step)
         except (CorruptCheckpointError, NotFoundError, InvalidArgumentError, OSError) as e:
             why = f"{type(e).__name__}: {e}"
         replicas = self._replicas
@@ -108,19 +121,56 @@ class AgreedTier:
                 f"step {step} of the memory tier is not usable on every rank ({'; '.join(failed)})"
             )
 
+    def _restore_part(self, sess: Session, prefix: str, step: int) -> None:
+        """Load this rank's part of ``step``: its own snapshot, else (or if that fails) each
+        copy its peers offer in turn, until one passes its checks."""
+        if self._fetch is None or step in {s.step for s in self.memory.snapshots()}:
+            try:
+                self.memory.restore(sess, prefix)
+                return
+            except CorruptCheckpointError as e:
+                if self._fetch is None:
+                    raise
+                failure: Exception = e
+                logger.warning("%s; trying the peer copies", e)
+        else:
+            failure = NotFoundError(None, None, f"{prefix}: not in this rank's memory or peers")
+        for fetched in self._fetch(step):
+            try:
+                self.memory.restore(sess, fetched)
+                return
+            except CorruptCheckpointError as e:
+                failure = e
+                logger.warning("The peer copy %s was refused: %s", fetched, e)
+        raise failure
+
 
 def agreed_tier(
-    memory: MemoryTier | None, replicas: ReplicaGroup, timeout_secs: float
+    memory: MemoryTier | None,
+    replicas: ReplicaGroup,
+    timeout_secs: float,
+    *,
+    offered: Iterable[int] = (),
+    fetch: Callable[[int], Iterable[str]] | None = None,
 ) -> AgreedTier | None:
-    """Gather every rank's committed steps; this rank's tier over the steps all hold.
+    """Gather every rank's steps; this rank's tier over the steps all hold.
 
     Called on every rank at the same point (a rank without a memory tier posts nothing held,
     so no step is common). None on a rank without a memory tier.
 
+    Args:
+        memory: This rank's memory tier, or None.
+        replicas: The run's ranks.
+        timeout_secs: How long to wait for the other ranks (seconds).
+        offered: Steps of this rank's part its peers offer (``tiers/ring``): held too.
+        fetch: Fetches them (``AgreedTier``).
+
     Raises:
         DeadlineExceededError: A rank did not post its steps within ``timeout_secs``.
     """
-    own = [] if memory is None else [s.step for s in memory.snapshots()]
+    own: list[int] = []
+    if memory is not None:
+        own = sorted({s.step for s in memory.snapshots()} | set(offered), reverse=True)
     replicas.post(_HOLDINGS, own)
     held = replicas.gather(_HOLDINGS, timeout_secs, what="the memory tier's steps on every rank")
     steps = common_steps(held)
@@ -132,4 +182,4 @@ def agreed_tier(
             "the checkpoints",
             held,
         )
-    return AgreedTier(memory, replicas, steps, timeout_secs)
+    return AgreedTier(memory, replicas, steps, timeout_secs, fetch)

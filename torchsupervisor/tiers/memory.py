@@ -75,6 +75,7 @@ MEMORY_TIER = "memory"
 _BASENAME = "model.ckpt"
 _RUN_ID_FILE = "run_id"
 _RANK_FILE = re.compile(r"rank-\d+/")
+_PEER_FILE = re.compile(r"peer-\d+/")
 _REACHED_FILE = "reached_step"  # The global step at the newest step boundary (a counter).
 _MANIFEST_SLACK_BYTES = 1 << 20  # Room for the manifests and the state file, per slot.
 
@@ -123,6 +124,7 @@ class MemoryTier:
         clock: Time source of the tier's saver.
 
     Attributes:
+        rank: The rank whose snapshots these are.
         directory: This rank's directory of snapshots.
         save_path: The snapshots' prefix family (``<directory>/model.ckpt``).
 
@@ -146,6 +148,7 @@ class MemoryTier:
         clock: Clock | None = None,
     ) -> None:
         self.config = config
+        self.rank = rank
         self.sharded = sharded
         self.storage = MemoryTierStorage()
         root = memory_root(config.root)
@@ -426,18 +429,23 @@ class RankHoldings:
     Attributes:
         rank: The rank.
         directory: Its directory of snapshots.
-        same_run: Its run id is the log directory's (else a restart deletes it unread).
+        same_run: Its run id is the log directory's (else a restart deletes it unread);
+            for a copy, True (its manifests' origin says whose run it is).
         prefixes: Its committed snapshots (newest first by their manifests' steps).
+        copy: A peer copy kept on this node of another node's snapshots of ``rank``
+            (``peer-<rank>``), not this node's own (``rank-<rank>``).
     """
 
     rank: int
     directory: str
     same_run: bool
     prefixes: tuple[str, ...]
+    copy: bool = False
 
 
 def held_in_memory(logdir: str, root: str | None = None) -> list[RankHoldings]:
-    """What the memory tier holds for the run of ``logdir``, by rank; reads, never writes.
+    """What the memory tier holds for the run of ``logdir`` on this node, by rank (its own
+    snapshots, then the peer copies it keeps of other nodes'); reads, never writes.
 
     Args:
         logdir: The run's log directory.
@@ -451,6 +459,7 @@ def held_in_memory(logdir: str, root: str | None = None) -> list[RankHoldings]:
         return []
     run_id = read_run_id(logdir)
     held = []
+    copies = sorted({int(f.split(os.sep)[0][5:]) for f in files if _PEER_FILE.match(f)})
     ranks = sorted({int(f.split(os.sep)[0][5:]) for f in files if _RANK_FILE.match(f)})
     for rank in ranks:
         directory = os.path.join(run_dir, f"rank-{rank}")
@@ -461,4 +470,8 @@ def held_in_memory(logdir: str, root: str | None = None) -> list[RankHoldings]:
         prefixes = tuple(scan_checkpoints(directory, storage=storage))
         same = run_id is not None and tag.decode("ascii", "replace").strip() == run_id
         held.append(RankHoldings(rank, directory, same, prefixes))
+    for rank in copies:
+        directory = os.path.join(run_dir, f"peer-{rank}")
+        prefixes = tuple(scan_checkpoints(directory, storage=storage))
+        held.append(RankHoldings(rank, directory, True, prefixes, copy=True))
     return held

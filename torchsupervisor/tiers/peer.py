@@ -40,7 +40,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from torchsupervisor.checkpoint.files import checkpoint_step, remove_checkpoint
@@ -123,30 +123,51 @@ def _files(files: object, step: int) -> list[tuple[str, int]]:
 
 
 class PeerServer:
-    """Keeps copies of rank ``owner``'s snapshots sent by it, and gives them back (module
-    docstring).
+    """Keeps copies of other ranks' snapshots sent to it, and gives back any snapshot this node
+    holds (module docstring).
 
     Args:
         root: The memory tier's root (``tiers.memory_root.memory_root``).
-        directory: Where the copies go (``peer_directory``), made 0700 under ``root``.
-        owner: The rank whose snapshots are kept.
+        run_directory: The run's directory under ``root`` (``<root>/<run key>``); the copies of
+            rank ``o`` go to ``peer_directory(run_directory, o)``, made 0700.
         host: The address to listen on (this node's, as the other nodes reach it).
+        owners: The ranks whose snapshots are accepted; None: any rank (a sharded run's ring).
+        keep: How many copies of each owner are kept (the newest ones; at least 1).
+        local: Also give back the snapshots in this node's ``rank-<o>`` directories (a sharded
+            run restarted with its ranks renumbered: a rank's part may be in the memory of a
+            node that held another rank before).
 
     Attributes:
         address: ``"host:port"`` to publish.
         token: The secret every request must carry (published with the address).
 
     Raises:
-        OSError: The directory cannot be made or the port not bound.
+        OSError: A directory cannot be made or the port not bound.
     """
 
-    def __init__(self, root: str, directory: str, owner: int, host: str) -> None:
+    def __init__(
+        self,
+        root: str,
+        run_directory: str,
+        host: str,
+        *,
+        owners: Collection[int] | None = (0,),
+        keep: int = 1,
+        local: bool = False,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
         self.storage = MemoryTierStorage()
-        self.directory = directory
         self.root = root
-        self.owner = owner
-        self.storage.prepare_directory(root, directory)
-        clean_checkpoint_dir(directory, storage=self.storage)
+        self.run_directory = run_directory
+        self.owners = None if owners is None else frozenset(owners)
+        self.keep = keep
+        self.local = local
+        self._received: set[int] = set()
+        self.storage.prepare_directory(root, run_directory)
+        for owner in self.owners or ():
+            self.storage.prepare_directory(root, self.directory_of(owner))
+            clean_checkpoint_dir(self.directory_of(owner), storage=self.storage)
         self.token = secrets.token_hex(16)
         self._socket = socket.create_server((host, 0))
         self._socket.settimeout(_POLL_SECS)
@@ -157,10 +178,28 @@ class PeerServer:
         )
         self._thread.start()
 
-    def holds(self) -> list[int]:
-        """The steps of the copies held, newest first (committed: their manifest is there)."""
-        steps = [checkpoint_step(p) for p in scan_checkpoints(self.directory, storage=self.storage)]
-        return sorted((s for s in steps if s is not None), reverse=True)
+    def directory_of(self, owner: int) -> str:
+        """Where the copies of rank ``owner``'s snapshots are kept."""
+        return peer_directory(self.run_directory, owner)
+
+    def _steps(self, directory: str) -> list[int]:
+        if not self.storage.is_dir(directory):
+            return []
+        found = scan_checkpoints(directory, storage=self.storage)
+        return sorted((s for s in map(checkpoint_step, found) if s is not None), reverse=True)
+
+    def holds(self) -> dict[int, list[int]]:
+        """By owner, the steps of the committed snapshots this server gives back (its copies,
+        and with ``local`` the node's own), newest first."""
+        held: dict[int, set[int]] = {}
+        kinds = ("peer", "rank") if self.local else ("peer",)
+        for name in self.storage.list(self.run_directory):
+            kind, _, owner = name.partition("-")
+            if kind in kinds and owner.isdigit():
+                steps = self._steps(os.path.join(self.run_directory, name))
+                if steps:
+                    held.setdefault(int(owner), set()).update(steps)
+        return {owner: sorted(steps, reverse=True) for owner, steps in sorted(held.items())}
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -185,47 +224,59 @@ class PeerServer:
         token = request.get("token")
         if not isinstance(token, str) or not hmac.compare_digest(token, self.token):
             raise PermissionError("a request without this server's token")
-        if request.get("owner") != self.owner:
-            raise ValueError(f"a snapshot of rank {request.get('owner')!r}, not {self.owner}")
+        owner = request.get("owner")
+        if not isinstance(owner, int) or isinstance(owner, bool) or owner < 0:
+            raise ValueError(f"not a rank: {owner!r}")
         step = request.get("step")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"not a step: {step!r}")
         if request.get("op") == "put":
-            self._put(conn, step, _files(request.get("files"), step))
+            if self.owners is not None and owner not in self.owners:
+                expected = ", ".join(map(str, sorted(self.owners)))
+                raise ValueError(f"a snapshot of rank {owner}, not of rank {expected}")
+            self._put(conn, owner, step, _files(request.get("files"), step))
         elif request.get("op") == "get":
-            self._get(conn, step)
+            self._get(conn, owner, step)
         else:
             raise ValueError(f"unknown operation {request.get('op')!r}")
 
-    def _put(self, conn: socket.socket, step: int, files: list[tuple[str, int]]) -> None:
-        self.storage.check_room(self.directory, sum(size for _, size in files))
-        prefix = os.path.join(self.directory, f"model.ckpt-{step}")
+    def _put(
+        self, conn: socket.socket, owner: int, step: int, files: list[tuple[str, int]]
+    ) -> None:
+        directory = self.directory_of(owner)
+        self.storage.prepare_directory(self.root, directory)
+        self._received.add(owner)
+        self.storage.check_room(directory, sum(size for _, size in files))
+        prefix = os.path.join(directory, f"model.ckpt-{step}")
         try:
             for name, size in files:
-                self.storage.put_streamed(os.path.join(self.directory, name), _receive(conn, size))
+                self.storage.put_streamed(os.path.join(directory, name), _receive(conn, size))
         except BaseException:
             remove_checkpoint(prefix, storage=self.storage)
             raise
-        for held in self.holds():
-            if held != step:
-                remove_checkpoint(
-                    os.path.join(self.directory, f"model.ckpt-{held}"), storage=self.storage
-                )
+        for held in self._steps(directory)[self.keep :]:
+            remove_checkpoint(os.path.join(directory, f"model.ckpt-{held}"), storage=self.storage)
         _send_line(conn, {"ok": step})
 
-    def _get(self, conn: socket.socket, step: int) -> None:
-        if step not in self.holds():
-            raise ValueError(f"no copy of step {step}")
-        prefix = os.path.join(self.directory, f"model.ckpt-{step}")
-        _send_prefix(conn, prefix, self.storage, {"step": step})
+    def _get(self, conn: socket.socket, owner: int, step: int) -> None:
+        kinds = ("peer", "rank") if self.local else ("peer",)
+        for kind in kinds:
+            directory = os.path.join(self.run_directory, f"{kind}-{owner}")
+            if step in self._steps(directory):
+                prefix = os.path.join(directory, f"model.ckpt-{step}")
+                _send_prefix(conn, prefix, self.storage, {"step": step})
+                return
+        raise ValueError(f"no copy of step {step} of rank {owner}")
 
     def close(self, *, free: bool = False) -> None:
-        """Stop serving; with ``free``, delete the copies (a clean end)."""
+        """Stop serving; with ``free``, delete the copies of the owners it was made for and
+        of those it received (a clean end)."""
         self._stop.set()
         self._socket.close()
         self._thread.join(_IO_TIMEOUT_SECS)
         if free:
-            self.storage.remove_directory(self.root, self.directory)
+            for owner in sorted((self.owners or set()) | self._received):
+                self.storage.remove_directory(self.root, self.directory_of(owner))
 
 
 def _close_gently(conn: socket.socket) -> None:

@@ -77,7 +77,7 @@ def serve_copies(config: MemoryTierConfig, logdir: str) -> PeerServer:
     """Start this rank's server of copies of the chief's snapshots (a non-chief)."""
     root = memory_root(config.root)
     run_directory = os.path.dirname(rank_directory(root, logdir, _OWNER))
-    return PeerServer(root, peer_directory(run_directory, _OWNER), _OWNER, peer_host())
+    return PeerServer(root, run_directory, peer_host(), owners=(_OWNER,))
 
 
 def exchange(
@@ -87,7 +87,8 @@ def exchange(
     rank did not post in time: no peers then, with a warning; None on the others)."""
     post: dict[str, Any] = {"node": node}
     if server is not None:
-        post.update(address=server.address, token=server.token, holds=server.holds())
+        holds = server.holds().get(_OWNER, [])
+        post.update(address=server.address, token=server.token, holds=holds)
     replicas.post(POSTS, post)
     if replicas.rank != _OWNER:
         return None
