@@ -26,7 +26,7 @@ from torchsupervisor.checkpoint.state_file import latest_checkpoint
 from torchsupervisor.storage import storage_for
 
 ROOT = repo()
-MAX_STEPS = 200  # The kill comes at the first checkpoint past step 0 (step 4-62 here).
+MAX_STEPS = 140  # The kill comes at the first checkpoint past step 0 (step 4-62 here).
 _RESUMED = re.compile(r"rank (\d+): resumed at step (\d+) from (\S+)")
 
 

@@ -33,7 +33,7 @@ from torchsupervisor.tiers.memory_root import memory_root, run_key
 from .test_multi_node import _children, _rank_of
 
 ROOT = repo()
-MAX_STEPS = 200
+MAX_STEPS = 80
 _RESUMED = re.compile(r"rank (\d+): resumed at step (\d+) from (\S+)( \(memory tier\))?")
 
 

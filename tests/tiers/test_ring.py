@@ -73,6 +73,10 @@ def test_a_ring_server_keeps_copies_of_any_rank_and_gives_back_the_nodes_own(tmp
         for prefix in prefixes:
             send_snapshot(server.address, server.token, 1, prefix)
         assert server.holds() == {1: [7, 6], 3: [9]}  # The newest two copies, and its own.
+        # Rank 1 restored step 5 (a restart that abandoned 6 and 7) and sends it again: the
+        # copies of the abandoned timeline go.
+        send_snapshot(server.address, server.token, 1, prefixes[0])
+        assert server.holds() == {1: [5], 3: [9]}
         into = str(tmp_path / "fetched")
         fetched = fetch_snapshot(server.address, server.token, 3, 9, str(tmp_path), into)
         state = _state(0.0, 0)
@@ -207,3 +211,30 @@ def test_ls_shows_the_copies_a_node_keeps_and_a_sharded_runs_own_parts(tmp_path,
     part = next(line for line in lines if line.startswith("memory (rank 1)"))
     assert " 7 " in part and "valid" in part  # A sharded snapshot's origin has its world size.
     assert "from the peer tier (step 8)" in lines[-1]
+
+
+def test_after_a_restore_the_copies_of_the_abandoned_timeline_are_deleted(tmp_path):
+    logdir = str(tmp_path / "log")
+    server = _server(tmp_path / "node", logdir, keep=3)
+    sender = _tier(tmp_path / "sender", logdir, rank=0)
+    for step in (4, 5, 6):
+        send_snapshot(server.address, server.token, 0, _snapshot(sender, step))
+    server.close()
+    sender.close()
+    gone = _tier(tmp_path / "node", logdir, rank=3)  # Rank 3 is now on another node.
+    for step in (5, 6):
+        _snapshot(gone, step)
+    gone.close()
+    lowest = _tier(tmp_path / "node", logdir, rank=1)
+    local = _tier(tmp_path / "node", logdir, rank=2)  # Its own tier deletes its own.
+    for step in (5, 6):
+        _snapshot(local, step)
+    posts = [{"node": 0}, {"node": 1}, {"node": 1}, {"node": 0}]
+    try:
+        ring.drop_abandoned(local, posts, 1, 5)  # Not the lowest rank of node 1: nothing.
+        assert server.holds() == {0: [6, 5, 4], 2: [6, 5], 3: [6, 5]}
+        ring.drop_abandoned(lowest, posts, 1, 5)  # The ranks agreed to restore step 5.
+        assert server.holds() == {0: [5, 4], 2: [6, 5], 3: [5]}
+    finally:
+        lowest.close()
+        local.close()

@@ -170,6 +170,17 @@ class ModeTiers:
             except OSError as e:
                 logger.warning("Could not free the peer replica at %s: %s", server.directory, e)
 
+    def drop_abandoned(self, step: int) -> None:
+        """A sharded run, after the agreed restore of ``step`` and before any rank sends:
+        the node's copies newer than it are of an abandoned timeline (``ring.drop_abandoned``)."""
+        memory, posts = self.memory, self.ring_posts
+        if memory is None or posts is None:
+            return
+        try:
+            ring.drop_abandoned(memory, posts, current_launcher().node_id, step)
+        except OSError as e:
+            logger.warning("Could not delete the copies newer than step %d: %s", step, e)
+
     def close(self, saved: bool) -> None:
         """Stop the memory tier and the peers; free them with ``saved`` (the newest checkpoint
         holds the current step)."""

@@ -382,6 +382,7 @@ class ShardedMode(Mode):
             replicas.raise_flag("restore/failed", f"rank {replicas.rank}: {type(e).__name__}: {e}")
             raise
         restored = sess.restored_checkpoint
+        self.tiers.drop_abandoned(self.context.current_step())  # Before any rank sends.
         agree(
             replicas,
             "restore/result",

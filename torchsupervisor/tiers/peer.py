@@ -254,8 +254,11 @@ class PeerServer:
         except BaseException:
             remove_checkpoint(prefix, storage=self.storage)
             raise
-        for held in self._steps(directory)[self.keep :]:
-            remove_checkpoint(os.path.join(directory, f"model.ckpt-{held}"), storage=self.storage)
+        # A copy newer than the one received is of a timeline its owner abandoned (it restored
+        # an older step): never to be given back. Then the newest ``keep``.
+        held = self._steps(directory)
+        for old in [s for s in held if s > step] + [s for s in held if s <= step][self.keep :]:
+            remove_checkpoint(os.path.join(directory, f"model.ckpt-{old}"), storage=self.storage)
         _send_line(conn, {"ok": step})
 
     def _get(self, conn: socket.socket, owner: int, step: int) -> None:

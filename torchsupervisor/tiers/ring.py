@@ -29,6 +29,8 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from torchsupervisor.checkpoint.files import checkpoint_step, remove_checkpoint
+from torchsupervisor.checkpoint.recovery import scan_checkpoints
 from torchsupervisor.errors import DeadlineExceededError
 from torchsupervisor.tiers.memory_root import memory_root, rank_directory
 from torchsupervisor.tiers.peer import PeerSender, PeerServer, fetch_snapshot
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from torchsupervisor.tiers.memory import MemoryTier, MemoryTierConfig
 
 __all__ = [
+    "drop_abandoned",
     "exchange",
     "fetcher",
     "offered_steps",
@@ -166,11 +169,36 @@ def start_sender(posts: list[dict[str, Any]] | None, rank: int) -> PeerSender | 
     return PeerSender(peer["address"], peer["token"], rank)
 
 
+def _lowest_on_node(posts: list[dict[str, Any]], node: int) -> int:
+    return min(r for r, post in enumerate(posts) if post.get("node") == node)
+
+
+def drop_abandoned(memory: MemoryTier, posts: list[dict[str, Any]], node: int, step: int) -> None:
+    """After the agreed restore of ``step`` and before any rank sends again, on the lowest
+    rank of each node: delete the node's snapshots newer than ``step`` that no tier of its
+    ranks owns (the copies, and the snapshots of ranks now on other nodes). They belong to a
+    timeline the restart abandoned, and a later restart must never take them; each rank's own
+    tier deletes its own (``MemoryTier.start``)."""
+    if _lowest_on_node(posts, node) != memory.rank:
+        return
+    local = {f"rank-{r}" for r, post in enumerate(posts) if post.get("node") == node}
+    run_directory = os.path.dirname(memory.directory)
+    storage = memory.storage
+    for name in storage.list(run_directory) if storage.is_dir(run_directory) else ():
+        if name in local or not name.startswith(("peer-", "rank-")):
+            continue
+        directory = os.path.join(run_directory, name)
+        for prefix in scan_checkpoints(directory, storage=storage):
+            held = checkpoint_step(prefix)
+            if held is not None and held > step:
+                remove_checkpoint(prefix, storage=storage)
+
+
 def remove_leftovers(memory: MemoryTier, posts: list[dict[str, Any]], node: int) -> None:
     """At a clean end, on the lowest rank of each node, after every rank of the run has closed
     its tier and its sender: delete what the node still holds of the run (the copies, and the
     snapshots of ranks that are now on other nodes)."""
-    if min(r for r, post in enumerate(posts) if post.get("node") == node) != memory.rank:
+    if _lowest_on_node(posts, node) != memory.rank:
         return
     root = memory_root(memory.config.root)
     run_directory = os.path.dirname(memory.directory)
