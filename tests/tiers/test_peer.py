@@ -127,3 +127,15 @@ def test_a_restarted_chief_fetches_a_newer_copy_than_its_memory_and_the_disk(set
         assert replication.choose_peer([{"node": 0}, {"node": 0, "address": "x"}]) is None
     finally:
         fresh.close()
+
+
+def test_the_copies_of_a_timeline_the_chief_abandoned_are_deleted(setup):
+    _, (five, six), server, _ = setup
+    send_snapshot(server.address, server.token, 0, six)
+    replication.drop_abandoned(server, 6)  # The chief restored step 6: the copy stays.
+    assert server.holds() == {0: [6]}
+    replication.drop_abandoned(server, 3)  # It restored step 3: step 6 was abandoned.
+    assert server.holds() == {}
+    send_snapshot(server.address, server.token, 0, six)
+    send_snapshot(server.address, server.token, 0, five)  # A new timeline from step 5.
+    assert server.holds() == {0: [5]}

@@ -170,14 +170,18 @@ class ModeTiers:
             except OSError as e:
                 logger.warning("Could not free the peer replica at %s: %s", server.directory, e)
 
-    def drop_abandoned(self, step: int) -> None:
-        """A sharded run, after the agreed restore of ``step`` and before any rank sends:
-        the node's copies newer than it are of an abandoned timeline (``ring.drop_abandoned``)."""
-        memory, posts = self.memory, self.ring_posts
-        if memory is None or posts is None:
+    def drop_abandoned(self, step: int | None) -> None:
+        """After the restore of ``step`` (the same on every rank) and before any rank sends:
+        delete the copies newer than it, of a timeline the restart abandoned (a sharded run:
+        ``ring.drop_abandoned``; a replicated run's non-chief: its copies of the chief's)."""
+        memory, posts, server = self.memory, self.ring_posts, self.peer_server
+        if step is None:
             return
         try:
-            ring.drop_abandoned(memory, posts, current_launcher().node_id, step)
+            if posts is not None and memory is not None:
+                ring.drop_abandoned(memory, posts, current_launcher().node_id, step)
+            elif posts is None and server is not None:
+                replication.drop_abandoned(server, step)
         except OSError as e:
             logger.warning("Could not delete the copies newer than step %d: %s", step, e)
 

@@ -306,6 +306,8 @@ class WorkerMode(Mode):
         if self.replicas is not None:
             interval = min(st.recovery_wait_secs, OPEN_POLL_SECS)
             info = self.replicas.wait_ready(interval, max_wait_secs, clock=st.clock)
+            # The chief restored its step and sends nothing before the state's broadcast.
+            self.tiers.drop_abandoned(info.get("step"))
         sess = st.session_manager.wait_for_session(
             master, config=config, max_wait_secs=max_wait_secs
         )

@@ -261,6 +261,15 @@ class PeerServer:
             remove_checkpoint(os.path.join(directory, f"model.ckpt-{old}"), storage=self.storage)
         _send_line(conn, {"ok": step})
 
+    def drop_newer(self, owner: int, step: int) -> list[int]:
+        """Delete the copies of ``owner``'s snapshots newer than ``step`` (its restart restored
+        ``step``: they are of a timeline it abandoned); return their steps."""
+        directory = self.directory_of(owner)
+        newer = [s for s in self._steps(directory) if s > step]
+        for old in newer:
+            remove_checkpoint(os.path.join(directory, f"model.ckpt-{old}"), storage=self.storage)
+        return newer
+
     def _get(self, conn: socket.socket, owner: int, step: int) -> None:
         kinds = ("peer", "rank") if self.local else ("peer",)
         for kind in kinds:

@@ -47,6 +47,7 @@ __all__ = [
     "PEER_HOST_ENV",
     "adopt_local_copy",
     "choose_peer",
+    "drop_abandoned",
     "exchange",
     "fetch_newer",
     "peer_host",
@@ -183,6 +184,14 @@ def fetch_newer(
         )
         return prefix
     return None
+
+
+def drop_abandoned(server: PeerServer, step: int) -> None:
+    """On a rank keeping copies, once the chief restored ``step`` and before it sends again:
+    delete the copies newer than it (a timeline the restart abandoned), so that a later
+    restart never takes them."""
+    for dropped in server.drop_newer(_OWNER, step):
+        logger.info("Deleted the peer copy of step %d: the run restored step %d", dropped, step)
 
 
 def choose_peer(posts: list[dict[str, Any]]) -> dict[str, Any] | None:
