@@ -94,7 +94,10 @@ def _worker_with_rank(agents, rank: int, deadline: float) -> int:
 
 @pytest.mark.parametrize("example", ["fsdp_digits.py"])
 def test_two_nodes_resume_from_s3_after_the_chief_is_killed(s3_server, s3_url, tmp_path, example):
-    env = {**os.environ, **s3_server.env, "OMP_NUM_THREADS": "1"}
+    # The agents log their rendezvous rounds (INFO), shown in full if the test fails: a
+    # restart round that did not form was seen once (node0 waited for the role infos of a
+    # round node1 had not finished joining) and is not understood yet.
+    env = {**os.environ, **s3_server.env, "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO"}
     port = free_port()
     nodes = [_node(example, s3_url, port, tmp_path / f"node{i}", env) for i in (0, 1)]
     agents = [process for process, _ in nodes]
@@ -120,7 +123,7 @@ def test_two_nodes_resume_from_s3_after_the_chief_is_killed(s3_server, s3_url, t
     outputs = [(tmp_path / f"node{i}" / "out.log").read_text() for i in (0, 1)]
     # torchrun saw the killed worker (and then restarted the group: the resumes below).
     assert any("exitcode: -9" in output for output in outputs), outputs
-    assert [a.returncode for a in agents] == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
+    assert [a.returncode for a in agents] == [0, 0], "\n\n".join(outputs)
 
     # Each rank printed its resume once, after the restart, from the checkpoint committed
     # when the chief died; then each trained to the end.
