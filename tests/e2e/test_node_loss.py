@@ -38,7 +38,7 @@ _RESUMED = re.compile(r"rank (\d+): resumed at step (\d+) from (\S+)( \(memory t
 
 
 def _agent(
-    port: int, logdir: str, workdir, env, n: int, example: str
+    port: int, logdir: str, workdir, env, n: int, example: str, nproc: int
 ) -> tuple[subprocess.Popen, object]:
     workdir.mkdir()
     (workdir / "shm").mkdir()
@@ -46,7 +46,7 @@ def _agent(
     command = [
         sys.executable,
         *("-m", "torch.distributed.run"),
-        *(f"--nnodes={n}", "--nproc_per_node=1", "--max-restarts=1"),
+        *(f"--nnodes={n}", f"--nproc_per_node={nproc}", "--max-restarts=1"),
         *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=node-loss"),
         # A lost node leaves the rendezvous when its heartbeats stop: after 2 s, not 15.
         "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=2",
@@ -85,35 +85,48 @@ def _peer_copies(workdir, logdir: str) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("example", "n"),
-    [("ddp_digits.py", 2), ("ddp_digits.py", 3), ("fsdp_digits.py", 2)],
-    ids=["DDP, 2 nodes", "DDP, 3 nodes", "FSDP2, 2 nodes"],
+    ("example", "n", "nproc"),
+    [
+        ("ddp_digits.py", 2, 1),
+        ("ddp_digits.py", 3, 1),
+        # One rank a node in make test-slow; two in the suite: rank 0's copies are on rank 2,
+        # rank 1's on rank 3, and each node has two servers.
+        pytest.param("fsdp_digits.py", 2, 1, marks=pytest.mark.slow),
+        ("fsdp_digits.py", 2, 2),
+    ],
+    ids=["DDP, 2 nodes", "DDP, 3 nodes", "FSDP2, 2 nodes", "FSDP2, 2 nodes x 2 ranks"],
 )
-def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(tmp_path, example, n):
+def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(
+    tmp_path, example, n, nproc
+):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     logdir = str(tmp_path / "logdir")
-    nodes = {i: _agent(port, logdir, tmp_path / f"node{i}", env, n, example) for i in range(n)}
+    nodes = {
+        i: _agent(port, logdir, tmp_path / f"node{i}", env, n, example, nproc) for i in range(n)
+    }
+    world = n * nproc
     try:
         deadline = time.monotonic() + 180
         agents = [nodes[i][0] for i in range(n)]
-        chief, chief_node = _worker_with_rank(agents, 0, deadline)
-        _, peer_node = _worker_with_rank(agents, 1, deadline)  # The chief's peer: rank 1's.
+        _, chief_node = _worker_with_rank(agents, 0, deadline)
+        # The chief's peer: the first rank of the next node (the same position on it).
+        _, peer_node = _worker_with_rank(agents, nproc, deadline)
         while not [s for s in _peer_copies(tmp_path / f"node{peer_node}", logdir) if s >= 20]:
             assert all(p.poll() is None for p, _ in nodes.values()), "a node ended too soon"
             assert time.monotonic() < deadline, "no peer copy past step 20 within 180 s"
             time.sleep(0.05)
-        # The node is lost: its agent and worker killed, its memory gone.
+        # The node is lost: its agent and workers killed, its memory gone.
         agent = nodes[chief_node][0]
-        for pid in (agent.pid, chief):
+        for pid in (agent.pid, *_children(agent.pid)):
             os.kill(pid, signal.SIGKILL)
         agent.wait(30)
         shutil.rmtree(tmp_path / f"node{chief_node}" / "shm")
         copied = max(_peer_copies(tmp_path / f"node{peer_node}", logdir))
         assert copied < MAX_STEPS, "training ended before the node loss: raise MAX_STEPS"
         # It comes back, empty.
-        nodes[n] = _agent(port, logdir, tmp_path / f"node{n}", env, n, example)
+        nodes[n] = _agent(port, logdir, tmp_path / f"node{n}", env, n, example, nproc)
         alive = [i for i in nodes if i != chief_node]
         for i in alive:
             nodes[i][0].wait(300)
@@ -130,7 +143,7 @@ def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(tmp_path
     )
     text = "\n".join(outputs)
     resumed = sorted(m.groups() for m in _RESUMED.finditer(text))
-    assert len(resumed) == n, resumed
+    assert len(resumed) == world, resumed
     step = int(resumed[0][1])
     # The chief resumed from the memory tier at a step no older than the copy seen before the
     # loss (the disk held only the checkpoint of the start), and every rank with it.
@@ -138,9 +151,11 @@ def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(tmp_path
     if example == "fsdp_digits.py":  # Every rank restored its own part from the memory tier.
         assert all(r[3] == " (memory tier)" for r in resumed), resumed
     assert step >= copied
-    assert [(r[0], r[1]) for r in resumed] == [(str(rank), str(step)) for rank in range(n)]
+    assert sorted((int(r[0]), r[1]) for r in resumed) == [
+        (rank, str(step)) for rank in range(world)
+    ]
     assert "peer copy" in text
-    assert len(re.findall(rf"rank \d: done at step {MAX_STEPS}", text)) == n
+    assert len(re.findall(rf"rank \d: done at step {MAX_STEPS}", text)) == world
     assert latest_checkpoint(logdir).endswith(f"model.ckpt-{MAX_STEPS}")
     # A clean end whose final checkpoint holds the last step frees the memory and the copies.
     for i in alive:
