@@ -78,9 +78,9 @@ def _worker_with_rank(agents, rank: int, deadline: float) -> tuple[int, int]:
     raise AssertionError(f"no worker with RANK={rank} among the agents' children")
 
 
-def _peer_copies(workdir, logdir: str) -> list[int]:
+def _peer_copies(workdir, logdir: str, owner: int = 0) -> list[int]:
     run = os.path.join(memory_root(str(workdir / "shm")), run_key(logdir))
-    found = glob.glob(os.path.join(run, "peer-0", "model.ckpt-*.index"))
+    found = glob.glob(os.path.join(run, f"peer-{owner}", "model.ckpt-*.index"))
     return sorted(int(os.path.basename(p)[len("model.ckpt-") : -len(".index")]) for p in found)
 
 
@@ -123,7 +123,11 @@ def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(
             os.kill(pid, signal.SIGKILL)
         agent.wait(30)
         shutil.rmtree(tmp_path / f"node{chief_node}" / "shm")
-        copied = max(_peer_copies(tmp_path / f"node{peer_node}", logdir))
+        # The newest step of which the peer node holds every part of the lost node (its ranks'
+        # senders may be snapshots apart; a put committing just now may add a newer one).
+        peer_dir = tmp_path / f"node{peer_node}"
+        held = [set(_peer_copies(peer_dir, logdir, r)) for r in range(nproc)]
+        copied = max(set.intersection(*held), default=-1)
         assert copied < MAX_STEPS, "training ended before the node loss: raise MAX_STEPS"
         # It comes back, empty.
         nodes[n] = _agent(port, logdir, tmp_path / f"node{n}", env, n, example, nproc)
@@ -150,6 +154,7 @@ def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(
     assert resumed[0][0] == "0" and resumed[0][3] == " (memory tier)", resumed
     if example == "fsdp_digits.py":  # Every rank restored its own part from the memory tier.
         assert all(r[3] == " (memory tier)" for r in resumed), resumed
+        assert f"Resumed at step {step} from the memory tier, from a peer copy" in text
     assert step >= copied
     assert sorted((int(r[0]), r[1]) for r in resumed) == [
         (rank, str(step)) for rank in range(world)

@@ -315,7 +315,15 @@ class MemoryTier:
     def _log_restart(self, sess: Session, step: int | None) -> None:
         """Log which tier the session resumed from and how many steps the last run lost."""
         reached = self.reached_step()
-        if reached is None or step is None or sess.restored_checkpoint is None:
+        if step is None or sess.restored_checkpoint is None:
+            return
+        if reached is None:
+            if sess.restored_tier == MEMORY_TIER:  # A peer copy: its node kept the record.
+                logger.warning(
+                    "Resumed at step %d from the memory tier, from a peer copy (this node has "
+                    "no record of the last run's steps)",
+                    step,
+                )
             return
         if reached < 0:  # It stopped with its last step snapshotted (``close``).
             stopped = -reached - 1
