@@ -93,8 +93,15 @@ def _peer_copies(workdir, logdir: str, owner: int = 0) -> list[int]:
         # rank 1's on rank 3, and each node has two servers.
         pytest.param("fsdp_digits.py", 2, 1, marks=pytest.mark.slow),
         ("fsdp_digits.py", 2, 2),
+        pytest.param("fsdp_digits.py", 3, 1, marks=pytest.mark.slow),
     ],
-    ids=["DDP, 2 nodes", "DDP, 3 nodes", "FSDP2, 2 nodes", "FSDP2, 2 nodes x 2 ranks"],
+    ids=[
+        "DDP, 2 nodes",
+        "DDP, 3 nodes",
+        "FSDP2, 2 nodes",
+        "FSDP2, 2 nodes x 2 ranks",
+        "FSDP2, 3 nodes",
+    ],
 )
 def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(
     tmp_path, example, n, nproc
