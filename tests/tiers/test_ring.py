@@ -98,6 +98,23 @@ def _flip_a_byte(prefix: str) -> None:
         f.write(bytes([byte[0] ^ 0x01]))
 
 
+def _posts(servers: list[PeerServer]) -> list[dict]:
+    """Posts of ranks 0, 1, ... each on its own node, each with its server's holdings."""
+    return [
+        {"node": i, "address": s.address, "token": s.token, "holds": {"0": s.holds()[0]}}
+        for i, s in enumerate(servers)
+    ]
+
+
+def _agreed(memory: MemoryTier, posts: list[dict]):
+    """Rank 0 of a one-rank run's agreed tier over its memory and the copies posted."""
+    replicas = ReplicaGroup(0, store=dist.HashStore(), rank=0, world_size=1)
+    offered = ring.offered_steps(posts, 0)
+    tier = agreed_tier(memory, replicas, 5.0, offered=offered, fetch=ring.fetcher(memory, posts))
+    assert tier is not None
+    return tier
+
+
 def test_an_agreed_restore_fetches_this_ranks_part_and_refuses_a_damaged_copy(tmp_path, caplog):
     logdir = str(tmp_path / "log")
     sender = _tier(tmp_path / "sender", logdir)
@@ -108,21 +125,9 @@ def test_an_agreed_restore_fetches_this_ranks_part_and_refuses_a_damaged_copy(tm
         for server in (near, far):
             send_snapshot(server.address, server.token, 0, six)
         _flip_a_byte(os.path.join(near.directory_of(0), "model.ckpt-6"))
-        posts = [
-            {"node": 0, "address": s.address, "token": s.token, "holds": {"0": s.holds()[0]}}
-            for s in (near, far)
-        ]
-        posts[1]["node"] = 1
+        posts = _posts([near, far])  # Rank 0's own node is near's.
         assert ring.offered_steps(posts, 0) == [6]
-        replicas = ReplicaGroup(0, store=dist.HashStore(), rank=0, world_size=1)
-        tier = agreed_tier(
-            memory,
-            replicas,
-            5.0,
-            offered=ring.offered_steps(posts, 0),
-            fetch=ring.fetcher(memory, posts),
-        )
-        assert tier is not None
+        tier = _agreed(memory, posts)
         [snapshot] = tier.snapshots()
         state = _state(0.0, 0)
         with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
@@ -148,11 +153,7 @@ def test_an_agreed_restore_fails_when_no_copy_passes(tmp_path):
     try:
         send_snapshot(server.address, server.token, 0, six)
         _flip_a_byte(os.path.join(server.directory_of(0), "model.ckpt-6"))
-        posts = [{"node": 0, "address": server.address, "token": server.token}]
-        posts[0]["holds"] = {"0": [6]}
-        replicas = ReplicaGroup(0, store=dist.HashStore(), rank=0, world_size=1)
-        tier = agreed_tier(memory, replicas, 5.0, offered=[6], fetch=ring.fetcher(memory, posts))
-        assert tier is not None
+        tier = _agreed(memory, _posts([server]))
         state = _state(0.0, 0)
         with pytest.raises(ts.errors.CorruptCheckpointError, match="not usable on every rank"):
             tier.restore(Session(state), tier.snapshots()[0].prefix)

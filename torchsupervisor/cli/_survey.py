@@ -209,9 +209,12 @@ def _memory_infos(logdir: str, verify: bool, root: str | None) -> list[Checkpoin
             info = CheckpointInfo(prefix, elsewhere=True, tier=tier, rank=held.rank)
             manifest = _check(info, verify)
             info.size_bytes, info.own_bytes = _sizes(prefix, manifest)
-            info.kept_by = KEPT_MEMORY_SLOT if held.same_run else KEPT_OTHER_RUN
             if held.copy:
                 info.kept_by = KEPT_PEER_COPY
+            elif held.same_run:
+                info.kept_by = KEPT_MEMORY_SLOT
+            else:
+                info.kept_by = KEPT_OTHER_RUN
             origin = {} if manifest is None else manifest.origin or {}
             if manifest is not None and manifest.global_step != checkpoint_step(prefix):
                 info.status = CORRUPT

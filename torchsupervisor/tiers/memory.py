@@ -74,8 +74,7 @@ MEMORY_TIER = "memory"
 
 _BASENAME = "model.ckpt"
 _RUN_ID_FILE = "run_id"
-_RANK_FILE = re.compile(r"rank-\d+/")
-_PEER_FILE = re.compile(r"peer-\d+/")
+_HELD_FILE = re.compile(r"(rank|peer)-(\d+)/")  # A rank's own snapshots, or a peer copy.
 _REACHED_FILE = "reached_step"  # The global step at the newest step boundary (a counter).
 _MANIFEST_SLACK_BYTES = 1 << 20  # Room for the manifests and the state file, per slot.
 
@@ -467,8 +466,9 @@ def held_in_memory(logdir: str, root: str | None = None) -> list[RankHoldings]:
         return []
     run_id = read_run_id(logdir)
     held = []
-    copies = sorted({int(f.split(os.sep)[0][5:]) for f in files if _PEER_FILE.match(f)})
-    ranks = sorted({int(f.split(os.sep)[0][5:]) for f in files if _RANK_FILE.match(f)})
+    found = {m.groups() for m in map(_HELD_FILE.match, files) if m}
+    ranks = sorted(int(rank) for kind, rank in found if kind == "rank")
+    copies = sorted(int(rank) for kind, rank in found if kind == "peer")
     for rank in ranks:
         directory = os.path.join(run_dir, f"rank-{rank}")
         try:

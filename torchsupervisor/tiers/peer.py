@@ -51,7 +51,9 @@ __all__ = [
     "PeerSender",
     "PeerServer",
     "fetch_snapshot",
+    "held_steps",
     "peer_directory",
+    "remove_newer",
     "send_snapshot",
     "snapshot_files",
 ]
@@ -68,6 +70,23 @@ _POLL_SECS = 0.2
 def peer_directory(run_directory: str, owner: int) -> str:
     """Where a rank keeps its copies of rank ``owner``'s snapshots: ``<run dir>/peer-<owner>``."""
     return os.path.join(run_directory, f"peer-{owner}")
+
+
+def held_steps(directory: str, storage: MemoryTierStorage) -> list[int]:
+    """The steps of the committed snapshots in ``directory``, newest first ([] if absent)."""
+    if not storage.is_dir(directory):
+        return []
+    found = scan_checkpoints(directory, storage=storage)
+    return sorted((s for s in map(checkpoint_step, found) if s is not None), reverse=True)
+
+
+def remove_newer(directory: str, step: int, storage: MemoryTierStorage) -> list[int]:
+    """Delete the snapshots in ``directory`` newer than ``step`` (of a timeline a restart
+    abandoned); return their steps."""
+    newer = [s for s in held_steps(directory, storage) if s > step]
+    for old in newer:
+        remove_checkpoint(os.path.join(directory, f"model.ckpt-{old}"), storage=storage)
+    return newer
 
 
 def _read_line(conn: socket.socket) -> dict[str, Any]:
@@ -182,12 +201,6 @@ class PeerServer:
         """Where the copies of rank ``owner``'s snapshots are kept."""
         return peer_directory(self.run_directory, owner)
 
-    def _steps(self, directory: str) -> list[int]:
-        if not self.storage.is_dir(directory):
-            return []
-        found = scan_checkpoints(directory, storage=self.storage)
-        return sorted((s for s in map(checkpoint_step, found) if s is not None), reverse=True)
-
     def holds(self) -> dict[int, list[int]]:
         """By owner, the steps of the committed snapshots this server gives back (its copies,
         and with ``local`` the node's own), newest first."""
@@ -196,7 +209,7 @@ class PeerServer:
         for name in self.storage.list(self.run_directory):
             kind, _, owner = name.partition("-")
             if kind in kinds and owner.isdigit():
-                steps = self._steps(os.path.join(self.run_directory, name))
+                steps = held_steps(os.path.join(self.run_directory, name), self.storage)
                 if steps:
                     held.setdefault(int(owner), set()).update(steps)
         return {owner: sorted(steps, reverse=True) for owner, steps in sorted(held.items())}
@@ -256,25 +269,21 @@ class PeerServer:
             raise
         # A copy newer than the one received is of a timeline its owner abandoned (it restored
         # an older step): never to be given back. Then the newest ``keep``.
-        held = self._steps(directory)
-        for old in [s for s in held if s > step] + [s for s in held if s <= step][self.keep :]:
+        remove_newer(directory, step, self.storage)
+        for old in held_steps(directory, self.storage)[self.keep :]:
             remove_checkpoint(os.path.join(directory, f"model.ckpt-{old}"), storage=self.storage)
         _send_line(conn, {"ok": step})
 
     def drop_newer(self, owner: int, step: int) -> list[int]:
         """Delete the copies of ``owner``'s snapshots newer than ``step`` (its restart restored
         ``step``: they are of a timeline it abandoned); return their steps."""
-        directory = self.directory_of(owner)
-        newer = [s for s in self._steps(directory) if s > step]
-        for old in newer:
-            remove_checkpoint(os.path.join(directory, f"model.ckpt-{old}"), storage=self.storage)
-        return newer
+        return remove_newer(self.directory_of(owner), step, self.storage)
 
     def _get(self, conn: socket.socket, owner: int, step: int) -> None:
         kinds = ("peer", "rank") if self.local else ("peer",)
         for kind in kinds:
             directory = os.path.join(self.run_directory, f"{kind}-{owner}")
-            if step in self._steps(directory):
+            if step in held_steps(directory, self.storage):
                 prefix = os.path.join(directory, f"model.ckpt-{step}")
                 _send_prefix(conn, prefix, self.storage, {"step": step})
                 return

@@ -29,11 +29,9 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from torchsupervisor.checkpoint.files import checkpoint_step, remove_checkpoint
-from torchsupervisor.checkpoint.recovery import scan_checkpoints
 from torchsupervisor.errors import DeadlineExceededError
 from torchsupervisor.tiers.memory_root import memory_root, rank_directory
-from torchsupervisor.tiers.peer import PeerSender, PeerServer, fetch_snapshot
+from torchsupervisor.tiers.peer import PeerSender, PeerServer, fetch_snapshot, remove_newer
 from torchsupervisor.tiers.replication import peer_host
 
 if TYPE_CHECKING:
@@ -187,11 +185,7 @@ def drop_abandoned(memory: MemoryTier, posts: list[dict[str, Any]], node: int, s
     for name in storage.list(run_directory) if storage.is_dir(run_directory) else ():
         if name in local or not name.startswith(("peer-", "rank-")):
             continue
-        directory = os.path.join(run_directory, name)
-        for prefix in scan_checkpoints(directory, storage=storage):
-            held = checkpoint_step(prefix)
-            if held is not None and held > step:
-                remove_checkpoint(prefix, storage=storage)
+        remove_newer(os.path.join(run_directory, name), step, storage)
 
 
 def remove_leftovers(memory: MemoryTier, posts: list[dict[str, Any]], node: int) -> None:
