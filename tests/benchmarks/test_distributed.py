@@ -30,6 +30,7 @@ def test_too_few_values_give_no_interval():
     assert bench.median_interval([])["median"] is None
 
 
+@pytest.mark.slow  # A minute of process groups; make test-slow.
 def test_the_distributed_benchmark_writes_its_report(run_benchmark):
     stdout, report = run_benchmark(
         "distributed", "--sizes", "1MB", "--blocks-sizes", "1MB", "--repeat", 1, "--rounds", 1

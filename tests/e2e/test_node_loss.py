@@ -88,7 +88,8 @@ def _peer_copies(workdir, logdir: str, owner: int = 0) -> list[int]:
     ("example", "n", "nproc"),
     [
         ("ddp_digits.py", 2, 1),
-        ("ddp_digits.py", 3, 1),
+        # Three nodes in make test-slow (the ring's wrap-around: test_ring).
+        pytest.param("ddp_digits.py", 3, 1, marks=pytest.mark.slow),
         # One rank a node in make test-slow; two in the suite: rank 0's copies are on rank 2,
         # rank 1's on rank 3, and each node has two servers.
         pytest.param("fsdp_digits.py", 2, 1, marks=pytest.mark.slow),

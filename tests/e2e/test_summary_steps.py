@@ -162,7 +162,11 @@ def _steps_shown(logdir: str, tag: str) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("loop", ["readme", "quickstart", "monitored"])
+@pytest.mark.parametrize(
+    "loop",
+    # The quickstart's loop is the README's with more around it: make test-slow.
+    ["readme", pytest.param("quickstart", marks=pytest.mark.slow), "monitored"],
+)
 def test_each_step_once_after_a_sigkill_and_a_sigterm_restart(tmp_path, loop):
     logdir = str(tmp_path)
 
