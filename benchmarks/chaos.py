@@ -2,25 +2,33 @@
 each way of saving it, side by side; goodput and steps lost per failure.
 
     python benchmarks/chaos.py                    # 20 minutes per variant (80 in all)
-    python benchmarks/chaos.py --minutes 3 --kill-every 30 --node-loss-every 90
+    python benchmarks/chaos.py --minutes 3 --rounds 1 --kill-every 30 --node-loss-every 90
 
-Each variant runs ``benchmarks/chaos_worker.py`` (a DDP MLP with Adam, gloo, 2 ranks) under
-``torchrun --standalone --nproc_per_node=2 --max-restarts=1000`` for ``--minutes``:
+Each variant runs ``benchmarks/chaos_worker.py`` (a DDP MLP with Adam, gloo, 2 ranks) on two
+"nodes" of this host for ``--minutes``: two ``torchrun --nnodes=2 --nproc_per_node=1
+--max-restarts=1000`` agents, each with its own memory root, meeting at a rendezvous store
+this script hosts:
 
 * ``memory``: ours, the memory tier every step and a checkpoint every ``--save-secs`` (30 s);
 * ``disk``: ours, a checkpoint every 30 s;
 * ``dcp``: ``torch.distributed.checkpoint.async_save`` every 30 s;
 * ``torch``: ``torch.save`` by rank 0 every 30 s.
 
+Each variant's ``--minutes`` run as ``--rounds`` segments (default 4 of 5 minutes), round
+robin with the other variants (each round in another order), every segment a fresh job with
+a step time of the job without failures or saves measured just before it: this machine's
+speed drifts by more than a failure costs, and the same drift then falls on every variant.
+
 Failures come at exponential intervals (the same seeded schedule for every variant): a
 process kill (``SIGKILL`` of a random rank; torchrun restarts the group) every
-``--kill-every`` seconds on average (120), a node loss (the torchrun agent and its workers
-killed, the node's memory root deleted, a new agent started) every ``--node-loss-every``
-seconds on average (360). A failure is only injected once the job has completed a step since
-the last one.
+``--kill-every`` seconds on average (120), a node loss (a random node's agent and worker
+killed, its memory root deleted, a new agent started there) every ``--node-loss-every``
+seconds on average (360). The memory variant then resumes from what the other node holds: the
+chief's own snapshots, or the peer copy of them its node sent there. A failure is only
+injected once the job has completed a step since the last one.
 
-Reported per variant, from rank 0's progress file: goodput (the steps the job holds at the
-end x the step time of a run without failures or saves, over the wall time), steps lost per
+Reported per variant, from rank 0's progress file: goodput (over the segments, the steps the
+job holds at the end x the segment's clean step time, over the wall time), steps lost per
 process kill and per node loss (the highest step completed before the failure less the step
 the job resumed at), and the time from each failure to the next completed step.
 
@@ -36,6 +44,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -44,9 +53,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "chaos_worker.py")
 VARIANTS = ("memory", "disk", "dcp", "torch")
+NODES = 2
 
 
 @dataclass
@@ -61,11 +73,14 @@ class Failure:
 
 @dataclass
 class Run:
+    """One segment of one variant: a fresh job (a new log directory) for ``segment_secs``."""
+
     variant: str
     wall_secs: float = 0.0
-    final_step: int = 0
+    final_step: int = 0  # The steps the job holds at the end (its highest step completed).
     failures: list[Failure] = field(default_factory=list)
     step_secs: float | None = None  # The median time of a step between failures.
+    clean_step_secs: float = 0.0  # Of the job without failures or saves, just before.
 
 
 def _read_progress(path: str) -> list[tuple[str, int | None, float]]:
@@ -99,56 +114,32 @@ def _highest_step(path: str) -> int:
     return max((s for kind, s, _ in _read_progress(path) if kind == "step" and s), default=0)
 
 
-class Job:
-    """One variant's torchrun agent (the "node"), started again after a node loss."""
+class Node:
+    """One "node": a torchrun agent with one worker, its own memory root; started again, empty,
+    after a node loss."""
 
-    def __init__(self, variant: str, workdir: str, args: argparse.Namespace) -> None:
-        self.variant = variant
-        self.workdir = workdir
-        self.args = args
-        self.shm = os.path.join(workdir, "shm")
-        self.progress = os.path.join(workdir, "progress.log")
+    def __init__(self, index: int, cluster: Cluster) -> None:
+        self.index = index
+        self.cluster = cluster
+        self.shm = os.path.join(cluster.workdir, f"node{index}-shm")
         self.agent: subprocess.Popen | None = None
-        self.log = open(os.path.join(workdir, "agents.log"), "a")  # noqa: SIM115
 
     def start(self) -> None:
         os.makedirs(self.shm, exist_ok=True)
-        command = [
-            sys.executable,
-            *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
-            "--max-restarts=1000",
-            WORKER,
-            *("--variant", self.variant, "--logdir", os.path.join(self.workdir, "logdir")),
-            *("--progress", self.progress, "--save-secs", str(self.args.save_secs)),
-            *("--hidden", str(self.args.hidden), "--layers", str(self.args.layers)),
-        ]
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "TORCHSUPERVISOR_MEMORY_ROOT": self.shm,
-            # Else a restarted plain init_process_group finds the dead workers' keys in
-            # torchrun's shared store (pytorch#135712; ours keeps attempts apart itself).
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        }
-        self.agent = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        env = {**self.cluster.env, "TORCHSUPERVISOR_MEMORY_ROOT": self.shm}
+        self.agent = subprocess.Popen(
+            self.cluster.command, stdout=self.cluster.log, stderr=subprocess.STDOUT, env=env
+        )
 
     def workers(self) -> list[int]:
         """The agent's worker processes (pids)."""
         if self.agent is None:
             return []
-        return [pid for pid in _children(self.agent.pid) if "chaos_worker.py" in _cmdline(pid)]
-
-    def kill_a_process(self, rng: random.Random) -> bool:
-        workers = self.workers()
-        if len(workers) < 2:
-            return False
-        _kill([rng.choice(workers)])
-        return True
-
-    def lose_the_node(self) -> None:
-        self.stop()
-        shutil.rmtree(self.shm, ignore_errors=True)
-        self.start()
+        try:
+            children = psutil.Process(self.agent.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+        return [p.pid for p in children if "chaos_worker.py" in " ".join(_cmdline(p))]
 
     def stop(self) -> None:
         if self.agent is None:
@@ -156,31 +147,73 @@ class Job:
         workers = self.workers()
         _kill([self.agent.pid, *workers])
         self.agent.wait(60)
-        _wait_gone(workers, 30)
+        psutil.wait_procs([psutil.Process(p) for p in workers if psutil.pid_exists(p)], 30)
         self.agent = None
 
 
-def _children(pid: int) -> list[int]:
-    """The living children of ``pid`` (from ``/proc``)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if parent == pid:
-                found.append(int(entry))
-    return found
+class Cluster:
+    """One variant's job: ``NODES`` torchrun agents of one worker each, meeting at a rendezvous
+    store this process hosts (as a login node or etcd would: losing a node never loses it)."""
+
+    def __init__(self, variant: str, workdir: str, args: argparse.Namespace, rdzv: str) -> None:
+        import torch.distributed as dist  # Only for the store: the workers import the rest.
+
+        self.workdir = workdir
+        self.progress = os.path.join(workdir, "progress.log")
+        self.log = open(os.path.join(workdir, "agents.log"), "a")  # noqa: SIM115
+        port = _free_port()
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        self.command = [
+            sys.executable,
+            *("-m", "torch.distributed.run", f"--nnodes={NODES}", "--nproc_per_node=1"),
+            f"--max-restarts={args.max_restarts}",
+            *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv}"),
+            # A lost node leaves the rendezvous when its heartbeats stop: after 2 s, not 15.
+            "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=2",
+            WORKER,
+            *("--variant", variant, "--logdir", os.path.join(workdir, "logdir")),
+            *("--progress", self.progress, "--save-secs", str(args.save_secs)),
+            *("--hidden", str(args.hidden), "--layers", str(args.layers)),
+        ]
+        self.env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            # Else a restarted plain init_process_group finds the dead workers' keys in
+            # torchrun's shared store (pytorch#135712; ours keeps attempts apart itself).
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
+        self.nodes = [Node(i, self) for i in range(NODES)]
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+
+    def kill_a_process(self, rng: random.Random) -> bool:
+        workers = [pid for node in self.nodes for pid in node.workers()]
+        if len(workers) < NODES:
+            return False
+        _kill([rng.choice(workers)])
+        return True
+
+    def lose_a_node(self, rng: random.Random) -> None:
+        """Kill a random node's agent and worker, delete its memory, start it again empty."""
+        node = rng.choice(self.nodes)
+        node.stop()
+        shutil.rmtree(node.shm, ignore_errors=True)
+        node.start()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        self.log.close()
+        del self.store
 
 
-def _cmdline(pid: int) -> str:
+def _cmdline(process: psutil.Process) -> list[str]:
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
-    except OSError:
-        return ""
+        return process.cmdline()
+    except psutil.Error:
+        return []
 
 
 def _kill(pids: list[int]) -> None:
@@ -191,57 +224,64 @@ def _kill(pids: list[int]) -> None:
             pass
 
 
-def _wait_gone(pids: list[int], timeout_secs: float) -> None:
-    deadline = time.monotonic() + timeout_secs
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
-        time.sleep(0.05)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def segment_secs(args: argparse.Namespace) -> float:
+    """The length of one segment: ``--minutes`` per variant in ``--rounds`` segments."""
+    return args.minutes * 60 / args.rounds
 
 
 def schedule(args: argparse.Namespace, seed: int) -> list[tuple[float, str]]:
-    """The failures of one run: (seconds after the start, kind), the same for every variant."""
+    """The failures of one segment: (seconds after its start, kind), the same for every
+    variant."""
     rng = random.Random(seed)
     events = []
     for kind, mean in (("kill", args.kill_every), ("node", args.node_loss_every)):
         t = rng.expovariate(1.0 / mean)
-        while t < args.minutes * 60:
+        while t < segment_secs(args):
             events.append((t, kind))
             t += rng.expovariate(1.0 / mean)
     return sorted(events)
 
 
-def run_variant(variant: str, args: argparse.Namespace, base: str) -> Run:
-    workdir = os.path.join(base, variant)
+def run_variant(variant: str, args: argparse.Namespace, base: str, segment: int) -> Run:
+    """Segment ``segment`` of ``variant``: a fresh job under the segment's failures."""
+    workdir = os.path.join(base, f"{variant}-{segment}")
     os.makedirs(workdir)
-    job = Job(variant, workdir, args)
-    rng = random.Random(args.seed + 1)
+    job = Cluster(variant, workdir, args, rdzv=f"chaos-{variant}-{segment}")
+    rng = random.Random(args.seed * 1000 + segment + 1)  # Which rank, which node.
     run = Run(variant)
+    length = segment_secs(args)
     started = time.time()
     job.start()
     try:
-        for offset, kind in schedule(args, args.seed):
+        for offset, kind in schedule(args, args.seed * 1000 + segment):
             while time.time() - started < offset:
                 time.sleep(0.05)
             # A failure only once the job completed a step since the last one.
             last = run.failures[-1] if run.failures else None
             while last is not None and _after(job.progress, last.at) is None:
-                if time.time() - started > args.minutes * 60:
+                if time.time() - started > length:
                     break
                 time.sleep(0.05)
-            if time.time() - started > args.minutes * 60:
+            if time.time() - started > length:
                 break
             reached = _highest_step(job.progress)
             injected = time.time()
             if kind == "node":
-                job.lose_the_node()
+                job.lose_a_node(rng)
             elif not job.kill_a_process(rng):
                 continue
             run.failures.append(Failure(kind, injected, reached))
-        while time.time() - started < args.minutes * 60:
+        while time.time() - started < length:
             time.sleep(0.1)
     finally:
         run.wall_secs = time.time() - started
         job.stop()
-        job.log.close()
     run.final_step = _highest_step(job.progress)
     _account(run, _read_progress(job.progress))
     return run
@@ -286,50 +326,52 @@ def clean_step_secs(args: argparse.Namespace, base: str, before: str) -> float:
     measured just before the variant ``before`` (the machine's speed drifts)."""
     workdir = os.path.join(base, f"clean-before-{before}")
     os.makedirs(workdir)
-    progress = os.path.join(workdir, "progress.log")
-    command = [
-        sys.executable,
-        *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER),
-        *("--variant", "torch", "--logdir", os.path.join(workdir, "logdir")),
-        *("--progress", progress, "--save-secs", "1e9"),
-        *("--hidden", str(args.hidden), "--layers", str(args.layers)),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(os.path.join(workdir, "agent.log"), "w") as log:
-        agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = time.time() + 300
-            while _highest_step(progress) < 20 + args.clean_steps and time.time() < deadline:
-                time.sleep(0.2)
-        finally:
-            workers = _children(agent.pid)
-            _kill([agent.pid, *workers])
-            agent.wait(60)
-            _wait_gone(workers, 30)
+    clean = argparse.Namespace(**{**vars(args), "save_secs": 1e9})
+    job = Cluster("torch", workdir, clean, rdzv=f"clean-{before}")
+    job.start()
+    try:
+        deadline = time.time() + 300
+        while _highest_step(job.progress) < 20 + args.clean_steps and time.time() < deadline:
+            time.sleep(0.2)
+    finally:
+        job.stop()
+    progress = job.progress
     times = [t for kind, s, t in _read_progress(progress) if kind == "step" and s and s > 20]
     if len(times) < 2:
         raise RuntimeError(f"the clean run made too few steps (see {workdir})")
     return (times[-1] - times[0]) / (len(times) - 1)
 
 
-def summarize(run: Run, step_secs: float) -> dict[str, Any]:
+def summarize(runs: list[Run]) -> dict[str, Any]:
+    """One variant's row over its segments: goodput is the productive step time (the steps
+    each segment's job holds at its end x that segment's clean step time) over the wall time."""
+    failures = [f for run in runs for f in run.failures]
+
     def lost(kind: str) -> list[int]:
+        # At least 0: a step can complete (and be snapshotted) between the progress file's
+        # last line and the failure.
         return [
-            f.reached - f.resumed for f in run.failures if f.kind == kind and f.resumed is not None
+            max(0, f.reached - f.resumed)
+            for f in failures
+            if f.kind == kind and f.resumed is not None
         ]
 
-    recovery = [f.recovered_at - f.at for f in run.failures if f.recovered_at is not None]
-    broken = [f.parts for f in run.failures if f.parts]
+    recovery = [f.recovered_at - f.at for f in failures if f.recovered_at is not None]
+    broken = [f.parts for f in failures if f.parts]
+    wall = sum(run.wall_secs for run in runs)
+    productive = sum(run.final_step * run.clean_step_secs for run in runs)
+    speeds = [run.clean_step_secs / run.step_secs for run in runs if run.step_secs]
     return {
-        "variant": run.variant,
-        "wall_secs": round(run.wall_secs, 1),
-        "final_step": run.final_step,
-        "clean_step_secs": round(step_secs, 4),
-        "goodput": round(run.final_step * step_secs / run.wall_secs, 3) if run.wall_secs else 0,
-        # Its own steps' speed against the clean run's: what its saves cost the steps.
-        "steps_per_sec_vs_clean": round(step_secs / run.step_secs, 3) if run.step_secs else None,
-        "kills": len([f for f in run.failures if f.kind == "kill"]),
-        "node_losses": len([f for f in run.failures if f.kind == "node"]),
+        "variant": runs[0].variant,
+        "segments": len(runs),
+        "wall_secs": round(wall, 1),
+        "steps_held": [run.final_step for run in runs],
+        "clean_step_secs": [round(run.clean_step_secs, 4) for run in runs],
+        "goodput": round(productive / wall, 3) if wall else 0,
+        # Its own steps' speed against the clean runs': what its saves cost the steps.
+        "steps_per_sec_vs_clean": round(statistics.median(speeds), 3) if speeds else None,
+        "kills": len([f for f in failures if f.kind == "kill"]),
+        "node_losses": len([f for f in failures if f.kind == "node"]),
         "lost_per_kill": lost("kill"),
         "lost_per_node_loss": lost("node"),
         "recovery_secs_median": round(statistics.median(recovery), 2) if recovery else None,
@@ -344,6 +386,9 @@ def summarize(run: Run, step_secs: float) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--minutes", type=float, default=20.0, help="per variant")
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="segments per variant, run round robin"
+    )
     parser.add_argument("--kill-every", type=float, default=120.0, help="mean seconds")
     parser.add_argument("--node-loss-every", type=float, default=360.0, help="mean seconds")
     parser.add_argument("--save-secs", type=float, default=30.0)
@@ -351,6 +396,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--clean-steps", type=int, default=100)
+    parser.add_argument("--max-restarts", type=int, default=1000, help="torchrun's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="kept when given")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "chaos.json"))
@@ -362,13 +408,23 @@ def main() -> None:
     base = args.workdir or tempfile.mkdtemp(prefix="chaos-")
     os.makedirs(base, exist_ok=True)
     try:
-        rows = []
-        for variant in variants:
-            step_secs = clean_step_secs(args, base, variant)
-            print(f"step time without failures or saves: {step_secs * 1000:.1f} ms", flush=True)
-            row = summarize(run_variant(variant, args, base), step_secs)
+        runs: dict[str, list[Run]] = {variant: [] for variant in variants}
+        for segment in range(args.rounds):
+            # Round robin, each round in another order: the machine's speed drifts.
+            shift = segment % len(variants)
+            for variant in variants[shift:] + variants[:shift]:
+                clean = clean_step_secs(args, base, f"{variant}-{segment}")
+                run = run_variant(variant, args, base, segment)
+                run.clean_step_secs = clean
+                runs[variant].append(run)
+                print(
+                    f"segment {segment} {variant}: clean step {clean * 1000:.1f} ms, "
+                    f"{run.final_step} steps held, {len(run.failures)} failures",
+                    flush=True,
+                )
+        rows = [summarize(runs[variant]) for variant in variants]
+        for row in rows:
             print(json.dumps(row), flush=True)
-            rows.append(row)
     finally:
         if args.workdir is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -399,6 +455,7 @@ def main() -> None:
         json.dump(
             {
                 "minutes": args.minutes,
+                "rounds": args.rounds,
                 "kill_every": args.kill_every,
                 "node_loss_every": args.node_loss_every,
                 "save_secs": args.save_secs,

@@ -18,7 +18,11 @@ with the memory tier on a tmpfs (``--memory-root``, default ``/dev/shm``):
 * restore: in a fresh process, after interpreter start and ``import torch`` (reported apart),
   the time to restore the newest snapshot into the model and optimizer (every byte checked),
   against the target 0.3 s + bytes / 2 GB/s, and ``torch.load(weights_only=True)`` +
-  ``load_state_dict`` of the same state from the tmpfs.
+  ``load_state_dict`` of the same state from the tmpfs;
+* restore from a peer: the snapshot sent to a ``PeerServer`` in another process (a peer node),
+  then, in a fresh process, fetched back over the loopback into the tmpfs and restored (every
+  byte checked), against the target 1.5 x bytes / the loopback's bandwidth (one TCP
+  connection between two processes, measured in the same run).
 
 It prints a table and writes JSON (``--json``, default ``benchmarks/results/memory_tier.json``).
 """
@@ -29,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -40,7 +45,9 @@ from typing import Any
 import torch
 
 from torchsupervisor import GlobalStep, MemoryTierConfig, Session
+from torchsupervisor.checkpoint.files import checkpoint_step
 from torchsupervisor.tiers.memory import MemoryTier
+from torchsupervisor.tiers.peer import send_snapshot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -126,6 +133,7 @@ def measure_size(size_bytes: int, root: str, steps: int, rounds: int, factor: fl
         row["torch_save_tmpfs_secs"] = _torch_save(state, root)
         newest = tier.snapshots()[0].prefix
         row["restore"] = _restore_in_fresh_process("ours", size_bytes, newest)
+        row["peer_restore"] = _peer_restore(size_bytes, nbytes, root, newest)
         pt = os.path.join(root, "torch-save-bench.pt")
         torch.save(
             {"model": state["model"].state_dict(), "opt": state["optimizer"].state_dict()}, pt
@@ -157,7 +165,7 @@ def _torch_save(state: dict[str, Any], root: str) -> float:
 
 _RESTORE = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     t0 = time.perf_counter()
     import torch
     t1 = time.perf_counter()
@@ -167,31 +175,132 @@ _RESTORE = textwrap.dedent(
     state = build_state({size})
     from torchsupervisor import GlobalStep
     state["global_step"] = GlobalStep()
+    which, source = {which!r}, {source!r}
     t2 = time.perf_counter()
-    if {which!r} == "ours":
-        Saver().restore(Session(state), {source!r})
-    else:
-        data = torch.load({source!r}, weights_only=True)
+    if which == "peer":
+        from torchsupervisor.tiers.peer import fetch_snapshot
+        address, token, step, root, directory = source
+        source = fetch_snapshot(address, token, 0, step, root, directory)
+    t3 = time.perf_counter()
+    if which == "torch":
+        data = torch.load(source, weights_only=True)
         state["model"].load_state_dict(data["model"])
         state["optimizer"].load_state_dict(data["opt"])
-    t3 = time.perf_counter()
-    print(t1 - t0, t3 - t2)
+    else:
+        Saver().restore(Session(state), source)
+    t4 = time.perf_counter()
+    print(t1 - t0, t3 - t2, t4 - t3)
     """
 )
 
 
-def _restore_in_fresh_process(which: str, size_bytes: int, source: str) -> dict[str, float]:
+def _restore_in_fresh_process(which: str, size_bytes: int, source: Any) -> dict[str, float]:
+    """Restore in a fresh process: ``ours`` (a snapshot, every byte checked), ``torch``
+    (``torch.load`` + ``load_state_dict``), ``peer`` (fetched from a ``PeerServer``, then as
+    ``ours``; ``source``: its address, token, the step, the root and a directory to fetch into).
+    """
     code = _RESTORE.format(here=HERE, size=size_bytes, which=which, source=source)
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, check=True
     ).stdout.split()
-    return {"import_torch_secs": float(out[0]), "restore_secs": float(out[1])}
+    secs = {"import_torch_secs": float(out[0]), "restore_secs": float(out[1]) + float(out[2])}
+    if which == "peer":
+        secs["fetch_secs"] = float(out[1])
+    return secs
+
+
+# A peer node: a ``PeerServer`` in a process of its own (the copies it receives go to its
+# directory on the tmpfs), until its stdin closes.
+_PEER = textwrap.dedent(
+    """
+    import sys
+    from torchsupervisor.tiers.peer import PeerServer
+    server = PeerServer({root!r}, {run_dir!r}, "127.0.0.1", owners=(0,), keep=1)
+    print(server.address, server.token, flush=True)
+    sys.stdin.read()
+    server.close(free=True)
+    """
+)
+
+# The loopback's bandwidth: a process that reads ``size`` bytes from one connection into a
+# reused buffer and answers when it has them all.
+_SINK = textwrap.dedent(
+    """
+    import socket
+    server = socket.create_server(("127.0.0.1", 0))
+    print(server.getsockname()[1], flush=True)
+    conn, _ = server.accept()
+    buffer, left = memoryview(bytearray(8 << 20)), {size}
+    while left:
+        got = conn.recv_into(buffer[: min(left, len(buffer))])
+        if not got:
+            raise SystemExit("closed early")
+        left -= got
+    conn.sendall(b"ok")
+    """
+)
+
+
+def loopback_bandwidth(nbytes: int) -> float:
+    """Bytes per second of one TCP connection on the loopback, another process reading
+    ``nbytes`` sent from memory (the best of 3)."""
+    payload = memoryview(bytearray(os.urandom(1 << 20)) * 8)
+    best = float("inf")
+    for _ in range(3):
+        code = _SINK.format(size=nbytes)
+        with subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+        ) as sink:
+            assert sink.stdout is not None
+            port = int(sink.stdout.readline())
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                t0 = time.perf_counter()
+                left = nbytes
+                while left:
+                    part = payload[: min(left, len(payload))]
+                    conn.sendall(part)
+                    left -= len(part)
+                if conn.recv(2) != b"ok":
+                    raise RuntimeError("the loopback sink failed")
+                best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def _peer_restore(size_bytes: int, nbytes: int, root: str, newest: str) -> dict[str, float]:
+    """Send the snapshot ``newest`` to a peer process, then restore from its copy in a fresh
+    process (fetched over the loopback into the tmpfs, every byte checked): seconds, with the
+    loopback's bandwidth measured just before and the target 1.5 x bytes / that bandwidth."""
+    scratch = tempfile.mkdtemp(prefix="memory-tier-peer-", dir=root)
+    code = _PEER.format(root=scratch, run_dir=os.path.join(scratch, "peer-node"))
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as peer:
+            assert peer.stdin is not None and peer.stdout is not None
+            address, token = peer.stdout.readline().split()
+            send_snapshot(address, token, 0, newest)
+            bandwidth = loopback_bandwidth(nbytes)
+            fetched = os.path.join(scratch, "restarted", "rank-0")
+            step = checkpoint_step(newest)
+            row = _restore_in_fresh_process(
+                "peer", size_bytes, (address, token, step, scratch, fetched)
+            )
+            peer.stdin.close()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    row["loopback_bytes_per_sec"] = bandwidth
+    row["target_secs"] = 1.5 * nbytes / bandwidth
+    return row
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'state':>9} {'memcpy':>9} {'stall':>9} {'stall/memcpy':>12} {'torch.save':>10} "
-        f"{'train on/off':>12} {'restore':>9} {'target':>8} {'torch.load':>10}"
+        f"{'train on/off':>12} {'restore':>9} {'target':>8} {'torch.load':>10} "
+        f"{'from a peer':>11} {'fetch':>8} {'target':>8} {'loopback':>10}"
     )
     for r in rows:
         print(
@@ -199,7 +308,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['stall_secs'] * 1e3:>7.1f}ms {r['stall_secs'] / r['memcpy_secs']:>12.2f} "
             f"{r['torch_save_tmpfs_secs'] * 1e3:>8.1f}ms {r['training_ratio']:>12.3f} "
             f"{r['restore']['restore_secs']:>8.3f}s {r['restore_target_secs']:>7.3f}s "
-            f"{r['torch_load']['restore_secs']:>9.3f}s"
+            f"{r['torch_load']['restore_secs']:>9.3f}s "
+            f"{r['peer_restore']['restore_secs']:>10.3f}s {r['peer_restore']['fetch_secs']:>7.3f}s "
+            f"{r['peer_restore']['target_secs']:>7.3f}s "
+            f"{r['peer_restore']['loopback_bytes_per_sec'] / 1e9:>6.2f}GB/s"
         )
 
 

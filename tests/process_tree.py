@@ -1,29 +1,37 @@
-"""The processes a test started, and theirs: ``torchrun`` starts each worker in a session of
-its own, so a signal to the launcher's process group does not reach them."""
+"""The processes a test started, and theirs (psutil): ``torchrun`` starts each worker in a
+session of its own, so a signal to the launcher's process group does not reach them."""
 
 from __future__ import annotations
 
 import os
 import time
 
+import psutil
+
+
+def children(pid: int) -> list[int]:
+    """The pids of the living children of ``pid`` (torchrun's workers are its children)."""
+    try:
+        return [p.pid for p in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        return []
+
 
 def descendants(pid: int) -> list[int]:
-    """The pids of the living descendants of ``pid`` (from ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found.extend(kids)
-        todo.extend(kids)
-    return found
+    """The pids of the living descendants of ``pid``."""
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def rank_of(pid: int) -> int | None:
+    """The ``RANK`` in the environment of process ``pid`` (None: none, or it is gone)."""
+    try:
+        rank = psutil.Process(pid).environ().get("RANK")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return int(rank) if rank is not None else None
 
 
 def signal_tree(pid: int, sig: int) -> list[int]:
@@ -48,7 +56,6 @@ def wait_gone(pids: list[int], timeout_secs: float = 60) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False

@@ -11,13 +11,14 @@ bench = load_benchmark("chaos")
 
 
 def _args(**overrides) -> argparse.Namespace:
-    values = {"minutes": 20.0, "kill_every": 120.0, "node_loss_every": 360.0}
+    values = {"minutes": 80.0, "rounds": 4, "kill_every": 120.0, "node_loss_every": 360.0}
     return argparse.Namespace(**{**values, **overrides})
 
 
 def test_the_schedule_is_seeded_sorted_and_within_the_run():
     events = bench.schedule(_args(), seed=3)
     assert events == bench.schedule(_args(), seed=3) != bench.schedule(_args(), seed=4)
+    # A segment: 80 minutes in 4 rounds.
     assert events == sorted(events) and all(0 < t < 20 * 60 for t, _ in events)
     kinds = [kind for _, kind in events]
     # About 10 kills and 3 node losses in 20 minutes at these means (loose bounds).
@@ -35,14 +36,20 @@ def test_steps_lost_recovery_and_goodput_from_the_progress_file(tmp_path):
     events = bench._read_progress(str(progress))
     assert ("step", 11, 116.0) in events and ("step", 11, 11.0) not in events
     assert ("step", 12, 1.0) not in events  # The last line, unfinished: not trusted either.
-    run = bench.Run("memory", wall_secs=20.0, final_step=bench._highest_step(str(progress)))
+    final = bench._highest_step(str(progress))
+    run = bench.Run("memory", wall_secs=20.0, final_step=final, clean_step_secs=1.0)
     run.failures.append(bench.Failure("kill", at=111.5, reached=10))
     bench._account(run, events)
     (failure,) = run.failures
     assert (failure.resumed, failure.recovered_at) == (9, 115.0)
-    row = bench.summarize(run, step_secs=1.0)
-    assert row["lost_per_kill"] == [1] and row["lost_per_node_loss"] == []
-    assert row["final_step"] == 11 and row["goodput"] == round(11 / 20, 3)
+    # A second segment, at half the clean step time, whose failure lost nothing (its last
+    # step completed after the progress file's last line: counted as 0, not -1).
+    other = bench.Run("memory", wall_secs=30.0, final_step=40, clean_step_secs=0.5)
+    other.failures.append(bench.Failure("node", at=5.0, reached=7, resumed=8))
+    row = bench.summarize([run, other])
+    assert row["lost_per_kill"] == [1] and row["lost_per_node_loss"] == [0]
+    assert row["steps_held"] == [11, 40] and row["wall_secs"] == 50.0
+    assert row["goodput"] == round((11 * 1.0 + 40 * 0.5) / 50, 3)
     assert row["recovery_secs_median"] == 3.5
     parts = {"launch": 1.5, "rendezvous": 0.5, "restore": 0.5, "first step": 1.0}
     assert row["recovery_parts_median"] == parts

@@ -1,5 +1,6 @@
 """benchmarks/memory_tier.py runs and writes its report (a smoke test; timings are not
-checked): the stall, the training ratio and both restores are measured."""
+checked): the stall, the training ratio and the restores (from the tier, by torch.load, from a
+peer's copy against the loopback's bandwidth) are measured."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ def test_the_memory_tier_benchmark_writes_its_report(run_benchmark, tmp_path):
     assert row["bytes"] > 1_000_000
     assert row["stall_secs"] > 0 and row["memcpy_secs"] > 0 and row["training_ratio"] > 0
     assert row["restore"]["restore_secs"] > 0 and row["torch_load"]["restore_secs"] > 0
-    # The tier was freed, and torch.save's file removed.
+    peer = row["peer_restore"]
+    assert 0 < peer["fetch_secs"] < peer["restore_secs"] and peer["loopback_bytes_per_sec"] > 0
+    assert peer["target_secs"] == 1.5 * row["bytes"] / peer["loopback_bytes_per_sec"]
+    assert "from a peer" in stdout
+    # The tier was freed, torch.save's file and the peer's copies removed.
     assert os.listdir(tmp_path / f"torchsupervisor-{os.getuid()}") == []
-    assert not list(tmp_path.glob("*.pt"))
+    assert sorted(os.listdir(tmp_path)) == [f"torchsupervisor-{os.getuid()}"]

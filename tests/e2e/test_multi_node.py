@@ -20,6 +20,7 @@ import time
 
 import pytest
 from free_ports import free_port
+from process_tree import children, rank_of
 from repo_paths import repo
 
 from torchsupervisor.checkpoint.state_file import latest_checkpoint
@@ -36,32 +37,6 @@ def _committed_steps(url: str) -> list[int]:
         for name in storage_for(url).list(url)
         if name.startswith("model.ckpt-") and name.endswith(".index")
     )
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (torchrun's workers are its direct children)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    # The fields after the command name, which is in parentheses.
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    except OSError:
-        return None
-    rank = env.get(b"RANK")
-    return int(rank) if rank is not None else None
 
 
 def _node(example, url, port, workdir, env):
@@ -85,8 +60,8 @@ def _node(example, url, port, workdir, env):
 def _worker_with_rank(agents, rank: int, deadline: float) -> int:
     while time.monotonic() < deadline:
         for agent in agents:
-            for pid in _children(agent.pid):
-                if _rank_of(pid) == rank:
+            for pid in children(agent.pid):
+                if rank_of(pid) == rank:
                     return pid
         time.sleep(0.1)
     raise AssertionError(f"no worker with RANK={rank} among the agents' children")

@@ -25,12 +25,11 @@ import time
 import pytest
 import torch.distributed as dist
 from free_ports import free_port
+from process_tree import children, rank_of
 from repo_paths import repo
 
 from torchsupervisor.checkpoint.state_file import latest_checkpoint
 from torchsupervisor.tiers.memory_root import memory_root, run_key
-
-from .test_multi_node import _children, _rank_of
 
 ROOT = repo()
 MAX_STEPS = 80
@@ -71,8 +70,8 @@ def _worker_with_rank(agents, rank: int, deadline: float) -> tuple[int, int]:
     """The pid of the worker with ``rank`` and the index of its node (agent)."""
     while time.monotonic() < deadline:
         for node, agent in enumerate(agents):
-            for pid in _children(agent.pid):
-                if _rank_of(pid) == rank:
+            for pid in children(agent.pid):
+                if rank_of(pid) == rank:
                     return pid, node
         time.sleep(0.1)
     raise AssertionError(f"no worker with RANK={rank} among the agents' children")
@@ -127,7 +126,7 @@ def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(
             time.sleep(0.05)
         # The node is lost: its agent and workers killed, its memory gone.
         agent = nodes[chief_node][0]
-        for pid in (agent.pid, *_children(agent.pid)):
+        for pid in (agent.pid, *children(agent.pid)):
             os.kill(pid, signal.SIGKILL)
         agent.wait(30)
         shutil.rmtree(tmp_path / f"node{chief_node}" / "shm")

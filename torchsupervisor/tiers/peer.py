@@ -40,7 +40,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from typing import Any
 
 from torchsupervisor.checkpoint.files import checkpoint_step, remove_checkpoint
@@ -62,7 +62,6 @@ logger = logging.getLogger("torchsupervisor")
 
 _FILE = re.compile(r"model\.ckpt-(\d+)\.(index|data-\d{5}-of-\d{5})\Z")
 _MAX_LINE = 1 << 16
-_CHUNK = 8 << 20
 _IO_TIMEOUT_SECS = 60.0
 _POLL_SECS = 0.2
 
@@ -106,19 +105,6 @@ def _read_line(conn: socket.socket) -> dict[str, Any]:
 
 def _send_line(conn: socket.socket, value: dict[str, Any]) -> None:
     conn.sendall(json.dumps(value).encode("utf-8") + b"\n")
-
-
-def _receive(conn: socket.socket, size: int) -> Iterator[memoryview]:
-    """``size`` bytes from ``conn``, in chunks."""
-    buffer = bytearray(min(size, _CHUNK) or 1)
-    left = size
-    while left:
-        view = memoryview(buffer)[: min(left, len(buffer))]
-        got = conn.recv_into(view)
-        if not got:
-            raise ConnectionError(f"the peer closed the connection with {left} bytes to come")
-        left -= got
-        yield view[:got]
 
 
 def _files(files: object, step: int) -> list[tuple[str, int]]:
@@ -263,7 +249,7 @@ class PeerServer:
         prefix = os.path.join(directory, f"model.ckpt-{step}")
         try:
             for name, size in files:
-                self.storage.put_streamed(os.path.join(directory, name), _receive(conn, size))
+                self.storage.put_received(os.path.join(directory, name), conn, size)
         except BaseException:
             remove_checkpoint(prefix, storage=self.storage)
             raise
@@ -379,7 +365,7 @@ def fetch_snapshot(
         storage.check_room(directory, sum(size for _, size in files))
         try:
             for name, size in files:
-                storage.put_streamed(os.path.join(directory, name), _receive(conn, size))
+                storage.put_received(os.path.join(directory, name), conn, size)
         except BaseException:
             remove_checkpoint(prefix, storage=storage)
             raise
