@@ -14,7 +14,9 @@ The transport is a plain TCP connection per snapshot:
   last) into ``<memory root>/<run key>/peer-<owner>/`` through ``MemoryTierStorage`` (the same
   commit protocol and file modes as the tier; a name that is not a snapshot file, a size over
   the room left, another owner or a wrong token is refused), then deletes the older copies;
-  ``get`` sends one back.
+  ``get`` sends one back. Both ends move the bytes in the kernel: ``sendfile(2)`` from the
+  snapshot's files, ``splice(2)`` from the socket into the tmpfs
+  (``LocalStorage.put_received``), so a copy costs the processes no pass over its bytes.
 * ``PeerSender`` (on the chief, a thread): takes the newest committed snapshot (a newer one
   replaces one not yet sent: never a backlog), opens its files (an open file stays readable
   when retention deletes it), and sends them.
