@@ -43,7 +43,13 @@ def _sharded(logdir):
 
 
 @pytest.mark.parametrize(
-    "example,check", [("ddp_digits.py", _replicated), ("fsdp_digits.py", _sharded)]
+    "example,check",
+    [
+        # The DDP example's restarts under torchrun are in the suite through
+        # test_summary_steps (killed, stopped, requeued): this one in make test-slow.
+        pytest.param("ddp_digits.py", _replicated, marks=pytest.mark.slow),
+        ("fsdp_digits.py", _sharded),
+    ],
 )
 def test_the_example_runs_under_torchrun_and_resumes(tmp_path, example, check):
     first = _torchrun(example, tmp_path, 20)

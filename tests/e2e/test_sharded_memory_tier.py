@@ -20,12 +20,11 @@ import subprocess
 import sys
 import time
 
+from process_tree import children, rank_of
 from repo_paths import repo
 
 from torchsupervisor import latest_checkpoint
 from torchsupervisor.tiers.memory_root import memory_root
-
-from .test_multi_node import _children, _rank_of
 
 ROOT = repo()
 MAX_STEPS = 120
@@ -81,7 +80,7 @@ def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_p
             assert time.monotonic() < deadline, "no snapshot of step 30 on every rank in 180 s"
             time.sleep(0.02)
         time.sleep(random.Random().uniform(0, 0.3))
-        pid = next(p for p in _children(process.pid) if _rank_of(p) == victim)
+        pid = next(p for p in children(process.pid) if rank_of(p) == victim)
         os.kill(pid, signal.SIGKILL)
         assert process.wait(120) != 0  # No restarts: torchrun stops the other rank and fails.
     finally:
