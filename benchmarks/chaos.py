@@ -147,7 +147,7 @@ class Node:
         workers = self.workers()
         _kill([self.agent.pid, *workers])
         self.agent.wait(60)
-        psutil.wait_procs([psutil.Process(p) for p in workers if psutil.pid_exists(p)], 30)
+        psutil.wait_procs(_processes(workers), 30)
         self.agent = None
 
 
@@ -207,6 +207,17 @@ class Cluster:
             node.stop()
         self.log.close()
         del self.store
+
+
+def _processes(pids: list[int]) -> list[psutil.Process]:
+    """The processes of ``pids`` still there."""
+    found = []
+    for pid in pids:
+        try:
+            found.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def _cmdline(process: psutil.Process) -> list[str]:
