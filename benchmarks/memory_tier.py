@@ -135,9 +135,7 @@ def measure_size(size_bytes: int, root: str, steps: int, rounds: int, factor: fl
         row["restore"] = _restore_in_fresh_process("ours", size_bytes, newest)
         row["peer_restore"] = _peer_restore(size_bytes, nbytes, root, newest)
         pt = os.path.join(root, "torch-save-bench.pt")
-        torch.save(
-            {"model": state["model"].state_dict(), "opt": state["optimizer"].state_dict()}, pt
-        )
+        torch.save(_payload(state), pt)
         try:
             row["torch_load"] = _restore_in_fresh_process("torch", size_bytes, pt)
         finally:
@@ -165,7 +163,7 @@ def _torch_save(state: dict[str, Any], root: str) -> float:
 
 _RESTORE = textwrap.dedent(
     """
-    import os, sys, time
+    import sys, time
     t0 = time.perf_counter()
     import torch
     t1 = time.perf_counter()
