@@ -9,10 +9,15 @@ Each variant runs ``benchmarks/chaos_worker.py`` (a DDP MLP with Adam, gloo, 2 r
 --max-restarts=1000`` agents, each with its own memory root, meeting at a rendezvous store
 this script hosts:
 
-* ``memory``: ours, the memory tier every step and a checkpoint every ``--save-secs`` (30 s);
+* ``memory``: ours, the memory tier every step (the chief's snapshots copied to the other
+  node at most every ``--peer-every-secs``, 5) and a checkpoint every ``--save-secs`` (30 s);
 * ``disk``: ours, a checkpoint every 30 s;
 * ``dcp``: ``torch.distributed.checkpoint.async_save`` every 30 s;
 * ``torch``: ``torch.save`` by rank 0 every 30 s.
+
+The job's step is what the memory tier's training target assumes (at least 20 copies of the
+state: ``--batch-size`` 640 per rank here); the run measures one copy of the state and reports
+the clean step's ratio to it (``clean_step_over_memcpy``).
 
 Each variant's ``--minutes`` run as ``--rounds`` segments (default 4 of 5 minutes), round
 robin with the other variants (each round in another order), every segment a fresh job with
@@ -174,6 +179,7 @@ class Cluster:
             *("--variant", variant, "--logdir", os.path.join(workdir, "logdir")),
             *("--progress", self.progress, "--save-secs", str(args.save_secs)),
             *("--hidden", str(args.hidden), "--layers", str(args.layers)),
+            *("--batch-size", str(args.batch_size), "--peer-every-secs", str(args.peer_every_secs)),
         ]
         self.env = {
             **os.environ,
@@ -353,6 +359,37 @@ def clean_step_secs(args: argparse.Namespace, base: str, before: str) -> float:
     return (times[-1] - times[0]) / (len(times) - 1)
 
 
+def state_memcpy(args: argparse.Namespace) -> tuple[int, float]:
+    """The training state's bytes (the model and Adam's moments, one rank's) and the median
+    time of one copy of it into buffers allocated before (seconds): what the memory tier's
+    stall is measured against, here in this process on one thread."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    from chaos_worker import batch, build
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build(args.hidden, args.layers)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        x, y = batch(0, 8, args.hidden)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        tensors = [p.detach() for p in model.parameters()]
+        tensors += [t for s in optimizer.state.values() for t in s.values() if t.dim()]
+        buffers = [torch.empty_like(t) for t in tensors]
+        times = []
+        for _ in range(9):
+            start = time.perf_counter()
+            for buffer, tensor in zip(buffers, tensors):
+                buffer.copy_(tensor)
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return sum(t.numel() * t.element_size() for t in tensors), statistics.median(times)
+
+
 def summarize(runs: list[Run]) -> dict[str, Any]:
     """One variant's row over its segments: goodput is the productive step time (the steps
     each segment's job holds at its end x that segment's clean step time) over the wall time."""
@@ -406,6 +443,12 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--batch-size", type=int, default=640, help="per rank (640: a step of over 20 copies)"
+    )
+    parser.add_argument(
+        "--peer-every-secs", type=float, default=5.0, help="the memory tier's peer copies"
+    )
     parser.add_argument("--clean-steps", type=int, default=100)
     parser.add_argument("--max-restarts", type=int, default=1000, help="torchrun's")
     parser.add_argument("--seed", type=int, default=0)
@@ -416,6 +459,8 @@ def main() -> None:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}; choose among {list(VARIANTS)}")
+    state_bytes, memcpy_secs = state_memcpy(args)
+    print(f"state {state_bytes / 1e6:.1f} MB, one copy of it {memcpy_secs * 1000:.1f} ms")
     base = args.workdir or tempfile.mkdtemp(prefix="chaos-")
     os.makedirs(base, exist_ok=True)
     try:
@@ -434,6 +479,9 @@ def main() -> None:
                     flush=True,
                 )
         rows = [summarize(runs[variant]) for variant in variants]
+        for row in rows:
+            clean = statistics.median(row["clean_step_secs"])
+            row["clean_step_over_memcpy"] = round(clean / memcpy_secs, 1)
         for row in rows:
             print(json.dumps(row), flush=True)
     finally:
@@ -470,6 +518,10 @@ def main() -> None:
                 "kill_every": args.kill_every,
                 "node_loss_every": args.node_loss_every,
                 "save_secs": args.save_secs,
+                "batch_size": args.batch_size,
+                "peer_every_secs": args.peer_every_secs,
+                "state_bytes": state_bytes,
+                "memcpy_secs": round(memcpy_secs, 5),
                 "rows": rows,
             },
             f,

@@ -72,7 +72,9 @@ def train_supervised(args: argparse.Namespace, progress: Progress) -> None:
         save_model_secs=args.save_secs,
         save_summaries_secs=0,
         recovery_wait_secs=1,
-        memory_tier=ts.MemoryTierConfig() if args.variant == "memory" else None,
+        memory_tier=ts.MemoryTierConfig(peer_every_secs=args.peer_every_secs)
+        if args.variant == "memory"
+        else None,
     )
     with sv.managed_session("env://"):
         progress.write("resume", step.value)
@@ -167,7 +169,8 @@ def main() -> None:
     parser.add_argument("--save-secs", type=float, default=30.0)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=640)
+    parser.add_argument("--peer-every-secs", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     progress = Progress(args.progress, int(os.environ.get("RANK", "0")))

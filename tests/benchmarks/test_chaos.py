@@ -53,3 +53,10 @@ def test_steps_lost_recovery_and_goodput_from_the_progress_file(tmp_path):
     assert row["recovery_secs_median"] == 3.5
     parts = {"launch": 1.5, "rendezvous": 0.5, "restore": 0.5, "first step": 1.0}
     assert row["recovery_parts_median"] == parts
+
+
+def test_the_state_copied_is_the_model_and_adams_moments():
+    state_bytes, secs = bench.state_memcpy(_args(hidden=64, layers=2))
+    parameters = 2 * (64 * 64 + 64) + (64 + 1)
+    assert state_bytes == 3 * parameters * 4  # float32: the weights, exp_avg, exp_avg_sq.
+    assert 0 < secs < 10

@@ -197,3 +197,17 @@ def test_a_spare_that_is_a_fifo_is_never_opened_for_writing(tmp_path):
     with open(new, "rb") as f:
         assert f.read() == b"data"
     assert storage.spares(str(tmp_path)) == []
+
+
+def test_a_data_file_being_read_is_unlinked_not_kept_as_a_spare(tmp_path):
+    storage = MemoryTierStorage()
+    path = str(tmp_path / "model.ckpt-1.data-00000-of-00001")
+    storage.put(path, [b"old" * 1000])
+    with storage.reading(path), open(path, "rb") as f:
+        MemoryTierStorage().delete(path)  # Another instance of the process: the same rule.
+        assert storage.spares(str(tmp_path)) == [] and not os.path.exists(path)
+        storage.put(str(tmp_path / "model.ckpt-2.data-00000-of-00001"), [b"new" * 1000])
+        assert f.read() == b"old" * 1000
+    storage.put(path, [b"x"])
+    storage.delete(path)  # Read no more: a spare again.
+    assert len(storage.spares(str(tmp_path))) == 1

@@ -89,6 +89,10 @@ def test_config_checks_its_arguments():
         ts.MemoryTierConfig(slots=1)
     with pytest.raises(TypeError, match="slots"):
         ts.MemoryTierConfig(slots=2.5)
+    with pytest.raises(ValueError, match="peer_every_secs"):
+        ts.MemoryTierConfig(peer_every_secs=-1)
+    with pytest.raises(TypeError, match="peer_every_secs"):
+        ts.MemoryTierConfig(peer_every_secs="5")
     with pytest.raises(TypeError, match="memory_tier"):
         ts.Supervisor(state={"x": torch.zeros(1)}, memory_tier=3)
 

@@ -8,11 +8,14 @@ import json
 import os
 import socket
 import stat
+import threading
+import time
 
 import pytest
 import torch
 
 import torchsupervisor as ts
+from torchsupervisor.checkpoint.files import remove_checkpoint
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.core.session import Session
 from torchsupervisor.tiers import replication
@@ -139,3 +142,60 @@ def test_the_copies_of_a_timeline_the_chief_abandoned_are_deleted(setup):
     send_snapshot(server.address, server.token, 0, six)
     send_snapshot(server.address, server.token, 0, five)  # A new timeline from step 5.
     assert server.holds() == {0: [5]}
+
+
+def test_the_sender_waits_its_interval_and_sends_the_newest_at_close(setup):
+    _, (five, six), server, _ = setup
+    sender = PeerSender(server.address, server.token, 0, every_secs=3600.0)
+    try:
+        sender.offer(five)
+        deadline = time.monotonic() + 60
+        while sender.sent != 5 and time.monotonic() < deadline:  # The first goes at once.
+            time.sleep(0.01)
+        assert sender.sent == 5
+        sender.offer(six)
+        time.sleep(0.3)
+        assert sender.sent == 5 and server.holds() == {0: [5]}  # Within its interval.
+    finally:
+        sender.close(60)
+    assert sender.sent == 6 and server.holds() == {0: [6]}  # The close sends what waits.
+
+
+def test_a_snapshot_being_sent_is_never_overwritten_by_the_next(setup):
+    """Retention deletes the snapshot being sent and the next one is written meanwhile: the
+    peer still receives the snapshot as it was (its pages did not become the next's spare)."""
+    tier, (five, _), _, _ = setup
+    data = five + ".data-00000-of-00001"
+    with open(data, "rb") as f:
+        original = f.read()
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def send():
+        with contextlib.suppress(OSError, RuntimeError, ValueError):  # No answer comes.
+            send_snapshot(address, "t", 0, five)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(60)
+            line = b""
+            while not line.endswith(b"\n") and len(line) < 1 << 16:  # The header, exactly.
+                line += conn.recv(1)
+            assert json.loads(line)["files"][0] == [os.path.basename(data), len(original)]
+            time.sleep(0.2)  # The sender is blocked on the full socket by now.
+            remove_checkpoint(five, storage=tier.storage)  # Retention, while it is sent.
+            assert tier.storage.spares(tier.directory) == []  # Unlinked: never a spare.
+            nine = five[: -len("5")] + "9.data-00000-of-00001"
+            tier.storage.put(nine, [b"\xff" * len(original)])  # The next snapshot.
+            received = bytearray()
+            while len(received) < len(original):
+                chunk = conn.recv(min(1 << 20, len(original) - len(received)))
+                assert chunk
+                received += chunk
+        assert received == original
+    finally:
+        thread.join(60)
+        listener.close()

@@ -10,12 +10,16 @@ Thread safety: as ``LocalStorage``.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import errno
 import mmap
 import os
 import stat
 import struct
+import threading
 import uuid
+from collections.abc import Iterator
 
 from torchsupervisor.errors import MemoryTierFullError
 from torchsupervisor.storage.local import LocalStorage
@@ -40,21 +44,46 @@ class MemoryTierStorage(LocalStorage):
     this machine: 20 ms instead of 29 + 6 ms). The commit protocol is unchanged: the new
     file is written under a temporary name and renamed when complete.
 
+    A file being read through ``reading`` (a peer copy being sent from it) never becomes a
+    spare: deleted, it is unlinked, and its pages stay the reader's until it closes it, so
+    what it reads is never overwritten by the next snapshot.
+
     Thread safety: as ``LocalStorage``; a directory's spares are taken by one writer at a
-    time (the tier's writer thread, or a peer server's).
+    time (the tier's writer thread, or a peer server's). ``reading`` and ``delete`` from any
+    thread of the process.
     """
 
     file_mode = 0o600
     MAX_SPARES = 1
+    _read_lock = threading.Lock()
+    _being_read: collections.Counter[str] = collections.Counter()  # Of the whole process.
+
+    @contextlib.contextmanager
+    def reading(self, path: str) -> Iterator[None]:
+        """While in the block, a deletion of ``path`` by any ``MemoryTierStorage`` of this
+        process unlinks it instead of keeping its pages as a spare (open it inside)."""
+        key = os.path.abspath(path)
+        with self._read_lock:
+            self._being_read[key] += 1
+        try:
+            yield
+        finally:
+            with self._read_lock:
+                self._being_read[key] -= 1
+                if not self._being_read[key]:
+                    del self._being_read[key]
 
     def delete(self, path: str) -> None:
         """Delete ``path``; a data file becomes a spare while there are fewer than
-        ``MAX_SPARES``."""
+        ``MAX_SPARES`` and it is not being read (``reading``)."""
         directory = os.path.dirname(path)
         if _DATA_FILE in os.path.basename(path) and len(self.spares(directory)) < self.MAX_SPARES:
-            self._before("delete", path)
-            os.replace(path, os.path.join(directory, f"{SPARE_PREFIX}{uuid.uuid4().hex}"))
-            return
+            with self._read_lock:  # Its readers open it by name: before, or never.
+                if not self._being_read[os.path.abspath(path)]:
+                    self._before("delete", path)
+                    spare = os.path.join(directory, f"{SPARE_PREFIX}{uuid.uuid4().hex}")
+                    os.replace(path, spare)
+                    return
         super().delete(path)
 
     def spares(self, directory: str) -> list[str]:

@@ -103,6 +103,11 @@ class ModeTiers:
         )
         if self.ring_posts is not None:
             self.peer_sender = ring.start_sender(self.ring_posts, self.memory.rank)
+            if self.peer_sender is not None and self.memory.config.peer_every_secs:
+                logger.warning(
+                    "MemoryTierConfig.peer_every_secs is for replicated runs: a sharded run "
+                    "sends every snapshot to its peer"
+                )
         if self.peer_sender is not None:
             self.memory.on_commit = self.peer_sender.offer
 
@@ -155,7 +160,7 @@ class ModeTiers:
         if posts is None:
             return
         replication.fetch_newer(self.memory, posts, newest)
-        self.peer_sender = replication.start_sender(posts)
+        self.peer_sender = replication.start_sender(posts, st.memory_tier.peer_every_secs)
 
     def close_peers(self, free: bool) -> None:
         """Stop sending (after the snapshot being sent) and serving; with ``free``, delete

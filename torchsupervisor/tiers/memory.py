@@ -92,6 +92,13 @@ class MemoryTierConfig:
             ``slots`` x the state's bytes.
         root: The file system to keep the snapshots on (a tmpfs); None:
             ``$TORCHSUPERVISOR_MEMORY_ROOT`` or ``/dev/shm``.
+        peer_every_secs: A replicated run (DDP) on several nodes: the chief sends its newest
+            snapshot to its peer at most once per this many seconds (0: each one, as soon as
+            the send before is done). A copy costs a pass over the state's bytes on both
+            nodes and the network's bandwidth; a lost chief's node then loses at most about
+            this long of steps (a process kill still at most one step: its node's memory
+            keeps every snapshot). A sharded run (FSDP2) sends every snapshot (each rank's
+            copies must be of the steps the others keep).
 
     Raises:
         TypeError, ValueError: For an argument of the wrong type or out of range, naming it.
@@ -102,11 +109,13 @@ class MemoryTierConfig:
     every_n_steps: int = 1
     slots: int = 2
     root: str | None = None
+    peer_every_secs: float = 0.0
 
     def __post_init__(self) -> None:
         checks.check_int("every_n_steps", self.every_n_steps, minimum=1)
         checks.check_int("slots", self.slots, minimum=2)
         checks.check_path("root", self.root)
+        checks.check_number("peer_every_secs", self.peer_every_secs, allow_inf=False)
 
 
 class MemoryTier:

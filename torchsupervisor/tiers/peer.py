@@ -310,12 +310,15 @@ def _send_prefix(
     conn: socket.socket, prefix: str, storage: MemoryTierStorage, header: dict[str, Any]
 ) -> None:
     """Send the header line with the files' names and sizes, then their bytes. Every file is
-    opened first, so that a deletion meanwhile (retention) does not change what is sent."""
+    opened first, and kept from becoming a spare (``MemoryTierStorage.reading``), so that a
+    deletion meanwhile (retention) does not change what is sent."""
     directory = os.path.dirname(prefix)
     with contextlib.ExitStack() as stack:
         opened = []
         for name in snapshot_files(prefix, storage):
-            f = stack.enter_context(open(os.path.join(directory, name), "rb"))
+            path = os.path.join(directory, name)
+            stack.enter_context(storage.reading(path))
+            f = stack.enter_context(open(path, "rb"))
             opened.append((name, f, os.fstat(f.fileno()).st_size))
         _send_line(conn, {**header, "files": [[name, size] for name, _, size in opened]})
         for _, f, size in opened:
@@ -380,14 +383,18 @@ class PeerSender:
     Args:
         address, token: The peer's ``PeerServer``.
         owner: This rank (whose snapshots they are).
+        every_secs: Start a send at most once per this many seconds (0: as soon as the one
+            before is done); what is offered meanwhile waits, the newest replacing the older.
+            ``close`` sends what waits at once.
 
     Thread safety: ``offer`` from any thread.
     """
 
-    def __init__(self, address: str, token: str, owner: int) -> None:
+    def __init__(self, address: str, token: str, owner: int, every_secs: float = 0.0) -> None:
         self.address = address
         self._token = token
         self._owner = owner
+        self._every_secs = every_secs
         self._lock = threading.Condition()
         self._pending: str | None = None
         self._closed = False
@@ -405,14 +412,22 @@ class PeerSender:
             self._pending = prefix
             self._lock.notify()
 
+    def _next(self, not_before: float) -> str | None:
+        """The snapshot to send once ``not_before`` (``time.monotonic``) has come or the
+        sender is closed; None: closed with nothing to send."""
+        with self._lock:
+            while not self._closed:
+                left = not_before - time.monotonic()
+                if self._pending is not None and left <= 0:
+                    break
+                self._lock.wait(left if self._pending is not None else None)
+            prefix, self._pending = self._pending, None
+            return prefix
+
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                while self._pending is None and not self._closed:
-                    self._lock.wait()
-                if self._pending is None:
-                    return
-                prefix, self._pending = self._pending, None
+        not_before = 0.0
+        while (prefix := self._next(not_before)) is not None:
+            not_before = time.monotonic() + self._every_secs
             try:
                 send_snapshot(self.address, self._token, self._owner, prefix)
             except Exception as e:

@@ -203,11 +203,12 @@ def choose_peer(posts: list[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
-def start_sender(posts: list[dict[str, Any]] | None) -> PeerSender | None:
-    """The chief's sender to its peer, or None (no posts, no rank on another node)."""
+def start_sender(posts: list[dict[str, Any]] | None, every_secs: float = 0.0) -> PeerSender | None:
+    """The chief's sender to its peer (a send at most once per ``every_secs``), or None (no
+    posts, no rank on another node)."""
     peer = None if posts is None else choose_peer(posts)
     if peer is None:
         if posts is not None:
             logger.info("No rank on another node: the memory tier has no peer replica")
         return None
-    return PeerSender(peer["address"], peer["token"], _OWNER)
+    return PeerSender(peer["address"], peer["token"], _OWNER, every_secs)
