@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import stat
@@ -199,3 +200,23 @@ def test_a_snapshot_being_sent_is_never_overwritten_by_the_next(setup):
     finally:
         thread.join(60)
         listener.close()
+
+
+def test_a_snapshot_deleted_before_its_send_lets_the_next_go_at_once(setup, caplog):
+    tier, (five, six), server, _ = setup
+    remove_checkpoint(five, storage=tier.storage)  # Retention won the race.
+    caplog.set_level(logging.DEBUG, logger="torchsupervisor")
+    sender = PeerSender(server.address, server.token, 0, every_secs=3600.0)
+    try:
+        sender.offer(five)
+        deadline = time.monotonic() + 60
+        while not any("deleted before" in m for m in caplog.messages):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        sender.offer(six)
+        deadline = time.monotonic() + 60
+        while sender.sent != 6 and time.monotonic() < deadline:  # Not an hour later.
+            time.sleep(0.01)
+        assert sender.sent == 6 and server.holds() == {0: [6]}
+    finally:
+        sender.close(60)

@@ -430,6 +430,9 @@ class PeerSender:
             not_before = time.monotonic() + self._every_secs
             try:
                 send_snapshot(self.address, self._token, self._owner, prefix)
+            except FileNotFoundError as e:  # Retention deleted it first: the next goes now.
+                not_before = 0.0
+                logger.debug("Peer replica: %s was deleted before it was sent: %s", prefix, e)
             except Exception as e:
                 kind = type(e).__name__
                 (logger.debug if kind in self._failures else logger.warning)(
