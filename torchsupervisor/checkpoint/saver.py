@@ -35,7 +35,7 @@ from torchsupervisor.checkpoint.files import (
 )
 from torchsupervisor.checkpoint.retention import Keeper
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
-from torchsupervisor.checkpoint.snapshot import Stager
+from torchsupervisor.checkpoint.snapshot import Stager, StagingBuffers
 from torchsupervisor.checkpoint.writer import Directories, SaveStats, SaveTarget, Writer
 from torchsupervisor.checkpoint.writers import ShardedWriter, SnapshotWriter
 from torchsupervisor.core.checks import (
@@ -170,6 +170,9 @@ class Saver:
         origin: Who writes these checkpoints, recorded in every manifest of one process's
             state (``Manifest.origin``; the memory tier records its run id and rank there and
             refuses a snapshot of another's); None: nothing recorded.
+        staging_buffers: Where the host staging buffers of a state on the CPU come from
+            (``checkpoint.snapshot.StagingBuffers``: the memory tier stages straight into its
+            files, ``storage.slots``); None: ordinary host memory.
 
     Raises:
         ValueError: If ``var_list`` is given, empty, and ``allow_empty`` is False; for a
@@ -215,6 +218,7 @@ class Saver:
         best_fn: str | Callable[[Mapping[str, float]], float | None] | None = None,
         best_mode: str = "max",
         origin: Mapping[str, str | int] | None = None,
+        staging_buffers: StagingBuffers | None = None,
     ) -> None:
         del reshape, restore_sequentially, saver_def, builder, defer_build, write_version, filename
         check_var_list(var_list)
@@ -257,7 +261,7 @@ class Saver:
         )
         self._engine = CheckpointEngine()
         self._cancel = threading.Event()
-        self._stager = Stager()  # Host staging buffers, reused by either writer.
+        self._stager = Stager(staging_buffers)  # Host staging buffers, reused by either writer.
         self._directories = Directories(self._storage)
         self._optional: set[str] = set()
         # The writer: sharded (every rank writes its part) or this process's snapshot; chosen
@@ -418,6 +422,7 @@ class Saver:
             )
             return
         self._engine.close()
+        self._stager.clear()  # No staging memory outlives the close.
         self._directories.release()
 
     @property

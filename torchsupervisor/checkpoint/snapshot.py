@@ -36,7 +36,15 @@ from torchsupervisor.checkpoint.incremental import Committed, is_unchanged, tens
 from torchsupervisor.checkpoint.shard_header import safetensors_header
 from torchsupervisor.storage.local import DIRECT_IO_ALIGNMENT
 
-__all__ = ["CopyDone", "Layout", "ShardLayout", "Snapshot", "Stager", "plan_layout"]
+__all__ = [
+    "CopyDone",
+    "Layout",
+    "ShardLayout",
+    "Snapshot",
+    "Stager",
+    "StagingBuffers",
+    "plan_layout",
+]
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)  # A private op (torch 2.1 and later).
 
@@ -141,6 +149,23 @@ def _placement(tensor: torch.Tensor) -> tuple[bool, int]:
     decreasing item size."""
     nbytes = tensor.numel() * tensor.dtype.itemsize
     return (nbytes == 0 or nbytes % DATA_ALIGNMENT_BYTES != 0, -tensor.dtype.itemsize)
+
+
+class StagingBuffers(Protocol):
+    """Where a ``Stager`` takes its host buffers from, instead of ordinary host memory: files
+    of the memory tier mapped in memory (``storage.slots.SlotFiles``)."""
+
+    def allocate(self, size_bytes: int) -> torch.Tensor:
+        """A new uint8 buffer of ``size_bytes`` (> 0)."""
+        ...
+
+    def reusable(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` may be copied into now."""
+        ...
+
+    def retired(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` will never be copied into again (the stager drops it)."""
+        ...
 
 
 class CopyDone(Protocol):
@@ -256,12 +281,21 @@ class _Staging:
         return tuple(dst for _, dst in self.destinations)
 
     @classmethod
-    def allocate(cls, signature: tuple[Any, ...], layout: Layout, pin: bool) -> _Staging:
+    def allocate(
+        cls,
+        signature: tuple[Any, ...],
+        layout: Layout,
+        pin: bool,
+        source: StagingBuffers | None = None,
+    ) -> _Staging:
         buffers = []
         destinations = []
         views = {}
         for shard_layout in layout.shards:
-            buffer = _aligned_empty(shard_layout.size_bytes, pin)
+            if source is not None and not pin and shard_layout.size_bytes:
+                buffer = source.allocate(shard_layout.size_bytes)
+            else:
+                buffer = _aligned_empty(shard_layout.size_bytes, pin)
             base = shard_layout.data_offset
             header = torch.frombuffer(bytearray(shard_layout.header), dtype=torch.uint8)
             buffer[:base].copy_(header)
@@ -332,13 +366,25 @@ class Stager:
     once per state structure (names, dtypes, shapes) and reused while it does not change, so a
     snapshot costs little more than copying the bytes.
 
+    With ``buffers`` (the memory tier's ``SlotFiles``), the buffers come from there, and a
+    released buffer set is staged into again only once ``buffers`` says it may be (a slot
+    file is not while it is a committed snapshot's data file); the sets that may not are kept
+    for later, those retired dropped. A state on a GPU stages into pinned memory as always.
+
     Thread safety: ``stage`` runs on the training thread; ``release`` may be called from the
     writer thread. A buffer set is never handed out twice before it is released.
+
+    Args:
+        buffers: Where the host buffers come from; None: ordinary (or pinned) host memory,
+            one buffer set kept for the next snapshot.
     """
 
-    def __init__(self) -> None:
+    _MAX_KEPT = 8  # Buffer sets kept waiting to be reusable (``buffers``): more are dropped.
+
+    def __init__(self, buffers: StagingBuffers | None = None) -> None:
         self._lock = threading.Lock()
-        self._free: _Staging | None = None
+        self._buffers = buffers
+        self._free: list[_Staging] = []
         self._in_use: dict[int, _Staging] = {}
 
     def stage(
@@ -441,8 +487,18 @@ class Stager:
         snapshot.wait_copied()
         with self._lock:
             staging = self._in_use.pop(id(snapshot), None)
-            if staging is not None:
-                self._free = staging
+            if staging is None:
+                return
+            if self._buffers is None:
+                self._free = [staging]
+            else:
+                self._free = [*self._free, staging][-self._MAX_KEPT :]
+
+    def clear(self) -> None:
+        """Drop the buffer sets kept for the next snapshot (their memory is freed with the
+        last snapshot using them)."""
+        with self._lock:
+            self._free = []
 
     def _take(
         self,
@@ -451,10 +507,20 @@ class Stager:
         options: tuple[int | None, tuple[str, ...], int],
         on_gpu: bool,
     ) -> _Staging:
+        source = self._buffers
         with self._lock:
-            free, self._free = self._free, None
-        if free is not None and free.signature == signature:
-            return free
+            if source is None:
+                free, self._free = self._free, []
+                if free and free[0].signature == signature:
+                    return free[0]
+            else:
+                self._free = [s for s in self._free if not any(map(source.retired, s.buffers))]
+                for i, staging in enumerate(self._free):
+                    if staging.signature == signature and all(
+                        map(source.reusable, staging.buffers)
+                    ):
+                        return self._free.pop(i)
         max_shard_bytes, tail, header_spare = options  # The layout's, as given to ``stage``.
         layout = plan_layout(tensors, max_shard_bytes, tail=tail, header_spare=header_spare)
-        return _Staging.allocate(signature, layout, pin=on_gpu and torch.cuda.is_available())
+        pin = on_gpu and torch.cuda.is_available()
+        return _Staging.allocate(signature, layout, pin, source)

@@ -19,10 +19,12 @@ import stat
 import struct
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from torchsupervisor.errors import MemoryTierFullError
+from torchsupervisor.storage.base import Buffer
 from torchsupervisor.storage.local import LocalStorage
+from torchsupervisor.storage.slots import SlotFiles
 
 __all__ = ["SPARE_PREFIX", "MemoryTierStorage", "SharedCounter"]
 
@@ -55,6 +57,10 @@ class MemoryTierStorage(LocalStorage):
 
     file_mode = 0o600
     MAX_SPARES = 1
+    slots: SlotFiles | None = None
+    """The staging buffers that are this storage's files (``storage.slots``), once the
+    memory tier stages into them: ``put`` of a whole free slot renames its file, ``delete``
+    of a committed one renames it back (and no data file becomes a spare)."""
     _read_lock = threading.Lock()
     _being_read: collections.Counter[str] = collections.Counter()  # Of the whole process.
 
@@ -73,13 +79,34 @@ class MemoryTierStorage(LocalStorage):
                 if not self._being_read[key]:
                     del self._being_read[key]
 
+    def put(
+        self, path: str, chunks: Iterable[Buffer], *, cancel: threading.Event | None = None
+    ) -> None:
+        """``LocalStorage.put``; a single chunk that is a whole free slot (``slots``) becomes
+        the file by a rename of its slot file, without a copy."""
+        chunks = list(chunks)
+        if self.slots is not None and len(chunks) == 1:
+            self._before("rename", path)
+            if self.slots.adopt(path, memoryview(chunks[0]).cast("B")):
+                self._fsync_dir(os.path.dirname(path))
+                return
+        super().put(path, chunks, cancel=cancel)
+
     def delete(self, path: str) -> None:
-        """Delete ``path``; a data file becomes a spare while there are fewer than
-        ``MAX_SPARES`` and it is not being read (``reading``)."""
+        """Delete ``path``. A committed slot's file becomes a free slot again (``slots``);
+        else a data file becomes a spare while there are fewer than ``MAX_SPARES``, no
+        ``slots`` and it is not being read (``reading``)."""
         directory = os.path.dirname(path)
-        if _DATA_FILE in os.path.basename(path) and len(self.spares(directory)) < self.MAX_SPARES:
+        slots = self.slots
+        data = _DATA_FILE in os.path.basename(path)
+        if data and (slots is not None or len(self.spares(directory)) < self.MAX_SPARES):
             with self._read_lock:  # Its readers open it by name: before, or never.
-                if not self._being_read[os.path.abspath(path)]:
+                being_read = bool(self._being_read[os.path.abspath(path)])
+                if slots is not None and slots.is_committed(path):
+                    self._before("delete", path)
+                    slots.release(path, being_read=being_read)
+                    return
+                if slots is None and not being_read:
                     self._before("delete", path)
                     spare = os.path.join(directory, f"{SPARE_PREFIX}{uuid.uuid4().hex}")
                     os.replace(path, spare)

@@ -1,10 +1,12 @@
 """The memory tier: the newest snapshots of a rank's state in host memory that outlives it.
 
-Every ``every_n_steps`` steps, at a step boundary, the training thread copies the state into
-host staging buffers (the stall: one copy) and a writer thread of the tier writes that
-snapshot as a checkpoint into the rank's directory on a tmpfs (``tiers/memory_root``): same
-layout, same CRC-32C table, same commit protocol as a checkpoint on disk (the parts first, the
-manifest last; a snapshot is visible only once complete). ``slots`` snapshots fit: the one
+Every ``every_n_steps`` steps, at a step boundary, the training thread copies the state
+straight into a data file of the rank's directory on a tmpfs (``tiers/memory_root``), mapped
+in memory (a free slot file, ``storage/slots``: the stall, one copy), and a writer thread of
+the tier commits that snapshot as a checkpoint: same layout, same CRC-32C table, same commit
+protocol as a checkpoint on disk (the data file put by a rename of its slot, the manifest
+last; a snapshot is visible only once complete). A state on a GPU is copied into pinned host
+memory and written into the files by the writer. ``slots`` snapshots fit: the one
 being written and the ``slots - 1`` newest committed ones, so a kill during a write leaves
 the previous snapshot, and the tier's memory is at most ``slots`` x the state's bytes.
 
@@ -56,6 +58,7 @@ from torchsupervisor.core.global_step import GlobalStep, read_step
 from torchsupervisor.core.state import flatten_state
 from torchsupervisor.errors import CorruptCheckpointError
 from torchsupervisor.storage.private import MemoryTierStorage, SharedCounter
+from torchsupervisor.storage.slots import SlotFiles
 from torchsupervisor.tiers.local_shards import local_session
 from torchsupervisor.tiers.memory_root import memory_root, rank_directory
 from torchsupervisor.tiers.tier import Snapshot
@@ -165,6 +168,8 @@ class MemoryTier:
         self.save_path = os.path.join(self.directory, _BASENAME)
         self._adopt(run_id)
         clean_checkpoint_dir(self.directory, storage=self.storage)
+        SlotFiles.remove_leftovers(self.directory)  # Of a process killed while staging.
+        self.storage.slots = SlotFiles(self.directory, self.storage.file_mode)
         self.origin: dict[str, str | int] = {"run_id": run_id, "rank": rank}
         """What every snapshot of this tier records as its ``origin`` (checked at restore)."""
         if sharded:
@@ -177,6 +182,7 @@ class MemoryTier:
             storage=self.storage,
             clock=clock,
             origin=self.origin,
+            staging_buffers=self.storage.slots,  # One copy a snapshot: into its file.
         )
         self._session: Session | None = None
         self._target: Any = None  # What the saver saves: the session, or its local view.
@@ -434,6 +440,8 @@ class MemoryTier:
             self._reached.set(-1 - last)  # Stopped with its last step held: nothing lost.
         self._detach()
         self.saver.close()
+        if self.storage.slots is not None:
+            self.storage.slots.close()
         if free:
             self.storage.remove_directory(memory_root(self.config.root), self.directory)
 
