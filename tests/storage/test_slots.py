@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import stat
 
+import pytest
 import torch
 
 from torchsupervisor.checkpoint.snapshot import Stager
@@ -106,3 +107,13 @@ def test_leftover_slots_of_a_killed_process_are_removed_and_close_frees_the_free
     slots.close()
     assert _stages(tmp_path) == [] and os.path.exists(data)  # A snapshot's file stays.
     assert slots.retired(free) and not slots.reusable(kept)
+
+
+def test_a_slot_whose_file_is_gone_is_retired_not_staged_into_again(tmp_path):
+    storage, slots = _storage(tmp_path)
+    buffer = slots.allocate(4096)
+    for name in _stages(tmp_path):
+        os.unlink(tmp_path / name)  # Another process of the same rank's directory, say.
+    with pytest.raises(FileNotFoundError):
+        storage.put(str(tmp_path / "model.ckpt-1.data-00000-of-00001"), [buffer.numpy()])
+    assert not slots.reusable(buffer) and slots.retired(buffer)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import functools
 import mmap
 import os
 import stat
@@ -86,8 +87,8 @@ class MemoryTierStorage(LocalStorage):
         the file by a rename of its slot file, without a copy."""
         chunks = list(chunks)
         if self.slots is not None and len(chunks) == 1:
-            self._before("rename", path)
-            if self.slots.adopt(path, memoryview(chunks[0]).cast("B")):
+            before = functools.partial(self._before, "rename", path)
+            if self.slots.adopt(path, memoryview(chunks[0]).cast("B"), before):
                 self._fsync_dir(os.path.dirname(path))
                 return
         super().put(path, chunks, cancel=cancel)

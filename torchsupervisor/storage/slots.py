@@ -34,6 +34,7 @@ import mmap
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +53,10 @@ class _Slot:
     path: str  # Its name now: a free slot's, or the data file it was committed as.
     size: int
     state: str  # "free", "committed" or "retired"
+
+
+def _nothing() -> None:
+    pass
 
 
 def _address(buffer: memoryview) -> int:
@@ -111,19 +116,25 @@ class SlotFiles:
             del self._by_address[buffer.data_ptr()]
             return True
 
-    def adopt(self, path: str, data: memoryview) -> bool:
-        """Make ``data`` the file ``path`` by renaming its slot file, when ``data`` is a whole
-        free slot; False (nothing done) when it is not.
+    def adopt(self, path: str, data: memoryview, before: Callable[[], None] = _nothing) -> bool:
+        """Make ``data`` the file ``path`` by renaming its slot file (after calling
+        ``before``), when ``data`` is a whole free slot; False (nothing done) when it is not.
 
         Raises:
-            OSError: The rename failed (the slot stays free).
+            OSError: The rename failed: the slot is retired (its file gone or not ours).
+            Exception: What ``before`` raised (the slot stays free).
         """
         address = _address(data) if len(data) else None
         with self._lock:
             slot = self._by_address.get(address) if address is not None else None
             if slot is None or slot.state != "free" or slot.size != len(data):
                 return False
-            os.replace(slot.path, path)
+            before()
+            try:
+                os.replace(slot.path, path)
+            except OSError:
+                slot.state = "retired"
+                raise
             slot.path, slot.state = os.path.abspath(path), "committed"
             self._committed[slot.path] = slot
             return True
