@@ -14,8 +14,10 @@ import torch
 import torchsupervisor as ts
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.cli import main as cli_main
+from torchsupervisor.core.session import Session
 from torchsupervisor.errors import MemoryTierFullError
-from torchsupervisor.tiers.memory import held_in_memory
+from torchsupervisor.storage.slots import STAGE_PREFIX
+from torchsupervisor.tiers.memory import MemoryTier, held_in_memory
 from torchsupervisor.tiers.memory_root import memory_root, rank_directory
 
 
@@ -114,6 +116,40 @@ def test_a_failed_run_resumes_from_the_memory_tier_at_its_last_step(dirs):
     second = Run(logdir, base).train(0)
     assert (second["tier"], second["restored"]) == ("memory", 7)
     assert torch.equal(second["weight"], first["weight"])
+
+
+def test_each_snapshot_is_staged_into_its_file_and_the_slots_take_turns(dirs):
+    """Two files hold the snapshots (slots=2): each step's is copied into the free one, which
+    then becomes its data file by a rename; a slot file a kill left is deleted at the next
+    start, never restored."""
+    logdir, base = dirs
+    tier = MemoryTier(ts.MemoryTierConfig(root=base), logdir, "a" * 32)
+    state = {"w": torch.zeros(100_000), "global_step": ts.GlobalStep()}
+    inodes = []
+    for step in range(1, 6):
+        state["w"].fill_(step)
+        state["global_step"].assign(step)
+        prefix = tier.saver.save(Session(state), tier.save_path, global_step=step)
+        names = os.listdir(tier.directory)
+        held = [n for n in names if ".data-" in n or n.startswith(STAGE_PREFIX)]
+        assert len(held) == min(step, 2), names  # The first save makes the first slot.
+        inodes.append(os.stat(prefix + ".data-00000-of-00001").st_ino)
+    assert len(set(inodes)) == 2 and inodes[0::2] == [inodes[0]] * 3  # In turn, no copy.
+    CheckpointReader(prefix).verify()
+    tier.close()  # Without ``free``: the newest snapshot stays, the free slot goes.
+    names = os.listdir(tier.directory)
+    assert not [n for n in names if n.startswith(STAGE_PREFIX)]
+    with open(os.path.join(tier.directory, f"{STAGE_PREFIX}killed"), "wb") as f:
+        f.write(b"\x00" * 64)  # What a kill while copying leaves.
+    again = MemoryTier(ts.MemoryTierConfig(root=base), logdir, "a" * 32)
+    try:
+        assert not [n for n in os.listdir(again.directory) if n.startswith(STAGE_PREFIX)]
+        assert [s.step for s in again.snapshots()] == [5]
+        restored = {"w": torch.zeros(100_000), "global_step": ts.GlobalStep()}
+        again.restore(Session(restored), again.snapshots()[0].prefix)
+        assert restored["w"].eq(5).all() and restored["global_step"].value == 5
+    finally:
+        again.close(free=True)
 
 
 def test_snapshots_follow_every_n_steps_and_resume_bitwise(dirs, tmp_path):
