@@ -70,7 +70,7 @@ NODES = 2
 class Failure:
     kind: str  # "kill" or "node"
     at: float  # time.time() of the injection
-    reached: int  # The highest step completed before it.
+    reached: int  # The highest step completed since the job's last resume, before it.
     resumed: int | None = None
     recovered_at: float | None = None  # The first step completed after the resume.
     parts: dict[str, float] = field(default_factory=dict)  # The recovery's parts, seconds.
@@ -115,8 +115,17 @@ def _read_progress(path: str) -> list[tuple[str, int | None, float]]:
     return events
 
 
-def _highest_step(path: str) -> int:
-    return max((s for kind, s, _ in _read_progress(path) if kind == "step" and s), default=0)
+def _held_step(path: str) -> int:
+    """The step the job holds now: the highest completed since its last resume (the step it
+    resumed at if none). Not the highest ever: after a resume at an older step, the steps
+    above it were lost once, and a later failure loses only what it completed since."""
+    held = 0
+    for kind, step, _ in _read_progress(path):
+        if kind == "resume":
+            held = step or 0
+        elif kind == "step" and step:
+            held = max(held, step)
+    return held
 
 
 class Node:
@@ -287,7 +296,7 @@ def run_variant(variant: str, args: argparse.Namespace, base: str, segment: int)
                 time.sleep(0.05)
             if time.time() - started > length:
                 break
-            reached = _highest_step(job.progress)
+            reached = _held_step(job.progress)
             injected = time.time()
             if kind == "node":
                 job.lose_a_node(rng)
@@ -299,7 +308,7 @@ def run_variant(variant: str, args: argparse.Namespace, base: str, segment: int)
     finally:
         run.wall_secs = time.time() - started
         job.stop()
-    run.final_step = _highest_step(job.progress)
+    run.final_step = _held_step(job.progress)
     _account(run, _read_progress(job.progress))
     return run
 
@@ -348,7 +357,7 @@ def clean_step_secs(args: argparse.Namespace, base: str, before: str) -> float:
     job.start()
     try:
         deadline = time.time() + 300
-        while _highest_step(job.progress) < 20 + args.clean_steps and time.time() < deadline:
+        while _held_step(job.progress) < 20 + args.clean_steps and time.time() < deadline:
             time.sleep(0.2)
     finally:
         job.stop()

@@ -36,7 +36,7 @@ def test_steps_lost_recovery_and_goodput_from_the_progress_file(tmp_path):
     events = bench._read_progress(str(progress))
     assert ("step", 11, 116.0) in events and ("step", 11, 11.0) not in events
     assert ("step", 12, 1.0) not in events  # The last line, unfinished: not trusted either.
-    final = bench._highest_step(str(progress))
+    final = bench._held_step(str(progress))
     run = bench.Run("memory", wall_secs=20.0, final_step=final, clean_step_secs=1.0)
     run.failures.append(bench.Failure("kill", at=111.5, reached=10))
     bench._account(run, events)
@@ -60,3 +60,21 @@ def test_the_state_copied_is_the_model_and_adams_moments():
     parameters = 2 * (64 * 64 + 64) + (64 + 1)
     assert state_bytes == 3 * parameters * 4  # float32: the weights, exp_avg, exp_avg_sq.
     assert 0 < secs < 10
+
+
+def test_a_failure_loses_only_what_the_job_completed_since_its_last_resume(tmp_path):
+    """A node loss sends the job back from step 72 to 61; a kill right after its step 62
+    loses 1 step, not 11 again."""
+    progress = tmp_path / "progress.log"
+    steps = "".join(f"step {s} {100.0 + s}\n" for s in range(1, 73))
+    progress.write_text(f"start 99.0\nresume 0 99.5\n{steps}start 180.0\nresume 61 181.0\n")
+    assert bench._held_step(str(progress)) == 61  # Resumed, nothing completed yet.
+    with progress.open("a") as f:
+        f.write("step 62 182.0\n")
+    assert bench._held_step(str(progress)) == 62
+    with progress.open("a") as f:
+        f.write("start 190.0\nresume 61 191.0\nstep 62 192.0\nstep 63 193.0\n")
+    run = bench.Run("memory", wall_secs=100.0, final_step=bench._held_step(str(progress)))
+    run.failures.append(bench.Failure("kill", at=185.0, reached=62))
+    bench._account(run, bench._read_progress(str(progress)))
+    assert run.final_step == 63 and bench.summarize([run])["lost_per_kill"] == [1]
