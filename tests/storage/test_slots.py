@@ -117,3 +117,19 @@ def test_a_slot_whose_file_is_gone_is_retired_not_staged_into_again(tmp_path):
     with pytest.raises(FileNotFoundError):
         storage.put(str(tmp_path / "model.ckpt-1.data-00000-of-00001"), [buffer.numpy()])
     assert not slots.reusable(buffer) and slots.retired(buffer)
+
+
+def test_a_slot_whose_file_another_process_cut_is_never_staged_into(tmp_path):
+    """A copy into a mapping past the end of a file cut shorter would kill the process
+    (SIGBUS): such a slot is retired, and the stager takes a new one."""
+    _, slots = _storage(tmp_path)
+    stager = Stager(slots)
+    first = stager.stage({}, {"w": torch.ones(4096)}, step=1, wall_time=0.0)
+    buffer = first.buffers[0]
+    stager.release(first)
+    (name,) = _stages(tmp_path)
+    os.truncate(tmp_path / name, 100)
+    second = stager.stage({}, {"w": torch.ones(4096)}, step=2, wall_time=0.0)
+    assert second.buffers[0].data_ptr() != buffer.data_ptr()  # Not into the cut file.
+    assert second.tensors()["w"].eq(1).all()
+    assert not slots.reusable(buffer) and slots.retired(buffer)

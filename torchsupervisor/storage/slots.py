@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Callable
@@ -53,6 +54,18 @@ class _Slot:
     path: str  # Its name now: a free slot's, or the data file it was committed as.
     size: int
     state: str  # "free", "committed" or "retired"
+    inode: int
+
+    def intact(self) -> bool:
+        """Whether its file is still the one mapped, whole: a copy into a mapping past a file
+        cut shorter (by another process) would kill this one (``SIGBUS``)."""
+        try:
+            info = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return False
+        return (
+            stat.S_ISREG(info.st_mode) and info.st_ino == self.inode and info.st_size == self.size
+        )
 
 
 def _nothing() -> None:
@@ -90,6 +103,7 @@ class SlotFiles:
         try:
             os.ftruncate(fd, size_bytes)
             mapping = mmap.mmap(fd, size_bytes)  # Shared, read and write.
+            inode = os.fstat(fd).st_ino
         except BaseException:
             os.unlink(path)
             raise
@@ -97,24 +111,26 @@ class SlotFiles:
             os.close(fd)  # The mapping stays.
         buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # Keeps the mapping alive.
         with self._lock:
-            self._by_address[buffer.data_ptr()] = _Slot(path, size_bytes, "free")
+            self._by_address[buffer.data_ptr()] = _Slot(path, size_bytes, "free", inode)
         return buffer
 
     def reusable(self, buffer: torch.Tensor) -> bool:
-        """Whether ``buffer`` may be staged into now: a free slot, or not a slot at all."""
+        """Whether ``buffer`` may be staged into now: a free slot whose file is intact (else
+        it is retired), or not a slot at all."""
         with self._lock:
             slot = self._by_address.get(buffer.data_ptr())
-        return slot is None or slot.state == "free"
+            if slot is None:
+                return True
+            if slot.state == "free" and not slot.intact():
+                slot.state = "retired"  # Changed by another process: never written again.
+            return slot.state == "free"
 
     def retired(self, buffer: torch.Tensor) -> bool:
-        """Whether ``buffer`` is a slot that will never be staged into again (then forgotten:
-        the caller drops it, and its address may be another buffer's later)."""
+        """Whether ``buffer`` is a slot that will never be staged into again (a slot made
+        later at the same address takes its place here)."""
         with self._lock:
             slot = self._by_address.get(buffer.data_ptr())
-            if slot is None or slot.state != "retired":
-                return False
-            del self._by_address[buffer.data_ptr()]
-            return True
+            return slot is not None and slot.state == "retired"
 
     def adopt(self, path: str, data: memoryview, before: Callable[[], None] = _nothing) -> bool:
         """Make ``data`` the file ``path`` by renaming its slot file (after calling
