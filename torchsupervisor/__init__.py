@@ -64,6 +64,13 @@ from torchsupervisor.driver.preemption import (
     IgnorePreemptionSignals,
     PreemptionHandler,
 )
+from torchsupervisor.driver.preemption_sources import (
+    AwsSpotNotice,
+    AzureScheduledEvents,
+    GcePreemptedNotice,
+    PreemptionNotice,
+    SlurmTimeLimit,
+)
 from torchsupervisor.hooks import *  # noqa: F403 (every hook; hooks.__all__)
 from torchsupervisor.input.batching import (
     batch,
@@ -153,6 +160,8 @@ __all__ = [
     *hooks.__all__,
     "DEFAULT_PREEMPTION_SIGNALS",
     "AdagradDAOptimizer",
+    "AwsSpotNotice",
+    "AzureScheduledEvents",
     "CheckpointReader",
     "CheckpointState",
     "ChiefSessionCreator",
@@ -164,6 +173,7 @@ __all__ = [
     "FileWriter",
     "FileWriterCache",
     "FtrlOptimizer",
+    "GcePreemptedNotice",
     "GlobalStep",
     "GlobalStepLR",
     "Graph",
@@ -176,6 +186,7 @@ __all__ = [
     "NewCheckpointReader",
     "PaddingFIFOQueue",
     "PreemptionHandler",
+    "PreemptionNotice",
     "PriorityQueue",
     "ProximalAdagradOptimizer",
     "ProximalGradientDescentOptimizer",
@@ -195,6 +206,7 @@ __all__ = [
     "SessionManager",
     "ShardedOptimizerState",
     "SingularMonitoredSession",
+    "SlurmTimeLimit",
     "StepContext",
     "MemoryTierConfig",
     "NullSummaryWriter",

@@ -58,6 +58,7 @@ __all__ = [
     "TorchrunLauncher",
     "current_launcher",
     "first_host",
+    "slurm_job_id",
 ]
 
 LAUNCHER_ENV = "TORCHSUPERVISOR_LAUNCHER"
@@ -317,6 +318,16 @@ def first_host(nodelist: str) -> str:
     if match is None:
         raise InvalidArgumentError(f"$SLURM_JOB_NODELIST={nodelist!r}: {first!r} is no range")
     return text[:bracket] + match.group(1)
+
+
+def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """The id of the SLURM job this process runs in (``$SLURM_JOB_ID``), whoever launched it
+    (``srun``, torchrun or a batch script's plain process); None outside SLURM.
+
+    TF name: none.
+    """
+    env = os.environ if environ is None else environ
+    return env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or None
 
 
 def current_launcher(environ: Mapping[str, str] | None = None) -> TorchrunLauncher | SlurmLauncher:

@@ -28,15 +28,21 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from torchsupervisor.core.checks import check_signals
 from torchsupervisor.core.clock import REAL_CLOCK, Clock, Deadline
+from torchsupervisor.driver.preemption_sources import (
+    PreemptionNotice,
+    PreemptionSource,
+    PreemptionWatcher,
+)
 
 __all__ = [
     "ABORT_SIGNALS",
     "DEFAULT_PREEMPTION_SIGNALS",
+    "EXIT_MARGIN_SECS",
     "WORKER_IGNORED_SIGNALS",
     "IgnorePreemptionSignals",
     "Preemption",
@@ -64,6 +70,9 @@ ABORT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT,)
 WORKER_IGNORED_SIGNALS: tuple[signal.Signals, ...] = tuple(
     dict.fromkeys((*DEFAULT_PREEMPTION_SIGNALS, signal.SIGINT))
 )
+
+EXIT_MARGIN_SECS = 2.0
+"""What a notice with a deadline leaves the process to exit after its final checkpoint."""
 
 _ABORT_LINE = (
     b"\nSecond interrupt: aborting now. A checkpoint being written is abandoned; the last "
@@ -160,21 +169,27 @@ class PreemptionHandler:
 
 
 class Preemption:
-    """What a front end does about preemption signals; the Supervisor and MonitoredSession
-    each hold one.
+    """What a front end does about preemptions; the Supervisor and MonitoredSession each
+    hold one.
 
-    While a session runs (``install``/``uninstall``) the handler records the first signal.
-    The front end's ``should_stop()`` calls ``notice``, which tells it to stop the first
-    time, and ``report`` once it stops (with replicas, at the step every rank agreed on),
-    which logs one line; the final checkpoint then gets ``budget()`` seconds
-    (``CheckpointDriver.grace_budget_secs``); after the stop, ``outcome`` says whether work
-    was lost (the exit to raise: a stop that loses work never exits with status 0), and
-    ``exit`` raises ``SystemExit(exit_code)`` for schedulers that requeue on a status.
+    While a session runs (``install``/``uninstall``) the handler records the first signal,
+    and a ``PreemptionWatcher`` polls the ``sources`` (``preemption_sources.py``: SLURM's
+    time limit, a cloud's notice) on its own thread, recording the first notice due. The
+    front end's ``should_stop()`` calls ``notice``, which tells it to stop the first time,
+    and ``report`` once it stops (with replicas, at the step every rank agreed on), which
+    logs one line naming the source and the seconds left; the final checkpoint then gets
+    ``budget()`` seconds (``CheckpointDriver.grace_budget_secs``): ``grace_secs`` after a
+    signal or a notice without a deadline, else the time until the notice's deadline less
+    ``EXIT_MARGIN_SECS``. After the stop, ``outcome`` says whether work was lost (the exit
+    to raise: a stop that loses work never exits with status 0), and ``exit`` raises
+    ``SystemExit(exit_code)`` for schedulers that requeue on a status.
 
     Args:
         signals: The signals that mean "stop and save"; empty: keep the current handlers.
-        grace_secs: Time budget of the final checkpoint after a signal, in seconds.
+        grace_secs: Time budget of the final checkpoint after a signal, in seconds; also how
+            long before a scheduled end (a time limit) the run stops.
         exit_code: ``SystemExit`` code after a preemption stop; None: return normally.
+        sources: What else may announce a stop (``check_sources``); empty: signals only.
 
     Thread safety: as ``PreemptionHandler``; ``notice`` on the training thread.
 
@@ -187,15 +202,19 @@ class Preemption:
         grace_secs: float,
         exit_code: int | None = None,
         *,
+        sources: Sequence[PreemptionSource] = (),
         clock: Clock | None = None,
     ) -> None:
         self.handler = PreemptionHandler(signals)
         self.grace_secs = grace_secs
         self.exit_code = exit_code
+        self.sources = tuple(sources)
         self._clock = clock or REAL_CLOCK
         self._noticed = False
         self._reported = False
         self._deadline: Deadline | None = None
+        self._notice: PreemptionNotice | None = None
+        self._watcher: PreemptionWatcher | None = None
 
     @property
     def received(self) -> int | None:
@@ -203,31 +222,69 @@ class Preemption:
         return self.handler.received
 
     @property
+    def requested(self) -> bool:
+        """Whether a stop was asked for while installed: a signal, or a notice due."""
+        return self.handler.received is not None or self._notice is not None
+
+    @property
+    def announced(self) -> PreemptionNotice | None:
+        """The notice that asked for the stop (when no signal came first), or None."""
+        return self._notice if self.handler.received is None else None
+
+    @property
     def aborted(self) -> bool:
         """True once a second Ctrl-C aborted (``KeyboardInterrupt`` was raised)."""
         return self.handler.aborted
 
     def describe(self) -> str:
-        """The name of the signal received (``"SIGTERM"``), or ``""``."""
-        return self.handler.describe()
+        """What asked for the stop: the signal's name (``"SIGTERM"``), a notice's source
+        (``"SLURM time limit"``), or ``""``."""
+        notice = self.announced
+        return notice.source if notice is not None else self.handler.describe()
 
     def install(self) -> None:
-        """Install the handlers (main thread only) and forget an earlier signal."""
+        """Install the handlers (main thread only), start polling the sources, and forget an
+        earlier signal or notice."""
         self.handler.install()
         self._noticed = False
         self._reported = False
         self._deadline = None
+        self._notice = None
+        if self.sources and self._watcher is None:
+            self._watcher = PreemptionWatcher(
+                self.sources, self.grace_secs, self._announce, self._clock
+            )
+            self._watcher.start()
 
     def uninstall(self) -> None:
-        """Restore the handlers that were there before ``install``."""
+        """Restore the handlers that were there before ``install``; stop polling."""
         self.handler.uninstall()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.stop()
+
+    def _announce(self, notice: PreemptionNotice) -> None:
+        # On the watcher's thread: record, then wake the step boundary as a signal does.
+        self._notice = notice
+        on_signal = self.handler.on_signal
+        if on_signal is not None:
+            on_signal()
+
+    def _seconds_left(self) -> float | None:
+        """Seconds until the announcing notice's deadline; None: no deadline (or a signal)."""
+        notice = self.announced
+        if notice is None or notice.deadline is None:
+            return None
+        return notice.deadline - self._clock.time()
 
     def notice(self) -> bool:
-        """Return True the first time a received signal is seen (the front end stops)."""
-        if self.handler.received is None or self._noticed:
+        """Return True the first time a signal or a notice is seen (the front end stops)."""
+        if not self.requested or self._noticed:
             return False
         self._noticed = True
-        self._deadline = Deadline(self._clock, self.grace_secs)
+        left = self._seconds_left()
+        budget = self.grace_secs if left is None else max(0.0, left - EXIT_MARGIN_SECS)
+        self._deadline = Deadline(self._clock, budget)
         return True
 
     @property
@@ -245,9 +302,21 @@ class Preemption:
                 the one every rank agreed on, so every rank logs the same.
             saving: Whether a final checkpoint will be written (said in the line).
         """
-        if self.handler.received is None or self._reported:
+        if not self.requested or self._reported:
             return
         self._reported = True
+        notice = self.announced
+        if notice is not None:
+            left = self._seconds_left()
+            logger.warning(
+                "Preemption notice from %s (%s; %s): stopping at step %s%s",
+                notice.source,
+                notice.detail or "no detail",
+                "time left unknown" if left is None else f"{left:.0f} s left",
+                step,
+                " with a final checkpoint" if saving else "",
+            )
+            return
         logger.warning(
             "Received %s: stopping at step %s%s%s",
             self.describe(),
@@ -261,10 +330,11 @@ class Preemption:
     def budget(self) -> float | None:
         """The final checkpoint's time budget in seconds after a signal: what is left of the
         grace period (``grace_secs`` until training noticed the signal); None without one."""
-        if self.handler.received is None:
+        if not self.requested:
             return None
         if self._deadline is None:
-            return self.grace_secs
+            left = self._seconds_left()
+            return self.grace_secs if left is None else max(0.0, left - EXIT_MARGIN_SECS)
         return self._deadline.remaining()
 
     def outcome(self, step: int | None, driver: Any) -> SystemExit | None:
@@ -290,7 +360,7 @@ class Preemption:
 
     def exit(self) -> None:
         """Raise ``SystemExit(exit_code)`` after a preemption stop, if an exit code is set."""
-        if self.handler.received is not None and self.exit_code is not None:
+        if self.requested and self.exit_code is not None:
             raise SystemExit(self.exit_code)
 
 

@@ -58,6 +58,7 @@ from torchsupervisor.core.global_step import get_global_step, read_step
 from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
 from torchsupervisor.core.session import Session
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
+from torchsupervisor.driver.preemption_sources import PreemptionSource, check_sources
 from torchsupervisor.errors import OutOfRangeError
 from torchsupervisor.hooks._global_step import session_global_step
 from torchsupervisor.hooks.session_run_hook import SessionRunHook, checkpoint_drivers
@@ -167,6 +168,7 @@ class _MonitoredSession:
         preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
         preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
+        preemption_sources: Iterable[PreemptionSource] | str | None = "auto",
     ) -> None:
         stop_grace_period_secs = check_number("stop_grace_period_secs", stop_grace_period_secs)
         preemption_signals = check_signals("preemption_signals", preemption_signals)
@@ -185,7 +187,10 @@ class _MonitoredSession:
         self._checked_step_fn: Any = None
         self._sess: Any = None
         self._preemption = Preemption(
-            preemption_signals or (), preemption_grace_secs, preemption_exit_code
+            preemption_signals or (),
+            preemption_grace_secs,
+            preemption_exit_code,
+            sources=check_sources("preemption_sources", preemption_sources),
         )
         # Installed first, so that a signal during start-up (a long restore) is recorded too.
         self._preemption.install()
@@ -293,7 +298,7 @@ class _MonitoredSession:
 
         TF name: ``MonitoredSession.should_stop``.
         """
-        if self._preemption.received is not None and self._preemption.notice():
+        if self._preemption.requested and self._preemption.notice():
             self._preemption.report(
                 self._current_step(), saving=bool(checkpoint_drivers(self._hooks))
             )
@@ -429,6 +434,11 @@ class MonitoredSession(_MonitoredSession):
             cleanly) raises ``SystemExit`` with this code after a preemption signal, once
             everything is saved and closed (for schedulers that requeue on a given exit
             status). None: return normally (the program then ends with status 0).
+        preemption_sources: What else announces a stop (SLURM's time limit, a cloud's
+            spot or preemption notice), polled on a thread of its own while the session is
+            open: ``"auto"`` (the default: those that apply to this machine), a list of
+            sources, or None (signals only); see ``Supervisor``. ``should_stop()`` then
+            returns True as after a signal.
 
     Raises:
         Exception: What session creation or a hook's ``begin``/``after_create_session``
@@ -448,6 +458,7 @@ class MonitoredSession(_MonitoredSession):
         preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
         preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
+        preemption_sources: Iterable[PreemptionSource] | str | None = "auto",
     ) -> None:
         super().__init__(
             session_creator,
@@ -457,6 +468,7 @@ class MonitoredSession(_MonitoredSession):
             preemption_signals=preemption_signals,
             preemption_grace_secs=preemption_grace_secs,
             preemption_exit_code=preemption_exit_code,
+            preemption_sources=preemption_sources,
         )
 
 
@@ -480,6 +492,7 @@ class SingularMonitoredSession(_MonitoredSession):
             checkpoint after a preemption signal, in seconds.
         preemption_exit_code: As ``MonitoredSession``: the ``SystemExit`` code of ``close()``
             after a preemption signal; None: return normally.
+        preemption_sources: As ``MonitoredSession``: what else announces a stop.
 
     Raises:
         Exception: What session creation or a hook's ``begin``/``after_create_session``
@@ -506,6 +519,7 @@ class SingularMonitoredSession(_MonitoredSession):
         preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
         preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
+        preemption_sources: Iterable[PreemptionSource] | str | None = "auto",
     ) -> None:
         where = (checkpoint_dir, checkpoint_filename_with_path)
         session_creator = ChiefSessionCreator(
@@ -519,6 +533,7 @@ class SingularMonitoredSession(_MonitoredSession):
             preemption_signals=preemption_signals,
             preemption_grace_secs=preemption_grace_secs,
             preemption_exit_code=preemption_exit_code,
+            preemption_sources=preemption_sources,
         )
 
     def raw_session(self) -> Session | None:

@@ -23,6 +23,7 @@ from torchsupervisor.core.rng import RNGState
 from torchsupervisor.core.training_state import TrainingState
 from torchsupervisor.distributed import env as distributed
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS
+from torchsupervisor.driver.preemption_sources import PreemptionSource, check_sources
 from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook
 from torchsupervisor.hooks.session_run_hook import SessionRunHook
 from torchsupervisor.hooks.step_counter import StepCounterHook
@@ -62,6 +63,7 @@ def MonitoredTrainingSession(
     preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
     preemption_grace_secs: float = 30.0,
     preemption_exit_code: int | None = None,
+    preemption_sources: Iterable[PreemptionSource] | str | None = "auto",
     stop_on_checkpoint_error: bool = False,
     memory_tier: MemoryTierConfig | None = None,
 ) -> MonitoredSession:
@@ -119,6 +121,9 @@ def MonitoredTrainingSession(
         preemption_exit_code: If set, leaving the session's ``with`` block after a preemption
             signal raises ``SystemExit`` with this code, once everything is saved and closed;
             None: exit normally (status 0).
+        preemption_sources: What else announces a stop (SLURM's time limit, a cloud's spot
+            or preemption notice): ``"auto"`` (those that apply to this machine), a list of
+            sources, or None (signals only); see ``Supervisor``.
         stop_on_checkpoint_error: TF's behaviour: a checkpoint that cannot be written stops
             training with its ``CheckpointSaveError`` (from the step that sees it). False
             (the default, for days-long runs): it is logged and reported in the events file,
@@ -183,6 +188,7 @@ class _Build:
     preemption_signals: Iterable[int] | None
     preemption_grace_secs: float
     preemption_exit_code: int | None
+    preemption_sources: Iterable[PreemptionSource] | str | None
     stop_on_checkpoint_error: bool
     memory_tier: MemoryTierConfig | None
 
@@ -225,6 +231,7 @@ class _Build:
         checks.check_signals("preemption_signals", self.preemption_signals)
         checks.check_number("preemption_grace_secs", self.preemption_grace_secs)
         checks.check_int("preemption_exit_code", self.preemption_exit_code, allow_none=True)
+        self.preemption_sources = check_sources("preemption_sources", self.preemption_sources)
         self.stop_on_checkpoint_error = checks.check_bool(
             "stop_on_checkpoint_error", self.stop_on_checkpoint_error
         )
@@ -253,6 +260,7 @@ class _Build:
             preemption_signals=self.preemption_signals,
             preemption_grace_secs=self.preemption_grace_secs,
             preemption_exit_code=self.preemption_exit_code,
+            preemption_sources=self.preemption_sources,
         )
 
     def worker_session(self) -> MonitoredSession:

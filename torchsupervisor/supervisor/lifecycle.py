@@ -93,14 +93,14 @@ def stop_decision(sv: Supervisor) -> bool:
     outside ``managed_session`` saves its final checkpoint here, at this step boundary.
     """
     preemption = sv._preemption
-    if preemption.received is not None and preemption.notice():
+    if preemption.requested and preemption.notice():
         sv._coord.request_stop()
     mode = sv._mode
     if mode is None or mode.agreement is None:
         stop = sv._coord.should_stop()
     else:
         stop = agreed_stop(sv._context, mode.agreement)
-    if stop and preemption.received is not None:
+    if stop and preemption.requested:
         preemption.report(
             sv._context.current_step(), saving=mode is not None and mode.driver is not None
         )
@@ -118,7 +118,7 @@ def stop_at_run(sv: Supervisor) -> None:
     checkpoint, the services) and ``SystemExit`` raised.
     """
     sess = sv._sess
-    if sv._preemption.received is None or sess is None or sv._asked:
+    if not sv._preemption.requested or sess is None or sv._asked:
         return
     if not stop_decision(sv):
         sess.boundary.poke()  # The agreed step is not reached yet: look again.
@@ -149,7 +149,7 @@ def record_end(
     if not clean:
         error = "unknown" if failure is None else f"{type(failure).__name__}: {failure}"
         reason, message = ERROR, f"error: {error}"
-    elif sv._preemption.received is not None:
+    elif sv._preemption.requested:
         reason, message = PREEMPTION, f"preemption: {sv._preemption.describe()}"
     else:
         reason, message = END, "end"

@@ -39,6 +39,7 @@ from torchsupervisor.core.variables import (
     report_uninitialized_variables,
 )
 from torchsupervisor.distributed import env as distributed
+from torchsupervisor.driver.preemption_sources import PreemptionSource, check_sources
 from torchsupervisor.summary.ops import merge_all
 from torchsupervisor.summary.writer import SummaryWriter
 from torchsupervisor.supervisor.session_manager import SessionManager
@@ -93,6 +94,7 @@ class Settings:
     preemption_signals: tuple[int, ...]
     preemption_grace_secs: float
     preemption_exit_code: int | None
+    preemption_sources: tuple[PreemptionSource, ...]
     memory_tier: MemoryTierConfig | None
     clock: Clock
 
@@ -125,6 +127,7 @@ def resolve_settings(
     preemption_signals: Iterable[int] | None,
     preemption_grace_secs: float,
     preemption_exit_code: int | None,
+    preemption_sources: Iterable[PreemptionSource] | str | None,
     save_rng_state: bool,
     memory_tier: MemoryTierConfig | None,
     clock: Clock | None,
@@ -219,6 +222,7 @@ def resolve_settings(
         preemption_signals=tuple(preemption_signals or ()),
         preemption_grace_secs=preemption_grace_secs,
         preemption_exit_code=preemption_exit_code,
+        preemption_sources=check_sources("preemption_sources", preemption_sources),
         memory_tier=memory_tier,
         clock=clock,
     )

@@ -34,6 +34,7 @@ from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.registry import USE_DEFAULT, Graph, GraphKeys
 from torchsupervisor.core.session import Session
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
+from torchsupervisor.driver.preemption_sources import PreemptionSource
 from torchsupervisor.storage import DirectoryLock
 from torchsupervisor.summary.null_writer import NullSummaryWriter
 from torchsupervisor.summary.writer import write_start
@@ -136,6 +137,17 @@ class Supervisor:
             after a preemption stop, once everything is saved and closed (for schedulers that
             requeue on a given exit status). None: return normally (exit status 0 when the
             program then ends).
+        preemption_sources: What else announces a stop, polled on a thread of its own while
+            a session runs (``driver/preemption_sources.py``): ``"auto"`` (the default) takes
+            SLURM's time limit inside a SLURM job (the run stops ``preemption_grace_secs``
+            before the job's end time, which a job without ``--signal`` is not warned of) and
+            the spot or preemption notice of the cloud the machine is on (AWS, GCE, Azure,
+            told by its DMI tables; the run stops at once, the final checkpoint getting the
+            time left until the announced stop less 2 s); a list of sources
+            (``SlurmTimeLimit``, ``AwsSpotNotice``, ``GcePreemptedNotice``,
+            ``AzureScheduledEvents``, or your own with ``name``, ``poll_every_secs`` and
+            ``poll()``); None or empty: signals only. The stop is then the same as after a
+            signal, and its line names the source and the seconds left.
         save_rng_state: Save an ``RNGState()`` as ``"rng"`` (Python, NumPy, torch CPU and
             CUDA generators; kept beside ``state``, which is not changed), so that a resumed
             run draws the same random numbers as an uninterrupted one. A checkpoint without
@@ -207,6 +219,7 @@ class Supervisor:
         preemption_signals: Iterable[int] | None = DEFAULT_PREEMPTION_SIGNALS,
         preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
+        preemption_sources: Iterable[PreemptionSource] | str | None = "auto",
         save_rng_state: bool = True,
         memory_tier: MemoryTierConfig | None = None,
         clock: Clock | None = None,
@@ -219,6 +232,7 @@ class Supervisor:
             settings.preemption_signals,
             settings.preemption_grace_secs,
             settings.preemption_exit_code,
+            sources=settings.preemption_sources,
             clock=settings.clock,
         )
         self._coord = Coordinator(clock=settings.clock)
