@@ -71,6 +71,7 @@ from torchsupervisor.driver.preemption_sources import (
     PreemptionNotice,
     SlurmTimeLimit,
 )
+from torchsupervisor.driver.requeue import SlurmRequeue
 from torchsupervisor.hooks import *  # noqa: F403 (every hook; hooks.__all__)
 from torchsupervisor.input.batching import (
     batch,
@@ -206,6 +207,7 @@ __all__ = [
     "SessionManager",
     "ShardedOptimizerState",
     "SingularMonitoredSession",
+    "SlurmRequeue",
     "SlurmTimeLimit",
     "StepContext",
     "MemoryTierConfig",

@@ -38,6 +38,7 @@ from torchsupervisor.driver.preemption_sources import (
     PreemptionSource,
     PreemptionWatcher,
 )
+from torchsupervisor.driver.requeue import SlurmRequeue
 
 __all__ = [
     "ABORT_SIGNALS",
@@ -181,8 +182,9 @@ class Preemption:
     ``budget()`` seconds (``CheckpointDriver.grace_budget_secs``): ``grace_secs`` after a
     signal or a notice without a deadline, else the time until the notice's deadline less
     ``EXIT_MARGIN_SECS``. After the stop, ``outcome`` says whether work was lost (the exit
-    to raise: a stop that loses work never exits with status 0), and ``exit`` raises
-    ``SystemExit(exit_code)`` for schedulers that requeue on a status.
+    to raise: a stop that loses work never exits with status 0), and ``exit`` requeues a
+    SLURM job whose time ran out (``requeue.py``; rank 0) and raises ``SystemExit(exit_code)``
+    for schedulers that requeue on a status.
 
     Args:
         signals: The signals that mean "stop and save"; empty: keep the current handlers.
@@ -190,6 +192,7 @@ class Preemption:
             long before a scheduled end (a time limit) the run stops.
         exit_code: ``SystemExit`` code after a preemption stop; None: return normally.
         sources: What else may announce a stop (``check_sources``); empty: signals only.
+        requeue: Requeues the job after a stop it wants (``SlurmRequeue``); None: never.
 
     Thread safety: as ``PreemptionHandler``; ``notice`` on the training thread.
 
@@ -203,12 +206,16 @@ class Preemption:
         exit_code: int | None = None,
         *,
         sources: Sequence[PreemptionSource] = (),
+        requeue: SlurmRequeue | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.handler = PreemptionHandler(signals)
         self.grace_secs = grace_secs
         self.exit_code = exit_code
         self.sources = tuple(sources)
+        self.requeue = requeue
+        self.requeued = False
+        """Whether ``exit`` requeued the job."""
         self._clock = clock or REAL_CLOCK
         self._noticed = False
         self._reported = False
@@ -359,8 +366,21 @@ class Preemption:
         )
 
     def exit(self) -> None:
-        """Raise ``SystemExit(exit_code)`` after a preemption stop, if an exit code is set."""
-        if self.requested and self.exit_code is not None:
+        """After a preemption stop, once everything is saved and closed: requeue the job if
+        ``requeue`` wants this stop (on rank 0 only), then raise ``SystemExit(exit_code)`` if
+        an exit code is set.
+
+        Raises:
+            SystemExit: ``exit_code``, after a preemption stop.
+        """
+        if not self.requested:
+            return
+        if self.requeue is not None and self.requeue.wants(self.received, self.announced):
+            from torchsupervisor.distributed.env import rank
+
+            if rank() == 0:
+                self.requeued = self.requeue.requeue()
+        if self.exit_code is not None:
             raise SystemExit(self.exit_code)
 
 

@@ -59,6 +59,7 @@ from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
 from torchsupervisor.core.session import Session
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
 from torchsupervisor.driver.preemption_sources import PreemptionSource, check_sources
+from torchsupervisor.driver.requeue import SlurmRequeue, check_requeue
 from torchsupervisor.errors import OutOfRangeError
 from torchsupervisor.hooks._global_step import session_global_step
 from torchsupervisor.hooks.session_run_hook import SessionRunHook, checkpoint_drivers
@@ -169,6 +170,7 @@ class _MonitoredSession:
         preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
         preemption_sources: Iterable[PreemptionSource] | str | None = "auto",
+        preemption_requeue: SlurmRequeue | str | None = "auto",
     ) -> None:
         stop_grace_period_secs = check_number("stop_grace_period_secs", stop_grace_period_secs)
         preemption_signals = check_signals("preemption_signals", preemption_signals)
@@ -191,6 +193,7 @@ class _MonitoredSession:
             preemption_grace_secs,
             preemption_exit_code,
             sources=check_sources("preemption_sources", preemption_sources),
+            requeue=check_requeue("preemption_requeue", preemption_requeue),
         )
         # Installed first, so that a signal during start-up (a long restore) is recorded too.
         self._preemption.install()
@@ -439,6 +442,9 @@ class MonitoredSession(_MonitoredSession):
             open: ``"auto"`` (the default: those that apply to this machine), a list of
             sources, or None (signals only); see ``Supervisor``. ``should_stop()`` then
             returns True as after a signal.
+        preemption_requeue: After a stop by SIGUSR1/SIGUSR2 (SLURM's ``--signal``) or by
+            SLURM's time limit, ``close()`` has rank 0 requeue the SLURM job once everything
+            is saved (``"auto"``: inside a SLURM job; None: never); see ``Supervisor``.
 
     Raises:
         Exception: What session creation or a hook's ``begin``/``after_create_session``
@@ -459,6 +465,7 @@ class MonitoredSession(_MonitoredSession):
         preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
         preemption_sources: Iterable[PreemptionSource] | str | None = "auto",
+        preemption_requeue: SlurmRequeue | str | None = "auto",
     ) -> None:
         super().__init__(
             session_creator,
@@ -469,6 +476,7 @@ class MonitoredSession(_MonitoredSession):
             preemption_grace_secs=preemption_grace_secs,
             preemption_exit_code=preemption_exit_code,
             preemption_sources=preemption_sources,
+            preemption_requeue=preemption_requeue,
         )
 
 
@@ -493,6 +501,8 @@ class SingularMonitoredSession(_MonitoredSession):
         preemption_exit_code: As ``MonitoredSession``: the ``SystemExit`` code of ``close()``
             after a preemption signal; None: return normally.
         preemption_sources: As ``MonitoredSession``: what else announces a stop.
+        preemption_requeue: As ``MonitoredSession``: requeue the SLURM job after a stop by
+            its time running out.
 
     Raises:
         Exception: What session creation or a hook's ``begin``/``after_create_session``
@@ -520,6 +530,7 @@ class SingularMonitoredSession(_MonitoredSession):
         preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
         preemption_sources: Iterable[PreemptionSource] | str | None = "auto",
+        preemption_requeue: SlurmRequeue | str | None = "auto",
     ) -> None:
         where = (checkpoint_dir, checkpoint_filename_with_path)
         session_creator = ChiefSessionCreator(
@@ -534,6 +545,7 @@ class SingularMonitoredSession(_MonitoredSession):
             preemption_grace_secs=preemption_grace_secs,
             preemption_exit_code=preemption_exit_code,
             preemption_sources=preemption_sources,
+            preemption_requeue=preemption_requeue,
         )
 
     def raw_session(self) -> Session | None:

@@ -24,6 +24,7 @@ from torchsupervisor.core.training_state import TrainingState
 from torchsupervisor.distributed import env as distributed
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS
 from torchsupervisor.driver.preemption_sources import PreemptionSource, check_sources
+from torchsupervisor.driver.requeue import SlurmRequeue, check_requeue
 from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook
 from torchsupervisor.hooks.session_run_hook import SessionRunHook
 from torchsupervisor.hooks.step_counter import StepCounterHook
@@ -64,6 +65,7 @@ def MonitoredTrainingSession(
     preemption_grace_secs: float = 30.0,
     preemption_exit_code: int | None = None,
     preemption_sources: Iterable[PreemptionSource] | str | None = "auto",
+    preemption_requeue: SlurmRequeue | str | None = "auto",
     stop_on_checkpoint_error: bool = False,
     memory_tier: MemoryTierConfig | None = None,
 ) -> MonitoredSession:
@@ -124,6 +126,8 @@ def MonitoredTrainingSession(
         preemption_sources: What else announces a stop (SLURM's time limit, a cloud's spot
             or preemption notice): ``"auto"`` (those that apply to this machine), a list of
             sources, or None (signals only); see ``Supervisor``.
+        preemption_requeue: Requeue the SLURM job after a stop by SIGUSR1/SIGUSR2 or its time
+            limit (``"auto"``: inside a SLURM job; None: never); see ``Supervisor``.
         stop_on_checkpoint_error: TF's behaviour: a checkpoint that cannot be written stops
             training with its ``CheckpointSaveError`` (from the step that sees it). False
             (the default, for days-long runs): it is logged and reported in the events file,
@@ -189,6 +193,7 @@ class _Build:
     preemption_grace_secs: float
     preemption_exit_code: int | None
     preemption_sources: Iterable[PreemptionSource] | str | None
+    preemption_requeue: SlurmRequeue | str | None
     stop_on_checkpoint_error: bool
     memory_tier: MemoryTierConfig | None
 
@@ -232,6 +237,7 @@ class _Build:
         checks.check_number("preemption_grace_secs", self.preemption_grace_secs)
         checks.check_int("preemption_exit_code", self.preemption_exit_code, allow_none=True)
         self.preemption_sources = check_sources("preemption_sources", self.preemption_sources)
+        self.preemption_requeue = check_requeue("preemption_requeue", self.preemption_requeue)
         self.stop_on_checkpoint_error = checks.check_bool(
             "stop_on_checkpoint_error", self.stop_on_checkpoint_error
         )
@@ -261,6 +267,7 @@ class _Build:
             preemption_grace_secs=self.preemption_grace_secs,
             preemption_exit_code=self.preemption_exit_code,
             preemption_sources=self.preemption_sources,
+            preemption_requeue=self.preemption_requeue,
         )
 
     def worker_session(self) -> MonitoredSession:

@@ -40,6 +40,7 @@ from torchsupervisor.core.variables import (
 )
 from torchsupervisor.distributed import env as distributed
 from torchsupervisor.driver.preemption_sources import PreemptionSource, check_sources
+from torchsupervisor.driver.requeue import SlurmRequeue, check_requeue
 from torchsupervisor.summary.ops import merge_all
 from torchsupervisor.summary.writer import SummaryWriter
 from torchsupervisor.supervisor.session_manager import SessionManager
@@ -95,6 +96,7 @@ class Settings:
     preemption_grace_secs: float
     preemption_exit_code: int | None
     preemption_sources: tuple[PreemptionSource, ...]
+    preemption_requeue: SlurmRequeue | None
     memory_tier: MemoryTierConfig | None
     clock: Clock
 
@@ -128,6 +130,7 @@ def resolve_settings(
     preemption_grace_secs: float,
     preemption_exit_code: int | None,
     preemption_sources: Iterable[PreemptionSource] | str | None,
+    preemption_requeue: SlurmRequeue | str | None,
     save_rng_state: bool,
     memory_tier: MemoryTierConfig | None,
     clock: Clock | None,
@@ -223,6 +226,7 @@ def resolve_settings(
         preemption_grace_secs=preemption_grace_secs,
         preemption_exit_code=preemption_exit_code,
         preemption_sources=check_sources("preemption_sources", preemption_sources),
+        preemption_requeue=check_requeue("preemption_requeue", preemption_requeue),
         memory_tier=memory_tier,
         clock=clock,
     )

@@ -35,6 +35,7 @@ from torchsupervisor.core.registry import USE_DEFAULT, Graph, GraphKeys
 from torchsupervisor.core.session import Session
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
 from torchsupervisor.driver.preemption_sources import PreemptionSource
+from torchsupervisor.driver.requeue import SlurmRequeue
 from torchsupervisor.storage import DirectoryLock
 from torchsupervisor.summary.null_writer import NullSummaryWriter
 from torchsupervisor.summary.writer import write_start
@@ -148,6 +149,13 @@ class Supervisor:
             ``AzureScheduledEvents``, or your own with ``name``, ``poll_every_secs`` and
             ``poll()``); None or empty: signals only. The stop is then the same as after a
             signal, and its line names the source and the seconds left.
+        preemption_requeue: After a stop by SIGUSR1 or SIGUSR2 (what SLURM's ``--signal``
+            sends) or by SLURM's time limit, once the final checkpoint is committed and
+            everything closed, rank 0 runs ``scontrol requeue $SLURM_JOB_ID``: the job comes
+            back under the same id and resumes in the same log directory
+            (``driver/requeue.py``; never after SIGTERM, which ``scancel`` sends, nor Ctrl-C).
+            ``"auto"`` (the default): in a SLURM job with ``scontrol`` on the ``PATH``; a
+            ``SlurmRequeue`` to choose the signals; None: never.
         save_rng_state: Save an ``RNGState()`` as ``"rng"`` (Python, NumPy, torch CPU and
             CUDA generators; kept beside ``state``, which is not changed), so that a resumed
             run draws the same random numbers as an uninterrupted one. A checkpoint without
@@ -220,6 +228,7 @@ class Supervisor:
         preemption_grace_secs: float = 30.0,
         preemption_exit_code: int | None = None,
         preemption_sources: Iterable[PreemptionSource] | str | None = "auto",
+        preemption_requeue: SlurmRequeue | str | None = "auto",
         save_rng_state: bool = True,
         memory_tier: MemoryTierConfig | None = None,
         clock: Clock | None = None,
@@ -233,6 +242,7 @@ class Supervisor:
             settings.preemption_grace_secs,
             settings.preemption_exit_code,
             sources=settings.preemption_sources,
+            requeue=settings.preemption_requeue,
             clock=settings.clock,
         )
         self._coord = Coordinator(clock=settings.clock)
