@@ -26,6 +26,16 @@ $(VENV)/.installed: pyproject.toml
 		echo "Installing Azurite $(AZURITE_VERSION) (npm) into $(VENV)/azurite"; \
 		npm install --prefix $(VENV)/azurite --no-audit --no-fund --silent "azurite@$(AZURITE_VERSION)"; \
 	else echo "npm not found: the az:// tests will be skipped (install Node.js for them)"; fi
+	@# A real SLURM for the scheduler tests (Debian's slurm-wlm and munge), as root with apt;
+	@# elsewhere those tests are skipped, saying why.
+	@if [ ! -x /usr/sbin/slurmctld ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing SLURM (slurm-wlm, munge) for the scheduler tests"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && \
+		  apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null 2>&1; } || \
+		echo "SLURM could not be installed: the SLURM tests will be skipped"; \
+	fi
 	touch $@
 
 install: $(VENV)/.installed

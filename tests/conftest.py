@@ -55,6 +55,24 @@ def s3_server(tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A real SLURM on this host for the whole session (``slurm_cluster.py``); skipped with
+    the reason where it is not installed or the tests do not run as root (slurmd must)."""
+    import slurm_cluster
+
+    absent = slurm_cluster.missing()
+    if absent:
+        pytest.skip(
+            f"SLURM is not installed ({', '.join(absent)} missing): `make install` as root "
+            "installs Debian's slurm-wlm and munge"
+        )
+    if os.geteuid() != 0:
+        pytest.skip("a SLURM of this host needs root (slurmd runs jobs as their users)")
+    with slurm_cluster.running(str(tmp_path_factory.mktemp("slurm"))) as cluster:
+        yield cluster
+
+
 def _fresh_prefix(scheme: str, bucket: str, request) -> str:
     """``<scheme>://<bucket>/<test>-<8 hex>``: a prefix of this test's own in a test bucket."""
     name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")[:60]

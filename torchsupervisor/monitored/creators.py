@@ -315,6 +315,7 @@ class ChiefSessionCreator(_ScaffoldedCreator):
             self._writer_lock = storage.lock(self._checkpoint_dir)
         if self._checkpoint_dir and not self._cleaned:
             clean_checkpoint_dir(self._checkpoint_dir)
+            ensure_run_id(self._checkpoint_dir)  # The run's identity, kept across restarts.
             self._cleaned = True
         if self._initialized:
             init_op, init_feed_dict, init_fn = _keep_state, None, None

@@ -231,6 +231,7 @@ class ChiefMode(Mode):
         st = self.settings
         if st.logdir:
             clean_checkpoint_dir(st.logdir)
+            ensure_run_id(st.logdir)  # The run's identity, kept across restarts and requeues.
         tiers = self.tiers.open() if st.is_chief else []
         self.tiers.exchange_peers()
         sess = _prepare_session(st, master, config, wait_for_checkpoint, max_wait_secs, tiers=tiers)
@@ -351,8 +352,7 @@ class ShardedMode(Mode):
         if st.is_chief:
             if logdir:
                 clean_checkpoint_dir(logdir)
-                if st.memory_tier is not None:
-                    ensure_run_id(logdir)  # Before the others read it.
+                ensure_run_id(logdir)  # Before the others read it (the memory tier).
             replicas.publish_ready({}, name="restore/open")
         else:
             interval = min(st.recovery_wait_secs, OPEN_POLL_SECS)
