@@ -12,6 +12,7 @@ Layout (one hook, or one family of hooks, per module)::
     final_ops.py         FinalOpsHook
     feed_fn.py           FeedFnHook
     progress.py          Progress, ProgressHook (a live progress line)
+    system_metrics.py    SystemMetricsHook (CPU, memory, disk, network, GPU use)
 
 TF names: ``tf.compat.v1.train.SessionRunHook`` and the hooks of ``basic_session_run_hooks``.
 """
@@ -37,6 +38,7 @@ from torchsupervisor.hooks.session_run_hook import (
 from torchsupervisor.hooks.step_counter import StepCounterHook
 from torchsupervisor.hooks.stop_at_step import StopAtStepHook
 from torchsupervisor.hooks.summary_saver import SummarySaverHook
+from torchsupervisor.hooks.system_metrics import SystemMetricsHook
 
 __all__ = [
     "CheckpointSaverHook",
@@ -56,4 +58,5 @@ __all__ = [
     "StepCounterHook",
     "StopAtStepHook",
     "SummarySaverHook",
+    "SystemMetricsHook",
 ]

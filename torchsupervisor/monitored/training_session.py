@@ -29,6 +29,7 @@ from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook
 from torchsupervisor.hooks.session_run_hook import SessionRunHook
 from torchsupervisor.hooks.step_counter import StepCounterHook
 from torchsupervisor.hooks.summary_saver import SummarySaverHook
+from torchsupervisor.hooks.system_metrics import SystemMetricsHook
 from torchsupervisor.monitored.creators import ChiefSessionCreator, WorkerSessionCreator
 from torchsupervisor.monitored.scaffold import Scaffold, check_scaffold
 from torchsupervisor.monitored.session import MonitoredSession
@@ -66,6 +67,7 @@ def MonitoredTrainingSession(
     preemption_exit_code: int | None = None,
     preemption_sources: Iterable[PreemptionSource] | str | None = "auto",
     preemption_requeue: SlurmRequeue | str | None = "auto",
+    system_metrics_secs: float | None = None,
     stop_on_checkpoint_error: bool = False,
     memory_tier: MemoryTierConfig | None = None,
 ) -> MonitoredSession:
@@ -128,6 +130,9 @@ def MonitoredTrainingSession(
             sources, or None (signals only); see ``Supervisor``.
         preemption_requeue: Requeue the SLURM job after a stop by SIGUSR1/SIGUSR2 or its time
             limit (``"auto"``: inside a SLURM job; None: never); see ``Supervisor``.
+        system_metrics_secs: On the chief with a ``summary_dir``, write the ``system/*``
+            metrics (CPU, memory, disk, network, GPUs) every this many seconds
+            (``SystemMetricsHook``); None (the default): none.
         stop_on_checkpoint_error: TF's behaviour: a checkpoint that cannot be written stops
             training with its ``CheckpointSaveError`` (from the step that sees it). False
             (the default, for days-long runs): it is logged and reported in the events file,
@@ -194,6 +199,7 @@ class _Build:
     preemption_exit_code: int | None
     preemption_sources: Iterable[PreemptionSource] | str | None
     preemption_requeue: SlurmRequeue | str | None
+    system_metrics_secs: float | None
     stop_on_checkpoint_error: bool
     memory_tier: MemoryTierConfig | None
 
@@ -238,6 +244,9 @@ class _Build:
         checks.check_int("preemption_exit_code", self.preemption_exit_code, allow_none=True)
         self.preemption_sources = check_sources("preemption_sources", self.preemption_sources)
         self.preemption_requeue = check_requeue("preemption_requeue", self.preemption_requeue)
+        checks.check_number(
+            "system_metrics_secs", self.system_metrics_secs, positive=True, allow_none=True
+        )
         self.stop_on_checkpoint_error = checks.check_bool(
             "stop_on_checkpoint_error", self.stop_on_checkpoint_error
         )
@@ -321,6 +330,8 @@ class _Build:
                     clock=clock,
                 )
             )
+        if summary_dir and self.system_metrics_secs:
+            hooks.append(SystemMetricsHook(self.system_metrics_secs, output_dir=summary_dir))
         steps, secs = self.save_checkpoint_steps, self.save_checkpoint_secs
         if self.checkpoint_dir and ((secs and secs > 0) or (steps and steps > 0)):
             hooks.append(

@@ -1,4 +1,5 @@
-"""The Supervisor's standard services: summaries, steps per second, and checkpoints.
+"""The Supervisor's standard services: summaries, steps per second, checkpoints, and (when
+asked for) system metrics.
 
 Each service is a ``LooperThread`` on the Supervisor's coordinator, so its first run is
 immediate, it runs on a fixed schedule, and its errors stop training and are re-raised by
@@ -20,6 +21,7 @@ from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.global_step import GlobalStep, read_step
 from torchsupervisor.core.session import Session, call_op
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
+from torchsupervisor.summary.system_metrics import SVSystemMetricsThread
 
 if TYPE_CHECKING:
     from torchsupervisor.core.global_step import GlobalStepLike
@@ -140,18 +142,25 @@ class SVTimerCheckpointThread(LooperThread):
 
 
 def standard_threads(settings: Any, coord: Coordinator, sess: Session) -> list[LooperThread]:
-    """The summary and step-counter services of a chief's session (not started).
+    """The summary, step-counter and system-metrics services of a chief's session (not
+    started).
 
     Args:
         settings: The Supervisor's ``Settings`` (``save_summaries_secs``, ``summary_op``,
-            ``global_step``, ``summary_writer``).
+            ``global_step``, ``summary_writer``, ``system_metrics_secs``).
         coord: The coordinator the threads belong to.
         sess: The session the summary op reads.
     """
     writer = settings.summary_writer
-    if not settings.save_summaries_secs or writer is None:
+    if writer is None:
         return []
     threads: list[LooperThread] = []
+    if settings.system_metrics_secs:
+        threads.append(
+            SVSystemMetricsThread(coord, settings.system_metrics_secs, settings.global_step, writer)
+        )
+    if not settings.save_summaries_secs:
+        return threads
     if settings.summary_op is not None:
         threads.append(
             SVSummaryThread(

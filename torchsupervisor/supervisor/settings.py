@@ -97,6 +97,7 @@ class Settings:
     preemption_exit_code: int | None
     preemption_sources: tuple[PreemptionSource, ...]
     preemption_requeue: SlurmRequeue | None
+    system_metrics_secs: float | None
     memory_tier: MemoryTierConfig | None
     clock: Clock
 
@@ -131,6 +132,7 @@ def resolve_settings(
     preemption_exit_code: int | None,
     preemption_sources: Iterable[PreemptionSource] | str | None,
     preemption_requeue: SlurmRequeue | str | None,
+    system_metrics_secs: float | None,
     save_rng_state: bool,
     memory_tier: MemoryTierConfig | None,
     clock: Clock | None,
@@ -227,6 +229,9 @@ def resolve_settings(
         preemption_exit_code=preemption_exit_code,
         preemption_sources=check_sources("preemption_sources", preemption_sources),
         preemption_requeue=check_requeue("preemption_requeue", preemption_requeue),
+        system_metrics_secs=checks.check_number(
+            "system_metrics_secs", system_metrics_secs, positive=True, allow_none=True
+        ),
         memory_tier=memory_tier,
         clock=clock,
     )

@@ -156,6 +156,10 @@ class Supervisor:
             (``driver/requeue.py``; never after SIGTERM, which ``scancel`` sends, nor Ctrl-C).
             ``"auto"`` (the default): in a SLURM job with ``scontrol`` on the ``PATH``; a
             ``SlurmRequeue`` to choose the signals; None: never.
+        system_metrics_secs: Write the machine's and this process tree's CPU, memory, disk
+            and network use (and each GPU's, through NVML) as ``system/*`` scalars every this
+            many seconds, on the chief (``summary/system_metrics.py``; needs psutil). None
+            (the default): none.
         save_rng_state: Save an ``RNGState()`` as ``"rng"`` (Python, NumPy, torch CPU and
             CUDA generators; kept beside ``state``, which is not changed), so that a resumed
             run draws the same random numbers as an uninterrupted one. A checkpoint without
@@ -229,6 +233,7 @@ class Supervisor:
         preemption_exit_code: int | None = None,
         preemption_sources: Iterable[PreemptionSource] | str | None = "auto",
         preemption_requeue: SlurmRequeue | str | None = "auto",
+        system_metrics_secs: float | None = None,
         save_rng_state: bool = True,
         memory_tier: MemoryTierConfig | None = None,
         clock: Clock | None = None,
