@@ -32,6 +32,7 @@ NEEDED = (
     *("sbatch", "squeue", "scontrol", "scancel", "sinfo"),
 )
 START_SECS = 60.0  # The longest the daemons may take to come up on a busy machine.
+RELEASE_AFTER_SECS = 3.0  # See ``SlurmCluster.release``.
 
 
 def missing() -> list[str]:
@@ -116,7 +117,12 @@ class SlurmCluster:
         return fields
 
     def release(self, job_id: str) -> None:
-        """Start a requeued job now instead of after SLURM's 2-minute hold."""
+        """Start a requeued job now instead of after SLURM's 2-minute hold.
+
+        Call it ``RELEASE_AFTER_SECS`` after the requeue at the earliest: a job started again
+        within the second of its requeue is killed ("Job credential revoked": slurmd revokes
+        the job's credentials at the requeue, by the second).
+        """
         self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
     def logs(self) -> str:

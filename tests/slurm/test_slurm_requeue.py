@@ -6,7 +6,8 @@ an uninterrupted run, with one run id and no step lost.
 The training is ``tests/workers/preemption_worker.py`` (a small MLP with dropout, a shuffled
 ``ResumableDataLoader`` with two worker processes, RNG state in the checkpoint), run straight
 by the batch script (``exec``: the signals of ``--signal=B:`` go to the batch shell).
-SLURM holds a requeued job for 2 minutes; the tests release it at once (``release``).
+SLURM holds a requeued job for 2 minutes; the tests release it 3 s after its requeue
+(``SlurmCluster.release``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from repo_paths import worker
+from slurm_cluster import RELEASE_AFTER_SECS
+from supervisor_helpers import accumulator
 
 WORKER = worker("preemption_worker.py")
 STEPS = 150
@@ -42,28 +46,32 @@ def _done(text: str) -> tuple[int, str]:
     return int(done.split()[1]), done.split()[2]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted run: every step's loss and the final parameters' digest."""
-    logdir = str(tmp_path_factory.mktemp("slurm-reference"))
+def _uninterrupted(logdir: str, steps: int):
+    """Every step's loss and the final parameters' digest of a run that is never stopped."""
     done = subprocess.run(
-        [sys.executable, WORKER, logdir, str(STEPS)],
+        [sys.executable, WORKER, logdir, str(steps)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         env={**os.environ, "SLURM_JOB_ID": ""},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return _losses(done.stdout), _done(done.stdout)
 
 
-def _submit(slurm, tmp_path, *sbatch_args: str, worker_args: str = "") -> tuple[str, str, str]:
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _uninterrupted(str(tmp_path_factory.mktemp("slurm-reference")), STEPS)
+
+
+def _submit(
+    slurm, tmp_path, *sbatch_args: str, worker_args: str = "", steps: int = STEPS
+) -> tuple[str, str, str]:
     logdir = str(tmp_path / "logdir")
     out = str(tmp_path / "job.out")
     script = tmp_path / "train.sh"
-    script.write_text(
-        f"#!/bin/bash\nexec {sys.executable} -u {WORKER} {logdir} {STEPS} {worker_args}\n"
-    )
+    command = f"{sys.executable} -u {WORKER} {logdir} {steps} --scalars {worker_args}"
+    script.write_text(f"#!/bin/bash\nexec {command}\n")
     job = slurm.sbatch(
         "--requeue", "--open-mode=append", f"--output={out}", *sbatch_args, str(script)
     )
@@ -89,6 +97,7 @@ def _wait_for_text(slurm, job: str, out: str, text: str) -> None:
 def _run_to_completion(slurm, job: str, out: str, max_cycles: int) -> int:
     """Release each requeue until the job completes; return how many times it requeued."""
     deadline = time.monotonic() + JOB_SECS * max_cycles
+    held_since: dict[str, float] = {}  # By restart count: when it was first seen held.
     while True:
         fields = slurm.job(job)
         state = fields["JobState"]
@@ -98,7 +107,9 @@ def _run_to_completion(slurm, job: str, out: str, max_cycles: int) -> int:
         assert int(fields["Restarts"]) <= max_cycles, _read(out)
         assert time.monotonic() < deadline, f"job {job} still {state}:\n{_read(out)}"
         if state == "PENDING" and fields.get("Reason") == "BeginTime":
-            slurm.release(job)
+            since = held_since.setdefault(fields["Restarts"], time.monotonic())
+            if time.monotonic() - since >= RELEASE_AFTER_SECS:
+                slurm.release(job)
         time.sleep(0.2)
 
 
@@ -117,6 +128,10 @@ def _check_resumed_exactly(text: str, reference, restarts: int, logdir: str) -> 
     assert stops == ready[1:], text
     with open(os.path.join(logdir, "run_id")) as f:
         assert len(f.read().strip()) == 32  # One run id, kept across the requeues.
+    # TensorBoard shows one continuous series: each step once, with the loss it had.
+    series = [(e.step, e.value) for e in accumulator(logdir).Scalars("loss")]
+    assert [step for step, _ in series] == sorted(losses)
+    assert all(value == float(np.float32(losses[step])) for step, value in series)
 
 
 def test_scancel_signal_usr1_stops_requeues_and_resumes_bitwise(slurm, tmp_path, reference):
@@ -158,4 +173,59 @@ def test_signal_b_usr1_before_the_time_limit_requeues_until_done(slurm, tmp_path
     restarts = _run_to_completion(slurm, job, out, max_cycles=8)
     text = _read(out)
     assert restarts >= 1 and text.count("Received SIGUSR1") == restarts, text
+    _check_resumed_exactly(text, reference, restarts, logdir)
+
+
+# The soaks of issue 44's targets (make test-slow) --------------------------------------------
+
+
+def _count(text: str, prefix: str) -> int:
+    return sum(line.startswith(prefix) for line in text.splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_twenty_requeue_cycles_of_scancel_signal_usr1(slurm, tmp_path):
+    cycles, steps = 20, 400
+    reference = _uninterrupted(str(tmp_path / "reference"), steps)
+    job, logdir, out = _submit(slurm, tmp_path, worker_args="--step-delay 0.02", steps=steps)
+    for cycle in range(cycles):
+        deadline = time.monotonic() + JOB_SECS
+        while True:  # This cycle is up and has trained a few steps past its resume.
+            text = _read(out)
+            tail = text[text.rfind("READY ") :] if "READY " in text else ""
+            if _count(text, "READY ") == cycle + 1 and _count(tail, "LOSS ") >= 3:
+                break
+            assert time.monotonic() < deadline, f"cycle {cycle} did not start:\n{text}"
+            assert slurm.job(job)["JobState"] not in ENDED_BADLY, text
+            time.sleep(0.05)
+        slurm.run("scancel", "--signal=USR1", "--batch", job)
+        deadline = time.monotonic() + JOB_SECS
+        while not (
+            (fields := slurm.job(job))["JobState"] == "PENDING"
+            and int(fields["Restarts"]) == cycle + 1
+        ):
+            assert time.monotonic() < deadline, f"cycle {cycle} did not requeue:\n{_read(out)}"
+            assert fields["JobState"] not in ENDED_BADLY | {"COMPLETED"}, _read(out)
+            time.sleep(0.1)
+        time.sleep(RELEASE_AFTER_SECS)
+        slurm.release(job)
+    restarts = _run_to_completion(slurm, job, out, max_cycles=cycles)
+    text = _read(out)
+    assert restarts == cycles and text.count("Requeued SLURM job") == cycles
+    _check_resumed_exactly(text, reference, restarts, logdir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_ten_requeue_cycles_at_the_time_limit_without_a_signal(slurm, tmp_path):
+    steps = 800
+    reference = _uninterrupted(str(tmp_path / "reference"), steps)
+    job, logdir, out = _submit(
+        slurm, tmp_path, "--time=1", worker_args="--step-delay 0.1 --grace 50", steps=steps
+    )
+    restarts = _run_to_completion(slurm, job, out, max_cycles=40)
+    text = _read(out)
+    assert restarts >= 10, text
+    assert text.count("Preemption notice from SLURM time limit (job ") == restarts
     _check_resumed_exactly(text, reference, restarts, logdir)

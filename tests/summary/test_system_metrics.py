@@ -14,7 +14,7 @@ import pytest
 from monitored_helpers import Counter
 from supervisor_helpers import accumulator, wait_for_tag
 
-from torchsupervisor import MonitoredTrainingSession, Supervisor, SummaryWriterCache
+from torchsupervisor import MonitoredTrainingSession, SummaryWriterCache, Supervisor
 from torchsupervisor.hooks import SystemMetricsHook
 from torchsupervisor.summary import system_metrics
 from torchsupervisor.summary.system_metrics import SystemMetrics, metrics_summary

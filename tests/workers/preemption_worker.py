@@ -28,6 +28,7 @@ Options:
                            SIGTERM, SIGUSR1 and SIGINT)
     --full-disk-on-signal  once a preemption signal was received, every write of a checkpoint
                            file fails with ENOSPC (the final checkpoint fails)
+    --scalars              write each step's loss as the scalar ``loss`` at its step
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def main() -> None:
     parser.add_argument("--gate-on-signal", action="store_true")
     parser.add_argument("--signals", default=None)
     parser.add_argument("--full-disk-on-signal", action="store_true")
+    parser.add_argument("--scalars", action="store_true")
     args = parser.parse_args()
 
     data = torch.Generator().manual_seed(1234)
@@ -184,6 +186,8 @@ def main() -> None:
                 current = step.value
                 loss = sess.run(train_step, feed_dict={"x": x, "y": y})
                 say(f"LOSS {current} {loss!r}")
+                if args.scalars:
+                    sv.summary_writer.add_scalar("loss", loss, current)
                 driver = sv.checkpoint_driver
                 if not committed and driver is not None and driver.last_commit_time is not None:
                     committed = True  # The first save finished, its last fsync included.
