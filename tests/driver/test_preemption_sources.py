@@ -428,3 +428,72 @@ def test_supervisor_stops_grace_secs_before_the_slurm_end_time(tmp_path, caplog)
     record = read_stop_record(storage_for(str(tmp_path / "logdir")), str(tmp_path / "logdir"))
     assert record.reason == "preemption" and record.signal == "SLURM time limit"
     assert record.step == step
+
+
+def test_detect_sources_from_the_metadata_variables(tmp_path):
+    dmi = str(tmp_path)  # No DMI tables: only the variables say where the services are.
+    found = detect_sources(
+        {
+            "AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:1338",
+            "GCE_METADATA_HOST": "127.0.0.1:8080",
+            "TORCHSUPERVISOR_AZURE_METADATA_ENDPOINT": "http://127.0.0.1:9090/",
+        },
+        dmi,
+    )
+    assert [(type(s), s.endpoint) for s in found] == [
+        (AwsSpotNotice, "http://127.0.0.1:1338"),
+        (GcePreemptedNotice, "http://127.0.0.1:8080"),
+        (AzureScheduledEvents, "http://127.0.0.1:9090"),
+    ]
+    off = {"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://x", "AWS_EC2_METADATA_DISABLED": "true"}
+    assert detect_sources(off, dmi) == []
+
+
+def _worker_losses(text: str) -> dict[int, str]:
+    return {
+        int(line.split()[1]): line.split()[2] for line in text.splitlines() if line[:5] == "LOSS "
+    }
+
+
+def test_a_run_told_by_the_environment_of_a_fake_gce_stops_and_resumes_exactly(tmp_path, metadata):
+    # What a user's program sees on a GCE spot VM, here with the metadata server the
+    # environment names (GCE_METADATA_HOST): the notice stops it with a final checkpoint and
+    # the restart goes on from that step, as if never stopped.
+    import subprocess
+    import sys
+
+    from repo_paths import worker
+
+    script, steps = worker("preemption_worker.py"), 60
+    run = [sys.executable, "-u", script, str(tmp_path / "run"), str(steps)]
+    reference = subprocess.run(
+        [sys.executable, script, str(tmp_path / "reference"), str(steps)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    metadata.set(GCE_PREEMPTED, 200, b"FALSE", needs={"Metadata-Flavor": "Google"})
+    env = {**os.environ, "GCE_METADATA_HOST": metadata.url.removeprefix("http://")}
+    first = subprocess.Popen(
+        [*run, "--step-delay", "0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    lines = []
+    deadline = time.monotonic() + 120
+    while not any(line.startswith("LOSS 10 ") for line in lines):
+        line = first.stdout.readline()
+        assert line and time.monotonic() < deadline, (lines, first.stderr.read())
+        lines.append(line)
+    metadata.set(GCE_PREEMPTED, 200, b"TRUE", needs={"Metadata-Flavor": "Google"})
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err[-3000:]
+    assert "Preemption notice from GCE (instance/preempted TRUE; " in err
+    stopped = int(err.split("stopping at step ")[1].split()[0])
+    assert 10 < stopped < steps
+    metadata.set(GCE_PREEMPTED, 200, b"FALSE", needs={"Metadata-Flavor": "Google"})
+    second = subprocess.run(run, capture_output=True, text=True, timeout=300, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.startswith(f"READY {stopped}\n")  # No step lost.
+    losses = _worker_losses("".join(lines) + out)
+    losses.update(_worker_losses(second.stdout))
+    assert losses == _worker_losses(reference.stdout)
+    assert second.stdout.splitlines()[-1] == reference.stdout.splitlines()[-1]  # DONE, digest.

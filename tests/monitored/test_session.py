@@ -22,6 +22,7 @@ from supervisor_helpers import (
 )
 
 from torchsupervisor import GlobalStep, Saver, Session, SummaryWriterCache, summary
+from torchsupervisor.checkpoint.run_id import RUN_ID_FILENAME
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.registry import GraphKeys, add_to_collection, get_collection
 from torchsupervisor.errors import (
@@ -144,7 +145,8 @@ def test_the_chief_removes_what_a_crash_left(tmp_path):
     orphan.write_bytes(b"partial")
     creator = ChiefSessionCreator(checkpoint_dir=str(tmp_path), state=Counter().state)
     creator.create_session()
-    assert sorted(os.listdir(tmp_path)) == [LOCK_FILENAME]  # The chief's writer lock.
+    # The chief's writer lock, and the run's id.
+    assert sorted(os.listdir(tmp_path)) == sorted([LOCK_FILENAME, RUN_ID_FILENAME])
     creator.close()
 
 

@@ -21,7 +21,12 @@ stops the run as a signal does (with replicas, at the step every rank agrees on)
 ``detect_sources`` picks the sources that apply to this machine without touching the network:
 SLURM's time limit in a SLURM job with ``squeue`` on the ``PATH``; a cloud's notice where the
 machine's DMI tables name the cloud (``/sys/class/dmi/id``: "Amazon EC2", "Google Compute
-Engine", or the asset tag of an Azure VM).
+Engine", or the asset tag of an Azure VM), or where the environment names its metadata service
+(the variables the clouds' own SDKs read, also how tests point a run at a fake one):
+``AWS_EC2_METADATA_SERVICE_ENDPOINT`` (``http://host:port``; ``AWS_EC2_METADATA_DISABLED=true``
+turns AWS off), ``GCE_METADATA_HOST`` (``host[:port]``), and ours for Azure,
+``TORCHSUPERVISOR_AZURE_METADATA_ENDPOINT`` (``http://host:port``). The endpoints default to
+these variables too.
 """
 
 from __future__ import annotations
@@ -65,6 +70,22 @@ _SQUEUE_TIMEOUT_SECS = 10.0
 _DMI_DIR = "/sys/class/dmi/id"
 _AZURE_ASSET_TAG = "7783-7084-3265-9085-8269-3286-77"  # Every Azure VM's chassis asset tag.
 _AZURE_STOPS = ("Preempt", "Terminate", "Reboot", "Redeploy")  # Events the process dies of.
+AWS_ENDPOINT_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
+GCE_HOST_ENV = "GCE_METADATA_HOST"
+AZURE_ENDPOINT_ENV = "TORCHSUPERVISOR_AZURE_METADATA_ENDPOINT"
+
+
+def _aws_endpoint(environ: Mapping[str, str]) -> str:
+    return environ.get(AWS_ENDPOINT_ENV) or "http://169.254.169.254"
+
+
+def _gce_endpoint(environ: Mapping[str, str]) -> str:
+    host = environ.get(GCE_HOST_ENV) or "metadata.google.internal"
+    return host if "://" in host else f"http://{host}"
+
+
+def _azure_endpoint(environ: Mapping[str, str]) -> str:
+    return environ.get(AZURE_ENDPOINT_ENV) or "http://169.254.169.254"
 
 
 @dataclass(frozen=True)
@@ -186,7 +207,8 @@ class AwsSpotNotice:
     IMDSv2 with a session token, IMDSv1 where tokens are refused).
 
     Args:
-        endpoint: The instance metadata service.
+        endpoint: The instance metadata service; None: ``$AWS_EC2_METADATA_SERVICE_ENDPOINT``,
+            else ``http://169.254.169.254``.
         poll_every_secs: Seconds between two polls (AWS suggests 5).
 
     TF name: none.
@@ -195,10 +217,8 @@ class AwsSpotNotice:
     name = "AWS spot"
     _TOKEN_TTL_SECS = 21600
 
-    def __init__(
-        self, endpoint: str = "http://169.254.169.254", poll_every_secs: float = 5.0
-    ) -> None:
-        self.endpoint = endpoint.rstrip("/")
+    def __init__(self, endpoint: str | None = None, poll_every_secs: float = 5.0) -> None:
+        self.endpoint = (endpoint or _aws_endpoint(os.environ)).rstrip("/")
         self.poll_every_secs = poll_every_secs
         self._token: str | None = None
         self._token_until = 0.0
@@ -246,7 +266,8 @@ class GcePreemptedNotice:
     ``TRUE`` 30 seconds before the VM stops).
 
     Args:
-        endpoint: The metadata server.
+        endpoint: The metadata server; None: ``http://$GCE_METADATA_HOST``, else
+            ``http://metadata.google.internal``.
         poll_every_secs: Seconds between two polls (the deadline counts one poll interval
             early: the notice may have come just after the poll before).
 
@@ -257,10 +278,8 @@ class GcePreemptedNotice:
     NOTICE_SECS = 30.0
     """How long before the stop GCE's notice comes."""
 
-    def __init__(
-        self, endpoint: str = "http://metadata.google.internal", poll_every_secs: float = 1.0
-    ) -> None:
-        self.endpoint = endpoint.rstrip("/")
+    def __init__(self, endpoint: str | None = None, poll_every_secs: float = 1.0) -> None:
+        self.endpoint = (endpoint or _gce_endpoint(os.environ)).rstrip("/")
         self.poll_every_secs = poll_every_secs
         self._seen: float | None = None
 
@@ -287,7 +306,8 @@ class AzureScheduledEvents:
     ``Terminate``, ``Reboot`` or ``Redeploy`` of this VM, the earliest ``NotBefore`` first.
 
     Args:
-        endpoint: The instance metadata service.
+        endpoint: The instance metadata service; None:
+            ``$TORCHSUPERVISOR_AZURE_METADATA_ENDPOINT``, else ``http://169.254.169.254``.
         poll_every_secs: Seconds between two polls.
         vm_name: This VM's name as events list it in ``Resources``; None: asked of the
             service once (``compute/name``); where it cannot tell, every event counts.
@@ -300,11 +320,11 @@ class AzureScheduledEvents:
 
     def __init__(
         self,
-        endpoint: str = "http://169.254.169.254",
+        endpoint: str | None = None,
         poll_every_secs: float = 1.0,
         vm_name: str | None = None,
     ) -> None:
-        self.endpoint = endpoint.rstrip("/")
+        self.endpoint = (endpoint or _azure_endpoint(os.environ)).rstrip("/")
         self.poll_every_secs = poll_every_secs
         self.vm_name = vm_name
 
@@ -375,17 +395,19 @@ def detect_sources(
     """
     from torchsupervisor.distributed.launcher import slurm_job_id
 
+    env = os.environ if environ is None else environ
     sources: list[PreemptionSource] = []
-    job = slurm_job_id(environ)
+    job = slurm_job_id(env)
     if job and shutil.which("squeue"):
         sources.append(SlurmTimeLimit(job))
     vendor = f"{_dmi(dmi_dir, 'sys_vendor')} {_dmi(dmi_dir, 'board_vendor')}"
-    if "Amazon EC2" in vendor:
-        sources.append(AwsSpotNotice())
-    elif "Google" in _dmi(dmi_dir, "product_name"):
-        sources.append(GcePreemptedNotice())
-    elif _dmi(dmi_dir, "chassis_asset_tag") == _AZURE_ASSET_TAG:
-        sources.append(AzureScheduledEvents())
+    aws_off = env.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() == "true"
+    if not aws_off and (AWS_ENDPOINT_ENV in env or "Amazon EC2" in vendor):
+        sources.append(AwsSpotNotice(_aws_endpoint(env)))
+    if GCE_HOST_ENV in env or "Google" in _dmi(dmi_dir, "product_name"):
+        sources.append(GcePreemptedNotice(_gce_endpoint(env)))
+    if AZURE_ENDPOINT_ENV in env or _dmi(dmi_dir, "chassis_asset_tag") == _AZURE_ASSET_TAG:
+        sources.append(AzureScheduledEvents(_azure_endpoint(env)))
     return sources
 
 
