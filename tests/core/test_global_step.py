@@ -107,3 +107,34 @@ def test_a_gate_runs_before_every_increment_and_can_be_taken_back():
     assert gate is not None
     step.increment()
     assert seen == [0, 1]
+
+
+def test_a_mirror_gets_the_step_at_every_change(tmp_path):
+    import mmap
+
+    path = tmp_path / "heartbeat"
+    path.write_bytes(bytes(8))
+    with open(path, "r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 8)
+    view = memoryview(mapped).cast("q")
+    step = GlobalStep(4)
+    step.mirror_to(view)
+    assert view[0] == 4
+    step.increment()
+    step.increment(3)
+    assert view[0] == 8
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step.bind(optimizer)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    assert view[0] == 9
+    step.assign(20)
+    assert view[0] == 20
+    step.load_state_dict({"value": 30})
+    assert view[0] == 30
+    step.mirror_to(None)
+    step.increment()
+    assert view[0] == 30 and path.read_bytes() == (30).to_bytes(8, "little")  # In the file.
+    view.release()
+    mapped.close()

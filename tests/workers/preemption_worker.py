@@ -29,6 +29,7 @@ Options:
     --full-disk-on-signal  once a preemption signal was received, every write of a checkpoint
                            file fails with ENOSPC (the final checkpoint fails)
     --scalars              write each step's loss as the scalar ``loss`` at its step
+    --die-at-step N        SIGKILL itself once the global step reaches N (a crash at a known step)
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--signals", default=None)
     parser.add_argument("--full-disk-on-signal", action="store_true")
     parser.add_argument("--scalars", action="store_true")
+    parser.add_argument("--die-at-step", type=int, default=None)
     args = parser.parse_args()
 
     data = torch.Generator().manual_seed(1234)
@@ -188,6 +190,8 @@ def main() -> None:
                 say(f"LOSS {current} {loss!r}")
                 if args.scalars:
                     sv.summary_writer.add_scalar("loss", loss, current)
+                if args.die_at_step is not None and step.value >= args.die_at_step:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 driver = sv.checkpoint_driver
                 if not committed and driver is not None and driver.last_commit_time is not None:
                     committed = True  # The first save finished, its last fsync included.

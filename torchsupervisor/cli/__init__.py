@@ -9,6 +9,7 @@ Commands (one module each):
     export   a checkpoint's tensors as a .safetensors file (``export.py``)
     preempted  exit status 0 if the last session stopped for a preemption without losing
              anything: what a requeue script asks (``preempted.py``)
+    goodput  goodput and badput by cause over the run, from its ledger (``goodput.py``)
 
 ``python -m torchsupervisor`` and the ``torchsupervisor`` console script both call ``main``.
 """
@@ -23,11 +24,19 @@ from types import ModuleType
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = ("ls", "inspect", "verify", "events", "export", "preempted")
+_COMMANDS = ("ls", "inspect", "verify", "events", "export", "preempted", "goodput")
 
 
 def _module(command: str) -> ModuleType:
-    from torchsupervisor.cli import events, export, inspect_checkpoint, ls, preempted, verify
+    from torchsupervisor.cli import (
+        events,
+        export,
+        goodput,
+        inspect_checkpoint,
+        ls,
+        preempted,
+        verify,
+    )
 
     return {
         "ls": ls,
@@ -36,6 +45,7 @@ def _module(command: str) -> ModuleType:
         "events": events,
         "export": export,
         "preempted": preempted,
+        "goodput": goodput,
     }[command]
 
 

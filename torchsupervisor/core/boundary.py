@@ -16,6 +16,7 @@ asks has its boundary at the entry of ``Session.run``.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 __all__ = ["StepBoundary"]
@@ -39,13 +40,25 @@ class StepBoundary:
     thread that happens to call ``Session.run`` never takes a snapshot.
     """
 
-    __slots__ = ("_each", "_lock", "_tasks", "asked", "owner_ident", "pending", "watcher")
+    __slots__ = (
+        "_each",
+        "_lock",
+        "_tasks",
+        "asked",
+        "busy_secs",
+        "owner_ident",
+        "pending",
+        "watcher",
+    )
 
     def __init__(self, owner_ident: int | None = None) -> None:
         self.owner_ident = threading.get_ident() if owner_ident is None else owner_ident
         self.pending = False
         self.asked = False
         self.watcher: Callable[[], object] | None = None
+        self.busy_secs = 0.0
+        """Seconds the owner thread spent running boundary work (snapshots, mostly: the
+        goodput ledger's ``checkpoint`` badput)."""
         self._lock = threading.Lock()
         self._tasks: list[Callable[[], object]] = []
         self._each: tuple[Callable[[], object], ...] = ()
@@ -83,6 +96,13 @@ class StepBoundary:
         """
         if threading.get_ident() != self.owner_ident:
             return
+        started = time.perf_counter()
+        try:
+            self._run_pending()
+        finally:
+            self.busy_secs += time.perf_counter() - started
+
+    def _run_pending(self) -> None:
         with self._lock:
             tasks = self._tasks
             if tasks:  # No new list at a boundary with only ``call_each`` work (every step).

@@ -58,12 +58,13 @@ class GlobalStep:
     TF name: the ``global_step`` variable (``tf.train.get_or_create_global_step()``).
     """
 
-    __slots__ = ("__weakref__", "_gate", "_value", "name")
+    __slots__ = ("__weakref__", "_gate", "_mirror", "_value", "name")
 
     def __init__(self, value: int = 0, name: str = "global_step") -> None:
         self._value = _as_int(value, "value")
         self.name = check_str("name", name, allow_empty=False)
         self._gate: Callable[[], object] | None = None
+        self._mirror: Any = None
 
     @property
     def value(self) -> int:
@@ -102,7 +103,23 @@ class GlobalStep:
         if gate is not None:
             gate()
         self._value += n
+        if self._mirror is not None:
+            self._mirror[0] = self._value
         return self._value
+
+    def mirror_to(self, view: Any) -> None:
+        """Write the step into ``view[0]`` at every change from now on (None: no more).
+
+        ``view`` is a one-element writable buffer of signed 64-bit integers
+        (``memoryview(mapped_file).cast("q")``): the goodput ledger's heartbeat, a page of a
+        mapped file that outlives a killed process, so the next one knows exactly the step
+        this one reached. Costs one store per step.
+
+        TF name: none.
+        """
+        self._mirror = view
+        if view is not None:
+            view[0] = self._value
 
     def gate_increments(self, gate: Callable[[], object] | None) -> Callable[[], object] | None:
         """Call ``gate`` before every ``increment`` (None: no more); return the one replaced.
@@ -125,6 +142,8 @@ class GlobalStep:
         TF name: ``tf.Variable.assign`` (on the ``global_step`` variable).
         """
         self._value = _as_int(value, "value")
+        if self._mirror is not None:
+            self._mirror[0] = self._value
 
     def state_dict(self) -> dict[str, int]:
         """Return ``{"value": step}`` for checkpoints.
@@ -144,6 +163,8 @@ class GlobalStep:
         variable).
         """
         self._value = _as_int(state_dict["value"], "state_dict['value']")
+        if self._mirror is not None:
+            self._mirror[0] = self._value
 
     def bind(self, optimizer: torch.optim.Optimizer) -> Any:
         """Increment this step by 1 after every ``optimizer.step()``.
@@ -160,6 +181,8 @@ class GlobalStep:
 
         def _after_step(_opt: Any, _args: object, _kwargs: object) -> None:
             self._value += 1
+            if self._mirror is not None:
+                self._mirror[0] = self._value
 
         return optimizer.register_step_post_hook(_after_step)
 

@@ -17,6 +17,8 @@ checkpoint saved, how the session ended recorded, the logdir released.
 4. ``stop()`` (``release_session``): the chief records how the session ended (the STOP
    event's message and ``<logdir>/last_stop.json``, ``driver/stop_record.py``, which a
    requeue script reads), closes the writer and releases the lock.
+5. Every rank's goodput ledger (``driver/goodput.py``) records the start, the session's
+   restore and the stop (``begin_goodput``, ``goodput_ready``, ``release_session``).
 
 These are the Supervisor's own steps, kept out of the facade; they read its private state.
 
@@ -31,7 +33,11 @@ from typing import TYPE_CHECKING
 from tensorboard.compat.proto.event_pb2 import SessionLog
 
 from torchsupervisor import errors
+from torchsupervisor.checkpoint.run_id import read_run_id
 from torchsupervisor.core.clock import Deadline
+from torchsupervisor.distributed import env as distributed
+from torchsupervisor.distributed.launcher import current_launcher
+from torchsupervisor.driver.goodput import GoodputRecorder
 from torchsupervisor.driver.stop_record import (
     END,
     ERROR,
@@ -45,11 +51,14 @@ from torchsupervisor.summary.writer import SummaryWriter
 from torchsupervisor.supervisor.modes import Mode, agreed_stop
 
 if TYPE_CHECKING:
+    from torchsupervisor.core.session import Session
     from torchsupervisor.supervisor.supervisor import Supervisor
 
 __all__ = [
+    "begin_goodput",
     "end_unmanaged",
     "finish",
+    "goodput_ready",
     "open_logdir",
     "record_end",
     "release_session",
@@ -83,6 +92,51 @@ def open_logdir(sv: Supervisor) -> None:
         clear_stop_record(storage, logdir)
     except (OSError, errors.OpError) as e:
         logger.warning("Could not remove %s's stop record: %s", logdir, e)
+
+
+def begin_goodput(sv: Supervisor) -> float:
+    """The ledger's start record (the first session of this process); return the time
+    preparing the session begins (wall seconds)."""
+    st = sv._settings
+    logdir = st.logdir or st.replica_logdir
+    if sv._goodput is None and st.goodput_ledger and logdir:
+        launcher = current_launcher()
+        sv._goodput = GoodputRecorder(
+            logdir, distributed.rank(), distributed.world_size(), clock=st.clock
+        )
+        sv._goodput.begin(launcher.restart_count, launcher.job_id)
+    return st.clock.time()
+
+
+def goodput_ready(sv: Supervisor, sess: Session, started: float) -> None:
+    """The ledger's record of the session just prepared (its restore, the step it resumed at)."""
+    recorder = sv._goodput
+    if recorder is None:
+        return
+    st = sv._settings
+    logdir = st.logdir or st.replica_logdir
+    try:
+        run_id = read_run_id(logdir) if logdir else None
+    except OSError:
+        run_id = None
+    recorder.session_ready(
+        started,
+        st.clock.time(),
+        sv._context.current_step(),
+        sess.restored_checkpoint,
+        sess.restored_tier,
+        st.global_step,
+        sess.boundary,
+        run_id=run_id,
+    )
+
+
+def _finish_goodput(sv: Supervisor, end: str) -> None:
+    recorder, sv._goodput = sv._goodput, None
+    since, sv._stopping_since = sv._stopping_since, None
+    if recorder is not None:
+        reason = end.split(":", 1)[0]  # "preemption", "end" or "error".
+        recorder.finish(sv._context.current_step(), reason, since)
 
 
 def stop_decision(sv: Supervisor) -> bool:
@@ -231,6 +285,7 @@ def release_session(
         sv._mode.stop(aborted=sv._preemption.aborted, clean=ending is None or ending[0])
     deadline = sv._preemption.deadline or Deadline(sv._settings.clock, None)
     end = record_end(sv, ending, deadline)
+    _finish_goodput(sv, end)
     writer = sv._settings.summary_writer
     if close_summary_writer and writer is not None:
         if not sv._lock_refused:  # Another process's logdir: not a word in it.

@@ -98,6 +98,7 @@ class Settings:
     preemption_sources: tuple[PreemptionSource, ...]
     preemption_requeue: SlurmRequeue | None
     system_metrics_secs: float | None
+    goodput_ledger: bool
     memory_tier: MemoryTierConfig | None
     clock: Clock
 
@@ -133,6 +134,7 @@ def resolve_settings(
     preemption_sources: Iterable[PreemptionSource] | str | None,
     preemption_requeue: SlurmRequeue | str | None,
     system_metrics_secs: float | None,
+    goodput_ledger: bool,
     save_rng_state: bool,
     memory_tier: MemoryTierConfig | None,
     clock: Clock | None,
@@ -232,6 +234,7 @@ def resolve_settings(
         system_metrics_secs=checks.check_number(
             "system_metrics_secs", system_metrics_secs, positive=True, allow_none=True
         ),
+        goodput_ledger=checks.check_bool("goodput_ledger", goodput_ledger),
         memory_tier=memory_tier,
         clock=clock,
     )

@@ -33,6 +33,7 @@ from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.registry import USE_DEFAULT, Graph, GraphKeys
 from torchsupervisor.core.session import Session
+from torchsupervisor.driver.goodput import GoodputRecorder
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
 from torchsupervisor.driver.preemption_sources import PreemptionSource
 from torchsupervisor.driver.requeue import SlurmRequeue
@@ -40,7 +41,9 @@ from torchsupervisor.storage import DirectoryLock
 from torchsupervisor.summary.null_writer import NullSummaryWriter
 from torchsupervisor.summary.writer import write_start
 from torchsupervisor.supervisor.lifecycle import (
+    begin_goodput,
     end_unmanaged,
+    goodput_ready,
     open_logdir,
     release_session,
     stop_at_run,
@@ -160,6 +163,10 @@ class Supervisor:
             and network use (and each GPU's, through NVML) as ``system/*`` scalars every this
             many seconds, on the chief (``summary/system_metrics.py``; needs psutil). None
             (the default): none.
+        goodput_ledger: Every rank appends where its time went to ``<logdir>/goodput/``
+            (start-up, restore, checkpoint stalls, the final stop, steps lost to a failure:
+            ``driver/goodput.py``); ``torchsupervisor goodput LOGDIR`` reports goodput and
+            badput by cause. The training thread pays one store per step. False: none.
         save_rng_state: Save an ``RNGState()`` as ``"rng"`` (Python, NumPy, torch CPU and
             CUDA generators; kept beside ``state``, which is not changed), so that a resumed
             run draws the same random numbers as an uninterrupted one. A checkpoint without
@@ -234,6 +241,7 @@ class Supervisor:
         preemption_sources: Iterable[PreemptionSource] | str | None = "auto",
         preemption_requeue: SlurmRequeue | str | None = "auto",
         system_metrics_secs: float | None = None,
+        goodput_ledger: bool = True,
         save_rng_state: bool = True,
         memory_tier: MemoryTierConfig | None = None,
         clock: Clock | None = None,
@@ -260,6 +268,8 @@ class Supervisor:
         self._sess: Session | None = None
         self._null_writer = NullSummaryWriter()
         self._ending: tuple[bool, BaseException | None] | None = None  # For stop().
+        self._goodput: GoodputRecorder | None = None  # This process's ledger (lifecycle.py).
+        self._stopping_since: float | None = None  # When the session began to stop.
         self._unmanaged = False  # The session was prepared outside managed_session.
         self._finished = False  # Its end (the final checkpoint) is done.
         self._final_error: BaseException | None = None
@@ -387,6 +397,7 @@ class Supervisor:
         start_standard_services: bool,
     ) -> Session:
         open_logdir(self)
+        started = begin_goodput(self)
         self._coord.clear_stop()
         if self._settings.summary_writer is not None:
             self._settings.summary_writer.reopen()
@@ -394,6 +405,7 @@ class Supervisor:
         mode = self._mode = start_mode(self._context, master, max_wait_secs, self._generation)
         sess = mode.prepare(master, config, wait_for_checkpoint, max_wait_secs)
         self._sess = sess
+        goodput_ready(self, sess, started)
         # A signal pokes the boundary: a loop that never asks should_stop() stops at its
         # next sess.run (``_stop_at_run``).
         sess.boundary.watcher = self._stop_at_run
@@ -527,6 +539,7 @@ class Supervisor:
             failure = e
             self.request_stop(e)
         finally:
+            self._stopping_since = self._settings.clock.time()
             mode = self._mode
             try:
                 final_error: BaseException | None = None

@@ -1,0 +1,208 @@
+"""The goodput ledger: its files (a torn last record ignored, damage never trusted), the report
+over synthetic ledgers (every second accounted for), and real runs: a Supervisor's ledger, a
+process killed at a known step and restarted (steps lost exact, the badput against the
+script's own clock), and ``torchsupervisor goodput``'s table, CSV and plot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from monitored_helpers import Counter
+from repo_paths import worker
+
+from torchsupervisor import Supervisor
+from torchsupervisor.cli import main as cli_main
+from torchsupervisor.summary.goodput_report import goodput_report
+from torchsupervisor.summary.ledger import LedgerFile, LedgerWriter, ledger_dir, read_ledgers
+
+WORKER = worker("preemption_worker.py")
+
+
+def test_records_round_trip_and_a_torn_last_record_is_ignored(tmp_path):
+    writer = LedgerWriter(str(tmp_path), rank=0, start_secs=1_700_000_000)
+    writer.append("start", t=1.0, rank=0)
+    writer.append("progress", t=2.0, step=5, acc={"checkpoint": 0.5})
+    writer.append("end", t=3.0, step=9, reason="end")
+    writer.close()
+    (ledger,) = read_ledgers(str(tmp_path))
+    assert [r["k"] for r in ledger.records] == ["start", "progress", "end"]
+    assert ledger.records[1]["acc"] == {"checkpoint": 0.5} and ledger.damaged is None
+    # A process killed while appending: the last record is cut short.
+    path = ledger.path
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 3)
+    (torn,) = read_ledgers(str(tmp_path))
+    assert [r["k"] for r in torn.records] == ["start", "progress"] and "truncated" in torn.damaged
+    # A flipped byte in the middle: nothing from there on is trusted.
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    data[30] ^= 0x40
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    (damaged,) = read_ledgers(str(tmp_path))
+    assert len(damaged.records) < 2 and damaged.damaged is not None
+
+
+def test_no_ledger_is_an_empty_list(tmp_path):
+    assert read_ledgers(str(tmp_path)) == []
+    assert goodput_report([]).incarnations == [] and goodput_report([]).goodput == 0.0
+
+
+def _ledger(*records: dict) -> LedgerFile:
+    return LedgerFile(f"ledger-{records[0]['launched']}", list(records))
+
+
+def test_the_report_accounts_for_every_second():
+    # Process 0: created at 100, imported at 103, ready at 110 (init from 105), trained to
+    # step 57 (its heartbeat), last alive at 160, killed. Process 1: created at 170 (10 s
+    # down), ready at 180 after restoring step 50 (7 steps lost), trained to 100, stopped
+    # for a preemption at 230, ended at 235.
+    first = _ledger(
+        {"k": "start", "t": 104.0, "rank": 0, "launched": 100.0, "imported": 103.0},
+        {"k": "interval", "c": "init", "s": 105.0, "e": 110.0},
+        {"k": "resume", "t": 110.0, "step": 0, "tier": None, "run": "r1"},
+        {"k": "progress", "t": 150.0, "step": 50, "acc": {"checkpoint": 4.0}},
+    )
+    second = _ledger(
+        {"k": "start", "t": 171.0, "rank": 0, "launched": 170.0, "imported": 172.0,
+         "before": 57, "before_alive": 160.0},
+        {"k": "interval", "c": "restore", "s": 175.0, "e": 180.0},
+        {"k": "resume", "t": 180.0, "step": 50, "tier": "memory", "run": "r1"},
+        {"k": "interval", "c": "eval", "s": 200.0, "e": 205.0},
+        {"k": "interval", "c": "preemption", "s": 230.0, "e": 235.0},
+        {"k": "progress", "t": 235.0, "step": 100, "acc": {"checkpoint": 2.0}},
+        {"k": "end", "t": 235.0, "step": 100, "reason": "preemption"},
+    )  # fmt: skip
+    other_rank = _ledger({"k": "start", "t": 1.0, "rank": 1, "launched": 1.0})
+    report = goodput_report([second, other_rank, first])  # Any order.
+    assert report.run_id == "r1" and len(report.incarnations) == 2
+    one, two = report.incarnations
+    assert (one.resumed_at, one.reached, one.lost_steps) == (0, 57, 7)
+    assert one.end == 160.0 and not one.clean and two.reason == "preemption"
+    # Process 0's loop: 110 to 160 less 4 s of snapshots = 46 s for 57 steps; 7 lost.
+    assert one.causes["lost"] == pytest.approx(46.0 * 7 / 57)
+    assert one.productive == pytest.approx(46.0 - 46.0 * 7 / 57)
+    c = report.causes
+    assert (c["import"], c["startup"], c["init"], c["restore"]) == (5.0, 5.0, 5.0, 5.0)
+    assert (c["checkpoint"], c["eval"], c["preemption"], c["down"]) == (6.0, 5.0, 5.0, 10.0)
+    assert report.wall == 135.0 and report.steps_lost == 7
+    # Every second of the wall is productive or some badput.
+    assert report.productive + sum(c.values()) == pytest.approx(report.wall)
+    assert two.productive == pytest.approx(235 - 180 - 2 - 5 - 5)
+    assert "7 step(s) lost" in report.table() and report.csv().count("\n") == 4
+
+
+def test_a_killed_process_without_a_heartbeat_runs_on_at_its_step_time():
+    # An object-store logdir has no heartbeat: the next process's start says nothing; the
+    # killed one's end is its last record.
+    first = _ledger(
+        {"k": "start", "t": 1.0, "rank": 0, "launched": 0.0, "imported": 1.0},
+        {"k": "interval", "c": "init", "s": 1.0, "e": 2.0},
+        {"k": "resume", "t": 2.0, "step": 0},
+        {"k": "progress", "t": 12.0, "step": 10, "acc": {}},
+    )
+    second = _ledger(
+        {"k": "start", "t": 21.0, "rank": 0, "launched": 20.0, "imported": 21.0},
+        {"k": "interval", "c": "restore", "s": 21.0, "e": 22.0},
+        {"k": "resume", "t": 22.0, "step": 10},
+        {"k": "end", "t": 30.0, "step": 18, "reason": "end"},
+    )
+    report = goodput_report([first, second])
+    one = report.incarnations[0]
+    assert one.end == 12.0 and one.lost_steps == 0 and report.causes["down"] == 8.0
+    assert report.productive + sum(report.causes.values()) == pytest.approx(report.wall)
+
+
+def test_a_supervisor_run_writes_its_ledger(tmp_path):
+    counter = Counter()
+    sv = Supervisor(logdir=str(tmp_path), state=counter.state, save_model_secs=3600)
+    with sv.managed_session() as sess:
+        for _ in range(7):
+            sess.run(counter.step)
+    (ledger,) = read_ledgers(str(tmp_path))
+    kinds = [r["k"] for r in ledger.records]
+    assert kinds[:3] == ["start", "interval", "resume"] and kinds[-1] == "end"
+    assert ledger.last("end")["step"] == 7 and ledger.last("end")["reason"] == "end"
+    assert ledger.first("resume")["run"] == (tmp_path / "run_id").read_text().strip()
+    assert sorted(os.listdir(ledger_dir(str(tmp_path)))) == [
+        "heartbeat.r0",
+        os.path.basename(ledger.path),
+    ]
+    report = goodput_report([ledger])
+    assert report.productive + sum(report.causes.values()) == pytest.approx(report.wall)
+    off = tmp_path / "off"
+    sv = Supervisor(logdir=str(off), state=Counter().state, goodput_ledger=False)
+    with sv.managed_session():
+        pass
+    assert not os.path.exists(ledger_dir(str(off)))
+
+
+def _run(logdir: str, *args: str) -> tuple[int, str, float, float]:
+    """Run the worker; return its status, its output, when it was started and when its
+    session ended (its ``DONE`` line arrived; for a killed one, when it died: its wait
+    returns then, while its DataLoader workers may hold its output open for seconds)."""
+    started = time.time()
+    process = subprocess.Popen(
+        [sys.executable, "-u", WORKER, logdir, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "SLURM_JOB_ID": ""},
+    )
+    lines: list[str] = []
+    done_at: list[float] = []
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("DONE "):
+                done_at.append(time.time())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    status = process.wait(timeout=300)
+    died = time.time()
+    reader.join(60)
+    return status, "".join(lines), started, done_at[0] if done_at else died
+
+
+def test_a_kill_at_a_known_step_then_a_restart(tmp_path, capsys):
+    # The script keeps its own clock: when each process started and ended, and the steps.
+    logdir = str(tmp_path / "run")
+    status, _, start1, end1 = _run(logdir, "60", "--step-delay", "0.05", "--die-at-step", "33")
+    assert status == -9
+    time.sleep(1.0)  # Down: nothing runs.
+    status, out, start2, end2 = _run(logdir, "60", "--step-delay", "0.05")
+    assert status == 0, out[-2000:]
+    resumed = int(out.split()[1])  # "READY <step>"
+    report = goodput_report(read_ledgers(logdir))
+    one, two = report.incarnations
+    assert one.reached == 33 and one.lost_steps == 33 - resumed == report.steps_lost
+    assert two.resumed_at == resumed and two.reached == 60 and two.reason == "end"
+    wall = end2 - start1
+    # The target is 2% of the wall time; a second at least here, where the suite's other
+    # worker may keep a core busy (the ledger's alive time is a thread's, 4 times a second).
+    tolerance = max(0.02 * wall, 1.0)
+    # The wall time and the time between the two processes, against the script's clock
+    # (a process is created a little after Popen; its death and its DONE line reach the
+    # script a little after they happen).
+    assert abs(report.wall - wall) <= tolerance
+    assert abs(report.causes["down"] - (start2 - end1)) <= tolerance
+    # The lost steps' time: 33 - resumed steps of at least 50 ms each.
+    assert one.lost_steps * 0.05 <= report.causes["lost"] <= one.lost_steps * 0.05 + tolerance
+    assert report.productive + sum(report.causes.values()) == pytest.approx(report.wall)
+    # The command.
+    assert cli_main(["goodput", logdir]) == 0
+    table = capsys.readouterr().out
+    assert f"{report.steps_lost} step(s) lost" in table and "killed" in table
+    assert cli_main(["goodput", logdir, "--csv"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].startswith("process,attempt,launched") and rows[-1].startswith("total,")
+    assert cli_main(["goodput", logdir, "--plot", str(tmp_path / "g.png")]) == 0
+    assert (tmp_path / "g.png").stat().st_size > 1000
+    assert cli_main(["goodput", str(tmp_path / "nothing")]) == 1

@@ -1,0 +1,330 @@
+"""The goodput recorder: what one process writes to the run's ledger (``summary/ledger.py``).
+
+The Supervisor holds one per process (every rank) and tells it where the time went::
+
+    GoodputRecorder(logdir, rank, ...)     # at the first session
+    begin(attempt, job)                    # the start record, as preparing it begins
+    session_ready(started, ready, ...)     # the restore (or init) interval, resume
+      ... training: a thread appends a progress record every ``progress_secs`` ...
+    interval("eval")                       # a user's marked interval (context manager)
+    finish(step, reason, stopping_since)   # the final interval, a last progress, end
+
+The training thread pays nothing per step for it but one store: the session's ``GlobalStep``
+mirrors its value into a mapped file (``<logdir>/goodput/heartbeat.r<rank>``, a local logdir
+only), so that the next process knows exactly the step a killed one reached (``start``'s
+``before``) and the steps lost are exact; the recorder's thread writes the time beside it
+every ``ALIVE_SECS`` (``before_alive``: when a killed process was last alive). The seconds
+the training thread spent at step boundaries (the snapshots of checkpoints and of the memory
+tier: ``StepBoundary.busy_secs``) are its ``checkpoint`` badput. A ledger that cannot be
+written is logged once and given up: it never stops training.
+
+TF name: none (TF 1 had no goodput ledger).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from torchsupervisor.core.clock import REAL_CLOCK, Clock
+from torchsupervisor.storage import is_url
+from torchsupervisor.summary.ledger import LedgerWriter, ledger_dir
+
+__all__ = ["DEFAULT_PROGRESS_SECS", "GoodputRecorder", "process_start_time"]
+
+logger = logging.getLogger("torchsupervisor")
+
+DEFAULT_PROGRESS_SECS = 10.0
+"""How often a process appends a progress record (and syncs its ledger)."""
+
+_process_start_taken = False  # The first recorder of a process starts at its creation.
+_HEARTBEAT = struct.Struct("<qd")  # The step (the GlobalStep's mirror), the time alive.
+ALIVE_SECS = 0.25
+"""How often the recorder's thread writes the time into the heartbeat."""
+IMPORTED_AT = time.time()  # When this module (imported with the package) was loaded.
+
+
+def process_start_time() -> float:
+    """When this process was created, in seconds since the epoch.
+
+    On Linux from ``/proc/self/stat``'s start time (clock ticks since boot, 10 ms) against
+    ``CLOCK_BOOTTIME``: psutil's ``create_time`` adds the boot time in whole seconds, up to a
+    second off. Elsewhere psutil's; without it, the package's import.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        ticks = int(fields[19])  # Field 22 of stat(5); the split starts at field 3.
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, IndexError, ValueError, AttributeError):
+        pass
+    try:
+        import psutil
+
+        return float(psutil.Process(os.getpid()).create_time())
+    except Exception:  # psutil missing, or its answer unreadable: the import is the best known.
+        return IMPORTED_AT
+
+
+def _heartbeat_path(logdir: str, rank: int) -> str | None:
+    return None if is_url(logdir) else os.path.join(ledger_dir(logdir), f"heartbeat.r{rank}")
+
+
+def read_heartbeat(logdir: str, rank: int) -> tuple[int, float] | None:
+    """The step the previous process of ``rank`` reached and when it was last alive (wall
+    seconds), from its heartbeat; None: none."""
+    path = _heartbeat_path(logdir, rank)
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_HEARTBEAT.size + 1)
+    except OSError:
+        return None
+    if len(data) != _HEARTBEAT.size:
+        return None
+    step, alive = _HEARTBEAT.unpack(data)
+    return step, alive
+
+
+class GoodputRecorder:
+    """Writes this process's ledger (module docstring).
+
+    Args:
+        logdir: The run's log directory.
+        rank: This process's rank; world: the number of ranks.
+        clock: Wall time (``time``) and the progress thread's waits.
+        progress_secs: Seconds between two progress records.
+
+    Thread safety: ``interval``, ``add`` and the progress thread may run together; the
+    others from the training thread.
+
+    TF name: none.
+    """
+
+    def __init__(
+        self,
+        logdir: str,
+        rank: int,
+        world: int,
+        *,
+        clock: Clock | None = None,
+        progress_secs: float = DEFAULT_PROGRESS_SECS,
+    ) -> None:
+        self.logdir = logdir
+        self.rank = rank
+        self.world = world
+        self._clock = clock or REAL_CLOCK
+        self._progress_secs = progress_secs
+        global _process_start_taken
+        # The first recorder of a process counts from the process's creation; another one
+        # (a second Supervisor in the same process) from its own.
+        self.launched = self._clock.time() if _process_start_taken else process_start_time()
+        _process_start_taken = True
+        self._writer = LedgerWriter(logdir, rank, self.launched)
+        self._lock = threading.Lock()
+        self._acc: dict[str, float] = {}
+        self._failed = False
+        self._started = False
+        self._global_step: Any = None
+        self._boundary: Any = None
+        self._heartbeat: tuple[mmap.mmap, memoryview] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -------------------------------------------------------------------------- writing
+
+    def _append(self, kind: str, **fields: Any) -> None:
+        if self._failed:
+            return
+        try:
+            self._writer.append(kind, **fields)
+        except OSError as e:
+            self._failed = True
+            logger.warning("The goodput ledger %s cannot be written: %s", self._writer.path, e)
+
+    def _sync(self) -> None:
+        if self._failed:
+            return
+        try:
+            self._writer.sync()
+        except OSError as e:
+            self._failed = True
+            logger.warning("The goodput ledger %s cannot be written: %s", self._writer.path, e)
+
+    # -------------------------------------------------------------------------- the session
+
+    def begin(self, attempt: int = 0, job: str | None = None) -> None:
+        """The start record (once): this process, its creation and import, and the step the
+        process before it of this rank reached (its heartbeat)."""
+        if self._started:
+            return
+        self._started = True
+        before = read_heartbeat(self.logdir, self.rank)
+        self._append(
+            "start",
+            t=self._clock.time(),
+            rank=self.rank,
+            world=self.world,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            attempt=attempt,
+            job=job,
+            launched=self.launched,
+            imported=IMPORTED_AT,
+            before=before[0] if before else None,
+            before_alive=before[1] if before else None,
+        )
+        self._sync()
+
+    def session_ready(
+        self,
+        started: float,
+        ready: float,
+        step: int | None,
+        restored: str | None,
+        tier: str | None,
+        global_step: Any,
+        boundary: Any,
+        *,
+        run_id: str | None = None,
+    ) -> None:
+        """A session is ready: its restore (or init) interval and the resume record; then the
+        heartbeat and the progress thread.
+
+        Args:
+            started, ready: When preparing the session began and ended (wall seconds).
+            step: The step it is ready at (None: no global step).
+            restored: The checkpoint restored, or None (a fresh start).
+            tier: Its tier (``"memory"``, ``"disk"``, ...), or None.
+            global_step: The session's ``GlobalStep`` (mirrored into the heartbeat), if any.
+            boundary: The session's ``StepBoundary`` (its ``busy_secs``), if any.
+            run_id: The run's id.
+        """
+        self.begin()
+        cause = "restore" if restored is not None else "init"
+        self._append("interval", c=cause, s=started, e=ready)
+        self._append("resume", t=ready, step=step, tier=tier if restored else None, run=run_id)
+        self._sync()
+        self._global_step = global_step
+        self._boundary = boundary
+        self._busy_at_ready = getattr(boundary, "busy_secs", 0.0)
+        self._attach_heartbeat(global_step)
+        if self._thread is None and self._progress_secs > 0:
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._run, name="torchsupervisor-goodput", daemon=True
+            )
+            self._thread.start()
+
+    def _attach_heartbeat(self, global_step: Any) -> None:
+        path = _heartbeat_path(self.logdir, self.rank)
+        if path is None or not callable(getattr(global_step, "mirror_to", None)):
+            return
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                os.ftruncate(fd, _HEARTBEAT.size)
+                mapped = mmap.mmap(fd, _HEARTBEAT.size)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            logger.debug("No goodput heartbeat at %s: %s", path, e)
+            return
+        view = memoryview(mapped)[: _HEARTBEAT.size // 2].cast("q")
+        _HEARTBEAT.pack_into(mapped, 0, 0, self._clock.time())
+        self._heartbeat = (mapped, view)
+        global_step.mirror_to(view)
+
+    def _detach_heartbeat(self) -> None:
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is None:
+            return
+        mapped, view = heartbeat
+        if self._global_step is not None:
+            self._global_step.mirror_to(None)
+        view.release()
+        mapped.close()
+
+    # -------------------------------------------------------------------------- while training
+
+    def add(self, cause: str, secs: float) -> None:
+        """Count ``secs`` more of badput ``cause`` (``"data"``, ...) in the progress records."""
+        with self._lock:
+            self._acc[cause] = self._acc.get(cause, 0.0) + secs
+
+    @contextlib.contextmanager
+    def interval(self, cause: str) -> Iterator[None]:
+        """Record the time the block takes as badput ``cause`` (``"eval"``, anything)."""
+        started = self._clock.time()
+        try:
+            yield
+        finally:
+            self._append("interval", c=cause, s=started, e=self._clock.time())
+
+    def _step(self) -> int | None:
+        value = getattr(self._global_step, "value", None)
+        return value if isinstance(value, int) else None
+
+    def progress(self) -> None:
+        """Append a progress record now (the step, the accumulated badput) and sync."""
+        with self._lock:
+            acc = dict(self._acc)
+        if self._boundary is not None:
+            acc["checkpoint"] = self._boundary.busy_secs - self._busy_at_ready
+        self._append("progress", t=self._clock.time(), step=self._step(), acc=acc)
+        self._sync()
+
+    def _alive(self) -> None:
+        heartbeat = self._heartbeat
+        if heartbeat is not None:
+            struct.pack_into("<d", heartbeat[0], 8, self._clock.time())
+
+    def _run(self) -> None:
+        next_progress = self._clock.monotonic() + self._progress_secs
+        while not self._clock.wait(self._stop, ALIVE_SECS):
+            self._alive()
+            if self._clock.monotonic() >= next_progress:
+                next_progress += self._progress_secs
+                self.progress()
+
+    # -------------------------------------------------------------------------- the end
+
+    def finish(self, step: int | None, reason: str, stopping_since: float | None) -> None:
+        """The session ended: its final interval (``preemption`` after one, else ``final``)
+        from ``stopping_since``, a last progress record, the end record; then close."""
+        thread, self._thread = self._thread, None
+        self._stop.set()
+        if thread is not None:
+            thread.join(10.0)
+        now = self._clock.time()
+        if stopping_since is not None:
+            cause = "preemption" if reason == "preemption" else "final"
+            self._append("interval", c=cause, s=stopping_since, e=now)
+        if self._started:
+            self.progress()
+            self._append("end", t=now, step=step, reason=reason)
+        self._detach_heartbeat()
+        self.close()
+
+    def close(self) -> None:
+        """Stop the progress thread and close the ledger (no end record: see ``finish``)."""
+        thread, self._thread = self._thread, None
+        self._stop.set()
+        if thread is not None:
+            thread.join(10.0)
+        self._detach_heartbeat()
+        try:
+            self._writer.close()
+        except OSError as e:
+            if not self._failed:
+                logger.warning("The goodput ledger %s cannot be written: %s", self._writer.path, e)
