@@ -206,3 +206,39 @@ def test_a_kill_at_a_known_step_then_a_restart(tmp_path, capsys):
     assert cli_main(["goodput", logdir, "--plot", str(tmp_path / "g.png")]) == 0
     assert (tmp_path / "g.png").stat().st_size > 1000
     assert cli_main(["goodput", str(tmp_path / "nothing")]) == 1
+
+
+def test_the_chief_writes_goodput_scalars_to_tensorboard(tmp_path):
+    from supervisor_helpers import accumulator
+
+    for _ in range(2):  # A restart: the second process's scalars cover both.
+        counter = Counter()
+        sv = Supervisor(logdir=str(tmp_path), state=counter.state, save_model_secs=3600)
+        with sv.managed_session() as sess:
+            for _ in range(3):
+                sess.run(counter.step)
+    scalars = accumulator(tmp_path).Tags()["scalars"]
+    assert {"goodput/goodput", "badput/init", "badput/restore", "badput/final"} <= set(scalars)
+    (last,) = accumulator(tmp_path).Scalars("goodput/goodput")[-1:]
+    report = goodput_report(read_ledgers(str(tmp_path)))
+    assert len(report.incarnations) == 2
+    assert last.value == pytest.approx(report.goodput, rel=1e-3, abs=1e-6)
+
+
+def test_a_program_marks_its_own_badput(tmp_path):
+    counter = Counter()
+    sv = Supervisor(logdir=str(tmp_path), state=counter.state, save_model_secs=3600)
+    with sv.managed_session() as sess:
+        sess.run(counter.step)
+        with sv.badput("eval"):
+            time.sleep(0.2)
+        sess.run(counter.step)
+    report = goodput_report(read_ledgers(str(tmp_path)))
+    assert report.causes["eval"] >= 0.2
+    assert report.productive + sum(report.causes.values()) == pytest.approx(report.wall)
+    with pytest.raises(TypeError, match="cause"), sv.badput(3):
+        pass
+    off = Supervisor(state=Counter().state)  # No logdir, no ledger: the block just runs.
+    with off.badput("eval"):
+        ran = True
+    assert ran

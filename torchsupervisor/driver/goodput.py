@@ -9,6 +9,10 @@ The Supervisor holds one per process (every rank) and tells it where the time we
     interval("eval")                       # a user's marked interval (context manager)
     finish(step, reason, stopping_since)   # the final interval, a last progress, end
 
+On the chief, each progress record also writes the run's goodput so far to TensorBoard
+(``goodput/goodput``, ``badput/<cause>``: shares of the wall time, at the current step), from
+the earlier processes' ledgers (read once) and this one's records.
+
 The training thread pays nothing per step for it but one store: the session's ``GlobalStep``
 mirrors its value into a mapped file (``<logdir>/goodput/heartbeat.r<rank>``, a local logdir
 only), so that the next process knows exactly the step a killed one reached (``start``'s
@@ -131,6 +135,8 @@ class GoodputRecorder:
         self.launched = self._clock.time() if _process_start_taken else process_start_time()
         _process_start_taken = True
         self._writer = LedgerWriter(logdir, rank, self.launched)
+        self.path = self._writer.path
+        """This process's ledger file."""
         self._lock = threading.Lock()
         self._acc: dict[str, float] = {}
         self._failed = False
@@ -140,12 +146,17 @@ class GoodputRecorder:
         self._heartbeat: tuple[mmap.mmap, memoryview] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._records: list[dict[str, Any]] = []  # This process's, for the scalars.
+        self._earlier: list[Any] | None = None  # The other ledgers of the run (read once).
+        self.summary_writer: Any = None
+        """Where the chief writes the ``goodput/*`` and ``badput/*`` scalars; None: nowhere."""
 
     # -------------------------------------------------------------------------- writing
 
     def _append(self, kind: str, **fields: Any) -> None:
         if self._failed:
             return
+        self._records.append({"k": kind, **fields})
         try:
             self._writer.append(kind, **fields)
         except OSError as e:
@@ -281,8 +292,36 @@ class GoodputRecorder:
             acc = dict(self._acc)
         if self._boundary is not None:
             acc["checkpoint"] = self._boundary.busy_secs - self._busy_at_ready
-        self._append("progress", t=self._clock.time(), step=self._step(), acc=acc)
+        step = self._step()
+        self._append("progress", t=self._clock.time(), step=step, acc=acc)
         self._sync()
+        if self.summary_writer is not None:
+            self._write_scalars(step)
+
+    def _write_scalars(self, step: int | None) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        from torchsupervisor.summary.goodput_report import goodput_report
+        from torchsupervisor.summary.ledger import LedgerFile, read_ledgers
+
+        try:
+            if self._earlier is None:
+                self._earlier = [
+                    ledger for ledger in read_ledgers(self.logdir) if ledger.path != self.path
+                ]
+            own = LedgerFile(self.path, list(self._records))
+            report = goodput_report([*self._earlier, own], rank=self.rank)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.debug("No goodput scalars: %s", e)
+            return
+        if report.wall <= 0:
+            return
+        values = [Summary.Value(tag="goodput/goodput", simple_value=report.goodput)]
+        values += [
+            Summary.Value(tag=f"badput/{cause}", simple_value=report.badput(cause))
+            for cause in report.causes
+        ]
+        self.summary_writer.add_summary(Summary(value=values), step)
 
     def _alive(self) -> None:
         heartbeat = self._heartbeat

@@ -162,7 +162,8 @@ def _incarnation(ledger: LedgerFile) -> Incarnation | None:
         return None
     launched = float(start.get("launched") or start["t"])
     causes: dict[str, float] = {}
-    imported = float(start.get("imported") or launched)
+    # A second recorder of a process starts after the import: its start-up counts from it.
+    imported = max(float(start.get("imported") or launched), launched)
     causes["import"] = max(0.0, imported - launched)
     ready: float | None = None
     for interval in ledger.all("interval"):

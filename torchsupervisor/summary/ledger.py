@@ -1,7 +1,8 @@
 """The goodput ledger's files: append-only, CRC-checked records of where a run's time went.
 
 Every process of a run (every rank, every restart, every requeue) appends to a file of its own
-in ``<logdir>/goodput/``, named ``ledger.<10-digit start seconds>.<host>.<pid>.r<rank>``. A
+in ``<logdir>/goodput/``, named ``ledger.<10-digit start seconds>.<host>.<pid>.<n>.r<rank>``
+(``n`` counts the ledgers this process opened: a second Supervisor on the same logdir). A
 record is a small JSON object in TFRecord framing (``records.py``: length, masked CRC-32C of
 the length, payload, masked CRC-32C of the payload), the container TensorBoard's events files
 use, so a torn or damaged record is detected: a file is read up to its first bad record, and
@@ -29,6 +30,7 @@ TF name: none (TF 1 had no goodput ledger).
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import logging
 import os
@@ -56,6 +58,7 @@ LEDGER_DIR = "goodput"
 """The subdirectory of the log directory that holds the ledger files."""
 
 _PREFIX = "ledger."
+_opened = itertools.count()  # Ledgers this process opened (in their names).
 _MAX_LEDGER_BYTES = 64 << 20  # A ledger takes kilobytes a day; more than this is not one.
 
 
@@ -83,7 +86,8 @@ class LedgerWriter:
 
         directory = ledger_dir(logdir)
         host = socket.gethostname().split(".")[0] or "host"
-        name = f"{_PREFIX}{int(start_secs):010d}.{host}.{os.getpid()}.r{rank}"
+        seq = next(_opened)
+        name = f"{_PREFIX}{int(start_secs):010d}.{host}.{os.getpid()}.{seq}.r{rank}"
         self.path = (
             posixpath.join(directory, name) if is_url(logdir) else os.path.join(directory, name)
         )

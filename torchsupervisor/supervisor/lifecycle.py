@@ -119,6 +119,8 @@ def goodput_ready(sv: Supervisor, sess: Session, started: float) -> None:
         run_id = read_run_id(logdir) if logdir else None
     except OSError:
         run_id = None
+    if st.is_chief and st.summary_writer is not None:
+        recorder.summary_writer = st.summary_writer
     recorder.session_ready(
         started,
         st.clock.time(),

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchsupervisor.checkpoint.best import check_metrics
+from torchsupervisor.core.checks import check_str
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.registry import USE_DEFAULT, Graph, GraphKeys
@@ -677,6 +678,25 @@ class Supervisor:
     def preempted(self) -> str | None:
         """The name of the preemption signal that stopped the last session (or None)."""
         return self._preemption.describe() or None
+
+    @contextlib.contextmanager
+    def badput(self, cause: str) -> Iterator[None]:
+        """Count the time of the block as badput ``cause`` in the goodput ledger
+        (``torchsupervisor goodput``): an evaluation, a data reload, anything that is not
+        training. Without a ledger (``goodput_ledger=False``, no logdir) it only runs the block.
+
+        Raises:
+            TypeError: ``cause`` is not a non-empty string.
+
+        TF name: none.
+        """
+        check_str("cause", cause, allow_empty=False)
+        recorder = self._goodput
+        if recorder is None:
+            yield
+            return
+        with recorder.interval(cause):
+            yield
 
     def stop_on_exception(self) -> Any:
         """Context manager that requests a stop when its block raises (and swallows it).
