@@ -40,7 +40,6 @@ from torchsupervisor.core.global_step import read_step
 if TYPE_CHECKING:
     from torchsupervisor.core.clock import Clock
     from torchsupervisor.core.global_step import GlobalStepLike
-    from torchsupervisor.driver.checkpoint_driver import EventSink
 
 __all__ = ["PREFIX", "SVSystemMetricsThread", "SystemMetrics", "metrics_summary"]
 
@@ -194,6 +193,13 @@ class SVSystemMetricsThread(LooperThread):
     A sample that fails is logged once (WARNING) and the next one tried: metrics never stop
     training.
 
+    Args:
+        coord: The coordinator the thread belongs to.
+        interval_secs: Seconds between two samples.
+        global_step: The step the metrics are written at.
+        writer: Where they go: anything with ``add_summary(summary, step)``.
+        metrics: The sampler; None: a ``SystemMetrics`` (made at the first sample).
+
     TF name: none (a service beside TF's ``SVStepCounterThread``).
     """
 
@@ -202,7 +208,7 @@ class SVSystemMetricsThread(LooperThread):
         coord: Coordinator,
         interval_secs: float,
         global_step: GlobalStepLike,
-        writer: EventSink,
+        writer: Any,
         metrics: SystemMetrics | None = None,
     ) -> None:
         super().__init__(coord, interval_secs)
