@@ -242,3 +242,16 @@ def test_a_program_marks_its_own_badput(tmp_path):
     with off.badput("eval"):
         ran = True
     assert ran
+
+
+def test_a_ledger_on_s3(s3_url, capsys):
+    counter = Counter()
+    sv = Supervisor(logdir=s3_url, state=counter.state, save_model_secs=3600)
+    with sv.managed_session() as sess:
+        for _ in range(4):
+            sess.run(counter.step)
+    (ledger,) = read_ledgers(s3_url)
+    assert ledger.path.startswith(s3_url) and ledger.last("end")["step"] == 4
+    assert ledger.first("start")["before"] is None  # No heartbeat on an object store.
+    assert cli_main(["goodput", s3_url]) == 0
+    assert "rank 0: 1 process(es)" in capsys.readouterr().out
