@@ -196,6 +196,8 @@ def test_a_kill_at_a_known_step_then_a_restart(tmp_path, capsys):
     # The lost steps' time: 33 - resumed steps of at least 50 ms each.
     assert one.lost_steps * 0.05 <= report.causes["lost"] <= one.lost_steps * 0.05 + tolerance
     assert report.productive + sum(report.causes.values()) == pytest.approx(report.wall)
+    # Waits for the ResumableDataLoader's batches (its two workers start at each epoch).
+    assert report.causes["data"] > 0
     # The command.
     assert cli_main(["goodput", logdir]) == 0
     table = capsys.readouterr().out

@@ -19,7 +19,8 @@ only), so that the next process knows exactly the step a killed one reached (``s
 ``before``) and the steps lost are exact; the recorder's thread writes the time beside it
 every ``ALIVE_SECS`` (``before_alive``: when a killed process was last alive). The seconds
 the training thread spent at step boundaries (the snapshots of checkpoints and of the memory
-tier: ``StepBoundary.busy_secs``) are its ``checkpoint`` badput. A ledger that cannot be
+tier: ``StepBoundary.busy_secs``) are its ``checkpoint`` badput; its waits for batches of a
+``ResumableDataLoader`` (``core/waits.py``), its ``data`` badput. A ledger that cannot be
 written is logged once and given up: it never stops training.
 
 TF name: none (TF 1 had no goodput ledger).
@@ -39,6 +40,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
+from torchsupervisor.core.waits import INPUT_WAITS
 from torchsupervisor.storage import is_url
 from torchsupervisor.summary.ledger import LedgerWriter, ledger_dir
 
@@ -229,6 +231,7 @@ class GoodputRecorder:
         self._global_step = global_step
         self._boundary = boundary
         self._busy_at_ready = getattr(boundary, "busy_secs", 0.0)
+        self._data_at_ready = INPUT_WAITS.secs
         self._attach_heartbeat(global_step)
         if self._thread is None and self._progress_secs > 0:
             self._stop.clear()
@@ -292,6 +295,7 @@ class GoodputRecorder:
             acc = dict(self._acc)
         if self._boundary is not None:
             acc["checkpoint"] = self._boundary.busy_secs - self._busy_at_ready
+            acc["data"] = INPUT_WAITS.secs - self._data_at_ready
         step = self._step()
         self._append("progress", t=self._clock.time(), step=step, acc=acc)
         self._sync()

@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import signal
+import time
 from collections.abc import Iterable, Iterator, Sized
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from torchsupervisor.core.checks import check_int
 from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.waits import INPUT_WAITS
 from torchsupervisor.driver.preemption import IgnorePreemptionSignals
 
 if TYPE_CHECKING:
@@ -295,14 +297,22 @@ class ResumableDataLoader:
         )
         # Workers inherit the blocked signals; IgnorePreemptionSignals unblocks them there.
         with _blocked(self._worker_init_fn.signals if loader.num_workers else ()):
+            started = time.perf_counter()
             batches = iter(loader)
-        for batch in batches:
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            finally:  # The wait for the batch (the goodput ledger's ``data`` badput).
+                INPUT_WAITS.add(time.perf_counter() - started)
             if self._global_step is None:
                 self._consumed += 1
             else:
                 self._settle()
                 self._fetched_at.append(read_step(self._global_step))
             yield batch
+            started = time.perf_counter()
         self.epoch += 1
         self._consumed = 0
         self._fetched_at.clear()
