@@ -257,3 +257,20 @@ def test_a_ledger_on_s3(s3_url, capsys):
     assert ledger.first("start")["before"] is None  # No heartbeat on an object store.
     assert cli_main(["goodput", s3_url]) == 0
     assert "rank 0: 1 process(es)" in capsys.readouterr().out
+
+
+def test_a_monitored_training_session_writes_the_chief_s_ledger(tmp_path):
+    from torchsupervisor import MonitoredTrainingSession, SummaryWriterCache
+
+    for steps in (3, 5):  # A restart resumes at the final checkpoint of the first.
+        counter = Counter()
+        with MonitoredTrainingSession(checkpoint_dir=str(tmp_path), state=counter.state) as sess:
+            for _ in range(steps):
+                sess.run(counter.step)
+    SummaryWriterCache.clear()  # The summary hooks' writer.
+    report = goodput_report(read_ledgers(str(tmp_path)))
+    one, two = report.incarnations
+    assert (one.resumed_at, one.reached, one.reason) == (0, 3, "end")
+    assert (two.resumed_at, two.reached, two.lost_steps) == (3, 8, 0)
+    assert report.causes["restore"] > 0 and report.causes["final"] > 0
+    assert report.productive + sum(report.causes.values()) == pytest.approx(report.wall)

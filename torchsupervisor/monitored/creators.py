@@ -221,6 +221,14 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         self._writer_lock: DirectoryLock | None = None
 
     @property
+    def checkpoint_dir(self) -> str | None:
+        """The directory sessions restore from (and the run's log directory), or None.
+
+        TF name: none (TF kept it private).
+        """
+        return self._checkpoint_dir
+
+    @property
     def writer_lock(self) -> DirectoryLock | None:
         """The writer lock of ``checkpoint_dir`` while a session holds it, else None.
 

@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from torchsupervisor.checkpoint.run_id import read_run_id
 from torchsupervisor.core.checks import (
     check_duck,
     check_int,
@@ -57,6 +59,7 @@ from torchsupervisor.core.coordinator import Coordinator
 from torchsupervisor.core.global_step import get_global_step, read_step
 from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
 from torchsupervisor.core.session import Session
+from torchsupervisor.driver.goodput import GoodputRecorder
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
 from torchsupervisor.driver.preemption_sources import PreemptionSource, check_sources
 from torchsupervisor.driver.requeue import SlurmRequeue, check_requeue
@@ -147,6 +150,20 @@ class _CoordinatedSessionCreator:
         )
 
 
+def _begin_goodput(session_creator: object) -> GoodputRecorder | None:
+    """A chief's goodput ledger in its checkpoint directory (``driver/goodput.py``), begun."""
+    logdir = getattr(session_creator, "checkpoint_dir", None)
+    if not isinstance(logdir, str) or not logdir:
+        return None
+    from torchsupervisor.distributed import env as distributed
+    from torchsupervisor.distributed.launcher import current_launcher
+
+    launcher = current_launcher()
+    recorder = GoodputRecorder(logdir, distributed.rank(), distributed.world_size())
+    recorder.begin(launcher.restart_count, launcher.job_id)
+    return recorder
+
+
 def _step_fn_params(step_fn: Callable[..., Any]) -> list[inspect.Parameter]:
     try:
         return list(inspect.signature(step_fn).parameters.values())
@@ -188,6 +205,7 @@ class _MonitoredSession:
         self._stop_requested = False
         self._checked_step_fn: Any = None
         self._sess: Any = None
+        self._goodput: GoodputRecorder | None = None  # The chief's ledger.
         self._preemption = Preemption(
             preemption_signals or (),
             preemption_grace_secs,
@@ -206,12 +224,17 @@ class _MonitoredSession:
                 stop_grace_period_secs,
                 self._graph,
             )
+            self._goodput = _begin_goodput(session_creator)
+            started = time.time()
             if should_recover:
                 self._sess = _RecoverableSession(self._coordinated_creator)
             else:
                 self._sess = self._coordinated_creator.create_session()
+            self._goodput_ready(started)
         except BaseException:
             self._preemption.uninstall()
+            if self._goodput is not None:
+                self._goodput.close()
             raise
 
     @property
@@ -311,6 +334,26 @@ class _MonitoredSession:
         sess = self._sess
         return sess is None or sess.should_stop()
 
+    def _goodput_ready(self, started: float) -> None:
+        """The ledger's record of the session just created (its restore, its step)."""
+        recorder, sess = self._goodput, self._tf_sess()
+        if recorder is None or sess is None:
+            return
+        try:
+            run_id = read_run_id(recorder.logdir)
+        except OSError:
+            run_id = None
+        recorder.session_ready(
+            started,
+            time.time(),
+            self._current_step(),
+            getattr(sess, "restored_checkpoint", None),
+            getattr(sess, "restored_tier", None),
+            session_global_step(sess, get_global_step()),
+            getattr(sess, "boundary", None),
+            run_id=run_id,
+        )
+
     def _current_step(self) -> int | None:
         global_step = session_global_step(self._tf_sess(), get_global_step())
         return None if global_step is None else read_step(global_step)
@@ -351,6 +394,11 @@ class _MonitoredSession:
         self._close_internal(None)
 
     def _close_internal(self, exception_type: type[BaseException] | None) -> None:
+        stopping_since = time.time()
+        try:
+            step = self._current_step()
+        except Exception:  # Already closed: ``close`` says so below.
+            step = None
         lost: SystemExit | None = None
         drivers = checkpoint_drivers(self._hooks)
         try:
@@ -381,10 +429,23 @@ class _MonitoredSession:
                     self._coordinated_creator.close()
         finally:
             self._preemption.uninstall()
+            self._finish_goodput(exception_type, step, stopping_since)
         if lost is not None:
             raise lost
         if exception_type is None:
             self._preemption.exit()
+
+    def _finish_goodput(
+        self, exception_type: type[BaseException] | None, step: int | None, since: float
+    ) -> None:
+        recorder, self._goodput = self._goodput, None
+        if recorder is None:
+            return
+        if exception_type is not None:
+            reason = "error"
+        else:
+            reason = "preemption" if self._preemption.requested else "end"
+        recorder.finish(step, reason, since)
 
     def _tf_sess(self) -> Session | None:
         return self._coordinated_creator.tf_sess
