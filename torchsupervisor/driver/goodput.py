@@ -16,8 +16,10 @@ the earlier processes' ledgers (read once) and this one's records.
 The training thread pays nothing per step for it but one store: the session's ``GlobalStep``
 mirrors its value into a mapped file (``<logdir>/goodput/heartbeat.r<rank>``, a local logdir
 only), so that the next process knows exactly the step a killed one reached (``start``'s
-``before``) and the steps lost are exact; the recorder's thread writes the time beside it
-every ``ALIVE_SECS`` (``before_alive``: when a killed process was last alive). The seconds
+``before``) and the steps lost are exact; the recorder's thread writes beside it, every
+``ALIVE_SECS``, the time and the badput counted piecewise so far (``before_alive``, when a
+killed process was last alive, and ``before_acc``: what it counted after its last progress
+record is not lost with it). The seconds
 the training thread spent at step boundaries (the snapshots of checkpoints and of the memory
 tier: ``StepBoundary.busy_secs``) are its ``checkpoint`` badput; its waits for batches of a
 ``ResumableDataLoader`` (``core/waits.py``), its ``data`` badput. A ledger that cannot be
@@ -52,7 +54,9 @@ DEFAULT_PROGRESS_SECS = 10.0
 """How often a process appends a progress record (and syncs its ledger)."""
 
 _process_start_taken = False  # The first recorder of a process starts at its creation.
-_HEARTBEAT = struct.Struct("<qd")  # The step (the GlobalStep's mirror), the time alive.
+# The step (the GlobalStep's mirror), the time alive, the checkpoint and data badput so far.
+_HEARTBEAT = struct.Struct("<qddd")
+_ALIVE = struct.Struct("<ddd")
 ALIVE_SECS = 0.25
 """How often the recorder's thread writes the time into the heartbeat."""
 IMPORTED_AT = time.time()  # When this module (imported with the package) was loaded.
@@ -85,9 +89,9 @@ def _heartbeat_path(logdir: str, rank: int) -> str | None:
     return None if is_url(logdir) else os.path.join(ledger_dir(logdir), f"heartbeat.r{rank}")
 
 
-def read_heartbeat(logdir: str, rank: int) -> tuple[int, float] | None:
-    """The step the previous process of ``rank`` reached and when it was last alive (wall
-    seconds), from its heartbeat; None: none."""
+def read_heartbeat(logdir: str, rank: int) -> tuple[int, float, dict[str, float]] | None:
+    """The step the previous process of ``rank`` reached, when it was last alive (wall
+    seconds) and the badput it had counted piecewise, from its heartbeat; None: none."""
     path = _heartbeat_path(logdir, rank)
     if path is None:
         return None
@@ -98,8 +102,8 @@ def read_heartbeat(logdir: str, rank: int) -> tuple[int, float] | None:
         return None
     if len(data) != _HEARTBEAT.size:
         return None
-    step, alive = _HEARTBEAT.unpack(data)
-    return step, alive
+    step, alive, checkpoint, data_secs = _HEARTBEAT.unpack(data)
+    return step, alive, {"checkpoint": checkpoint, "data": data_secs}
 
 
 class GoodputRecorder:
@@ -196,6 +200,7 @@ class GoodputRecorder:
             imported=IMPORTED_AT,
             before=before[0] if before else None,
             before_alive=before[1] if before else None,
+            before_acc=before[2] if before else None,
         )
         self._sync()
 
@@ -254,8 +259,8 @@ class GoodputRecorder:
         except OSError as e:
             logger.debug("No goodput heartbeat at %s: %s", path, e)
             return
-        view = memoryview(mapped)[: _HEARTBEAT.size // 2].cast("q")
-        _HEARTBEAT.pack_into(mapped, 0, 0, self._clock.time())
+        view = memoryview(mapped)[:8].cast("q")
+        _HEARTBEAT.pack_into(mapped, 0, 0, self._clock.time(), 0.0, 0.0)
         self._heartbeat = (mapped, view)
         global_step.mirror_to(view)
 
@@ -289,13 +294,18 @@ class GoodputRecorder:
         value = getattr(self._global_step, "value", None)
         return value if isinstance(value, int) else None
 
-    def progress(self) -> None:
-        """Append a progress record now (the step, the accumulated badput) and sync."""
+    def _accumulated(self) -> dict[str, float]:
+        """The badput counted piecewise since the session was ready, by cause."""
         with self._lock:
             acc = dict(self._acc)
         if self._boundary is not None:
             acc["checkpoint"] = self._boundary.busy_secs - self._busy_at_ready
             acc["data"] = INPUT_WAITS.secs - self._data_at_ready
+        return acc
+
+    def progress(self) -> None:
+        """Append a progress record now (the step, the accumulated badput) and sync."""
+        acc = self._accumulated()
         step = self._step()
         self._append("progress", t=self._clock.time(), step=step, acc=acc)
         self._sync()
@@ -330,7 +340,14 @@ class GoodputRecorder:
     def _alive(self) -> None:
         heartbeat = self._heartbeat
         if heartbeat is not None:
-            struct.pack_into("<d", heartbeat[0], 8, self._clock.time())
+            acc = self._accumulated()
+            _ALIVE.pack_into(
+                heartbeat[0],
+                8,
+                self._clock.time(),
+                acc.get("checkpoint", 0.0),
+                acc.get("data", 0.0),
+            )
 
     def _run(self) -> None:
         next_progress = self._clock.monotonic() + self._progress_secs

@@ -265,6 +265,7 @@ def goodput_report(ledgers: Iterable[LedgerFile], rank: int = 0) -> GoodputRepor
         if n + 1 < len(found):  # The next process says how far this one got (heartbeat).
             following, start = found[n + 1][0], found[n + 1][2]
             before, alive = start.get("before"), start.get("before_alive")
+            counted = start.get("before_acc")
             if isinstance(before, int) and (inc.reached is None or before > inc.reached):
                 inc.reached = before
             if (
@@ -273,6 +274,10 @@ def goodput_report(ledgers: Iterable[LedgerFile], rank: int = 0) -> GoodputRepor
                 and inc.end < alive <= following.launched
             ):
                 inc.end, inc.alive_known = float(alive), True
+                # What it counted after its last progress record, from its heartbeat.
+                for cause, secs in (counted if isinstance(counted, dict) else {}).items():
+                    if isinstance(secs, (int, float)) and secs > inc.causes.get(cause, 0.0):
+                        inc.causes[cause] = float(secs)
     for n, (inc, ready, _start) in enumerate(found):
         following = found[n + 1][0] if n + 1 < len(found) else None
         _account(
