@@ -1,15 +1,17 @@
 """One process of the goodput benchmark (``benchmarks/goodput.py``): a Supervisor training loop
 whose costs are injected and timed by the worker itself, apart from the ledger.
 
-Every step is ``--step-secs`` of fixed work; batches come from a ``ResumableDataLoader`` whose
-dataset sleeps ``--data-secs`` for every ``--data-every``-th batch (slow input); checkpoints go
-to storage whose fsyncs take ``--fsync-secs`` (slow storage: the final checkpoint after a
-stop waits for it). The worker appends its own truth to ``--truth`` (a line per event, flushed,
-so a kill leaves what came before):
+Every step is ``--step-secs`` of fixed work (``--state-mb`` of state changed in it); batches
+come from a ``ResumableDataLoader`` whose dataset sleeps ``--data-secs`` for every
+``--data-every``-th batch (slow input); checkpoints go to storage whose fsyncs take
+``--fsync-secs`` (slow storage: the final checkpoint after a stop waits for it). The worker
+appends its own truth to ``--truth`` (a line per event, flushed, so a kill leaves what came
+before):
 
 * ``data SECS``: each injected input wait, as the dataset slept it;
 * ``boundary SECS``: the time ``should_stop()`` took when it took a snapshot;
-* ``step N``: step N completed (the global step is N);
+* ``ready T``: the session is ready (restored or initialized);
+* ``step N T``: step N completed (the global step is N) at T;
 * ``stop T`` and ``end T``: when the loop saw the stop, and when the session had ended;
 * ``die N``: the worker is about to SIGKILL itself at step N (``--die-at-step``).
 """
@@ -54,6 +56,7 @@ def main() -> None:
     parser.add_argument("--fsync-secs", type=float, default=0.0)
     parser.add_argument("--save-secs", type=float, default=2.0)
     parser.add_argument("--die-at-step", type=int, default=None)
+    parser.add_argument("--state-mb", type=int, default=0, help="a tensor changed every step")
     args = parser.parse_args()
     truth_file = open(args.truth, "a", buffering=1)  # noqa: SIM115 (open for the process)
 
@@ -71,6 +74,8 @@ def main() -> None:
         global_step=step,
     )
     state = {"model": model, "optimizer": optimizer, "global_step": step, "data": loader}
+    if args.state_mb:
+        state["big"] = torch.zeros(args.state_mb * (1 << 18))
     storage = FaultyStorage()
     if args.fsync_secs:
         storage.delay("fsync", args.fsync_secs)
@@ -83,6 +88,7 @@ def main() -> None:
         preemption_grace_secs=60,
     )
     with sv.managed_session() as sess:
+        truth(f"ready {time.time()}")
         while step.value < args.max_steps:
             for x in loader:
                 started = time.perf_counter()
@@ -98,11 +104,13 @@ def main() -> None:
                     optimizer.zero_grad()
                     model(x).sum().backward()
                     optimizer.step()
+                    if args.state_mb:
+                        state["big"].add_(1.0)
                     while time.perf_counter() < deadline:  # Fixed work, not a sleep.
                         pass
 
                 sess.run(train_step)
-                truth(f"step {step.value}")
+                truth(f"step {step.value} {time.time()}")
                 if args.die_at_step is not None and step.value >= args.die_at_step:
                     truth(f"die {step.value}")
                     os.kill(os.getpid(), signal.SIGKILL)
