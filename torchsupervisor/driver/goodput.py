@@ -165,7 +165,7 @@ class GoodputRecorder:
         self._records.append({"k": kind, **fields})
         try:
             self._writer.append(kind, **fields)
-        except OSError as e:
+        except Exception as e:  # Never stops training: an OSError, a store's error.
             self._failed = True
             logger.warning("The goodput ledger %s cannot be written: %s", self._writer.path, e)
 
@@ -174,7 +174,7 @@ class GoodputRecorder:
             return
         try:
             self._writer.sync()
-        except OSError as e:
+        except Exception as e:  # Never stops training: an OSError, a store's error.
             self._failed = True
             logger.warning("The goodput ledger %s cannot be written: %s", self._writer.path, e)
 
@@ -325,7 +325,7 @@ class GoodputRecorder:
                 ]
             own = LedgerFile(self.path, list(self._records))
             report = goodput_report([*self._earlier, own], rank=self.rank)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # A ledger it cannot read: no scalars, training goes on.
             logger.debug("No goodput scalars: %s", e)
             return
         if report.wall <= 0:
@@ -385,6 +385,6 @@ class GoodputRecorder:
         self._detach_heartbeat()
         try:
             self._writer.close()
-        except OSError as e:
+        except Exception as e:  # Never stops training: an OSError, a store's error.
             if not self._failed:
                 logger.warning("The goodput ledger %s cannot be written: %s", self._writer.path, e)

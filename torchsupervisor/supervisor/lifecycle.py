@@ -133,12 +133,19 @@ def goodput_ready(sv: Supervisor, sess: Session, started: float) -> None:
     )
 
 
-def _finish_goodput(sv: Supervisor, end: str) -> None:
+def _finish_goodput(sv: Supervisor, end: str, deadline: Deadline) -> None:
+    """The ledger's end, within ``deadline`` (an object store that does not answer is left
+    behind: the ledger never holds up a stop)."""
     recorder, sv._goodput = sv._goodput, None
     since, sv._stopping_since = sv._stopping_since, None
-    if recorder is not None:
-        reason = end.split(":", 1)[0]  # "preemption", "end" or "error".
-        recorder.finish(sv._context.current_step(), reason, since)
+    if recorder is None:
+        return
+    reason = end.split(":", 1)[0]  # "preemption", "end" or "error".
+    step = sv._context.current_step()
+    if not deadline.call(
+        lambda: recorder.finish(step, reason, since), "torchsupervisor-goodput-finish"
+    ):
+        logger.warning("The goodput ledger's last records were not written within the grace period")
 
 
 def stop_decision(sv: Supervisor) -> bool:
@@ -287,7 +294,7 @@ def release_session(
         sv._mode.stop(aborted=sv._preemption.aborted, clean=ending is None or ending[0])
     deadline = sv._preemption.deadline or Deadline(sv._settings.clock, None)
     end = record_end(sv, ending, deadline)
-    _finish_goodput(sv, end)
+    _finish_goodput(sv, end, deadline)
     writer = sv._settings.summary_writer
     if close_summary_writer and writer is not None:
         if not sv._lock_refused:  # Another process's logdir: not a word in it.
