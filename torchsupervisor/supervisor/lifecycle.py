@@ -99,7 +99,10 @@ def begin_goodput(sv: Supervisor) -> float:
     preparing the session begins (wall seconds)."""
     st = sv._settings
     logdir = st.logdir or st.replica_logdir
-    if sv._goodput is None and st.goodput_ledger and logdir:
+    # The chief, and the other ranks of a distributed run; not a process that only reads the
+    # run (an evaluator: not the chief, alone), whose rank 0 would be the chief's.
+    writes = st.is_chief or distributed.world_size() > 1
+    if sv._goodput is None and st.goodput_ledger and logdir and writes:
         launcher = current_launcher()
         sv._goodput = GoodputRecorder(
             logdir, distributed.rank(), distributed.world_size(), clock=st.clock
