@@ -344,3 +344,36 @@ def test_a_sharded_snapshot_of_another_world_size_is_refused(dirs):
     assert other.snapshots() == []
     assert "'world_size': 2" in other.damaged[0] and prefix in other.damaged[0]
     other.saver.close()
+
+
+def test_a_preemption_puts_the_last_step_in_memory_before_a_slow_final_checkpoint(dirs):
+    # A snapshot every 50 steps, a stop at step 7 with half a second left, storage whose
+    # fsync takes 3 s: the final checkpoint cannot make it, and the memory tier, asked first,
+    # holds step 7: a restart on this node loses nothing.
+    import signal
+
+    from torchsupervisor.testing import FaultyStorage
+
+    logdir, base = dirs
+    slow = FaultyStorage()
+    slow.delay("fsync", 3.0)
+    run = Run(
+        logdir,
+        base,
+        memory_tier=ts.MemoryTierConfig(every_n_steps=50, root=base),
+        saver=ts.Saver(storage=slow),
+        preemption_grace_secs=0.5,
+        preemption_sources=None,
+    )
+    # The final checkpoint failed: the stop says so with its status (the scheduler must
+    # know), though this node's memory holds the step.
+    with pytest.raises(SystemExit) as stopped, run.sv.managed_session() as sess:
+        for _ in range(7):
+            sess.run(run.train_step)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert run.sv.should_stop()
+    assert stopped.value.code == 1
+    assert "model.ckpt-7.index" in snapshot_files(logdir, base)
+    assert ts.latest_checkpoint(logdir) is None  # Out of time: nothing on disk at all.
+    out = Run(logdir, base, memory_tier=ts.MemoryTierConfig(every_n_steps=50, root=base)).train(0)
+    assert (out["tier"], out["restored"]) == ("memory", 7)

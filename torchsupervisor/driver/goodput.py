@@ -265,7 +265,8 @@ class GoodputRecorder:
         global_step.mirror_to(view)
 
     def _detach_heartbeat(self) -> None:
-        heartbeat, self._heartbeat = self._heartbeat, None
+        with self._lock:
+            heartbeat, self._heartbeat = self._heartbeat, None
         if heartbeat is None:
             return
         mapped, view = heartbeat
@@ -338,16 +339,17 @@ class GoodputRecorder:
         self.summary_writer.add_summary(Summary(value=values), step)
 
     def _alive(self) -> None:
-        heartbeat = self._heartbeat
-        if heartbeat is not None:
-            acc = self._accumulated()
-            _ALIVE.pack_into(
-                heartbeat[0],
-                8,
-                self._clock.time(),
-                acc.get("checkpoint", 0.0),
-                acc.get("data", 0.0),
-            )
+        acc = self._accumulated()
+        with self._lock:  # Not while the heartbeat is being unmapped.
+            heartbeat = self._heartbeat
+            if heartbeat is not None:
+                _ALIVE.pack_into(
+                    heartbeat[0],
+                    8,
+                    self._clock.time(),
+                    acc.get("checkpoint", 0.0),
+                    acc.get("data", 0.0),
+                )
 
     def _run(self) -> None:
         next_progress = self._clock.monotonic() + self._progress_secs
@@ -359,13 +361,24 @@ class GoodputRecorder:
 
     # -------------------------------------------------------------------------- the end
 
-    def finish(self, step: int | None, reason: str, stopping_since: float | None) -> None:
-        """The session ended: its final interval (``preemption`` after one, else ``final``)
-        from ``stopping_since``, a last progress record, the end record; then close."""
+    def stop_progress(self, timeout_secs: float = 10.0) -> None:
+        """Stop the progress thread; wait up to ``timeout_secs`` for it (a sync in progress)."""
         thread, self._thread = self._thread, None
         self._stop.set()
         if thread is not None:
-            thread.join(10.0)
+            thread.join(timeout_secs)
+
+    def abandon(self) -> None:
+        """No time is left for the last records: stop the thread and the heartbeat, write
+        nothing more (the file reads as a killed process's would)."""
+        self._failed = True
+        self.stop_progress(0.0)
+        self._detach_heartbeat()
+
+    def finish(self, step: int | None, reason: str, stopping_since: float | None) -> None:
+        """The session ended: its final interval (``preemption`` after one, else ``final``)
+        from ``stopping_since``, a last progress record, the end record; then close."""
+        self.stop_progress()
         now = self._clock.time()
         if stopping_since is not None:
             cause = "preemption" if reason == "preemption" else "final"
@@ -378,10 +391,7 @@ class GoodputRecorder:
 
     def close(self) -> None:
         """Stop the progress thread and close the ledger (no end record: see ``finish``)."""
-        thread, self._thread = self._thread, None
-        self._stop.set()
-        if thread is not None:
-            thread.join(10.0)
+        self.stop_progress()
         self._detach_heartbeat()
         try:
             self._writer.close()

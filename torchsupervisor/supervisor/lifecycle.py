@@ -148,6 +148,7 @@ def _finish_goodput(sv: Supervisor, end: str, deadline: Deadline) -> None:
     if not deadline.call(
         lambda: recorder.finish(step, reason, since), "torchsupervisor-goodput-finish"
     ):
+        recorder.abandon()
         logger.warning("The goodput ledger's last records were not written within the grace period")
 
 

@@ -274,6 +274,10 @@ class ChiefMode(Mode):
         driver = self.driver
         if driver is None or not clean_exit or self.context.thread_failed():
             return None
+        memory = self.tiers.memory
+        if memory is not None and self.context.preemption.requested:
+            # What a short notice leaves time for first: the last step in memory.
+            memory.snapshot_now()
         driver.grace_budget_secs = self.context.preemption.budget()
         return self._final(lambda: driver.final(self.sess, driver.current_step()))
 

@@ -375,6 +375,9 @@ class MemoryTier:
         last = self._last_step
         if step is None or (last is not None and 0 <= step - last < self.config.every_n_steps):
             return
+        self._snapshot(step)
+
+    def _snapshot(self, step: int) -> None:
         self._last_step = step
         try:
             future = self.saver.save_async(self._target, self.save_path, global_step=step)
@@ -382,6 +385,20 @@ class MemoryTier:
             self._report(step, error)
             return
         future.add_done_callback(lambda f: self._done(f, step))
+
+    def snapshot_now(self) -> None:
+        """Take a snapshot of the current step now, whatever ``every_n_steps`` says, unless
+        the last one is of this step (training thread, at a step boundary).
+
+        A preemption's stop calls it before the final checkpoint: the memory tier, fast,
+        holds the last step first, and a final checkpoint that does not fit in the time left
+        loses nothing a restart on this node needs.
+        """
+        if self._session is None or self._global_step is None:
+            return
+        step = read_step(self._global_step)
+        if step is not None and step != self._last_step:
+            self._snapshot(step)
 
     def _done(self, future: concurrent.futures.Future[Any], step: int) -> None:
         error = future.exception()
