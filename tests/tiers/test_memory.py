@@ -346,7 +346,7 @@ def test_a_sharded_snapshot_of_another_world_size_is_refused(dirs):
     other.saver.close()
 
 
-def test_a_preemption_puts_the_last_step_in_memory_before_a_slow_final_checkpoint(dirs):
+def test_a_preemption_puts_the_last_step_in_memory_before_a_slow_final_checkpoint(dirs, caplog):
     # A snapshot every 50 steps, a stop at step 7 with half a second left, storage whose
     # fsync takes 3 s: the final checkpoint cannot make it, and the memory tier, asked first,
     # holds step 7: a restart on this node loses nothing.
@@ -373,6 +373,9 @@ def test_a_preemption_puts_the_last_step_in_memory_before_a_slow_final_checkpoin
         os.kill(os.getpid(), signal.SIGTERM)
         assert run.sv.should_stop()
     assert stopped.value.code == 1
+    assert "this node's memory tier holds step 7: a restart on this node resumes there" in (
+        caplog.text
+    )
     assert "model.ckpt-7.index" in snapshot_files(logdir, base)
     assert ts.latest_checkpoint(logdir) is None  # Out of time: nothing on disk at all.
     out = Run(logdir, base, memory_tier=ts.MemoryTierConfig(every_n_steps=50, root=base)).train(0)

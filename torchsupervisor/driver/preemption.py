@@ -344,13 +344,17 @@ class Preemption:
             return self.grace_secs if left is None else max(0.0, left - EXIT_MARGIN_SECS)
         return self._deadline.remaining()
 
-    def outcome(self, step: int | None, driver: Any) -> SystemExit | None:
+    def outcome(
+        self, step: int | None, driver: Any, memory_step: int | None = None
+    ) -> SystemExit | None:
         """After a clean stop by a signal: the exit to raise if the final checkpoint is missing.
 
         Args:
             step: The step training stopped at.
             driver: The ``CheckpointDriver`` that wrote the final checkpoint (its
                 ``last_step``, ``last_prefix``, ``last_error``); None: no checkpoints.
+            memory_step: The step of the memory tier's newest snapshot on this node, if any
+                (said in the line: a restart here resumes from it).
 
         Returns:
             None when no signal stopped the run, there are no checkpoints, or the newest
@@ -362,7 +366,7 @@ class Preemption:
             return None
         reason = driver.last_error or "it was not written"
         return final_checkpoint_failed(
-            name, step, driver.last_step, driver.last_prefix, reason, self.exit_code
+            name, step, driver.last_step, driver.last_prefix, reason, self.exit_code, memory_step
         )
 
     def exit(self) -> None:
@@ -445,6 +449,7 @@ def final_checkpoint_failed(
     committed_prefix: str | None,
     reason: str,
     exit_code: int | None,
+    memory_step: int | None = None,
 ) -> SystemExit:
     """Log, on one line, that a preemption's final checkpoint failed; return the exit to raise.
 
@@ -460,6 +465,8 @@ def final_checkpoint_failed(
         reason: Why the final checkpoint failed (the save's error, or the budget exceeded).
         exit_code: The run's ``preemption_exit_code``; the status is that code when it is
             non-zero, else 1.
+        memory_step: The step the memory tier of this node holds, if any: a restart on this
+            node resumes there (said in the line); another node does not have it.
 
     Returns:
         The ``SystemExit`` for the caller to raise once everything is closed.
@@ -474,6 +481,11 @@ def final_checkpoint_failed(
         if step is not None and committed_step is not None and step > committed_step:
             lost = step - committed_step
             last += f"; {lost} step{'' if lost == 1 else 's'} will be redone"
+    if memory_step is not None:
+        last += (
+            f" (this node's memory tier holds step {memory_step}: a restart on this node "
+            "resumes there)"
+        )
     logger.error(
         "Stopped by %s at step %s but the final checkpoint failed (%s); %s",
         signal_name,

@@ -149,7 +149,13 @@ class Mode:
             return AbortedError(
                 None, None, f"Stopped because another rank failed: {self.peer_failure}"
             )
-        return self.context.preemption.outcome(self.context.current_step(), self.driver)
+        memory = self.tiers.memory
+        memory_step = None
+        if memory is not None and memory.wait(1.0):  # The snapshot of the stop, if any.
+            memory_step = memory.committed_step
+        return self.context.preemption.outcome(
+            self.context.current_step(), self.driver, memory_step
+        )
 
     def checkpoint(self, metrics: dict[str, float] | None = None) -> str | None:
         """Save now (``Supervisor.checkpoint``), from the training thread."""

@@ -440,6 +440,11 @@ class MemoryTier:
             self._reached.close()
             self._reached = None
 
+    @property
+    def committed_step(self) -> int | None:
+        """The step of the newest snapshot this tier committed in this session, or None."""
+        return self._committed_step
+
     def wait(self, timeout_secs: float | None = None) -> bool:
         """Wait for the snapshot being written; True when none is."""
         return self.saver.wait(timeout_secs)
