@@ -30,6 +30,7 @@ def _supervisor(logdir: str):
         save_model_secs=3600,
         save_summaries_secs=0,
         summary_op=None,
+        goodput_ledger=False,  # Only the loop's scalars (and steps_lost): the series counted.
     )
     return sv, step, model, optimizer
 

@@ -53,6 +53,7 @@ __all__ = [
     "AGENT_STORE_WAIT_SECS",
     "LAUNCHER_ENV",
     "NAMESPACED_GROUPS",
+    "SLURM_TIME_FORMAT_ENV",
     "Launcher",
     "SlurmLauncher",
     "TorchrunLauncher",
@@ -318,6 +319,10 @@ def first_host(nodelist: str) -> str:
     if match is None:
         raise InvalidArgumentError(f"$SLURM_JOB_NODELIST={nodelist!r}: {first!r} is no range")
     return text[:bracket] + match.group(1)
+
+
+SLURM_TIME_FORMAT_ENV = "SLURM_TIME_FORMAT"
+"""How SLURM's commands print times (``%s``: seconds since the epoch, for ``squeue``)."""
 
 
 def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:

@@ -332,9 +332,10 @@ class GoodputRecorder:
         if report.wall <= 0:
             return
         values = [Summary.Value(tag="goodput/goodput", simple_value=report.goodput)]
-        values += [
+        values += [  # The causes that took time (not a dozen flat lines of zeros).
             Summary.Value(tag=f"badput/{cause}", simple_value=report.badput(cause))
-            for cause in report.causes
+            for cause, secs in report.causes.items()
+            if secs > 0
         ]
         self.summary_writer.add_summary(Summary(value=values), step)
 

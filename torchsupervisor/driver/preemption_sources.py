@@ -183,7 +183,9 @@ class SlurmTimeLimit:
             ValueError: Its answer is not a time.
         """
         command = [self.squeue, "-h", "-j", self.job_id, "-o", "%e"]
-        env = {**os.environ, "SLURM_TIME_FORMAT": "%s"}  # Seconds since the epoch.
+        from torchsupervisor.distributed.launcher import SLURM_TIME_FORMAT_ENV
+
+        env = {**os.environ, SLURM_TIME_FORMAT_ENV: "%s"}  # Seconds since the epoch.
         try:
             done = subprocess.run(
                 command, capture_output=True, text=True, timeout=_SQUEUE_TIMEOUT_SECS, env=env
