@@ -274,3 +274,54 @@ def test_a_monitored_training_session_writes_the_chief_s_ledger(tmp_path):
     assert (two.resumed_at, two.reached, two.lost_steps) == (3, 8, 0)
     assert report.causes["restore"] > 0 and report.causes["final"] > 0
     assert report.productive + sum(report.causes.values()) == pytest.approx(report.wall)
+
+
+def test_a_killed_process_s_last_counts_come_from_its_heartbeat():
+    # Its last progress record said 1 s of input waits; its heartbeat, 4 times a second
+    # after, said 3: what it counted after that record is not lost with it.
+    first = _ledger(
+        {"k": "start", "t": 1.0, "rank": 0, "launched": 0.0, "imported": 1.0},
+        {"k": "interval", "c": "init", "s": 1.0, "e": 2.0},
+        {"k": "resume", "t": 2.0, "step": 0},
+        {"k": "progress", "t": 12.0, "step": 10, "acc": {"data": 1.0, "checkpoint": 0.5}},
+    )
+    second = _ledger(
+        {"k": "start", "t": 21.0, "rank": 0, "launched": 20.0, "imported": 21.0, "before": 14,
+         "before_alive": 16.0, "before_acc": {"data": 3.0, "checkpoint": 0.5}},
+        {"k": "interval", "c": "restore", "s": 21.0, "e": 22.0},
+        {"k": "resume", "t": 22.0, "step": 10},
+        {"k": "end", "t": 30.0, "step": 18, "reason": "end"},
+    )  # fmt: skip
+    report = goodput_report([first, second])
+    one = report.incarnations[0]
+    assert one.causes["data"] == 3.0 and one.end == 16.0 and one.lost_steps == 4
+    assert report.causes["down"] == 4.0
+    assert report.productive + sum(report.causes.values()) == pytest.approx(report.wall)
+
+
+def test_a_ledger_that_cannot_be_written_never_stops_training(tmp_path, caplog):
+    import logging
+
+    (tmp_path / "goodput").write_text("a file where the ledger's directory would be")
+    counter = Counter()
+    caplog.set_level(logging.WARNING, logger="torchsupervisor")
+    sv = Supervisor(logdir=str(tmp_path), state=counter.state, save_model_secs=3600)
+    with sv.managed_session() as sess:
+        for _ in range(3):
+            sess.run(counter.step)
+    assert counter.global_step.value == 3
+    assert "The goodput ledger" in caplog.text and "cannot be written" in caplog.text
+    assert caplog.text.count("cannot be written") == 1  # Once, then given up.
+
+
+def test_the_heartbeat_never_follows_a_link(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious data that must stay" * 10)
+    logdir = tmp_path / "run"
+    (logdir / "goodput").mkdir(parents=True)
+    os.symlink(victim, logdir / "goodput" / "heartbeat.r0")
+    counter = Counter()
+    sv = Supervisor(logdir=str(logdir), state=counter.state, save_model_secs=3600)
+    with sv.managed_session() as sess:
+        sess.run(counter.step)
+    assert victim.read_bytes() == b"precious data that must stay" * 10

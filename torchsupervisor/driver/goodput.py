@@ -1,10 +1,10 @@
 """The goodput recorder: what one process writes to the run's ledger (``summary/ledger.py``).
 
-The Supervisor holds one per process (every rank) and tells it where the time went::
+The Supervisor (every rank) and a MonitoredSession (its chief) hold one per process and tell
+it where the time went::
 
-    GoodputRecorder(logdir, rank, ...)     # at the first session
-    begin(attempt, job)                    # the start record, as preparing it begins
-    session_ready(started, ready, ...)     # the restore (or init) interval, resume
+    open_recorder(logdir)                  # the start record, as preparing the session begins
+    session_ready(started, sess, ...)      # the restore (or init) interval, resume
       ... training: a thread appends a progress record every ``progress_secs`` ...
     interval("eval")                       # a user's marked interval (context manager)
     finish(step, reason, stopping_since)   # the final interval, a last progress, end
@@ -19,10 +19,10 @@ only), so that the next process knows exactly the step a killed one reached (``s
 ``before``) and the steps lost are exact; the recorder's thread writes beside it, every
 ``ALIVE_SECS``, the time and the badput counted piecewise so far (``before_alive``, when a
 killed process was last alive, and ``before_acc``: what it counted after its last progress
-record is not lost with it). The seconds
-the training thread spent at step boundaries (the snapshots of checkpoints and of the memory
-tier: ``StepBoundary.busy_secs``) are its ``checkpoint`` badput; its waits for batches of a
-``ResumableDataLoader`` (``core/waits.py``), its ``data`` badput. A ledger that cannot be
+record is not lost with it). The seconds the training thread spent at step boundaries (the
+snapshots of checkpoints and of the memory tier: ``StepBoundary.busy_secs``) are its
+``checkpoint`` badput; its waits for batches of a ``ResumableDataLoader`` (``core/waits.py``),
+its ``data`` badput. A ledger that cannot be
 written is logged once and given up: it never stops training.
 
 TF name: none (TF 1 had no goodput ledger).
@@ -41,12 +41,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from torchsupervisor.checkpoint.run_id import read_run_id
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.waits import INPUT_WAITS
-from torchsupervisor.storage import is_url
+from torchsupervisor.storage import LocalStorage, is_url, storage_for
 from torchsupervisor.summary.ledger import LedgerWriter, ledger_dir
 
-__all__ = ["DEFAULT_PROGRESS_SECS", "GoodputRecorder", "process_start_time"]
+__all__ = ["DEFAULT_PROGRESS_SECS", "GoodputRecorder", "open_recorder", "process_start_time"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -85,20 +86,24 @@ def process_start_time() -> float:
         return IMPORTED_AT
 
 
-def _heartbeat_path(logdir: str, rank: int) -> str | None:
-    return None if is_url(logdir) else os.path.join(ledger_dir(logdir), f"heartbeat.r{rank}")
+def _heartbeat(logdir: str, rank: int) -> tuple[LocalStorage, str] | None:
+    """Where the heartbeat of ``rank`` lives, and its storage: a local logdir's only."""
+    storage = None if is_url(logdir) else storage_for(logdir)
+    if not isinstance(storage, LocalStorage):
+        return None
+    return storage, os.path.join(ledger_dir(logdir), f"heartbeat.r{rank}")
 
 
 def read_heartbeat(logdir: str, rank: int) -> tuple[int, float, dict[str, float]] | None:
     """The step the previous process of ``rank`` reached, when it was last alive (wall
     seconds) and the badput it had counted piecewise, from its heartbeat; None: none."""
-    path = _heartbeat_path(logdir, rank)
-    if path is None:
+    where = _heartbeat(logdir, rank)
+    if where is None:
         return None
+    storage, path = where
     try:
-        with open(path, "rb") as f:
-            data = f.read(_HEARTBEAT.size + 1)
-    except OSError:
+        data = storage.read_bytes(path, max_bytes=_HEARTBEAT.size)
+    except OSError:  # None yet; not a regular file (never read from a FIFO).
         return None
     if len(data) != _HEARTBEAT.size:
         return None
@@ -152,7 +157,9 @@ class GoodputRecorder:
         self._heartbeat: tuple[mmap.mmap, memoryview] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._records: list[dict[str, Any]] = []  # This process's, for the scalars.
+        # This process's records, for the scalars: the report needs the last progress record
+        # only, so each new one replaces the one before (a days-long run keeps a few).
+        self._records: list[dict[str, Any]] = []
         self._earlier: list[Any] | None = None  # The other ledgers of the run (read once).
         self.summary_writer: Any = None
         """Where the chief writes the ``goodput/*`` and ``badput/*`` scalars; None: nowhere."""
@@ -162,6 +169,8 @@ class GoodputRecorder:
     def _append(self, kind: str, **fields: Any) -> None:
         if self._failed:
             return
+        if kind == "progress" and self._records and self._records[-1]["k"] == "progress":
+            self._records.pop()
         self._records.append({"k": kind, **fields})
         try:
             self._writer.append(kind, **fields)
@@ -204,34 +213,28 @@ class GoodputRecorder:
         )
         self._sync()
 
-    def session_ready(
-        self,
-        started: float,
-        ready: float,
-        step: int | None,
-        restored: str | None,
-        tier: str | None,
-        global_step: Any,
-        boundary: Any,
-        *,
-        run_id: str | None = None,
-    ) -> None:
-        """A session is ready: its restore (or init) interval and the resume record; then the
-        heartbeat and the progress thread.
+    def session_ready(self, started: float, sess: Any, step: int | None, global_step: Any) -> None:
+        """A session is ready: its restore (or init) interval and the resume record (with the
+        run id of the log directory); then the heartbeat and the progress thread.
 
         Args:
-            started, ready: When preparing the session began and ended (wall seconds).
+            started: When preparing the session began (wall seconds); it ends now.
+            sess: The session (its ``restored_checkpoint``, ``restored_tier``, ``boundary``).
             step: The step it is ready at (None: no global step).
-            restored: The checkpoint restored, or None (a fresh start).
-            tier: Its tier (``"memory"``, ``"disk"``, ...), or None.
             global_step: The session's ``GlobalStep`` (mirrored into the heartbeat), if any.
-            boundary: The session's ``StepBoundary`` (its ``busy_secs``), if any.
-            run_id: The run's id.
         """
+        ready = self._clock.time()
+        restored = getattr(sess, "restored_checkpoint", None)
+        boundary = getattr(sess, "boundary", None)
+        try:
+            run_id = read_run_id(self.logdir)
+        except Exception:  # Not readable now: the ledger says nothing of it.
+            run_id = None
         self.begin()
         cause = "restore" if restored is not None else "init"
+        tier = getattr(sess, "restored_tier", None) if restored is not None else None
         self._append("interval", c=cause, s=started, e=ready)
-        self._append("resume", t=ready, step=step, tier=tier if restored else None, run=run_id)
+        self._append("resume", t=ready, step=step, tier=tier, run=run_id)
         self._sync()
         self._global_step = global_step
         self._boundary = boundary
@@ -246,16 +249,12 @@ class GoodputRecorder:
             self._thread.start()
 
     def _attach_heartbeat(self, global_step: Any) -> None:
-        path = _heartbeat_path(self.logdir, self.rank)
-        if path is None or not callable(getattr(global_step, "mirror_to", None)):
+        where = _heartbeat(self.logdir, self.rank)
+        if where is None or not callable(getattr(global_step, "mirror_to", None)):
             return
+        storage, path = where
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-            try:
-                os.ftruncate(fd, _HEARTBEAT.size)
-                mapped = mmap.mmap(fd, _HEARTBEAT.size)
-            finally:
-                os.close(fd)
+            mapped = storage.open_mapped(path, _HEARTBEAT.size)
         except OSError as e:
             logger.debug("No goodput heartbeat at %s: %s", path, e)
             return
@@ -399,3 +398,19 @@ class GoodputRecorder:
         except Exception as e:  # Never stops training: an OSError, a store's error.
             if not self._failed:
                 logger.warning("The goodput ledger %s cannot be written: %s", self._writer.path, e)
+
+
+def open_recorder(logdir: str, *, clock: Clock | None = None) -> GoodputRecorder:
+    """This process's recorder of ``logdir``'s ledger, its start record written: its rank and
+    the world's size from the process group or the launcher, and the launcher's restart count
+    and job id.
+
+    TF name: none.
+    """
+    from torchsupervisor.distributed import env as distributed
+    from torchsupervisor.distributed.launcher import current_launcher
+
+    launcher = current_launcher()
+    recorder = GoodputRecorder(logdir, distributed.rank(), distributed.world_size(), clock=clock)
+    recorder.begin(launcher.restart_count, launcher.job_id)
+    return recorder

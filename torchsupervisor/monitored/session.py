@@ -46,7 +46,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from torchsupervisor.checkpoint.run_id import read_run_id
 from torchsupervisor.core.checks import (
     check_duck,
     check_int,
@@ -59,7 +58,7 @@ from torchsupervisor.core.coordinator import Coordinator
 from torchsupervisor.core.global_step import get_global_step, read_step
 from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
 from torchsupervisor.core.session import Session
-from torchsupervisor.driver.goodput import GoodputRecorder
+from torchsupervisor.driver.goodput import GoodputRecorder, open_recorder
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
 from torchsupervisor.driver.preemption_sources import PreemptionSource, check_sources
 from torchsupervisor.driver.requeue import SlurmRequeue, check_requeue
@@ -150,20 +149,6 @@ class _CoordinatedSessionCreator:
         )
 
 
-def _begin_goodput(session_creator: object) -> GoodputRecorder | None:
-    """A chief's goodput ledger in its checkpoint directory (``driver/goodput.py``), begun."""
-    logdir = getattr(session_creator, "checkpoint_dir", None)
-    if not isinstance(logdir, str) or not logdir:
-        return None
-    from torchsupervisor.distributed import env as distributed
-    from torchsupervisor.distributed.launcher import current_launcher
-
-    launcher = current_launcher()
-    recorder = GoodputRecorder(logdir, distributed.rank(), distributed.world_size())
-    recorder.begin(launcher.restart_count, launcher.job_id)
-    return recorder
-
-
 def _step_fn_params(step_fn: Callable[..., Any]) -> list[inspect.Parameter]:
     try:
         return list(inspect.signature(step_fn).parameters.values())
@@ -224,7 +209,9 @@ class _MonitoredSession:
                 stop_grace_period_secs,
                 self._graph,
             )
-            self._goodput = _begin_goodput(session_creator)
+            logdir = getattr(session_creator, "checkpoint_dir", None)  # A chief's.
+            if isinstance(logdir, str) and logdir:
+                self._goodput = open_recorder(logdir)
             started = time.time()
             if should_recover:
                 self._sess = _RecoverableSession(self._coordinated_creator)
@@ -337,22 +324,9 @@ class _MonitoredSession:
     def _goodput_ready(self, started: float) -> None:
         """The ledger's record of the session just created (its restore, its step)."""
         recorder, sess = self._goodput, self._tf_sess()
-        if recorder is None or sess is None:
-            return
-        try:
-            run_id = read_run_id(recorder.logdir)
-        except OSError:
-            run_id = None
-        recorder.session_ready(
-            started,
-            time.time(),
-            self._current_step(),
-            getattr(sess, "restored_checkpoint", None),
-            getattr(sess, "restored_tier", None),
-            session_global_step(sess, get_global_step()),
-            getattr(sess, "boundary", None),
-            run_id=run_id,
-        )
+        if recorder is not None and sess is not None:
+            step = session_global_step(sess, get_global_step())
+            recorder.session_ready(started, sess, self._current_step(), step)
 
     def _current_step(self) -> int | None:
         global_step = session_global_step(self._tf_sess(), get_global_step())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import re
 import select
@@ -246,6 +247,26 @@ class LocalStorage(Storage):
         """Create ``path`` exclusively and return it for appends (``sync`` is an fsync)."""
         fd = self._create(path, direct=False)
         return _LocalAppendable(self, path, fd)
+
+    def open_mapped(self, path: str, size_bytes: int) -> mmap.mmap:
+        """The file ``path`` (made ``file_mode`` if missing) of ``size_bytes``, mapped shared:
+        what is stored into it stays when the process is killed, at the cost of a store (the
+        memory tier's step counter, the goodput ledger's heartbeat). Never a link or a
+        non-regular file.
+
+        Raises:
+            OSError: It cannot be opened (a link in its place is refused: ``ELOOP``; anything
+                but a regular file: ``EINVAL``).
+        """
+        self._before("open", path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+            os.ftruncate(fd, size_bytes)
+            return mmap.mmap(fd, size_bytes)
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------------------ reading
 

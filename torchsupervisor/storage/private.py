@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import functools
 import mmap
 import os
@@ -229,15 +228,7 @@ class MemoryTierStorage(LocalStorage):
         Raises:
             OSError: It cannot be opened (a link in its place is refused: ``ELOOP``).
         """
-        self._before("open", path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file", path)
-            os.ftruncate(fd, _COUNTER_BYTES)
-            return SharedCounter(mmap.mmap(fd, _COUNTER_BYTES))
-        finally:
-            os.close(fd)
+        return SharedCounter(self.open_mapped(path, _COUNTER_BYTES))
 
     def read_counter(self, path: str) -> int | None:
         """The value of the counter ``path`` (``open_counter``); None if there is none."""

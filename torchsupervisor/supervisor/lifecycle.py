@@ -33,11 +33,9 @@ from typing import TYPE_CHECKING
 from tensorboard.compat.proto.event_pb2 import SessionLog
 
 from torchsupervisor import errors
-from torchsupervisor.checkpoint.run_id import read_run_id
 from torchsupervisor.core.clock import Deadline
 from torchsupervisor.distributed import env as distributed
-from torchsupervisor.distributed.launcher import current_launcher
-from torchsupervisor.driver.goodput import GoodputRecorder
+from torchsupervisor.driver.goodput import open_recorder
 from torchsupervisor.driver.stop_record import (
     END,
     ERROR,
@@ -103,11 +101,7 @@ def begin_goodput(sv: Supervisor) -> float:
     # run (an evaluator: not the chief, alone), whose rank 0 would be the chief's.
     writes = st.is_chief or distributed.world_size() > 1
     if sv._goodput is None and st.goodput_ledger and logdir and writes:
-        launcher = current_launcher()
-        sv._goodput = GoodputRecorder(
-            logdir, distributed.rank(), distributed.world_size(), clock=st.clock
-        )
-        sv._goodput.begin(launcher.restart_count, launcher.job_id)
+        sv._goodput = open_recorder(logdir, clock=st.clock)
     return st.clock.time()
 
 
@@ -117,23 +111,9 @@ def goodput_ready(sv: Supervisor, sess: Session, started: float) -> None:
     if recorder is None:
         return
     st = sv._settings
-    logdir = st.logdir or st.replica_logdir
-    try:
-        run_id = read_run_id(logdir) if logdir else None
-    except OSError:
-        run_id = None
     if st.is_chief and st.summary_writer is not None:
         recorder.summary_writer = st.summary_writer
-    recorder.session_ready(
-        started,
-        st.clock.time(),
-        sv._context.current_step(),
-        sess.restored_checkpoint,
-        sess.restored_tier,
-        st.global_step,
-        sess.boundary,
-        run_id=run_id,
-    )
+    recorder.session_ready(started, sess, sv._context.current_step(), st.global_step)
 
 
 def _finish_goodput(sv: Supervisor, end: str, deadline: Deadline) -> None:
