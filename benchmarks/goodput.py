@@ -149,7 +149,9 @@ def main() -> None:
         report = goodput_report(read_ledgers(logdir))
     truth = truth_of(processes, 0.05)
     ledger = dict(report.causes)
-    ledger["startup"] = sum(ledger.get(c, 0.0) for c in ("import", "startup", "init", "restore"))
+    ledger["startup"] = sum(
+        ledger.get(c, 0.0) for c in ("import", "startup", "rendezvous", "init", "restore")
+    )
     ledger["preemption"] = ledger.get("preemption", 0.0) + ledger.get("final", 0.0)
     wall = truth["wall"]
     print(

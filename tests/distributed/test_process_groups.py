@@ -19,6 +19,8 @@ from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.core.rng import rank_rng_state
 from torchsupervisor.errors import InvalidArgumentError, UnimplementedError
 from torchsupervisor.summary import SessionLog
+from torchsupervisor.summary.goodput_report import goodput_report
+from torchsupervisor.summary.ledger import read_ledgers
 
 WORKER = worker("ddp_worker.py")
 
@@ -81,6 +83,20 @@ def test_both_ranks_start_from_the_chiefs_state_and_resume_at_the_same_step(tmp_
     draws = [_rand(out) for out, _, _ in results]
     assert draws == [_first_draw(saved, 0), _first_draw(saved, 1)]
     assert draws[0] != draws[1]
+    _check_ledgers(logdir, resumed_at=20, reached=40)
+
+
+def _check_ledgers(logdir: str, resumed_at: int, reached: int) -> None:
+    """Every rank's ledger tells both processes of its rank; the group's forming is its own
+    cause, not counted twice."""
+    ledgers = read_ledgers(logdir)
+    for rank in (0, 1):
+        report = goodput_report(ledgers, rank=rank)
+        assert len(report.incarnations) == 2, [ledger.path for ledger in ledgers]
+        second = report.incarnations[1]
+        assert (second.resumed_at, second.reached, second.lost_steps) == (resumed_at, reached, 0)
+        assert report.causes["rendezvous"] > 0
+        assert report.productive + sum(report.causes.values()) == pytest.approx(report.wall)
 
 
 def test_a_non_chief_started_first_waits_for_the_chief(tmp_path):
@@ -275,3 +291,4 @@ def test_monitored_training_session_replicas_start_from_the_chiefs_restored_stat
     assert ready_0 == ready_1 == first[0][1]  # Both resumed at step 4 with the same weights.
     assert done_0 == done_1 and done_0[0] == "7"
     assert CheckpointReader(latest_checkpoint(logdir)).global_step == 7  # The chief saved.
+    _check_ledgers(logdir, resumed_at=4, reached=7)  # The non-chief's too.

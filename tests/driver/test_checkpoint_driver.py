@@ -173,6 +173,33 @@ def test_final_within_the_budget_commits_and_calls_before_save(tmp_path):
     assert called == [0] and driver.last_step == 0
 
 
+def test_a_final_save_that_cannot_fit_is_not_started_when_another_tier_holds_its_step(
+    tmp_path, caplog
+):
+    clock = FakeClock()
+    clock.auto_advance = False
+    _, step, sess, _, driver = _setup(tmp_path, clock=clock)
+    assert driver.fastest_save_secs is None
+    driver.save(sess, 0)  # On the fake clock it took no time: every final save fits.
+    assert driver.fastest_save_secs == 0.0
+    driver.fastest_save_secs = 5.0  # As if the fastest save so far took 5 s.
+    step.increment()
+    driver.grace_budget_secs = 4.0
+    # Nothing else holds step 1: the save is tried (and fits: the fake clock stands still).
+    assert driver.final(sess, 1) == str(tmp_path / "model.ckpt-1")
+    assert driver.fastest_save_secs == 0.0  # It measured this one too: as fast as ever.
+    driver.fastest_save_secs = 5.0
+    step.increment()
+    with caplog.at_level("WARNING", "torchsupervisor"):
+        assert driver.final(sess, 2, held_elsewhere="this node's memory tier") is None
+    assert _steps(tmp_path) == [0, 1] and driver.last_step == 1
+    assert driver.last_error.startswith("not started: it takes about 5.0 s and 4.0 s")
+    assert "this node's memory tier holds step 2" in caplog.text
+    driver.grace_budget_secs = 6.0  # Time enough: written even though memory holds it.
+    assert driver.final(sess, 2, held_elsewhere="this node's memory tier") is not None
+    assert _steps(tmp_path) == [0, 1, 2]
+
+
 @pytest.mark.parametrize("hangs", ["the save in flight", "the final save"])
 def test_a_hung_fsync_cannot_overrun_the_grace_budget(tmp_path, caplog, hangs):
     storage = GatedStorage()

@@ -97,6 +97,31 @@ def test_the_report_accounts_for_every_second():
     assert "7 step(s) lost" in report.table() and report.csv().count("\n") == 4
 
 
+def test_a_rendezvous_is_taken_out_of_the_cause_it_fell_in():
+    # Process 0 formed its process group itself before the session (2 s of its start-up);
+    # process 1's Supervisor formed it while preparing the session (3 s of its restore).
+    first = _ledger(
+        {"k": "start", "t": 1.0, "rank": 0, "launched": 0.0, "imported": 1.0},
+        {"k": "interval", "c": "rendezvous", "s": 2.0, "e": 4.0},
+        {"k": "interval", "c": "init", "s": 5.0, "e": 6.0},
+        {"k": "resume", "t": 6.0, "step": 0},
+        {"k": "end", "t": 16.0, "step": 10, "reason": "end"},
+    )
+    second = _ledger(
+        {"k": "start", "t": 21.0, "rank": 0, "launched": 20.0, "imported": 21.0},
+        {"k": "interval", "c": "rendezvous", "s": 23.0, "e": 26.0},
+        {"k": "interval", "c": "restore", "s": 22.0, "e": 27.0},
+        {"k": "resume", "t": 27.0, "step": 10},
+        {"k": "end", "t": 30.0, "step": 13, "reason": "end"},
+    )
+    report = goodput_report([first, second])
+    c = report.causes
+    assert c["rendezvous"] == 5.0 and c["startup"] == 2.0 + 1.0
+    assert (c["init"], c["restore"]) == (1.0, 2.0)
+    assert report.productive == pytest.approx(10.0 + 3.0)
+    assert report.productive + sum(c.values()) == pytest.approx(report.wall)
+
+
 def test_a_killed_process_without_a_heartbeat_runs_on_at_its_step_time():
     # An object-store logdir has no heartbeat: the next process's start says nothing; the
     # killed one's end is its last record.

@@ -380,3 +380,40 @@ def test_a_preemption_puts_the_last_step_in_memory_before_a_slow_final_checkpoin
     assert ts.latest_checkpoint(logdir) is None  # Out of time: nothing on disk at all.
     out = Run(logdir, base, memory_tier=ts.MemoryTierConfig(every_n_steps=50, root=base)).train(0)
     assert (out["tier"], out["restored"]) == ("memory", 7)
+
+
+def test_a_final_checkpoint_that_cannot_fit_is_not_started_once_memory_holds_the_step(dirs, caplog):
+    # Every fsync takes 0.5 s: the checkpoint at step 3 (several) takes more. The stop at
+    # step 7 has 1 s (less the memory tier's snapshot) left: the final checkpoint is not
+    # started (the time goes to a clean exit), and the line says why and where step 7 is.
+    import signal
+
+    from torchsupervisor.testing import FaultyStorage
+
+    logdir, base = dirs
+    slow = FaultyStorage()
+    slow.delay("fsync", 0.5)
+    run = Run(
+        logdir,
+        base,
+        memory_tier=ts.MemoryTierConfig(every_n_steps=50, root=base),
+        saver=ts.Saver(storage=slow),
+        preemption_grace_secs=1.0,
+        preemption_sources=None,
+    )
+    with pytest.raises(SystemExit) as stopped, run.sv.managed_session() as sess:
+        for _ in range(3):
+            sess.run(run.train_step)
+        run.sv.checkpoint()
+        for _ in range(4):
+            sess.run(run.train_step)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert run.sv.should_stop()
+    assert stopped.value.code == 1
+    assert "would take about" in caplog.text and "not started" in caplog.text
+    assert "this node's memory tier holds step 7: a restart on this node resumes there" in (
+        caplog.text
+    )
+    assert ts.latest_checkpoint(logdir).endswith("model.ckpt-3")
+    out = Run(logdir, base, memory_tier=ts.MemoryTierConfig(every_n_steps=50, root=base)).train(0)
+    assert (out["tier"], out["restored"]) == ("memory", 7)

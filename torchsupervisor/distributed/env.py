@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -241,6 +242,7 @@ def connect(master: str, timeout_secs: float | None = None, backend: str | None 
         return dist.is_available() and dist.is_initialized()
     if dist.is_initialized():
         return True
+    joining = time.time()
     launcher = current_launcher()
     kwargs: dict[str, Any] = {"backend": backend or default_backend()}
     waited = int(DEFAULT_TIMEOUT_SECS if timeout_secs is None else timeout_secs)
@@ -275,6 +277,7 @@ def connect(master: str, timeout_secs: float | None = None, backend: str | None 
         raise
     if "store" in kwargs:
         NAMESPACED_GROUPS.add(dist.group.WORLD)
+    _JOINED[:] = [(joining, time.time())]
     _destroy_at_exit()
     logger.info(
         "Joined the process group as rank %d of %d (%s; launcher %s, restart %d)",
@@ -285,6 +288,15 @@ def connect(master: str, timeout_secs: float | None = None, backend: str | None 
         launcher.restart_count,
     )
     return True
+
+
+_JOINED: list[tuple[float, float]] = []  # When ``connect`` last formed the process group.
+
+
+def joined_at() -> tuple[float, float] | None:
+    """When ``connect`` formed this process's process group: its start and end in wall
+    seconds (the rendezvous, for the goodput ledger), or None if it did not form one."""
+    return _JOINED[-1] if _JOINED else None
 
 
 join_masters_with(connect)  # Session(master=...) joins through this module.

@@ -17,7 +17,9 @@ the step, ``driver/sharded_checkpoints.py``). The driver owns:
   signal): the save in flight and the final one get what is left of the budget, measured on
   the driver's clock (``core.clock.Deadline``); a save that cannot finish in time is
   cancelled (nothing half-written; the last committed checkpoint stays the newest), even one
-  stuck in a file-system call, which later waits then skip.
+  stuck in a file-system call, which later waits then skip; one that cannot fit (the fastest
+  save so far takes longer than the time left) is not started when another tier (the memory
+  tier) holds its step already.
 
 It decides and reports; writing is the ``Saver``'s (the commit protocol); the schedule (a
 timer, steps, an agreement between ranks) is the caller's.
@@ -133,6 +135,9 @@ class CheckpointDriver:
             success.
         last_commit_time: When the newest checkpoint committed (the clock's monotonic
             seconds); None before the first commit of this driver.
+        fastest_save_secs: The shortest time a save of this driver took from its snapshot
+            to its commit, in seconds (what ``final`` expects a save to take at least);
+            None before the first commit.
 
     Thread safety: see the module docstring.
     """
@@ -162,6 +167,8 @@ class CheckpointDriver:
         self.last_prefix = last_prefix
         self.last_error: str | None = None
         self.last_commit_time: float | None = None
+        self.fastest_save_secs: float | None = None
+        self._began: float | None = None  # When the save in flight took its snapshot.
         self._since = self.clock.monotonic()  # Age of "no checkpoint yet" counts from here.
         self._lag_reported: float | None = None
         self._lock = threading.Lock()
@@ -242,6 +249,7 @@ class CheckpointDriver:
         """
         logger.info("Saving checkpoint to path %s", self.save_path)
         self._idle.clear()
+        self._began = self.clock.monotonic()
         flushed = self._flush_summaries()
         if flushed is not None:
             boundary = getattr(session, "boundary", None)
@@ -302,6 +310,10 @@ class CheckpointDriver:
         self.last_prefix = prefix
         self.last_error = None
         self.last_commit_time = self.clock.monotonic()
+        if self._began is not None:
+            took = self.last_commit_time - self._began
+            if self.fastest_save_secs is None or took < self.fastest_save_secs:
+                self.fastest_save_secs = took
         writer = self.writer
         if writer is None or step is None:
             return
@@ -401,6 +413,7 @@ class CheckpointDriver:
         if metrics is None and self.unchanged(step):
             return None
         logger.info("Saving checkpoint to path %s", self.save_path)
+        self._began = self.clock.monotonic()
         flushed = self._flush_summaries()
         if flushed is not None:
             flushed.ask()
@@ -421,17 +434,23 @@ class CheckpointDriver:
         session: SessionLike,
         step: int | None,
         before_save: Callable[[int | None], Any] | None = None,
+        held_elsewhere: str | None = None,
     ) -> str | None:
         """Save the final checkpoint at ``step``, within ``grace_budget_secs`` if set.
 
         Without a budget this is ``save``. With one, the save in flight and this one share
         the budget: whatever does not commit in time is cancelled and None is returned, with
         ``last_error`` saying why (a failure is not raised either: the caller reports it).
+        When another tier holds ``step`` already (``held_elsewhere``) and what is left of the
+        budget is shorter than the fastest save so far (``fastest_save_secs``), the save is
+        not started: the time goes to a clean exit instead (a warning says so).
 
         Args:
             session: The session whose state is saved.
             step: The step to save.
             before_save: Called with ``step`` just before the snapshot, if one is taken.
+            held_elsewhere: What holds ``step`` already, in words (``"this node's memory
+                tier"``), or None.
 
         Returns:
             The prefix, or None (skipped, failed or out of time).
@@ -458,6 +477,22 @@ class CheckpointDriver:
                 )
                 return None
         if self.unchanged(step):
+            return None
+        expected, left = self.fastest_save_secs, deadline.remaining()
+        if held_elsewhere and expected is not None and left is not None and expected > left:
+            self.last_error = (
+                f"not started: it takes about {expected:.1f} s and {left:.1f} s were left; "
+                f"{held_elsewhere} holds step {step}"
+            )
+            logger.warning(
+                "The final checkpoint at step %s would take about %.1f s to write (the fastest "
+                "save so far) and %.1f s are left: not started; %s holds step %s",
+                step,
+                expected,
+                left,
+                held_elsewhere,
+                step,
+            )
             return None
         if before_save is not None:
             before_save(step)

@@ -55,6 +55,7 @@ DEFAULT_PROGRESS_SECS = 10.0
 """How often a process appends a progress record (and syncs its ledger)."""
 
 _process_start_taken = False  # The first recorder of a process starts at its creation.
+_rendezvous_taken = False  # The process group's rendezvous is in a ledger already.
 # The step (the GlobalStep's mirror), the time alive, the checkpoint and data badput so far.
 _HEARTBEAT = struct.Struct("<qddd")
 _ALIVE = struct.Struct("<ddd")
@@ -213,7 +214,13 @@ class GoodputRecorder:
         )
         self._sync()
 
-    def session_ready(self, started: float, sess: Any, step: int | None, global_step: Any) -> None:
+    def session_ready(
+        self,
+        started: float,
+        sess: Any,
+        step: int | None,
+        global_step: Any,
+    ) -> None:
         """A session is ready: its restore (or init) interval and the resume record (with the
         run id of the log directory); then the heartbeat and the progress thread.
 
@@ -233,6 +240,7 @@ class GoodputRecorder:
         self.begin()
         cause = "restore" if restored is not None else "init"
         tier = getattr(sess, "restored_tier", None) if restored is not None else None
+        self._record_rendezvous()
         self._append("interval", c=cause, s=started, e=ready)
         self._append("resume", t=ready, step=step, tier=tier, run=run_id)
         self._sync()
@@ -247,6 +255,18 @@ class GoodputRecorder:
                 target=self._run, name="torchsupervisor-goodput", daemon=True
             )
             self._thread.start()
+
+    def _record_rendezvous(self) -> None:
+        """The interval ``distributed.connect`` formed the process group in, once per process
+        (before or while preparing the session: the report takes it out of either)."""
+        global _rendezvous_taken
+        from torchsupervisor.distributed.env import joined_at
+
+        joined = joined_at()
+        if _rendezvous_taken or joined is None or joined[0] < self.launched:
+            return
+        _rendezvous_taken = True
+        self._append("interval", c="rendezvous", s=joined[0], e=joined[1])
 
     def _attach_heartbeat(self, global_step: Any) -> None:
         where = _heartbeat(self.logdir, self.rank)

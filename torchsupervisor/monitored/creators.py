@@ -412,6 +412,9 @@ class WorkerSessionCreator(_ScaffoldedCreator):
         state: The training state; None: the scaffold's.
         device: Passed to the session.
         clock: Time source for waits.
+        goodput_dir: The run's log directory, where a ``MonitoredSession`` of this rank
+            writes its goodput ledger (``MonitoredTrainingSession`` passes its
+            ``checkpoint_dir`` on every rank of a process group); None: no ledger.
 
     Raises:
         ValueError: If ``state`` differs from a state the scaffold already has.
@@ -429,10 +432,13 @@ class WorkerSessionCreator(_ScaffoldedCreator):
         state: Mapping[str, Any] | None = None,
         device: torch.device | str | None = None,
         clock: Clock | None = None,
+        goodput_dir: str | None = None,
     ) -> None:
         super().__init__(scaffold, master, config, state, device, clock)
         self._max_wait_secs = check_number("max_wait_secs", max_wait_secs)
         self._created = False
+        self.goodput_dir = check_path("goodput_dir", goodput_dir)
+        """Where this rank's goodput ledger goes (a ``MonitoredSession`` reads it), or None."""
 
     def create_session(self) -> Session:
         """Wait for a session whose state is ready.

@@ -190,7 +190,7 @@ class _MonitoredSession:
         self._stop_requested = False
         self._checked_step_fn: Any = None
         self._sess: Any = None
-        self._goodput: GoodputRecorder | None = None  # The chief's ledger.
+        self._goodput: GoodputRecorder | None = None  # This rank's ledger.
         self._preemption = Preemption(
             preemption_signals or (),
             preemption_grace_secs,
@@ -209,7 +209,10 @@ class _MonitoredSession:
                 stop_grace_period_secs,
                 self._graph,
             )
-            logdir = getattr(session_creator, "checkpoint_dir", None)  # A chief's.
+            # A chief's checkpoint directory; another rank's, given to its creator.
+            logdir = getattr(session_creator, "checkpoint_dir", None) or getattr(
+                session_creator, "goodput_dir", None
+            )
             if isinstance(logdir, str) and logdir:
                 self._goodput = open_recorder(logdir)
             started = time.time()

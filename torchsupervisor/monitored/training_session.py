@@ -92,7 +92,9 @@ def MonitoredTrainingSession(
             chief's state (broadcast). None (TF's default is True): the replica of rank 0 is
             the chief (rank from the process group, else ``$RANK`` as set by ``torchrun``,
             else 0), as for the Supervisor.
-        checkpoint_dir: Directory to restore from and save checkpoints to.
+        checkpoint_dir: Directory to restore from and save checkpoints to; also where every
+            rank of a process group (the chief alone otherwise) keeps its goodput ledger
+            (``goodput/``: ``torchsupervisor goodput``).
         scaffold: The ``Scaffold``; None: a default one.
         hooks: Hooks of every replica, after the standard ones.
         chief_only_hooks: Hooks of the chief only, before the standard ones.
@@ -289,6 +291,9 @@ class _Build:
             state=self.state,
             device=self.device,
             clock=self.clock,
+            # Every rank of a process group keeps its ledger in the run's directory; an
+            # evaluator alone only reads the run.
+            goodput_dir=self.checkpoint_dir if distributed.world_size() > 1 else None,
         )
         return self._session(creator, list(self.hooks or []))
 

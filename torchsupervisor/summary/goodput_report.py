@@ -3,9 +3,11 @@
 One rank's processes, in the order they started, make the run's timeline. For each process:
 
 * **import**: from its creation (``launched``) to the end of ``import torchsupervisor``;
-* **init** / **restore**: preparing the session (a fresh start, or a restore: rendezvous,
-  reading and checking the checkpoint); **startup**: from the import to that (the user's
-  code building the model, the process group);
+* **init** / **restore**: preparing the session (a fresh start, or a restore: waiting for
+  the chief, reading and checking the checkpoint); **startup**: from the import to that (the
+  user's code building the model);
+* **rendezvous**: forming the process group (``distributed.connect``: by the Supervisor from
+  its master string, or by the program before it), taken out of the cause it fell in;
 * **checkpoint**: the training thread at step boundaries (snapshots), **data** and any cause
   a user marked (``eval``, ...): counted as they happened;
 * **preemption** / **final**: from the stop to the session's end (the final checkpoint);
@@ -41,6 +43,7 @@ __all__ = ["CAUSES", "GoodputReport", "Incarnation", "goodput_report"]
 CAUSES = (
     "import",
     "startup",
+    "rendezvous",
     "init",
     "restore",
     "checkpoint",
@@ -166,12 +169,20 @@ def _incarnation(ledger: LedgerFile) -> Incarnation | None:
     imported = max(float(start.get("imported") or launched), launched)
     causes["import"] = max(0.0, imported - launched)
     ready: float | None = None
-    for interval in ledger.all("interval"):
-        cause, s, e = str(interval["c"]), float(interval["s"]), float(interval["e"])
-        causes[cause] = causes.get(cause, 0.0) + max(0.0, e - s)
-        if cause in ("init", "restore") and ready is None:
-            causes["startup"] = max(0.0, s - imported)
-            ready = e
+    intervals = [(str(r["c"]), float(r["s"]), float(r["e"])) for r in ledger.all("interval")]
+
+    def joining(start: float, end: float) -> float:
+        """The rendezvous inside ``start``..``end`` (recorded apart: not counted twice)."""
+        return sum(e - s for c, s, e in intervals if c == "rendezvous" and start <= s <= e <= end)
+
+    for cause, s, e in intervals:
+        secs = max(0.0, e - s)
+        if cause in ("init", "restore"):
+            secs -= joining(s, e)
+            if ready is None:
+                causes["startup"] = max(0.0, s - imported - joining(imported, s))
+                ready = e
+        causes[cause] = causes.get(cause, 0.0) + max(0.0, secs)
     resume = ledger.first("resume")
     if resume is None:  # Killed (or failed) before its session was ready: all start-up.
         causes["startup"] = causes.get("startup", 0.0) + max(
@@ -206,7 +217,7 @@ def _account(
 ) -> None:
     """Steps lost to the next process, the killed process's estimated end, productive time."""
     measured = sum(v for k, v in inc.causes.items() if k not in ("import", "startup", "lost"))
-    measured -= inc.causes.get("init", 0.0) + inc.causes.get("restore", 0.0)
+    measured -= sum(inc.causes.get(c, 0.0) for c in ("rendezvous", "init", "restore"))
     if ready is None:  # Never ready: no step ran, nothing was lost.
         inc.causes["lost"] = 0.0
         return

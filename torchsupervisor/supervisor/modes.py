@@ -280,12 +280,17 @@ class ChiefMode(Mode):
         driver = self.driver
         if driver is None or not clean_exit or self.context.thread_failed():
             return None
-        memory = self.tiers.memory
-        if memory is not None and self.context.preemption.requested:
-            # What a short notice leaves time for first: the last step in memory.
+        memory, preemption = self.tiers.memory, self.context.preemption
+        step = driver.current_step()
+        held = None
+        if memory is not None and preemption.requested:
+            # What a short notice leaves time for first: the last step in memory; then the
+            # persistent checkpoint if the time left fits it (``CheckpointDriver.final``).
             memory.snapshot_now()
-        driver.grace_budget_secs = self.context.preemption.budget()
-        return self._final(lambda: driver.final(self.sess, driver.current_step()))
+            if memory.wait(preemption.budget()) and memory.committed_step == step:
+                held = "this node's memory tier"
+        driver.grace_budget_secs = preemption.budget()
+        return self._final(lambda: driver.final(self.sess, step, held_elsewhere=held))
 
     def _save_now(self) -> Callable[[], str | None] | None:
         driver = self.driver
