@@ -5,7 +5,7 @@ A flat namespace like ``tf.train``: ``Supervisor``, ``Coordinator``, ``Saver``,
 ``torchsupervisor.errors``. Importing the package has no side effects.
 """
 
-from torchsupervisor import distributed, errors, hooks, logging, summary
+from torchsupervisor import distributed, errors, hooks, interop, logging, summary
 from torchsupervisor._version import __version__
 from torchsupervisor.checkpoint.files import (
     checkpoint_exists,
@@ -233,6 +233,7 @@ __all__ = [
     "create_global_step",
     "distributed",
     "errors",
+    "interop",
     "logging",
     "exponential_decay",
     "generate_checkpoint_state_proto",

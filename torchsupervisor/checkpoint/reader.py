@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import crc32c
@@ -54,6 +54,8 @@ __all__ = [
     "list_variables",
     "load_checkpoint",
     "load_variable",
+    "read_index",
+    "register_format",
 ]
 
 
@@ -77,46 +79,35 @@ class CheckpointReader:
     Args:
         prefix: The checkpoint prefix (``logdir/model.ckpt-1234``).
         storage: Where the checkpoints live (tests inject faults here).
+        index: The bytes of ``prefix.index`` if already read; None: read here.
 
     Raises:
         NotFoundError: If ``prefix.index`` does not exist (TF's text).
-        CorruptCheckpointError: If the manifest is damaged or not in our format.
+        CorruptCheckpointError: If the manifest is damaged or not in our format (a TF 1
+            checkpoint is read by ``NewCheckpointReader`` and ``load_checkpoint``).
 
     Thread safety: read-only; each call opens its own files.
 
     TF name: ``tf.train.NewCheckpointReader`` / ``py_checkpoint_reader.CheckpointReader``.
     """
 
-    def __init__(self, prefix: str, *, storage: Storage = BY_PATH) -> None:
+    def __init__(
+        self, prefix: str, *, storage: Storage = BY_PATH, index: bytes | None = None
+    ) -> None:
         prefix = check_path("prefix", prefix, allow_none=False)
         self._prefix = prefix
         self._storage = storage
         self._dir = os.path.dirname(prefix)
-        index = prefix + ".index"
-        try:
-            data = storage.read_bytes(index, max_bytes=MAX_INDEX_BYTES)
-        except FileNotFoundError:
-            raise NotFoundError(
-                "Unsuccessful TensorSliceReader constructor: Failed to find any matching files "
-                f"for {prefix}"
-            ) from None
-        except (NotRegularFileError, IsADirectoryError) as e:
-            kind = getattr(e, "kind", "a directory")
+        data = read_index(prefix, storage) if index is None else index
+        index_path = prefix + ".index"
+        if any(detect(data) for detect, _ in _FORMATS):
             raise CorruptCheckpointError(
-                f"Checkpoint index {index} is not a regular file ({kind})",
-                path=index,
-                reason="not a file",
-            ) from None
-        except OSError as e:
-            if e.errno == errno.EFBIG:
-                raise CorruptCheckpointError(
-                    f"Checkpoint index {index} is corrupt: larger than {MAX_INDEX_BYTES} bytes",
-                    path=index,
-                    reason="too large",
-                ) from None
-            raise CorruptCheckpointError(
-                f"Checkpoint index {index} cannot be read: {e}", path=index, reason="unreadable"
-            ) from e
+                f"Checkpoint index {index_path} is not in this format (a TF 1 checkpoint?): "
+                "read it with NewCheckpointReader or load_checkpoint",
+                path=index_path,
+                reason="another format",
+            )
+        index = index_path
         try:
             if SHARDED_TENSORS_KEY.encode() in data:
                 self._manifest = ShardedManifest.from_bytes(data)
@@ -436,16 +427,76 @@ def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ..
     return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
 
 
-def NewCheckpointReader(filepattern: str) -> CheckpointReader:
-    """Return a ``CheckpointReader`` for the checkpoint prefix ``filepattern``.
+def read_index(prefix: str, storage: Storage = BY_PATH) -> bytes:
+    """The bytes of ``prefix.index`` (at most ``MAX_INDEX_BYTES``).
+
+    Raises:
+        NotFoundError: It does not exist (TF's text).
+        CorruptCheckpointError: It is not a regular file, is too large or cannot be read.
+    """
+    index = prefix + ".index"
+    try:
+        return storage.read_bytes(index, max_bytes=MAX_INDEX_BYTES)
+    except FileNotFoundError:
+        raise NotFoundError(
+            "Unsuccessful TensorSliceReader constructor: Failed to find any matching files "
+            f"for {prefix}"
+        ) from None
+    except (NotRegularFileError, IsADirectoryError) as e:
+        kind = getattr(e, "kind", "a directory")
+        raise CorruptCheckpointError(
+            f"Checkpoint index {index} is not a regular file ({kind})",
+            path=index,
+            reason="not a file",
+        ) from None
+    except OSError as e:
+        if e.errno == errno.EFBIG:
+            raise CorruptCheckpointError(
+                f"Checkpoint index {index} is corrupt: larger than {MAX_INDEX_BYTES} bytes",
+                path=index,
+                reason="too large",
+            ) from None
+        raise CorruptCheckpointError(
+            f"Checkpoint index {index} cannot be read: {e}", path=index, reason="unreadable"
+        ) from e
+
+
+# Other formats NewCheckpointReader reads: (detect(index bytes), open(prefix, storage, index)).
+_FORMATS: list[tuple[Callable[[bytes], bool], Callable[..., Any]]] = []
+
+
+def register_format(detect: Callable[[bytes], bool], open_reader: Callable[..., Any]) -> None:
+    """Let ``NewCheckpointReader`` (and ``load_checkpoint``, ``list_variables``,
+    ``load_variable``) read another format's checkpoints.
+
+    Args:
+        detect: Called with the bytes of ``P.index``: True if it is this format's.
+        open_reader: Called as ``open_reader(prefix, storage=..., index=...)``; returns a
+            reader with ``CheckpointReader``'s query and read methods.
+
+    ``torchsupervisor.interop`` registers TF 1's tensor bundles.
+
+    TF name: none.
+    """
+    _FORMATS.append((detect, open_reader))
+
+
+def NewCheckpointReader(filepattern: str, *, storage: Storage = BY_PATH) -> CheckpointReader | Any:
+    """Return a reader for the checkpoint prefix ``filepattern``: a ``CheckpointReader`` for
+    one of ours, a ``TFBundleReader`` for a TF 1 checkpoint (V2 tensor bundle).
 
     Raises:
         NotFoundError: If the checkpoint does not exist.
-        CorruptCheckpointError: If its manifest is damaged.
+        CorruptCheckpointError: If its index is damaged.
 
     TF name: ``tf.compat.v1.train.NewCheckpointReader``.
     """
-    return CheckpointReader(filepattern)
+    filepattern = check_path("filepattern", filepattern, allow_none=False)
+    data = read_index(filepattern, storage)
+    for detect, open_reader in _FORMATS:
+        if detect(data):
+            return open_reader(filepattern, storage=storage, index=data)
+    return CheckpointReader(filepattern, storage=storage, index=data)
 
 
 def _checkpoint_prefix(ckpt_dir_or_file: str) -> str:
@@ -462,8 +513,9 @@ def _checkpoint_prefix(ckpt_dir_or_file: str) -> str:
     return ckpt_dir_or_file
 
 
-def load_checkpoint(ckpt_dir_or_file: str) -> CheckpointReader:
-    """Return a reader for a checkpoint prefix, or for the latest checkpoint of a directory.
+def load_checkpoint(ckpt_dir_or_file: str) -> CheckpointReader | Any:
+    """Return a reader for a checkpoint prefix, or for the latest checkpoint of a directory
+    (ours, or a TF 1 checkpoint: see ``NewCheckpointReader``).
 
     Raises:
         ValueError: If a directory holds no checkpoint.
@@ -471,7 +523,7 @@ def load_checkpoint(ckpt_dir_or_file: str) -> CheckpointReader:
 
     TF name: ``tf.train.load_checkpoint``.
     """
-    return CheckpointReader(_checkpoint_prefix(ckpt_dir_or_file))
+    return NewCheckpointReader(_checkpoint_prefix(ckpt_dir_or_file))
 
 
 def list_variables(ckpt_dir_or_file: str) -> list[tuple[str, list[int]]]:

@@ -23,12 +23,12 @@ from collections.abc import Iterator
 
 from torchsupervisor.checkpoint.files import checkpoint_step, find_incomplete_checkpoints
 from torchsupervisor.checkpoint.format import Manifest
-from torchsupervisor.checkpoint.reader import CheckpointReader
+from torchsupervisor.checkpoint.reader import CheckpointReader, NewCheckpointReader
 from torchsupervisor.checkpoint.recovery import restore_candidates, scan_checkpoints
 from torchsupervisor.checkpoint.references import referenced_data_files
 from torchsupervisor.checkpoint.run_id import read_run_id
 from torchsupervisor.checkpoint.state_file import get_checkpoint_state, state_file_path
-from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
+from torchsupervisor.errors import CorruptCheckpointError, NotFoundError, UnimplementedError
 from torchsupervisor.storage import is_url, storage_for
 from torchsupervisor.tiers.memory import MEMORY_TIER, held_in_memory
 from torchsupervisor.tiers.selection import restore_order
@@ -70,6 +70,8 @@ class CheckpointInfo:
         metrics: The metrics saved with it (``Saver.save(metrics=)``); None: none.
         tier: ``"disk"``, ``"bucket"`` or ``"memory"``.
         rank: The rank whose snapshot it is (the memory tier), else None.
+        format: ``"torchsupervisor"``, or ``"tf1"`` for a TF 1 checkpoint (a tensor bundle:
+            read and checked, never restored by a restart).
     """
 
     prefix: str
@@ -85,6 +87,7 @@ class CheckpointInfo:
     metrics: dict[str, float] | None = None
     tier: str = "disk"
     rank: int | None = None
+    format: str = "torchsupervisor"
 
     @property
     def name(self) -> str:
@@ -139,14 +142,15 @@ def _file_size(path: str) -> int:
         return 0
 
 
-def _sizes(prefix: str, manifest: Manifest | None) -> tuple[int, int]:
+def _sizes(prefix: str, manifest: Manifest | None, files: list[str] | None) -> tuple[int, int]:
     directory = os.path.dirname(prefix)
     base = os.path.basename(prefix)
     index = _file_size(prefix + ".index")
     own = index
     total = index
     if manifest is None:
-        return total, own
+        data = sum(_file_size(path) for path in files or [])
+        return total + data, own + data
     for shard in manifest.shards:
         size = _file_size(os.path.join(directory, shard.file))
         total += size
@@ -155,16 +159,23 @@ def _sizes(prefix: str, manifest: Manifest | None) -> tuple[int, int]:
     return total, own
 
 
-def _check(info: CheckpointInfo, verify: bool) -> Manifest | None:
+def _check(info: CheckpointInfo, verify: bool) -> tuple[Manifest | None, list[str] | None]:
+    """Read (and verify) ``info``'s checkpoint; return its manifest, or a TF 1 checkpoint's
+    data files."""
     try:
-        reader = CheckpointReader(info.prefix)
-    except (NotFoundError, CorruptCheckpointError) as e:
+        reader = NewCheckpointReader(info.prefix)
+        if isinstance(reader, CheckpointReader):
+            manifest, files = reader.manifest, None
+            info.step = manifest.global_step
+            info.wall_time = manifest.wall_time
+            info.metrics = manifest.metrics
+        else:  # A TF 1 checkpoint: its step is its global_step variable's (read, checked).
+            manifest, files = None, reader.data_files()
+            info.format = "tf1"
+            info.step = reader.global_step
+    except (NotFoundError, CorruptCheckpointError, UnimplementedError) as e:
         info.status, info.error = CORRUPT, str(e)
-        return None
-    manifest = reader.manifest
-    info.step = manifest.global_step
-    info.wall_time = manifest.wall_time
-    info.metrics = manifest.metrics
+        return None, None
     if verify:
         try:
             reader.verify()
@@ -174,7 +185,7 @@ def _check(info: CheckpointInfo, verify: bool) -> Manifest | None:
             info.status, info.error = CORRUPT, f"cannot be read: {e}"
         else:
             info.status = VALID
-    return manifest
+    return manifest, files
 
 
 def check(prefix: str, *, verify: bool = True) -> CheckpointInfo:
@@ -184,8 +195,8 @@ def check(prefix: str, *, verify: bool = True) -> CheckpointInfo:
         Its ``CheckpointInfo`` (``kept_by`` and ``candidate`` are not filled in).
     """
     info = CheckpointInfo(prefix)
-    manifest = _check(info, verify)
-    info.size_bytes, info.own_bytes = _sizes(prefix, manifest)
+    manifest, files = _check(info, verify)
+    info.size_bytes, info.own_bytes = _sizes(prefix, manifest, files)
     return info
 
 
@@ -207,8 +218,8 @@ def _memory_infos(logdir: str, verify: bool, root: str | None) -> list[Checkpoin
         tier = PEER_TIER if held.copy else MEMORY_TIER
         for prefix in held.prefixes:
             info = CheckpointInfo(prefix, elsewhere=True, tier=tier, rank=held.rank)
-            manifest = _check(info, verify)
-            info.size_bytes, info.own_bytes = _sizes(prefix, manifest)
+            manifest, files = _check(info, verify)
+            info.size_bytes, info.own_bytes = _sizes(prefix, manifest, files)
             if held.copy:
                 info.kept_by = KEPT_PEER_COPY
             elif held.same_run:
@@ -278,8 +289,8 @@ def survey(logdir: str, *, verify: bool = True, memory_root: str | None = None) 
             infos.append(info)
             by_path[_key(prefix)] = info
     for info in infos:
-        manifest = _check(info, verify)
-        info.size_bytes, info.own_bytes = _sizes(info.prefix, manifest)
+        manifest, files = _check(info, verify)
+        info.size_bytes, info.own_bytes = _sizes(info.prefix, manifest, files)
     head_info = by_path.get(head) if head else None
     for info in infos:
         if state is None:
@@ -314,7 +325,8 @@ def survey(logdir: str, *, verify: bool = True, memory_root: str | None = None) 
         info.candidate = position
     tried = sorted((i for i in infos if i.candidate is not None), key=lambda i: i.candidate)
     usable = (VALID,) if verify else (UNCHECKED,)
-    restore = next((i for i in tried if i.status in usable), None)
+    # A TF 1 checkpoint is read and checked, but a restart never restores it (no name map).
+    restore = next((i for i in tried if i.status in usable and i.format != "tf1"), None)
 
     needed = referenced_data_files(logdir)
     incomplete, shared = [], []

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchsupervisor.checkpoint.reader import CheckpointReader
+from torchsupervisor.checkpoint.reader import CheckpointReader, NewCheckpointReader
 from torchsupervisor.cli._format import human_bytes, local_time, print_table
 from torchsupervisor.cli._survey import restart_order
 from torchsupervisor.cli._target import add_path_argument, resolve
@@ -106,31 +106,82 @@ def _as_array(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
         return tensor.float().numpy(), f" ({_dtype_name(tensor.dtype)} shown as float32)"
 
 
-def print_tensor(reader: CheckpointReader, name: str) -> None:
+def print_tensor(reader: Any, name: str) -> None:
     """Print one tensor as TF's inspect_checkpoint does: its name, then its values."""
-    array, note = _as_array(reader.get_tensor(name))
+    value = reader.get_tensor(name)
+    if not isinstance(value, torch.Tensor):  # A TF string tensor: bytes, nested lists.
+        print("tensor_name: ", name)
+        print(value)
+        return
+    array, note = _as_array(value)
     print("tensor_name: ", name + note)
     print(array)
+
+
+def _select(args: argparse.Namespace, reader: Any, names: list[str]) -> bool:
+    """Print the values ``--tensor``/``--all-tensors`` ask for; False if they ask none."""
+    if args.tensor is not None:
+        if not reader.has_tensor(args.tensor):
+            close = [n for n in names if args.tensor.lower() in n.lower()][:10]
+            hint = f" Similar names: {', '.join(close)}." if close else ""
+            raise NotFoundError(f"Key {args.tensor} not found in checkpoint.{hint}")
+        print_tensor(reader, args.tensor)
+        return True
+    if args.all_tensors:
+        for name in names:
+            print_tensor(reader, name)
+        return True
+    return False
+
+
+def _run_bundle(args: argparse.Namespace, reader: Any, prefix: str, how: str) -> int:
+    """``inspect`` of a TF 1 checkpoint: its index's entries (dtype, shape, bytes, CRC)."""
+    if args.full:
+        np.set_printoptions(threshold=sys.maxsize)
+    tensors = reader.describe()
+    if _select(args, reader, [t["name"] for t in tensors]):
+        return 0
+    if args.json:
+        out = {
+            "prefix": prefix,
+            "format": "tf1-bundle",
+            "global_step": reader.global_step,
+            "data_files": reader.data_files(),
+            "tensors": {t.pop("name"): t for t in tensors},
+        }
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"TF 1 checkpoint {prefix}" + (f" ({how})" if how else "") + " (a tensor bundle)")
+    print(f"  global step  {reader.global_step}")
+    for path in reader.data_files():
+        print(f"  data file    {path}")
+    total = sum(t["bytes"] for t in tensors)
+    print(f"\nTensors ({len(tensors)}, {human_bytes(total)}):")
+    rows = [
+        [
+            t["name"],
+            t["dtype"],
+            "[" + ", ".join(str(d) for d in t["shape"]) + "]",
+            str(t["bytes"]),
+            f"{t['slices']} slices" if t["slices"] else f"{t['crc32c']:08x} (masked)",
+            "-" if t["shard"] is None else str(t["shard"]),
+        ]
+        for t in tensors
+    ]
+    print_table(["NAME", "DTYPE", "SHAPE", "BYTES", "CRC32C", "SHARD"], rows, (3,))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``torchsupervisor inspect``; returns the exit status."""
     prefix, how = _resolve(args.prefix)
-    reader = CheckpointReader(prefix)
+    reader = NewCheckpointReader(prefix)
+    if not isinstance(reader, CheckpointReader):  # A TF 1 checkpoint (a tensor bundle).
+        return _run_bundle(args, reader, prefix, how)
     manifest = reader.manifest
     if args.full:
         np.set_printoptions(threshold=sys.maxsize)
-    if args.tensor is not None:
-        if not reader.has_tensor(args.tensor):
-            names = sorted(manifest.tensors)
-            close = [n for n in names if args.tensor.lower() in n.lower()][:10]
-            hint = f" Similar names: {', '.join(close)}." if close else ""
-            raise NotFoundError(f"Key {args.tensor} not found in checkpoint.{hint}")
-        print_tensor(reader, args.tensor)
-        return 0
-    if args.all_tensors:
-        for name in sorted(manifest.tensors):
-            print_tensor(reader, name)
+    if _select(args, reader, sorted(manifest.tensors)):
         return 0
     leaves: list[tuple[str, Any]] = []
     _leaves(decode_tree(manifest.tree, lambda name, _: _Tensor(name)), "", leaves)

@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _note(info, found: Survey) -> str:
     if found.restore is info:
         return "<- a restart restores this"
+    if info.format == "tf1":
+        return "TF 1 checkpoint"
     if info.candidate is not None and (
         found.restore is None or info.candidate < (found.restore.candidate or 0)
     ):
@@ -150,6 +152,16 @@ def print_survey(found: Survey) -> None:
 
 def restart_summary(found: Survey) -> str:
     """One sentence: what a restart from this directory would do."""
+    text = _restart(found)
+    if any(info.format == "tf1" for info in found.checkpoints):
+        text += (
+            " TF 1 checkpoints are read (load_checkpoint, inspect) and restored through a name "
+            "map (interop.restore_tf_checkpoint), never by a restart."
+        )
+    return text
+
+
+def _restart(found: Survey) -> str:
     if found.restore is not None:
         step = found.restore.step
         text = f"A restart restores {found.restore.name}"
@@ -158,7 +170,8 @@ def restart_summary(found: Survey) -> str:
         text += f" (step {step})." if step is not None else "."
         first = found.first_candidate
         if first is not None and first is not found.restore:
-            text += f" It skips {first.name}, which is {first.status}."
+            what = "a TF 1 checkpoint" if first.format == "tf1" else first.status
+            text += f" It skips {first.name}, which is {what}."
         return text
     if found.checkpoints:
         return "No valid checkpoint: a restart fails with DataLossError (nothing is restorable)."
