@@ -24,7 +24,7 @@ from types import ModuleType
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = ("ls", "inspect", "verify", "events", "export", "preempted", "goodput")
+_COMMANDS = ("ls", "inspect", "verify", "events", "export", "import-dcp", "preempted", "goodput")
 
 
 def _module(command: str) -> ModuleType:
@@ -32,6 +32,7 @@ def _module(command: str) -> ModuleType:
         events,
         export,
         goodput,
+        import_dcp,
         inspect_checkpoint,
         ls,
         preempted,
@@ -44,6 +45,7 @@ def _module(command: str) -> ModuleType:
         "verify": verify,
         "events": events,
         "export": export,
+        "import-dcp": import_dcp,
         "preempted": preempted,
         "goodput": goodput,
     }[command]
