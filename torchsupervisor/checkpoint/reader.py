@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import crc32c
@@ -28,6 +28,7 @@ from torchsupervisor.checkpoint.format import MAX_INDEX_BYTES, Manifest, Manifes
 from torchsupervisor.checkpoint.shard_io import (
     check_shard,
     open_shard,
+    pread_exactly,
     read_tensor,
     scratch_reads,
     tensor_reads,
@@ -161,6 +162,14 @@ class CheckpointReader:
             specs[GLOBAL_STEP_NAME] = (torch.int64, ())
         return specs
 
+    @property
+    def step_alias(self) -> bool:
+        """True if the listed ``"global_step"`` is the manifest's step, not a stored tensor.
+
+        TF name: none.
+        """
+        return self._step_alias()
+
     def _step_alias(self) -> bool:
         """True if ``"global_step"`` names the manifest's step (no tensor has that name)."""
         return (
@@ -238,6 +247,77 @@ class CheckpointReader:
                 reason="checksum mismatch",
             )
         return tensor
+
+    def iter_tensor_bytes(
+        self,
+        name: str,
+        piece_bytes: int = 16 << 20,
+        buffer_for: Callable[[int], memoryview] | None = None,
+    ) -> Iterator[memoryview]:
+        """Yield the bytes of tensor ``name`` (row-major, little-endian) in pieces, for
+        streaming it elsewhere without holding it whole.
+
+        Each piece is at most ``piece_bytes`` and read into one buffer that the next piece
+        reuses (copy or write a piece before asking for the next); or, with ``buffer_for``,
+        into the buffer ``buffer_for(size)`` returns for each piece (at least ``size`` bytes:
+        a pool, for reading ahead of a writer). A tensor stored in chunks
+        along its first dimension streams chunk by chunk; one split along other dimensions is
+        assembled first (its bytes held once). Every chunk's CRC-32C is checked before its
+        last piece is yielded: a consumer that writes to a temporary file and commits only
+        after the iteration ends never commits damaged bytes.
+
+        Raises:
+            NotFoundError: No such tensor.
+            CorruptCheckpointError: Its shard is missing or short, or a CRC does not match.
+
+        TF name: none.
+        """
+        sharded = self._sharded.get(name)
+        if sharded is not None:
+            rows = sorted(sharded.chunks, key=lambda c: c.offsets)
+            if all(
+                all(o == 0 for o in c.offsets[1:]) and tuple(c.sizes[1:]) == sharded.shape[1:]
+                for c in rows
+            ):
+                for chunk in rows:
+                    yield from self.iter_tensor_bytes(chunk.entry, piece_bytes, buffer_for)
+                return
+            whole = self.get_tensor(name).contiguous()
+            data = (
+                memoryview(whole.reshape(-1).view(torch.uint8).numpy())
+                if whole.numel()
+                else (memoryview(b""))
+            )
+            for start in range(0, len(data), piece_bytes):
+                yield data[start : start + piece_bytes]
+            return
+        entry = self._manifest.tensors.get(name)
+        if entry is None:
+            if name == GLOBAL_STEP_NAME and self._step_alias():
+                yield memoryview(self.get_tensor(name).numpy().tobytes())
+                return
+            raise NotFoundError(f"Key {name} not found in checkpoint")
+        if entry.nbytes == 0:
+            return
+        path = self._shard_path(entry.shard)
+        start = self._manifest.shards[entry.shard].data_offset + entry.begin
+        size = min(piece_bytes, entry.nbytes)
+        buffer = memoryview(bytearray(size)) if buffer_for is None else None
+        crc, done = 0, 0
+        with self._open_shard(entry.shard) as f:
+            while done < entry.nbytes:
+                take = min(size, entry.nbytes - done)
+                view = (buffer if buffer is not None else buffer_for(take))[:take]
+                pread_exactly(f, view, start + done)
+                crc = crc32c.crc32c(view, crc)
+                done += len(view)
+                if done == entry.nbytes and crc != entry.crc32c:
+                    raise CorruptCheckpointError(
+                        f"Tensor {name!r} in {path} is corrupt: checksum mismatch",
+                        path=path,
+                        reason="checksum mismatch",
+                    )
+                yield view
 
     def read_tensors(self) -> dict[str, torch.Tensor]:
         """Read every tensor (on the CPU), verifying each one's checksum.

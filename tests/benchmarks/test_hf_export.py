@@ -1,0 +1,15 @@
+"""benchmarks/hf_export.py runs and writes its report (a smoke test; timings are not checked):
+the three variants, and the streaming export's peak memory far under the consolidated one's."""
+
+from __future__ import annotations
+
+
+def test_the_hf_export_benchmark_writes_its_report(run_benchmark):
+    stdout, report = run_benchmark("hf_export", "--mb", 40, "--shard-mb", 10, "--rounds", 1)
+    assert "ours vs raw throughput" in stdout
+    variants = report["variants"]
+    assert set(variants) == {"ours", "consolidated", "raw"}
+    assert all(v["secs"] > 0 and v["mb_per_s"] > 0 for v in variants.values())
+    # 40 MB held whole by the consolidated save; ours streams through 3 x 16 MiB buffers.
+    assert variants["consolidated"]["peak_above_base_mb"] > 30
+    assert variants["ours"]["peak_above_base_mb"] < report["peak_bound_mb"]
