@@ -22,6 +22,7 @@ from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState, is_sh
 from torchsupervisor.core.state import MAX_STATE_DEPTH
 from torchsupervisor.core.walk import walk_state
 from torchsupervisor.errors import CorruptCheckpointError
+from torchsupervisor.storage import LocalStorage
 from torchsupervisor.testing import FaultyStorage, run_world
 
 PREFIX = "model.ckpt-3"
@@ -379,3 +380,65 @@ def test_a_checkpoint_one_rank_cannot_find_fails_the_restore_on_every_rank(saved
     assert chief.startswith("The passed save_path is not a valid checkpoint: ")
     assert chief.endswith("(another rank cannot find it)")
     assert other == f"The passed save_path is not a valid checkpoint: {directory / 'gone'}"
+
+
+class _CountingStorage(LocalStorage):
+    """The local storage, counting the bytes read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes_read = 0
+
+    def open_read(self, path: str, *, inside: str | None = None):
+        f = super().open_read(path, inside=inside)
+        read = f.readinto
+
+        def counted(view, offset):
+            n = read(view, offset)
+            self.bytes_read += n
+            return n
+
+        f.readinto = counted
+        return f
+
+
+def reshard_rank(rank: int, world_size: int, source: str, target: str) -> tuple[int, int]:
+    """Restore ``source`` (written by another world size), compare every full tensor with its
+    ``REFERENCE``, then save the state again into ``target`` with the reference beside it.
+
+    Returns the bytes this rank read and the bytes of the state it holds."""
+    model, optimizer = _build(1, world_size)
+    state = _state(model, optimizer, 0)
+    storage = _CountingStorage()
+    load_sharded(state, os.path.join(source, PREFIX), storage=storage)
+    _, tensors = walk_state(state)
+    held = sum(
+        (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size()
+        for t in tensors.values()
+    )
+    restored = _full_tensors(state)
+    reference = safetensors.torch.load_file(os.path.join(source, REFERENCE))
+    assert sorted(restored) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(restored[name], tensor), name
+    save_sharded(state, os.path.join(target, PREFIX), global_step=3)
+    if rank == 0:
+        safetensors.torch.save_file(reference, os.path.join(target, REFERENCE))
+    return storage.bytes_read, held
+
+
+def test_any_world_size_restores_any_other_bitwise_and_back(saved_by_two, tmp_path):
+    # 2 -> 3 -> 4 -> 1 -> 2 ranks: layers of 10 and 3 rows, which 3 and 4 do not divide (4
+    # ranks: a rank holds no row of the second layer); each restore bitwise the first state,
+    # parameters and Adam moments, then saved again by that world size.
+    source = str(saved_by_two[0])
+    for n, world_size in enumerate((3, 4, 1, 2)):
+        target = tmp_path / f"w{n}-{world_size}"
+        target.mkdir()
+        results = run_world(reshard_rank, source, str(target), world_size=world_size)
+        assert len(results) == world_size
+        assert all(read > 0 for read, _ in results if world_size == 1)
+        reader = CheckpointReader(str(target / PREFIX))
+        reader.verify()
+        assert len(reader.manifest.shards) == world_size
+        source = str(target)
