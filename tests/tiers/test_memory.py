@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import stat
+import time
 
 import pytest
 import torch
@@ -417,3 +418,53 @@ def test_a_final_checkpoint_that_cannot_fit_is_not_started_once_memory_holds_the
     assert ts.latest_checkpoint(logdir).endswith("model.ckpt-3")
     out = Run(logdir, base, memory_tier=ts.MemoryTierConfig(every_n_steps=50, root=base)).train(0)
     assert (out["tier"], out["restored"]) == ("memory", 7)
+
+
+def test_a_monitored_session_puts_the_stop_in_memory_and_skips_a_final_save_that_cannot_fit(
+    dirs, caplog
+):
+    # MonitoredTrainingSession's first checkpoint (step 0) with fsyncs of 0.8 s takes more
+    # than the 1 s a SIGTERM leaves: at the stop (step 7) the memory tier holds the step and
+    # the final checkpoint is not started.
+    import signal
+
+    from torchsupervisor.testing import FaultyStorage
+
+    logdir, base = dirs
+    slow = FaultyStorage()
+    slow.delay("fsync", 0.8)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    step = ts.GlobalStep()
+
+    def train_step() -> None:
+        model.weight.data.add_(1.0)
+        step.increment()
+
+    with (
+        pytest.raises(SystemExit) as stopped,
+        ts.MonitoredTrainingSession(
+            checkpoint_dir=logdir,
+            state={"model": model, "global_step": step},
+            scaffold=ts.Scaffold(saver=ts.Saver(storage=slow)),
+            save_summaries_steps=None,
+            log_step_count_steps=None,
+            memory_tier=ts.MemoryTierConfig(every_n_steps=50, root=base),
+            preemption_grace_secs=1.0,
+            preemption_sources=None,
+        ) as sess,
+    ):
+        for _ in range(7):
+            sess.run(train_step)
+        deadline = time.monotonic() + 60
+        while ts.latest_checkpoint(logdir) is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # Step 0's checkpoint, written in the background, commits.
+        sess.run(lambda: None)  # A boundary: the driver sees it committed.
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert sess.should_stop()
+    assert stopped.value.code == 1
+    assert "would take about" in caplog.text and "not started" in caplog.text
+    assert "this node's memory tier holds step 7" in caplog.text
+    assert ts.latest_checkpoint(logdir).endswith("model.ckpt-0")
+    start, _ = monitored(logdir, base, 0, fail=False)
+    assert start == 7

@@ -200,6 +200,10 @@ class CheckpointSaverHook(SessionRunHook):
         self._pending: tuple[concurrent.futures.Future, int, Any] | None = None
         self.final_save_failure: str | None = None
         """After ``end()`` under a budget: why the final checkpoint is missing; else None."""
+        self.final_held_elsewhere: str | None = None
+        """What holds the final step already (``"this node's memory tier"``: a
+        ``MonitoredSession`` sets it at a preemption): the final save is then not started
+        when it cannot fit in its budget (``CheckpointDriver.final``)."""
 
     @property
     def save_path(self) -> str:
@@ -308,7 +312,12 @@ class CheckpointSaverHook(SessionRunHook):
                 self._finish_pending(raise_error=budget is None)
                 self._before_save(session)(step)
 
-            prefix = driver.final(session, last_step, before_save=before_save)
+            prefix = driver.final(
+                session,
+                last_step,
+                before_save=before_save,
+                held_elsewhere=self.final_held_elsewhere,
+            )
             if self._pending is not None:
                 if driver.in_flight:  # Abandoned and stuck: it will commit nothing.
                     self._pending = None

@@ -229,6 +229,15 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         return self._checkpoint_dir
 
     @property
+    def memory_tier(self) -> MemoryTier | None:
+        """The memory tier of the session (``memory_tier=`` and a ``checkpoint_dir``), once
+        a session started it; else None.
+
+        TF name: none.
+        """
+        return self._memory
+
+    @property
     def writer_lock(self) -> DirectoryLock | None:
         """The writer lock of ``checkpoint_dir`` while a session holds it, else None.
 

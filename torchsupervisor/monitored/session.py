@@ -324,6 +324,23 @@ class _MonitoredSession:
         sess = self._sess
         return sess is None or sess.should_stop()
 
+    def _memory_first(self, drivers: list[Any], step: int | None) -> int | None:
+        """After a preemption, with the memory tier on: snapshot the stop's step into it
+        first (fast), and let the final checkpoint be skipped when it cannot fit in the time
+        left (``CheckpointDriver.final``'s ``held_elsewhere``); the step the tier holds."""
+        memory = getattr(self._coordinated_creator._session_creator, "memory_tier", None)
+        if memory is None or not self._preemption.requested:
+            return None
+        memory.snapshot_now()
+        if not memory.wait(self._preemption.budget()):
+            return None
+        held = memory.committed_step
+        if held is not None and held == step:
+            for hook in self._hooks:
+                if hasattr(hook, "final_held_elsewhere"):
+                    hook.final_held_elsewhere = "this node's memory tier"
+        return held
+
     def _goodput_ready(self, started: float) -> None:
         """The ledger's record of the session just created (its restore, its step)."""
         recorder, sess = self._goodput, self._tf_sess()
@@ -381,6 +398,7 @@ class _MonitoredSession:
         try:
             try:
                 if exception_type is None:
+                    memory_step = self._memory_first(drivers, step)
                     budget = self._preemption.budget()
                     if budget is not None:
                         # The scheduler's SIGKILL follows: the final checkpoint gets a budget.
@@ -389,7 +407,9 @@ class _MonitoredSession:
                     for hook in self._hooks:
                         hook.end(self._coordinated_creator.tf_sess)
                     if drivers:
-                        lost = self._preemption.outcome(self._current_step(), drivers[0])
+                        lost = self._preemption.outcome(
+                            self._current_step(), drivers[0], memory_step
+                        )
                 elif self._preemption.aborted:  # A second Ctrl-C: abandon, do not wait.
                     for driver in drivers:
                         if driver.saver is not None and driver.abandon(5.0):
