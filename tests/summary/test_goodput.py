@@ -299,12 +299,15 @@ def test_a_monitored_training_session_writes_the_chief_s_ledger(tmp_path):
         with MonitoredTrainingSession(checkpoint_dir=str(tmp_path), state=counter.state) as sess:
             for _ in range(steps):
                 sess.run(counter.step)
+            with sess.badput("eval"):
+                time.sleep(0.05)
     SummaryWriterCache.clear()  # The summary hooks' writer.
     report = goodput_report(read_ledgers(str(tmp_path)))
     one, two = report.incarnations
     assert (one.resumed_at, one.reached, one.reason) == (0, 3, "end")
     assert (two.resumed_at, two.reached, two.lost_steps) == (3, 8, 0)
     assert report.causes["restore"] > 0 and report.causes["final"] > 0
+    assert report.causes["eval"] >= 0.1  # Marked by the program, 0.05 s in each process.
     assert report.productive + sum(report.causes.values()) == pytest.approx(report.wall)
 
 

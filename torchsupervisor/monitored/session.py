@@ -40,10 +40,11 @@ TF names: ``tf.compat.v1.train.MonitoredSession``, ``SingularMonitoredSession``,
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.core.checks import (
@@ -52,6 +53,7 @@ from torchsupervisor.core.checks import (
     check_iterable,
     check_number,
     check_signals,
+    check_str,
 )
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.coordinator import Coordinator
@@ -323,6 +325,26 @@ class _MonitoredSession:
             return True
         sess = self._sess
         return sess is None or sess.should_stop()
+
+    @contextlib.contextmanager
+    def badput(self, cause: str) -> Iterator[None]:
+        """Count the time of the block as badput ``cause`` in the goodput ledger
+        (``torchsupervisor goodput``): an evaluation, a data reload, anything that is not
+        training (``Supervisor.badput``). Without a ledger (no ``checkpoint_dir``; a rank
+        alone that is not the chief) it only runs the block.
+
+        Raises:
+            TypeError: ``cause`` is not a non-empty string.
+
+        TF name: none.
+        """
+        check_str("cause", cause, allow_empty=False)
+        recorder = self._goodput
+        if recorder is None:
+            yield
+            return
+        with recorder.interval(cause):
+            yield
 
     def _memory_first(self, drivers: list[Any], step: int | None) -> int | None:
         """After a preemption, with the memory tier on: snapshot the stop's step into it
