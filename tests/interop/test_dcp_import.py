@@ -203,6 +203,12 @@ def test_storage_paths_stay_inside_the_directory_and_items_are_checked(tmp_path)
     with pytest.raises(CorruptCheckpointError, match="do not tile it"):
         read_dcp(directory)
     entry.chunks.pop()
+    true_size = entry.size
+    entry.size = torch.Size([2**40, *true_size[1:]])  # Terabytes claimed: refused first.
+    _write_metadata(directory, real)
+    with pytest.raises(CorruptCheckpointError, match="do not tile it"):
+        read_dcp(directory)
+    entry.size = true_size
     _write_metadata(directory, real)
     read_dcp(directory)  # Intact again.
     with open(os.path.join(directory, data_file), "r+b") as f:

@@ -233,13 +233,12 @@ def test_hostile_indexes_are_refused_before_anything_is_allocated(tmp_path):
         with pytest.raises(CorruptCheckpointError, match="crafted"):
             TFBundleReader(prefix).verify()
         assert why  # The case's name says what it is.
-    # Overlapping slices that cover every element: refused (they must tile it exactly).
+    # Overlapping slices as many elements as the tensor: refused (they must tile it exactly).
     half = payload[:8]
     slices = {
-        b"w": _entry(1, [4], slices=[[(0, 2)], [(1, 2)], [(2, 2)]]),
+        b"w": _entry(1, [4], slices=[[(0, 2)], [(1, 2)]]),
         slice_key("w", [(0, 2)]): _entry(1, [2], 0, 8, _masked(half)),
         slice_key("w", [(1, 2)]): _entry(1, [2], 0, 8, _masked(half)),
-        slice_key("w", [(2, 2)]): _entry(1, [2], 0, 8, _masked(half)),
     }
     with pytest.raises(CorruptCheckpointError, match="do not tile it"):
         TFBundleReader(_bundle(tmp_path, slices, half)).get_tensor("w")
@@ -337,3 +336,13 @@ def test_inspect_and_ls_understand_tf_bundles(tmp_path, capsys):
     _flip(damaged + ".data-00000-of-00001", 100)
     main(["ls", os.path.dirname(damaged)])
     assert "CORRUPT" in capsys.readouterr().out
+
+
+def test_a_partitioned_tensor_claiming_terabytes_is_refused_before_allocating(tmp_path):
+    payload = torch.zeros(2).numpy().tobytes()
+    entries = {
+        b"w": _entry(1, [2**40], slices=[[(0, 2)]]),
+        slice_key("w", [(0, 2)]): _entry(1, [2], 0, 8, _masked(payload)),
+    }
+    with pytest.raises(CorruptCheckpointError, match="hold 2 elements"):
+        TFBundleReader(_bundle(tmp_path, entries, payload)).get_tensor("w")

@@ -26,6 +26,7 @@ TF name: none.
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import re
@@ -337,6 +338,22 @@ def _assemble(
     size = tuple(entry.size)
     dtype = entry.properties.dtype
     by_offset = {tuple(index.offset or ()): info for index, info in stored}
+    # The chunks must hold as many elements as the tensor before it is allocated (crafted
+    # metadata would otherwise claim terabytes); that they tile it is checked below.
+    if sum(math.prod(c.sizes) for c in entry.chunks) != math.prod(size):
+        raise _damaged(path, f"not DCP metadata: the chunks of {fqn!r} do not tile it exactly")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for chunk in entry.chunks:  # And their bytes must be in their files (a size is cheap).
+        info = by_offset.get(tuple(chunk.offsets))
+        if info is None:
+            continue  # Refused below, naming the chunk.
+        file = os.path.join(items.directory, info.relative_path)
+        try:
+            file_size = items.storage.size(file)
+        except OSError:
+            raise _damaged(file, "missing") from None
+        if info.length < math.prod(chunk.sizes) * itemsize or info.offset + info.length > file_size:
+            raise _damaged(file, f"truncated: a chunk of {fqn!r} does not fit in it")
     out = torch.empty(size, dtype=dtype)
     covered = torch.zeros(size, dtype=torch.int8)
     for chunk in entry.chunks:

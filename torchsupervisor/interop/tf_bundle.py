@@ -459,6 +459,37 @@ class TFBundleReader:
                 None, None, f"Tensor {name!r} of {self._prefix} is a partitioned string tensor"
             )
         assert dtype is not None
+        # The slices must hold as many elements as the tensor before it is allocated (a
+        # crafted shape would otherwise claim terabytes); that they tile it is checked below.
+        numel = _numel(shape)
+        parts = 0
+        for proto in entry.slices:
+            extents = self._extents(name, proto, shape)
+            parts += _numel([n if n >= 0 else size for (_, n), size in zip(extents, shape)])
+        if parts != numel:
+            raise self._damaged_index(
+                f"the slices of tensor {name!r} hold {parts} elements, not its {numel}"
+            )
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        for proto in entry.slices:  # And their bytes must be in their data files.
+            extents = self._extents(name, proto, shape)
+            part = self._slices.get(slice_key(name, extents))
+            sizes = [n if n >= 0 else size for (_, n), size in zip(extents, shape)]
+            if part is not None and part.size != _numel(sizes) * itemsize:
+                raise self._damaged_index(f"a slice of tensor {name!r} has the wrong size")
+            if part is not None and 0 <= part.shard_id < self.num_shards:
+                data = self._data_path(part.shard_id)
+                try:
+                    end = self._storage.size(data)
+                except OSError:
+                    end = -1
+                if part.offset + part.size > end:
+                    raise CorruptCheckpointError(
+                        f"TF checkpoint data file {data} is missing or truncated: a slice of "
+                        f"tensor {name!r} does not fit in it",
+                        path=data,
+                        reason="truncated",
+                    )
         out = torch.empty(shape, dtype=dtype)
         covered = torch.zeros(shape, dtype=torch.int8)
         for proto in entry.slices:
@@ -520,9 +551,7 @@ class TFBundleReader:
 
     def _read_whole(self, name: str, entry: Any, shape: list[int]) -> Any:
         dtype = TF_DTYPES[entry.dtype][0]
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = _numel(shape)
         path = self._data_path(entry.shard_id)
         if not 0 <= entry.shard_id < self.num_shards:
             raise self._damaged_index(f"tensor {name!r} is in data file {entry.shard_id}")
@@ -597,6 +626,13 @@ class TFBundleReader:
             values.append(data[pos : pos + length])
             pos += length
         return _nest(values, shape)
+
+
+def _numel(shape: list[int]) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
 
 
 def _nest(values: list[bytes], shape: list[int]) -> Any:
