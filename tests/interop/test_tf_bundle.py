@@ -346,3 +346,16 @@ def test_a_partitioned_tensor_claiming_terabytes_is_refused_before_allocating(tm
     }
     with pytest.raises(CorruptCheckpointError, match="hold 2 elements"):
         TFBundleReader(_bundle(tmp_path, entries, payload)).get_tensor("w")
+
+
+def test_a_tf1_checkpoint_in_a_bucket_reads_the_same(s3_url):
+    from torchsupervisor.storage import storage_for
+
+    bucket = storage_for(s3_url)
+    directory = os.path.join(FIXTURES, "partitioned")
+    for name in os.listdir(directory):
+        with open(os.path.join(directory, name), "rb") as f:
+            bucket.put(f"{s3_url}/tf/{name}", [f.read()])
+    reader = ts.NewCheckpointReader(f"{s3_url}/tf/model.ckpt")
+    expected = EXPECTED["partitioned/model.ckpt"]
+    assert [n for n, t in expected.items() if not _same(reader.get_tensor(n), t)] == []
