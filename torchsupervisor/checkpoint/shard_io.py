@@ -46,6 +46,7 @@ from torchsupervisor.storage import (
 
 __all__ = [
     "check_shard",
+    "open_checked",
     "open_shard",
     "parallel_reads",
     "pipelined_reads",
@@ -334,6 +335,37 @@ def read_tensor(f: Readable, offset: int, entry: TensorEntry) -> tuple[torch.Ten
     return raw.view(entry.dtype).reshape(entry.shape), crc32c.crc32c(view)
 
 
+def open_checked(
+    path: str, storage: Storage, directory: str | None, what: str = "Checkpoint shard"
+) -> Readable:
+    """Open a file of a checkpoint for reading; every failure a ``CorruptCheckpointError``
+    naming it (``what`` and ``path``): missing, not a regular file, a link out of
+    ``directory`` (None: not checked), unreadable. Our shards (``open_shard``), TF 1 data
+    files (``interop/tf_bundle``) and DCP's (``interop/dcp_import``) are opened so.
+    """
+    try:
+        return storage.open_read(path, inside=directory)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{what} {path} is missing", path=path, reason="missing file"
+        ) from None
+    except NotRegularFileError as e:
+        raise CorruptCheckpointError(
+            f"{what} {path} is not a regular file ({e.kind})", path=path, reason="not a file"
+        ) from None
+    except OutsideDirectoryError:
+        raise CorruptCheckpointError(
+            f"{what} {path} is not a regular file of the directory: a link out of the "
+            "checkpoint's directory",
+            path=path,
+            reason="outside the directory",
+        ) from None
+    except OSError as e:
+        raise CorruptCheckpointError(
+            f"{what} {path} cannot be read: {e}", path=path, reason="unreadable"
+        ) from e
+
+
 def open_shard(
     path: str, expected_bytes: int, storage: Storage = BY_PATH, *, directory: str | None = None
 ) -> Readable:
@@ -354,28 +386,7 @@ def open_shard(
             link out of ``directory``, shorter (truncated) or longer than ``expected_bytes``,
             naming the file.
     """
-    try:
-        f = storage.open_read(path, inside=directory)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(
-            f"Checkpoint shard {path} is missing", path=path, reason="missing file"
-        ) from None
-    except NotRegularFileError as e:
-        raise CorruptCheckpointError(
-            f"Checkpoint shard {path} is not a regular file ({e.kind})",
-            path=path,
-            reason="not a file",
-        ) from None
-    except OutsideDirectoryError:
-        raise CorruptCheckpointError(
-            f"Checkpoint shard {path} is a link out of the checkpoint's directory",
-            path=path,
-            reason="outside the directory",
-        ) from None
-    except OSError as e:
-        raise CorruptCheckpointError(
-            f"Checkpoint shard {path} cannot be read: {e}", path=path, reason="unreadable"
-        ) from e
+    f = open_checked(path, storage, directory)
     if f.size != expected_bytes:
         f.close()
         what = "is truncated" if f.size < expected_bytes else "is too long"

@@ -47,7 +47,13 @@ from torchsupervisor.core.waits import INPUT_WAITS
 from torchsupervisor.storage import LocalStorage, is_url, storage_for
 from torchsupervisor.summary.ledger import LedgerWriter, ledger_dir
 
-__all__ = ["DEFAULT_PROGRESS_SECS", "GoodputRecorder", "open_recorder", "process_start_time"]
+__all__ = [
+    "DEFAULT_PROGRESS_SECS",
+    "GoodputRecorder",
+    "badput_interval",
+    "open_recorder",
+    "process_start_time",
+]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -434,3 +440,23 @@ def open_recorder(logdir: str, *, clock: Clock | None = None) -> GoodputRecorder
     recorder = GoodputRecorder(logdir, distributed.rank(), distributed.world_size(), clock=clock)
     recorder.begin(launcher.restart_count, launcher.job_id)
     return recorder
+
+
+@contextlib.contextmanager
+def badput_interval(recorder: GoodputRecorder | None, cause: str) -> Iterator[None]:
+    """The block's time as badput ``cause`` in ``recorder``'s ledger; without a recorder,
+    only the block (``Supervisor.badput``, ``MonitoredSession.badput``).
+
+    Raises:
+        TypeError: ``cause`` is not a non-empty string.
+
+    TF name: none.
+    """
+    from torchsupervisor.core.checks import check_str
+
+    check_str("cause", cause, allow_empty=False)
+    if recorder is None:
+        yield
+        return
+    with recorder.interval(cause):
+        yield

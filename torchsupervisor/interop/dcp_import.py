@@ -36,14 +36,9 @@ from typing import Any
 
 import torch
 
+from torchsupervisor.checkpoint.shard_io import open_checked
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError, UnimplementedError
-from torchsupervisor.storage import (
-    NotRegularFileError,
-    OutsideDirectoryError,
-    Storage,
-    read_exactly,
-    storage_for,
-)
+from torchsupervisor.storage import Storage, read_exactly, storage_for
 
 __all__ = ["dcp_import", "read_dcp", "read_dcp_metadata"]
 
@@ -202,14 +197,7 @@ class _Items:
         path = os.path.join(self.directory, info.relative_path)
         f = self._open.get(path)
         if f is None:
-            try:
-                f = self.storage.open_read(path, inside=self.directory)
-            except FileNotFoundError:
-                raise _damaged(path, "missing") from None
-            except (NotRegularFileError, OutsideDirectoryError) as e:
-                raise _damaged(path, f"not a regular file of the directory ({e})") from None
-            except OSError as e:
-                raise _damaged(path, f"unreadable ({e})") from e
+            f = open_checked(path, self.storage, self.directory, "DCP checkpoint file")
             self._open[path] = f
         if info.offset + info.length > f.size:
             raise _damaged(path, f"truncated: {fqn!r} ends at byte {info.offset + info.length}")

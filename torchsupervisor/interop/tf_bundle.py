@@ -44,16 +44,10 @@ import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
+from torchsupervisor.checkpoint.shard_io import open_checked
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError, UnimplementedError
 from torchsupervisor.interop.tf_table import read_varint, table_entries
-from torchsupervisor.storage import (
-    BY_PATH,
-    NotRegularFileError,
-    OutsideDirectoryError,
-    Readable,
-    Storage,
-    read_exactly,
-)
+from torchsupervisor.storage import BY_PATH, Readable, Storage, read_exactly
 from torchsupervisor.summary.records import unmask_crc32c
 
 __all__ = ["BUNDLE_VERSION", "TF_DTYPES", "TFBundleReader", "slice_key"]
@@ -524,30 +518,7 @@ class TFBundleReader:
         return f"{self._prefix}.data-{shard:05d}-of-{self.num_shards:05d}"
 
     def _open(self, path: str) -> Readable:
-        try:
-            return self._storage.open_read(path, inside=self._dir or None)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"TF checkpoint data file {path} is missing", path=path, reason="missing file"
-            ) from None
-        except NotRegularFileError as e:
-            raise CorruptCheckpointError(
-                f"TF checkpoint data file {path} is not a regular file ({e.kind})",
-                path=path,
-                reason="not a file",
-            ) from None
-        except OutsideDirectoryError:
-            raise CorruptCheckpointError(
-                f"TF checkpoint data file {path} is a link out of the checkpoint's directory",
-                path=path,
-                reason="outside the directory",
-            ) from None
-        except OSError as e:
-            raise CorruptCheckpointError(
-                f"TF checkpoint data file {path} cannot be read: {e}",
-                path=path,
-                reason="unreadable",
-            ) from e
+        return open_checked(path, self._storage, self._dir or None, "TF checkpoint data file")
 
     def _read_whole(self, name: str, entry: Any, shape: list[int]) -> Any:
         dtype = TF_DTYPES[entry.dtype][0]

@@ -44,7 +44,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.core.checks import (
@@ -53,14 +53,13 @@ from torchsupervisor.core.checks import (
     check_iterable,
     check_number,
     check_signals,
-    check_str,
 )
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.coordinator import Coordinator
 from torchsupervisor.core.global_step import get_global_step, read_step
 from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
 from torchsupervisor.core.session import Session
-from torchsupervisor.driver.goodput import GoodputRecorder, open_recorder
+from torchsupervisor.driver.goodput import GoodputRecorder, badput_interval, open_recorder
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
 from torchsupervisor.driver.preemption_sources import PreemptionSource, check_sources
 from torchsupervisor.driver.requeue import SlurmRequeue, check_requeue
@@ -78,6 +77,7 @@ from torchsupervisor.monitored.wrappers import (
     _CoordinatedSession,
     _RecoverableSession,
 )
+from torchsupervisor.tiers.memory import HELD_IN_MEMORY
 
 if TYPE_CHECKING:
     import torch
@@ -326,8 +326,7 @@ class _MonitoredSession:
         sess = self._sess
         return sess is None or sess.should_stop()
 
-    @contextlib.contextmanager
-    def badput(self, cause: str) -> Iterator[None]:
+    def badput(self, cause: str) -> contextlib.AbstractContextManager[None]:
         """Count the time of the block as badput ``cause`` in the goodput ledger
         (``torchsupervisor goodput``): an evaluation, a data reload, anything that is not
         training (``Supervisor.badput``). Without a ledger (no ``checkpoint_dir``; a rank
@@ -338,30 +337,19 @@ class _MonitoredSession:
 
         TF name: none.
         """
-        check_str("cause", cause, allow_empty=False)
-        recorder = self._goodput
-        if recorder is None:
-            yield
-            return
-        with recorder.interval(cause):
-            yield
+        return badput_interval(self._goodput, cause)
 
     def _memory_first(self, drivers: list[Any], step: int | None) -> int | None:
-        """After a preemption, with the memory tier on: snapshot the stop's step into it
-        first (fast), and let the final checkpoint be skipped when it cannot fit in the time
-        left (``CheckpointDriver.final``'s ``held_elsewhere``); the step the tier holds."""
+        """After a preemption, with the memory tier on: the stop's step into it first
+        (``MemoryTier.hold_stop``); the step it holds."""
         memory = getattr(self._coordinated_creator._session_creator, "memory_tier", None)
         if memory is None or not self._preemption.requested:
             return None
-        memory.snapshot_now()
-        if not memory.wait(self._preemption.budget()):
-            return None
-        held = memory.committed_step
-        if held is not None and held == step:
+        if memory.hold_stop(step, self._preemption.budget()):
             for hook in self._hooks:
                 if hasattr(hook, "final_held_elsewhere"):
-                    hook.final_held_elsewhere = "this node's memory tier"
-        return held
+                    hook.final_held_elsewhere = HELD_IN_MEMORY
+        return memory.committed_step
 
     def _goodput_ready(self, started: float) -> None:
         """The ledger's record of the session just created (its restore, its step)."""

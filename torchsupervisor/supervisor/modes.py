@@ -48,7 +48,7 @@ from torchsupervisor.supervisor.mode_tiers import ModeTiers
 from torchsupervisor.supervisor.services import SVTimerCheckpointThread
 from torchsupervisor.supervisor.settings import Settings
 from torchsupervisor.tiers.agreed import agreed_tier
-from torchsupervisor.tiers.memory import MEMORY_TIER
+from torchsupervisor.tiers.memory import HELD_IN_MEMORY, MEMORY_TIER
 
 __all__ = [
     "ChiefMode",
@@ -282,13 +282,15 @@ class ChiefMode(Mode):
             return None
         memory, preemption = self.tiers.memory, self.context.preemption
         step = driver.current_step()
+        # What a short notice leaves time for first: the last step in memory; then the
+        # persistent checkpoint if the time left fits it (``CheckpointDriver.final``).
         held = None
-        if memory is not None and preemption.requested:
-            # What a short notice leaves time for first: the last step in memory; then the
-            # persistent checkpoint if the time left fits it (``CheckpointDriver.final``).
-            memory.snapshot_now()
-            if memory.wait(preemption.budget()) and memory.committed_step == step:
-                held = "this node's memory tier"
+        if (
+            memory is not None
+            and preemption.requested
+            and memory.hold_stop(step, preemption.budget())
+        ):
+            held = HELD_IN_MEMORY
         driver.grace_budget_secs = preemption.budget()
         return self._final(lambda: driver.final(self.sess, step, held_elsewhere=held))
 

@@ -29,12 +29,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchsupervisor.checkpoint.best import check_metrics
-from torchsupervisor.core.checks import check_str
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.registry import USE_DEFAULT, Graph, GraphKeys
 from torchsupervisor.core.session import Session
-from torchsupervisor.driver.goodput import GoodputRecorder
+from torchsupervisor.driver.goodput import GoodputRecorder, badput_interval
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
 from torchsupervisor.driver.preemption_sources import PreemptionSource
 from torchsupervisor.driver.requeue import SlurmRequeue
@@ -679,8 +678,7 @@ class Supervisor:
         """The name of the preemption signal that stopped the last session (or None)."""
         return self._preemption.describe() or None
 
-    @contextlib.contextmanager
-    def badput(self, cause: str) -> Iterator[None]:
+    def badput(self, cause: str) -> contextlib.AbstractContextManager[None]:
         """Count the time of the block as badput ``cause`` in the goodput ledger
         (``torchsupervisor goodput``): an evaluation, a data reload, anything that is not
         training. Without a ledger (``goodput_ledger=False``, no logdir) it only runs the block.
@@ -690,13 +688,7 @@ class Supervisor:
 
         TF name: none.
         """
-        check_str("cause", cause, allow_empty=False)
-        recorder = self._goodput
-        if recorder is None:
-            yield
-            return
-        with recorder.interval(cause):
-            yield
+        return badput_interval(self._goodput, cause)
 
     def stop_on_exception(self) -> Any:
         """Context manager that requests a stop when its block raises (and swallows it).

@@ -70,10 +70,19 @@ if TYPE_CHECKING:
     from torchsupervisor.core.global_step import GlobalStepLike
     from torchsupervisor.core.session import Session
 
-__all__ = ["MEMORY_TIER", "MemoryTier", "MemoryTierConfig", "RankHoldings", "held_in_memory"]
+__all__ = [
+    "HELD_IN_MEMORY",
+    "MEMORY_TIER",
+    "MemoryTier",
+    "MemoryTierConfig",
+    "RankHoldings",
+    "held_in_memory",
+]
 
 MEMORY_TIER = "memory"
 """The memory tier's name in logs, listings and ``Session.restored_tier``."""
+HELD_IN_MEMORY = "this node's memory tier"
+"""What holds a preemption's stop step when ``hold_stop`` succeeded, in log lines."""
 
 _BASENAME = "model.ckpt"
 _RUN_ID_FILE = "run_id"
@@ -399,6 +408,15 @@ class MemoryTier:
         step = read_step(self._global_step)
         if step is not None and step != self._last_step:
             self._snapshot(step)
+
+    def hold_stop(self, step: int | None, timeout_secs: float | None) -> bool:
+        """A preemption's stop: snapshot the current step now (``snapshot_now``), wait up to
+        ``timeout_secs`` for it; True if the tier then holds ``step`` committed (the final
+        checkpoint may be skipped when it cannot fit: ``CheckpointDriver.final``'s
+        ``held_elsewhere``). Both front ends call it (Supervisor, MonitoredSession).
+        """
+        self.snapshot_now()
+        return self.wait(timeout_secs) and step is not None and self._committed_step == step
 
     def _done(self, future: concurrent.futures.Future[Any], step: int) -> None:
         error = future.exception()
