@@ -193,10 +193,10 @@ def test_a_skeleton_no_reader_would_take_is_never_encoded(container):
 
 
 def test_a_huge_index_is_not_read(tmp_path, monkeypatch):
-    from torchsupervisor.checkpoint import reader
+    from torchsupervisor.checkpoint import index_file
 
     _, _, newest = _three_checkpoints(tmp_path)
-    monkeypatch.setattr(reader, "MAX_INDEX_BYTES", 64)
+    monkeypatch.setattr(index_file, "MAX_INDEX_BYTES", 64)
     with pytest.raises(CorruptCheckpointError, match="larger than 64 bytes"):
         CheckpointReader(newest)
 

@@ -27,7 +27,7 @@ from torchsupervisor.interop import (
     dense_kernel,
     restore_tf_checkpoint,
 )
-from torchsupervisor.interop.tf_bundle import BundleEntryProto, BundleHeaderProto, slice_key
+from torchsupervisor.interop.tf_records import BundleEntryProto, BundleHeaderProto, slice_key
 
 FIXTURES = repo("tests", "fixtures", "tf1")
 with open(os.path.join(FIXTURES, "expected.json")) as _f:

@@ -16,7 +16,6 @@ TF names: ``tf.train.NewCheckpointReader`` / ``CheckpointReader``, ``tf.train.lo
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -24,7 +23,8 @@ from typing import Any
 import crc32c
 import torch
 
-from torchsupervisor.checkpoint.format import MAX_INDEX_BYTES, Manifest, ManifestError, TensorEntry
+from torchsupervisor.checkpoint.format import Manifest, ManifestError, TensorEntry
+from torchsupervisor.checkpoint.index_file import read_index, reader_of
 from torchsupervisor.checkpoint.shard_io import (
     check_shard,
     open_shard,
@@ -44,7 +44,6 @@ from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError
 from torchsupervisor.storage import (
     BY_PATH,
-    NotRegularFileError,
     Storage,
     storage_for,
 )
@@ -55,8 +54,6 @@ __all__ = [
     "list_variables",
     "load_checkpoint",
     "load_variable",
-    "read_index",
-    "register_format",
 ]
 
 
@@ -101,7 +98,7 @@ class CheckpointReader:
         self._dir = os.path.dirname(prefix)
         data = read_index(prefix, storage) if index is None else index
         index_path = prefix + ".index"
-        if any(detect(data) for detect, _ in _FORMATS):
+        if reader_of(data) is not None:
             raise CorruptCheckpointError(
                 f"Checkpoint index {index_path} is not in this format (a TF 1 checkpoint?): "
                 "read it with NewCheckpointReader or load_checkpoint",
@@ -507,60 +504,6 @@ def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ..
     return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
 
 
-def read_index(prefix: str, storage: Storage = BY_PATH) -> bytes:
-    """The bytes of ``prefix.index`` (at most ``MAX_INDEX_BYTES``).
-
-    Raises:
-        NotFoundError: It does not exist (TF's text).
-        CorruptCheckpointError: It is not a regular file, is too large or cannot be read.
-    """
-    index = prefix + ".index"
-    try:
-        return storage.read_bytes(index, max_bytes=MAX_INDEX_BYTES)
-    except FileNotFoundError:
-        raise NotFoundError(
-            "Unsuccessful TensorSliceReader constructor: Failed to find any matching files "
-            f"for {prefix}"
-        ) from None
-    except (NotRegularFileError, IsADirectoryError) as e:
-        kind = getattr(e, "kind", "a directory")
-        raise CorruptCheckpointError(
-            f"Checkpoint index {index} is not a regular file ({kind})",
-            path=index,
-            reason="not a file",
-        ) from None
-    except OSError as e:
-        if e.errno == errno.EFBIG:
-            raise CorruptCheckpointError(
-                f"Checkpoint index {index} is corrupt: larger than {MAX_INDEX_BYTES} bytes",
-                path=index,
-                reason="too large",
-            ) from None
-        raise CorruptCheckpointError(
-            f"Checkpoint index {index} cannot be read: {e}", path=index, reason="unreadable"
-        ) from e
-
-
-# Other formats NewCheckpointReader reads: (detect(index bytes), open(prefix, storage, index)).
-_FORMATS: list[tuple[Callable[[bytes], bool], Callable[..., Any]]] = []
-
-
-def register_format(detect: Callable[[bytes], bool], open_reader: Callable[..., Any]) -> None:
-    """Let ``NewCheckpointReader`` (and ``load_checkpoint``, ``list_variables``,
-    ``load_variable``) read another format's checkpoints.
-
-    Args:
-        detect: Called with the bytes of ``P.index``: True if it is this format's.
-        open_reader: Called as ``open_reader(prefix, storage=..., index=...)``; returns a
-            reader with ``CheckpointReader``'s query and read methods.
-
-    ``torchsupervisor.interop`` registers TF 1's tensor bundles.
-
-    TF name: none.
-    """
-    _FORMATS.append((detect, open_reader))
-
-
 def NewCheckpointReader(filepattern: str, *, storage: Storage = BY_PATH) -> CheckpointReader | Any:
     """Return a reader for the checkpoint prefix ``filepattern``: a ``CheckpointReader`` for
     one of ours, a ``TFBundleReader`` for a TF 1 checkpoint (V2 tensor bundle).
@@ -573,9 +516,9 @@ def NewCheckpointReader(filepattern: str, *, storage: Storage = BY_PATH) -> Chec
     """
     filepattern = check_path("filepattern", filepattern, allow_none=False)
     data = read_index(filepattern, storage)
-    for detect, open_reader in _FORMATS:
-        if detect(data):
-            return open_reader(filepattern, storage=storage, index=data)
+    open_reader = reader_of(data)
+    if open_reader is not None:
+        return open_reader(filepattern, storage=storage, index=data)
     return CheckpointReader(filepattern, storage=storage, index=data)
 
 

@@ -7,7 +7,7 @@ Importing it registers TF 1 bundles with ``NewCheckpointReader`` (``checkpoint.r
 TF name: none.
 """
 
-from torchsupervisor.checkpoint.reader import register_format
+from torchsupervisor.checkpoint.index_file import register_format
 from torchsupervisor.interop.tf_bundle import TFBundleReader
 from torchsupervisor.interop.tf_restore import (
     TFRestoreReport,
