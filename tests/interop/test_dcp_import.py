@@ -7,12 +7,11 @@ from __future__ import annotations
 import os
 import pickle
 import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from free_ports import free_port
+from rank_processes import run_ranks
 from repo_paths import worker
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -46,21 +45,7 @@ def _assert_same(ours, reference):
 def fsdp_dcp(tmp_path_factory):
     """A DCP checkpoint written by 2 FSDP2 ranks (gloo): tensors in uneven chunks."""
     out = str(tmp_path_factory.mktemp("dcp") / "ckpt")
-    port = free_port()
-    procs = []
-    for rank in (0, 1):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
-        env.update(WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, worker("dcp_save_worker.py"), out],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    results = [(*p.communicate(timeout=180), p.returncode) for p in procs]
+    results = run_ranks(worker("dcp_save_worker.py"), out)
     assert all(code == 0 for _, _, code in results), [err[-2000:] for _, err, _ in results]
     return out
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
-from free_ports import free_port
+from rank_processes import run_ranks
 from repo_paths import worker
 from safetensors import safe_open
 
@@ -122,21 +120,7 @@ def test_a_damaged_tensor_leaves_no_file_with_its_bytes(tmp_path):
 
 def test_an_fsdp2_checkpoint_exports_as_its_consolidated_tensors(tmp_path):
     logdir = tmp_path / "fsdp"
-    port = free_port()
-    procs = []
-    for rank in (0, 1):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
-        env.update(WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, worker("fsdp_worker.py"), str(logdir), "5"],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    results = [(*p.communicate(timeout=180), p.returncode) for p in procs]
+    results = run_ranks(worker("fsdp_worker.py"), logdir, 5)
     assert all(code == 0 for _, _, code in results), [err[-2000:] for _, err, _ in results]
     reader = ts.load_checkpoint(str(logdir))
     assert reader.is_sharded
@@ -165,3 +149,61 @@ def test_a_checkpoint_in_a_bucket_exports_and_the_command_line(s3_url, tmp_path,
             assert torch.equal(f.get_tensor(name), tensor)
     assert main(["export", s3_url, out, "--format", "hf", "--max-shard-size", "lots"]) != 0
     assert "expected a size such as 5GB" in capsys.readouterr().err
+
+
+def test_read_ahead_gives_its_buffers_back_and_stops_with_its_consumer():
+    from torchsupervisor.interop.hf_export import BufferPool, ReadAhead
+
+    pool = BufferPool(8, depth=2)
+
+    def produce(buffer_for, fail_at=None):
+        for i in range(100):
+            if i == fail_at:
+                raise OSError("the disk went away")
+            piece = buffer_for(8)
+            piece[:] = bytes([i]) * 8
+            yield piece
+
+    pieces = iter(ReadAhead(produce, pool))
+    assert bytes(next(pieces)) == b"\x00" * 8 and bytes(next(pieces)) == b"\x01" * 8
+    pieces.close()  # The consumer stops early: the thread ends, every buffer is back.
+    assert pool.free.qsize() == 2
+    got = []
+    with pytest.raises(OSError, match="the disk went away"):
+        for piece in ReadAhead(lambda b: produce(b, fail_at=3), pool):
+            got.append(bytes(piece)[0])
+    assert got == [0, 1, 2] and pool.free.qsize() == 2
+
+
+def save_columns_rank(rank: int, world_size: int, directory: str) -> None:
+    """A tensor split along its columns (and one along its rows), saved by every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from torchsupervisor.checkpoint.sharded.collective import save_sharded
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(30, dtype=torch.float32).reshape(6, 5)
+    state = {
+        "model": {
+            "w": distribute_tensor(full, mesh, [Shard(1)]),
+            "b": distribute_tensor(full[0].clone(), mesh, [Shard(0)]),
+        }
+    }
+    save_sharded(state, os.path.join(directory, "model.ckpt-1"), global_step=1)
+
+
+def test_a_tensor_split_along_its_columns_exports_whole(tmp_path):
+    from torchsupervisor.testing import run_world
+
+    (tmp_path / "run").mkdir()
+    run_world(save_columns_rank, str(tmp_path / "run"), world_size=2)
+    reader = ts.load_checkpoint(str(tmp_path / "run"))
+    chunks = reader.manifest.sharded_tensors["model/w"].chunks
+    assert sorted(c.offsets for c in chunks) == [(0, 0), (0, 3)]  # Columns 0-2 and 3-4.
+    out = str(tmp_path / "hf")
+    export_hf(str(tmp_path / "run"), out)
+    ((file,),) = [set(_files(out)["weight_map"].values())]
+    full = torch.arange(30, dtype=torch.float32).reshape(6, 5)
+    with safe_open(os.path.join(out, file), framework="pt") as f:
+        assert torch.equal(f.get_tensor("w"), full) and torch.equal(f.get_tensor("b"), full[0])

@@ -115,6 +115,7 @@ class ReadAhead:
 
     def __iter__(self) -> Iterator[memoryview]:
         self._thread.start()
+        current = None
         try:
             while True:
                 item = self._ready.get()
@@ -122,9 +123,13 @@ class ReadAhead:
                     return
                 if isinstance(item, BaseException):
                     raise item
+                current = item
                 yield item
                 self._release(item)  # Asked for the next piece: this one was written.
+                current = None
         finally:
+            if current is not None:  # The consumer stopped at this piece.
+                self._release(current)
             self._stop.set()
             self._thread.join()
             while not self._ready.empty():  # Read ahead of a consumer that stopped early.
