@@ -49,6 +49,14 @@ def main() -> None:
         help="every rank keeps a snapshot of its shards in host memory (/dev/shm) every N "
         "steps (0: off)",
     )
+    parser.add_argument(
+        "--local-dir",
+        default=None,
+        help="with the memory tier: every rank also copies its snapshots to this directory on "
+        "its local disk, every --local-every-n-steps steps (a restart after a reboot)",
+    )
+    parser.add_argument("--local-every-n-steps", type=int, default=10)
+    parser.add_argument("--local-keep", type=int, default=2, help="copies kept a rank")
     args = parser.parse_args()
 
     # Join the replicas' process group (torchrun's environment) before sharding the model.
@@ -77,7 +85,14 @@ def main() -> None:
         save_summaries_secs=5,
         preemption_signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT),
         memory_tier=(
-            ts.MemoryTierConfig(every_n_steps=args.memory_every_n_steps)
+            ts.MemoryTierConfig(
+                every_n_steps=args.memory_every_n_steps,
+                local_disk=ts.LocalDiskConfig(
+                    args.local_dir, every_n_steps=args.local_every_n_steps, keep=args.local_keep
+                )
+                if args.local_dir
+                else None,
+            )
             if args.memory_every_n_steps
             else None
         ),

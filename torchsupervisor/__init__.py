@@ -131,6 +131,7 @@ from torchsupervisor.summary import (
 from torchsupervisor.supervisor.session_manager import SessionManager
 from torchsupervisor.supervisor.supervisor import Supervisor
 from torchsupervisor.supervisor.train_loop import basic_train_loop
+from torchsupervisor.tiers.local_disk import LocalDiskConfig
 from torchsupervisor.tiers.memory import MemoryTierConfig
 from torchsupervisor.training.clip_ops import (
     clip_by_average_norm,
@@ -210,6 +211,7 @@ __all__ = [
     "SlurmRequeue",
     "SlurmTimeLimit",
     "StepContext",
+    "LocalDiskConfig",
     "MemoryTierConfig",
     "NullSummaryWriter",
     "SummaryWriter",

@@ -190,3 +190,52 @@ def test_the_demo_draws_a_live_line_on_a_terminal(tmp_path):
     assert "Done at step 60" in proc.stdout  # The plain lines stay on stdout.
     line = seen.decode(errors="replace")
     assert "%|" in line and "step 60/60" in line and "steps/s" in line and "loss " in line
+
+
+def test_kill_9_and_a_reboot_resume_from_the_local_disk_tier(tmp_path):
+    """``--memory-every-n-steps 1 --local-dir DIR``: the demo is killed with SIGKILL, its
+    node's memory is lost (the tmpfs emptied), and the restart resumes from the newest copy
+    on the local disk, checked, at a step it had reached."""
+    logdir, shm, local = str(tmp_path / "run"), tmp_path / "shm", tmp_path / "local"
+    shm.mkdir()
+    env = {**os.environ, "TORCHSUPERVISOR_MEMORY_ROOT": str(shm)}
+    args = [
+        *("--max-steps", "100000", "--save-model-secs", "3600", "--step-delay-secs", "0.01"),
+        *("--memory-every-n-steps", "1", "--local-dir", str(local)),
+        *("--local-every-secs", "0.2"),
+    ]
+    proc = subprocess.Popen(
+        _demo(logdir, *args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+    )
+    try:
+        copies: list[str] = []
+        for _ in range(1200):  # 120 s at most.
+            copies = [p for p in _tree(local) if p.endswith(".index")]
+            if len(copies) >= 2:
+                break
+            assert proc.poll() is None, "the demo ended"
+            time.sleep(0.1)
+        assert len(copies) >= 2, "no second copy on the local disk in 120 s"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    newest = max(
+        int(p[: -len(".index")].rsplit("-", 1)[1]) for p in _tree(local) if p.endswith(".index")
+    )
+    for path in _tree(shm):  # The reboot: the node's memory is gone.
+        if os.path.isfile(path):
+            os.unlink(path)
+    again = ["--max-steps", str(newest + 5), *args[2:4], *args[6:]]  # No delay.
+    out = subprocess.run(
+        _demo(logdir, *again), capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(rf"Resumed at step {newest} from \S+ \(local tier\)", out.stdout), out.stdout
+    assert _DONE.search(out.stdout)
+
+
+def _tree(root) -> list[str]:
+    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names]

@@ -15,6 +15,7 @@ import glob
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +33,9 @@ _RESUMED = re.compile(r"rank (\d): resumed at step (\d+) from \S+ \((\w+) tier\)
 _LOST = re.compile(r"at most (\d+) steps? lost")
 
 
-def _torchrun(logdir, workdir, restarts: int, fresh: bool = True) -> subprocess.Popen:
+def _torchrun(
+    logdir, workdir, restarts: int, fresh: bool = True, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     if fresh:
         workdir.mkdir()
         (workdir / "shm").mkdir()
@@ -43,6 +46,7 @@ def _torchrun(logdir, workdir, restarts: int, fresh: bool = True) -> subprocess.
         os.path.join(ROOT, "examples", "fsdp_digits.py"),
         *("--logdir", str(logdir), "--max-steps", str(MAX_STEPS), "--save-model-secs", "3600"),
         *("--memory-every-n-steps", "1", "--log-every", "1000"),
+        *extra,
     ]
     env = {
         **os.environ,
@@ -123,3 +127,68 @@ def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_p
     assert latest_checkpoint(str(tmp_path / "logdir")).endswith(f"model.ckpt-{MAX_STEPS}")
     # A clean end whose final checkpoint holds the last step frees every rank's memory.
     assert _held(run, 0) == _held(run, 1) == []
+
+
+def _local_held(workdir, rank: int) -> list[int]:
+    pattern = os.path.join(memory_root(str(workdir / "local")), "*", f"rank-{rank}", "*.index")
+    return sorted(int(p[: -len(".index")].rsplit("-", 1)[1]) for p in glob.glob(pattern))
+
+
+def test_after_a_reboot_every_rank_resumes_from_its_local_disk_at_one_step(tmp_path):
+    """``--local-dir``: every rank copies its snapshot every 10 steps, at the same steps. A
+    rank is killed, the node's memory is lost, the newest common copy is damaged on one rank:
+    both ranks resume from their local disks at the common step before, together."""
+    run = tmp_path / "run"
+    extra = ("--local-dir", str(run / "local"), "--local-every-n-steps", "10", "--local-keep", "3")
+    process = _torchrun(tmp_path / "logdir", run, restarts=0, extra=extra)
+    try:
+        deadline = time.monotonic() + 180
+        while min(len(_local_held(run, r)) for r in (0, 1)) < 3:
+            assert process.poll() is None, (run / "out.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no three copies on every rank in 180 s"
+            time.sleep(0.02)
+        pid = next(p for p in children(process.pid) if rank_of(p) == 1)
+        os.kill(pid, signal.SIGKILL)
+        assert process.wait(120) != 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+    held = [_local_held(run, r) for r in (0, 1)]
+    common = sorted(set(held[0]) & set(held[1]))
+    assert len(common) >= 2 and all(step % 10 == 0 for step in common), held  # The same steps.
+    shutil.rmtree(run / "shm")  # The reboot: the node's memory is gone.
+    (run / "shm").mkdir()
+    damaged = random.Random().randrange(2)
+    data = glob.glob(
+        os.path.join(
+            memory_root(str(run / "local")),
+            "*",
+            f"rank-{damaged}",
+            f"model.ckpt-{common[-1]}.data-*",
+        )
+    )
+    with open(data[0], "r+b") as f:
+        f.seek(os.path.getsize(data[0]) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    (run / "out.log").rename(run / "first.log")
+    process = _torchrun(tmp_path / "logdir", run, restarts=0, fresh=False, extra=extra)
+    try:
+        assert process.wait(300) == 0, (run / "out.log").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+    text = (run / "out.log").read_text()
+    assert (
+        f"step {common[-1]} of the local tier is not usable on every rank (rank {damaged}" in text
+    )
+    resumed = sorted(_RESUMED.findall(text))
+    assert resumed == [("0", str(common[-2]), "local"), ("1", str(common[-2]), "local")], text[
+        -3000:
+    ]
+    assert len(re.findall(rf"rank \d: done at step {MAX_STEPS}", text)) == 2, text[-3000:]
+    # A clean end whose final checkpoint holds the last step frees every rank's copies.
+    assert _local_held(run, 0) == _local_held(run, 1) == []

@@ -30,6 +30,7 @@ from torchsupervisor.checkpoint.run_id import read_run_id
 from torchsupervisor.checkpoint.state_file import get_checkpoint_state, state_file_path
 from torchsupervisor.errors import CorruptCheckpointError, NotFoundError, UnimplementedError
 from torchsupervisor.storage import is_url, storage_for
+from torchsupervisor.tiers.local_disk import LOCAL_TIER
 from torchsupervisor.tiers.memory import MEMORY_TIER, held_in_memory
 from torchsupervisor.tiers.selection import restore_order
 
@@ -47,6 +48,7 @@ KEPT_NO_STATE_FILE = "no state file"
 KEPT_MEMORY_SLOT = "memory slot"
 KEPT_OTHER_RUN = "another run's (deleted at start)"
 KEPT_PEER_COPY = "peer copy"
+KEPT_LOCAL_COPY = "local copy"
 PEER_TIER = "peer"
 
 
@@ -68,8 +70,8 @@ class CheckpointInfo:
         elsewhere: It is in another directory (named by the state file with an absolute path,
             or a snapshot of the memory tier).
         metrics: The metrics saved with it (``Saver.save(metrics=)``); None: none.
-        tier: ``"disk"``, ``"bucket"`` or ``"memory"``.
-        rank: The rank whose snapshot it is (the memory tier), else None.
+        tier: ``"disk"``, ``"bucket"``, ``"memory"``, ``"peer"`` or ``"local"``.
+        rank: The rank whose snapshot it is (the memory and local tiers), else None.
         format: ``"torchsupervisor"``, or ``"tf1"`` for a TF 1 checkpoint (a tensor bundle:
             read and checked, never restored by a restart).
     """
@@ -206,8 +208,11 @@ def restart_order(logdir: str) -> list[str]:
         return restore_candidates(logdir)
 
 
-def _memory_infos(logdir: str, verify: bool, root: str | None) -> list[CheckpointInfo]:
-    """The memory tier's snapshots of the run of ``logdir``, checked as checkpoints are.
+def _memory_infos(
+    logdir: str, verify: bool, root: str | None, tier: str = MEMORY_TIER
+) -> list[CheckpointInfo]:
+    """The memory tier's snapshots of the run of ``logdir`` (or, with ``tier`` ``"local"``,
+    the local-disk tier's copies under ``root``), checked as checkpoints are.
 
     A snapshot whose manifest names another step than its file is corrupt (an older
     generation in its place), as a restart finds it.
@@ -215,15 +220,15 @@ def _memory_infos(logdir: str, verify: bool, root: str | None) -> list[Checkpoin
     infos = []
     run_id = read_run_id(logdir)
     for held in held_in_memory(logdir, root):
-        tier = PEER_TIER if held.copy else MEMORY_TIER
         for prefix in held.prefixes:
-            info = CheckpointInfo(prefix, elsewhere=True, tier=tier, rank=held.rank)
+            where = PEER_TIER if held.copy else tier
+            info = CheckpointInfo(prefix, elsewhere=True, tier=where, rank=held.rank)
             manifest, files = _check(info, verify)
             info.size_bytes, info.own_bytes = _sizes(prefix, manifest, files)
             if held.copy:
                 info.kept_by = KEPT_PEER_COPY
             elif held.same_run:
-                info.kept_by = KEPT_MEMORY_SLOT
+                info.kept_by = KEPT_MEMORY_SLOT if tier == MEMORY_TIER else KEPT_LOCAL_COPY
             else:
                 info.kept_by = KEPT_OTHER_RUN
             origin = {} if manifest is None else manifest.origin or {}
@@ -242,8 +247,15 @@ def _memory_infos(logdir: str, verify: bool, root: str | None) -> list[Checkpoin
     return infos
 
 
-def survey(logdir: str, *, verify: bool = True, memory_root: str | None = None) -> Survey:
-    """Describe the checkpoints of ``logdir``, and the memory tier's snapshots of its run.
+def survey(
+    logdir: str,
+    *,
+    verify: bool = True,
+    memory_root: str | None = None,
+    local_dir: str | None = None,
+) -> Survey:
+    """Describe the checkpoints of ``logdir``, and the memory (and local-disk) tier's snapshots
+    of its run.
 
     Args:
         logdir: A log directory (as given to the Supervisor or ``Saver.save``).
@@ -251,6 +263,8 @@ def survey(logdir: str, *, verify: bool = True, memory_root: str | None = None) 
             ``restore`` is the first candidate whose manifest reads).
         memory_root: The memory tier's file system (``MemoryTierConfig.root``); None: the
             default (``$TORCHSUPERVISOR_MEMORY_ROOT`` or ``/dev/shm``).
+        local_dir: The local-disk tier's directory (``LocalDiskConfig.directory``); None:
+            not listed.
 
     Returns:
         A ``Survey``.
@@ -306,6 +320,8 @@ def survey(logdir: str, *, verify: bool = True, memory_root: str | None = None) 
     for info in infos:
         info.tier = directory_tier
     memory = _memory_infos(logdir, verify, memory_root)
+    if local_dir is not None:
+        memory += _memory_infos(logdir, verify, local_dir, LOCAL_TIER)
     infos.extend(memory)
     by_path.update({_key(i.prefix): i for i in memory})
     held = [  # What a restart of rank 0 (one process, a replicated run's chief) considers:
@@ -313,7 +329,7 @@ def survey(logdir: str, *, verify: bool = True, memory_root: str | None = None) 
         (i.tier, i.step, i.prefix)
         for i in memory
         if i.rank == 0
-        and i.kept_by in (KEPT_MEMORY_SLOT, KEPT_PEER_COPY)
+        and i.kept_by in (KEPT_MEMORY_SLOT, KEPT_PEER_COPY, KEPT_LOCAL_COPY)
         and i.step is not None
         and i.status != CORRUPT
     ]

@@ -31,6 +31,9 @@ Why a checkpoint is kept:
     peer copy              a copy this node keeps of another node's snapshot of that rank
                            (the ``peer`` tier): a restart of that rank takes it when it is
                            newer than its own memory (a sharded run's ranks fetch it)
+    local copy             a copy of a memory snapshot on this node's disk (the ``local``
+                           tier, listed with ``--local-dir``: ``LocalDiskConfig``): a restart
+                           tries it after the memory tier's snapshots of the same step
 """
 
 from __future__ import annotations
@@ -71,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory-root",
         default=None,
         help="the memory tier's file system (default $TORCHSUPERVISOR_MEMORY_ROOT or /dev/shm)",
+    )
+    parser.add_argument(
+        "--local-dir",
+        default=None,
+        help="the local-disk tier's directory (LocalDiskConfig.directory): list its copies too",
     )
     parser.add_argument("--json", action="store_true", help="print the listing as JSON")
 
@@ -181,7 +189,10 @@ def _restart(found: Survey) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run ``torchsupervisor ls``; returns the exit status (0, or 1 for a missing logdir)."""
     found = survey(
-        resolve(args.logdir).logdir, verify=not args.no_verify, memory_root=args.memory_root
+        resolve(args.logdir).logdir,
+        verify=not args.no_verify,
+        memory_root=args.memory_root,
+        local_dir=args.local_dir,
     )
     if args.json:
         out = dataclasses.asdict(found)

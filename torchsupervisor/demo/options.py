@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from torchsupervisor.tiers.local_disk import LocalDiskConfig
 from torchsupervisor.tiers.memory import MemoryTierConfig
 
 __all__ = [
@@ -95,13 +96,33 @@ def add_common_arguments(parser: argparse.ArgumentParser, demo: str) -> None:
         default=None,
         help="its tmpfs (None: $TORCHSUPERVISOR_MEMORY_ROOT or /dev/shm)",
     )
+    parser.add_argument(
+        "--local-dir",
+        default=None,
+        help="also copy the memory tier's snapshots to this local disk directory at their "
+        "own interval: a restart after a reboot reads them",
+    )
+    parser.add_argument(
+        "--local-every-secs",
+        type=float,
+        default=60.0,
+        help="seconds between two copies to --local-dir (0: every snapshot)",
+    )
+    parser.add_argument("--local-keep", type=int, default=2, help="copies kept in --local-dir")
 
 
 def memory_tier(args: argparse.Namespace) -> MemoryTierConfig | None:
     """The memory tier the options ask for (None: off)."""
     if not args.memory_every_n_steps:
+        if args.local_dir:
+            raise SystemExit("--local-dir copies the memory tier: give --memory-every-n-steps too")
         return None
-    return MemoryTierConfig(args.memory_every_n_steps, args.memory_slots, args.memory_root)
+    local = None
+    if args.local_dir:
+        local = LocalDiskConfig(args.local_dir, args.local_every_secs, keep=args.local_keep)
+    return MemoryTierConfig(
+        args.memory_every_n_steps, args.memory_slots, args.memory_root, local_disk=local
+    )
 
 
 def resumed_from(sess: Any) -> str | None:

@@ -51,6 +51,8 @@ from torchsupervisor.tiers.memory import MEMORY_TIER, MemoryTier, MemoryTierConf
 if TYPE_CHECKING:
     import torch
 
+    from torchsupervisor.tiers.tier import SnapshotTier
+
 __all__ = ["ChiefSessionCreator", "SessionCreator", "WorkerSessionCreator"]
 
 logger = logging.getLogger("torchsupervisor")
@@ -255,8 +257,9 @@ class ChiefSessionCreator(_ScaffoldedCreator):
             self._writer_lock.release()
             self._writer_lock = None
 
-    def _open_memory_tier(self) -> list[MemoryTier]:
-        """The memory tier, opened at the first session (``memory_tier`` and a directory)."""
+    def _open_memory_tier(self) -> list[SnapshotTier]:
+        """The memory tier (and its local-disk tier), opened at the first session
+        (``memory_tier`` and a directory)."""
         if self._memory is None and self._memory_config is not None and self._checkpoint_dir:
             run_id = ensure_run_id(self._checkpoint_dir)
             self._memory = MemoryTier(
@@ -266,7 +269,7 @@ class ChiefSessionCreator(_ScaffoldedCreator):
                 rank=distributed.rank(),
                 clock=self._clock,
             )
-        return [] if self._memory is None else [self._memory]
+        return [] if self._memory is None else self._memory.tiers
 
     def _start_memory_tier(self, sess: Session) -> None:
         if self._memory is None:

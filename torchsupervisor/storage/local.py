@@ -31,6 +31,7 @@ import re
 import select
 import socket
 import stat
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterable
@@ -69,6 +70,8 @@ an open for reading)."""
 _TEMP_SUFFIX_RE = re.compile(r"\.tmp[0-9a-f]{32}$")
 
 _WRITE_CHUNK_BYTES = 64 << 20
+_LINUX = sys.platform.startswith("linux")
+_COPY_CHUNK_BYTES = 8 << 20  # Bytes a call of ``put_copied`` (a few calls per snapshot).
 _RECEIVE_CHUNK_BYTES = 1 << 20  # A pipe's size for splice(2), or the buffer without it.
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux's value (Python 3.10+ names it).
 
@@ -143,6 +146,36 @@ class LocalStorage(Storage):
             OSError: The write failed. In every case nothing of the file is left.
         """
         self._commit(path, lambda fd, tmp: self._receive(fd, tmp, conn, size), False, None)
+
+    def put_copied(self, path: str, source: int, size: int) -> None:
+        """Write ``path`` as ``put`` does with the first ``size`` bytes of the open file
+        ``source`` (a file descriptor), copied in the kernel (``sendfile(2)`` where the OS has
+        it: Linux), never through this process's memory (the local tier's copy of a memory
+        snapshot, ``tiers/disk``); else read into a buffer and written.
+
+        Raises:
+            OSError: The read or the write failed, or ``source`` holds fewer than ``size``
+                bytes (``EIO``, naming both); nothing of the file is left.
+        """
+        self._commit(path, lambda fd, tmp: self._copy_from(fd, tmp, source, size), False, None)
+
+    def _copy_from(self, fd: int, path: str, source: int, size: int) -> None:
+        """Write ``size`` bytes of ``source`` from its start at ``fd``'s offset."""
+        offset = 0
+        while offset < size:
+            count = min(size - offset, _COPY_CHUNK_BYTES)
+            self._before("write", path)
+            if _LINUX:  # A file to a file: Linux's sendfile only.
+                moved = os.sendfile(fd, source, offset, count)
+            else:
+                data = os.pread(source, count, offset)
+                self._write(fd, path, memoryview(data))
+                moved = len(data)
+            if not moved:
+                raise OSError(
+                    errno.EIO, f"the source of {path} ended at byte {offset} of {size}", path
+                )
+            offset += moved
 
     def _receive(self, fd: int, path: str, conn: socket.socket, size: int) -> None:
         """Write ``size`` bytes from ``conn`` at ``fd``'s offset (``put_received``)."""

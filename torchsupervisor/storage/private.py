@@ -169,10 +169,23 @@ class MemoryTierStorage(LocalStorage):
                 pass
             _check_private(level)
 
-    def check_room(self, directory: str, needed_bytes: int) -> None:
+    def check_room(
+        self,
+        directory: str,
+        needed_bytes: int,
+        *,
+        tier: str = "memory",
+        advice: str = "give it room (a larger tmpfs, or TORCHSUPERVISOR_MEMORY_ROOT naming "
+        "another), keep fewer slots, or turn the memory tier off",
+    ) -> None:
         """Check that the file system of ``directory`` can hold ``needed_bytes`` more than
         now, counting what ``directory`` holds already as free (its slots are rewritten in
         place of it).
+
+        Args:
+            directory: The tier's directory.
+            needed_bytes: What its snapshots take at most (bytes).
+            tier: The tier's name, and ``advice``: what to do, for the message.
 
         Raises:
             MemoryTierFullError: It cannot; the message names the directory, the bytes
@@ -182,10 +195,8 @@ class MemoryTierStorage(LocalStorage):
         free = fs.f_bavail * fs.f_frsize + _bytes_under(directory)
         if free < needed_bytes:
             raise MemoryTierFullError(
-                f"The memory tier at {directory} needs {needed_bytes} bytes but its file system "
-                f"has {free} bytes free; give it room (a larger tmpfs, or "
-                "TORCHSUPERVISOR_MEMORY_ROOT naming another), keep fewer slots, or turn the "
-                "memory tier off",
+                f"The {tier} tier at {directory} needs {needed_bytes} bytes but its file "
+                f"system has {free} bytes free; {advice}",
                 path=directory,
                 needed_bytes=needed_bytes,
                 free_bytes=free,

@@ -32,6 +32,7 @@ from torchsupervisor.supervisor.settings import Settings
 from torchsupervisor.tiers import replication, ring
 from torchsupervisor.tiers.memory import MEMORY_TIER, MemoryTier
 from torchsupervisor.tiers.peer import PeerSender, PeerServer
+from torchsupervisor.tiers.tier import SnapshotTier
 
 __all__ = ["PEER_END", "PEER_EXCHANGE_SECS", "RING_END", "ModeTiers"]
 
@@ -68,9 +69,9 @@ class ModeTiers:
         self.peer_sender: PeerSender | None = None
         self.ring_posts: list[dict[str, Any]] | None = None
 
-    def open(self, sharded: bool = False) -> list[MemoryTier]:
-        """This rank's memory tier, opened before the restore (``memory_tier`` set); of its
-        local shards with ``sharded``."""
+    def open(self, sharded: bool = False) -> list[SnapshotTier]:
+        """This rank's memory tier and its local-disk tier (``MemoryTier.tiers``), opened
+        before the restore (``memory_tier`` set); of its local shards with ``sharded``."""
         st = self.settings
         logdir = st.replica_logdir
         if st.memory_tier is None or not logdir or st.saver is None:
@@ -91,7 +92,7 @@ class ModeTiers:
             world_size=distributed.world_size() if sharded else 1,
             clock=st.clock,
         )
-        return [self.memory]
+        return self.memory.tiers
 
     def start(self, sess: Session) -> None:
         """Snapshot into the memory tier from now on (the state restored or initialized)."""

@@ -46,9 +46,11 @@ from torchsupervisor.driver.sharded_checkpoints import ShardedCheckpointService
 from torchsupervisor.errors import AbortedError, InvalidArgumentError
 from torchsupervisor.supervisor.mode_tiers import ModeTiers
 from torchsupervisor.supervisor.services import SVTimerCheckpointThread
+from torchsupervisor.supervisor.session_manager import DIRECTORY_TIERS
 from torchsupervisor.supervisor.settings import Settings
 from torchsupervisor.tiers.agreed import agreed_tier
-from torchsupervisor.tiers.memory import HELD_IN_MEMORY, MEMORY_TIER
+from torchsupervisor.tiers.local_disk import LOCAL_TIER
+from torchsupervisor.tiers.memory import HELD_IN_MEMORY
 
 __all__ = [
     "ChiefMode",
@@ -256,7 +258,7 @@ class ChiefMode(Mode):
         if st.saver is None or not st.save_model_secs or not st.save_path:
             return []
         restored = sess.restored_checkpoint
-        on_disk = restored is not None and sess.restored_tier != MEMORY_TIER
+        on_disk = restored is not None and sess.restored_tier in DIRECTORY_TIERS
         self.sess = sess
         self.driver = CheckpointDriver(
             st.saver,
@@ -385,8 +387,12 @@ class ShardedMode(Mode):
         tiers = self.tiers.open(sharded=True)
         if st.memory_tier is not None and logdir and st.saver is not None:
             ring = self.tiers.exchange_ring()
-            agreed = agreed_tier(self.tiers.memory, replicas, max_wait_secs, **ring)
-            tiers = [agreed] if agreed is not None else []
+            memory = self.tiers.memory
+            agreed = [agreed_tier(memory, replicas, max_wait_secs, **ring)]
+            if st.memory_tier.local_disk is not None:  # The same on every rank.
+                local = None if memory is None else memory.local_disk
+                agreed.append(agreed_tier(local, replicas, max_wait_secs, name=LOCAL_TIER))
+            tiers = [t for t in agreed if t is not None]
         try:
             sess = _prepare_session(
                 st,

@@ -40,7 +40,11 @@ if TYPE_CHECKING:
     from torchsupervisor.driver.checkpoint_driver import SaverLike
     from torchsupervisor.tiers.tier import Snapshot, SnapshotTier
 
-__all__ = ["SessionManager"]
+__all__ = ["DIRECTORY_TIERS", "SessionManager"]
+
+DIRECTORY_TIERS = ("disk", "bucket")
+"""The names of the checkpoint directory's tier (``Session.restored_tier`` of a checkpoint
+restored from it); the other tiers (``"memory"``, ``"local"``) keep snapshots elsewhere."""
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -363,7 +367,7 @@ _Attempt = tuple[str, str, "Callable[[Session, str], None]"]
 
 def _tier_of(path: str) -> str:
     """The name of the tier of a checkpoint directory or prefix: ``"bucket"`` or ``"disk"``."""
-    return "bucket" if is_url(path) else "disk"
+    return DIRECTORY_TIERS[1] if is_url(path) else DIRECTORY_TIERS[0]
 
 
 def _held_snapshots(tiers: Sequence[SnapshotTier]) -> list[tuple[SnapshotTier, Snapshot]]:
@@ -423,8 +427,10 @@ def _restore_newest_valid(
                 )
             failures.append(f"{prefix}: {e}")
             continue
-        if failures:
+        if failures and tier == directory_tier:
             logger.warning("Restored %s, the newest valid checkpoint in %s", prefix, directory)
+        elif failures:
+            logger.warning("Restored %s of the %s tier, the newest valid snapshot", prefix, tier)
         return tier, prefix
     raise DataLossError(
         None,

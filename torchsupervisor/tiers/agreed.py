@@ -1,4 +1,5 @@
-"""The memory tier of a sharded run at a restart: steps every rank holds, restored by all or none.
+"""A sharded run's memory and local-disk tiers at a restart: steps every rank holds, restored
+by all or none.
 
 In a sharded run (FSDP2) each rank keeps only its own part in its own memory
 (``tiers/local_shards``), and the ranks' writers may be a snapshot or two apart when a rank
@@ -11,7 +12,8 @@ with the reason, and every rank goes on to the next step, or to the checkpoint d
 together. Never a mix of steps, and each step is tried once. With peer copies
 (``tiers/ring``) a rank also counts as held the steps of its part that other nodes offer, and
 fetches its part of the step tried when its memory lacks it (or its own fails), one copy at a
-time until one passes its checks.
+time until one passes its checks. The local-disk tier (``tiers/local_disk``) is agreed on in
+the same way, on its own (its steps gathered apart, never mixed with the memory tier's).
 
 TF name: none.
 """
@@ -29,12 +31,13 @@ from torchsupervisor.tiers.tier import Snapshot
 if TYPE_CHECKING:
     from torchsupervisor.core.session import Session
     from torchsupervisor.distributed.replicas import ReplicaGroup
+    from torchsupervisor.tiers.local_disk import LocalDiskTier
     from torchsupervisor.tiers.memory import MemoryTier
 
 __all__ = ["AgreedTier", "agreed_tier", "common_steps"]
 
-_HOLDINGS = "memory/holdings"
-_RESTORED = "memory/restored/"
+_HOLDINGS = "{}/holdings"  # Of the tier named.
+_RESTORED = "{}/restored/{}"  # Of the tier named, of a step.
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -56,11 +59,11 @@ def common_steps(held: list[list[int]]) -> list[int]:
 
 
 class AgreedTier:
-    """This rank's ``MemoryTier`` as a ``SnapshotTier`` whose steps every rank holds and whose
-    restore succeeds on every rank or on none (module docstring).
+    """This rank's ``MemoryTier`` (or ``LocalDiskTier``) as a ``SnapshotTier`` whose steps
+    every rank holds and whose restore succeeds on every rank or on none (module docstring).
 
     Args:
-        memory: This rank's memory tier.
+        memory: This rank's memory tier, or its local-disk tier.
         replicas: The run's ranks.
         steps: The steps every rank holds, newest first (``common_steps``).
         timeout_secs: How long a rank waits for the others' outcomes (seconds).
@@ -71,7 +74,7 @@ class AgreedTier:
 
     def __init__(
         self,
-        memory: MemoryTier,
+        memory: MemoryTier | LocalDiskTier,
         replicas: ReplicaGroup,
         steps: list[int],
         timeout_secs: float,
@@ -110,15 +113,16 @@ class AgreedTier:
         except (CorruptCheckpointError, NotFoundError, InvalidArgumentError, OSError) as e:
             why = f"{type(e).__name__}: {e}"
         replicas = self._replicas
-        name = f"{_RESTORED}{step}"
+        name = _RESTORED.format(self.name, step)
         replicas.post(name, why)
         outcomes = replicas.gather(
-            name, self._timeout_secs, what=f"the memory tier's restore of step {step}"
+            name, self._timeout_secs, what=f"the {self.name} tier's restore of step {step}"
         )
         failed = [f"rank {rank}: {reason}" for rank, reason in enumerate(outcomes) if reason]
         if failed:
             raise CorruptCheckpointError(
-                f"step {step} of the memory tier is not usable on every rank ({'; '.join(failed)})"
+                f"step {step} of the {self.name} tier is not usable on every rank "
+                f"({'; '.join(failed)})"
             )
 
     def _restore_part(self, sess: Session, prefix: str, step: int) -> None:
@@ -146,24 +150,26 @@ class AgreedTier:
 
 
 def agreed_tier(
-    memory: MemoryTier | None,
+    memory: MemoryTier | LocalDiskTier | None,
     replicas: ReplicaGroup,
     timeout_secs: float,
     *,
     offered: Iterable[int] = (),
     fetch: Callable[[int], Iterable[str]] | None = None,
+    name: str = "memory",
 ) -> AgreedTier | None:
     """Gather every rank's steps; this rank's tier over the steps all hold.
 
-    Called on every rank at the same point (a rank without a memory tier posts nothing held,
-    so no step is common). None on a rank without a memory tier.
+    Called on every rank at the same point (a rank without the tier posts nothing held, so no
+    step is common). None on a rank without the tier.
 
     Args:
-        memory: This rank's memory tier, or None.
+        memory: This rank's memory tier (or its local-disk tier), or None.
         replicas: The run's ranks.
         timeout_secs: How long to wait for the other ranks (seconds).
         offered: Steps of this rank's part its peers offer (``tiers/ring``): held too.
         fetch: Fetches them (``AgreedTier``).
+        name: The tier's name (the same on every rank, also on one without it).
 
     Raises:
         DeadlineExceededError: A rank did not post its steps within ``timeout_secs``.
@@ -171,15 +177,17 @@ def agreed_tier(
     own: list[int] = []
     if memory is not None:
         own = sorted({s.step for s in memory.snapshots()} | set(offered), reverse=True)
-    replicas.post(_HOLDINGS, own)
-    held = replicas.gather(_HOLDINGS, timeout_secs, what="the memory tier's steps on every rank")
+    key = _HOLDINGS.format(name)
+    replicas.post(key, own)
+    held = replicas.gather(key, timeout_secs, what=f"the {name} tier's steps on every rank")
     steps = common_steps(held)
     if memory is None:
         return None
     if own and not steps:
         logger.warning(
-            "The memory tier holds no step that every rank holds (by rank: %s): restoring from "
+            "The %s tier holds no step that every rank holds (by rank: %s): restoring from "
             "the checkpoints",
+            name,
             held,
         )
     return AgreedTier(memory, replicas, steps, timeout_secs, fetch)

@@ -48,8 +48,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torchsupervisor.checkpoint.files import checkpoint_step, remove_checkpoint
-from torchsupervisor.checkpoint.reader import read_manifests
+from torchsupervisor.checkpoint.files import remove_checkpoint
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, scan_checkpoints
 from torchsupervisor.checkpoint.run_id import read_run_id
 from torchsupervisor.checkpoint.saver import Saver
@@ -59,9 +58,16 @@ from torchsupervisor.core.state import flatten_state
 from torchsupervisor.errors import CorruptCheckpointError
 from torchsupervisor.storage.private import MemoryTierStorage, SharedCounter
 from torchsupervisor.storage.slots import SlotFiles
+from torchsupervisor.tiers.local_disk import LocalDiskConfig, LocalDiskTier
 from torchsupervisor.tiers.local_shards import local_session
 from torchsupervisor.tiers.memory_root import memory_root, rank_directory
-from torchsupervisor.tiers.tier import Snapshot
+from torchsupervisor.tiers.tier import (
+    RUN_ID_FILE,
+    Snapshot,
+    SnapshotTier,
+    adopt_run,
+    committed_snapshots,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -85,9 +91,9 @@ HELD_IN_MEMORY = "this node's memory tier"
 """What holds a preemption's stop step when ``hold_stop`` succeeded, in log lines."""
 
 _BASENAME = "model.ckpt"
-_RUN_ID_FILE = "run_id"
 _HELD_FILE = re.compile(r"(rank|peer)-(\d+)/")  # A rank's own snapshots, or a peer copy.
 _REACHED_FILE = "reached_step"  # The global step at the newest step boundary (a counter).
+_LAST_COPY_SECS = 120.0  # The longest a close waits for the local-disk tier's last copy.
 _MANIFEST_SLACK_BYTES = 1 << 20  # Room for the manifests and the state file, per slot.
 
 logger = logging.getLogger("torchsupervisor")
@@ -111,6 +117,9 @@ class MemoryTierConfig:
             this long of steps (a process kill still at most one step: its node's memory
             keeps every snapshot). A sharded run (FSDP2) sends every snapshot (each rank's
             copies must be of the steps the others keep).
+        local_disk: Also copy the snapshots to this node's disk at an interval of their own
+            (``tiers/local_disk``: a restart after the node's memory is gone, a reboot, reads
+            them instead of the checkpoint directory); None: no local-disk tier.
 
     Raises:
         TypeError, ValueError: For an argument of the wrong type or out of range, naming it.
@@ -122,12 +131,18 @@ class MemoryTierConfig:
     slots: int = 2
     root: str | None = None
     peer_every_secs: float = 0.0
+    local_disk: LocalDiskConfig | None = None
 
     def __post_init__(self) -> None:
         checks.check_int("every_n_steps", self.every_n_steps, minimum=1)
         checks.check_int("slots", self.slots, minimum=2)
         checks.check_path("root", self.root)
         checks.check_number("peer_every_secs", self.peer_every_secs, allow_inf=False)
+        if self.local_disk is not None and not isinstance(self.local_disk, LocalDiskConfig):
+            raise TypeError(
+                f"local_disk must be a LocalDiskConfig or None, got {self.local_disk!r} "
+                f"({type(self.local_disk).__name__})"
+            )
 
 
 class MemoryTier:
@@ -175,7 +190,7 @@ class MemoryTier:
         self.directory = rank_directory(root, logdir, rank)
         self.storage.prepare_directory(root, self.directory)
         self.save_path = os.path.join(self.directory, _BASENAME)
-        self._adopt(run_id)
+        adopt_run(self.directory, run_id, self.storage, MEMORY_TIER)
         clean_checkpoint_dir(self.directory, storage=self.storage)
         SlotFiles.remove_leftovers(self.directory)  # Of a process killed while staging.
         self.storage.slots = SlotFiles(self.directory, self.storage.file_mode)
@@ -205,28 +220,20 @@ class MemoryTier:
         self.on_commit: Callable[[str], object] | None = None
         """Called with each snapshot's prefix once committed (on the writer thread): the
         peer replica's sender."""
+        self.local_disk: LocalDiskTier | None = None
+        """The local-disk tier fed from this tier's snapshots (``config.local_disk``)."""
+        if config.local_disk is not None:
+            self.local_disk = LocalDiskTier(
+                config.local_disk, logdir, run_id, self.origin, rank=rank, sharded=sharded
+            )
+
+    @property
+    def tiers(self) -> list[SnapshotTier]:
+        """The tiers a restart tries besides the checkpoint directory, the faster first:
+        this one, then its local-disk tier (if any)."""
+        return [self] if self.local_disk is None else [self, self.local_disk]
 
     # ---------------------------------------------------------------------------- restoring
-
-    def _adopt(self, run_id: str) -> None:
-        """Delete every file of another run's snapshots; tag the directory with ``run_id``."""
-        tag = self._path(_RUN_ID_FILE)
-        try:
-            found = self.storage.read_bytes(tag, max_bytes=256).decode("ascii", "replace").strip()
-        except FileNotFoundError:
-            found = None
-        if found == run_id:
-            return
-        names = [n for n in self.storage.list(self.directory) if n != _RUN_ID_FILE]
-        if names:
-            logger.warning(
-                "The memory tier at %s holds snapshots of another run (its log directory was "
-                "made again): deleting them",
-                self.directory,
-            )
-        for name in names:
-            self.storage.delete(self._path(name))
-        self.storage.put(tag, [f"{run_id}\n".encode("ascii")])
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -247,25 +254,8 @@ class MemoryTier:
         than its file is reported in ``damaged``; the checksums of the data are checked by
         ``restore``.
         """
-        self.damaged = []
-        prefixes = scan_checkpoints(self.directory, storage=self.storage)
-        found = []
-        for prefix, manifest in read_manifests(prefixes, storage=self.storage).items():
-            if manifest is None:
-                self.damaged.append(f"{prefix}: its manifest is missing or damaged")
-            elif manifest.global_step is None or manifest.global_step != checkpoint_step(prefix):
-                self.damaged.append(
-                    f"{prefix}: its manifest is of step {manifest.global_step} (an older "
-                    "generation in its place)"
-                )
-            elif manifest.origin != self.origin:
-                self.damaged.append(
-                    f"{prefix}: it was written by {manifest.origin}, not by this run's rank "
-                    f"{self.origin['rank']} (another's snapshot in its place)"
-                )
-            else:
-                found.append(Snapshot(manifest.global_step, prefix))
-        return sorted(found, key=lambda s: s.step, reverse=True)
+        found, self.damaged = committed_snapshots(self.directory, self.storage, self.origin)
+        return found
 
     def restore(self, sess: Session, prefix: str) -> None:
         """Load the snapshot ``prefix`` into ``sess``'s state after checking every byte.
@@ -318,6 +308,8 @@ class MemoryTier:
         state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         needed = self.slots * (state_bytes + _MANIFEST_SLACK_BYTES)
         self.storage.check_room(self.directory, needed)
+        if self.local_disk is not None:
+            self.local_disk.start(read_step(global_step), state_bytes)
         self._log_restart(sess, read_step(global_step))
         self._reached = self.storage.open_counter(self._path(_REACHED_FILE))
         self._session = sess
@@ -424,6 +416,8 @@ class MemoryTier:
             self._report(step, error)
             return
         self._committed_step = step
+        if self.local_disk is not None:
+            self.local_disk.offer(future.result())
         on_commit = self.on_commit
         if on_commit is not None:
             on_commit(future.result())
@@ -479,6 +473,8 @@ class MemoryTier:
         if self._reached is not None and last is not None and self._committed_step == last:
             self._reached.set(-1 - last)  # Stopped with its last step held: nothing lost.
         self._detach()
+        if self.local_disk is not None:
+            self.local_disk.close(free=free, timeout_secs=_LAST_COPY_SECS)
         self.saver.close()
         if self.storage.slots is not None:
             self.storage.slots.close()
@@ -529,7 +525,7 @@ def held_in_memory(logdir: str, root: str | None = None) -> list[RankHoldings]:
     for rank in ranks:
         directory = os.path.join(run_dir, f"rank-{rank}")
         try:
-            tag = storage.read_bytes(os.path.join(directory, _RUN_ID_FILE), max_bytes=256)
+            tag = storage.read_bytes(os.path.join(directory, RUN_ID_FILE), max_bytes=256)
         except FileNotFoundError:
             tag = b""
         prefixes = tuple(scan_checkpoints(directory, storage=storage))

@@ -48,6 +48,7 @@ from typing import Any
 from torchsupervisor.checkpoint.files import checkpoint_step, remove_checkpoint
 from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, scan_checkpoints
 from torchsupervisor.storage.private import MemoryTierStorage
+from torchsupervisor.tiers.tier import snapshot_files
 
 __all__ = [
     "PeerSender",
@@ -57,7 +58,6 @@ __all__ = [
     "peer_directory",
     "remove_newer",
     "send_snapshot",
-    "snapshot_files",
 ]
 
 logger = logging.getLogger("torchsupervisor")
@@ -297,13 +297,6 @@ def _close_gently(conn: socket.socket) -> None:
     with contextlib.suppress(OSError):
         while time.monotonic() < deadline and conn.recv(1 << 16):
             pass
-
-
-def snapshot_files(prefix: str, storage: MemoryTierStorage) -> list[str]:
-    """The files of the snapshot ``prefix``: its data files, then its manifest."""
-    directory, base = os.path.split(prefix)
-    names = sorted(n for n in storage.list(directory) if n.startswith(base + ".data-"))
-    return [*names, base + ".index"]
 
 
 def _send_prefix(

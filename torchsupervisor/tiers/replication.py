@@ -34,8 +34,8 @@ from torchsupervisor.tiers.peer import (
     PeerServer,
     fetch_snapshot,
     peer_directory,
-    snapshot_files,
 )
+from torchsupervisor.tiers.tier import snapshot_files
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

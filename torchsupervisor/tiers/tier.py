@@ -1,21 +1,45 @@
 """What a restore asks of a tier that keeps snapshots outside the checkpoint directory.
 
 The checkpoint directory (on disk or in a bucket) is read by ``checkpoint/recovery``; a tier
-such as host memory (``tiers/memory``) lists its committed snapshots and restores one, and
-``SessionManager`` tries them in order of step, the faster tier first at the same step.
+such as host memory (``tiers/memory``) or a local disk (``tiers/disk``) lists its committed
+snapshots and restores one, and ``SessionManager`` tries them in order of step, the faster
+tier first at the same step.
+
+The functions here are what those tiers share: a directory tagged with its run's id
+(``adopt_run``), its committed snapshots with the damaged ones named
+(``committed_snapshots``), and a snapshot's files (``snapshot_files``).
 
 TF name: none.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from torchsupervisor.checkpoint.files import checkpoint_step
+from torchsupervisor.checkpoint.reader import read_manifests
+from torchsupervisor.checkpoint.recovery import scan_checkpoints
+
 if TYPE_CHECKING:
     from torchsupervisor.core.session import Session
+    from torchsupervisor.storage.private import MemoryTierStorage
 
-__all__ = ["Snapshot", "SnapshotTier"]
+__all__ = [
+    "RUN_ID_FILE",
+    "Snapshot",
+    "SnapshotTier",
+    "adopt_run",
+    "committed_snapshots",
+    "snapshot_files",
+]
+
+RUN_ID_FILE = "run_id"
+"""The file of a tier's directory naming the run its snapshots belong to."""
+
+logger = logging.getLogger("torchsupervisor")
 
 
 @dataclass(frozen=True)
@@ -48,3 +72,76 @@ class SnapshotTier(Protocol):
             CorruptCheckpointError: It is damaged (the state is then unchanged).
         """
         ...
+
+
+def adopt_run(directory: str, run_id: str, storage: MemoryTierStorage, tier: str) -> None:
+    """Delete every file of another run's snapshots in ``directory`` (a log directory removed
+    and made again is another run) and tag it with ``run_id`` (``RUN_ID_FILE``).
+
+    Args:
+        directory: A rank's directory of a tier (made already).
+        run_id: The run id of the log directory (``checkpoint.run_id``).
+        storage: The tier's storage.
+        tier: The tier's name, for the warning.
+
+    Raises:
+        OSError: A file could not be read, deleted or written.
+    """
+    tag = os.path.join(directory, RUN_ID_FILE)
+    try:
+        found = storage.read_bytes(tag, max_bytes=256).decode("ascii", "replace").strip()
+    except FileNotFoundError:
+        found = None
+    if found == run_id:
+        return
+    names = [n for n in storage.list(directory) if n != RUN_ID_FILE]
+    if names:
+        logger.warning(
+            "The %s tier at %s holds snapshots of another run (its log directory was made "
+            "again): deleting them",
+            tier,
+            directory,
+        )
+    for name in names:
+        storage.delete(os.path.join(directory, name))
+    storage.put(tag, [f"{run_id}\n".encode("ascii")])
+
+
+def committed_snapshots(
+    directory: str, storage: MemoryTierStorage, origin: dict[str, str | int]
+) -> tuple[list[Snapshot], list[str]]:
+    """The committed snapshots of ``directory`` whose manifests are sound, newest first, and
+    the refused ones as ``"<prefix>: <why>"``.
+
+    Reads only the manifests (small); the data's checksums are checked at restore. Refused:
+    a manifest missing or damaged, one naming another step than its file (an older generation
+    in its place), one written by another origin than ``origin`` (another run's or rank's
+    snapshot in its place).
+    """
+    damaged = []
+    found = []
+    prefixes = scan_checkpoints(directory, storage=storage)
+    for prefix, manifest in read_manifests(prefixes, storage=storage).items():
+        if manifest is None:
+            damaged.append(f"{prefix}: its manifest is missing or damaged")
+        elif manifest.global_step is None or manifest.global_step != checkpoint_step(prefix):
+            damaged.append(
+                f"{prefix}: its manifest is of step {manifest.global_step} (an older "
+                "generation in its place)"
+            )
+        elif manifest.origin != origin:
+            damaged.append(
+                f"{prefix}: it was written by {manifest.origin}, not by this run's rank "
+                f"{origin.get('rank')} (another's snapshot in its place)"
+            )
+        else:
+            found.append(Snapshot(manifest.global_step, prefix))
+    return sorted(found, key=lambda s: s.step, reverse=True), damaged
+
+
+def snapshot_files(prefix: str, storage: MemoryTierStorage) -> list[str]:
+    """The names of the files of the snapshot ``prefix``: its data files, then its manifest
+    (the order a copy writes them in: the manifest last commits it)."""
+    directory, base = os.path.split(prefix)
+    names = sorted(n for n in storage.list(directory) if n.startswith(base + ".data-"))
+    return [*names, base + ".index"]
