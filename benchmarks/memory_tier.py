@@ -22,7 +22,13 @@ with the memory tier on a tmpfs (``--memory-root``, default ``/dev/shm``):
 * restore from a peer: the snapshot sent to a ``PeerServer`` in another process (a peer node),
   then, in a fresh process, fetched back over the loopback into the tmpfs and restored (every
   byte checked), against the target 1.5 x bytes / the loopback's bandwidth (one TCP
-  connection between two processes, measured in the same run).
+  connection between two processes, measured in the same run);
+* the local-disk tier (``--local-dir``, on a disk): training with a copy of every snapshot to
+  it (the worst case: copies back to back) against the same loop without any tier, in the
+  same alternating rounds; one copy's time against a plain buffered write + fsync of the same
+  bytes into the same directory (``benchmarks/checkpoint.py``'s raw write); and the restore of
+  the copy in a fresh process from a cold page cache (the files evicted first, as after a
+  reboot).
 
 It prints a table and writes JSON (``--json``, default ``benchmarks/results/memory_tier.json``).
 """
@@ -44,7 +50,7 @@ from typing import Any
 
 import torch
 
-from torchsupervisor import GlobalStep, MemoryTierConfig, Session
+from torchsupervisor import GlobalStep, LocalDiskConfig, MemoryTierConfig, Session
 from torchsupervisor.checkpoint.files import checkpoint_step
 from torchsupervisor.tiers.memory import MemoryTier
 from torchsupervisor.tiers.peer import send_snapshot
@@ -56,7 +62,9 @@ from checkpoint import (  # noqa: E402 (benchmarks/checkpoint.py, this script's 
     Memcpy,
     TrainingLoop,
     build_state,
+    drop_from_page_cache,
     machine_facts,
+    measure_raw_write,
     parse_size,
     state_tensors,
     tensor_bytes,
@@ -96,7 +104,9 @@ def run_loop(sess: Session, step: GlobalStep, work: Steps, n: int) -> tuple[floa
     return time.perf_counter() - t0, boundaries
 
 
-def measure_size(size_bytes: int, root: str, steps: int, rounds: int, factor: float) -> dict:
+def measure_size(
+    size_bytes: int, root: str, local: str, steps: int, rounds: int, factor: float
+) -> dict:
     state = build_state(size_bytes)
     step = GlobalStep()
     state["global_step"] = step
@@ -107,22 +117,30 @@ def measure_size(size_bytes: int, root: str, steps: int, rounds: int, factor: fl
     work = Steps(state, factor * statistics.median(copies))
     logdir = tempfile.mkdtemp(prefix="memory-tier-bench-")
     tier = MemoryTier(MemoryTierConfig(every_n_steps=1, root=root), logdir, RUN_ID)
+    every = LocalDiskConfig(local, every_secs=0, every_n_steps=0, keep=1)
+    copying = MemoryTier(
+        MemoryTierConfig(every_n_steps=1, root=root, local_disk=every),
+        logdir + "-local",
+        RUN_ID,
+    )
     row: dict[str, Any] = {"bytes": nbytes, "step_work_secs": timed(work)}
     try:
-        on_rates, off_rates, stalls, copies = [], [], [], []
+        on_rates, off_rates, local_rates, stalls, copies = [], [], [], [], []
         for _ in range(rounds):
             plain = Session(state)
             secs, _ = run_loop(plain, step, work, steps)
             off_rates.append(steps / secs)
             plain.close()
-            sess = Session(state)
-            tier.start(sess, step)
-            run_loop(sess, step, work, 1)  # The first snapshot allocates the tmpfs pages.
-            secs, boundaries = run_loop(sess, step, work, steps)
-            on_rates.append(steps / secs)
-            stalls.extend(boundaries)
-            tier.wait()
-            sess.close()
+            for memory, rates in ((tier, on_rates), (copying, local_rates)):
+                sess = Session(state)
+                memory.start(sess, step)
+                run_loop(sess, step, work, 1)  # The first snapshot allocates the tmpfs pages.
+                secs, boundaries = run_loop(sess, step, work, steps)
+                rates.append(steps / secs)
+                if memory is tier:
+                    stalls.extend(boundaries)
+                memory.wait()
+                sess.close()
             work()
             copies.append(timed(memcpy))
         row["memcpy_secs"] = statistics.median(copies)
@@ -141,10 +159,44 @@ def measure_size(size_bytes: int, root: str, steps: int, rounds: int, factor: fl
         finally:
             os.unlink(pt)
         row["restore_target_secs"] = 0.3 + nbytes / 2e9
+        row["local"] = _local_disk(copying, local_rates, off_rates, size_bytes, nbytes, local)
     finally:
         tier.close(free=True)
+        copying.close(free=True)
         shutil.rmtree(logdir, ignore_errors=True)
     return row
+
+
+def _local_disk(
+    memory: MemoryTier,
+    rates: list[float],
+    off_rates: list[float],
+    size_bytes: int,
+    nbytes: int,
+    local: str,
+) -> dict[str, Any]:
+    """The local-disk tier's figures (module docstring): training with a copy of every
+    snapshot, one copy against a raw write of its bytes, a cold restore of the copy."""
+    disk = memory.local_disk
+    assert disk is not None
+    newest = memory.snapshots()[0].prefix
+    step = checkpoint_step(newest)
+    disk.close_copier()  # The copies of the rounds are done (the loop's sessions closed).
+    secs = []
+    for _ in range(3):
+        disk.start(step - 1, nbytes)
+        t0 = time.perf_counter()
+        disk.offer(newest)
+        disk.close_copier(flush=True)
+        secs.append(time.perf_counter() - t0)
+    copy = disk.snapshots()[0].prefix
+    drop_from_page_cache(disk.directory)
+    return {
+        "training_ratio": statistics.median(on / off for on, off in zip(rates, off_rates)),
+        "copy_secs": statistics.median(secs),
+        "raw_write_secs": measure_raw_write(nbytes, disk.directory, 3),
+        "cold_restore": _restore_in_fresh_process("ours", size_bytes, copy),
+    }
 
 
 def _payload(state: dict[str, Any]) -> dict[str, Any]:
@@ -311,6 +363,18 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['peer_restore']['target_secs']:>7.3f}s "
             f"{r['peer_restore']['loopback_bytes_per_sec'] / 1e9:>6.2f}GB/s"
         )
+    print(
+        f"\nLocal-disk tier: {'state':>9} {'train on/off':>12} {'copy':>8} {'raw write':>9} "
+        f"{'copy/raw':>8} {'cold restore':>12}"
+    )
+    for r in rows:
+        d = r["local"]
+        print(
+            f"{'':>16} {r['bytes'] / MB:>7.0f}MB {d['training_ratio']:>12.3f} "
+            f"{d['copy_secs']:>7.3f}s {d['raw_write_secs']:>8.3f}s "
+            f"{d['copy_secs'] / d['raw_write_secs']:>8.2f} "
+            f"{d['cold_restore']['restore_secs']:>11.3f}s"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,13 +387,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     default_root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     parser.add_argument("--memory-root", default=default_root, help="the tmpfs to use")
+    parser.add_argument(
+        "--local-dir", default=None, help="a directory on a disk for the local-disk tier"
+    )
     parser.add_argument("--json", default=os.path.join(HERE, "results", "memory_tier.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rows = [
-        measure_size(parse_size(s), args.memory_root, args.steps, args.rounds, args.step_factor)
-        for s in args.sizes.split(",")
-    ]
+    local = args.local_dir or tempfile.mkdtemp(prefix="memory-tier-local-")
+    try:
+        rows = [
+            measure_size(
+                parse_size(s), args.memory_root, local, args.steps, args.rounds, args.step_factor
+            )
+            for s in args.sizes.split(",")
+        ]
+    finally:
+        if args.local_dir is None:
+            shutil.rmtree(local, ignore_errors=True)
     print_table(rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
