@@ -243,3 +243,46 @@ def test_monitored_training_session_resumes_from_the_local_disk(dirs):
     tier, restored, again = run(0, fail=True)
     assert (tier, restored) == ("local", 7)
     assert torch.equal(again[0], weights[7])
+
+
+def test_a_preemption_copies_the_stop_step_to_the_local_disk_before_the_final_checkpoint(
+    dirs, monkeypatch
+):
+    """The stop's step goes to memory, then to the local disk (whatever its interval), then the
+    final checkpoint is tried in the time left: here it cannot make it (an fsync of 3 s), and
+    after a reboot the run resumes from the local disk at the stop's step."""
+    import signal
+
+    from torchsupervisor.testing import FaultyStorage
+
+    logdir, base, local = dirs
+    flushed = []
+    flush = LocalDiskTier.flush
+
+    def spy(self, step, timeout_secs):
+        flushed.append((step, flush(self, step, timeout_secs)))
+        return flushed[-1][1]
+
+    monkeypatch.setattr(LocalDiskTier, "flush", spy)
+    slow = FaultyStorage()
+    slow.delay("fsync", 3.0)
+    tiers = config(base, local, every_secs=3600, every_n_steps=0)
+    run = Run(
+        logdir,
+        base,
+        memory_tier=tiers,
+        saver=ts.Saver(storage=slow),
+        preemption_grace_secs=2.0,
+        preemption_sources=None,
+    )
+    with pytest.raises(SystemExit), run.sv.managed_session() as sess:
+        for _ in range(7):
+            sess.run(run.train_step)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert run.sv.should_stop()
+    assert flushed == [(7, True)]
+    assert copies(logdir, local) == [7]
+    assert ts.latest_checkpoint(logdir) is None  # Out of time: nothing in the directory.
+    reboot(base)
+    out = Run(logdir, base, memory_tier=tiers).train(0, fail=True)
+    assert (out["tier"], out["restored"]) == ("local", 7)

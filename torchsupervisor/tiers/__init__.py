@@ -1,5 +1,6 @@
 """The tiers a snapshot goes to besides the checkpoint directory: host memory that outlives the
-training process, and (to come) a peer host's memory.
+training process (``memory``), a peer host's memory (``peer``, ``replication``, ``ring``), and
+this node's disk at an interval of its own (``local_disk``).
 
 * ``selection``: which step a restart restores, and from which tier each rank reads it (pure
   policy over what every tier holds);

@@ -243,6 +243,7 @@ class LocalDiskTier:
         step = checkpoint_step(prefix)
         with self._cond:
             self._latest = prefix
+            self._cond.notify_all()  # A ``flush`` may wait for this offer.
             if self._is_due(step):
                 self._last_step = step
                 self._not_before = time.monotonic() + self.config.every_secs
@@ -251,7 +252,6 @@ class LocalDiskTier:
                     if self._pending is not None:
                         self._pending.close()
                     self._pending = pinned
-                    self._cond.notify()
 
     def _is_due(self, step: int) -> bool:
         """Whether the snapshot of ``step`` is to be copied (under the lock). By steps, the
@@ -269,7 +269,7 @@ class LocalDiskTier:
         offered, unless copied already."""
         with self._cond:
             while self._pending is None and not self._closing:
-                self._cond.wait()
+                self._cond.wait()  # A ``flush`` may wake it too.
             pinned, self._pending = self._pending, None
             latest, newest = self._latest, self.copied_step
             if not self._flush or latest is None:
@@ -291,6 +291,8 @@ class LocalDiskTier:
             try:
                 with pinned:
                     self._copy(pinned)
+                with self._cond:
+                    self._cond.notify_all()  # A ``flush`` may wait for it.
             except Exception as e:
                 kind = type(e).__name__
                 (logger.debug if kind in self._failures else logger.warning)(
@@ -315,6 +317,39 @@ class LocalDiskTier:
         self.copied_step = checkpoint_step(pinned.prefix)
         for old in self.snapshots()[self.config.keep :]:
             remove_checkpoint(old.prefix, storage=self.storage)
+
+    def flush(self, step: int, timeout_secs: float | None) -> bool:
+        """Copy the snapshot of ``step`` now, whatever the interval says, once the memory
+        tier offered it, and wait for the copy at most ``timeout_secs`` (a preemption's stop:
+        memory and the local disk first, then the checkpoint directory if the time left
+        allows). True once a copy of ``step`` (or of a newer one) is committed here.
+        """
+        deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+        asked = False
+        with self._cond:
+            while not self._holds(step):
+                if self._thread is None:
+                    return False
+                latest = self._latest
+                if not asked and latest is not None and checkpoint_step(latest) >= step:
+                    asked = True
+                    pending = self._pending
+                    if pending is None or pending.prefix != latest:
+                        pinned = _Pinned.open(latest)
+                        if pinned is None:
+                            return False
+                        if pending is not None:
+                            pending.close()
+                        self._pending = pinned
+                        self._cond.notify_all()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def _holds(self, step: int) -> bool:
+        return self.copied_step is not None and self.copied_step >= step
 
     # ------------------------------------------------------------------------------ closing
 

@@ -45,6 +45,7 @@ import concurrent.futures
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -405,10 +406,18 @@ class MemoryTier:
         """A preemption's stop: snapshot the current step now (``snapshot_now``), wait up to
         ``timeout_secs`` for it; True if the tier then holds ``step`` committed (the final
         checkpoint may be skipped when it cannot fit: ``CheckpointDriver.final``'s
-        ``held_elsewhere``). Both front ends call it (Supervisor, MonitoredSession).
+        ``held_elsewhere``). With a local-disk tier, the snapshot is then copied there too,
+        in what is left of ``timeout_secs`` (memory and the local disk first, then the
+        checkpoint directory). Both front ends call it (Supervisor, MonitoredSession).
         """
+        started = time.monotonic()
         self.snapshot_now()
-        return self.wait(timeout_secs) and step is not None and self._committed_step == step
+        held = self.wait(timeout_secs) and step is not None and self._committed_step == step
+        if held and step is not None and self.local_disk is not None:
+            left = None if timeout_secs is None else timeout_secs - (time.monotonic() - started)
+            if left is None or left > 0:
+                self.local_disk.flush(step, left)
+        return held
 
     def _done(self, future: concurrent.futures.Future[Any], step: int) -> None:
         error = future.exception()
