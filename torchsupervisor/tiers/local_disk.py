@@ -357,16 +357,16 @@ class LocalDiskTier:
         """Stop copying; with ``flush``, copy the newest snapshot offered first (waiting at
         most ``timeout_secs`` for it)."""
         thread, self._thread = self._thread, None
-        if thread is None:
-            return
         with self._cond:
-            self._closing, self._flush = True, flush
-            if not flush:
+            self._closing, self._flush = True, flush and thread is not None
+            if not self._flush:
                 self._latest = None
                 if self._pending is not None:
                     self._pending.close()
                     self._pending = None
-            self._cond.notify()
+            self._cond.notify_all()
+        if thread is None:
+            return
         thread.join(timeout_secs)
         if thread.is_alive():
             logger.warning(
