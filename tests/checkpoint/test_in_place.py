@@ -100,7 +100,7 @@ def test_a_layout_planned_once_writes_each_later_save_of_the_same_chunks(tmp_pat
     for value in (1.0, -2.5):  # New bytes in the same buffer, as the next save stages them.
         views["a"].fill_(value)
         views["s"].fill_(int(value * 10))
-        crcs, parts = planned.write(snapshot, written)
+        crcs, _, parts = planned.write(snapshot, written)
         placed = in_place_shard(snapshot, written)  # As if planned anew.
         assert [(n, e.with_fields(crc32c=c)) for (n, e), c in zip(planned.entries, crcs)] == (
             placed[0]

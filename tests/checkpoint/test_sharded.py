@@ -12,6 +12,7 @@ import os
 import pytest
 import safetensors.torch
 import torch
+from counting_storage import CountingStorage
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -22,7 +23,6 @@ from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState, is_sh
 from torchsupervisor.core.state import MAX_STATE_DEPTH
 from torchsupervisor.core.walk import walk_state
 from torchsupervisor.errors import CorruptCheckpointError
-from torchsupervisor.storage import LocalStorage
 from torchsupervisor.testing import FaultyStorage, run_world
 
 PREFIX = "model.ckpt-3"
@@ -382,26 +382,6 @@ def test_a_checkpoint_one_rank_cannot_find_fails_the_restore_on_every_rank(saved
     assert other == f"The passed save_path is not a valid checkpoint: {directory / 'gone'}"
 
 
-class _CountingStorage(LocalStorage):
-    """The local storage, counting the bytes read."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes_read = 0
-
-    def open_read(self, path: str, *, inside: str | None = None):
-        f = super().open_read(path, inside=inside)
-        read = f.readinto
-
-        def counted(view, offset):
-            n = read(view, offset)
-            self.bytes_read += n
-            return n
-
-        f.readinto = counted
-        return f
-
-
 def reshard_rank(rank: int, world_size: int, source: str, target: str) -> tuple[int, int]:
     """Restore ``source`` (written by another world size), compare every full tensor with its
     ``REFERENCE``, then save the state again into ``target`` with the reference beside it.
@@ -409,7 +389,7 @@ def reshard_rank(rank: int, world_size: int, source: str, target: str) -> tuple[
     Returns the bytes this rank read and the bytes of the state it holds."""
     model, optimizer = _build(1, world_size)
     state = _state(model, optimizer, 0)
-    storage = _CountingStorage()
+    storage = CountingStorage()
     load_sharded(state, os.path.join(source, PREFIX), storage=storage)
     _, tensors = walk_state(state)
     held = sum(

@@ -128,17 +128,22 @@ def test_packed_and_dcp_write_results_give_the_same_chunks():
 
     shard = ShardEntry("m.ckpt-1.data-00001-of-00002", 200, 64, 7, 8)
     entry = TensorEntry(1, torch.float32, (2, 4), 0, 32, 99)
+    blocks = (1, (5, 6))  # A block a row: the rows' CRCs.
     packed = PackedWrite(
-        shard, 1, [("w", (2, 0), "w[2:4,0:4]", torch.float32, (2, 4), 0, 32)], [99]
+        shard,
+        1,
+        [("w", (2, 0), "w[2:4,0:4]", torch.float32, (2, 4), 0, 32)],
+        [99],
+        blocks=[blocks],
     )
     dcp = [
         WriteResult(
             index=MetadataIndex("w", torch.Size([2, 0])),
             size_in_bytes=32,
-            storage_data=StoredChunk(shard, "w[2:4,0:4]", entry),
+            storage_data=StoredChunk(shard, "w[2:4,0:4]", entry, blocks),
         )
     ]
-    expected = [(("w", (2, 0)), "w[2:4,0:4]", shard, entry)]
+    expected = [(("w", (2, 0)), "w[2:4,0:4]", shard, entry, blocks)]
     assert list(written_chunks([packed])) == list(written_chunks([dcp])) == expected
     assert list(written_chunks([PackedWrite(None, None, [], []), dcp])) == expected
     foreign = [WriteResult(index=MetadataIndex("w"), size_in_bytes=0, storage_data="x")]
@@ -149,6 +154,7 @@ def test_packed_and_dcp_write_results_give_the_same_chunks():
         PackedWrite(None, None, packed.rows, [99]),  # Chunks without a shard.
         PackedWrite(shard, None, [], []),  # A shard without its index.
         PackedWrite(shard, 1, None, [99], 3),  # Rows sent before: only a table memo has them.
+        PackedWrite(shard, 1, packed.rows, [99], blocks=[]),  # Blocks short.
     ):
         with pytest.raises(ValueError, match="inconsistent"):
             list(written_chunks([bad]))
@@ -185,8 +191,8 @@ def test_the_coordinators_table_is_kept_while_every_ranks_rows_are_the_same():
     made = []  # Each save's (names by key, entry names): the same objects while kept.
     for crcs, begin in (([1, 2, 3], 0), ([4, 5, 6], 0), ([7, 8, 9], 64), ([1, 1, 1], 64)):
         results = _packed_results(crcs, begin)
-        shards, names, tensors = memo.table(results)
-        want_shards, want_names, want_tensors = _table(results)  # Made from nothing.
+        shards, names, tensors, _ = memo.table(results)
+        want_shards, want_names, want_tensors, _ = _table(results)  # Made from nothing.
         assert (shards, names) == (want_shards, want_names)
         assert list(tensors.items()) == list(want_tensors.items())  # Sorted, the same entries.
         assert dict(tensors) == want_tensors and len(tensors) == 3 and "b" in tensors
@@ -225,8 +231,8 @@ def test_rows_sent_once_are_taken_from_what_the_coordinator_received():
     for crcs in ([4, 5, 6], [7, 8, 9]):
         spared = save(crcs)
         assert [(p.rows, p.rows_number) for p in spared] == [(None, 1), (None, 1)]
-        _, names, tensors = memo.table(spared)
-        _, want_names, want_tensors = _table(_packed_results(crcs))  # Made from the rows.
+        _, names, tensors, _ = memo.table(spared)
+        _, want_names, want_tensors, _ = _table(_packed_results(crcs))  # Made from the rows.
         assert names == want_names and dict(tensors) == want_tensors
     assert [s.spared for s in senders] == [2, 2]
     # Rank 1's rows change (a new list): sent again, under a new number.

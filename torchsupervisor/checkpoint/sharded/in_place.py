@@ -26,11 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c
 import torch
 
 from torchsupervisor.checkpoint.format import TensorEntry
 from torchsupervisor.checkpoint.shard_header import safetensors_header
+from torchsupervisor.checkpoint.sharded.row_blocks import RowBlocks, shard_checksums
 from torchsupervisor.checkpoint.snapshot import Snapshot, _entry_view, plan_layout
 from torchsupervisor.core.same_objects import Contents, contents, same_contents
 
@@ -71,8 +71,11 @@ class InPlaceShard:
         return self.head + _shifted(self.rest, self.end)
 
     def write(
-        self, staged: Snapshot, tensors: dict[str, torch.Tensor]
-    ) -> tuple[list[int], list[memoryview]]:
+        self,
+        staged: Snapshot,
+        tensors: dict[str, torch.Tensor],
+        tensor_bytes: Mapping[str, int] | None = None,
+    ) -> tuple[list[int], list[RowBlocks | None], list[memoryview]]:
         """The shard of ``tensors`` over ``staged``'s buffer: the rest copied behind the
         head, the header written into the buffer's header room.
 
@@ -80,24 +83,31 @@ class InPlaceShard:
             staged: The snapshot this layout was planned over (``plan_in_place``), its
                 buffer holding this save's bytes.
             tensors: The chunks by name, as when planned (the rest are read now).
+            tensor_bytes: The bytes of the whole tensor of each chunk, by name (the size of
+                its blocks of rows: ``row_blocks.block_rows``).
 
         Returns:
-            ``(crcs, parts)``: the CRC-32C of every chunk, in the order of ``entries``, and
-            the buffers to write in order (``header`` first).
+            ``(crcs, blocks, parts)``: the CRC-32C of every chunk and its blocks' (None: no
+            blocks; ``row_blocks.chunk_checksums``), in the order of ``entries``, and the
+            buffers to write in order (``header`` first).
         """
         base = staged.layout.shards[0].data_offset
         buffer = staged.buffers[0]
-        crcs = staged.checksums(0, self.head)
+        crcs, blocks = shard_checksums(staged.shard_view(0)[base:], self.head, tensor_bytes)
         tail = torch.empty(self.rest[-1][1].end if self.rest else 0, dtype=torch.uint8)
         for name, e in self.rest:
             if e.end > e.begin:
                 _entry_view(tail, 0, e).copy_(tensors[name])
-            crcs.append(crc32c.crc32c(memoryview(tail[e.begin : e.end].numpy()).cast("B")))
+        more_crcs, more_blocks = shard_checksums(
+            memoryview(tail.numpy()).cast("B"), self.rest, tensor_bytes
+        )
+        crcs += more_crcs
+        blocks += more_blocks
         buffer[:base].copy_(torch.frombuffer(bytearray(self.header), dtype=torch.uint8))
         parts = [memoryview(buffer[: base + self.end].numpy()).cast("B")]
         if len(tail):
             parts.append(memoryview(tail.numpy()).cast("B"))
-        return crcs, parts
+        return crcs, blocks, parts
 
 
 def _shifted(entries: Entries, by: int) -> Entries:
@@ -172,7 +182,7 @@ def in_place_shard(staged: Snapshot, tensors: dict[str, torch.Tensor]) -> Writte
     planned = plan_in_place(staged, tensors)
     if planned is None:
         return None
-    crcs, parts = planned.write(staged, tensors)
+    crcs, _, parts = planned.write(staged, tensors)
     entries = [(n, e.with_fields(crc32c=crc)) for (n, e), crc in zip(planned.entries, crcs)]
     return entries, planned.header, parts
 

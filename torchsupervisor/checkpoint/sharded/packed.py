@@ -23,12 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.checkpoint.entries import ShardEntry, TensorEntry
 from torchsupervisor.checkpoint.sharded.common import ChunkKey, chunk_key
+from torchsupervisor.checkpoint.sharded.row_blocks import RowBlocks
 from torchsupervisor.checkpoint.tensor_table import PackedTensors
 
 if TYPE_CHECKING:  # DCP costs a second to import; a process without sharded saves skips it.
     from torch.distributed.checkpoint.storage import WriteResult
 
 __all__ = [
+    "Chunk",
     "PackedWrite",
     "SentRows",
     "StoredChunk",
@@ -41,6 +43,9 @@ Row = tuple[Any, ...]
 """A chunk of a ``PackedWrite``: tensor name, chunk offsets, entry name, dtype, shape, begin,
 end (a ``TensorEntry`` of the rank's shard, but for its CRC)."""
 
+Chunk = tuple[ChunkKey, str, ShardEntry, TensorEntry, "RowBlocks | None"]
+"""A written chunk: its key, entry name, shard, entry, and blocks of rows (or None)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class StoredChunk:
@@ -49,6 +54,7 @@ class StoredChunk:
     shard: ShardEntry
     name: str
     entry: TensorEntry
+    blocks: RowBlocks | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +73,8 @@ class PackedWrite:
         crcs: Per chunk, its CRC-32C.
         rows_number: Which of this rank's rows these are: a number of their own, the same
             while they are the very same rows (0: not numbered).
+        blocks: Per chunk, the CRC-32C of its blocks of rows (``row_blocks``; None: none),
+            or None for no chunk.
     """
 
     shard: ShardEntry | None
@@ -74,9 +82,10 @@ class PackedWrite:
     rows: list[Row] | None
     crcs: list[int]
     rows_number: int = 0
+    blocks: list[RowBlocks | None] | None = None
 
-    def chunks(self) -> Iterator[tuple[ChunkKey, str, ShardEntry, TensorEntry]]:
-        """Each chunk's key, entry name, shard and entry.
+    def chunks(self) -> Iterator[Chunk]:
+        """Each chunk's key, entry name, shard, entry and blocks of rows.
 
         Raises:
             ValueError: If the rows were not sent, the rows and CRCs differ in number, or
@@ -84,8 +93,11 @@ class PackedWrite:
         """
         rows = self._check(self.rows)
         shard, index = self.shard, self.file_index
-        for (fqn, offsets, name, dtype, shape, begin, end), crc in zip(rows, self.crcs):
-            yield (fqn, offsets), name, shard, TensorEntry(index, dtype, shape, begin, end, crc)
+        for (fqn, offsets, name, dtype, shape, begin, end), crc, blocks in zip(
+            rows, self.crcs, self.blocks or itertools.repeat(None)
+        ):
+            entry = TensorEntry(index, dtype, shape, begin, end, crc)
+            yield (fqn, offsets), name, shard, entry, blocks  # type: ignore[misc]
 
     def _check(self, rows: list[Row] | None) -> list[Row]:
         """``rows`` (this write's, or the ones it stands for), checked against the rest."""
@@ -96,6 +108,7 @@ class PackedWrite:
             )
         if (
             len(rows) != len(self.crcs)
+            or (self.blocks is not None and len(self.blocks) != len(rows))
             or (self.shard is None) != (self.file_index is None)
             or (self.shard is None and rows)
         ):
@@ -147,8 +160,8 @@ def packed_rows(entries: list[tuple[str, TensorEntry]], keys: dict[str, ChunkKey
 
 def written_chunks(
     results: list[list[WriteResult]] | list[PackedWrite],
-) -> Iterator[tuple[ChunkKey, str, ShardEntry, TensorEntry]]:
-    """Each chunk's key, entry name, shard and entry, from every rank's results: DCP's
+) -> Iterator[Chunk]:
+    """Each chunk's key, entry name, shard, entry and blocks, from every rank's results: DCP's
     ``WriteResult`` s (a save DCP planned) or ``PackedWrite`` s (a replayed save).
 
     Raises:
@@ -163,7 +176,7 @@ def written_chunks(
             stored = result.storage_data
             if not isinstance(stored, StoredChunk):
                 raise TypeError(f"unexpected write result for {result.index.fqn!r}")
-            yield chunk_key(result.index), stored.name, stored.shard, stored.entry
+            yield chunk_key(result.index), stored.name, stored.shard, stored.entry, stored.blocks
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -213,8 +226,9 @@ class TableMemo:
 
     def table(
         self, results: list[PackedWrite]
-    ) -> tuple[dict[int, ShardEntry], dict[ChunkKey, str], PackedTensors]:
-        """The shards by file index, the chunks' entry names by key, and the tensor table.
+    ) -> tuple[dict[int, ShardEntry], dict[ChunkKey, str], PackedTensors, dict[str, RowBlocks]]:
+        """The shards by file index, the chunks' entry names by key, the tensor table, and
+        the blocks of rows by entry name (``row_blocks``).
 
         Args:
             results: Each rank's ``PackedWrite``, by rank.
@@ -225,6 +239,7 @@ class TableMemo:
         """
         shards: dict[int, ShardEntry] = {}
         rows = []
+        blocks: dict[str, RowBlocks] = {}
         for rank, packed in enumerate(results):
             own = packed.rows
             if own is None:  # The very rows this rank sent last, if received.
@@ -234,6 +249,9 @@ class TableMemo:
             elif packed.rows_number:
                 self._received[rank] = (packed.rows_number, own)
             rows.append((packed.file_index, packed._check(own)))
+            for row, block in zip(own, packed.blocks or ()):  # type: ignore[arg-type]
+                if block is not None:
+                    blocks[row[2]] = block
             if packed.shard is not None:
                 shards[packed.file_index] = packed.shard  # type: ignore[index]
         last = self._last
@@ -242,4 +260,5 @@ class TableMemo:
             last = self._last = _Table.of(rows)
         crcs = list(itertools.chain.from_iterable(p.crcs for p in results))
         ordered = list(map(crcs.__getitem__, last.order))
-        return shards, last.names, PackedTensors(last.entry_names, last.layouts, ordered)
+        tensors = PackedTensors(last.entry_names, last.layouts, ordered)
+        return shards, last.names, tensors, blocks

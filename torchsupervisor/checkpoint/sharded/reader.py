@@ -2,7 +2,10 @@
 
 It rebuilds DCP's metadata from the manifest's JSON (``to_dcp_metadata``); then every rank
 reads the chunks that overlap its local shards, each one verified against its CRC-32C, so
-that any world size restores any checkpoint of the format (DCP's planner reshards).
+that any world size restores any checkpoint of the format (DCP's planner reshards). Of a chunk
+with blocks of rows (``row_blocks``) a rank that needs only some of its rows (a restore at
+another world size) reads only the blocks that hold them, each verified against its own
+CRC-32C: about the bytes it ends up holding, not every chunk it overlaps whole.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torchsupervisor.checkpoint.sharded.common import BoundToPrefix, RememberErr
 from torchsupervisor.checkpoint.sharded.metadata import (
     ShardedManifest,
 )
+from torchsupervisor.checkpoint.sharded.row_blocks import RowBlocks, covering
 from torchsupervisor.errors import CorruptCheckpointError
 from torchsupervisor.storage import BY_PATH, Readable, Storage, read_exactly
 
@@ -174,6 +178,14 @@ class ShardedStorageReader(BoundToPrefix, StorageReader, RememberErrors):
         entry = self._manifest.tensors[name]
         offset = self._manifest.shards[shard_index].data_offset + entry.begin
         path = self._shard_path(shard_index)
+        blocks = self._manifest.row_blocks.get(name)
+        if blocks is not None:
+            first = min(item.storage_offsets[0] for item in items)
+            end = max(item.storage_offsets[0] + item.lengths[0] for item in items)
+            b0, b1 = covering(blocks, first, end, entry.shape[0])
+            if b1 - b0 < len(blocks[1]):  # Only some rows: only their blocks.
+                self._load_rows(f, path, offset, name, items, planner, blocks, b0, b1)
+                return
         # Read straight into the destination when it wants the whole chunk as it is stored.
         direct = None
         if len(items) == 1 and tuple(items[0].lengths) == entry.shape:
@@ -209,6 +221,54 @@ class ShardedStorageReader(BoundToPrefix, StorageReader, RememberErrors):
         for item in items:
             source = chunk[
                 tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+            ]
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+
+    def _load_rows(
+        self,
+        f: Readable,
+        path: str,
+        offset: int,
+        name: str,
+        items: list[Any],
+        planner: LoadPlanner,
+        blocks: RowBlocks,
+        b0: int,
+        b1: int,
+    ) -> None:
+        """Read the blocks ``[b0, b1)`` of chunk ``name`` (at ``offset`` of the file), check
+        each against its CRC-32C, and copy the items' rows out of them."""
+        assert self._manifest is not None
+        entry = self._manifest.tensors[name]
+        rows, crcs = blocks
+        first, end = b0 * rows, min(b1 * rows, entry.shape[0])
+        part = torch.empty((end - first, *entry.shape[1:]), dtype=entry.dtype)
+        view = memoryview(part.reshape(-1).view(torch.uint8).numpy())
+        row_bytes = len(view) // (end - first)
+        try:
+            read_exactly(f, view, offset + first * row_bytes)
+        except EOFError:
+            raise CorruptCheckpointError(
+                f"Checkpoint shard {path} is truncated", path=path, reason="truncated"
+            ) from None
+        step = rows * row_bytes
+        for i, start in enumerate(range(0, len(view), step)):
+            if crc32c.crc32c(view[start : start + step]) != crcs[b0 + i]:
+                raise CorruptCheckpointError(
+                    f"Checkpoint shard {path} is corrupt: checksum mismatch (damaged chunk: "
+                    f"{name}, rows {first + i * rows} to {min(first + (i + 1) * rows, end) - 1})",
+                    path=path,
+                    reason="checksum mismatch",
+                )
+        for item in items:
+            o0, n0 = item.storage_offsets[0], item.lengths[0]
+            source = part[
+                (
+                    slice(o0 - first, o0 - first + n0),
+                    *(slice(o, o + n) for o, n in zip(item.storage_offsets[1:], item.lengths[1:])),
+                )
             ]
             target = planner.resolve_tensor(item).detach()
             target.copy_(source)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 import os
 from collections.abc import Collection, Mapping
@@ -61,6 +62,7 @@ from torchsupervisor.checkpoint.sharded.packed import (
     packed_rows,
     written_chunks,
 )
+from torchsupervisor.checkpoint.sharded.row_blocks import RowBlocks, shard_checksums
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.checkpoint.state_file import record_newest
 from torchsupervisor.checkpoint.tree_memo import TreeMemo
@@ -132,17 +134,34 @@ class SaveOutcome:
 
 def _table(
     results: list[list[WriteResult]] | list[PackedWrite],
-) -> tuple[dict[int, ShardEntry], dict[ChunkKey, str], dict[str, TensorEntry]]:
-    """The shards by file index, the chunks' entry names by key, and the tensor table (sorted
-    by name) of every rank's results."""
+) -> tuple[
+    dict[int, ShardEntry], dict[ChunkKey, str], dict[str, TensorEntry], dict[str, RowBlocks]
+]:
+    """The shards by file index, the chunks' entry names by key, the tensor table (sorted by
+    name) and the blocks of rows by entry name, of every rank's results."""
     shards: dict[int, ShardEntry] = {}
     tensors: dict[str, TensorEntry] = {}
     names: dict[ChunkKey, str] = {}
-    for key, name, shard, entry in written_chunks(results):
+    blocks: dict[str, RowBlocks] = {}
+    for key, name, shard, entry, block in written_chunks(results):
         shards[entry.shard] = shard
         tensors[name] = entry
         names[key] = name
-    return shards, names, dict(sorted(tensors.items()))
+        if block is not None:
+            blocks[name] = block
+    return shards, names, dict(sorted(tensors.items())), blocks
+
+
+def tensor_bytes(plan: SavePlan, keys: Mapping[str, ChunkKey]) -> dict[str, int]:
+    """The bytes of the whole tensor of each chunk of ``plan``, by entry name (``keys``: each
+    entry's chunk key): what sets the size of its blocks of rows (``row_blocks``)."""
+    sizes = {
+        item.index.fqn: math.prod(item.tensor_data.size)
+        * item.tensor_data.properties.dtype.itemsize
+        for item in plan.items
+        if item.tensor_data is not None
+    }
+    return {name: sizes[key[0]] for name, key in keys.items() if key[0] in sizes}
 
 
 def _sharded_tensors(
@@ -373,9 +392,9 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             WriteResult(
                 index=indexes[key],
                 size_in_bytes=entry.nbytes,
-                storage_data=StoredChunk(shard, name, entry),
+                storage_data=StoredChunk(shard, name, entry, blocks),
             )
-            for key, name, shard, entry in written.chunks()
+            for key, name, shard, entry, blocks in written.chunks()
         ]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -411,7 +430,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         snapshot = None
         if in_place is not None:
             assert self._staged is not None and rows is not None
-            crcs, parts = in_place.write(self._staged, tensors)
+            crcs, blocks, parts = in_place.write(self._staged, tensors, tensor_bytes(plan, keys))
             header, entries = in_place.header, in_place.entries
         else:  # Every chunk copied into a shard of its own.
             snapshot = self._stager.stage(None, tensors, step=None, wall_time=self._wall_time)
@@ -419,7 +438,9 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             if snapshot is not None:
                 entries = snapshot.layout.shards[0].entries
                 header, parts = snapshot.layout.shards[0].header, [snapshot.shard_view(0)]
-                crcs, rows = snapshot.checksums(0), packed_rows(entries, keys)
+                data = snapshot.shard_view(0)[snapshot.layout.shards[0].data_offset :]
+                crcs, blocks = shard_checksums(data, entries, tensor_bytes(plan, keys))
+                rows = packed_rows(entries, keys)
             shard = ShardEntry(
                 file=os.path.basename(final),
                 size_bytes=len(header) + (entries[-1][1].end if entries else 0),
@@ -431,7 +452,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
         finally:
             if snapshot is not None:
                 self._stager.release(snapshot)
-        return PackedWrite(shard, assignment.file_index, rows, crcs)  # type: ignore[arg-type]
+        return PackedWrite(shard, assignment.file_index, rows, crcs, blocks=blocks)  # type: ignore[arg-type]
 
     def _chunks(
         self, plan: SavePlan, planner: Any, assignment: _Assignment
@@ -490,9 +511,9 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
     ) -> tuple[ShardedManifest, EncodedItem | None]:
         tensors: Mapping[str, TensorEntry]
         if self.table_memo is not None and all(isinstance(r, PackedWrite) for r in results):
-            shards, names, tensors = self.table_memo.table(results)  # type: ignore[arg-type]
+            shards, names, tensors, blocks = self.table_memo.table(results)  # type: ignore[arg-type]
         else:
-            shards, names, tensors = _table(results)
+            shards, names, tensors, blocks = _table(results)
         if sorted(shards) != list(range(self.num_files)):
             raise ValueError(f"expected {self.num_files} shards, got results for {sorted(shards)}")
         layout = self.previous_layout
@@ -523,6 +544,7 @@ class ShardedStorageWriter(BoundToPrefix, StorageWriter, RememberErrors):
             torch_version=torch.__version__,
             world_size=self.world_size,
             sharded_tensors=layout.sharded,
+            row_blocks=blocks,
         )
         return manifest, tree_text
 

@@ -1,0 +1,110 @@
+"""Checksums of blocks of rows: what lets a resharded restore read only the rows it needs.
+
+A sharded checkpoint stores each saved chunk (a rank's shard of a tensor) contiguously, rows
+along dim 0 one after another; FSDP2 shards along dim 0, so a restore at another world size
+needs a range of rows of each chunk it overlaps. With one CRC-32C per chunk it must read the
+whole chunk to check it (up to 3x the bytes it ends up holding, measured 2 -> 3 ranks). So the
+sharded writer also records, for each chunk of more than one block, the CRC-32C of every block
+of ``rows`` rows (the last one shorter), in the manifest's ``row_blocks`` field; a reader then
+reads the blocks that cover the rows it needs, checks each, and copies its rows out of them.
+
+The block size follows the whole tensor (not the chunk, whose size depends on the world size
+that saved): ``TARGET_BLOCKS`` blocks a tensor, each between ``MIN_BLOCK_BYTES`` and
+``MAX_BLOCK_BYTES`` (whole rows, at least one). A rank's range of rows of a tensor costs at
+most two partial blocks more than its bytes (at its two ends; inside it, chunks start on a
+block), so at most ``2 x world size / TARGET_BLOCKS`` of what it holds (6% on 4 ranks), and a
+tensor adds at most ``TARGET_BLOCKS`` CRCs to the manifest however many ranks saved it (more
+only past ``MAX_BLOCK_BYTES`` a block: 256 for 1 GiB). Chunks of a single block have none
+(they are read whole). The chunk's own CRC is computed in the same pass (each block checked
+twice while in the cache).
+
+TF name: none (TF's bundles checksum whole tensors, or slices as saved).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import crc32c
+
+from torchsupervisor.checkpoint.entries import TensorEntry
+
+__all__ = [
+    "MAX_BLOCK_BYTES",
+    "MIN_BLOCK_BYTES",
+    "TARGET_BLOCKS",
+    "RowBlocks",
+    "block_rows",
+    "chunk_checksums",
+    "covering",
+    "shard_checksums",
+]
+
+TARGET_BLOCKS = 128
+"""Blocks a chunk is cut into, where the bounds below allow."""
+MIN_BLOCK_BYTES = 4 << 10
+MAX_BLOCK_BYTES = 4 << 20
+
+RowBlocks = tuple[int, tuple[int, ...]]
+"""``(rows, crcs)``: the rows of a block (the last may be shorter), and each block's CRC-32C."""
+
+
+def block_rows(shape: Sequence[int], itemsize: int, tensor_bytes: int | None = None) -> int | None:
+    """Rows per block for a chunk of ``shape`` and element size ``itemsize`` (bytes) of a
+    tensor of ``tensor_bytes`` (None: the chunk is the whole tensor); None when the chunk is
+    not cut (a scalar, no bytes, or a single block)."""
+    if not shape or not shape[0]:
+        return None
+    row_bytes = itemsize
+    for d in shape[1:]:
+        row_bytes *= d
+    if not row_bytes:
+        return None
+    total = row_bytes * shape[0] if tensor_bytes is None else tensor_bytes
+    block = min(MAX_BLOCK_BYTES, max(MIN_BLOCK_BYTES, total // TARGET_BLOCKS))
+    rows = max(1, block // row_bytes)
+    return rows if rows < shape[0] else None
+
+
+def chunk_checksums(
+    data: memoryview, entry: TensorEntry, tensor_bytes: int | None = None
+) -> tuple[int, RowBlocks | None]:
+    """The CRC-32C of one chunk's bytes ``data`` (laid out as ``entry`` says, of a tensor of
+    ``tensor_bytes``: ``block_rows``), and its blocks', in one pass."""
+    rows = block_rows(entry.shape, entry.dtype.itemsize, tensor_bytes)
+    if rows is None:
+        return crc32c.crc32c(data), None
+    step = rows * (len(data) // entry.shape[0])
+    whole = 0
+    crcs = []
+    for start in range(0, len(data), step):
+        piece = data[start : start + step]
+        crcs.append(crc32c.crc32c(piece))
+        whole = crc32c.crc32c(piece, whole)
+    return whole, (rows, tuple(crcs))
+
+
+def shard_checksums(
+    data: memoryview,
+    entries: Sequence[tuple[str, TensorEntry]],
+    tensor_bytes: Mapping[str, int] | None = None,
+) -> tuple[list[int], list[RowBlocks | None]]:
+    """``chunk_checksums`` of each entry of a shard whose data (after its header) is
+    ``data``, in the order of ``entries``: the CRCs, and the blocks (None: read whole).
+    ``tensor_bytes``: the bytes of the whole tensor each entry is a chunk of, by entry name
+    (missing: the chunk is taken as the whole tensor)."""
+    totals = tensor_bytes or {}
+    crcs: list[int] = []
+    blocks: list[RowBlocks | None] = []
+    for name, e in entries:
+        crc, block = chunk_checksums(data[e.begin : e.end], e, totals.get(name))
+        crcs.append(crc)
+        blocks.append(block)
+    return crcs, blocks
+
+
+def covering(blocks: RowBlocks, first_row: int, end_row: int, num_rows: int) -> tuple[int, int]:
+    """The blocks ``[b0, b1)`` that hold the rows ``[first_row, end_row)`` of a chunk of
+    ``num_rows`` rows."""
+    rows = blocks[0]
+    return first_row // rows, min(len(blocks[1]), -(-end_row // rows)) if end_row else 0
