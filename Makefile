@@ -75,6 +75,7 @@ bench: install
 	$(PY) benchmarks/memory_tier.py
 	$(PY) benchmarks/goodput.py
 	$(PY) benchmarks/hf_export.py
+	$(PY) benchmarks/reshard.py
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 		$(PY) benchmarks/gpu.py; \
 	else echo "No CUDA device: benchmarks/gpu.py skipped"; fi
