@@ -52,10 +52,10 @@ def async_save_rank(rank: int, world_size: int, directory: str) -> dict:
     placed = []  # What each shard write found in place: (bytes in place, chunks copied after).
     write = InPlaceShard.write
 
-    def recorded(self, staged, tensors):
-        out = write(self, staged, tensors)
-        crcs, parts = out
-        assert len(crcs) == len(self.entries)
+    def recorded(self, staged, tensors, tensor_bytes=None):
+        out = write(self, staged, tensors, tensor_bytes)
+        crcs, blocks, parts = out
+        assert len(crcs) == len(blocks) == len(self.entries)
         placed.append((parts[0].nbytes, len(parts) - 1, self.entries[-1][1].end))
         return out
 

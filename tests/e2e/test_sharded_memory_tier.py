@@ -68,9 +68,18 @@ def _newest_snapshot(workdir, rank: int) -> int:
     return max(steps, default=-1)
 
 
-def _held(workdir, rank: int) -> list[int]:
-    pattern = os.path.join(memory_root(str(workdir / "shm")), "*", f"rank-{rank}", "*.index")
+def _held(workdir, rank: int, tier: str = "shm") -> list[int]:
+    """The steps of ``rank``'s snapshots in the memory tier (``shm``) or on the local disk."""
+    pattern = os.path.join(memory_root(str(workdir / tier)), "*", f"rank-{rank}", "*.index")
     return sorted(int(p[: -len(".index")].rsplit("-", 1)[1]) for p in glob.glob(pattern))
+
+
+def _flip_a_bit(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
 
 
 def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_path):
@@ -101,11 +110,7 @@ def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_p
             memory_root(str(run / "shm")), "*", f"rank-{damaged}", f"model.ckpt-{common[-1]}.data-*"
         )
     )
-    with open(data[0], "r+b") as f:
-        f.seek(os.path.getsize(data[0]) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
+    _flip_a_bit(data[0])
     (run / "out.log").rename(run / "first.log")
     process = _torchrun(tmp_path / "logdir", run, restarts=0, fresh=False)
     try:
@@ -129,11 +134,6 @@ def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_p
     assert _held(run, 0) == _held(run, 1) == []
 
 
-def _local_held(workdir, rank: int) -> list[int]:
-    pattern = os.path.join(memory_root(str(workdir / "local")), "*", f"rank-{rank}", "*.index")
-    return sorted(int(p[: -len(".index")].rsplit("-", 1)[1]) for p in glob.glob(pattern))
-
-
 def test_after_a_reboot_every_rank_resumes_from_its_local_disk_at_one_step(tmp_path):
     """``--local-dir``: every rank copies its snapshot every 10 steps, at the same steps. A
     rank is killed, the node's memory is lost, the newest common copy is damaged on one rank:
@@ -143,7 +143,7 @@ def test_after_a_reboot_every_rank_resumes_from_its_local_disk_at_one_step(tmp_p
     process = _torchrun(tmp_path / "logdir", run, restarts=0, extra=extra)
     try:
         deadline = time.monotonic() + 180
-        while min(len(_local_held(run, r)) for r in (0, 1)) < 3:
+        while min(len(_held(run, r, "local")) for r in (0, 1)) < 3:
             assert process.poll() is None, (run / "out.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "no three copies on every rank in 180 s"
             time.sleep(0.02)
@@ -154,7 +154,7 @@ def test_after_a_reboot_every_rank_resumes_from_its_local_disk_at_one_step(tmp_p
         if process.poll() is None:
             process.kill()
             process.wait(30)
-    held = [_local_held(run, r) for r in (0, 1)]
+    held = [_held(run, r, "local") for r in (0, 1)]
     common = sorted(set(held[0]) & set(held[1]))
     assert len(common) >= 2 and all(step % 10 == 0 for step in common), held  # The same steps.
     shutil.rmtree(run / "shm")  # The reboot: the node's memory is gone.
@@ -168,11 +168,7 @@ def test_after_a_reboot_every_rank_resumes_from_its_local_disk_at_one_step(tmp_p
             f"model.ckpt-{common[-1]}.data-*",
         )
     )
-    with open(data[0], "r+b") as f:
-        f.seek(os.path.getsize(data[0]) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
+    _flip_a_bit(data[0])
     (run / "out.log").rename(run / "first.log")
     process = _torchrun(tmp_path / "logdir", run, restarts=0, fresh=False, extra=extra)
     try:
@@ -191,4 +187,4 @@ def test_after_a_reboot_every_rank_resumes_from_its_local_disk_at_one_step(tmp_p
     ]
     assert len(re.findall(rf"rank \d: done at step {MAX_STEPS}", text)) == 2, text[-3000:]
     # A clean end whose final checkpoint holds the last step frees every rank's copies.
-    assert _local_held(run, 0) == _local_held(run, 1) == []
+    assert _held(run, 0, "local") == _held(run, 1, "local") == []
