@@ -5,6 +5,7 @@ of the blocks that hold its rows, each block checked), bitwise the saved state."
 from __future__ import annotations
 
 import os
+import re
 
 import crc32c
 import pytest
@@ -199,3 +200,24 @@ def test_a_damaged_block_fails_the_restore_on_every_rank(saved, tmp_path):
     errors = run_world(load_error_rank, str(tmp_path), world_size=3)
     assert all(e.startswith("CorruptCheckpointError") for e in errors), errors
     assert any(f"{shard.file} is corrupt: checksum mismatch" in e for e in errors), errors
+
+
+def test_verify_checks_the_blocks_as_a_resharded_restore_would(saved, tmp_path):
+    """A block CRC that does not match its rows (the whole chunk's CRC does): ``verify`` (and
+    so ``ls``) refuses the checkpoint, naming the entry, as a restore at another world size
+    would."""
+    import dataclasses
+
+    from torchsupervisor.errors import CorruptCheckpointError
+
+    for name in os.listdir(saved):
+        (tmp_path / name).write_bytes((saved / name).read_bytes())
+    prefix = str(tmp_path / PREFIX)
+    manifest = CheckpointReader(prefix).manifest
+    name, (rows, crcs) = sorted(manifest.row_blocks.items())[-1]
+    wrong = {**manifest.row_blocks, name: (rows, (*crcs[:-1], crcs[-1] ^ 1))}
+    text = dataclasses.replace(manifest, row_blocks=wrong).to_bytes()
+    (tmp_path / f"{PREFIX}.index").write_bytes(text)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"damaged tensors: {name}")):
+        CheckpointReader(prefix).verify()
+    CheckpointReader(str(saved / PREFIX)).verify()

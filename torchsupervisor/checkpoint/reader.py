@@ -38,6 +38,7 @@ from torchsupervisor.checkpoint.sharded.metadata import (
     ShardedManifest,
     ShardedTensorEntry,
 )
+from torchsupervisor.checkpoint.sharded.row_blocks import BlockCheck
 from torchsupervisor.core.checks import check_path
 from torchsupervisor.core.state import TensorSpec
 from torchsupervisor.core.tree import decode_tree
@@ -405,7 +406,8 @@ class CheckpointReader:
         The same checks, in the same order, as ``read_tree`` (hence ``Saver.restore``), without
         keeping the tensors: every shard a tensor of this checkpoint lives in is a regular
         file inside the checkpoint's directory with the size the manifest records
-        (``check_files``); every tensor's bytes match its CRC-32C; every shard's header
+        (``check_files``); every tensor's bytes match its CRC-32C (and each block of its rows
+        its own, where the manifest has them: ``sharded.row_blocks``); every shard's header
         matches its own; the state tree names only tensors the manifest lists. Bytes the
         checkpoint does not read (tensors of an older shard that an incremental checkpoint
         does not use) are not checked: damage there does not affect this checkpoint. So
@@ -470,6 +472,8 @@ class CheckpointReader:
         path = self._shard_path(shard_index)
         raws: dict[str, torch.Tensor] = {}
         crcs = dict.fromkeys((name for name, _ in entries), 0)
+        # Checking only (``verify``): the blocks of rows a resharded restore checks, too.
+        blocks = None if keep else BlockCheck(entries, getattr(self._manifest, "row_blocks", {}))
         with self._open_shard(shard_index) as f:
             # Helper threads read (a copy from the page cache or a wait on the disk) while
             # this one checksums what was read, in order: all release the GIL.
@@ -481,7 +485,10 @@ class CheckpointReader:
                     if keep:
                         raws[name] = raw
                     crcs[name] = crc32c.crc32c(view, crcs[name])
+                    if blocks is not None:
+                        blocks.feed(name, view)
             damaged = [name for name, entry in entries if crcs[name] != entry.crc32c]
+            damaged += [] if blocks is None else [n for n in blocks.damaged if n not in damaged]
             if damaged:
                 raise CorruptCheckpointError(
                     f"Checkpoint shard {path} is corrupt: checksum mismatch (damaged tensors: "
