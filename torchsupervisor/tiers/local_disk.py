@@ -265,24 +265,21 @@ class LocalDiskTier:
         return not c.every_n_steps  # No interval: every snapshot.
 
     def _next(self) -> _Pinned | None:
-        """The snapshot to copy next; None: closed. At a close with ``flush``, the newest
-        offered, unless copied already."""
+        """The snapshot to copy next; None: closed. At a close with ``flush``: the one due,
+        if any, then the newest offered unless copied already (the steps a sharded run's
+        ranks copy alike come first)."""
         with self._cond:
             while self._pending is None and not self._closing:
                 self._cond.wait()  # A ``flush`` may wake it too.
             pinned, self._pending = self._pending, None
-            latest, newest = self._latest, self.copied_step
+            if pinned is not None:
+                return pinned
+            latest, self._latest = self._latest, None
+            copied = self.copied_step
             if not self._flush or latest is None:
-                return pinned
-            if pinned is not None:
-                newest = max(newest or 0, checkpoint_step(pinned.prefix))
-                if latest == pinned.prefix:
-                    return pinned
-            if newest is not None and checkpoint_step(latest) <= newest:
-                return pinned
-            self._latest = None
-            if pinned is not None:
-                pinned.close()  # The newest instead.
+                return None
+            if copied is not None and checkpoint_step(latest) <= copied:
+                return None
             return _Pinned.open(latest)
 
     def _run(self) -> None:
