@@ -291,3 +291,25 @@ def test_a_preemption_copies_the_stop_step_to_the_local_disk_before_the_final_ch
     reboot(base)
     out = Run(logdir, base, memory_tier=tiers).train(0, fail=True)
     assert (out["tier"], out["restored"]) == ("local", 7)
+
+
+def test_a_flush_whose_copy_fails_gives_up_at_once(dirs, monkeypatch):
+    """A preemption's copy to the local disk that fails does not eat the time left."""
+    import time
+
+    logdir, base, local = dirs
+
+    def refuse(self, path, source, size):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr("torchsupervisor.storage.local.LocalStorage.put_copied", refuse)
+    tier = MemoryTier(config(base, local, every_secs=3600, every_n_steps=0), logdir, "a" * 32)
+    disk = tier.local_disk
+    state = {"w": torch.zeros(1000), "global_step": ts.GlobalStep()}
+    disk.start(step=0, state_bytes=4000)
+    state["global_step"].assign(5)
+    disk.offer(tier.saver.save(Session(state), tier.save_path, global_step=5))
+    started = time.monotonic()
+    assert disk.flush(5, 30.0) is False
+    assert time.monotonic() - started < 10
+    tier.close(free=True)

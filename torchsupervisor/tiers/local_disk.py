@@ -156,6 +156,7 @@ class LocalDiskTier:
         self._closing = False
         self._flush = False  # At the close: copy what is offered at once.
         self._failures: set[str] = set()
+        self._failed_step: int | None = None  # Of the last copy that failed.
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------------------- restoring
@@ -291,6 +292,9 @@ class LocalDiskTier:
                 with self._cond:
                     self._cond.notify_all()  # A ``flush`` may wait for it.
             except Exception as e:
+                with self._cond:
+                    self._failed_step = checkpoint_step(pinned.prefix)
+                    self._cond.notify_all()  # A ``flush`` waiting for it gives up.
                 kind = type(e).__name__
                 (logger.debug if kind in self._failures else logger.warning)(
                     "Local-disk tier: %s could not be copied to %s (the other tiers are not "
@@ -322,14 +326,14 @@ class LocalDiskTier:
         allows). True once a copy of ``step`` (or of a newer one) is committed here.
         """
         deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
-        asked = False
+        asked = None  # The step of the snapshot asked for.
         with self._cond:
             while not self._holds(step):
-                if self._thread is None:
+                if self._thread is None or (asked is not None and self._failed_step == asked):
                     return False
                 latest = self._latest
-                if not asked and latest is not None and checkpoint_step(latest) >= step:
-                    asked = True
+                if asked is None and latest is not None and checkpoint_step(latest) >= step:
+                    asked, self._failed_step = checkpoint_step(latest), None
                     pending = self._pending
                     if pending is None or pending.prefix != latest:
                         pinned = _Pinned.open(latest)
