@@ -33,6 +33,10 @@ and must never be restored later. A snapshot whose manifest names another step t
 name, or whose recorded origin (run id and rank) is not this rank's of this run, is refused
 as damaged.
 
+With ``MemoryTierConfig.local_disk``, each committed snapshot is also offered to a local-disk
+tier (``tiers/local_disk``) that copies some of them to this node's disk at an interval of its
+own, for a restart after the node's memory is gone; ``tiers`` lists both for the restore.
+
 Thread safety: ``snapshots`` and ``restore`` on the calling thread before ``start``; after it,
 the snapshot runs on the training thread at its step boundaries and ``close`` on that thread.
 
