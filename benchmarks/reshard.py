@@ -33,6 +33,9 @@ from typing import Any
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from checkpoint import warm_page_cache  # noqa: E402 (benchmarks/checkpoint.py, this folder)
+
 PREFIX = "model.ckpt-1"
 
 
@@ -119,14 +122,6 @@ def load_rank(
     return {"read_bytes": read, "held_bytes": _held(model, optimizer), "secs": secs}
 
 
-def _warm(directory: str) -> None:
-    for root, _, names in os.walk(directory):
-        for name in names:
-            with open(os.path.join(root, name), "rb") as f:
-                while f.read(64 << 20):
-                    pass
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -141,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         run_world(save_rank, directory, args.layers, args.width, world_size=2, timeout_secs=900)
-        _warm(directory)
+        warm_page_cache(directory)
         for world_size in map(int, args.world_sizes.split(",")):
             row: dict[str, Any] = {"world_size": world_size}
             for which in ("ours", "dcp"):

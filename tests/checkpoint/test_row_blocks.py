@@ -11,7 +11,7 @@ import crc32c
 import pytest
 import safetensors.torch
 import torch
-from counting_storage import CountingStorage
+from counting_storage import CountingStorage, held_bytes
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -141,11 +141,7 @@ def load_rank(rank: int, world_size: int, directory: str) -> tuple[int, int]:
     state = _state(model, optimizer)
     storage = CountingStorage()
     load_sharded(state, os.path.join(directory, PREFIX), storage=storage)
-    _, tensors = walk_state(state)
-    held = sum(
-        (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size()
-        for t in tensors.values()
-    )
+    held = held_bytes(state)
     restored = _full(state)
     reference = safetensors.torch.load_file(os.path.join(directory, REFERENCE))
     for name, tensor in reference.items():

@@ -12,7 +12,7 @@ import os
 import pytest
 import safetensors.torch
 import torch
-from counting_storage import CountingStorage
+from counting_storage import CountingStorage, held_bytes
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -391,11 +391,7 @@ def reshard_rank(rank: int, world_size: int, source: str, target: str) -> tuple[
     state = _state(model, optimizer, 0)
     storage = CountingStorage()
     load_sharded(state, os.path.join(source, PREFIX), storage=storage)
-    _, tensors = walk_state(state)
-    held = sum(
-        (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size()
-        for t in tensors.values()
-    )
+    held = held_bytes(state)
     restored = _full_tensors(state)
     reference = safetensors.torch.load_file(os.path.join(source, REFERENCE))
     assert sorted(restored) == sorted(reference)

@@ -83,15 +83,13 @@ def _flip_a_bit(path: str) -> None:
         f.write(bytes([byte[0] ^ 0x10]))
 
 
-def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_path):
-    run = tmp_path / "run"
-    victim = random.Random().randrange(2)
-    process = _torchrun(tmp_path / "logdir", run, restarts=0)
+def _kill_a_rank_once(process, run, ready, victim: int, what: str) -> None:
+    """Once ``ready()`` (within 180 s), SIGKILL rank ``victim``: torchrun (no restarts) fails."""
     try:
         deadline = time.monotonic() + 180
-        while min(_newest_snapshot(run, r) for r in (0, 1)) < 30:
+        while not ready():
             assert process.poll() is None, (run / "out.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no snapshot of step 30 on every rank in 180 s"
+            assert time.monotonic() < deadline, f"{what} in 180 s"
             time.sleep(0.02)
         time.sleep(random.Random().uniform(0, 0.3))
         pid = next(p for p in children(process.pid) if rank_of(p) == victim)
@@ -101,6 +99,37 @@ def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_p
         if process.poll() is None:
             process.kill()
             process.wait(30)
+
+
+def _damage_then_run_to_the_end(tmp_path, run, tier: str, step: int, extra=()) -> tuple[int, str]:
+    """Flip a bit of a random rank's snapshot of ``step`` in ``tier`` (``shm``, ``local``),
+    run again to the end; return that rank and the run's output."""
+    damaged = random.Random().randrange(2)
+    pattern = os.path.join(
+        memory_root(str(run / tier)), "*", f"rank-{damaged}", f"model.ckpt-{step}.data-*"
+    )
+    _flip_a_bit(glob.glob(pattern)[0])
+    (run / "out.log").rename(run / "first.log")
+    process = _torchrun(tmp_path / "logdir", run, restarts=0, fresh=False, extra=extra)
+    try:
+        assert process.wait(300) == 0, (run / "out.log").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+    return damaged, (run / "out.log").read_text()
+
+
+def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_path):
+    run = tmp_path / "run"
+    process = _torchrun(tmp_path / "logdir", run, restarts=0)
+    _kill_a_rank_once(
+        process,
+        run,
+        lambda: min(_newest_snapshot(run, r) for r in (0, 1)) >= 30,
+        random.Random().randrange(2),
+        "no snapshot of step 30 on every rank",
+    )
     held = [_held(run, r) for r in (0, 1)]
     common = sorted(set(held[0]) & set(held[1]))
     # The ranks' writers are at most two snapshots apart (a rank a step ahead, the other's
@@ -110,22 +139,7 @@ def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_p
     # The newest step both hold is damaged on one rank: both go to the one before, together
     # (or, two apart, with no step before it both hold, to the checkpoint on disk).
     step, tier = (common[-2], "memory") if len(common) > 1 else (checkpoint_step(on_disk), "disk")
-    damaged = random.Random().randrange(2)
-    data = glob.glob(
-        os.path.join(
-            memory_root(str(run / "shm")), "*", f"rank-{damaged}", f"model.ckpt-{common[-1]}.data-*"
-        )
-    )
-    _flip_a_bit(data[0])
-    (run / "out.log").rename(run / "first.log")
-    process = _torchrun(tmp_path / "logdir", run, restarts=0, fresh=False)
-    try:
-        assert process.wait(300) == 0, (run / "out.log").read_text()[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(30)
-    text = (run / "out.log").read_text()
+    damaged, text = _damage_then_run_to_the_end(tmp_path, run, "shm", common[-1])
     assert (
         f"step {common[-1]} of the memory tier is not usable on every rank (rank {damaged}" in text
     )
@@ -147,43 +161,19 @@ def test_after_a_reboot_every_rank_resumes_from_its_local_disk_at_one_step(tmp_p
     run = tmp_path / "run"
     extra = ("--local-dir", str(run / "local"), "--local-every-n-steps", "10", "--local-keep", "3")
     process = _torchrun(tmp_path / "logdir", run, restarts=0, extra=extra)
-    try:
-        deadline = time.monotonic() + 180
-        while min(len(_held(run, r, "local")) for r in (0, 1)) < 3:
-            assert process.poll() is None, (run / "out.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no three copies on every rank in 180 s"
-            time.sleep(0.02)
-        pid = next(p for p in children(process.pid) if rank_of(p) == 1)
-        os.kill(pid, signal.SIGKILL)
-        assert process.wait(120) != 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(30)
+    _kill_a_rank_once(
+        process,
+        run,
+        lambda: min(len(_held(run, r, "local")) for r in (0, 1)) >= 3,
+        1,
+        "no three copies on every rank",
+    )
     held = [_held(run, r, "local") for r in (0, 1)]
     common = sorted(set(held[0]) & set(held[1]))
     assert len(common) >= 2 and all(step % 10 == 0 for step in common), held  # The same steps.
     shutil.rmtree(run / "shm")  # The reboot: the node's memory is gone.
     (run / "shm").mkdir()
-    damaged = random.Random().randrange(2)
-    data = glob.glob(
-        os.path.join(
-            memory_root(str(run / "local")),
-            "*",
-            f"rank-{damaged}",
-            f"model.ckpt-{common[-1]}.data-*",
-        )
-    )
-    _flip_a_bit(data[0])
-    (run / "out.log").rename(run / "first.log")
-    process = _torchrun(tmp_path / "logdir", run, restarts=0, fresh=False, extra=extra)
-    try:
-        assert process.wait(300) == 0, (run / "out.log").read_text()[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(30)
-    text = (run / "out.log").read_text()
+    damaged, text = _damage_then_run_to_the_end(tmp_path, run, "local", common[-1], extra)
     assert (
         f"step {common[-1]} of the local tier is not usable on every rank (rank {damaged}" in text
     )

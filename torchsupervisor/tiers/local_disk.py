@@ -39,14 +39,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torchsupervisor.checkpoint.files import checkpoint_step, remove_checkpoint
-from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir
 from torchsupervisor.checkpoint.saver import Saver
 from torchsupervisor.core import checks, threads
 from torchsupervisor.errors import CorruptCheckpointError
 from torchsupervisor.storage.private import MemoryTierStorage
 from torchsupervisor.tiers.local_shards import local_session
-from torchsupervisor.tiers.memory_root import memory_root, rank_directory
-from torchsupervisor.tiers.tier import Snapshot, adopt_run, committed_snapshots, snapshot_files
+from torchsupervisor.tiers.memory_root import memory_root
+from torchsupervisor.tiers.tier import (
+    Snapshot,
+    committed_snapshots,
+    open_rank_directory,
+    snapshot_files,
+)
 
 if TYPE_CHECKING:
     from torchsupervisor.core.session import Session
@@ -138,10 +142,9 @@ class LocalDiskTier:
         self.storage = MemoryTierStorage()
         os.makedirs(config.directory, exist_ok=True)
         self._root = memory_root(os.fspath(config.directory))
-        self.directory = rank_directory(self._root, logdir, rank)
-        self.storage.prepare_directory(self._root, self.directory)
-        adopt_run(self.directory, run_id, self.storage, LOCAL_TIER)
-        clean_checkpoint_dir(self.directory, storage=self.storage)
+        self.directory = open_rank_directory(
+            self._root, logdir, rank, run_id, self.storage, LOCAL_TIER
+        )
         self.save_path = os.path.join(self.directory, _BASENAME)
         self.origin = origin
         self._saver = Saver(incremental=False, storage=self.storage, origin=origin)

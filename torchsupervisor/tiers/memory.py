@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.checkpoint.files import remove_checkpoint
-from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, scan_checkpoints
+from torchsupervisor.checkpoint.recovery import scan_checkpoints
 from torchsupervisor.checkpoint.run_id import read_run_id
 from torchsupervisor.checkpoint.saver import Saver
 from torchsupervisor.core import checks
@@ -70,8 +70,8 @@ from torchsupervisor.tiers.tier import (
     RUN_ID_FILE,
     Snapshot,
     SnapshotTier,
-    adopt_run,
     committed_snapshots,
+    open_rank_directory,
 )
 
 if TYPE_CHECKING:
@@ -191,12 +191,10 @@ class MemoryTier:
         self.rank = rank
         self.sharded = sharded
         self.storage = MemoryTierStorage()
-        root = memory_root(config.root)
-        self.directory = rank_directory(root, logdir, rank)
-        self.storage.prepare_directory(root, self.directory)
+        self.directory = open_rank_directory(
+            memory_root(config.root), logdir, rank, run_id, self.storage, MEMORY_TIER
+        )
         self.save_path = os.path.join(self.directory, _BASENAME)
-        adopt_run(self.directory, run_id, self.storage, MEMORY_TIER)
-        clean_checkpoint_dir(self.directory, storage=self.storage)
         SlotFiles.remove_leftovers(self.directory)  # Of a process killed while staging.
         self.storage.slots = SlotFiles(self.directory, self.storage.file_mode)
         self.origin: dict[str, str | int] = {"run_id": run_id, "rank": rank}

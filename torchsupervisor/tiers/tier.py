@@ -5,9 +5,9 @@ such as host memory (``tiers/memory``) or a local disk (``tiers/disk``) lists it
 snapshots and restores one, and ``SessionManager`` tries them in order of step, the faster
 tier first at the same step.
 
-The functions here are what those tiers share: a directory tagged with its run's id
-(``adopt_run``), its committed snapshots with the damaged ones named
-(``committed_snapshots``), and a snapshot's files (``snapshot_files``).
+The functions here are what those tiers share: a rank's directory made, tagged with its run's
+id and cleaned of what a kill left (``open_rank_directory``), its committed snapshots with the
+damaged ones named (``committed_snapshots``), and a snapshot's files (``snapshot_files``).
 
 TF name: none.
 """
@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from torchsupervisor.checkpoint.files import checkpoint_step
 from torchsupervisor.checkpoint.reader import read_manifests
-from torchsupervisor.checkpoint.recovery import scan_checkpoints
+from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, scan_checkpoints
+from torchsupervisor.tiers.memory_root import rank_directory
 
 if TYPE_CHECKING:
     from torchsupervisor.core.session import Session
@@ -31,8 +32,8 @@ __all__ = [
     "RUN_ID_FILE",
     "Snapshot",
     "SnapshotTier",
-    "adopt_run",
     "committed_snapshots",
+    "open_rank_directory",
     "snapshot_files",
 ]
 
@@ -74,37 +75,47 @@ class SnapshotTier(Protocol):
         ...
 
 
-def adopt_run(directory: str, run_id: str, storage: MemoryTierStorage, tier: str) -> None:
-    """Delete every file of another run's snapshots in ``directory`` (a log directory removed
-    and made again is another run) and tag it with ``run_id`` (``RUN_ID_FILE``).
+def open_rank_directory(
+    root: str, logdir: str, rank: int, run_id: str, storage: MemoryTierStorage, tier: str
+) -> str:
+    """Make ``rank``'s directory of a tier under ``root`` (``memory_root.rank_directory``;
+    every level the user's alone), delete every file of another run's snapshots in it (a log
+    directory removed and made again is another run), tag it with ``run_id``
+    (``RUN_ID_FILE``), and remove what an interrupted write left; return it.
 
     Args:
-        directory: A rank's directory of a tier (made already).
+        root: The tier's root (``memory_root``).
+        logdir: The run's log directory (its run key).
+        rank: The rank.
         run_id: The run id of the log directory (``checkpoint.run_id``).
         storage: The tier's storage.
         tier: The tier's name, for the warning.
 
     Raises:
-        OSError: A file could not be read, deleted or written.
+        PermissionError: A level is a link, not the user's, or open to others.
+        OSError: A file could not be made, read, deleted or written.
     """
+    directory = rank_directory(root, logdir, rank)
+    storage.prepare_directory(root, directory)
     tag = os.path.join(directory, RUN_ID_FILE)
     try:
         found = storage.read_bytes(tag, max_bytes=256).decode("ascii", "replace").strip()
     except FileNotFoundError:
         found = None
-    if found == run_id:
-        return
-    names = [n for n in storage.list(directory) if n != RUN_ID_FILE]
-    if names:
-        logger.warning(
-            "The %s tier at %s holds snapshots of another run (its log directory was made "
-            "again): deleting them",
-            tier,
-            directory,
-        )
-    for name in names:
-        storage.delete(os.path.join(directory, name))
-    storage.put(tag, [f"{run_id}\n".encode("ascii")])
+    if found != run_id:
+        names = [n for n in storage.list(directory) if n != RUN_ID_FILE]
+        if names:
+            logger.warning(
+                "The %s tier at %s holds snapshots of another run (its log directory was made "
+                "again): deleting them",
+                tier,
+                directory,
+            )
+        for name in names:
+            storage.delete(os.path.join(directory, name))
+        storage.put(tag, [f"{run_id}\n".encode("ascii")])
+    clean_checkpoint_dir(directory, storage=storage)
+    return directory
 
 
 def committed_snapshots(
