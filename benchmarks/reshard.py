@@ -1,20 +1,23 @@
-"""Resharding benchmark: a sharded (FSDP2) checkpoint of 2 ranks restored at another world
-size, ours against ``torch.distributed.checkpoint`` in the same run.
+"""Resharding benchmark: a checkpoint of 2 ranks (FSDP2, or DDP) restored into an FSDP2 model
+at another world size, ours against ``torch.distributed.checkpoint`` in the same run.
 
     python benchmarks/reshard.py                        # 8 layers of 1024 x 1024, Adam
-    python benchmarks/reshard.py --layers 2 --width 256
+    python benchmarks/reshard.py --layers 2 --width 256 --sources ddp
 
-An MLP of ``--layers`` square layers of ``--width`` (float32, FSDP2 ``fully_shard`` on a CPU
-gloo group, one process a rank), one Adam step taken (its moments in the state), is saved by
-2 ranks twice: with ``save_sharded`` (ours, blocks of rows checksummed: ``row_blocks.py``) and
-with ``dcp.save`` of ``get_state_dict`` (DCP's ``FileSystemWriter``). Each is then restored at
-``--world-sizes`` (default 1, 3, 4), by fresh ranks: ``load_sharded`` (every byte read
-checked) and ``dcp.load`` + ``set_state_dict`` (no checksum). For each rank: the bytes it read
-(``rchar`` of ``/proc/self/io``: every byte its reads returned, the page cache's included:
-data, manifest or metadata, everything) over the bytes of the state it ends up holding (the
-target: at most 1.1), and the seconds of the restore. Each rank restores twice and the second
-is measured (the first imports the modules a load needs); the checkpoints are in the page
-cache (read once before).
+An MLP of ``--layers`` square layers of ``--width`` (float32, one process a rank on a CPU gloo
+group), one Adam step taken (its moments in the state), is saved by 2 ranks twice, for each of
+``--sources``: ``fsdp2`` (``fully_shard``; ours ``save_sharded``, every rank its shard) or
+``ddp`` (``DistributedDataParallel``; ours ``Saver`` on the chief, the plain optimizer's state
+keyed by positions), and ``dcp.save`` of ``get_state_dict`` (DCP's ``FileSystemWriter``;
+DDP's replicated tensors spread between the ranks by its planner). Both keep blocks of rows
+checksummed (``row_blocks.py``). Each is then restored into an FSDP2 model at
+``--world-sizes`` (default 1, 3, 4), by fresh ranks: ``Saver.restore`` (``load_sharded``:
+every byte read checked) and ``dcp.load`` + ``set_state_dict`` (no checksum). For each rank:
+the bytes it read (``rchar`` of ``/proc/self/io``: every byte its reads returned, the page
+cache's included: data, manifest or metadata, everything) over the bytes of the state it ends
+up holding (the target: at most 1.1), and the seconds of the restore. Each rank restores
+twice and the second is measured (the first imports the modules a load needs); the
+checkpoints are in the page cache (read once before).
 
 It prints a table and writes JSON (``--json``, default ``benchmarks/results/reshard.json``).
 """
@@ -76,17 +79,42 @@ def _held(model: Any, optimizer: Any) -> int:
     )
 
 
-def save_rank(rank: int, world_size: int, directory: str, layers: int, width: int) -> None:
+def _build_ddp(layers: int, width: int, seed: int) -> tuple[Any, Any, Any]:
+    """A DDP model (the module, its wrapper) and its optimizer, one step taken."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ddp(torch.randn(4, width)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, ddp, optimizer
+
+
+def save_rank(
+    rank: int, world_size: int, directory: str, layers: int, width: int, source: str
+) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from torchsupervisor import Saver
     from torchsupervisor.checkpoint.sharded.collective import save_sharded
     from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState
 
-    model, optimizer = _build(world_size, layers, width, 0)
-    state = {"model": model, "optimizer": ShardedOptimizerState(model, optimizer)}
-    save_sharded(state, os.path.join(directory, "ours", PREFIX), global_step=1)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if source == "ddp":
+        model, wrapped, optimizer = _build_ddp(layers, width, 0)
+        if rank == 0:  # The chief saves the replicated state (ReplicatedMode).
+            Saver({"model": model, "optimizer": optimizer}).save(
+                None, os.path.join(directory, "ours", PREFIX.split("-")[0]), global_step=1
+            )
+    else:
+        model, optimizer = _build(world_size, layers, width, 0)
+        state = {"model": model, "optimizer": ShardedOptimizerState(model, optimizer)}
+        save_sharded(state, os.path.join(directory, "ours", PREFIX), global_step=1)
+        wrapped = model
+    model_sd, optim_sd = get_state_dict(wrapped, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(directory, "dcp"))
 
 
@@ -96,7 +124,7 @@ def load_rank(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from torchsupervisor.checkpoint.sharded.collective import load_sharded
+    from torchsupervisor import Saver
     from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState
 
     model, optimizer = _build(world_size, layers, width, 1)
@@ -104,7 +132,7 @@ def load_rank(
     def load() -> None:
         if which == "ours":
             state = {"model": model, "optimizer": ShardedOptimizerState(model, optimizer)}
-            load_sharded(state, os.path.join(directory, "ours", PREFIX))
+            Saver(state).restore(None, os.path.join(directory, "ours", PREFIX))
             return
         model_sd, optim_sd = get_state_dict(model, optimizer)
         loaded = {"model": model_sd, "optim": optim_sd}
@@ -122,29 +150,24 @@ def load_rank(
     return {"read_bytes": read, "held_bytes": _held(model, optimizer), "secs": secs}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--world-sizes", default="1,3,4")
-    parser.add_argument("--json", default=os.path.join(HERE, "results", "reshard.json"))
-    args = parser.parse_args(argv)
+def _measure(source: str, layers: int, width: int, world_sizes: Any) -> list[dict[str, Any]]:
+    """Save with 2 ranks of ``source``, restore at each world size: a row each."""
     from torchsupervisor.testing import run_world
 
     directory = tempfile.mkdtemp(prefix="reshard-bench-")
     os.mkdir(os.path.join(directory, "ours"))
     rows = []
     try:
-        run_world(save_rank, directory, args.layers, args.width, world_size=2, timeout_secs=900)
+        run_world(save_rank, directory, layers, width, source, world_size=2, timeout_secs=900)
         warm_page_cache(directory)
-        for world_size in map(int, args.world_sizes.split(",")):
-            row: dict[str, Any] = {"world_size": world_size}
+        for world_size in world_sizes:
+            row: dict[str, Any] = {"source": source, "world_size": world_size}
             for which in ("ours", "dcp"):
                 ranks = run_world(
                     load_rank,
                     directory,
-                    args.layers,
-                    args.width,
+                    layers,
+                    width,
                     which,
                     world_size=world_size,
                     timeout_secs=900,
@@ -157,16 +180,34 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--world-sizes", default="1,3,4")
+    parser.add_argument("--sources", default="fsdp2,ddp", help="fsdp2, ddp or both")
+    parser.add_argument("--json", default=os.path.join(HERE, "results", "reshard.json"))
+    args = parser.parse_args(argv)
+
+    rows = []
+    for source in args.sources.split(","):
+        rows += _measure(source, args.layers, args.width, map(int, args.world_sizes.split(",")))
     state_mb = 3 * args.layers * (args.width * args.width + args.width) * 4 / 1e6
-    print(f"FSDP2 MLP, {args.layers} x {args.width}^2 + Adam: {state_mb:.0f} MB, saved by 2 ranks")
-    print(f"{'ranks':>5} {'ours read/held':>15} {'dcp read/held':>14} {'ours':>8} {'dcp.load':>9}")
+    print(f"MLP, {args.layers} x {args.width}^2 + Adam: {state_mb:.0f} MB, saved by 2 ranks")
+    print(
+        f"{'saved by':>8} {'ranks':>5} {'ours read/held':>15} {'dcp read/held':>14} "
+        f"{'ours':>8} {'dcp.load':>9}"
+    )
     for r in rows:
         print(
-            f"{r['world_size']:>5} {r['ours']['max_read_over_held']:>15.3f} "
+            f"{r['source']:>8} {r['world_size']:>5} {r['ours']['max_read_over_held']:>15.3f} "
             f"{r['dcp']['max_read_over_held']:>14.3f} {r['ours']['secs']:>7.3f}s "
             f"{r['dcp']['secs']:>8.3f}s"
         )
-    print("(read/held: the most of any rank; target for ours: at most 1.1)")
+    print("(restored into FSDP2; read/held: the most of any rank; target for ours: at most 1.1)")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"state_mb": state_mb, "rows": rows}, f, indent=1)

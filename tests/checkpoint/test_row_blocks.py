@@ -1,6 +1,7 @@
-"""Blocks of rows in sharded checkpoints: each larger chunk's rows checksummed by block, so that
-a restore at another world size reads about the bytes each rank ends up holding (ranged reads
-of the blocks that hold its rows, each block checked), bitwise the saved state."""
+"""Blocks of rows in checkpoints (sharded ones and ``Saver``'s): each larger chunk's rows
+checksummed by block, so that a restore at another world size, or of a DDP checkpoint into an
+FSDP2 model, reads about the bytes each rank ends up holding (ranged reads of the blocks that
+hold its rows, each block checked), bitwise the saved state."""
 
 from __future__ import annotations
 
@@ -16,18 +17,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from torchsupervisor import CheckpointReader
+from torchsupervisor import CheckpointReader, Saver
 from torchsupervisor.checkpoint.entries import TensorEntry
 from torchsupervisor.checkpoint.format import ManifestError
-from torchsupervisor.checkpoint.sharded.collective import load_sharded, save_sharded
-from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
-from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState
-from torchsupervisor.checkpoint.sharded.row_blocks import (
+from torchsupervisor.checkpoint.row_blocks import (
     MAX_BLOCK_BYTES,
+    MIN_BLOCK_BYTES,
     block_rows,
     chunk_checksums,
     covering,
 )
+from torchsupervisor.checkpoint.sharded.collective import load_sharded, save_sharded
+from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
+from torchsupervisor.checkpoint.sharded.plan import ShardedOptimizerState
 from torchsupervisor.core.walk import walk_state
 from torchsupervisor.testing import run_world
 
@@ -217,3 +219,130 @@ def test_verify_checks_the_blocks_as_a_resharded_restore_would(saved, tmp_path):
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"damaged tensors: {name}")):
         CheckpointReader(prefix).verify()
     CheckpointReader(str(saved / PREFIX)).verify()
+
+
+# ------------------------------------------- checkpoints of one process or DDP (``Saver``)
+
+DDP_PREFIX = "ddp.ckpt-5"
+
+
+def _plain(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 499), torch.nn.ReLU(), torch.nn.Linear(499, 250)
+    )
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def ddp_save_rank(rank: int, world_size: int, directory: str) -> None:
+    """A DDP step on every rank; the chief saves the model and the plain optimizer's state
+    (keyed by parameter positions) with ``Saver``, and the reference of its values (the
+    FSDP2 optimizer's names: the positions in order)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, optimizer = _plain(0)
+    ddp = DistributedDataParallel(model)
+    ddp(torch.randn(4, 256)).pow(2).mean().backward()
+    optimizer.step()
+    if rank == 0:
+        Saver({"model": model, "optimizer": optimizer}).save(
+            None, os.path.join(directory, "ddp.ckpt"), global_step=5
+        )
+        names = [n for n, _ in model.named_parameters()]
+        reference = {f"model/{n}": t for n, t in model.state_dict().items()}
+        for i, p in enumerate(model.parameters()):
+            for key, value in optimizer.state[p].items():
+                reference[f"optimizer/state/{names[i]}/{key}"] = value
+        safetensors.torch.save_file(
+            {n: t.contiguous() for n, t in reference.items()}, os.path.join(directory, REFERENCE)
+        )
+
+
+def ddp_load_rank(rank: int, world_size: int, directory: str) -> tuple[int, int, list[str]]:
+    """Restore the DDP checkpoint into an FSDP2 model and its optimizer, compare, train one
+    step: the bytes read, held, and the types of the optimizer's state tensors."""
+    model, optimizer = _build(1, world_size)
+    state = _state(model, optimizer)
+    storage = CountingStorage()
+    Saver(state, storage=storage).restore(None, os.path.join(directory, DDP_PREFIX))
+    held = held_bytes(state)
+    restored = _full(state)
+    reference = safetensors.torch.load_file(os.path.join(directory, REFERENCE))
+    for name, tensor in reference.items():
+        assert torch.equal(restored[name], tensor), name
+    moments = [v for s in optimizer.state.values() for v in s.values() if v.dim()]
+    kinds = sorted({type(v).__name__ for v in moments})
+    model(torch.randn(4, 256)).pow(2).mean().backward()
+    optimizer.step()  # The restored moments are the parameters' shards: a step works.
+    return storage.bytes_read, held, kinds
+
+
+def ddp_mismatch_rank(rank: int, world_size: int, directory: str) -> str:
+    model, _ = _build(1, world_size)
+    params = list(model.parameters())
+    optimizer = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}])
+    with pytest.raises(Exception) as caught:
+        Saver(_state(model, optimizer)).restore(None, os.path.join(directory, DDP_PREFIX))
+    return f"{type(caught.value).__name__}: {caught.value}"
+
+
+@pytest.fixture(scope="module")
+def saved_by_ddp(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("row-blocks-ddp")
+    run_world(ddp_save_rank, str(directory), world_size=2)
+    return directory
+
+
+def test_saver_records_blocks_unless_told_not_to(saved_by_ddp, tmp_path):
+    manifest = CheckpointReader(str(saved_by_ddp / DDP_PREFIX)).manifest
+    big = {n for n, e in manifest.tensors.items() if e.nbytes > MIN_BLOCK_BYTES}
+    assert big and set(manifest.row_blocks) == big  # Weights and Adam moments, the biases.
+    CheckpointReader(str(saved_by_ddp / DDP_PREFIX)).verify()
+    model, _ = _plain(0)
+    prefix = Saver({"model": model}, row_blocks=False).save(None, str(tmp_path / "m"), 1)
+    assert CheckpointReader(prefix).manifest.row_blocks == {}
+
+
+def test_an_incremental_save_keeps_the_blocks_of_what_it_references(tmp_path):
+    model, _ = _plain(0)
+    model.requires_grad_(False)  # Frozen: referenced by the next save.
+    saver = Saver({"model": model}, max_to_keep=None)
+    saved = [CheckpointReader(saver.save(None, str(tmp_path / "m"), s)).manifest for s in (1, 2, 3)]
+    # The second save of a run is full (``policy.may_reference``); the third references it.
+    assert [len(m.shards) for m in saved] == [1, 1, 2]
+    assert saved[2].row_blocks == saved[1].row_blocks == saved[0].row_blocks != {}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_ddp_checkpoint_restores_into_fsdp2_reading_what_each_rank_holds(
+    saved_by_ddp, world_size
+):
+    """The plain optimizer's state, keyed by positions, becomes the FSDP2 optimizer's, keyed
+    by names, its moments sharded like the parameters (DTensors, not whole tensors on every
+    rank; Adam's ``step`` is a scalar)."""
+    results = run_world(ddp_load_rank, str(saved_by_ddp), world_size=world_size)
+    for read, held, kinds in results:
+        assert read <= 1.1 * held, (world_size, results)
+        assert kinds == ["DTensor"], kinds
+
+
+def test_a_ddp_checkpoint_with_other_param_groups_is_refused_on_every_rank(saved_by_ddp):
+    errors = run_world(ddp_mismatch_rank, str(saved_by_ddp), world_size=2)
+    assert all(e.startswith("InvalidArgumentError") for e in errors), errors
+    assert all("param groups of [4] parameters" in e for e in errors), errors
+
+
+def test_a_plain_models_sharded_optimizer_state_is_saved_by_names_in_one_process(tmp_path):
+    """``ShardedOptimizerState`` of a model without DTensors (one process, DDP) is saved like
+    any state, keyed by parameter names, and restored."""
+    model, optimizer = _plain(0)
+    model(torch.randn(4, 256)).pow(2).mean().backward()
+    optimizer.step()
+    prefix = Saver(_state(model, optimizer)).save(None, str(tmp_path / "m"), 1)
+    names = CheckpointReader(prefix).manifest.tensors
+    assert "optimizer/state/0.weight/exp_avg" in names and "model/2.bias" in names
+    fresh, fresh_optimizer = _plain(1)
+    Saver(_state(fresh, fresh_optimizer)).restore(None, prefix)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(optimizer.state[p]["exp_avg"], fresh_optimizer.state[q]["exp_avg"])

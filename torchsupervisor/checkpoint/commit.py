@@ -96,6 +96,7 @@ def persist(
     trees: TreeMemo | None = None,
     metrics: dict[str, float] | None = None,
     origin: dict[str, str | int] | None = None,
+    row_blocks: bool = True,
 ) -> Commit:
     """Write ``snapshot`` as the checkpoint ``prefix`` with the commit protocol.
 
@@ -112,6 +113,8 @@ def persist(
             (``tree_memo.TreeMemo``; used one save at a time); None: encoded anew.
         metrics: Recorded in the manifest (``Saver.save(metrics=)``); None: none.
         origin: Recorded in the manifest (``Saver(origin=)``); None: none.
+        row_blocks: Record the CRC-32C of the larger tensors' blocks of rows
+            (``Manifest.row_blocks``; ``Saver(row_blocks=)``).
 
     Returns:
         The manifest committed and where every tensor's bytes live.
@@ -138,8 +141,10 @@ def persist(
         """Checksums, then the manifest and its encoding (on a helper thread)."""
         tensors: dict[str, TensorEntry] = {}
         shards: list[ShardEntry] = []
+        blocks = {n: ref.blocks for n, ref in committed.items() if ref.blocks is not None}
         for i, shard_layout in enumerate(snapshot.layout.shards):
-            entries = snapshot.checksummed(i)
+            entries, new_blocks = snapshot.checksummed(i, row_blocks=row_blocks)
+            blocks.update(new_blocks)
             shard = ShardEntry(
                 file=os.path.basename(finals[i]),
                 size_bytes=shard_layout.size_bytes,
@@ -152,7 +157,7 @@ def persist(
                 tensors[name] = entry
                 source, version = snapshot.sources[name]
                 if version is not None:
-                    committed[name] = Committed(source, version, shard, entry)
+                    committed[name] = Committed(source, version, shard, entry, blocks.get(name))
         tensors.update(ref_tensors)  # Referenced shards follow the new ones.
         if trees is not None:
             tree, tree_text = trees.encode(snapshot.tree)
@@ -169,6 +174,7 @@ def persist(
             world_size=world_size,
             metrics=metrics,
             origin=origin,
+            row_blocks=blocks,
         )
         return manifest, manifest.to_bytes(tree_text)
 

@@ -10,8 +10,9 @@ A checkpoint with prefix ``P`` is:
   reader can open a shard.
 * ``P.index``: the manifest, JSON, written last. It holds the format version, the global step,
   the wall time, library and torch versions, the encoded state tree (non-tensor leaves live
-  here), for every tensor its shard, dtype, shape, byte range and CRC-32C, and for every shard
-  its file name, size and checksum. The manifest carries a CRC-32C of its own canonical body.
+  here), for every tensor its shard, dtype, shape, byte range and CRC-32C (and for the larger
+  ones the CRC-32C of each block of rows: ``row_blocks.py``), and for every shard its file
+  name, size and checksum. The manifest carries a CRC-32C of its own canonical body.
 
 The checksum of a shard covers every byte of the file in one CRC pass over the data: it is the
 CRC-32C of the header bytes (the 8-byte length and the padded JSON) followed by the CRC-32C of
@@ -37,7 +38,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
@@ -55,6 +56,12 @@ from torchsupervisor.checkpoint.manifest_json import (
     json_int,
     json_string,
     pretty_json,
+)
+from torchsupervisor.checkpoint.row_blocks import (
+    ROW_BLOCKS_KEY,
+    RowBlocks,
+    parse_row_blocks,
+    row_blocks_field,
 )
 from torchsupervisor.checkpoint.tensor_table import PackedTensors, tensors_field
 from torchsupervisor.core.tree import (
@@ -110,6 +117,10 @@ class Manifest:
     origin: dict[str, str | int] | None = None
     """Who wrote it (``Saver(origin=...)``: the memory tier's run id and rank), so that a
     snapshot found in another's place is refused; written only when given."""
+    row_blocks: dict[str, RowBlocks] = field(default_factory=dict)
+    """``{entry name: (rows, crcs)}``: the CRC-32C of each block of ``rows`` rows of a
+    ``tensors`` entry (``row_blocks.py``), so that a restore needing some rows reads only
+    their blocks; an entry not listed is read whole. Written only when not empty."""
 
     def to_bytes(self, tree_text: EncodedItem | None = None) -> bytes:
         """Serialize to the JSON text of ``P.index`` (UTF-8), with its own CRC-32C.
@@ -141,6 +152,7 @@ class Manifest:
             "tree": self.tree,
             **({} if self.metrics is None else {"metrics": dict(self.metrics)}),
             **({} if self.origin is None else {"origin": dict(self.origin)}),
+            **({ROW_BLOCKS_KEY: row_blocks_field(self.row_blocks)} if self.row_blocks else {}),
         }
 
     @classmethod
@@ -194,6 +206,7 @@ class Manifest:
                 format_version=version,
                 metrics=parse_metrics(body.get("metrics")),
                 origin=parse_origin(body.get("origin")),
+                row_blocks=parse_row_blocks(body.get(ROW_BLOCKS_KEY, {}), tensors),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ManifestError):

@@ -38,6 +38,7 @@ import crc32c
 import torch
 
 from torchsupervisor.checkpoint.format import ShardEntry, TensorEntry
+from torchsupervisor.checkpoint.row_blocks import RowBlocks
 from torchsupervisor.errors import (
     StaleReferenceError,
 )
@@ -55,12 +56,14 @@ class Committed:
         version: ``source``'s version counter when it was copied.
         shard: The shard file holding the bytes (file name relative to the directory).
         entry: The byte range and CRC-32C of the tensor in that shard.
+        blocks: The CRC-32C of its blocks of rows (``Manifest.row_blocks``), None if none.
     """
 
     source: torch.Tensor
     version: int
     shard: ShardEntry
     entry: TensorEntry
+    blocks: RowBlocks | None = None
 
 
 def tensor_version(tensor: torch.Tensor) -> int | None:

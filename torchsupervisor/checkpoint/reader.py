@@ -25,6 +25,7 @@ import torch
 
 from torchsupervisor.checkpoint.format import Manifest, ManifestError, TensorEntry
 from torchsupervisor.checkpoint.index_file import read_index, reader_of
+from torchsupervisor.checkpoint.row_blocks import BlockCheck
 from torchsupervisor.checkpoint.shard_io import (
     check_shard,
     open_shard,
@@ -38,7 +39,6 @@ from torchsupervisor.checkpoint.sharded.metadata import (
     ShardedManifest,
     ShardedTensorEntry,
 )
-from torchsupervisor.checkpoint.sharded.row_blocks import BlockCheck
 from torchsupervisor.core.checks import check_path
 from torchsupervisor.core.state import TensorSpec
 from torchsupervisor.core.tree import decode_tree
@@ -407,7 +407,7 @@ class CheckpointReader:
         keeping the tensors: every shard a tensor of this checkpoint lives in is a regular
         file inside the checkpoint's directory with the size the manifest records
         (``check_files``); every tensor's bytes match its CRC-32C (and each block of its rows
-        its own, where the manifest has them: ``sharded.row_blocks``); every shard's header
+        its own, where the manifest has them: ``Manifest.row_blocks``); every shard's header
         matches its own; the state tree names only tensors the manifest lists. Bytes the
         checkpoint does not read (tensors of an older shard that an incremental checkpoint
         does not use) are not checked: damage there does not affect this checkpoint. So
@@ -473,7 +473,7 @@ class CheckpointReader:
         raws: dict[str, torch.Tensor] = {}
         crcs = dict.fromkeys((name for name, _ in entries), 0)
         # Checking only (``verify``): the blocks of rows a resharded restore checks, too.
-        blocks = None if keep else BlockCheck(entries, getattr(self._manifest, "row_blocks", {}))
+        blocks = None if keep else BlockCheck(entries, self._manifest.row_blocks)
         with self._open_shard(shard_index) as f:
             # Helper threads read (a copy from the page cache or a wait on the disk) while
             # this one checksums what was read, in order: all release the GIL.

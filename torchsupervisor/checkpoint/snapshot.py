@@ -33,6 +33,7 @@ from torchsupervisor.checkpoint.format import (
     dtype_to_code,
 )
 from torchsupervisor.checkpoint.incremental import Committed, is_unchanged, tensor_version
+from torchsupervisor.checkpoint.row_blocks import RowBlocks, shard_checksums
 from torchsupervisor.checkpoint.shard_header import safetensors_header
 from torchsupervisor.storage.local import DIRECT_IO_ALIGNMENT
 
@@ -217,27 +218,26 @@ class Snapshot:
         return memoryview(self.buffers[shard].numpy()).cast("B")
 
     def checksummed(
-        self, shard: int, entries: list[tuple[str, TensorEntry]] | None = None
-    ) -> list[tuple[str, TensorEntry]]:
+        self,
+        shard: int,
+        entries: list[tuple[str, TensorEntry]] | None = None,
+        *,
+        row_blocks: bool = False,
+    ) -> tuple[list[tuple[str, TensorEntry]], dict[str, RowBlocks]]:
         """Return the entries of shard ``shard`` (all, or the given ones of it, by name) with
-        the CRC-32C of each tensor's bytes in its staging buffer (``crc32c`` set)."""
+        the CRC-32C of each tensor's bytes in its staging buffer (``crc32c`` set), and, when
+        ``row_blocks``, the CRC-32C of each larger tensor's blocks of rows, by name (computed
+        in the same pass: ``row_blocks.shard_checksums``; else empty)."""
         if entries is None:
             entries = self.layout.shards[shard].entries
-        return [
-            (name, e.with_fields(crc32c=crc))
-            for (name, e), crc in zip(entries, self.checksums(shard, entries))
-        ]
-
-    def checksums(
-        self, shard: int, entries: list[tuple[str, TensorEntry]] | None = None
-    ) -> list[int]:
-        """The CRC-32C of each tensor's bytes in shard ``shard``'s staging buffer, for its
-        entries (all, or the given ones of it), in their order."""
         data = self.shard_view(shard)[self.layout.shards[shard].data_offset :]
-        return [
-            crc32c.crc32c(data[e.begin : e.end])
-            for _, e in (self.layout.shards[shard].entries if entries is None else entries)
-        ]
+        blocks: dict[str, RowBlocks] = {}
+        if row_blocks:
+            crcs, found = shard_checksums(data, entries)
+            blocks = {name: b for (name, _), b in zip(entries, found) if b is not None}
+        else:
+            crcs = [crc32c.crc32c(data[e.begin : e.end]) for _, e in entries]
+        return [(name, e.with_fields(crc32c=crc)) for (name, e), crc in zip(entries, crcs)], blocks
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Return every copied tensor as a host tensor over its staging buffer (no copy).

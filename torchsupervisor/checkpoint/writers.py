@@ -74,6 +74,8 @@ class SnapshotWriter:
         incremental: Reference unchanged frozen tensors instead of copying them.
         max_shard_bytes: Largest shard in bytes; None: one shard.
         allow_empty: ``stage`` returns None for an empty state instead of raising.
+        origin: Recorded in every manifest (``Saver(origin=)``).
+        row_blocks: Record the larger tensors' blocks of rows (``Saver(row_blocks=)``).
     """
 
     collective = False
@@ -92,8 +94,10 @@ class SnapshotWriter:
         max_shard_bytes: int | None,
         allow_empty: bool,
         origin: dict[str, str | int] | None = None,
+        row_blocks: bool = True,
     ) -> None:
         self._origin = origin
+        self._row_blocks = row_blocks
         self._storage = storage
         self._clock = clock
         self._keeper = keeper
@@ -210,6 +214,7 @@ class SnapshotWriter:
                 trees=self._cache.trees,
                 metrics=target.metrics,
                 origin=self._origin,
+                row_blocks=self._row_blocks,
             )
         except CheckpointSaveError as e:
             stale = e.names if isinstance(e, StaleReferenceError) else ()

@@ -210,6 +210,7 @@ class MemoryTier:
             clock=clock,
             origin=self.origin,
             staging_buffers=self.storage.slots,  # One copy a snapshot: into its file.
+            row_blocks=False,  # Restored by this rank, as it was taken: never by rows.
         )
         self._session: Session | None = None
         self._target: Any = None  # What the saver saves: the session, or its local view.

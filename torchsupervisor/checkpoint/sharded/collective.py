@@ -50,6 +50,11 @@ from torchsupervisor.checkpoint import commit
 from torchsupervisor.checkpoint.format import ManifestError
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
+from torchsupervisor.checkpoint.sharded.plan import (
+    ShardedOptimizerState,
+    positions_to_names,
+    rename_positions,
+)
 from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave, prepare
 from torchsupervisor.checkpoint.snapshot import Stager
@@ -397,9 +402,10 @@ def load_sharded(
     found: BaseException | None = None
     manifest: ShardedManifest | None = None
     targets: dict[str, torch.Tensor] = {}
+    renames: dict[str, dict[int, str]] = {}
     try:
         manifest = _read_manifest(prefix, storage)
-        targets = _targets(state, manifest, prefix)
+        targets, renames = _targets(state, manifest, prefix)
     except Exception as e:  # Raised in the collective, on every rank (not here alone).
         found, targets = e, {}
     reader = ShardedStorageReader(prefix, manifest, storage=storage, error=found)
@@ -417,7 +423,7 @@ def load_sharded(
     assert manifest is not None
     error: BaseException | None = None
     try:
-        _load_into(state, manifest, targets, prefix, allow_missing, process_group)
+        _load_into(state, manifest, targets, renames, prefix, allow_missing, process_group)
     except Exception as e:
         error = e
     _agree(error, process_group, no_dist)
@@ -426,8 +432,9 @@ def load_sharded(
 
 def _targets(
     state: Mapping[str, Any], manifest: ShardedManifest, prefix: str
-) -> dict[str, torch.Tensor]:
-    """Fresh tensors to read the needed checkpoint tensors into, sharded like the live ones."""
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[int, str]]]:
+    """Fresh tensors to read the needed checkpoint tensors into, sharded like the live ones;
+    and the positions to rename, by state entry (``_renamed``)."""
     try:
         template = decode_tree(manifest.tree, lambda name, ndarray: TensorRef(name, ndarray))
     except ManifestError as e:
@@ -441,13 +448,22 @@ def _targets(
             path=prefix + ".index",
             reason="bad tree",
         )
-    needed: set[str] = set()
+    skeleton, live = walk_state(state)
+    renames: dict[str, dict[int, str]] = {}
+    needed: dict[str, str] = {}  # Checkpoint tensor name: the live tensor's name.
     for name in state:
         try:
-            _collect_refs(find_subtree(template, name), needed)
+            subtree = find_subtree(template, name)
         except KeyError:
             continue  # Reported by load_state (NotFoundError) once every rank has read.
-    _, live = walk_state(state)
+        names = None
+        if isinstance(state[name], ShardedOptimizerState):
+            names = positions_to_names(subtree, skeleton.get(name))
+        if names is not None:  # A plain optimizer's state (DDP): read as the live one's.
+            renames[name] = names
+            _collect_refs(rename_positions(subtree, names), needed, name)
+        else:
+            _collect_refs(subtree, needed)
     specs = manifest.tensor_specs()
     targets: dict[str, torch.Tensor] = {}
     for name in sorted(needed):
@@ -459,34 +475,37 @@ def _targets(
                 reason="unknown tensor",
             )
         dtype, shape = specs[name]
-        current = live.get(name)
+        current = live.get(needed[name])
         if current is None:
             targets[name] = torch.empty(shape, dtype=dtype)
             continue
         if tuple(current.shape) != shape:
             raise InvalidArgumentError(
-                f"Shape of {name!r} in the state {tuple(current.shape)} does not match the "
-                f"checkpoint {prefix}: {shape}"
+                f"Shape of {needed[name]!r} in the state {tuple(current.shape)} does not match "
+                f"the checkpoint {prefix}: {shape}"
             )
         targets[name] = torch.empty_like(current)
-    return targets
+    return targets, renames
 
 
-def _collect_refs(node: object, out: set[str]) -> None:
+def _collect_refs(node: object, out: dict[str, str], path: str | None = None) -> None:
+    """``out[checkpoint tensor name] = live tensor name`` for the tensors under ``node``: the
+    same name, or (``path`` given: a renamed subtree) the path of the tensor in it."""
     if isinstance(node, TensorRef):
-        out.add(node.name)
+        out[node.name] = node.name if path is None else path
     elif isinstance(node, Mapping):
-        for value in node.values():
-            _collect_refs(value, out)
+        for key, value in node.items():
+            _collect_refs(value, out, None if path is None else f"{path}/{key}")
     elif isinstance(node, (list, tuple)):
-        for value in node:
-            _collect_refs(value, out)
+        for i, value in enumerate(node):
+            _collect_refs(value, out, None if path is None else f"{path}/{i}")
 
 
 def _load_into(
     state: Mapping[str, Any],
     manifest: ShardedManifest,
     targets: dict[str, torch.Tensor],
+    renames: dict[str, dict[int, str]],
     prefix: str,
     allow_missing: Collection[str],
     process_group: ProcessGroup | None,
@@ -498,6 +517,8 @@ def _load_into(
         return tensor  # None for the tensors of entries that are not restored.
 
     tree = decode_tree(manifest.tree, leaf)
+    if renames:  # An entry's own name is found first (``find_subtree``).
+        tree = {**tree, **{n: rename_positions(find_subtree(tree, n), renames[n]) for n in renames}}
     world_size = _world_size(process_group)
     if manifest.world_size != world_size:
         logger.info(

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from torchsupervisor.checkpoint.format import TensorEntry
+from torchsupervisor.checkpoint.row_blocks import RowBlocks, shard_checksums
 from torchsupervisor.checkpoint.shard_header import safetensors_header
-from torchsupervisor.checkpoint.sharded.row_blocks import RowBlocks, shard_checksums
 from torchsupervisor.checkpoint.snapshot import Snapshot, _entry_view, plan_layout
 from torchsupervisor.core.same_objects import Contents, contents, same_contents
 

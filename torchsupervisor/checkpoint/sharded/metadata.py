@@ -24,11 +24,9 @@ This is all that ``torch.distributed.checkpoint`` needs to plan a load with anot
 planner's own metadata file (a pickle) is never written. A checkpoint without the field (one
 written by ``Saver``) is the special case where every tensor is one whole chunk.
 
-A second field, also covered by the manifest's checksum, gives the CRC-32C of each block of
-rows of the larger chunks (``row_blocks.py``), so that a restore at another world size reads
-only the blocks that hold its rows::
-
-    "row_blocks": {"model/fc1.weight[0:512,0:1024]": {"rows": 16, "crc32c": [...]}}
+The larger chunks also have the CRC-32C of each block of their rows (the manifest's
+``row_blocks`` field: ``format.py``, ``row_blocks.py``), so that a restore at another world
+size reads only the blocks that hold its rows.
 """
 
 from __future__ import annotations
@@ -50,10 +48,8 @@ from torchsupervisor.checkpoint.format import (
     signed_json,
 )
 from torchsupervisor.checkpoint.manifest_json import EncodedItem, EncodedMapping, json_string
-from torchsupervisor.checkpoint.sharded.row_blocks import RowBlocks
 
 __all__ = [
-    "ROW_BLOCKS_KEY",
     "SHARDED_TENSORS_KEY",
     "ChunkEntry",
     "ShardedManifest",
@@ -62,7 +58,6 @@ __all__ = [
 ]
 
 SHARDED_TENSORS_KEY = "sharded_tensors"
-ROW_BLOCKS_KEY = "row_blocks"
 
 
 def chunk_entry_name(
@@ -130,13 +125,9 @@ class ShardedManifest(Manifest):
     Attributes:
         sharded_tensors: ``{tensor name: ShardedTensorEntry}`` for every tensor stored in
             chunks; a tensor stored whole is an ordinary ``tensors`` entry and is not listed.
-        row_blocks: ``{entry name: (rows, crcs)}``: the CRC-32C of each block of ``rows``
-            rows of a ``tensors`` entry (``row_blocks.py``); an entry not listed is read
-            whole. Empty in checkpoints written before it existed.
     """
 
     sharded_tensors: dict[str, ShardedTensorEntry] = field(default_factory=dict)
-    row_blocks: dict[str, RowBlocks] = field(default_factory=dict)
 
     def chunk_entries(self) -> set[str]:
         """Return the names of the ``tensors`` entries that are chunks of a bigger tensor."""
@@ -175,11 +166,6 @@ class ShardedManifest(Manifest):
         tree = body.pop("tree")
         if self.sharded_tensors:
             body[SHARDED_TENSORS_KEY] = _sharded_field(self.sharded_tensors)
-        if self.row_blocks:
-            body[ROW_BLOCKS_KEY] = {
-                name: {"rows": rows, "crc32c": list(crcs)}
-                for name, (rows, crcs) in sorted(self.row_blocks.items())
-            }
         body["tree"] = tree if tree_text is None else tree_text
         return signed_json(body, _EXPANDED)
 
@@ -196,9 +182,8 @@ class ShardedManifest(Manifest):
         body = json.loads(data.decode("utf-8"))  # Valid: checked by Manifest.from_bytes.
         raw = body.get(SHARDED_TENSORS_KEY, {})
         sharded = _parse_sharded(raw, base)
-        blocks = _parse_row_blocks(body.get(ROW_BLOCKS_KEY, {}), base)
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Manifest)}
-        return cls(**fields, sharded_tensors=sharded, row_blocks=blocks)
+        return cls(**fields, sharded_tensors=sharded)
 
 
 def _sharded_field(sharded: dict[str, ShardedTensorEntry]) -> EncodedMapping:
@@ -268,35 +253,6 @@ def _parse_sharded(raw: object, base: Manifest) -> dict[str, ShardedTensorEntry]
         raise ManifestError(
             f"malformed {SHARDED_TENSORS_KEY} field ({type(e).__name__}: {e})"
         ) from None
-    return out
-
-
-def _parse_row_blocks(raw: object, base: Manifest) -> dict[str, RowBlocks]:
-    """The ``row_blocks`` field: each names an entry of the table, a block of at least one
-    row, and one CRC-32C (a 32-bit integer) for each block of the entry's rows."""
-    if not isinstance(raw, dict):
-        raise ManifestError(f"{ROW_BLOCKS_KEY} is not an object")
-    out: dict[str, RowBlocks] = {}
-    for name, spec in raw.items():
-        entry = base.tensors.get(name)
-        if entry is None or not entry.shape:
-            raise ManifestError(f"{ROW_BLOCKS_KEY} names {name!r}, not a tensor with rows")
-        if not isinstance(spec, dict):
-            raise ManifestError(f"{ROW_BLOCKS_KEY} of {name!r} is not an object")
-        rows, crcs = spec.get("rows"), spec.get("crc32c")
-        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
-            raise ManifestError(f"{ROW_BLOCKS_KEY} of {name!r}: rows must be at least 1")
-        if (
-            not isinstance(crcs, list)
-            or len(crcs) != -(-entry.shape[0] // rows)
-            or not all(isinstance(c, int) and not isinstance(c, bool) for c in crcs)
-            or not all(0 <= c < 1 << 32 for c in crcs)
-        ):
-            raise ManifestError(
-                f"{ROW_BLOCKS_KEY} of {name!r}: expected one 32-bit CRC for each block of "
-                f"{rows} of its {entry.shape[0]} rows"
-            )
-        out[name] = (rows, tuple(crcs))
     return out
 
 

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.checkpoint.entries import ShardEntry, TensorEntry
+from torchsupervisor.checkpoint.row_blocks import RowBlocks
 from torchsupervisor.checkpoint.sharded.common import ChunkKey, chunk_key
-from torchsupervisor.checkpoint.sharded.row_blocks import RowBlocks
 from torchsupervisor.checkpoint.tensor_table import PackedTensors
 
 if TYPE_CHECKING:  # DCP costs a second to import; a process without sharded saves skips it.

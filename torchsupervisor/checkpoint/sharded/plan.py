@@ -4,7 +4,8 @@
 restored by every rank together (``collective.py``); ``core/walk.py`` walks it into the flat
 mapping DCP plans from and the tree the manifest records. ``ShardedOptimizerState`` gives an
 optimizer of a sharded model a ``state_dict`` keyed by parameter names, which any world size
-can load.
+can load; ``positions_to_names`` lets it restore a plain optimizer's state (keyed by
+parameter positions: a checkpoint of one process or of DDP) as well.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torchsupervisor.core.module_memo import NAME_PARTS, ModuleTree
 from torchsupervisor.core.state import dtensor_class
 
-__all__ = ["ShardedOptimizerState", "is_sharded"]
+__all__ = ["ShardedOptimizerState", "is_sharded", "positions_to_names"]
 
 
 # ------------------------------------------------------------------------------ the state
@@ -50,8 +51,13 @@ class ShardedOptimizerState:
     TF name: none (the optimizer's slot variables were ordinary variables in TF).
     """
 
-    is_sharded_state = True
-    """Tells ``flatten_state`` (the unsharded path) that this entry needs ``save_sharded``."""
+    @property
+    def is_sharded_state(self) -> bool:
+        """Whether this entry needs ``save_sharded`` (its model holds DTensors: FSDP2), which
+        tells ``flatten_state`` (the unsharded path) to refuse it. The state of a plain
+        model's optimizer (one process, DDP) is saved like any state, keyed by parameter
+        names: a checkpoint that an FSDP2 model at any world size restores."""
+        return is_sharded({"model": self.model})
 
     def __init__(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, options: object = None
@@ -94,6 +100,71 @@ class ShardedOptimizerState:
             set_optimizer_state_dict(
                 self.model, self.optimizer, dict(state_dict), options=self.options
             )
+
+
+def positions_to_names(saved: object, live: object) -> dict[int, str] | None:
+    """How a plain optimizer's saved state maps onto a ``ShardedOptimizerState``'s.
+
+    ``torch.optim.Optimizer.state_dict`` keys the state by parameter positions
+    (``{"state": {0: {...}}, "param_groups": [{"params": [0, 1], ...}]}``), as a checkpoint of
+    one process or of DDP holds it; a ``ShardedOptimizerState`` keys it by parameter names.
+    The positions of each saved group are matched with the names of the live group at the
+    same place, in order: so a DDP run's checkpoint restores into an FSDP2 model's optimizer
+    (``rename_positions``), each rank reading only its shard.
+
+    Args:
+        saved: The checkpoint's tree of the entry.
+        live: The live entry's state dict (or its skeleton): keyed by names.
+
+    Returns:
+        ``{position: name}``, or None when ``saved`` is not keyed by positions or ``live`` not
+        by names (nothing to map).
+
+    Raises:
+        InvalidArgumentError: The groups differ in number or size (another optimizer).
+    """
+    from torchsupervisor.errors import InvalidArgumentError
+
+    saved_groups, live_groups = _group_params(saved), _group_params(live)
+    if saved_groups is None or live_groups is None:
+        return None
+    if not all(type(p) is int for g in saved_groups for p in g) or not all(
+        isinstance(n, str) for g in live_groups for n in g
+    ):
+        return None
+    if [len(g) for g in saved_groups] != [len(g) for g in live_groups]:
+        raise InvalidArgumentError(
+            "The optimizer state in the checkpoint (keyed by parameter positions) has param "
+            f"groups of {[len(g) for g in saved_groups]} parameters, the live optimizer of "
+            f"{[len(g) for g in live_groups]}"
+        )
+    return {p: n for g, h in zip(saved_groups, live_groups) for p, n in zip(g, h)}
+
+
+def rename_positions(saved: Mapping[str, Any], names: Mapping[int, str]) -> dict[str, Any]:
+    """``saved`` (an optimizer state keyed by positions) keyed by ``names`` instead
+    (``positions_to_names``); a position without a name keeps its key."""
+    out = dict(saved)
+    state = saved.get("state")
+    if isinstance(state, Mapping):
+        out["state"] = {names.get(k, k): v for k, v in state.items()}
+    out["param_groups"] = [
+        {**g, "params": [names.get(p, p) for p in g["params"]]} for g in saved["param_groups"]
+    ]
+    return out
+
+
+def _group_params(tree: object) -> list[list[Any]] | None:
+    """The ``params`` of each of an optimizer state's ``param_groups``; None if it has none."""
+    if not isinstance(tree, Mapping):
+        return None
+    groups = tree.get("param_groups")
+    if not isinstance(groups, (list, tuple)) or not groups:
+        return None
+    params = [g.get("params") if isinstance(g, Mapping) else None for g in groups]
+    if not all(isinstance(p, (list, tuple)) for p in params):
+        return None
+    return [list(p) for p in params]  # type: ignore[arg-type]
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Any]:

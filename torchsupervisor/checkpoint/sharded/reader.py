@@ -29,12 +29,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from torchsupervisor.checkpoint.row_blocks import RowBlocks, covering
 from torchsupervisor.checkpoint.shard_io import check_shard, open_shard
 from torchsupervisor.checkpoint.sharded.common import BoundToPrefix, RememberErrors, chunk_key
 from torchsupervisor.checkpoint.sharded.metadata import (
     ShardedManifest,
 )
-from torchsupervisor.checkpoint.sharded.row_blocks import RowBlocks, covering
 from torchsupervisor.errors import CorruptCheckpointError
 from torchsupervisor.storage import BY_PATH, Readable, Storage, read_exactly
 

@@ -41,6 +41,7 @@ from torchsupervisor._version import __version__
 from torchsupervisor.checkpoint import commit
 from torchsupervisor.checkpoint.format import ShardEntry, TensorEntry, data_filename
 from torchsupervisor.checkpoint.manifest_json import EncodedItem
+from torchsupervisor.checkpoint.row_blocks import RowBlocks, shard_checksums
 from torchsupervisor.checkpoint.shard_header import shard_checksum
 from torchsupervisor.checkpoint.sharded.common import (
     BoundToPrefix,
@@ -62,7 +63,6 @@ from torchsupervisor.checkpoint.sharded.packed import (
     packed_rows,
     written_chunks,
 )
-from torchsupervisor.checkpoint.sharded.row_blocks import RowBlocks, shard_checksums
 from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.checkpoint.state_file import record_newest
 from torchsupervisor.checkpoint.tree_memo import TreeMemo

@@ -1,12 +1,19 @@
 """Checksums of blocks of rows: what lets a resharded restore read only the rows it needs.
 
-A sharded checkpoint stores each saved chunk (a rank's shard of a tensor) contiguously, rows
-along dim 0 one after another; FSDP2 shards along dim 0, so a restore at another world size
-needs a range of rows of each chunk it overlaps. With one CRC-32C per chunk it must read the
-whole chunk to check it (up to 3x the bytes it ends up holding, measured 2 -> 3 ranks). So the
-sharded writer also records, for each chunk of more than one block, the CRC-32C of every block
-of ``rows`` rows (the last one shorter), in the manifest's ``row_blocks`` field; a reader then
-reads the blocks that cover the rows it needs, checks each, and copies its rows out of them.
+A checkpoint stores each tensor (or, sharded, each saved chunk: a rank's shard of a tensor)
+contiguously, rows along dim 0 one after another; FSDP2 shards along dim 0, so a restore into
+an FSDP2 state, or at another world size, needs a range of rows of each entry it overlaps.
+With one CRC-32C per entry it must read the whole entry to check it (N x the bytes it ends up
+holding for a whole tensor on N ranks; up to 3x measured for chunks, 2 -> 3 ranks). So the
+writers (``Saver`` and the sharded writer) also record, for each entry of more than one block,
+the CRC-32C of every block of ``rows`` rows (the last one shorter), in the manifest's
+``row_blocks`` field (covered by the manifest's checksum)::
+
+    "row_blocks": {"model/fc1.weight[0:512,0:1024]": {"rows": 16, "crc32c": [...]}}
+
+A reader then reads the blocks that cover the rows it needs, checks each, and copies its rows
+out of them. An entry not listed (a small one, or a checkpoint written before the field
+existed, or a memory-tier snapshot, restored only by the rank that took it) is read whole.
 
 The block size follows the whole tensor (not the chunk, whose size depends on the world size
 that saved): ``TARGET_BLOCKS`` blocks a tensor, each between ``MIN_BLOCK_BYTES`` and
@@ -14,8 +21,8 @@ that saved): ``TARGET_BLOCKS`` blocks a tensor, each between ``MIN_BLOCK_BYTES``
 most two partial blocks more than its bytes (at its two ends; inside it, chunks start on a
 block), so at most ``2 x world size / TARGET_BLOCKS`` of what it holds (6% on 4 ranks), and a
 tensor adds at most ``TARGET_BLOCKS`` CRCs to the manifest however many ranks saved it (more
-only past ``MAX_BLOCK_BYTES`` a block: 256 for 1 GiB). Chunks of a single block have none
-(they are read whole). The chunk's own CRC is computed in the same pass (each block checked
+only past ``MAX_BLOCK_BYTES`` a block: 256 for 1 GiB). Entries of a single block have none
+(they are read whole). The entry's own CRC is computed in the same pass (each block checked
 twice while in the cache).
 
 TF name: none (TF's bundles checksum whole tensors, or slices as saved).
@@ -28,16 +35,20 @@ from collections.abc import Mapping, Sequence
 import crc32c
 
 from torchsupervisor.checkpoint.entries import TensorEntry
+from torchsupervisor.errors import ManifestError
 
 __all__ = [
     "MAX_BLOCK_BYTES",
     "MIN_BLOCK_BYTES",
+    "ROW_BLOCKS_KEY",
     "TARGET_BLOCKS",
     "BlockCheck",
     "RowBlocks",
     "block_rows",
     "chunk_checksums",
     "covering",
+    "parse_row_blocks",
+    "row_blocks_field",
     "shard_checksums",
 ]
 
@@ -45,6 +56,9 @@ TARGET_BLOCKS = 128
 """Blocks a chunk is cut into, where the bounds below allow."""
 MIN_BLOCK_BYTES = 4 << 10
 MAX_BLOCK_BYTES = 4 << 20
+
+ROW_BLOCKS_KEY = "row_blocks"
+"""The manifest's field of blocks (``row_blocks_field``, ``parse_row_blocks``)."""
 
 RowBlocks = tuple[int, tuple[int, ...]]
 """``(rows, crcs)``: the rows of a block (the last may be shorter), and each block's CRC-32C."""
@@ -102,6 +116,47 @@ def shard_checksums(
         crcs.append(crc)
         blocks.append(block)
     return crcs, blocks
+
+
+def row_blocks_field(blocks: Mapping[str, RowBlocks]) -> dict[str, dict[str, object]]:
+    """The manifest's ``row_blocks`` field (JSON values) for ``{entry name: (rows, crcs)}``."""
+    return {
+        name: {"rows": rows, "crc32c": list(crcs)} for name, (rows, crcs) in sorted(blocks.items())
+    }
+
+
+def parse_row_blocks(raw: object, tensors: Mapping[str, TensorEntry]) -> dict[str, RowBlocks]:
+    """Parse the manifest's ``row_blocks`` field against its table ``tensors``: each names an
+    entry with rows, a block of at least one row, and one CRC-32C (a 32-bit integer) for each
+    block of the entry's rows.
+
+    Raises:
+        ManifestError: Naming the field and the entry, for anything else.
+    """
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{ROW_BLOCKS_KEY} is not an object")
+    out: dict[str, RowBlocks] = {}
+    for name, spec in raw.items():
+        entry = tensors.get(name)
+        if entry is None or not entry.shape:
+            raise ManifestError(f"{ROW_BLOCKS_KEY} names {name!r}, not a tensor with rows")
+        if not isinstance(spec, dict):
+            raise ManifestError(f"{ROW_BLOCKS_KEY} of {name!r} is not an object")
+        rows, crcs = spec.get("rows"), spec.get("crc32c")
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+            raise ManifestError(f"{ROW_BLOCKS_KEY} of {name!r}: rows must be at least 1")
+        if (
+            not isinstance(crcs, list)
+            or len(crcs) != -(-entry.shape[0] // rows)
+            or not all(isinstance(c, int) and not isinstance(c, bool) for c in crcs)
+            or not all(0 <= c < 1 << 32 for c in crcs)
+        ):
+            raise ManifestError(
+                f"{ROW_BLOCKS_KEY} of {name!r}: expected one 32-bit CRC for each block of "
+                f"{rows} of its {entry.shape[0]} rows"
+            )
+        out[name] = (rows, tuple(crcs))
+    return out
 
 
 def covering(blocks: RowBlocks, first_row: int, end_row: int, num_rows: int) -> tuple[int, int]:
