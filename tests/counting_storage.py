@@ -1,5 +1,5 @@
-"""A local storage that counts the bytes it reads: what a restore read, against what it holds
-(``held_bytes``)."""
+"""Storages that count the bytes they read (a local one; a bucket's, by the bytes its GETs
+fetched): what a restore read, against what it holds (``held_bytes``)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,25 @@ class CountingStorage(LocalStorage):
 
         f.readinto = counted
         return f
+
+
+def counting_object_storage(url: str) -> Any:
+    """An ``ObjectStorage`` on ``url``'s bucket whose ``bytes_read`` counts the bytes its
+    GETs fetched (read-ahead included)."""
+    from torchsupervisor.storage import storage_for
+    from torchsupervisor.storage.objects import ObjectStorage
+
+    client = storage_for(url).client
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(client, name)
+
+        def get_range(self, key: str, offset: int, length: int) -> bytes:
+            data = client.get_range(key, offset, length)
+            storage.bytes_read += len(data)
+            return data
+
+    storage = ObjectStorage(Counting())
+    storage.bytes_read = 0
+    return storage

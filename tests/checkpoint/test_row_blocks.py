@@ -12,7 +12,7 @@ import crc32c
 import pytest
 import safetensors.torch
 import torch
-from counting_storage import CountingStorage, held_bytes
+from counting_storage import CountingStorage, counting_object_storage, held_bytes
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -125,14 +125,17 @@ def _full(state: dict) -> dict[str, torch.Tensor]:
 
 
 def save_rank(rank: int, world_size: int, directory: str) -> None:
+    """Save at ``directory`` (or a bucket's URL); rank 0 writes the reference of the values
+    there, or (a bucket) in ``REFERENCE_DIR``."""
     model, optimizer = _build(0, world_size)
     model(torch.randn(4, 256)).pow(2).mean().backward()
     optimizer.step()
     state = _state(model, optimizer)
-    save_sharded(state, os.path.join(directory, PREFIX), global_step=5)
+    save_sharded(state, f"{directory}/{PREFIX}", global_step=5)
     reference = _full(state)
     if rank == 0:
-        safetensors.torch.save_file(reference, os.path.join(directory, REFERENCE))
+        where = os.environ.get("REFERENCE_DIR", directory)
+        safetensors.torch.save_file(reference, os.path.join(where, REFERENCE))
 
 
 def load_rank(rank: int, world_size: int, directory: str) -> tuple[int, int]:
@@ -149,6 +152,23 @@ def load_rank(rank: int, world_size: int, directory: str) -> tuple[int, int]:
     for name, tensor in reference.items():
         assert torch.equal(restored[name], tensor), name
     return storage.bytes_read, held
+
+
+def bucket_rank(rank: int, world_size: int, url: str, restore: bool) -> tuple[int, int] | None:
+    """Save at 2 ranks into the bucket (``restore`` False), or restore from it: the bytes
+    this rank's GETs fetched, and the bytes it holds."""
+    if not restore:
+        save_rank(rank, world_size, url)
+        return None
+    model, optimizer = _build(1, world_size)
+    state = _state(model, optimizer)
+    storage = counting_object_storage(url)
+    load_sharded(state, f"{url}/{PREFIX}", storage=storage)
+    restored = _full(state)
+    reference = safetensors.torch.load_file(os.path.join(os.environ["REFERENCE_DIR"], REFERENCE))
+    for name, tensor in reference.items():
+        assert torch.equal(restored[name], tensor), name
+    return storage.bytes_read, held_bytes(state)
 
 
 def load_error_rank(rank: int, world_size: int, directory: str) -> str:
@@ -180,6 +200,18 @@ def test_a_restore_at_another_world_size_reads_about_what_each_rank_holds(saved,
     for read, held in results:
         # The rows held, the blocks' partial rows at both ends, and the shards' headers.
         assert read <= 1.1 * held, (world_size, results)
+
+
+def test_a_restore_from_a_bucket_at_another_world_size_fetches_about_what_each_rank_holds(
+    s3_server, s3_url, tmp_path
+):
+    """The same ranged reads from S3 (SeaweedFS): each rank's GETs fetch the blocks of its
+    rows, not the 8 MiB parts around them nor every chunk it overlaps."""
+    env = {**s3_server.env, "REFERENCE_DIR": str(tmp_path)}
+    run_world(bucket_rank, s3_url, False, world_size=2, env=env)
+    results = run_world(bucket_rank, s3_url, True, world_size=3, env=env)
+    for read, held in results:
+        assert read <= 1.1 * held, results
 
 
 def test_a_damaged_block_fails_the_restore_on_every_rank(saved, tmp_path):

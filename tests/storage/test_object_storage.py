@@ -440,6 +440,63 @@ def test_sequential_and_random_reads_of_a_large_object(url):
         f.readinto(memoryview(bytearray(1)), 0)
 
 
+class _CountingGets:
+    """A client that records the ranges of its GETs."""
+
+    def __init__(self, client) -> None:
+        self._client, self.ranges = client, []
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def get_range(self, key, offset, length):
+        self.ranges.append((offset, length))
+        return self._client.get_range(key, offset, length)
+
+
+def test_reads_fetch_exactly_their_bytes_until_the_reader_streams(url):
+    """A resharded restore reads some rows of many chunks, and small tensors between them:
+    each read fetches its own bytes, not the 8 MiB parts around them. A reader that names
+    where it reads next (``read_ahead``), or goes on in sequence past a part's worth of bytes,
+    streams: the parts ahead of it are in flight."""
+    from torchsupervisor.storage.objects import READ_PART_BYTES as PART
+
+    data = os.urandom(3 * PART + 12345)
+    storage_for(url).put(f"{url}/big", [data])
+    client = _CountingGets(storage_for(url).client)
+
+    def read(f, at, size):
+        view = memoryview(bytearray(size))
+        assert f.readinto(view, at) == size and bytes(view) == data[at : at + size]
+
+    def fetched(count):  # The GETs ahead run on the reader's threads: wait for them (10 s).
+        deadline = time.monotonic() + 10
+        while len(client.ranges) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return sorted(client.ranges)
+
+    with ObjectStorage(client).open_read(f"{url}/big") as f:
+        # Out of sequence, and short runs in sequence: exactly the bytes read.
+        for at, size in ((100, 4096), (4196, 50), (PART - 10, 20), (2 * PART + 7, 9000)):
+            read(f, at, size)
+        assert client.ranges == [(100, 4096), (4196, 50), (PART - 10, 20), (2 * PART + 7, 9000)]
+        client.ranges.clear()
+        read(f, 0, PART)  # A part's worth in sequence: the next read streams.
+        assert client.ranges == [(0, PART)]
+        read(f, PART, 100)
+        assert fetched(4) == [
+            (0, PART),
+            (PART, PART),
+            (2 * PART, PART),
+            (3 * PART, 12345),
+        ]
+    client.ranges.clear()
+    with ObjectStorage(client).open_read(f"{url}/big") as f:
+        f.read_ahead(PART + 5)
+        read(f, PART + 5, 100)
+        assert fetched(3) == [(PART + 5, PART - 5), (2 * PART, PART), (3 * PART, 12345)]
+
+
 def _wait_lost(storage, url, deadline_secs: float = 30) -> LogdirLockedError:
     """Wait until a write of ``storage`` into ``url`` is refused; return the error."""
     deadline = time.monotonic() + deadline_secs
