@@ -20,8 +20,9 @@ import torch
 
 from torchsupervisor.core.module_memo import NAME_PARTS, ModuleTree
 from torchsupervisor.core.state import dtensor_class
+from torchsupervisor.errors import InvalidArgumentError
 
-__all__ = ["ShardedOptimizerState", "is_sharded", "positions_to_names"]
+__all__ = ["ShardedOptimizerState", "is_sharded", "positions_to_names", "rename_positions"]
 
 
 # ------------------------------------------------------------------------------ the state
@@ -123,8 +124,6 @@ def positions_to_names(saved: object, live: object) -> dict[int, str] | None:
     Raises:
         InvalidArgumentError: The groups differ in number or size (another optimizer).
     """
-    from torchsupervisor.errors import InvalidArgumentError
-
     saved_groups, live_groups = _group_params(saved), _group_params(live)
     if saved_groups is None or live_groups is None:
         return None
