@@ -378,3 +378,19 @@ def test_a_plain_models_sharded_optimizer_state_is_saved_by_names_in_one_process
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(p, q)
         assert torch.equal(optimizer.state[p]["exp_avg"], fresh_optimizer.state[q]["exp_avg"])
+
+
+def test_an_fsdp2_checkpoint_restores_into_a_plain_model_and_optimizer_in_one_process(saved):
+    """The way back: the optimizer state keyed by names loads into a plain ``torch.optim``
+    optimizer (which maps the saved groups' parameters onto its own in order, as it does for
+    positions), every value bitwise the saved one."""
+    model, optimizer = _plain(1)
+    Saver({"model": model, "optimizer": optimizer}).restore(None, str(saved / PREFIX))
+    reference = safetensors.torch.load_file(str(saved / REFERENCE))
+    names = [n for n, _ in model.named_parameters()]
+    for name, p in zip(names, model.parameters()):
+        assert torch.equal(p.detach(), reference[f"model/{name}"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[p][key], reference[f"optimizer/state/{name}/{key}"])
+    model(torch.randn(4, 256)).pow(2).mean().backward()
+    optimizer.step()
