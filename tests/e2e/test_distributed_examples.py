@@ -1,4 +1,5 @@
-"""examples/ddp_digits.py and fsdp_digits.py under torchrun (2 CPU processes): train, resume."""
+"""examples/ddp_digits.py and fsdp_digits.py under torchrun (CPU processes): train, resume; the
+FSDP2 one at other world sizes (resharded), down to one rank with its memory tier."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from torchsupervisor.checkpoint.reader import CheckpointReader
 ROOT = repo()
 
 
-def _torchrun(example, logdir, max_steps):
+def _torchrun(example, logdir, max_steps, nproc=2, *extra):
     return subprocess.run(
         [
             sys.executable,
-            *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
+            *("-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"),
             os.path.join(ROOT, "examples", example),
-            *("--logdir", str(logdir), "--max-steps", str(max_steps)),
+            *("--logdir", str(logdir), "--max-steps", str(max_steps), *extra),
         ],
         capture_output=True,
         text=True,
@@ -48,7 +49,8 @@ def _sharded(logdir):
         # The DDP example's restarts under torchrun are in the suite through
         # test_summary_steps (killed, stopped, requeued): this one in make test-slow.
         pytest.param("ddp_digits.py", _replicated, marks=pytest.mark.slow),
-        ("fsdp_digits.py", _sharded),
+        # The FSDP2 example's run and resumes: the test below (at 2, 3 and 1 ranks).
+        pytest.param("fsdp_digits.py", _sharded, marks=pytest.mark.slow),
     ],
 )
 def test_the_example_runs_under_torchrun_and_resumes(tmp_path, example, check):
@@ -63,3 +65,24 @@ def test_the_example_runs_under_torchrun_and_resumes(tmp_path, example, check):
         assert f"rank {rank}: resumed at step 20" in second.stdout
         assert f"rank {rank}: done at step 30" in second.stdout
     assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-30")
+
+
+def test_the_fsdp2_example_resumes_at_3_ranks_then_at_1_with_its_memory_tier(tmp_path):
+    """Saved by 2 ranks, resumed by 3 (every rank its rows of the 2 ranks' shards), saved by
+    3, resumed by 1 rank with the memory tier on (a sharded state at world size 1: its own
+    shards in memory, its checkpoints written as by any world size)."""
+    first = _torchrun("fsdp_digits.py", tmp_path, 10)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "rank 1: done at step 10" in first.stdout and "resumed" not in first.stdout
+    assert os.path.exists(tmp_path / "model.ckpt-10.data-00001-of-00002")  # Each rank's.
+    second = _torchrun("fsdp_digits.py", tmp_path, 20, 3)
+    assert second.returncode == 0, second.stderr[-3000:]
+    for rank in (0, 1, 2):
+        assert f"rank {rank}: resumed at step 10" in second.stdout
+        assert f"rank {rank}: done at step 20" in second.stdout
+    assert CheckpointReader(str(tmp_path / "model.ckpt-20")).manifest.world_size == 3
+    third = _torchrun("fsdp_digits.py", tmp_path, 30, 1, "--memory-every-n-steps", "1")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "rank 0: resumed at step 20" in third.stdout
+    assert "rank 0: done at step 30" in third.stdout
+    assert CheckpointReader(str(tmp_path / "model.ckpt-30")).manifest.world_size == 1

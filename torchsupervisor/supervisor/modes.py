@@ -503,7 +503,13 @@ def start_mode(context: ModeContext, master: str, max_wait_secs: float, generati
     distributed.connect(master, timeout_secs=max_wait_secs)
     replicas = None
     settings = context.settings
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    # A sharded state at world size 1 (FSDP2 on one rank) is saved and restored as at any
+    # other: every rank (this one) together, its memory tier of its local shards.
+    if (
+        dist.is_available()
+        and dist.is_initialized()
+        and (dist.get_world_size() > 1 or is_sharded(settings.state))
+    ):
         if settings.is_chief != (dist.get_rank() == 0):
             raise InvalidArgumentError(
                 f"With replicas the chief is rank 0; this is rank {dist.get_rank()} with "
