@@ -267,7 +267,7 @@ def _plain(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def ddp_save_rank(rank: int, world_size: int, directory: str) -> None:
-    """A DDP step on every rank; the chief saves the model and the plain optimizer's state
+    """A DDP step on every rank; the chief saves the DDP model and the plain optimizer's state
     (keyed by parameter positions) with ``Saver``, and the reference of its values (the
     FSDP2 optimizer's names: the positions in order)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -276,8 +276,8 @@ def ddp_save_rank(rank: int, world_size: int, directory: str) -> None:
     ddp = DistributedDataParallel(model)
     ddp(torch.randn(4, 256)).pow(2).mean().backward()
     optimizer.step()
-    if rank == 0:
-        Saver({"model": model, "optimizer": optimizer}).save(
+    if rank == 0:  # The DDP wrapper: saved under the module's own names.
+        Saver({"model": ddp, "optimizer": optimizer}).save(
             None, os.path.join(directory, "ddp.ckpt"), global_step=5
         )
         names = [n for n, _ in model.named_parameters()]

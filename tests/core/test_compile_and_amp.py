@@ -1,5 +1,6 @@
-"""What a PyTorch port meets (docs/porting.md): ``torch.compile`` must not change the state's
-names, and AMP's skipped steps must not count as steps."""
+"""What a PyTorch port meets (docs/porting.md): ``torch.compile`` and data-parallel wrappers
+(DDP, ``DataParallel``) must not change the state's names, and AMP's skipped steps must not
+count as steps."""
 
 from __future__ import annotations
 
@@ -44,6 +45,39 @@ def test_a_checkpoint_with_compiled_names_still_restores(tmp_path):
     target = _model(1)
     Saver().restore(Session({"model": target}), path)
     assert torch.equal(target[0].weight, compiled._orig_mod[0].weight)
+
+
+def test_a_data_parallel_models_checkpoint_has_the_plain_models_names(tmp_path):
+    """``DataParallel`` (as ``DistributedDataParallel``: ``module.`` before every name) is
+    saved and restored through the module it wraps: its checkpoint loads into a plain model,
+    a plain one's into it, and one compiled inside it too."""
+    wrapped = torch.nn.DataParallel(_model(0))
+    wrapped(torch.randn(5, 3))
+    path = Saver().save(Session({"model": wrapped}), str(tmp_path / "dp.ckpt"))
+    names = sorted(CheckpointReader(path).get_variable_to_shape_map())
+    assert "model/0.weight" in names and not [n for n in names if "module." in n]
+    for target in (_model(1), torch.nn.DataParallel(torch.compile(_model(2), backend="eager"))):
+        Saver().restore(Session({"model": target}), path)
+        for (name, value), (_, want) in zip(
+            target.state_dict().items(), wrapped.state_dict().items()
+        ):
+            assert torch.equal(value, want), name
+
+
+def test_a_checkpoint_with_ddp_names_still_restores_unless_the_model_has_such_a_child(tmp_path):
+    # Earlier versions (and torch.save of a DDP model's state_dict) wrote "module." keys.
+    prefixed = dict(torch.nn.DataParallel(_model(0)).state_dict())
+    assert all(k.startswith("module.") for k in prefixed)
+    path = Saver({"model": prefixed}).save(None, str(tmp_path / "old.ckpt"))
+    for target in (_model(1), torch.nn.DataParallel(_model(2))):
+        Saver().restore(Session({"model": target}), path)
+        plain = getattr(target, "module", target)
+        assert torch.equal(plain[0].weight, prefixed["module.0.weight"])
+    # A model whose one child is called "module": its names are its own.
+    holder = torch.nn.Module()
+    holder.module = _model(3)
+    Saver().restore(Session({"model": holder}), path)
+    assert torch.equal(holder.module[0].weight, prefixed["module.0.weight"])
 
 
 def test_a_step_amp_skips_is_not_counted_and_the_scaler_is_state(tmp_path):

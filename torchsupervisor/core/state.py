@@ -84,33 +84,53 @@ def dtensor_class() -> type | None:
 
 
 _COMPILED_PREFIX = "_orig_mod."
+_REPLICATED_PREFIX = "module."
 
 
 def uncompiled(obj: object) -> Any:
-    """The module a ``torch.compile`` wrapper compiles, or ``obj`` itself.
+    """The module a ``torch.compile`` wrapper compiles or a data-parallel wrapper
+    (``DistributedDataParallel``, ``DataParallel``) replicates, or ``obj`` itself.
 
     ``torch.compile(model)`` returns an ``OptimizedModule`` whose ``state_dict`` names every
-    entry ``_orig_mod.<name>``: checkpointed as it is, a compiled run's checkpoint would not
-    load into an uncompiled model and the other way round. The state is saved and restored
-    through the wrapped module instead, so compiling or not never changes a checkpoint.
+    entry ``_orig_mod.<name>``, and ``DistributedDataParallel(model)`` one that names them
+    ``module.<name>``: checkpointed as they are, a compiled or DDP run's checkpoint would not
+    load into a plain model (one process, evaluation) nor an FSDP2 one, and the other way
+    round. The state is saved and restored through the wrapped module instead, so compiling
+    or wrapping never changes a checkpoint (as DCP's ``get_state_dict`` names them).
     """
-    if isinstance(obj, torch.nn.Module) and "torch._dynamo" in sys.modules:
-        wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
-        while wrapper is not None and isinstance(obj, wrapper):
+    if not isinstance(obj, torch.nn.Module):
+        return obj
+    compiled = None
+    if "torch._dynamo" in sys.modules:
+        compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    while True:
+        if isinstance(obj, _DATA_PARALLEL):
+            obj = obj.module
+        elif compiled is not None and isinstance(obj, compiled):
             obj = obj._orig_mod
-    return obj
+        else:
+            return obj
 
 
-def without_compiled_prefix(value: object) -> Any:
-    """A module's saved entries without the ``_orig_mod.`` prefix a compiled model's
-    ``state_dict`` gave them (checkpoints of a compiled model by other tools or older
-    versions), when every entry has it; else ``value``."""
-    if (
-        isinstance(value, Mapping)
-        and value
-        and all(isinstance(k, str) and k.startswith(_COMPILED_PREFIX) for k in value)
-    ):
-        return {k[len(_COMPILED_PREFIX) :]: v for k, v in value.items()}
+_DATA_PARALLEL = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+
+
+def without_compiled_prefix(value: object, module: object = None) -> Any:
+    """A module's saved entries without the prefixes a wrapper's ``state_dict`` gave them
+    (``_orig_mod.``: a compiled model; ``module.``: DDP or ``DataParallel``; checkpoints by
+    other tools or older versions), a prefix at a time while every entry has it; else
+    ``value``. ``module`` (the unwrapped live module): ``module.`` is kept where it has a
+    child of that name."""
+    own = getattr(module, "_modules", {})
+    while isinstance(value, Mapping) and value:
+        for prefix in (_COMPILED_PREFIX, _REPLICATED_PREFIX):
+            if prefix == _REPLICATED_PREFIX and "module" in own:
+                continue
+            if all(isinstance(k, str) and k.startswith(prefix) for k in value):
+                value = {k[len(prefix) :]: v for k, v in value.items()}
+                break
+        else:
+            return value
     return value
 
 

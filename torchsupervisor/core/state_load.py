@@ -141,7 +141,8 @@ def _load_one(
     container: Any, key: object, obj: object, value: object, path: str, source: str
 ) -> None:
     if isinstance(obj, torch.nn.Module):
-        obj, value = uncompiled(obj), without_compiled_prefix(value)
+        obj = uncompiled(obj)
+        value = without_compiled_prefix(value, obj)
     if isinstance(obj, torch.Tensor):
         if not isinstance(value, torch.Tensor):
             raise InvalidArgumentError(
@@ -282,7 +283,8 @@ def _check_spec(
 
 def _check_one(obj: object, value: object, path: str, source: str, warnings: list[str]) -> None:
     if isinstance(obj, torch.nn.Module):
-        obj, value = uncompiled(obj), without_compiled_prefix(value)
+        obj = uncompiled(obj)
+        value = without_compiled_prefix(value, obj)
     if isinstance(obj, torch.Tensor):
         if not isinstance(value, TensorSpec):
             raise InvalidArgumentError(

@@ -308,7 +308,7 @@ class _Walker:
         """A stateful object stands for its state dict, at its own depth."""
         if not self.sharded and getattr(obj, "is_sharded_state", False):
             raise ShardedStateError(path)
-        obj = uncompiled(obj)  # A torch.compile wrapper: its module's own names.
+        obj = uncompiled(obj)  # A torch.compile or DDP wrapper: its module's own names.
         if isinstance(obj, torch.nn.Module):
             self.stateful.append(obj)
             # A class's own ``state_dict`` may not take ``keep_vars``: called as it is.
