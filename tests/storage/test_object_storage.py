@@ -417,7 +417,7 @@ def test_unknown_options_are_refused(s3_server):
 
 
 def test_sequential_and_random_reads_of_a_large_object(url):
-    from torchsupervisor.storage.objects import READ_PART_BYTES
+    from torchsupervisor.storage.object_reads import READ_PART_BYTES
 
     st = _storage(url, part_bytes=5 * MIB)
     data = os.urandom(3 * READ_PART_BYTES + 12345)
@@ -459,7 +459,7 @@ def test_reads_fetch_exactly_their_bytes_until_the_reader_streams(url):
     each read fetches its own bytes, not the 8 MiB parts around them. A reader that names
     where it reads next (``read_ahead``), or goes on in sequence past a part's worth of bytes,
     streams: the parts ahead of it are in flight."""
-    from torchsupervisor.storage.objects import READ_PART_BYTES as PART
+    from torchsupervisor.storage.object_reads import READ_PART_BYTES as PART
 
     data = os.urandom(3 * PART + 12345)
     storage_for(url).put(f"{url}/big", [data])
