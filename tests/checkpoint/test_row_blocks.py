@@ -309,6 +309,19 @@ def ddp_load_rank(rank: int, world_size: int, directory: str) -> tuple[int, int,
     return storage.bytes_read, held, kinds
 
 
+def prefixed_load_rank(rank: int, world_size: int, directory: str) -> tuple[int, int]:
+    """Restore a checkpoint whose model entries carry DDP's ``module.`` prefix (an earlier
+    version's, another tool's) into an FSDP2 model: the bytes read and held."""
+    model, _ = _build(1, world_size)
+    storage = CountingStorage()
+    Saver({"model": model}, storage=storage).restore(None, os.path.join(directory, "old.ckpt-1"))
+    reference = safetensors.torch.load_file(os.path.join(directory, REFERENCE))
+    restored = _full({"model": model})
+    for name, tensor in restored.items():
+        assert torch.equal(tensor, reference[name]), name
+    return storage.bytes_read, held_bytes({"model": model})
+
+
 def ddp_mismatch_rank(rank: int, world_size: int, directory: str) -> str:
     model, _ = _build(1, world_size)
     params = list(model.parameters())
@@ -356,6 +369,20 @@ def test_a_ddp_checkpoint_restores_into_fsdp2_reading_what_each_rank_holds(
     for read, held, kinds in results:
         assert read <= 1.1 * held, (world_size, results)
         assert kinds == ["DTensor"], kinds
+
+
+def test_a_checkpoint_with_ddps_prefix_restores_into_fsdp2_reading_each_ranks_rows(
+    saved_by_ddp, tmp_path
+):
+    reference = safetensors.torch.load_file(str(saved_by_ddp / REFERENCE))
+    model = {n[len("model/") :]: t for n, t in reference.items() if n.startswith("model/")}
+    old = {f"module.{n}": t for n, t in model.items()}
+    Saver({"model": old}).save(None, str(tmp_path / "old.ckpt"), global_step=1)
+    safetensors.torch.save_file(
+        {f"model/{n}": t for n, t in model.items()}, str(tmp_path / REFERENCE)
+    )
+    for read, held in run_world(prefixed_load_rank, str(tmp_path), world_size=3):
+        assert read <= 1.1 * held, (read, held)
 
 
 def test_a_ddp_checkpoint_with_other_param_groups_is_refused_on_every_rank(saved_by_ddp):

@@ -59,7 +59,7 @@ from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave, prepare
 from torchsupervisor.checkpoint.snapshot import Stager
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
-from torchsupervisor.core.state import TensorRef
+from torchsupervisor.core.state import TensorRef, uncompiled, without_compiled_prefix
 from torchsupervisor.core.state_load import find_subtree, load_state
 from torchsupervisor.core.tree import decode_tree
 from torchsupervisor.core.walk import walk_state
@@ -459,9 +459,14 @@ def _targets(
         names = None
         if isinstance(state[name], ShardedOptimizerState):
             names = positions_to_names(subtree, skeleton.get(name))
+        plain = None
+        if isinstance(state[name], torch.nn.Module):  # Saved with a wrapper's prefix?
+            plain = without_compiled_prefix(subtree, uncompiled(state[name]))
         if names is not None:  # A plain optimizer's state (DDP): read as the live one's.
             renames[name] = names
             _collect_refs(rename_positions(subtree, names), needed, name)
+        elif plain is not None and plain is not subtree:  # ``load_state`` drops it too.
+            _collect_refs(plain, needed, name)
         else:
             _collect_refs(subtree, needed)
     specs = manifest.tensor_specs()
