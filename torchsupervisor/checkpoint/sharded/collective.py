@@ -433,8 +433,10 @@ def load_sharded(
 def _targets(
     state: Mapping[str, Any], manifest: ShardedManifest, prefix: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[int, str]]]:
-    """Fresh tensors to read the needed checkpoint tensors into, sharded like the live ones;
-    and the positions to rename, by state entry (``_renamed``)."""
+    """Fresh tensors to read the needed checkpoint tensors into, sharded like the live ones
+    (a plain optimizer's state, or a module saved with a wrapper's prefix, like the live
+    tensors it loads into); and the positions to rename, by state entry
+    (``plan.rename_positions``, which ``_load_into`` applies to the values read)."""
     try:
         template = decode_tree(manifest.tree, lambda name, ndarray: TensorRef(name, ndarray))
     except ManifestError as e:
