@@ -1,5 +1,6 @@
-"""examples/ddp_digits.py and fsdp_digits.py under torchrun (CPU processes): train, resume; the
-FSDP2 one at other world sizes (resharded), down to one rank with its memory tier."""
+"""examples/ddp_digits.py and fsdp_digits.py under torchrun (CPU processes): train, resume; a
+DDP run resumed as FSDP2 at other world sizes (resharded), down to one rank with its memory
+tier."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _sharded(logdir):
         # The DDP example's restarts under torchrun are in the suite through
         # test_summary_steps (killed, stopped, requeued): this one in make test-slow.
         pytest.param("ddp_digits.py", _replicated, marks=pytest.mark.slow),
-        # The FSDP2 example's run and resumes: the test below (at 2, 3 and 1 ranks).
+        # The FSDP2 example's runs and resumes: the test below (at 3 and 1 ranks).
         pytest.param("fsdp_digits.py", _sharded, marks=pytest.mark.slow),
     ],
 )
@@ -67,20 +68,24 @@ def test_the_example_runs_under_torchrun_and_resumes(tmp_path, example, check):
     assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-30")
 
 
-def test_the_fsdp2_example_resumes_at_3_ranks_then_at_1_with_its_memory_tier(tmp_path):
-    """Saved by 2 ranks, resumed by 3 (every rank its rows of the 2 ranks' shards), saved by
-    3, resumed by 1 rank with the memory tier on (a sharded state at world size 1: its own
-    shards in memory, its checkpoints written as by any world size)."""
-    first = _torchrun("fsdp_digits.py", tmp_path, 10)
+def test_a_ddp_run_resumes_as_fsdp2_at_3_ranks_then_at_1_with_its_memory_tier(tmp_path):
+    """The DDP example's logdir (2 ranks, the chief's checkpoint: the DDP model under its
+    module's names, the plain optimizer's state keyed by positions) resumed by the FSDP2
+    example at 3 ranks (every rank its rows, the moments as DTensors), saved by 3, resumed by
+    1 rank with the memory tier on (a sharded state at world size 1: its own shards in
+    memory, its checkpoints written as by any world size)."""
+    first = _torchrun("ddp_digits.py", tmp_path, 10)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "rank 1: done at step 10" in first.stdout and "resumed" not in first.stdout
-    assert os.path.exists(tmp_path / "model.ckpt-10.data-00001-of-00002")  # Each rank's.
+    names = CheckpointReader(str(tmp_path / "model.ckpt-10")).get_variable_to_shape_map()
+    assert "model/0.weight" in names  # Not "model/module.0.weight".
     second = _torchrun("fsdp_digits.py", tmp_path, 20, 3)
     assert second.returncode == 0, second.stderr[-3000:]
     for rank in (0, 1, 2):
         assert f"rank {rank}: resumed at step 10" in second.stdout
         assert f"rank {rank}: done at step 20" in second.stdout
     assert CheckpointReader(str(tmp_path / "model.ckpt-20")).manifest.world_size == 3
+    assert os.path.exists(tmp_path / "model.ckpt-20.data-00002-of-00003")  # Each rank's.
     third = _torchrun("fsdp_digits.py", tmp_path, 30, 1, "--memory-every-n-steps", "1")
     assert third.returncode == 0, third.stderr[-3000:]
     assert "rank 0: resumed at step 20" in third.stdout
