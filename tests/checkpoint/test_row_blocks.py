@@ -124,6 +124,21 @@ def _full(state: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def _assert_as_reference(state: dict, directory: str) -> None:
+    """Every tensor of the reference in ``directory`` is bitwise the whole one of ``state``."""
+    restored = _full(state)
+    reference = safetensors.torch.load_file(os.path.join(directory, REFERENCE))
+    for name, tensor in reference.items():
+        assert torch.equal(restored[name], tensor), name
+
+
+def _raised(fn, *args) -> str:
+    """``"<type>: <message>"`` of what ``fn(*args)`` raised (it must raise)."""
+    with pytest.raises(Exception) as caught:
+        fn(*args)
+    return f"{type(caught.value).__name__}: {caught.value}"
+
+
 def save_rank(rank: int, world_size: int, directory: str) -> None:
     """Save at ``directory`` (or a bucket's URL); rank 0 writes the reference of the values
     there, or (a bucket) in ``REFERENCE_DIR``."""
@@ -147,10 +162,7 @@ def load_rank(rank: int, world_size: int, directory: str) -> tuple[int, int]:
     storage = CountingStorage()
     load_sharded(state, os.path.join(directory, PREFIX), storage=storage)
     held = held_bytes(state)
-    restored = _full(state)
-    reference = safetensors.torch.load_file(os.path.join(directory, REFERENCE))
-    for name, tensor in reference.items():
-        assert torch.equal(restored[name], tensor), name
+    _assert_as_reference(state, directory)
     return storage.bytes_read, held
 
 
@@ -164,18 +176,13 @@ def bucket_rank(rank: int, world_size: int, url: str, restore: bool) -> tuple[in
     state = _state(model, optimizer)
     storage = counting_object_storage(url)
     load_sharded(state, f"{url}/{PREFIX}", storage=storage)
-    restored = _full(state)
-    reference = safetensors.torch.load_file(os.path.join(os.environ["REFERENCE_DIR"], REFERENCE))
-    for name, tensor in reference.items():
-        assert torch.equal(restored[name], tensor), name
+    _assert_as_reference(state, os.environ["REFERENCE_DIR"])
     return storage.bytes_read, held_bytes(state)
 
 
 def load_error_rank(rank: int, world_size: int, directory: str) -> str:
     model, optimizer = _build(1, world_size)
-    with pytest.raises(Exception) as caught:
-        load_sharded(_state(model, optimizer), os.path.join(directory, PREFIX))
-    return f"{type(caught.value).__name__}: {caught.value}"
+    return _raised(load_sharded, _state(model, optimizer), os.path.join(directory, PREFIX))
 
 
 @pytest.fixture(scope="module")
@@ -298,10 +305,7 @@ def ddp_load_rank(rank: int, world_size: int, directory: str) -> tuple[int, int,
     storage = CountingStorage()
     Saver(state, storage=storage).restore(None, os.path.join(directory, DDP_PREFIX))
     held = held_bytes(state)
-    restored = _full(state)
-    reference = safetensors.torch.load_file(os.path.join(directory, REFERENCE))
-    for name, tensor in reference.items():
-        assert torch.equal(restored[name], tensor), name
+    _assert_as_reference(state, directory)
     moments = [v for s in optimizer.state.values() for v in s.values() if v.dim()]
     kinds = sorted({type(v).__name__ for v in moments})
     model(torch.randn(4, 256)).pow(2).mean().backward()
@@ -315,10 +319,7 @@ def prefixed_load_rank(rank: int, world_size: int, directory: str) -> tuple[int,
     model, _ = _build(1, world_size)
     storage = CountingStorage()
     Saver({"model": model}, storage=storage).restore(None, os.path.join(directory, "old.ckpt-1"))
-    reference = safetensors.torch.load_file(os.path.join(directory, REFERENCE))
-    restored = _full({"model": model})
-    for name, tensor in restored.items():
-        assert torch.equal(tensor, reference[name]), name
+    _assert_as_reference({"model": model}, directory)
     return storage.bytes_read, held_bytes({"model": model})
 
 
@@ -326,9 +327,8 @@ def ddp_mismatch_rank(rank: int, world_size: int, directory: str) -> str:
     model, _ = _build(1, world_size)
     params = list(model.parameters())
     optimizer = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}])
-    with pytest.raises(Exception) as caught:
-        Saver(_state(model, optimizer)).restore(None, os.path.join(directory, DDP_PREFIX))
-    return f"{type(caught.value).__name__}: {caught.value}"
+    saver = Saver(_state(model, optimizer))
+    return _raised(saver.restore, None, os.path.join(directory, DDP_PREFIX))
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ from torchsupervisor.checkpoint.retention import Keeper
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
 from torchsupervisor.checkpoint.snapshot import Stager, StagingBuffers
 from torchsupervisor.checkpoint.writer import Directories, SaveStats, SaveTarget, Writer
-from torchsupervisor.checkpoint.writers import ShardedWriter, SnapshotWriter
+from torchsupervisor.checkpoint.writers import ShardedWriter, SnapshotWriter, replica_entries
 from torchsupervisor.core.checks import (
     check_bool,
     check_clock,
@@ -48,8 +48,6 @@ from torchsupervisor.core.checks import (
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import read_checkpoint_step
 from torchsupervisor.core.state_names import check_var_list, select_state
-from torchsupervisor.core.training_state import shared_entries
-from torchsupervisor.distributed.env import rank, world_size
 from torchsupervisor.storage import BY_PATH, Storage
 
 if TYPE_CHECKING:
@@ -76,29 +74,6 @@ WRITE_AFTER_WAIT_SECS = 10.0
 """The longest a save waits for ``save_async``'s ``write_after`` before it writes anyway."""
 
 _WAIT_SLICE_SECS = 0.05  # How often that wait looks for a cancellation.
-
-
-def replica_entries(state: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The entries of ``state`` this process saves to or loads from a checkpoint that the
-    replicas share: all of them on rank 0 (and in a single process); on another rank, all
-    but the per-rank ones (``training_state.is_per_rank``), since the checkpoint holds rank
-    0's (told once per process at INFO).
-    """
-    if world_size() <= 1 or rank() == 0:
-        return state
-    shared = shared_entries(state)
-    if shared is not state and not _told_per_rank:
-        _told_per_rank.append(True)
-        logger.info(
-            "Rank %d: the per-rank entries %s are not restored from (nor saved to) the "
-            "checkpoint, which holds rank 0's: this rank's start where it made them",
-            rank(),
-            sorted(shared.per_rank),  # type: ignore[attr-defined]
-        )
-    return shared
-
-
-_told_per_rank: list[bool] = []
 
 
 def _check_origin(origin: Mapping[str, str | int] | None) -> dict[str, str | int] | None:
@@ -177,9 +152,9 @@ class Saver:
             (``Manifest.row_blocks``), so that restoring the checkpoint into a state sharded
             by rows (FSDP2, any world size) reads about the rows each rank holds instead of
             every tensor whole; it costs the writer a second CRC pass over those tensors
-            (about 6 ms per 100 MB) and the manifest about 11 bytes a block (at most 128
-            blocks a tensor). False for checkpoints only this process restores (the memory
-            tier's). A state of DTensors always records them.
+            (about 7 ms per 100 MB, beside the write) and the manifest about 11 bytes a
+            block (at most 128 blocks a tensor). False for checkpoints only this process
+            restores (the memory tier's). A state of DTensors always records them.
 
     Raises:
         ValueError: If ``var_list`` is given, empty, and ``allow_empty`` is False; for a

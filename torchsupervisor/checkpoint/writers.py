@@ -45,6 +45,7 @@ from torchsupervisor.checkpoint.snapshot import Snapshot, Stager
 from torchsupervisor.checkpoint.writer import Directories, SaveStats, SaveTarget
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.global_step import read_step
+from torchsupervisor.core.training_state import shared_entries
 from torchsupervisor.core.walk import walk_state
 from torchsupervisor.distributed.env import background_group, on_every_rank, rank, world_size
 from torchsupervisor.errors import CheckpointSaveError
@@ -55,9 +56,32 @@ if TYPE_CHECKING:
 
     from torchsupervisor.core.global_step import GlobalStepLike
 
-__all__ = ["ShardedWriter", "SnapshotWriter"]
+__all__ = ["ShardedWriter", "SnapshotWriter", "replica_entries"]
 
 logger = logging.getLogger("torchsupervisor")
+
+
+def replica_entries(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The entries of ``state`` this process saves to or loads from a checkpoint that the
+    replicas share: all of them on rank 0 (and in a single process); on another rank, all
+    but the per-rank ones (``training_state.is_per_rank``), since the checkpoint holds rank
+    0's (told once per process at INFO).
+    """
+    if world_size() <= 1 or rank() == 0:
+        return state
+    shared = shared_entries(state)
+    if shared is not state and not _told_per_rank:
+        _told_per_rank.append(True)
+        logger.info(
+            "Rank %d: the per-rank entries %s are not restored from (nor saved to) the "
+            "checkpoint, which holds rank 0's: this rank's start where it made them",
+            rank(),
+            sorted(shared.per_rank),  # type: ignore[attr-defined]
+        )
+    return shared
+
+
+_told_per_rank: list[bool] = []
 
 
 class SnapshotWriter:
