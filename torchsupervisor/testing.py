@@ -239,7 +239,7 @@ def save_cache_of(saver: object) -> Any:
 
     TF name: none.
     """
-    choice = saver._writer_choice
+    choice = saver._writers.chosen
     return None if choice is None else choice[1]._cache
 
 

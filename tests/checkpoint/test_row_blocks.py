@@ -421,3 +421,20 @@ def test_an_fsdp2_checkpoint_restores_into_a_plain_model_and_optimizer_in_one_pr
             assert torch.equal(optimizer.state[p][key], reference[f"optimizer/state/{name}/{key}"])
     model(torch.randn(4, 256)).pow(2).mean().backward()
     optimizer.step()
+
+
+def test_a_plain_optimizers_checkpoint_restores_into_a_sharded_optimizer_state_in_one_process(
+    saved_by_ddp,
+):
+    """A checkpoint keyed by parameter positions (a plain optimizer's, DDP's chief) restored in
+    one process into a plain model whose optimizer is wrapped in ``ShardedOptimizerState``
+    (keyed by names): every value bitwise the saved one, and the next step works."""
+    model, optimizer = _plain(1)
+    Saver(_state(model, optimizer)).restore(None, str(saved_by_ddp / DDP_PREFIX))
+    reference = safetensors.torch.load_file(str(saved_by_ddp / REFERENCE))
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), reference[f"model/{name}"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[p][key], reference[f"optimizer/state/{name}/{key}"])
+    model(torch.randn(4, 256)).pow(2).mean().backward()
+    optimizer.step()

@@ -11,7 +11,7 @@ Saves are incremental by default (unchanged frozen tensors are referenced, not c
 save is full whenever an incremental one would leave every kept checkpoint depending on one
 data file (``policy.may_reference``). A state holding ``DTensor`` s (FSDP2) is saved and
 restored by every rank together (``writers.ShardedWriter``, ``sharded/``); the writer is
-chosen once per state.
+chosen once per state (``writer_choice``).
 
 TF name: ``tf.compat.v1.train.Saver``.
 """
@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from torchsupervisor.checkpoint import policy
 from torchsupervisor.checkpoint.best import best_rule, check_metrics
@@ -34,10 +33,12 @@ from torchsupervisor.checkpoint.files import (
     get_checkpoint_mtimes,
 )
 from torchsupervisor.checkpoint.retention import Keeper
-from torchsupervisor.checkpoint.sharded.plan import is_sharded
+from torchsupervisor.checkpoint.save_targets import save_target
 from torchsupervisor.checkpoint.snapshot import Stager, StagingBuffers
+from torchsupervisor.checkpoint.write_after import Waitable, wait_before_writing
 from torchsupervisor.checkpoint.writer import Directories, SaveStats, SaveTarget, Writer
-from torchsupervisor.checkpoint.writers import ShardedWriter, SnapshotWriter, replica_entries
+from torchsupervisor.checkpoint.writer_choice import WriterChoice
+from torchsupervisor.checkpoint.writers import replica_entries
 from torchsupervisor.core.checks import (
     check_bool,
     check_clock,
@@ -46,7 +47,6 @@ from torchsupervisor.core.checks import (
     check_str,
 )
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
-from torchsupervisor.core.global_step import read_checkpoint_step
 from torchsupervisor.core.state_names import check_var_list, select_state
 from torchsupervisor.storage import BY_PATH, Storage
 
@@ -61,19 +61,6 @@ logger = logging.getLogger("torchsupervisor")
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
 """``max_shard_bytes`` of a ``sharded=True`` Saver that gives none: 1 GiB."""
-
-
-class Waitable(Protocol):
-    """Something a save can wait for (``save_async``'s ``write_after``): a
-    ``threading.Event``, or any object with its ``wait``."""
-
-    def wait(self, timeout: float | None = None) -> bool: ...
-
-
-WRITE_AFTER_WAIT_SECS = 10.0
-"""The longest a save waits for ``save_async``'s ``write_after`` before it writes anyway."""
-
-_WAIT_SLICE_SECS = 0.05  # How often that wait looks for a cancellation.
 
 
 def _check_origin(origin: Mapping[str, str | int] | None) -> dict[str, str | int] | None:
@@ -225,10 +212,10 @@ class Saver:
         self._row_blocks = check_bool("row_blocks", row_blocks)
         self._var_list = var_list
         self._write_after: Waitable | None = None  # The last save_async's write_after.
-        self._split_files = sharded  # TF's "sharded": several data files per save.
+        # TF's "sharded" is several data files per save (``split_files``).
+        self._prefix_options = {"pad_step_number": pad_step_number, "split_files": sharded}
         self._name = name or "save"
         self._allow_empty = allow_empty
-        self._pad_step_number = pad_step_number
         self._incremental = incremental
         self._max_shard_bytes = max_shard_bytes or (DEFAULT_MAX_SHARD_BYTES if sharded else None)
         self._storage = storage or BY_PATH
@@ -250,10 +237,15 @@ class Saver:
         self._optional: set[str] = set()
         # The writer: sharded (every rank writes its part) or this process's snapshot; chosen
         # once per state (at construction for a ``var_list`` mapping), with that state.
-        self._writers: dict[bool, Writer[Any]] = {}
-        self._writer_choice: tuple[object, Writer[Any]] | None = None
+        self._writers = WriterChoice(
+            (self._storage, self._clock, self._keeper, self._engine, self._stager,
+             self._directories),
+            self._cancel,
+            {"incremental": incremental, "max_shard_bytes": self._max_shard_bytes,
+             "allow_empty": allow_empty, "origin": self._origin, "row_blocks": self._row_blocks},
+        )  # fmt: skip
         if isinstance(var_list, Mapping):
-            self._writer_choice = (var_list, self._writer_of(is_sharded(var_list)))
+            self._writers.for_state(var_list, var_list)
         self.last_save: SaveStats | None = None
         """What the last committed save cost (None before the first)."""
 
@@ -319,9 +311,10 @@ class Saver:
         start = time.perf_counter()
         metrics = check_metrics(metrics)
         state, writer = self._state_and_writer(sess)
-        target, error = self._target_for(
-            writer, save_path, global_step, latest_filename, write_state, metrics
-        )
+        target, error = save_target(
+            save_path, global_step, latest_filename, write_state, metrics,
+            collective=writer.collective, **self._prefix_options,
+        )  # fmt: skip
         staged = writer.stage(state, target, global_step, background=False, error=error)
         if staged is None:
             return None
@@ -378,9 +371,10 @@ class Saver:
         metrics = check_metrics(metrics)
         self._write_after = write_after  # What ``wait`` asks for (a save waits for it).
         state, writer = self._state_and_writer(sess)
-        target, error = self._target_for(
-            writer, save_path, global_step, latest_filename, write_state, metrics
-        )
+        target, error = save_target(
+            save_path, global_step, latest_filename, write_state, metrics,
+            collective=writer.collective, **self._prefix_options,
+        )  # fmt: skip
         staged = writer.stage(state, target, global_step, background=True, error=error)
         if staged is None:
             done: concurrent.futures.Future[str | None] = concurrent.futures.Future()
@@ -468,53 +462,6 @@ class Saver:
         """
         self._optional.update(names)
 
-    def _writer_of(self, sharded: bool) -> Writer[Any]:
-        """The writer of a state of DTensors (``sharded``) or of this process's state."""
-        writer = self._writers.get(sharded)
-        if writer is None:
-            if sharded:
-                writer = ShardedWriter(
-                    self._storage,
-                    self._clock,
-                    self._keeper,
-                    self._engine,
-                    self._stager,
-                    self._directories,
-                )
-            else:
-                writer = SnapshotWriter(
-                    self._storage,
-                    self._clock,
-                    self._keeper,
-                    self._engine,
-                    self._cancel,
-                    self._stager,
-                    self._directories,
-                    incremental=self._incremental,
-                    max_shard_bytes=self._max_shard_bytes,
-                    allow_empty=self._allow_empty,
-                    origin=self._origin,
-                    row_blocks=self._row_blocks,
-                )
-            self._writers[sharded] = writer
-        return writer
-
-    def _writer_for(self, state: Mapping[str, Any], sess: SessionLike | None = None) -> Writer[Any]:
-        """The writer of ``state``: every rank's (DTensors) or this process's; decided once
-        per state.
-
-        The decision is remembered with the state it was made for (the ``var_list`` mapping,
-        or the session's state), so a run decides at its first save, not at every one.
-        """
-        if isinstance(self._var_list, Mapping):
-            source: object = self._var_list
-        else:
-            source = getattr(sess, "state", state)
-        known = self._writer_choice
-        if known is None or known[0] is not source:
-            known = self._writer_choice = (source, self._writer_of(is_sharded(state)))
-        return known[1]
-
     def _state_and_writer(self, sess: SessionLike | None) -> tuple[Mapping[str, Any], Writer[Any]]:
         """What a save of ``sess`` writes, and with which writer. A collective writer saves
         what the replicas share (``replica_entries``), and takes no metrics yet."""
@@ -535,54 +482,14 @@ class Saver:
             )
         return select_state(state, self._var_list)
 
-    def _checkpoint_prefix(
-        self, save_path: str, global_step: GlobalStepLike, latest_filename: str | None
-    ) -> tuple[str, int | None]:
-        latest_filename = latest_filename or "checkpoint"
-        if os.path.split(latest_filename)[0]:
-            raise ValueError("'latest_filename' must not contain path components")
-        step = read_checkpoint_step(global_step)
-        if step is None:
-            if os.path.basename(save_path) == latest_filename and not self._split_files:
-                raise ValueError(
-                    f"'latest_filename' collides with 'save_path': '{latest_filename}' and "
-                    f"'{save_path}'"
-                )
-            return save_path, None
-        pattern = "%s-%08d" if self._pad_step_number else "%s-%d"
-        return pattern % (save_path, step), step
-
-    def _target(
-        self,
-        save_path: str,
-        global_step: GlobalStepLike,
-        latest_filename: str | None,
-        write_state: bool,
-        metrics: dict[str, float] | None = None,
-    ) -> SaveTarget:
-        prefix, _ = self._checkpoint_prefix(save_path, global_step, latest_filename)
-        return SaveTarget(prefix, save_path, latest_filename, write_state, metrics)
-
-    def _target_for(
-        self,
-        writer: Writer[Any],
-        save_path: str,
-        global_step: GlobalStepLike,
-        latest_filename: str | None,
-        write_state: bool,
-        metrics: dict[str, float] | None,
-    ) -> tuple[SaveTarget, Exception | None]:
-        """Where a save goes; for a collective writer also what is wrong with it, returned,
-        not raised: this rank still joins the collective, which raises it on every rank (a
-        rank that raised alone would leave the others waiting in it)."""
-        if not writer.collective:
-            return self._target(save_path, global_step, latest_filename, write_state, metrics), None
-        try:
-            if metrics is not None:
-                raise ValueError("metrics are not supported yet for a state of DTensors (FSDP2)")
-            return self._target(save_path, global_step, latest_filename, write_state), None
-        except Exception as e:  # No prefix: the save fails before anything is written.
-            return SaveTarget(save_path, save_path, latest_filename, write_state=False), e
+    def _writer_for(self, state: Mapping[str, Any], sess: SessionLike | None) -> Writer[Any]:
+        """The writer of ``state``, decided once for the ``var_list`` mapping or the
+        session's state (``writer_choice``)."""
+        if isinstance(self._var_list, Mapping):
+            source: object = self._var_list
+        else:
+            source = getattr(sess, "state", state)
+        return self._writers.for_state(state, source)
 
     def _persist(
         self,
@@ -593,30 +500,10 @@ class Saver:
         write_after: Waitable | None,
     ) -> str:
         """Write a staged save on the writer thread, after ``write_after``."""
-        self._wait_before_writing(write_after)
+        wait_before_writing(write_after, self._cancel)
         self.last_save = writer.persist(staged, target, stall_secs, background=True)
         logger.debug("Checkpoint %s: %s", target.prefix, self.last_save)
         return target.prefix
-
-    def _wait_before_writing(self, event: Waitable | None) -> None:
-        """Wait for ``save_async``'s ``write_after`` (on the writer thread).
-
-        Real time, not the Saver's clock: what is waited for is another thread's I/O, and a
-        fake clock would skip the wait. A cancelled save stops waiting at once.
-        """
-        if event is None:
-            return
-        end = time.monotonic() + WRITE_AFTER_WAIT_SECS
-        while not event.wait(_WAIT_SLICE_SECS):
-            if self._cancel.is_set():
-                return
-            if time.monotonic() >= end:
-                logger.warning(
-                    "The summaries up to this checkpoint were not flushed within %g s; "
-                    "writing it anyway",
-                    WRITE_AFTER_WAIT_SECS,
-                )
-                return
 
     # ---------------------------------------------------------------------------- restoring
 

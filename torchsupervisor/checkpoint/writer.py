@@ -1,6 +1,6 @@
 """The ``Writer`` seam: how one snapshot of a state becomes a durable checkpoint, and back.
 
-A ``Saver`` holds one writer per state, chosen once (``Saver._writer_for``), and drives it in
+A ``Saver`` holds one writer per state, chosen once (``writer_choice``), and drives it in
 this order for every save:
 
 1. ``stage(state, target, global_step, background=..., error=...)`` on the calling (training)

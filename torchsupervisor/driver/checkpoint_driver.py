@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tensorboard.compat.proto.event_pb2 import Event, LogMessage, SessionLog
 
-from torchsupervisor.checkpoint.saver import WRITE_AFTER_WAIT_SECS
+from torchsupervisor.checkpoint.write_after import WRITE_AFTER_WAIT_SECS
 from torchsupervisor.core import threads
 from torchsupervisor.core.clock import REAL_CLOCK, Clock, Deadline
 from torchsupervisor.core.global_step import read_step
