@@ -42,6 +42,7 @@ from torchsupervisor.errors import NotRegularFileError, OutsideDirectoryError, W
 from torchsupervisor.storage import lock as lock_module
 from torchsupervisor.storage.base import Appendable, Buffer, DirectoryLock, Readable, Storage
 from torchsupervisor.storage.base import file_kind as _file_kind
+from torchsupervisor.storage.writeback import start_writeback
 
 __all__ = [
     "DIRECT_IO_ALIGNMENT",
@@ -132,7 +133,16 @@ class LocalStorage(Storage):
         Raises:
             OSError: The write failed (nothing of it is left); whatever ``chunks`` raises.
         """
-        self._put_parts(path, (memoryview(c).cast("B") for c in chunks), False, None)
+
+        def write(fd: int, tmp: str) -> None:
+            offset = 0
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                self._write_chunks(fd, tmp, view, None)
+                start_writeback(fd, offset, len(view))
+                offset += len(view)
+
+        self._commit(path, write, False, None)
 
     def put_received(self, path: str, conn: socket.socket, size: int) -> None:
         """Write ``path`` as ``put`` does with the next ``size`` bytes read from ``conn``: moved
