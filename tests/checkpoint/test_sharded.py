@@ -418,3 +418,34 @@ def test_any_world_size_restores_any_other_bitwise_and_back(saved_by_two, tmp_pa
         reader.verify()
         assert len(reader.manifest.shards) == world_size
         source = str(target)
+
+
+def rng_save_rank(rank: int, world_size: int, directory: str) -> tuple[bytes, list[float]]:
+    """Every rank's generators in another state (dropout draws differ by rank); a sharded
+    save, then a restore of it: this rank's state at the save and its draws after."""
+    from torchsupervisor.core.rng import RNGState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)  # Rank 1 plans fewer bytes: DCP's default picked it.
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    torch.manual_seed(100 + rank)
+    mine = bytes(torch.get_rng_state().numpy())
+    state = {"model": model, "rng": RNGState()}
+    prefix = os.path.join(directory, "rng.ckpt-1")
+    save_sharded(state, prefix, global_step=1)
+    torch.manual_seed(7)  # Moved on; the restore sets it back.
+    load_sharded(state, prefix)
+    return mine, torch.rand(3).tolist()
+
+
+def test_a_state_every_rank_holds_is_written_by_the_coordinator_whole(tmp_path):
+    """A tensor every rank holds (not a DTensor's shard) is written from the coordinator, as
+    its non-tensor values are: the generator states in ``rng`` are rank 0's, all of them (DCP
+    picked the least loaded rank: rank 1's torch state beside rank 0's Python state). After
+    the restore rank 0 continues its own streams; rank 1 gets streams derived from them."""
+    (mine0, draws0), (mine1, draws1) = run_world(rng_save_rank, str(tmp_path), world_size=2)
+    reader = CheckpointReader(str(tmp_path / "rng.ckpt-1"))
+    assert bytes(reader.get_tensor("rng/torch").numpy()) == mine0 != mine1
+    torch.set_rng_state(torch.frombuffer(bytearray(mine0), dtype=torch.uint8))
+    assert draws0 == torch.rand(3).tolist()
+    assert draws1 != draws0

@@ -42,7 +42,8 @@ def test_restored_generators_continue_the_same_streams(tmp_path):
 
 def test_state_layout():
     state = RNGState().state_dict()
-    assert set(state) == {"python", "numpy", "torch", "cuda"}
+    assert set(state) == {"python", "numpy", "torch", "cuda", "rank"}
+    assert state["rank"] == 0 and RNGState(rank=3).state_dict()["rank"] == 3
     assert len(state["python"]["state"]) == 625
     assert state["numpy"]["keys"].dtype == torch.int64 and state["numpy"]["keys"].numel() == 624
     assert state["torch"].dtype == torch.uint8
@@ -106,6 +107,22 @@ def test_each_rank_gets_its_own_streams_derived_from_the_saved_state():
     assert _draws_after_loading(RNGState().state_dict(), 1) != ranks[0]
 
 
+def test_the_rank_that_took_a_state_continues_it_and_the_others_derive():
+    """Each rank of a sharded run restores its own memory-tier snapshot: it continues its own
+    streams (not streams derived as if it were the chief's state); rank 0 given rank 2's
+    state derives, as any other rank; a state without a rank (earlier versions) is rank 0's."""
+    torch.manual_seed(9)
+    state = RNGState(rank=2).state_dict()
+    assert rank_rng_state(state, 2) is state
+    own = _draws_after_loading(state, 2)
+    torch.set_rng_state(state["torch"])  # The numbers that rank 2 would have drawn next.
+    assert torch.rand(2).tolist() == own[2]
+    assert rank_rng_state(state, 0) is not state
+    assert _draws_after_loading(state, 0) != own
+    legacy = {k: v for k, v in state.items() if k != "rank"}
+    assert rank_rng_state(legacy, 0) is legacy and rank_rng_state(legacy, 2) is not legacy
+
+
 def test_the_rank_is_the_process_groups(monkeypatch):
     state = RNGState().state_dict()
     expected = _draws_after_loading(state, 1)
@@ -113,6 +130,7 @@ def test_the_rank_is_the_process_groups(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 1)
     monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
     assert _draws_after_loading(state, None) == expected
+    assert RNGState().state_dict()["rank"] == 1  # Taken by rank 1.
 
 
 class FakeCuda:

@@ -1,6 +1,7 @@
 """The memory tier of a sharded state (FSDP2): a rank killed with SIGKILL, and every rank
 resumes from its own memory at one step they all hold; a damaged part on one rank moves every
-rank to the step before, together.
+rank to the step before, together; and the run's final checkpoint is bitwise the one of a run
+without the kill (each rank continues its own random streams: dropout).
 
 ``examples/fsdp_digits.py`` under ``torchrun --standalone --nproc_per_node=2`` with
 ``--memory-every-n-steps 1`` and no periodic checkpoint (the disk holds only the first
@@ -21,10 +22,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+import torch
 from process_tree import children, rank_of
 from repo_paths import repo
 
-from torchsupervisor import latest_checkpoint
+from torchsupervisor import CheckpointReader, latest_checkpoint
 from torchsupervisor.checkpoint.files import checkpoint_step
 from torchsupervisor.tiers.memory_root import memory_root
 
@@ -120,7 +123,36 @@ def _damage_then_run_to_the_end(tmp_path, run, tier: str, step: int, extra=()) -
     return damaged, (run / "out.log").read_text()
 
 
-def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> CheckpointReader:
+    """The final checkpoint of the same run without a kill."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    process = _torchrun(root / "logdir", root / "run", restarts=0)
+    try:
+        assert process.wait(300) == 0, (root / "run" / "out.log").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+    return CheckpointReader(latest_checkpoint(str(root / "logdir")))
+
+
+def _assert_as_uninterrupted(logdir, uninterrupted: CheckpointReader) -> None:
+    """Every tensor of the final checkpoint equal to the uninterrupted run's (but NumPy's
+    generator, which the example never seeds: each process starts it from the OS)."""
+    final = CheckpointReader(latest_checkpoint(str(logdir)))
+    names = sorted(uninterrupted.get_variable_to_shape_map())
+    assert sorted(final.get_variable_to_shape_map()) == names
+    differ = [
+        n
+        for n in names
+        if n != "rng/numpy/keys"
+        and not torch.equal(final.get_tensor(n), uninterrupted.get_tensor(n))
+    ]
+    assert differ == [], differ
+
+
+def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_path, uninterrupted):
     run = tmp_path / "run"
     process = _torchrun(tmp_path / "logdir", run, restarts=0)
     _kill_a_rank_once(
@@ -150,11 +182,13 @@ def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_p
     assert tier == "disk" or (lost and max(lost) <= 4), text[-3000:]  # Two more: one dropped.
     assert len(re.findall(rf"rank \d: done at step {MAX_STEPS}", text)) == 2, text[-3000:]
     assert latest_checkpoint(str(tmp_path / "logdir")).endswith(f"model.ckpt-{MAX_STEPS}")
+    if tier == "memory":  # A shared checkpoint holds the chief's streams only: rank 1 derives.
+        _assert_as_uninterrupted(tmp_path / "logdir", uninterrupted)
     # A clean end whose final checkpoint holds the last step frees every rank's memory.
     assert _held(run, 0) == _held(run, 1) == []
 
 
-def test_after_a_reboot_every_rank_resumes_from_its_local_disk_at_one_step(tmp_path):
+def test_after_a_reboot_every_rank_resumes_from_its_local_disk_at_one_step(tmp_path, uninterrupted):
     """``--local-dir``: every rank copies its snapshot every 10 steps, at the same steps. A
     rank is killed, the node's memory is lost, the newest common copy is damaged on one rank:
     both ranks resume from their local disks at the common step before, together."""
@@ -182,5 +216,6 @@ def test_after_a_reboot_every_rank_resumes_from_its_local_disk_at_one_step(tmp_p
         -3000:
     ]
     assert len(re.findall(rf"rank \d: done at step {MAX_STEPS}", text)) == 2, text[-3000:]
+    _assert_as_uninterrupted(tmp_path / "logdir", uninterrupted)
     # A clean end whose final checkpoint holds the last step frees every rank's copies.
     assert _held(run, 0, "local") == _held(run, 1, "local") == []

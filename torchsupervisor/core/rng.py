@@ -6,10 +6,11 @@ generator, torch's CPU generator and the generator of every CUDA device, and res
 The Supervisor puts one in the state by default (``save_rng_state=False`` to opt out).
 
 With replicas, every rank must draw its own numbers (else every rank applies the same dropout
-mask to its part of the batch). Rank 0 loads a saved state as it is; rank ``r > 0`` loads
-``rank_rng_state(state, r)``: fresh generators seeded from a hash of the saved state and ``r``.
-Every rank's stream is therefore a deterministic function of the checkpoint (or of the chief's
-state at the start) and of its rank.
+mask to its part of the batch). A state records the rank that took it: that rank loads it as
+it is (the chief from a shared checkpoint, every rank of a sharded run from its own memory-tier
+snapshot), and any other rank ``r`` loads ``rank_rng_state(state, r)``: fresh generators seeded
+from a hash of the saved state and ``r``. Every rank's stream is therefore a deterministic
+function of the checkpoint (or of the chief's state at the start) and of its rank.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def rank_seed(state_dict: dict[str, Any], rank: int) -> int:
 def rank_rng_state(state_dict: dict[str, Any], rank: int) -> dict[str, Any]:
     """Return the generator states that rank ``rank`` loads from ``state_dict``.
 
-    Rank 0 (the chief) continues the saved streams: ``state_dict`` itself is returned. Any
-    other rank gets fresh generators seeded with ``rank_seed(state_dict, rank)``: Python's
+    The rank that took the state (its ``"rank"``; 0 in a state without one, as earlier
+    versions saved) continues the saved streams: ``state_dict`` itself is returned. Any other
+    rank gets fresh generators seeded with ``rank_seed(state_dict, rank)``: Python's
     ``random.Random(seed)``, NumPy's ``RandomState`` seeded with the seed's two 32-bit words,
     torch's CPU generator ``manual_seed(seed)`` and, where CUDA is available, one CUDA
     generator per saved CUDA state, ``manual_seed(seed + 1 + i)``.
@@ -82,14 +84,14 @@ def rank_rng_state(state_dict: dict[str, Any], rank: int) -> dict[str, Any]:
         rank: The rank that loads it.
 
     Returns:
-        A dict in ``RNGState``'s format; ``state_dict`` unchanged for rank 0.
+        A dict in ``RNGState``'s format; ``state_dict`` unchanged for the rank that took it.
 
     Raises:
         KeyError, TypeError, ValueError: If the dict is not in ``RNGState``'s format.
 
     TF name: none.
     """
-    if rank == 0:
+    if rank == int(state_dict.get("rank", 0)):
         return state_dict
     seed = rank_seed(state_dict, rank)
     words = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32)
@@ -130,8 +132,9 @@ class RNGState:
 
     The state holds: ``python`` (``random.getstate()``: version, 625 ints, gauss),
     ``numpy`` (``np.random.get_state()``: the 624 MT19937 keys as an int64 tensor, position,
-    has_gauss, cached gaussian), ``torch`` (``torch.get_rng_state()``, a uint8 tensor) and
-    ``cuda`` (one uint8 tensor per CUDA device; empty without CUDA).
+    has_gauss, cached gaussian), ``torch`` (``torch.get_rng_state()``, a uint8 tensor),
+    ``cuda`` (one uint8 tensor per CUDA device; empty without CUDA) and ``rank`` (the rank
+    that took it).
 
     Generators owned by objects (a ``torch.Generator`` given to a DataLoader, a
     ``numpy.random.Generator``) are not global: save them with their owner.
@@ -143,12 +146,14 @@ class RNGState:
     Thread safety: like the generators themselves; take and restore between steps.
     Distributed: in a process group of more than one rank, ``cuda`` holds only the current
     CUDA device's state (each rank owns its device; the others are not touched), and
-    ``load_state_dict`` gives each rank its own streams: rank 0 continues the saved ones,
-    rank ``r`` gets generators seeded from the saved state and ``r`` (``rank_rng_state``).
-    So the ranks never draw the same numbers, and a resume from one checkpoint always gives
-    every rank the same numbers. With a replicated state (DDP) only the chief's streams are
-    checkpointed: after a resume the other ranks' numbers differ from those of an
-    uninterrupted run (seed per-step generators from the step and rank for bitwise resumes).
+    ``load_state_dict`` gives each rank its own streams: the rank that took the state
+    continues it, any other rank ``r`` gets generators seeded from the saved state and ``r``
+    (``rank_rng_state``). So the ranks never draw the same numbers, and a resume from one
+    checkpoint always gives every rank the same numbers. A shared checkpoint (DDP's, FSDP2's)
+    holds the chief's streams only: after a resume from it the other ranks' numbers differ
+    from those of an uninterrupted run (seed per-step generators from the step and rank for
+    bitwise resumes); a sharded run's memory tier holds each rank's own, which each rank
+    continues.
 
     TF name: none (TF 1 graph-level seeds made runs repeatable without saving a state).
     """
@@ -164,10 +169,13 @@ class RNGState:
             cuda = [torch.cuda.get_rng_state(torch.cuda.current_device())]
         else:
             cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
-        return _state_dict(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda)
+        state = _state_dict(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda)
+        state["rank"] = _process_rank() if self.rank is None else self.rank
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore every generator from ``state_dict()`` output (derived for ranks > 0).
+        """Restore every generator from ``state_dict()`` output (derived for other ranks than
+        the one that took it: ``rank_rng_state``).
 
         CUDA states are restored for the devices present (a checkpoint from a machine with more
         GPUs restores the first ones); in a process group of more than one rank only the

@@ -183,8 +183,11 @@ class Supervisor:
             ``every_n_steps`` steps (``tiers/memory.py``, ``docs/checkpoints.md``). Needs a
             ``logdir`` and a global step. The tmpfs must hold ``slots`` x the state's bytes
             (``MemoryTierFullError`` at the start otherwise). The snapshots are freed at a
-            clean end whose final checkpoint holds the last step. None: off. Not yet for a
-            state of DTensors (a warning).
+            clean end whose final checkpoint holds the last step. With replicas the chief
+            keeps it and, on several nodes, copies it to a rank of another node (paced by
+            ``peer_every_secs``); with a state of DTensors (FSDP2) every rank keeps its own
+            shards, copied to the next node's memory (``tiers/ring.py``), and a restart
+            restores a step every rank holds somewhere. None: off.
         clock: Time source (tests pass a fake one).
 
     Distributed: with replicas (``managed_session("env://")`` under ``torchrun``), every rank

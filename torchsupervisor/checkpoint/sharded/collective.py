@@ -6,7 +6,7 @@ cannot be checkpointed by one rank without first gathering the whole state to it
 
 1. each rank collects its state (``state_dict()`` of each entry: DTensors for FSDP2 models);
 2. ``torch.distributed.checkpoint`` plans the save: which rank writes which chunk (a DTensor's
-   local shard; a replicated tensor once, by the least loaded rank);
+   local shard; a tensor every rank holds once, by the coordinator);
 3. every rank copies its chunks into a host buffer and writes its own safetensors shard
    ``P.data-<i>-of-<N>`` with per-chunk CRC-32C, under the commit protocol (temporary name,
    fsync, rename, fsync of the directory);
@@ -242,7 +242,7 @@ def write_sharded(
         error=save.error,
         tensor_names=save.tensors.keys(),
     )
-    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner = _save_planner(DefaultSavePlanner)
     failure: BaseException | None = None
     outcome = None
     agreed = None
@@ -286,6 +286,19 @@ def write_sharded(
             path=prefix,
         )
     return outcome.manifest
+
+
+def _save_planner(planner_class: Any) -> Any:
+    """DCP's planner, a tensor that every rank holds (not a DTensor's shard) written by the
+    coordinator, as the non-tensor values are: DCP's default, the least loaded rank, mixed
+    ranks within one entry (the torch generator state of rank 1 beside rank 0's Python and
+    NumPy states in ``rng``: the chief then continued another rank's stream). A torch whose
+    planner lacks the option (older releases): the least loaded rank, as before."""
+    options = {"flatten_state_dict": False, "flatten_sharded_tensors": False}
+    try:
+        return planner_class(**options, dedup_save_to_lowest_rank=True)
+    except TypeError:
+        return planner_class(**options)
 
 
 @dataclasses.dataclass(frozen=True)
