@@ -55,9 +55,8 @@ from torchsupervisor.core.checks import (
     check_signals,
 )
 from torchsupervisor.core.clock import Clock
-from torchsupervisor.core.coordinator import Coordinator
 from torchsupervisor.core.global_step import get_global_step, read_step
-from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
+from torchsupervisor.core.registry import Graph, get_default_graph
 from torchsupervisor.core.session import Session
 from torchsupervisor.driver.goodput import GoodputRecorder, badput_interval, open_recorder
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS, Preemption
@@ -68,13 +67,12 @@ from torchsupervisor.hooks._global_step import session_global_step
 from torchsupervisor.hooks.session_run_hook import SessionRunHook, checkpoint_drivers
 from torchsupervisor.monitored.creators import (
     ChiefSessionCreator,
+    CoordinatedSessionCreator,
     SessionCreator,
 )
 from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.monitored.wrappers import (
-    HookedSession,
     StepContext,
-    _CoordinatedSession,
     _RecoverableSession,
 )
 from torchsupervisor.tiers.memory import HELD_IN_MEMORY
@@ -95,60 +93,6 @@ _STEP_FN_ERROR = (
     "`step_fn` may either have one `step_context` argument, or `self` and `step_context` "
     "arguments if it's an instance method. Got {} instead."
 )
-
-
-class _CoordinatedSessionCreator:
-    """Creates a session, its coordinator and queue-runner threads, and informs the hooks."""
-
-    def __init__(
-        self,
-        session_creator: SessionCreator,
-        hooks: list[SessionRunHook],
-        stop_grace_period_secs: float,
-        graph: Graph,
-    ) -> None:
-        self._session_creator = session_creator
-        self._hooks = hooks
-        self._stop_grace_period_secs = stop_grace_period_secs
-        self._graph = graph
-        self.tf_sess: Session | None = None
-        self.coord: Coordinator | None = None
-
-    def close(self) -> None:
-        """Release what the session creator holds (the chief's writer lock)."""
-        close = getattr(self._session_creator, "close", None)
-        if close is not None:
-            close()
-
-    def create_session(self) -> _CoordinatedSession:
-        # A checkpoint still being written (a recovery) is committed before the new session
-        # looks for the newest checkpoint to restore.
-        for driver in checkpoint_drivers(self._hooks):
-            driver.wait()
-        sess = self._session_creator.create_session()
-        coord = Coordinator(clean_stop_exception_types=[])
-        try:
-            for runner in self._graph.get_collection(GraphKeys.QUEUE_RUNNERS):
-                runner.create_threads(sess, coord=coord, daemon=True, start=True)
-            for hook in self._hooks:
-                hook.after_create_session(sess, coord)
-        except BaseException:
-            coord.request_stop()
-            try:
-                coord.join(
-                    stop_grace_period_secs=self._stop_grace_period_secs, ignore_live_threads=True
-                )
-            except Exception:
-                pass
-            sess.close()
-            raise
-        self.tf_sess, self.coord = sess, coord
-        lock = getattr(self._session_creator, "writer_lock", None)
-        if lock is not None:  # Lost to another writer: the session stops with its error.
-            lock.on_lost(lambda e: coord.request_stop((type(e), e, e.__traceback__)))
-        return _CoordinatedSession(
-            HookedSession(sess, self._hooks), coord, self._stop_grace_period_secs
-        )
 
 
 def _step_fn_params(step_fn: Callable[..., Any]) -> list[inspect.Parameter]:
@@ -205,7 +149,7 @@ class _MonitoredSession:
         try:
             for hook in self._hooks:
                 hook.begin()
-            self._coordinated_creator = _CoordinatedSessionCreator(
+            self._coordinated_creator = CoordinatedSessionCreator(
                 session_creator or ChiefSessionCreator(),
                 self._hooks,
                 stop_grace_period_secs,
