@@ -449,3 +449,18 @@ def test_a_state_every_rank_holds_is_written_by_the_coordinator_whole(tmp_path):
     torch.set_rng_state(torch.frombuffer(bytearray(mine0), dtype=torch.uint8))
     assert draws0 == torch.rand(3).tolist()
     assert draws1 != draws0
+
+
+def test_a_planner_without_the_coordinator_option_is_made_as_before():
+    """A torch whose ``DefaultSavePlanner`` lacks ``dedup_save_to_lowest_rank`` (older
+    releases) still gets its planner, with DCP's own choice of rank."""
+    from torchsupervisor.checkpoint.sharded.collective import _save_planner
+
+    class OlderPlanner:
+        def __init__(self, flatten_state_dict: bool, flatten_sharded_tensors: bool) -> None:
+            self.options = (flatten_state_dict, flatten_sharded_tensors)
+
+    assert _save_planner(OlderPlanner).options == (False, False)
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    assert _save_planner(DefaultSavePlanner).dedup_save_to_lowest_rank is True

@@ -46,7 +46,7 @@ __all__ = [
     "not_saveable",
     "state_entries",
     "uncompiled",
-    "without_compiled_prefix",
+    "without_wrapper_prefix",
 ]
 
 _SCALARS = (str, int, float, bool, type(None), bytes)
@@ -115,7 +115,7 @@ def uncompiled(obj: object) -> Any:
 _DATA_PARALLEL = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
 
 
-def without_compiled_prefix(value: object, module: object = None) -> Any:
+def without_wrapper_prefix(value: object, module: object = None) -> Any:
     """A module's saved entries without the prefixes a wrapper's ``state_dict`` gave them
     (``_orig_mod.``: a compiled model; ``module.``: DDP or ``DataParallel``; checkpoints by
     other tools or older versions), a prefix at a time while every entry has it; else

@@ -22,7 +22,7 @@ from torchsupervisor.core.state import (
     TensorSpec,
     join_path,
     uncompiled,
-    without_compiled_prefix,
+    without_wrapper_prefix,
 )
 from torchsupervisor.errors import InvalidArgumentError, NotFoundError
 
@@ -142,7 +142,7 @@ def _load_one(
 ) -> None:
     if isinstance(obj, torch.nn.Module):
         obj = uncompiled(obj)
-        value = without_compiled_prefix(value, obj)
+        value = without_wrapper_prefix(value, obj)
     if isinstance(obj, torch.Tensor):
         if not isinstance(value, torch.Tensor):
             raise InvalidArgumentError(
@@ -284,7 +284,7 @@ def _check_spec(
 def _check_one(obj: object, value: object, path: str, source: str, warnings: list[str]) -> None:
     if isinstance(obj, torch.nn.Module):
         obj = uncompiled(obj)
-        value = without_compiled_prefix(value, obj)
+        value = without_wrapper_prefix(value, obj)
     if isinstance(obj, torch.Tensor):
         if not isinstance(value, TensorSpec):
             raise InvalidArgumentError(

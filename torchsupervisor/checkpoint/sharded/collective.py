@@ -47,22 +47,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchsupervisor.checkpoint import commit
-from torchsupervisor.checkpoint.format import ManifestError
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.checkpoint.sharded.metadata import ShardedManifest
-from torchsupervisor.checkpoint.sharded.plan import (
-    ShardedOptimizerState,
-    positions_to_names,
-    rename_positions,
-)
+from torchsupervisor.checkpoint.sharded.plan import rename_positions
 from torchsupervisor.checkpoint.sharded.replay import PlanCache
 from torchsupervisor.checkpoint.sharded.staging import ShardedSave, prepare
+from torchsupervisor.checkpoint.sharded.targets import load_targets
 from torchsupervisor.checkpoint.snapshot import Stager
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
-from torchsupervisor.core.state import TensorRef, uncompiled, without_compiled_prefix
 from torchsupervisor.core.state_load import find_subtree, load_state
 from torchsupervisor.core.tree import decode_tree
-from torchsupervisor.core.walk import walk_state
 from torchsupervisor.distributed.env import communication_device
 from torchsupervisor.errors import (
     CheckpointError,
@@ -418,7 +412,7 @@ def load_sharded(
     renames: dict[str, dict[int, str]] = {}
     try:
         manifest = _read_manifest(prefix, storage)
-        targets, renames = _targets(state, manifest, prefix)
+        targets, renames = load_targets(state, manifest, prefix)
     except Exception as e:  # Raised in the collective, on every rank (not here alone).
         found, targets = e, {}
     reader = ShardedStorageReader(prefix, manifest, storage=storage, error=found)
@@ -441,84 +435,6 @@ def load_sharded(
         error = e
     _agree(error, process_group, no_dist)
     return manifest
-
-
-def _targets(
-    state: Mapping[str, Any], manifest: ShardedManifest, prefix: str
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[int, str]]]:
-    """Fresh tensors to read the needed checkpoint tensors into, sharded like the live ones
-    (a plain optimizer's state, or a module saved with a wrapper's prefix, like the live
-    tensors it loads into); and the positions to rename, by state entry
-    (``plan.rename_positions``, which ``_load_into`` applies to the values read)."""
-    try:
-        template = decode_tree(manifest.tree, lambda name, ndarray: TensorRef(name, ndarray))
-    except ManifestError as e:
-        index = prefix + ".index"
-        raise CorruptCheckpointError(
-            f"Checkpoint index {index} is corrupt: {e}", path=index, reason=str(e)
-        ) from None
-    if not isinstance(template, Mapping):
-        raise CorruptCheckpointError(
-            f"Checkpoint index {prefix}.index is corrupt: its tree is not a mapping",
-            path=prefix + ".index",
-            reason="bad tree",
-        )
-    skeleton, live = walk_state(state)
-    renames: dict[str, dict[int, str]] = {}
-    needed: dict[str, str] = {}  # Checkpoint tensor name: the live tensor's name.
-    for name in state:
-        try:
-            subtree = find_subtree(template, name)
-        except KeyError:
-            continue  # Reported by load_state (NotFoundError) once every rank has read.
-        names = None
-        if isinstance(state[name], ShardedOptimizerState):
-            names = positions_to_names(subtree, skeleton.get(name))
-        plain = None
-        if isinstance(state[name], torch.nn.Module):  # Saved with a wrapper's prefix?
-            plain = without_compiled_prefix(subtree, uncompiled(state[name]))
-        if names is not None:  # A plain optimizer's state (DDP): read as the live one's.
-            renames[name] = names
-            _collect_refs(rename_positions(subtree, names), needed, name)
-        elif plain is not None and plain is not subtree:  # ``load_state`` drops it too.
-            _collect_refs(plain, needed, name)
-        else:
-            _collect_refs(subtree, needed)
-    specs = manifest.tensor_specs()
-    targets: dict[str, torch.Tensor] = {}
-    for name in sorted(needed):
-        if name not in specs:
-            raise CorruptCheckpointError(
-                f"Checkpoint index {prefix}.index is corrupt: the tree names an unknown tensor "
-                f"{name!r}",
-                path=prefix + ".index",
-                reason="unknown tensor",
-            )
-        dtype, shape = specs[name]
-        current = live.get(needed[name])
-        if current is None:
-            targets[name] = torch.empty(shape, dtype=dtype)
-            continue
-        if tuple(current.shape) != shape:
-            raise InvalidArgumentError(
-                f"Shape of {needed[name]!r} in the state {tuple(current.shape)} does not match "
-                f"the checkpoint {prefix}: {shape}"
-            )
-        targets[name] = torch.empty_like(current)
-    return targets, renames
-
-
-def _collect_refs(node: object, out: dict[str, str], path: str | None = None) -> None:
-    """``out[checkpoint tensor name] = live tensor name`` for the tensors under ``node``: the
-    same name, or (``path`` given: a renamed subtree) the path of the tensor in it."""
-    if isinstance(node, TensorRef):
-        out[node.name] = node.name if path is None else path
-    elif isinstance(node, Mapping):
-        for key, value in node.items():
-            _collect_refs(value, out, None if path is None else f"{path}/{key}")
-    elif isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
-            _collect_refs(value, out, None if path is None else f"{path}/{i}")
 
 
 def _load_into(
