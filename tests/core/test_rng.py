@@ -68,13 +68,33 @@ def _synthetic_state(shift: int = 0) -> dict:
 def test_rank_seed_is_a_fixed_function_of_the_state_and_the_rank():
     state = _synthetic_state()
     # Pinned: the same in every process and on every machine (SHA-256, no hash()).
-    assert rank_seed(state, 1) == 3290471311787591221
+    assert rank_seed(state, 1) == 2974659210488294065
     assert rank_seed(state, 1) == rank_seed(_synthetic_state(), 1)
     assert len({rank_seed(state, r) for r in range(8)}) == 8
-    assert rank_seed(_synthetic_state(shift=1), 1) != rank_seed(state, 1)
-    # A numpy key array (as numpy gives it) and a tensor (as a checkpoint gives it) agree.
-    as_numpy = dict(state, numpy=dict(state["numpy"], keys=np.arange(624, dtype=np.uint32)))
+    other_torch = dict(state, torch=state["torch"].roll(1))
+    assert rank_seed(other_torch, 1) != rank_seed(state, 1)
+    # Python's and NumPy's states do not count: unless seeded, they come from the OS's
+    # entropy, and two runs of one program would give a rank other streams.
+    assert rank_seed(_synthetic_state(shift=1), 1) == rank_seed(state, 1)
+    other_numpy = dict(state, numpy=dict(state["numpy"], keys=torch.zeros(624, dtype=torch.int64)))
+    assert rank_seed(other_numpy, 1) == rank_seed(state, 1)
+    # A numpy array (as numpy gives it) and a tensor (as a checkpoint gives it) agree.
+    as_numpy = dict(state, torch=state["torch"].numpy())
     assert rank_seed(as_numpy, 1) == rank_seed(state, 1)
+
+
+def test_a_non_chief_derives_the_same_streams_whatever_the_os_seeded():
+    """A replicated run's fresh start: the non-chiefs derive their streams from the chief's
+    state, whose Python and NumPy generators (never seeded by the program) the OS seeded
+    differently in each run; the derived streams are the same in both runs."""
+    torch.manual_seed(0)
+    first = RNGState(rank=0).state_dict()
+    random.seed()  # What another run's interpreter would have: the OS's entropy.
+    np.random.seed()
+    torch.manual_seed(0)
+    second = RNGState(rank=0).state_dict()
+    assert first["python"]["state"] != second["python"]["state"]
+    assert _draws_after_loading(first, 1) == _draws_after_loading(second, 1)
 
 
 def _draws_after_loading(state: dict, rank: int | None) -> tuple:
@@ -169,3 +189,78 @@ def test_cuda_generators_every_device_alone_only_the_current_one_with_replicas(
     RNGState(rank=0).load_state_dict(state)
     assert cuda.set == ([2] if replicas else [0, 1, 2, 3])
     assert cuda.states[2 if replicas else 0][0].item() == 9
+
+
+# ------------------------------------------------------------------ other ranks' states
+
+
+def test_a_record_of_the_generators_decodes_to_the_same_state():
+    random.seed(4)
+    np.random.seed(4)
+    torch.manual_seed(4)
+    for gauss in (False, True):
+        if gauss:
+            random.gauss(0, 1)  # A cached gaussian in both Python's and NumPy's states.
+            np.random.normal()
+        state = dict(RNGState(rank=3).state_dict(), cuda=[torch.full((16,), 7, dtype=torch.uint8)])
+        decoded = rng.decode_rng_state(rng.encode_rng_state(state))
+        assert decoded["rank"] == 3 and decoded["python"] == state["python"]
+        assert (decoded["python"]["gauss"] is None) is not gauss
+        assert {k: v for k, v in decoded["numpy"].items() if k != "keys"} == {
+            k: v for k, v in state["numpy"].items() if k != "keys"
+        }
+        for a, b in [
+            (decoded["numpy"]["keys"], state["numpy"]["keys"]),
+            (decoded["torch"], state["torch"]),
+            *zip(decoded["cuda"], state["cuda"], strict=True),
+        ]:
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        # Loaded, it gives the same numbers as the state it was encoded from.
+        assert _draws_after_loading(decoded, 3) == _draws_after_loading(state, 3)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda b: b"XXXX" + b[4:], "Not a generator state record"),
+        (lambda b: b[:-1], "bytes, not"),
+        (lambda b: b + b"\0", "bytes, not"),
+        (lambda b: b[:10], "too short"),
+    ],
+    ids=["magic", "truncated", "longer", "a header's part"],
+)
+def test_a_damaged_record_is_refused(damage, message):
+    record = rng.encode_rng_state(RNGState().state_dict())
+    with pytest.raises(ValueError, match=message):
+        rng.decode_rng_state(damage(record))
+
+
+def test_a_rank_continues_its_own_state_carried_under_replicas():
+    torch.manual_seed(1)
+    chief = RNGState(rank=0).state_dict()
+    torch.manual_seed(2)
+    own = RNGState(rank=1).state_dict()
+    expected = _draws_after_loading(own, 1)
+    state = dict(chief, replicas={"1": own})
+    assert _draws_after_loading(state, 1) == expected
+    assert rank_rng_state(state, 0) is state  # The chief continues its own.
+    # Rank 2 has none there: it derives, as from the chief's state alone.
+    assert _draws_after_loading(state, 2) == _draws_after_loading(chief, 2)
+    # A state filed under another rank's key is not taken.
+    wrong = dict(chief, replicas={"1": dict(own, rank=2)})
+    assert _draws_after_loading(wrong, 1) == _draws_after_loading(chief, 1) != expected
+
+
+def test_the_states_of_other_ranks_are_saved_beside_and_restored_with(tmp_path):
+    torch.manual_seed(3)
+    other = RNGState(rank=1).state_dict()
+    saved = RNGState()
+    saved.replicas = lambda: {"1": other}
+    prefix = Saver().save(Session({"rng": saved}), str(tmp_path / "m"))
+    saved.replicas = lambda: None
+    assert "replicas" not in saved.state_dict()
+    restored = RNGState()
+    Saver().restore(Session({"rng": restored}), prefix)
+    loaded = restored.loaded_replicas["1"]
+    assert loaded["rank"] == 1 and torch.equal(loaded["torch"], other["torch"])
+    assert _draws_after_loading(loaded, 1) == _draws_after_loading(other, 1)

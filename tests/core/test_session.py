@@ -174,3 +174,27 @@ def test_call_each_runs_at_every_boundary_after_the_queued_tasks_until_removed()
     sess.boundary.call_each(each)
     sess.close()  # Closing drops them too.
     assert not sess.boundary.pending
+
+
+def test_call_each_first_runs_before_the_queued_tasks_and_keeps_them_when_it_raises():
+    sess = Session({})
+    order = []
+    failing = [True]
+
+    def first() -> None:
+        order.append("first")
+        if failing[0]:
+            raise RuntimeError("a rank died")
+
+    sess.boundary.call_each(lambda: order.append("each"))
+    sess.boundary.call_each(first, first=True)
+    sess.boundary.call_soon(lambda: order.append("once"))
+    with pytest.raises(RuntimeError, match="a rank died"):
+        sess.run(lambda: None)
+    assert order == ["first"]  # Nothing after it ran: not the snapshot of that boundary.
+    failing[0] = False
+    sess.run(lambda: None)
+    assert order == ["first", "first", "once", "each"]  # The queued task was kept.
+    sess.boundary.remove_each(first)
+    sess.run(lambda: None)
+    assert order == ["first", "first", "once", "each", "each"]

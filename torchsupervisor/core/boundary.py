@@ -42,6 +42,7 @@ class StepBoundary:
 
     __slots__ = (
         "_each",
+        "_first",
         "_lock",
         "_tasks",
         "asked",
@@ -62,6 +63,7 @@ class StepBoundary:
         self._lock = threading.Lock()
         self._tasks: list[Callable[[], object]] = []
         self._each: tuple[Callable[[], object], ...] = ()
+        self._first: tuple[Callable[[], object], ...] = ()
 
     def poke(self) -> None:
         """Make the next boundary run (its ``watcher``); lock-free, for a signal handler."""
@@ -73,23 +75,31 @@ class StepBoundary:
             self._tasks.append(task)
             self.pending = True
 
-    def call_each(self, task: Callable[[], object]) -> None:
+    def call_each(self, task: Callable[[], object], *, first: bool = False) -> None:
         """Run ``task`` at every boundary of the owner thread (after the queued tasks) until
         ``remove_each``: the memory tier's snapshot, which decides itself whether it is due.
-        While one is set, every boundary runs ``run_pending``."""
+        While one is set, every boundary runs ``run_pending``.
+
+        With ``first``, ``task`` runs before the queued tasks (and the others): what a
+        checkpoint of this boundary saves must be ready before it (``ReplicaStreams``).
+        """
         with self._lock:
-            self._each = (*self._each, task)
+            if first:
+                self._first = (*self._first, task)
+            else:
+                self._each = (*self._each, task)
             self.pending = True
 
     def remove_each(self, task: Callable[[], object]) -> None:
         """Stop running ``task`` at every boundary (absent: nothing happens)."""
         with self._lock:
             self._each = tuple(t for t in self._each if t != task)
-            self.pending = bool(self._tasks or self._each)
+            self._first = tuple(t for t in self._first if t != task)
+            self.pending = bool(self._tasks or self._each or self._first)
 
     def run_pending(self) -> None:
-        """Run the queued tasks, then the ``call_each`` ones, if called from the owner thread;
-        exceptions propagate.
+        """Run the ``call_each(first=True)`` tasks, the queued ones, then the other
+        ``call_each`` ones, if called from the owner thread; exceptions propagate.
 
         A task may queue new tasks; those run at the following boundary. If a task raises,
         the tasks after it stay queued.
@@ -107,15 +117,15 @@ class StepBoundary:
             tasks = self._tasks
             if tasks:  # No new list at a boundary with only ``call_each`` work (every step).
                 self._tasks = []
-            each = self._each
-            self.pending = bool(each)
-        for i, task in enumerate(tasks):
+            each, first = self._each, self._first
+            self.pending = bool(each or first)
+        for i, task in enumerate((*first, *tasks)):
             try:
                 task()
             except BaseException:
-                with self._lock:
-                    self._tasks[:0] = tasks[i + 1 :]
-                    self.pending = bool(self._tasks or self._each)
+                with self._lock:  # The queued tasks not run yet stay queued.
+                    self._tasks[:0] = tasks[max(0, i + 1 - len(first)) :]
+                    self.pending = bool(self._tasks or self._each or self._first)
                 raise
         for task in each:
             task()
@@ -127,5 +137,5 @@ class StepBoundary:
         """Drop every queued task and every ``call_each`` one."""
         with self._lock:
             self._tasks.clear()
-            self._each = ()
+            self._each = self._first = ()
             self.pending = False

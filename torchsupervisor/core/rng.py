@@ -8,15 +8,19 @@ The Supervisor puts one in the state by default (``save_rng_state=False`` to opt
 With replicas, every rank must draw its own numbers (else every rank applies the same dropout
 mask to its part of the batch). A state records the rank that took it: that rank loads it as
 it is (the chief from a shared checkpoint, every rank of a sharded run from its own memory-tier
-snapshot), and any other rank ``r`` loads ``rank_rng_state(state, r)``: fresh generators seeded
-from a hash of the saved state and ``r``. Every rank's stream is therefore a deterministic
-function of the checkpoint (or of the chief's state at the start) and of its rank.
+snapshot). A state may also carry other ranks' states under ``"replicas"`` (the chief's
+checkpoints of a replicated run: ``distributed/replica_streams``): rank ``r`` continues the one
+it took. Any other rank ``r`` loads fresh generators seeded from a hash of the saved torch state
+and ``r`` (``rank_rng_state``). Every rank's stream is therefore a deterministic function of
+the checkpoint (or of the chief's state at the start) and of its rank.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import struct
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -25,7 +29,17 @@ import torch.distributed as dist
 
 from torchsupervisor.core.checks import check_int
 
-__all__ = ["RNGState", "rank_rng_state", "rank_seed"]
+__all__ = [
+    "REPLICAS",
+    "RNGState",
+    "decode_rng_state",
+    "encode_rng_state",
+    "rank_rng_state",
+    "rank_seed",
+]
+
+REPLICAS = "replicas"
+"""The key of other ranks' states in a state dict, by rank as a string (``"1"``)."""
 
 
 def _replicas() -> bool:
@@ -46,8 +60,11 @@ def _as_bytes(value: object, dtype: Any) -> bytes:
 def rank_seed(state_dict: dict[str, Any], rank: int) -> int:
     """Return the 64-bit seed of rank ``rank``'s generators, derived from ``state_dict``.
 
-    The seed is the first 8 bytes of the SHA-256 of ``rank`` and of the Python, NumPy and
-    torch CPU states: the same on every machine and in every process (no ``hash()``).
+    The seed is the first 8 bytes of the SHA-256 of ``rank`` and of the torch CPU generator's
+    state: the same on every machine and in every process (no ``hash()``). Python's and
+    NumPy's global generators are left out: unless the program seeds them they start from the
+    OS's entropy, and two runs of one program would then give a rank other streams; torch's
+    starts from a fixed seed, or the program's ``torch.manual_seed``.
 
     Args:
         state_dict: ``RNGState.state_dict()`` output (as saved or broadcast).
@@ -62,9 +79,6 @@ def rank_seed(state_dict: dict[str, Any], rank: int) -> int:
     TF name: none.
     """
     digest = hashlib.sha256(b"torchsupervisor.rng/rank/%d/" % int(rank))
-    digest.update(_as_bytes(state_dict["python"]["state"], np.uint64))
-    digest.update(_as_bytes(state_dict["numpy"]["keys"], np.int64))
-    digest.update(b"%d" % int(state_dict["numpy"]["pos"]))
     digest.update(_as_bytes(state_dict["torch"], np.uint8))
     return int.from_bytes(digest.digest()[:8], "little") & (2**63 - 1)
 
@@ -73,8 +87,9 @@ def rank_rng_state(state_dict: dict[str, Any], rank: int) -> dict[str, Any]:
     """Return the generator states that rank ``rank`` loads from ``state_dict``.
 
     The rank that took the state (its ``"rank"``; 0 in a state without one, as earlier
-    versions saved) continues the saved streams: ``state_dict`` itself is returned. Any other
-    rank gets fresh generators seeded with ``rank_seed(state_dict, rank)``: Python's
+    versions saved) continues the saved streams: ``state_dict`` itself is returned. A rank
+    whose own state the dict carries under ``"replicas"`` (``REPLICAS``) continues that one.
+    Any other rank gets fresh generators seeded with ``rank_seed(state_dict, rank)``: Python's
     ``random.Random(seed)``, NumPy's ``RandomState`` seeded with the seed's two 32-bit words,
     torch's CPU generator ``manual_seed(seed)`` and, where CUDA is available, one CUDA
     generator per saved CUDA state, ``manual_seed(seed + 1 + i)``.
@@ -93,6 +108,10 @@ def rank_rng_state(state_dict: dict[str, Any], rank: int) -> dict[str, Any]:
     """
     if rank == int(state_dict.get("rank", 0)):
         return state_dict
+    replicas = state_dict.get(REPLICAS)
+    own = replicas.get(str(rank)) if isinstance(replicas, Mapping) else None
+    if isinstance(own, Mapping) and own.get("rank") == rank:
+        return dict(own)
     seed = rank_seed(state_dict, rank)
     words = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32)
     cuda = []
@@ -127,14 +146,116 @@ def _state_dict(python: tuple, numpy: tuple, cpu: torch.Tensor, cuda: list) -> d
     }
 
 
+_RECORD = struct.Struct("<4sqqqdqqdIIII")
+_MAGIC = b"TSR1"
+_MT19937 = "MT19937"
+
+
+def encode_rng_state(state_dict: Mapping[str, Any]) -> bytes:
+    """Encode a state in ``RNGState``'s format as bytes (no pickle), for another process.
+
+    The layout (little-endian): ``_RECORD``'s header (magic ``TSR1``, the rank, Python's
+    version, whether it holds a cached gaussian and its value, NumPy's position, its cached
+    gaussian flag and value, the lengths of Python's state, NumPy's keys, torch's state and
+    of each CUDA state, and their count), then Python's state and NumPy's keys as ``uint32``,
+    torch's state, and each CUDA state (``uint8``). ``"replicas"`` is left out.
+
+    Raises:
+        KeyError, TypeError, ValueError: If the dict is not in ``RNGState``'s format (or its
+            CUDA states differ in length).
+    """
+    python, numpy = state_dict["python"], state_dict["numpy"]
+    if numpy["kind"] != _MT19937:
+        raise ValueError(f"NumPy's generator is {numpy['kind']!r}, not {_MT19937!r}")
+    internal = _as_bytes(python["state"], np.uint64)
+    words = np.frombuffer(internal, dtype=np.uint64)
+    if words.size and int(words.max()) >= 2**32:
+        raise ValueError("Python's generator state holds a value of more than 32 bits")
+    keys = np.frombuffer(_as_bytes(numpy["keys"], np.int64), dtype=np.int64)
+    cpu = _as_bytes(state_dict["torch"], np.uint8)
+    cuda = [_as_bytes(c, np.uint8) for c in state_dict.get("cuda") or []]
+    if len({len(c) for c in cuda}) > 1:
+        raise ValueError("The CUDA generator states differ in length")
+    gauss = python["gauss"]
+    header = _RECORD.pack(
+        _MAGIC,
+        int(state_dict.get("rank", 0)),
+        int(python["version"]),
+        0 if gauss is None else 1,
+        0.0 if gauss is None else float(gauss),
+        int(numpy["pos"]),
+        int(numpy["has_gauss"]),
+        float(numpy["cached_gaussian"]),
+        words.size,
+        keys.size,
+        len(cpu),
+        len(cuda[0]) if cuda else 0,
+    )
+    tail = struct.pack("<I", len(cuda))
+    return b"".join(
+        [header, tail, words.astype("<u4").tobytes(), keys.astype("<u4").tobytes(), cpu, *cuda]
+    )
+
+
+def decode_rng_state(data: bytes) -> dict[str, Any]:
+    """Decode ``encode_rng_state``'s bytes into a state in ``RNGState``'s format.
+
+    Raises:
+        ValueError: If ``data`` is not such a record (another magic, lengths that do not add
+            up), naming what is wrong.
+    """
+    view = memoryview(data)
+    if len(view) < _RECORD.size + 4:
+        raise ValueError(f"A generator state record of {len(view)} bytes is too short")
+    fields = _RECORD.unpack_from(view)
+    magic, rank, version, has_gauss, gauss, pos, np_gauss, cached = fields[:8]
+    n_python, n_keys, n_cpu, n_cuda = fields[8:]
+    if magic != _MAGIC:
+        raise ValueError(f"Not a generator state record (magic {bytes(magic)!r})")
+    (count,) = struct.unpack_from("<I", view, _RECORD.size)
+    offset = _RECORD.size + 4
+    size = offset + 4 * (n_python + n_keys) + n_cpu + count * n_cuda
+    if len(view) != size:
+        raise ValueError(f"A generator state record of {len(view)} bytes, not {size}")
+
+    def take(n: int, dtype: Any) -> np.ndarray:
+        nonlocal offset
+        array = np.frombuffer(view, dtype=dtype, count=n, offset=offset)
+        offset += n * array.itemsize
+        return array
+
+    words = take(n_python, "<u4")
+    keys = take(n_keys, "<u4")
+    cpu = torch.from_numpy(take(n_cpu, np.uint8).copy())
+    cuda = [torch.from_numpy(take(n_cuda, np.uint8).copy()) for _ in range(count)]
+    return {
+        "python": {
+            "version": version,
+            "state": [int(w) for w in words],
+            "gauss": gauss if has_gauss else None,
+        },
+        "numpy": {
+            "kind": _MT19937,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": pos,
+            "has_gauss": np_gauss,
+            "cached_gaussian": cached,
+        },
+        "torch": cpu,
+        "cuda": cuda,
+        "rank": rank,
+    }
+
+
 class RNGState:
     """``state_dict``/``load_state_dict`` over the process-wide random generators.
 
     The state holds: ``python`` (``random.getstate()``: version, 625 ints, gauss),
     ``numpy`` (``np.random.get_state()``: the 624 MT19937 keys as an int64 tensor, position,
     has_gauss, cached gaussian), ``torch`` (``torch.get_rng_state()``, a uint8 tensor),
-    ``cuda`` (one uint8 tensor per CUDA device; empty without CUDA) and ``rank`` (the rank
-    that took it).
+    ``cuda`` (one uint8 tensor per CUDA device; empty without CUDA), ``rank`` (the rank
+    that took it) and, when ``replicas`` gives them, the other ranks' states under
+    ``"replicas"`` (``{"1": {...}, ...}``, each in this format).
 
     Generators owned by objects (a ``torch.Generator`` given to a DataLoader, a
     ``numpy.random.Generator``) are not global: save them with their owner.
@@ -147,19 +268,30 @@ class RNGState:
     Distributed: in a process group of more than one rank, ``cuda`` holds only the current
     CUDA device's state (each rank owns its device; the others are not touched), and
     ``load_state_dict`` gives each rank its own streams: the rank that took the state
-    continues it, any other rank ``r`` gets generators seeded from the saved state and ``r``
+    continues it, a rank whose state it carries under ``"replicas"`` continues that one, any
+    other rank ``r`` gets generators seeded from the saved state and ``r``
     (``rank_rng_state``). So the ranks never draw the same numbers, and a resume from one
-    checkpoint always gives every rank the same numbers. A shared checkpoint (DDP's, FSDP2's)
-    holds the chief's streams only: after a resume from it the other ranks' numbers differ
-    from those of an uninterrupted run (seed per-step generators from the step and rank for
-    bitwise resumes); a sharded run's memory tier holds each rank's own, which each rank
-    continues.
+    checkpoint always gives every rank the same numbers. A replicated run's chief saves every
+    rank's streams in the checkpoints and snapshots of the steps it gathered them at
+    (``distributed/replica_streams``: every step with the memory tier, and the step of an
+    agreed stop); a sharded run's memory tier holds each rank's own. After a resume from
+    another checkpoint (a sharded one, a periodic one without the memory tier) the other
+    ranks' numbers differ from those of an uninterrupted run.
+
+    Attributes:
+        replicas: Called by ``state_dict`` for the other ranks' states to save beside this
+            rank's (a mapping by rank as a string, or None: none). Set by the Supervisor on
+            the chief of a replicated run.
+        loaded_replicas: The other ranks' states the last ``load_state_dict`` received (its
+            ``"replicas"``), or None.
 
     TF name: none (TF 1 graph-level seeds made runs repeatable without saving a state).
     """
 
     def __init__(self, rank: int | None = None) -> None:
         self.rank = check_int("rank", rank, allow_none=True)
+        self.replicas: Callable[[], Mapping[str, Any] | None] | None = None
+        self.loaded_replicas: Mapping[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """Return the current states of every global generator (see the class docstring)."""
@@ -171,6 +303,9 @@ class RNGState:
             cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
         state = _state_dict(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda)
         state["rank"] = _process_rank() if self.rank is None else self.rank
+        others = self.replicas() if self.replicas is not None else None
+        if others:
+            state[REPLICAS] = dict(others)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -185,6 +320,8 @@ class RNGState:
             KeyError, TypeError, ValueError: If the dict is not in the format above.
         """
         rank = _process_rank() if self.rank is None else self.rank
+        replicas = state_dict.get(REPLICAS)
+        self.loaded_replicas = dict(replicas) if isinstance(replicas, Mapping) else None
         state_dict = rank_rng_state(state_dict, rank)
         python = state_dict["python"]
         random.setstate((python["version"], tuple(python["state"]), python["gauss"]))

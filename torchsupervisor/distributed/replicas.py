@@ -541,6 +541,12 @@ class StopAgreement:
         logger.info("Every rank stops after %d steps", self._stop_at)
         return self._stop_at
 
+    @property
+    def agreed_step(self) -> int | None:
+        """The step every rank stops at, once ``stop_step`` returned it (None before, and
+        after a stop without agreement: a rank that left with an error, no answer)."""
+        return self._stop_at
+
     def close(self) -> None:
         """Stop the poller thread."""
         self._closed.set()

@@ -147,6 +147,8 @@ def stop_decision(sv: Supervisor) -> bool:
         stop = sv._coord.should_stop()
     else:
         stop = agreed_stop(sv._context, mode.agreement)
+        if stop and mode.agreement.agreed_step is not None:
+            mode.at_agreed_stop()  # Every rank, at the same step: for the final checkpoint.
     if stop and preemption.requested:
         preemption.report(
             sv._context.current_step(), saving=mode is not None and mode.driver is not None

@@ -39,6 +39,7 @@ from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.session import Session
 from torchsupervisor.distributed import env as distributed
+from torchsupervisor.distributed.replica_streams import ReplicaStreams, rng_entry
 from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement, agree
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 from torchsupervisor.driver.preemption import Preemption
@@ -124,6 +125,8 @@ class Mode:
         self.peer_failure: str | None = None
         self.sess: Session | None = None
         self.tiers = ModeTiers(self.settings, replicas)
+        self.streams: ReplicaStreams | None = None
+        """Every rank's random streams gathered to the chief (a replicated run)."""
 
     def prepare(
         self, master: str, config: object, wait_for_checkpoint: bool, max_wait_secs: float
@@ -222,6 +225,30 @@ class Mode:
         if self.replicas is not None:
             self.agreement = StopAgreement(self.replicas, self.settings.global_step)
 
+    def _start_streams(self, sess: Session) -> None:
+        """A replicated run with an ``RNGState`` and a global step: gather every rank's
+        random streams to the chief (``distributed/replica_streams``); every rank, at the
+        same point (the chief before its broadcast, the others after it)."""
+        st, replicas = self.settings, self.replicas
+        rng = rng_entry(sess.state)
+        if replicas is None or rng is None or st.global_step is None:
+            return
+        self.streams = ReplicaStreams(
+            rng, st.global_step, rank=replicas.rank, world_size=replicas.world_size
+        )
+        self.streams.start(sess, every_boundary=st.memory_tier is not None)
+
+    def at_agreed_stop(self) -> None:
+        """At the step every rank stops at (an agreed stop, on every rank): gather the
+        random streams for the final checkpoint."""
+        if self.streams is not None:
+            self.streams.gather()
+
+    def _close_streams(self) -> None:
+        streams, self.streams = self.streams, None
+        if streams is not None:
+            streams.close()
+
     def _check_training_thread(self) -> None:
         if self.sess is not None and threading.get_ident() != self.sess.boundary.owner_ident:
             raise RuntimeError(
@@ -245,6 +272,7 @@ class ChiefMode(Mode):
         sess = _prepare_session(st, master, config, wait_for_checkpoint, max_wait_secs, tiers=tiers)
         self.sess = sess
         self.tiers.start(sess)
+        self._start_streams(sess)  # Before the broadcast: it carries the others' streams.
         if self.replicas is not None:
             self.replicas.publish_ready(
                 {"checkpoint": sess.restored_checkpoint, "step": self.context.current_step()}
@@ -312,6 +340,7 @@ class ChiefMode(Mode):
                 self.driver.abandon(timeout_secs=5.0)
             self.driver.close()  # No idle writer thread outlives the session.
         self._close_tiers()
+        self._close_streams()
 
 
 class WorkerMode(Mode):
@@ -335,12 +364,14 @@ class WorkerMode(Mode):
             self.replicas.broadcast_state(sess.state)
             sess.restored_checkpoint = info.get("checkpoint")
             self._stop_agreement()
+            self._start_streams(sess)
         self.sess = sess
         return sess
 
     def stop(self, aborted: bool, clean: bool = True) -> None:
         # After an error the chief may be dead: its word on the copies never comes.
         self.tiers.stop_serving(aborted or not clean or self.peer_failure is not None)
+        self._close_streams()
 
 
 class ShardedMode(Mode):

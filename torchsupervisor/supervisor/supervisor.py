@@ -171,10 +171,12 @@ class Supervisor:
             CUDA generators; kept beside ``state``, which is not changed), so that a resumed
             run draws the same random numbers as an uninterrupted one. A checkpoint without
             it restores with a warning. With replicas each rank gets its own streams: the
-            chief (rank 0) continues the saved ones, rank ``r`` gets generators seeded from
-            the saved (or, with DDP, the chief's broadcast) state and ``r``
-            (``rng.rank_rng_state``); the non-chiefs' streams are then a fixed function of
-            the checkpoint and the rank, not the continuation of an uninterrupted run's.
+            chief (rank 0) continues the saved ones; with DDP the chief also saves every
+            rank's at each memory-tier snapshot and at an agreed stop's final checkpoint
+            (``distributed/replica_streams``: a gather at those steps), and each rank
+            continues its own; any other rank ``r`` gets generators seeded from the saved
+            (or the chief's broadcast) state and ``r`` (``rng.rank_rng_state``), a fixed
+            function of the checkpoint and the rank, not an uninterrupted run's streams.
         memory_tier: Keep the newest snapshots of the state in host memory that outlives
             the process (a tmpfs, ``/dev/shm`` by default), every
             ``memory_tier.every_n_steps`` steps, besides the checkpoints of ``logdir``
@@ -184,7 +186,7 @@ class Supervisor:
             ``logdir`` and a global step. The tmpfs must hold ``slots`` x the state's bytes
             (``MemoryTierFullError`` at the start otherwise). The snapshots are freed at a
             clean end whose final checkpoint holds the last step. With replicas the chief
-            keeps it and, on several nodes, copies it to a rank of another node (paced by
+            keeps it (with every rank's random streams, gathered at each step) and, on several nodes, copies it to a rank of another node (paced by
             ``peer_every_secs``); with a state of DTensors (FSDP2) every rank keeps its own
             shards, copied to the next node's memory (``tiers/ring.py``), and a restart
             restores a step every rank holds somewhere. None: off.
