@@ -55,6 +55,7 @@ __all__ = [
     "OutsideDirectoryError",
     "PermissionDeniedError",
     "ReplicaAbort",
+    "ReplicaGoneError",
     "ResourceExhaustedError",
     "ShardedStateError",
     "StaleReferenceError",
@@ -438,6 +439,19 @@ class ReplicaAbort(FailedPreconditionError):
     def __init__(self, reason: str) -> None:
         super().__init__(None, None, f"A replica gave up: {reason}")
         self.reason = reason
+
+
+class ReplicaGoneError(DeadlineExceededError):
+    """A rank waited for is gone (its process no longer exists on this machine:
+    ``distributed/liveness``): the wait ends at once, as it would have at its deadline.
+
+    Attributes:
+        ranks: The ranks found gone.
+    """
+
+    def __init__(self, ranks: list[int], message: str) -> None:
+        super().__init__(None, None, message)
+        self.ranks = ranks
 
 
 class StaleReferenceError(CheckpointSaveError):

@@ -46,12 +46,14 @@ from torchsupervisor.core.training_state import shared_entries
 from torchsupervisor.core.tree import decode_tree, encode_tree
 from torchsupervisor.distributed.attempt import DEFAULT_TIMEOUT_SECS, attempt_namespace
 from torchsupervisor.distributed.env import communication_device, store_outlives_attempts
+from torchsupervisor.distributed.liveness import LIVENESS_SECS, ProcessRecords
 from torchsupervisor.errors import (
     AbortedError,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     ReplicaAbort,
+    ReplicaGoneError,
 )
 
 if TYPE_CHECKING:
@@ -137,10 +139,21 @@ class ReplicaGroup:
         self._prefix = f"{attempt}{generation}/"
         self._store = store
         self.clock = clock or REAL_CLOCK
+        self.processes = ProcessRecords(store, f"{attempt}process/", self.rank)
+        """Where each rank's process runs: a wait ends once the awaited rank is gone."""
 
     def key(self, name: str) -> str:
         """Return this session's store key for ``name``."""
         return self._prefix + name
+
+    def _raise_if_gone(self, ranks: list[int], waiting_for: str) -> None:
+        gone = self.processes.gone(ranks)
+        if gone:
+            raise ReplicaGoneError(
+                gone,
+                f"{waiting_for}: rank(s) {gone} are gone (their processes on this machine "
+                "no longer exist); not waiting any longer",
+            )
 
     def publish_ready(self, info: Mapping[str, Any], name: str = "ready") -> None:
         """(Chief) Announce that the state is ready, with the resume point ``info``."""
@@ -172,6 +185,8 @@ class ReplicaGroup:
         Raises:
             DeadlineExceededError: ``"Session was not ready after waiting %d secs."`` (with
                 ``max_wait_secs``), when less than ``recovery_wait_secs`` is left.
+            ReplicaGoneError: The chief's process, on this machine, is gone (looked at about
+                once a second: ``liveness``), whatever the deadline.
 
         Distributed: non-chief ranks; the chief calls ``publish_ready``.
         """
@@ -179,12 +194,17 @@ class ReplicaGroup:
         key = self.key(name)
         limit = float("inf") if max_wait_secs is None else max_wait_secs
         start = clock.monotonic()
+        look = start + LIVENESS_SECS
         while not self._store.check([key]):
-            remaining = max(0.0, limit - (clock.monotonic() - start))
+            now = clock.monotonic()
+            remaining = max(0.0, limit - (now - start))
             if remaining < recovery_wait_secs:
                 raise DeadlineExceededError(
                     None, None, f"Session was not ready after waiting {int(limit)} secs."
                 )
+            if now >= look:
+                look = now + LIVENESS_SECS
+                self._raise_if_gone([self.chief_rank], f"Waiting for the chief's {name!r}")
             logger.info("Waiting for the chief to make the model ready.")
             clock.sleep(recovery_wait_secs)
         return json.loads(self._store.get(key).decode("utf-8"))
@@ -225,10 +245,13 @@ class ReplicaGroup:
 
         Raises:
             DeadlineExceededError: If some rank did not post within ``timeout_secs``, naming
-                those ranks.
+                those ranks; ``ReplicaGoneError`` (a subclass) as soon as one of them is
+                known to be gone (``liveness``: its process, on this machine, no longer
+                exists), since it never will.
             ReplicaAbort: If the ``abort`` flag was raised (its text is the reason).
         """
-        deadline = self.clock.monotonic() + timeout_secs
+        now = self.clock.monotonic()
+        deadline, look = now + timeout_secs, now + LIVENESS_SECS
         while True:
             values = self.collect(name)
             if values is not None:
@@ -237,7 +260,11 @@ class ReplicaGroup:
                 reason = self.flag(abort)
                 if reason is not None:
                     raise ReplicaAbort(reason)
-            if self.clock.monotonic() > deadline:
+            now = self.clock.monotonic()
+            if now >= look:
+                look = now + LIVENESS_SECS
+                self._raise_if_gone(self.missing(name), what)
+            if now > deadline:
                 missing = self.missing(name)
                 raise DeadlineExceededError(
                     None,
@@ -514,19 +541,28 @@ class StopAgreement:
 
         Returns:
             The step, or None (then this rank stops at once) if a rank left with an error
-            (``request(..., failed=True)``: another step would wait for it in a collective)
-            or the other ranks did not answer within ``timeout_secs``.
+            (``request(..., failed=True)``: another step would wait for it in a collective),
+            is gone (``liveness``) or the other ranks did not answer within
+            ``timeout_secs``.
         """
         if self._stop_at is not None:
             return self._stop_at
         keys = [self._group.key(f"progress/{r}") for r in range(self._group.world_size)]
         clock = self._group.clock
-        deadline = clock.monotonic() + timeout_secs
+        deadline = look = clock.monotonic()
+        deadline += timeout_secs
         try:
             while not self._store.check(keys):
-                if clock.monotonic() > deadline:
+                now = clock.monotonic()
+                if now > deadline:
                     logger.error("Stop agreement: not every rank answered; stopping now")
                     return None
+                if now >= look:  # A rank whose process is gone never answers.
+                    look = now + LIVENESS_SECS
+                    gone = self._group.processes.gone(self._group.missing("progress"))
+                    if gone:
+                        logger.error("Stop agreement: rank(s) %s are gone; stopping now", gone)
+                        return None
                 clock.sleep(0.01)
             posted = [int(self._store.get(k)) for k in keys]
         except (RuntimeError, OSError) as e:

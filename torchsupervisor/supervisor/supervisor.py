@@ -186,7 +186,8 @@ class Supervisor:
             ``logdir`` and a global step. The tmpfs must hold ``slots`` x the state's bytes
             (``MemoryTierFullError`` at the start otherwise). The snapshots are freed at a
             clean end whose final checkpoint holds the last step. With replicas the chief
-            keeps it (with every rank's random streams, gathered at each step) and, on several nodes, copies it to a rank of another node (paced by
+            keeps it (with every rank's random streams, gathered at each step) and, on
+            several nodes, copies it to a rank of another node (paced by
             ``peer_every_secs``); with a state of DTensors (FSDP2) every rank keeps its own
             shards, copied to the next node's memory (``tiers/ring.py``), and a restart
             restores a step every rank holds somewhere. None: off.
