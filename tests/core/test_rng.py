@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import random
 
 import numpy as np
@@ -235,32 +236,48 @@ def test_a_damaged_record_is_refused(damage, message):
         rng.decode_rng_state(damage(record))
 
 
-def test_a_rank_continues_its_own_state_carried_under_replicas():
+def _record(state: dict) -> str:
+    return base64.b64encode(rng.encode_rng_state(state)).decode("ascii")
+
+
+def test_a_rank_continues_its_own_state_carried_under_replicas(caplog):
     torch.manual_seed(1)
     chief = RNGState(rank=0).state_dict()
     torch.manual_seed(2)
     own = RNGState(rank=1).state_dict()
     expected = _draws_after_loading(own, 1)
-    state = dict(chief, replicas={"1": own})
+    state = dict(chief, replicas={"1": _record(own)})
     assert _draws_after_loading(state, 1) == expected
     assert rank_rng_state(state, 0) is state  # The chief continues its own.
     # Rank 2 has none there: it derives, as from the chief's state alone.
     assert _draws_after_loading(state, 2) == _draws_after_loading(chief, 2)
-    # A state filed under another rank's key is not taken.
-    wrong = dict(chief, replicas={"1": dict(own, rank=2)})
-    assert _draws_after_loading(wrong, 1) == _draws_after_loading(chief, 1) != expected
+    # A record filed under another rank's key, or damaged, is not taken: told, derived.
+    derived = _draws_after_loading(chief, 1)
+    for bad in (_record(dict(own, rank=2)), _record(own)[:-8], "not base64!"):
+        caplog.clear()
+        assert _draws_after_loading(dict(chief, replicas={"1": bad}), 1) == derived != expected
+        assert "Rank 1's random streams in the checkpoint cannot be used" in caplog.text
 
 
 def test_the_states_of_other_ranks_are_saved_beside_and_restored_with(tmp_path):
     torch.manual_seed(3)
     other = RNGState(rank=1).state_dict()
     saved = RNGState()
-    saved.replicas = lambda: {"1": other}
+    saved.replicas = lambda: {"1": _record(other)}
     prefix = Saver().save(Session({"rng": saved}), str(tmp_path / "m"))
     saved.replicas = lambda: None
     assert "replicas" not in saved.state_dict()
     restored = RNGState()
     Saver().restore(Session({"rng": restored}), prefix)
-    loaded = restored.loaded_replicas["1"]
-    assert loaded["rank"] == 1 and torch.equal(loaded["torch"], other["torch"])
-    assert _draws_after_loading(loaded, 1) == _draws_after_loading(other, 1)
+    loaded = restored.loaded_replicas
+    assert loaded == {"1": _record(other)}
+    assert _draws_after_loading(dict(RNGState().state_dict(), replicas=loaded), 1) == (
+        _draws_after_loading(other, 1)
+    )
+
+
+def test_a_record_names_its_rank_after_its_header_is_checked():
+    record = rng.encode_rng_state(RNGState(rank=5).state_dict())
+    assert rng.rng_record_rank(record) == 5
+    with pytest.raises(ValueError, match="bytes, not"):
+        rng.rng_record_rank(record[:-1])

@@ -226,3 +226,6 @@ def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(
             and not torch.equal(final.get_tensor(name), expected.get_tensor(name))
         ]
         assert differ == [], differ
+        # Every rank's streams at the end (the chief saved them with a DDP run's memory tier).
+        records = [r.read_specs()["rng"].get("replicas") for r in (final, expected)]
+        assert records[0] == records[1]

@@ -114,6 +114,10 @@ def _assert_as_uninterrupted(logdir, uninterrupted: CheckpointReader) -> None:
         if n != _OS_SEEDED and not torch.equal(final.get_tensor(n), uninterrupted.get_tensor(n))
     )
     assert differ == [], differ
+    # Rank 1's streams at the end, where both saved them (a run ended by its own loop saves
+    # the chief's alone: the stopped run's second part, without the memory tier).
+    ours, theirs = (r.read_specs()["rng"].get("replicas") for r in (final, uninterrupted))
+    assert ours is None or ours == theirs
 
 
 def test_a_killed_rank_and_the_run_resumes_from_memory_as_if_never_killed(tmp_path, uninterrupted):
@@ -126,7 +130,6 @@ def test_a_killed_rank_and_the_run_resumes_from_memory_as_if_never_killed(tmp_pa
     resumed = _RESUMED.findall(text)
     assert sorted(r[:2] for r in resumed) == [("0", resumed[0][1]), ("1", resumed[0][1])], text
     assert ("0", resumed[0][1], "memory") in resumed and int(resumed[0][1]) >= 30, text
-    assert CheckpointReader(latest_checkpoint(str(logdir))).has_tensor("rng/replicas/1/torch")
     _assert_as_uninterrupted(logdir, uninterrupted)
 
 
@@ -147,7 +150,7 @@ def test_a_stopped_run_resumes_from_its_final_checkpoint_as_if_never_stopped(
     stopped = latest_checkpoint(str(logdir))
     step = CheckpointReader(stopped).global_step
     assert 30 <= step < MAX_STEPS, text[-3000:]
-    assert CheckpointReader(stopped).has_tensor("rng/replicas/1/torch")
+    assert list(CheckpointReader(stopped).read_specs()["rng"]["replicas"]) == ["1"]
     text = _finish(_torchrun(logdir, run, memory=False), run)
     assert f"rank 1: resumed at step {step} from" in text, text[-3000:]
     _assert_as_uninterrupted(logdir, uninterrupted)

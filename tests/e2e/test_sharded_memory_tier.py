@@ -8,6 +8,8 @@ without the kill (each rank continues its own random streams: dropout).
 checkpoint): a worker is killed at a random moment past step 30; the newest step both ranks
 hold is then damaged on one rank (a flipped bit), and the run is started again: both ranks
 refuse that step and resume from the memory tier at the step before, and train to the end.
+A run stopped with SIGTERM resumes from its shared final checkpoint, which holds every rank's
+streams, as bitwise the run without the stop.
 """
 
 from __future__ import annotations
@@ -182,7 +184,9 @@ def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_p
     assert tier == "disk" or (lost and max(lost) <= 4), text[-3000:]  # Two more: one dropped.
     assert len(re.findall(rf"rank \d: done at step {MAX_STEPS}", text)) == 2, text[-3000:]
     assert latest_checkpoint(str(tmp_path / "logdir")).endswith(f"model.ckpt-{MAX_STEPS}")
-    if tier == "memory":  # A shared checkpoint holds the chief's streams only: rank 1 derives.
+    # The checkpoint of the start holds the chief's streams only (no stop gathered them):
+    # from it, rank 1 derives its own.
+    if tier == "memory":
         _assert_as_uninterrupted(tmp_path / "logdir", uninterrupted)
     # A clean end whose final checkpoint holds the last step frees every rank's memory.
     assert _held(run, 0) == _held(run, 1) == []
@@ -219,3 +223,42 @@ def test_after_a_reboot_every_rank_resumes_from_its_local_disk_at_one_step(tmp_p
     _assert_as_uninterrupted(tmp_path / "logdir", uninterrupted)
     # A clean end whose final checkpoint holds the last step frees every rank's copies.
     assert _held(run, 0, "local") == _held(run, 1, "local") == []
+
+
+def test_a_stopped_run_resumes_from_its_shared_checkpoint_as_if_never_stopped(
+    tmp_path, uninterrupted
+):
+    """SIGTERM to rank 1: every rank stops at one step and saves it together, the streams of
+    every rank in it (``replica_streams``: gathered at that step), and the memory tier is
+    freed; the run started again restores that shared checkpoint, each rank its own streams."""
+    run, logdir = tmp_path / "run", tmp_path / "logdir"
+    process = _torchrun(logdir, run, restarts=0)
+    try:
+        deadline = time.monotonic() + 180
+        while min(_newest_snapshot(run, r) for r in (0, 1)) < 30:
+            assert process.poll() is None, (run / "out.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no snapshot of step 30 in 180 s"
+            time.sleep(0.02)
+        pid = next(p for p in children(process.pid) if rank_of(p) == 1)
+        os.kill(pid, signal.SIGTERM)
+        assert process.wait(120) == 0, (run / "out.log").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+    stopped = CheckpointReader(latest_checkpoint(str(logdir)))
+    step = stopped.global_step
+    assert 30 <= step < MAX_STEPS
+    assert list(stopped.read_specs()["rng"]["replicas"]) == ["1"]
+    assert _held(run, 0) == _held(run, 1) == []  # Freed: the restart reads the checkpoint.
+    (run / "out.log").rename(run / "first.log")
+    process = _torchrun(logdir, run, restarts=0, fresh=False)
+    try:
+        assert process.wait(300) == 0, (run / "out.log").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+    resumed = sorted(_RESUMED.findall((run / "out.log").read_text()))
+    assert resumed == [("0", str(step), "disk"), ("1", str(step), "disk")], resumed
+    _assert_as_uninterrupted(logdir, uninterrupted)

@@ -15,6 +15,7 @@ CASE ``dead``: rank 1 exits after the first gather; the chief's next gather rais
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import sys
@@ -23,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from torchsupervisor.core.rng import REPLICAS, RNGState
+from torchsupervisor.core.rng import REPLICAS, RNGState, decode_rng_state
 from torchsupervisor.core.session import Session
 from torchsupervisor.distributed.replica_streams import ReplicaStreams
 
@@ -56,7 +57,8 @@ def main() -> None:
         if rank == 0:
             sess.boundary.run_pending()  # The same step again: nothing gathered.
             held = rng.state_dict().get(REPLICAS, {})
-            print(f"HELD {n} {digest(held['1'])} {held['1']['rank']}", flush=True)
+            state = decode_rng_state(base64.b64decode(held["1"]))
+            print(f"HELD {n} {digest(state)} {state['rank']}", flush=True)
         else:
             print(f"OWN {n} {digest(RNGState().state_dict())}", flush=True)
         dist.barrier()

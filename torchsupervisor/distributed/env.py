@@ -49,6 +49,7 @@ __all__ = [
     "default_backend",
     "is_distributed_master",
     "rank",
+    "streams_group",
     "world_size",
 ]
 
@@ -136,9 +137,27 @@ def on_every_rank(flag: bool) -> bool:
     return bool(agreed.item())
 
 
-# (default group, its background group), at most one, held weakly: torch's registry keeps
-# both alive until ``destroy_process_group``, and nothing here may keep them beyond it.
-_BACKGROUND: list[tuple[weakref.ref[Any], weakref.ref[Any]]] = []
+# By purpose: (default group, its gloo group for that purpose), held weakly: torch's registry
+# keeps both alive until ``destroy_process_group``, and nothing here may keep them beyond it.
+_GLOO_GROUPS: dict[str, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
+
+
+def _gloo_group(purpose: str) -> Any:
+    """A gloo group of every rank for ``purpose``, made at the first call (a collective)
+    after the default group exists and reused while it lives; None without a process group.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    held = _GLOO_GROUPS.get(purpose)
+    if held is not None:
+        world_ref, group_ref = held
+        group = group_ref()
+        if world_ref() is world and group is not None:
+            return group
+    group = dist.new_group(backend="gloo")
+    _GLOO_GROUPS[purpose] = (weakref.ref(world), weakref.ref(group))
+    return group
 
 
 def background_group() -> Any:
@@ -158,17 +177,16 @@ def background_group() -> Any:
     Returns:
         The group, or None when no process group is initialized.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    world = dist.group.WORLD
-    if _BACKGROUND:
-        world_ref, group_ref = _BACKGROUND[0]
-        group = group_ref()
-        if world_ref() is world and group is not None:
-            return group
-    group = dist.new_group(backend="gloo")
-    _BACKGROUND[:] = [(weakref.ref(world), weakref.ref(group))]
-    return group
+    return _gloo_group("background")
+
+
+def streams_group() -> Any:
+    """A gloo group of every rank for the training thread's gathers of the random streams
+    (``replica_streams``): CPU tensors whatever the default group's backend, and never the
+    writer thread's ``background_group``. Made at its first call (a collective: every rank
+    at its first gather, on the training thread), held weakly as ``background_group``; None
+    without a process group."""
+    return _gloo_group("streams")
 
 
 def store_outlives_attempts(group: ProcessGroup | None) -> bool:

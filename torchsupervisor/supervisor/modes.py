@@ -39,7 +39,7 @@ from torchsupervisor.core.coordinator import Coordinator, LooperThread
 from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.session import Session
 from torchsupervisor.distributed import env as distributed
-from torchsupervisor.distributed.replica_streams import ReplicaStreams, rng_entry
+from torchsupervisor.distributed.replica_streams import ReplicaStreams, start_streams
 from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement, agree
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 from torchsupervisor.driver.preemption import Preemption
@@ -225,18 +225,11 @@ class Mode:
         if self.replicas is not None:
             self.agreement = StopAgreement(self.replicas, self.settings.global_step)
 
-    def _start_streams(self, sess: Session) -> None:
-        """A replicated run with an ``RNGState`` and a global step: gather every rank's
-        random streams to the chief (``distributed/replica_streams``); every rank, at the
-        same point (the chief before its broadcast, the others after it)."""
-        st, replicas = self.settings, self.replicas
-        rng = rng_entry(sess.state)
-        if replicas is None or rng is None or st.global_step is None:
-            return
-        self.streams = ReplicaStreams(
-            rng, st.global_step, rank=replicas.rank, world_size=replicas.world_size
-        )
-        self.streams.start(sess, every_boundary=st.memory_tier is not None)
+    def _start_streams(self, sess: Session, every_boundary: bool) -> None:
+        """Every rank, at the same point (a replicated run's chief before its broadcast,
+        the others after it): ``replica_streams.start_streams``."""
+        step = self.settings.global_step
+        self.streams = start_streams(sess, self.replicas, step, every_boundary=every_boundary)
 
     def at_agreed_stop(self) -> None:
         """At the step every rank stops at (an agreed stop, on every rank): gather the
@@ -272,7 +265,9 @@ class ChiefMode(Mode):
         sess = _prepare_session(st, master, config, wait_for_checkpoint, max_wait_secs, tiers=tiers)
         self.sess = sess
         self.tiers.start(sess)
-        self._start_streams(sess)  # Before the broadcast: it carries the others' streams.
+        # Before the broadcast, which carries the others' streams; at every boundary with the
+        # memory tier (the chief's snapshots hold every rank's streams).
+        self._start_streams(sess, every_boundary=st.memory_tier is not None)
         if self.replicas is not None:
             self.replicas.publish_ready(
                 {"checkpoint": sess.restored_checkpoint, "step": self.context.current_step()}
@@ -364,7 +359,7 @@ class WorkerMode(Mode):
             self.replicas.broadcast_state(sess.state)
             sess.restored_checkpoint = info.get("checkpoint")
             self._stop_agreement()
-            self._start_streams(sess)
+            self._start_streams(sess, every_boundary=st.memory_tier is not None)
         self.sess = sess
         return sess
 
@@ -453,6 +448,9 @@ class ShardedMode(Mode):
         self.sess = sess
         self.tiers.start(sess)
         self._stop_agreement()
+        # Each rank's memory tier keeps its own streams; the final checkpoint of an agreed
+        # stop gets every rank's (a restart from it continues them).
+        self._start_streams(sess, every_boundary=False)
         return sess
 
     def start_services(self, sess: Session) -> None:
@@ -516,6 +514,7 @@ class ShardedMode(Mode):
         if self.service is not None:
             self.service.close(wait=not aborted)
         self._close_tiers()
+        self._close_streams()
 
 
 def start_mode(context: ModeContext, master: str, max_wait_secs: float, generation: int) -> Mode:
