@@ -34,7 +34,7 @@ from repo_paths import repo
 from torchsupervisor import CheckpointReader, latest_checkpoint
 from torchsupervisor.tiers.memory_root import memory_root
 
-MAX_STEPS = 120
+MAX_STEPS = 80
 _RESUMED = re.compile(r"rank (\d): resumed at step (\d+) from \S+(?: \((\w+) tier\))?")
 _CHIEF_STEP = re.compile(r"^step (\d+):", re.MULTILINE)
 # Never seeded by the example: each process starts NumPy's generator from the OS.

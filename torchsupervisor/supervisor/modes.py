@@ -126,7 +126,7 @@ class Mode:
         self.sess: Session | None = None
         self.tiers = ModeTiers(self.settings, replicas)
         self.streams: ReplicaStreams | None = None
-        """Every rank's random streams gathered to the chief (a replicated run)."""
+        """Every rank's random streams gathered to the chief for its checkpoints."""
 
     def prepare(
         self, master: str, config: object, wait_for_checkpoint: bool, max_wait_secs: float

@@ -171,10 +171,11 @@ class Supervisor:
             CUDA generators; kept beside ``state``, which is not changed), so that a resumed
             run draws the same random numbers as an uninterrupted one. A checkpoint without
             it restores with a warning. With replicas each rank gets its own streams: the
-            chief (rank 0) continues the saved ones; with DDP the chief also saves every
-            rank's at each memory-tier snapshot and at an agreed stop's final checkpoint
-            (``distributed/replica_streams``: a gather at those steps), and each rank
-            continues its own; any other rank ``r`` gets generators seeded from the saved
+            chief (rank 0) continues the saved ones; the chief also saves every rank's in
+            an agreed stop's final checkpoint, and with DDP in each memory-tier snapshot
+            (``distributed/replica_streams``: a gather at those steps; a sharded run's
+            memory tier holds each rank's own), and each rank continues its own; any other
+            rank ``r`` gets generators seeded from the saved
             (or the chief's broadcast) state and ``r`` (``rng.rank_rng_state``), a fixed
             function of the checkpoint and the rank, not an uninterrupted run's streams.
         memory_tier: Keep the newest snapshots of the state in host memory that outlives
