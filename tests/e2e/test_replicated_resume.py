@@ -133,6 +133,9 @@ def test_a_killed_rank_and_the_run_resumes_from_memory_as_if_never_killed(tmp_pa
     _assert_as_uninterrupted(logdir, uninterrupted)
 
 
+# In make test-slow: the suite has the stop's gather in test_sharded_memory_tier's FSDP2 stop,
+# and the chief's broadcast of the others' streams in the kill above.
+@pytest.mark.slow
 def test_a_stopped_run_resumes_from_its_final_checkpoint_as_if_never_stopped(
     tmp_path, uninterrupted
 ):
