@@ -26,6 +26,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from example_runs import finish, start_example
 from free_ports import free_port
 from process_tree import children, rank_of
 from repo_paths import repo
@@ -92,25 +93,15 @@ def uninterrupted(tmp_path_factory):
         if (example, world) not in _UNINTERRUPTED:
             root = tmp_path_factory.mktemp("uninterrupted")
             logdir = root / "logdir"
-            done = subprocess.run(
-                [
-                    sys.executable,
-                    *("-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"),
-                    os.path.join(ROOT, "examples", example),
-                    *("--logdir", str(logdir), "--max-steps", str(MAX_STEPS)),
-                    *("--save-model-secs", "3600", "--memory-every-n-steps", "1"),
-                    *("--log-every", "50"),
-                ],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                env={
-                    **os.environ,
-                    "OMP_NUM_THREADS": "1",
-                    "TORCHSUPERVISOR_MEMORY_ROOT": str(root),
-                },
+            process = start_example(
+                example,
+                logdir,
+                root,
+                *("--max-steps", str(MAX_STEPS), "--save-model-secs", "3600"),
+                *("--memory-every-n-steps", "1", "--log-every", "50"),
+                nproc=world,
             )
-            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+            finish(process, root)
             _UNINTERRUPTED[(example, world)] = latest_checkpoint(str(logdir))
         return CheckpointReader(_UNINTERRUPTED[(example, world)])
 

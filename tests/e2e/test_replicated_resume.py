@@ -23,13 +23,11 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from process_tree import children, rank_of
-from repo_paths import repo
+from example_runs import finish, signal_rank, start_example, wait_until
 
 from torchsupervisor import CheckpointReader, latest_checkpoint
 from torchsupervisor.tiers.memory_root import memory_root
@@ -42,38 +40,14 @@ _OS_SEEDED = "rng/numpy/keys"
 
 
 def _torchrun(logdir, workdir, *, memory: bool, restarts: int = 0) -> subprocess.Popen:
-    workdir.mkdir(exist_ok=True)
-    (workdir / "shm").mkdir(exist_ok=True)
-    command = [
-        sys.executable,
-        *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
-        f"--max-restarts={restarts}",
-        os.path.join(repo(), "examples", "ddp_digits.py"),
-        *("--logdir", str(logdir), "--max-steps", str(MAX_STEPS), "--save-model-secs", "3600"),
+    return start_example(
+        "ddp_digits.py",
+        logdir,
+        workdir,
+        *("--max-steps", str(MAX_STEPS), "--save-model-secs", "3600"),
         *("--memory-every-n-steps", "1" if memory else "0", "--log-every", "10"),
-    ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TORCHSUPERVISOR_MEMORY_ROOT": str(workdir / "shm"),
-    }
-    log = open(workdir / "out.log", "a")  # noqa: SIM115 (the child holds it; closed on exit)
-    try:
-        return subprocess.Popen(
-            command, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, text=True, env=env
-        )
-    finally:
-        log.close()
-
-
-def _finish(process: subprocess.Popen, workdir) -> str:
-    try:
-        assert process.wait(300) == 0, (workdir / "out.log").read_text()[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(30)
-    return (workdir / "out.log").read_text()
+        restarts=restarts,
+    )
 
 
 def _newest_snapshot(workdir) -> int:
@@ -81,24 +55,11 @@ def _newest_snapshot(workdir) -> int:
     return max((int(p[: -len(".index")].rsplit("-", 1)[1]) for p in glob.glob(pattern)), default=-1)
 
 
-def _when(process, workdir, ready, what: str) -> None:
-    deadline = time.monotonic() + 180
-    while not ready():
-        assert process.poll() is None, (workdir / "out.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, f"{what} in 180 s"
-        time.sleep(0.02)
-
-
-def _signal_rank(process, rank: int, sig: int) -> None:
-    pid = next(p for p in children(process.pid) if rank_of(p) == rank)
-    os.kill(pid, sig)
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> CheckpointReader:
     """The final checkpoint of the same run without a kill or a stop."""
     root = tmp_path_factory.mktemp("uninterrupted")
-    _finish(_torchrun(root / "logdir", root / "run", memory=True), root / "run")
+    finish(_torchrun(root / "logdir", root / "run", memory=True), root / "run")
     return CheckpointReader(latest_checkpoint(str(root / "logdir")))
 
 
@@ -123,10 +84,10 @@ def _assert_as_uninterrupted(logdir, uninterrupted: CheckpointReader) -> None:
 def test_a_killed_rank_and_the_run_resumes_from_memory_as_if_never_killed(tmp_path, uninterrupted):
     run, logdir = tmp_path / "run", tmp_path / "logdir"
     process = _torchrun(logdir, run, memory=True, restarts=1)
-    _when(process, run, lambda: _newest_snapshot(run) >= 30, "no snapshot of step 30")
+    wait_until(process, run, lambda: _newest_snapshot(run) >= 30, "no snapshot of step 30")
     time.sleep(random.Random().uniform(0, 0.3))
-    _signal_rank(process, random.Random().randrange(2), signal.SIGKILL)
-    text = _finish(process, run)
+    signal_rank(process, random.Random().randrange(2), signal.SIGKILL)
+    text = finish(process, run)
     resumed = _RESUMED.findall(text)
     assert sorted(r[:2] for r in resumed) == [("0", resumed[0][1]), ("1", resumed[0][1])], text
     assert ("0", resumed[0][1], "memory") in resumed and int(resumed[0][1]) >= 30, text
@@ -146,14 +107,14 @@ def test_a_stopped_run_resumes_from_its_final_checkpoint_as_if_never_stopped(
     def past_30() -> bool:
         return any(int(s) >= 30 for s in _CHIEF_STEP.findall((run / "out.log").read_text()))
 
-    _when(process, run, past_30, "no step 30")
-    _signal_rank(process, 1, signal.SIGTERM)
-    text = _finish(process, run)
+    wait_until(process, run, past_30, "no step 30")
+    signal_rank(process, 1, signal.SIGTERM)
+    text = finish(process, run)
     assert "Every rank stops: rank 1: SIGTERM" in text, text[-3000:]
     stopped = latest_checkpoint(str(logdir))
     step = CheckpointReader(stopped).global_step
     assert 30 <= step < MAX_STEPS, text[-3000:]
     assert list(CheckpointReader(stopped).read_specs()["rng"]["replicas"]) == ["1"]
-    text = _finish(_torchrun(logdir, run, memory=False), run)
+    text = finish(_torchrun(logdir, run, memory=False), run)
     assert f"rank 1: resumed at step {step} from" in text, text[-3000:]
     _assert_as_uninterrupted(logdir, uninterrupted)

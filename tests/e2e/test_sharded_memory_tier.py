@@ -21,12 +21,11 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from process_tree import children, rank_of
+from example_runs import finish, signal_rank, start_example, wait_until
 from repo_paths import repo
 
 from torchsupervisor import CheckpointReader, latest_checkpoint
@@ -44,28 +43,14 @@ def _torchrun(
 ) -> subprocess.Popen:
     if fresh:
         workdir.mkdir()
-        (workdir / "shm").mkdir()
-    command = [
-        sys.executable,
-        *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
-        f"--max-restarts={restarts}",
-        os.path.join(ROOT, "examples", "fsdp_digits.py"),
-        *("--logdir", str(logdir), "--max-steps", str(MAX_STEPS), "--save-model-secs", "3600"),
-        *("--memory-every-n-steps", "1", "--log-every", "1000"),
-        *extra,
-    ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TORCHSUPERVISOR_MEMORY_ROOT": str(workdir / "shm"),
-    }
-    log = open(workdir / "out.log", "w")  # noqa: SIM115 (the child holds it; closed on exit)
-    try:
-        return subprocess.Popen(
-            command, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, text=True, env=env
-        )
-    finally:
-        log.close()
+    return start_example(
+        "fsdp_digits.py",
+        logdir,
+        workdir,
+        *("--max-steps", str(MAX_STEPS), "--save-model-secs", "3600"),
+        *("--memory-every-n-steps", "1", "--log-every", "1000", *extra),
+        restarts=restarts,
+    )
 
 
 def _newest_snapshot(workdir, rank: int) -> int:
@@ -90,15 +75,10 @@ def _flip_a_bit(path: str) -> None:
 
 def _kill_a_rank_once(process, run, ready, victim: int, what: str) -> None:
     """Once ``ready()`` (within 180 s), SIGKILL rank ``victim``: torchrun (no restarts) fails."""
+    wait_until(process, run, ready, what)
     try:
-        deadline = time.monotonic() + 180
-        while not ready():
-            assert process.poll() is None, (run / "out.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, f"{what} in 180 s"
-            time.sleep(0.02)
         time.sleep(random.Random().uniform(0, 0.3))
-        pid = next(p for p in children(process.pid) if rank_of(p) == victim)
-        os.kill(pid, signal.SIGKILL)
+        signal_rank(process, victim, signal.SIGKILL)
         assert process.wait(120) != 0  # No restarts: torchrun stops the other rank and fails.
     finally:
         if process.poll() is None:
@@ -116,26 +96,14 @@ def _damage_then_run_to_the_end(tmp_path, run, tier: str, step: int, extra=()) -
     _flip_a_bit(glob.glob(pattern)[0])
     (run / "out.log").rename(run / "first.log")
     process = _torchrun(tmp_path / "logdir", run, restarts=0, fresh=False, extra=extra)
-    try:
-        assert process.wait(300) == 0, (run / "out.log").read_text()[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(30)
-    return damaged, (run / "out.log").read_text()
+    return damaged, finish(process, run)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> CheckpointReader:
     """The final checkpoint of the same run without a kill."""
     root = tmp_path_factory.mktemp("uninterrupted")
-    process = _torchrun(root / "logdir", root / "run", restarts=0)
-    try:
-        assert process.wait(300) == 0, (root / "run" / "out.log").read_text()[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(30)
+    finish(_torchrun(root / "logdir", root / "run", restarts=0), root / "run")
     return CheckpointReader(latest_checkpoint(str(root / "logdir")))
 
 
@@ -233,32 +201,21 @@ def test_a_stopped_run_resumes_from_its_shared_checkpoint_as_if_never_stopped(
     freed; the run started again restores that shared checkpoint, each rank its own streams."""
     run, logdir = tmp_path / "run", tmp_path / "logdir"
     process = _torchrun(logdir, run, restarts=0)
-    try:
-        deadline = time.monotonic() + 180
-        while min(_newest_snapshot(run, r) for r in (0, 1)) < 30:
-            assert process.poll() is None, (run / "out.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no snapshot of step 30 in 180 s"
-            time.sleep(0.02)
-        pid = next(p for p in children(process.pid) if rank_of(p) == 1)
-        os.kill(pid, signal.SIGTERM)
-        assert process.wait(120) == 0, (run / "out.log").read_text()[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(30)
+    wait_until(
+        process,
+        run,
+        lambda: min(_newest_snapshot(run, r) for r in (0, 1)) >= 30,
+        "no snapshot of step 30 on every rank",
+    )
+    signal_rank(process, 1, signal.SIGTERM)
+    finish(process, run, timeout=120)
     stopped = CheckpointReader(latest_checkpoint(str(logdir)))
     step = stopped.global_step
     assert 30 <= step < MAX_STEPS
     assert list(stopped.read_specs()["rng"]["replicas"]) == ["1"]
     assert _held(run, 0) == _held(run, 1) == []  # Freed: the restart reads the checkpoint.
     (run / "out.log").rename(run / "first.log")
-    process = _torchrun(logdir, run, restarts=0, fresh=False)
-    try:
-        assert process.wait(300) == 0, (run / "out.log").read_text()[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(30)
-    resumed = sorted(_RESUMED.findall((run / "out.log").read_text()))
+    text = finish(_torchrun(logdir, run, restarts=0, fresh=False), run)
+    resumed = sorted(_RESUMED.findall(text))
     assert resumed == [("0", str(step), "disk"), ("1", str(step), "disk")], resumed
     _assert_as_uninterrupted(logdir, uninterrupted)

@@ -316,12 +316,12 @@ class RNGState:
     continues it, a rank whose state it carries under ``"replicas"`` continues that one, any
     other rank ``r`` gets generators seeded from the saved state and ``r``
     (``rank_rng_state``). So the ranks never draw the same numbers, and a resume from one
-    checkpoint always gives every rank the same numbers. A replicated run's chief saves every
-    rank's streams in the checkpoints and snapshots of the steps it gathered them at
-    (``distributed/replica_streams``: every step with the memory tier, and the step of an
-    agreed stop); a sharded run's memory tier holds each rank's own. After a resume from
-    another checkpoint (a sharded one, a periodic one without the memory tier) the other
-    ranks' numbers differ from those of an uninterrupted run.
+    checkpoint always gives every rank the same numbers. The chief saves every rank's streams
+    in what it saves of the steps it gathered them at (``distributed/replica_streams``: the
+    step of an agreed stop, and every step of a replicated run's memory tier); a sharded
+    run's memory tier holds each rank's own. After a resume from a checkpoint of another step
+    (a periodic one without a replicated memory tier) the other ranks' numbers differ from
+    those of an uninterrupted run.
 
     Attributes:
         replicas: Called by ``state_dict`` for the other ranks' states to save beside this

@@ -102,9 +102,15 @@ class ReplicaStreams:
         self.rank = rank
         self.world_size = world_size
         self.gathered_step: int | None = None
-        self._capacity: int | None = None  # The longest record, agreed at the first gather.
-        self._states: Mapping[str, str] | None = None  # The chief's: the others' records,
-        self._step: int | None = None  # of this step.
+        # The buffers of the gather, made at the first (their length, the longest record of
+        # any rank, agreed then) and reused: a step boundary allocates no new ones.
+        self._payload: np.ndarray | None = None
+        self._received: list[torch.Tensor] | None = None
+        # The chief's: the others' records (raw, or as saved: ``held`` encodes them once)
+        # and the step they are of.
+        self._records: dict[str, bytes] = {}
+        self._states: Mapping[str, str] | None = None
+        self._step: int | None = None
         self._session: Session | None = None
         self._told: set[str] = set()
 
@@ -118,7 +124,7 @@ class ReplicaStreams:
         """
         loaded, self.rng.loaded_replicas = self.rng.loaded_replicas, None  # This restore's.
         if self.rank == 0:
-            self._states = loaded or None
+            self._records, self._states = {}, loaded or None
             self._step = read_step(self.global_step) if loaded else None
             self.rng.replicas = self.held
         if every_boundary:
@@ -128,9 +134,13 @@ class ReplicaStreams:
     def held(self) -> Mapping[str, str] | None:
         """The other ranks' states of the current step (the chief's ``RNGState.replicas``),
         or None when none were gathered at this step."""
-        if self._states is None or self._step is None:
+        if self._step is None or read_step(self.global_step) != self._step:
             return None
-        return self._states if read_step(self.global_step) == self._step else None
+        if self._states is None and self._records:
+            self._states = {
+                r: base64.b64encode(b).decode("ascii") for r, b in self._records.items()
+            }
+        return self._states or None
 
     def gather(self) -> None:
         """Gather every rank's generator states to the chief, once per step (every rank, at
@@ -148,35 +158,34 @@ class ReplicaStreams:
         chief = self.rank == 0
         # The chief's own streams are saved by its ``RNGState``: it sends an empty record.
         record = b"" if chief else encode_rng_state(RNGState(rank=self.rank).state_dict())
-        if self._capacity is None:
+        payload = self._payload
+        if payload is None:
             longest = torch.tensor([len(record)], dtype=torch.int64)
             dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
-            self._capacity = int(longest.item())
-        payload = np.zeros(_LENGTH_BYTES + self._capacity, dtype=np.uint8)
-        if record and len(record) <= self._capacity:  # Else a length of 0: no state.
-            payload[:_LENGTH_BYTES] = np.frombuffer(
-                len(record).to_bytes(_LENGTH_BYTES, "little"), dtype=np.uint8
-            )
-            payload[_LENGTH_BYTES : _LENGTH_BYTES + len(record)] = np.frombuffer(
-                record, dtype=np.uint8
-            )
-        buffer = torch.from_numpy(payload)
-        received = [torch.empty_like(buffer) for _ in range(self.world_size)] if chief else None
-        dist.gather(buffer, received, dst=0, group=group)
-        if received is not None:
-            self._states, self._step = self._decode(received, step), step
+            payload = self._payload = np.zeros(_LENGTH_BYTES + int(longest), dtype=np.uint8)
+            if chief:
+                self._received = [
+                    torch.empty(len(payload), dtype=torch.uint8) for _ in range(self.world_size)
+                ]
+        fits = len(record) <= len(payload) - _LENGTH_BYTES  # Else a length of 0: no state.
+        length = len(record) if fits else 0
+        payload[:_LENGTH_BYTES] = np.frombuffer(
+            length.to_bytes(_LENGTH_BYTES, "little"), dtype=np.uint8
+        )
+        if length:
+            payload[_LENGTH_BYTES : _LENGTH_BYTES + length] = np.frombuffer(record, np.uint8)
+        dist.gather(torch.from_numpy(payload), self._received, dst=0, group=group)
+        if self._received is not None:
+            self._records, self._states, self._step = self._read(self._received, step), None, step
 
-    def _decode(self, received: list[torch.Tensor], step: int) -> dict[str, str]:
-        """The chief: each other rank's record as Base64 text (``rng.REPLICAS``), by rank as
-        a string; a record that cannot be read, or of another rank, is left out (that rank
-        derives its streams), told once."""
-        states: dict[str, str] = {}
-        for rank, buffer in enumerate(received):
-            if rank == 0:
-                continue
-            data = buffer.numpy().tobytes()
-            length = int.from_bytes(data[:_LENGTH_BYTES], "little")
-            record = data[_LENGTH_BYTES : _LENGTH_BYTES + length]
+    def _read(self, received: list[torch.Tensor], step: int) -> dict[str, bytes]:
+        """The chief: each other rank's record, by rank as a string; a record that cannot be
+        read, or of another rank, is left out (that rank derives its streams), told once."""
+        records: dict[str, bytes] = {}
+        for rank, buffer in enumerate(received[1:], start=1):
+            data = buffer.numpy()
+            length = int.from_bytes(data[:_LENGTH_BYTES].tobytes(), "little")
+            record = data[_LENGTH_BYTES : _LENGTH_BYTES + length].tobytes()
             try:
                 if length == 0:
                     raise ValueError("its record outgrew the first one's length")
@@ -185,8 +194,8 @@ class ReplicaStreams:
             except ValueError as e:
                 self._tell(f"rank {rank}", f"rank {rank}'s generator states at step {step}: {e}")
                 continue
-            states[str(rank)] = base64.b64encode(record).decode("ascii")
-        return states
+            records[str(rank)] = record
+        return records
 
     def _tell(self, kind: str, message: str) -> None:
         (logger.debug if kind in self._told else logger.warning)(
@@ -201,4 +210,4 @@ class ReplicaStreams:
             self._session = None
         if self.rng.replicas == self.held:
             self.rng.replicas = None
-        self._states = self._step = None
+        self._records, self._states, self._step = {}, None, None
