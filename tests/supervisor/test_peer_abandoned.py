@@ -67,7 +67,9 @@ def first_run(rank: int, world_size: int, base: str) -> None:
                 sv.saver.save(sess, sv.save_path, global_step=step)
         sv.should_stop()  # The boundary of step 8: its snapshot, then its copy.
         deadline = time.monotonic() + 60
-        while 8 not in _copies(base) and time.monotonic() < deadline:
+        # The copy of step 8 is visible before the peer deletes the one of step 7: wait for
+        # both (a copy of 7 left behind would be a valid older copy, restored instead of 3).
+        while _copies(base) != [8] and time.monotonic() < deadline:
             time.sleep(0.05)
         os._exit(0)  # A hard failure: nothing freed, no final checkpoint.
 

@@ -250,17 +250,31 @@ def test_monitored_training_session_resumes_from_the_local_disk(dirs):
     assert torch.equal(again[0], weights[7])
 
 
+@pytest.mark.parametrize("late_report", [False, True], ids=["", "late report"])
 def test_a_preemption_copies_the_stop_step_to_the_local_disk_before_the_final_checkpoint(
-    dirs, monkeypatch
+    dirs, monkeypatch, late_report
 ):
     """The stop's step goes to memory, then to the local disk (whatever its interval), then the
     final checkpoint is tried in the time left: here it cannot make it (an fsync of 3 s), and
-    after a reboot the run resumes from the local disk at the stop's step."""
+    after a reboot the run resumes from the local disk at the stop's step.
+
+    ``late report``: the snapshot's future is done before its callback records the commit (a
+    thread switch between the two, made long here); the stop waits for the record too (it
+    used to see the step not held, now and then, and copy nothing to the local disk)."""
     import signal
+    import time
 
     from torchsupervisor.testing import FaultyStorage
 
     logdir, base, local = dirs
+    if late_report:
+        done = MemoryTier._done
+
+        def late(self, future, step):
+            time.sleep(0.3)
+            done(self, future, step)
+
+        monkeypatch.setattr(MemoryTier, "_done", late)
     flushed = []
     flush = LocalDiskTier.flush
 

@@ -49,6 +49,7 @@ import concurrent.futures
 import logging
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -219,6 +220,10 @@ class MemoryTier:
         self._reported: set[str] = set()
         self._reached: SharedCounter | None = None
         self._committed_step: int | None = None  # Of the newest snapshot committed.
+        # Snapshots handed to the saver, and those whose ``_done`` ran: a future is done
+        # before its callbacks run, so ``wait`` waits for both counts to meet.
+        self._taken = self._settled = 0
+        self._settling = threading.Condition()
         self.damaged: list[str] = []
         """What ``snapshots`` refused, as ``"<prefix>: <why>"``."""
         self.on_commit: Callable[[str], object] | None = None
@@ -389,6 +394,8 @@ class MemoryTier:
         except (OSError, ValueError) as error:
             self._report(step, error)
             return
+        with self._settling:
+            self._taken += 1
         future.add_done_callback(lambda f: self._done(f, step))
 
     def snapshot_now(self) -> None:
@@ -423,16 +430,21 @@ class MemoryTier:
         return held
 
     def _done(self, future: concurrent.futures.Future[Any], step: int) -> None:
-        error = future.exception()
-        if error is not None:
-            self._report(step, error)
-            return
-        self._committed_step = step
-        if self.local_disk is not None:
-            self.local_disk.offer(future.result())
-        on_commit = self.on_commit
-        if on_commit is not None:
-            on_commit(future.result())
+        try:
+            error = future.exception()
+            if error is not None:
+                self._report(step, error)
+                return
+            self._committed_step = step
+            if self.local_disk is not None:
+                self.local_disk.offer(future.result())
+            on_commit = self.on_commit
+            if on_commit is not None:
+                on_commit(future.result())
+        finally:
+            with self._settling:
+                self._settled += 1
+                self._settling.notify_all()
 
     def _report(self, step: int, error: BaseException) -> None:
         """Log a failed snapshot: a warning the first time for each kind of error."""
@@ -470,8 +482,16 @@ class MemoryTier:
         return self._committed_step
 
     def wait(self, timeout_secs: float | None = None) -> bool:
-        """Wait for the snapshot being written; True when none is."""
-        return self.saver.wait(timeout_secs)
+        """Wait for the snapshot being written and its bookkeeping (``committed_step``, the
+        offer to the local disk and the peer); True when none is in flight."""
+        started = time.monotonic()
+        if not self.saver.wait(timeout_secs):
+            return False
+        left = (
+            None if timeout_secs is None else max(0.0, timeout_secs - (time.monotonic() - started))
+        )
+        with self._settling:
+            return self._settling.wait_for(lambda: self._settled >= self._taken, left)
 
     def close(self, *, free: bool = False) -> None:
         """Stop taking snapshots, wait for the one being written; with ``free``, delete
@@ -480,7 +500,7 @@ class MemoryTier:
         Raises:
             OSError: A file could not be deleted (what is left is deleted at the next start).
         """
-        self.saver.wait()
+        self.wait()
         last = self._last_step
         if self._reached is not None and last is not None and self._committed_step == last:
             self._reached.set(-1 - last)  # Stopped with its last step held: nothing lost.
