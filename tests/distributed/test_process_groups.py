@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from free_ports import free_port
+from rank_processes import run_ranks
 from repo_paths import worker
 from supervisor_helpers import all_events, session_logs
 
@@ -259,22 +260,8 @@ def test_local_server_target_in_a_session(tmp_path):
 MONITORED_WORKER = worker("monitored_replica_worker.py")
 
 
-def _monitored_ranks(logdir, steps):
-    port = free_port()
-    procs = []
-    for rank in (0, 1):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
-        env.update(WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, MONITORED_WORKER, logdir, str(steps)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    results = _outputs(procs)
+def _monitored_ranks(logdir, steps, *args):
+    results = run_ranks(MONITORED_WORKER, logdir, steps, *args, timeout=240)
     assert all(code == 0 for _, _, code in results), [err[-3000:] for _, err, _ in results]
     return [(_lines(out, "READY")[0][2:], _lines(out, "DONE")[0][2:]) for out, _, _ in results]
 
@@ -292,3 +279,21 @@ def test_monitored_training_session_replicas_start_from_the_chiefs_restored_stat
     assert done_0 == done_1 and done_0[0] == "7"
     assert CheckpointReader(latest_checkpoint(logdir)).global_step == 7  # The chief saved.
     _check_ledgers(logdir, resumed_at=4, reached=7)  # The non-chief's too.
+
+
+def test_monitored_replicas_resume_from_the_chiefs_memory_as_if_never_killed(tmp_path):
+    """With the chief's memory tier, each snapshot holds rank 1's random streams too (gathered
+    at every step): rank 1 killed in step 3, both ranks resume from the chief's memory and end
+    with the weights of a run without the kill (rank 1 draws its own dropout masks)."""
+    (tmp_path / "memory").mkdir()
+    memory = str(tmp_path / "memory")
+    whole = _monitored_ranks(str(tmp_path / "whole"), "=8", memory)
+    logdir = str(tmp_path / "killed")
+    (_, chief_err, chief_rc), (_, _, killed_rc) = run_ranks(
+        MONITORED_WORKER, logdir, "=8", memory, 3, timeout=240
+    )
+    assert killed_rc == -signal.SIGKILL and chief_rc != 0, chief_err[-3000:]
+    resumed = _monitored_ranks(logdir, "=8", memory)
+    for (ready, done), (_, done_whole) in zip(resumed, whole):
+        assert ready[0] in ("2", "3")  # The chief's snapshot of step 3, or of 2 (in flight).
+        assert done == done_whole and done[0] == "8"

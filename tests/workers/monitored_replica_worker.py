@@ -1,11 +1,16 @@
 """One replica of a MonitoredTrainingSession run on 2 ranks (gloo), for the replica tests.
 
-Usage: python monitored_replica_worker.py LOGDIR STEPS; the process group comes from the
-environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as ``torchrun`` sets it.
+Usage: python monitored_replica_worker.py LOGDIR STEPS [MEMORY_ROOT [KILL_AT]] (STEPS: that
+many steps, or ``=N``: until global step N); the process group comes from the environment
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as ``torchrun`` sets it. With MEMORY_ROOT the
+chief keeps a memory tier there (a snapshot every step); with KILL_AT rank 1 kills itself
+(SIGKILL) inside the step that starts at that global step.
 
 ``MonitoredTrainingSession(master="env://")`` is given no ``is_chief``: rank 0 must become the
 chief. Each rank seeds its model differently, so a non-chief that kept its own weights would
-show. It prints ``READY <rank> <step> <digest of the weights>`` when the session is up and
+show. Every step draws a dropout mask from each rank's own generator (so that a rank that
+resumed with other streams than the run without the kill would show). It prints
+``READY <rank> <step> <digest of the weights>`` when the session is up and
 ``DONE <rank> <step> <digest>`` at the end.
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 
 import torch
@@ -36,7 +42,9 @@ def digest(model: nn.Module) -> str:
 
 
 def main() -> None:
-    logdir, steps = sys.argv[1], int(sys.argv[2])
+    logdir, steps = sys.argv[1], sys.argv[2]
+    memory_root = sys.argv[3] if len(sys.argv) > 3 else None
+    kill_at = int(sys.argv[4]) if len(sys.argv) > 4 else None
     rank = int(os.environ["RANK"])
     ts.distributed.connect("env://", timeout_secs=120)
     torch.manual_seed(100 + rank)  # Different initial weights on every rank.
@@ -52,13 +60,17 @@ def main() -> None:
         save_checkpoint_secs=3600,
         save_summaries_steps=0,
         log_step_count_steps=0,
+        memory_tier=None if memory_root is None else ts.MemoryTierConfig(root=memory_root),
     ) as sess:
         say(f"READY {rank} {step.value} {digest(model.module)}")
-        target = step.value + steps
+        target = int(steps[1:]) if steps.startswith("=") else step.value + int(steps)
 
         def train(x: torch.Tensor) -> None:
+            if rank == 1 and step.value == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
             optimizer.zero_grad()
-            model(x[rank::2]).pow(2).mean().backward()
+            mask = (torch.rand(4, 4) > 0.3).float()  # This rank's own stream.
+            model(x[rank::2] * mask).pow(2).mean().backward()
             optimizer.step()
 
         while not sess.should_stop() and step.value < target:

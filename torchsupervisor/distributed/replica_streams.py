@@ -13,9 +13,10 @@ checkpoint's tree, in what it saves of that step. After a restore each rank find
 there (a replicated run's non-chiefs in the chief's broadcast, a sharded run's ranks in the
 checkpoint's tree, which each reads whole) and continues it.
 
-When: at the step every rank stops at after an agreed stop (the final checkpoint); and in a
-replicated run with the memory tier, at every step boundary, before anything of the boundary
-(its snapshot, a periodic checkpoint: ``StepBoundary.call_each(first=True)``). A sharded
+When: at the step every rank stops at after an agreed stop (the Supervisor's final
+checkpoint); and in a replicated run with the memory tier (the Supervisor's, or the chief's of
+a ``MonitoredTrainingSession``), at every step boundary, before anything of the boundary (its
+snapshot, a periodic checkpoint: ``StepBoundary.call_each(first=True)``). A sharded
 run's memory tier needs none: each rank's snapshot holds its own streams. A checkpoint of a
 step whose streams were not gathered (a periodic checkpoint without the memory tier, a run
 ended by its own loop) holds the chief's alone, and the others derive theirs as before.
@@ -128,6 +129,14 @@ class ReplicaStreams:
             self._step = read_step(self.global_step) if loaded else None
             self.rng.replicas = self.held
         if every_boundary:
+            sess.boundary.call_each(self.gather, first=True)
+            self._session = sess
+
+    def follow(self, sess: Session) -> None:
+        """Gather at the step boundaries of ``sess`` from now on, instead of the session's
+        before (a ``MonitoredSession``'s session re-created after a recoverable error)."""
+        if self._session is not None and self._session is not sess:
+            self._session.boundary.remove_each(self.gather)
             sess.boundary.call_each(self.gather, first=True)
             self._session = sess
 

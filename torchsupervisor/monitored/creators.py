@@ -42,6 +42,7 @@ from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
 from torchsupervisor.core.session import Session
 from torchsupervisor.core.training_state import TrainingState
 from torchsupervisor.distributed import env as distributed
+from torchsupervisor.distributed.replica_streams import ReplicaStreams, start_streams
 from torchsupervisor.distributed.replicas import ReplicaGroup
 from torchsupervisor.hooks._global_step import session_global_step
 from torchsupervisor.hooks.session_run_hook import SessionRunHook, checkpoint_drivers
@@ -114,6 +115,26 @@ class _ScaffoldedCreator(SessionCreator):
         self._clock = clock
         self._session_manager: SessionManager | None = None
         self._optional: set[str] = set()
+        self._streams: ReplicaStreams | None = None
+
+    def _start_streams(self, sess: Session, group: ReplicaGroup, each_step: bool) -> None:
+        """Every rank's random streams into the chief's snapshots (``replica_streams``): the
+        first session of each rank, at the same point (the chief before its broadcast, which
+        carries the others' restored streams; the others after it). ``each_step``: gather at
+        every step boundary (the chief keeps a memory tier)."""
+        step = session_global_step(sess, get_global_step())
+        self._streams = start_streams(sess, group, step, every_boundary=each_step)
+
+    def _follow_streams(self, sess: Session) -> None:
+        """A session re-created after a recoverable error: the gathers go on at its step
+        boundaries (the other ranks' sessions go on with theirs)."""
+        if self._streams is not None:
+            self._streams.follow(sess)
+
+    def _close_streams(self) -> None:
+        streams, self._streams = self._streams, None
+        if streams is not None:
+            streams.close()
 
     @property
     def scaffold(self) -> Scaffold:
@@ -256,6 +277,7 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         TF name: none (TF had no writer lock).
         """
         self._close_memory_tier()
+        self._close_streams()
         if self._writer_lock is not None:
             self._writer_lock.release()
             self._writer_lock = None
@@ -362,8 +384,14 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         if first:
             group = _replica_group(True, _AGREE_ROLES_SECS, sess.state, self._clock)
             if group is not None:
-                group.publish_ready({"checkpoint": sess.restored_checkpoint})
+                each_step = self._memory is not None  # Its snapshots hold every rank's streams.
+                self._start_streams(sess, group, each_step)
+                group.publish_ready(
+                    {"checkpoint": sess.restored_checkpoint, _STREAMS_EACH_STEP: each_step}
+                )
                 group.broadcast_state(sess.state)
+        else:
+            self._follow_streams(sess)
         return sess
 
 
@@ -374,6 +402,7 @@ def _keep_state() -> None:
 _replica_sessions = 0  # First sessions of creators under a process group, in this process.
 
 _AGREE_ROLES_SECS = 300.0
+_STREAMS_EACH_STEP = "streams_each_step"  # The chief's ready record: gather at each step.
 _READY_POLL_SECS = 0.5
 
 
@@ -486,7 +515,18 @@ class WorkerSessionCreator(_ScaffoldedCreator):
                 info = group.wait_ready(_READY_POLL_SECS, self._max_wait_secs)
                 group.broadcast_state(sess.state)
                 sess.restored_checkpoint = info.get("checkpoint")
+                if info.get(_STREAMS_EACH_STEP):
+                    self._start_streams(sess, group, True)
+        else:
+            self._follow_streams(sess)
         return sess
+
+    def close(self) -> None:
+        """Stop gathering this rank's random streams (``MonitoredSession.close`` calls it).
+
+        TF name: none.
+        """
+        self._close_streams()
 
 
 class CoordinatedSessionCreator:

@@ -141,7 +141,9 @@ def MonitoredTrainingSession(
             and training goes on to the next save (``CheckpointSaverHook``).
         memory_tier: Keep the newest snapshots in host memory as well, every
             ``memory_tier.every_n_steps`` steps (the chief; ``checkpoint_dir`` needed): see
-            ``Supervisor``'s argument of the same name. None: off.
+            ``Supervisor``'s argument of the same name. Under DDP the other ranks then send
+            their random streams to the chief at every step, so that its snapshots resume
+            every rank bitwise (``distributed/replica_streams``). None: off.
 
     Returns:
         A ``MonitoredSession`` (recovering from preemption errors).
