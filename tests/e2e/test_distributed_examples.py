@@ -50,7 +50,7 @@ def _sharded(logdir):
         # The DDP example's restarts under torchrun are in the suite through
         # test_summary_steps (killed, stopped, requeued): this one in make test-slow.
         pytest.param("ddp_digits.py", _replicated, marks=pytest.mark.slow),
-        # The FSDP2 example's runs and resumes: the test below (at 3 and 1 ranks).
+        # The FSDP2 example's runs and resumes: tests/e2e/test_sharded_memory_tier.py.
         pytest.param("fsdp_digits.py", _sharded, marks=pytest.mark.slow),
     ],
 )
@@ -68,6 +68,10 @@ def test_the_example_runs_under_torchrun_and_resumes(tmp_path, example, check):
     assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model.ckpt-30")
 
 
+# In make test-slow (3 ranks on 2 cores: 40 s): the suite keeps a DDP checkpoint restored into
+# FSDP2 in tests/checkpoint/test_row_blocks.py (real process groups) and the FSDP2 example's
+# resumes in tests/e2e/test_sharded_memory_tier.py.
+@pytest.mark.slow
 def test_a_ddp_run_resumes_as_fsdp2_at_3_ranks_then_at_1_with_its_memory_tier(tmp_path):
     """The DDP example's logdir (2 ranks, the chief's checkpoint: the DDP model under its
     module's names, the plain optimizer's state keyed by positions) resumed by the FSDP2

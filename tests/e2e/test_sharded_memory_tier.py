@@ -160,6 +160,10 @@ def test_a_killed_rank_then_every_rank_resumes_from_its_memory_at_one_step(tmp_p
     assert _held(run, 0) == _held(run, 1) == []
 
 
+# In make test-slow (35 s): the suite keeps the local-disk tier after a reboot in
+# tests/e2e/test_demo.py and tests/tiers/test_local_disk.py (one process), and the ranks'
+# agreement on a common step of a tier in the killed-rank test above (tiers/agreed.py).
+@pytest.mark.slow
 def test_after_a_reboot_every_rank_resumes_from_its_local_disk_at_one_step(tmp_path, uninterrupted):
     """``--local-dir``: every rank copies its snapshot every 10 steps, at the same steps. A
     rank is killed, the node's memory is lost, the newest common copy is damaged on one rank:
