@@ -26,11 +26,11 @@ from torchsupervisor.summary.ledger import read_ledgers
 WORKER = worker("ddp_worker.py")
 
 
-def _rank(logdir, rank, port, *args):
+def _rank(logdir, rank, port, *args, script=WORKER):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
     env.update(WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [sys.executable, WORKER, logdir, *map(str, args)],
+        [sys.executable, script, logdir, *map(str, args)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -281,19 +281,56 @@ def test_monitored_training_session_replicas_start_from_the_chiefs_restored_stat
     _check_ledgers(logdir, resumed_at=4, reached=7)  # The non-chief's too.
 
 
-def test_monitored_replicas_resume_from_the_chiefs_memory_as_if_never_killed(tmp_path):
+@pytest.fixture(scope="module")
+def monitored_whole(tmp_path_factory):
+    """What each rank of the monitored replicas' run to step 40 ends with, uninterrupted."""
+    return [done for _, done in _monitored_ranks(str(tmp_path_factory.mktemp("whole")), "=40")]
+
+
+def test_monitored_replicas_resume_from_the_chiefs_memory_as_if_never_killed(
+    tmp_path, monitored_whole
+):
     """With the chief's memory tier, each snapshot holds rank 1's random streams too (gathered
     at every step): rank 1 killed in step 3, both ranks resume from the chief's memory and end
     with the weights of a run without the kill (rank 1 draws its own dropout masks)."""
     (tmp_path / "memory").mkdir()
-    memory = str(tmp_path / "memory")
-    whole = _monitored_ranks(str(tmp_path / "whole"), "=8", memory)
+    memory = ("--memory-root", str(tmp_path / "memory"))
     logdir = str(tmp_path / "killed")
     (_, chief_err, chief_rc), (_, _, killed_rc) = run_ranks(
-        MONITORED_WORKER, logdir, "=8", memory, 3, timeout=240
+        MONITORED_WORKER, logdir, "=40", *memory, "--kill-at", 3, timeout=240
     )
     assert killed_rc == -signal.SIGKILL and chief_rc != 0, chief_err[-3000:]
-    resumed = _monitored_ranks(logdir, "=8", memory)
-    for (ready, done), (_, done_whole) in zip(resumed, whole):
-        assert ready[0] in ("2", "3")  # The chief's snapshot of step 3, or of 2 (in flight).
-        assert done == done_whole and done[0] == "8"
+    resumed = _monitored_ranks(logdir, "=40", *memory)
+    assert [ready[0] for ready, _ in resumed] in (["2", "2"], ["3", "3"])  # Step 3, or 2
+    # (the snapshot of 3 in flight at the kill).
+    assert [done for _, done in resumed] == monitored_whole
+    assert monitored_whole[0][0] == "40"
+
+
+def test_a_signal_on_one_monitored_replica_stops_both_at_one_step_that_resumes_bitwise(
+    tmp_path, monitored_whole
+):
+    """SIGTERM to rank 1 alone: every rank stops after the same step (it used to stop rank 1
+    alone, the chief failing in its next all-reduce without a final checkpoint), the chief's
+    final checkpoint holds that step and every rank's streams, and the run resumed from it
+    ends as the run without the stop."""
+    logdir = str(tmp_path / "stopped")
+    port = free_port()
+    args = ("=40", "--step-delay", 0.05)
+    procs = [_rank(logdir, r, port, *args, script=MONITORED_WORKER) for r in (0, 1)]
+    for proc in procs:
+        while not (proc.stdout.readline() or "").startswith("STEP"):
+            assert proc.poll() is None, proc.stderr.read()
+    procs[1].send_signal(signal.SIGTERM)
+    results = _outputs(procs)
+    assert all(code == 0 for _, _, code in results), [err[-3000:] for _, err, _ in results]
+    stops = {tuple(_lines(out, "DONE")[0][2:]) for out, _, _ in results}
+    assert len(stops) == 1  # The same step, the same weights.
+    ((stop_step, _),) = stops
+    assert 0 < int(stop_step) < 40
+    assert "Received SIGTERM" in results[1][1]
+    assert "Every rank stops: rank 1: SIGTERM" in results[0][1]
+    assert CheckpointReader(latest_checkpoint(logdir)).global_step == int(stop_step)
+    resumed = _monitored_ranks(logdir, "=40")
+    assert [ready[0] for ready, _ in resumed] == [stop_step, stop_step]
+    assert [done for _, done in resumed] == monitored_whole

@@ -267,6 +267,16 @@ def test_a_memory_root_too_small_is_a_clear_error_at_the_start(dirs):
     assert raised.value.needed_bytes > raised.value.free_bytes
 
 
+def test_a_memory_root_that_does_not_exist_is_a_clear_error_naming_it(dirs):
+    logdir, base = dirs
+    missing = os.path.join(base, "missing")
+    run = Run(logdir, base, memory_tier=ts.MemoryTierConfig(root=missing))
+    with pytest.raises(FileNotFoundError, match=r"MemoryTierConfig\.root") as raised:
+        run.train(1)
+    assert raised.value.filename == missing
+    assert not os.path.exists(missing)  # Not made: the user names a tmpfs.
+
+
 def monitored(logdir: str, base: str, steps: int, *, fail: bool) -> tuple[int, torch.Tensor]:
     """Run a MonitoredTrainingSession with the memory tier for ``steps`` steps (then fail, if
     asked, after a step boundary); return the step it started at and the weight at the end."""

@@ -46,6 +46,7 @@ from torchsupervisor.distributed.replica_streams import ReplicaStreams, start_st
 from torchsupervisor.distributed.replicas import ReplicaGroup
 from torchsupervisor.hooks._global_step import session_global_step
 from torchsupervisor.hooks.session_run_hook import SessionRunHook, checkpoint_drivers
+from torchsupervisor.monitored.replica_stop import ReplicaStop
 from torchsupervisor.monitored.scaffold import Scaffold, check_scaffold, prepare_state, same_state
 from torchsupervisor.monitored.wrappers import HookedSession, _CoordinatedSession
 from torchsupervisor.storage import DirectoryLock, storage_for
@@ -116,14 +117,19 @@ class _ScaffoldedCreator(SessionCreator):
         self._session_manager: SessionManager | None = None
         self._optional: set[str] = set()
         self._streams: ReplicaStreams | None = None
+        self.replica_stop: ReplicaStop | None = None
+        """The stop every rank agrees on (``replica_stop``), from the first session of a
+        replicated run; None without replicas (``MonitoredSession.should_stop`` asks it)."""
 
-    def _start_streams(self, sess: Session, group: ReplicaGroup, each_step: bool) -> None:
-        """Every rank's random streams into the chief's snapshots (``replica_streams``): the
-        first session of each rank, at the same point (the chief before its broadcast, which
-        carries the others' restored streams; the others after it). ``each_step``: gather at
-        every step boundary (the chief keeps a memory tier)."""
+    def _join_replicas(self, sess: Session, group: ReplicaGroup, each_step: bool) -> None:
+        """The first session of each rank of a replicated run, at the same point (the chief
+        before its broadcast, which carries the others' restored streams; the others after
+        it): every rank's random streams into the chief's checkpoints (``replica_streams``;
+        ``each_step``: at every step boundary, for the chief's memory tier), and the agreed
+        stop (``replica_stop``)."""
         step = session_global_step(sess, get_global_step())
         self._streams = start_streams(sess, group, step, every_boundary=each_step)
+        self.replica_stop = ReplicaStop(group, step, self._streams)
 
     def _follow_streams(self, sess: Session) -> None:
         """A session re-created after a recoverable error: the gathers go on at its step
@@ -131,10 +137,12 @@ class _ScaffoldedCreator(SessionCreator):
         if self._streams is not None:
             self._streams.follow(sess)
 
-    def _close_streams(self) -> None:
+    def _leave_replicas(self) -> None:
         streams, self._streams = self._streams, None
         if streams is not None:
             streams.close()
+        if self.replica_stop is not None:
+            self.replica_stop.end(None)
 
     @property
     def scaffold(self) -> Scaffold:
@@ -277,7 +285,7 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         TF name: none (TF had no writer lock).
         """
         self._close_memory_tier()
-        self._close_streams()
+        self._leave_replicas()
         if self._writer_lock is not None:
             self._writer_lock.release()
             self._writer_lock = None
@@ -385,7 +393,7 @@ class ChiefSessionCreator(_ScaffoldedCreator):
             group = _replica_group(True, _AGREE_ROLES_SECS, sess.state, self._clock)
             if group is not None:
                 each_step = self._memory is not None  # Its snapshots hold every rank's streams.
-                self._start_streams(sess, group, each_step)
+                self._join_replicas(sess, group, each_step)
                 group.publish_ready(
                     {"checkpoint": sess.restored_checkpoint, _STREAMS_EACH_STEP: each_step}
                 )
@@ -515,18 +523,18 @@ class WorkerSessionCreator(_ScaffoldedCreator):
                 info = group.wait_ready(_READY_POLL_SECS, self._max_wait_secs)
                 group.broadcast_state(sess.state)
                 sess.restored_checkpoint = info.get("checkpoint")
-                if info.get(_STREAMS_EACH_STEP):
-                    self._start_streams(sess, group, True)
+                self._join_replicas(sess, group, bool(info.get(_STREAMS_EACH_STEP)))
         else:
             self._follow_streams(sess)
         return sess
 
     def close(self) -> None:
-        """Stop gathering this rank's random streams (``MonitoredSession.close`` calls it).
+        """Leave the replicas: stop gathering this rank's random streams and polling for an
+        agreed stop (``MonitoredSession.close`` calls it).
 
         TF name: none.
         """
-        self._close_streams()
+        self._leave_replicas()
 
 
 class CoordinatedSessionCreator:

@@ -80,6 +80,8 @@ from torchsupervisor.tiers.memory import HELD_IN_MEMORY
 if TYPE_CHECKING:
     import torch
 
+    from torchsupervisor.monitored.replica_stop import ReplicaStop
+
 __all__ = [
     "MonitoredSession",
     "SingularMonitoredSession",
@@ -258,17 +260,33 @@ class _MonitoredSession:
         the handler only records it). A preemption error reported by a thread makes a
         ``MonitoredSession`` create a new session here (and return False).
 
+        Distributed: with replicas (DDP under ``master="env://"``), a preemption or
+        ``request_stop()`` on any rank stops every rank after the same number of steps
+        (``replica_stop``: True on each once it completed them); the hooks' stops stay each
+        rank's own.
+
         TF name: ``MonitoredSession.should_stop``.
         """
         if self._preemption.requested and self._preemption.notice():
+            self._stop_requested = True
+        replicas = self._replica_stop()
+        if replicas is None:
+            stop = self._stop_requested
+        else:
+            reason = self._preemption.describe() or "stop requested"
+            stop = replicas.should_stop(self._stop_requested, reason)
+        if stop and self._preemption.requested:  # Logged once, at the step it stops at.
             self._preemption.report(
                 self._current_step(), saving=bool(checkpoint_drivers(self._hooks))
             )
-            self._stop_requested = True
-        if self._stop_requested:
+        if stop:
             return True
         sess = self._sess
         return sess is None or sess.should_stop()
+
+    def _replica_stop(self) -> ReplicaStop | None:
+        """The agreed stop of a replicated run (its session creator's), or None."""
+        return getattr(self._coordinated_creator._session_creator, "replica_stop", None)
 
     def badput(self, cause: str) -> contextlib.AbstractContextManager[None]:
         """Count the time of the block as badput ``cause`` in the goodput ledger
@@ -343,6 +361,9 @@ class _MonitoredSession:
 
     def _close_internal(self, exception_type: type[BaseException] | None) -> None:
         stopping_since = time.time()
+        replicas = self._replica_stop()
+        if replicas is not None and exception_type is not None:
+            replicas.end(exception_type)  # The other ranks stop at once, naming it.
         try:
             step = self._current_step()
         except Exception:  # Already closed: ``close`` says so below.

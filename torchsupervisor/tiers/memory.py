@@ -46,6 +46,7 @@ TF name: none (TF had no memory tier).
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import os
 import re
@@ -66,7 +67,7 @@ from torchsupervisor.storage.private import MemoryTierStorage, SharedCounter
 from torchsupervisor.storage.slots import SlotFiles
 from torchsupervisor.tiers.local_disk import LocalDiskConfig, LocalDiskTier
 from torchsupervisor.tiers.local_shards import local_session
-from torchsupervisor.tiers.memory_root import memory_root, rank_directory
+from torchsupervisor.tiers.memory_root import MEMORY_ROOT_ENV, memory_root, rank_directory
 from torchsupervisor.tiers.tier import (
     RUN_ID_FILE,
     Snapshot,
@@ -170,6 +171,8 @@ class MemoryTier:
         save_path: The snapshots' prefix family (``<directory>/model.ckpt``).
 
     Raises:
+        FileNotFoundError: The file system to keep the snapshots on does not exist
+            (``config.root``, else ``$TORCHSUPERVISOR_MEMORY_ROOT``, else ``/dev/shm``).
         PermissionError: A level of the directory is a link, not the user's, or open to
             others (``MemoryTierStorage.prepare_directory``).
         OSError: The directory cannot be made.
@@ -192,9 +195,15 @@ class MemoryTier:
         self.rank = rank
         self.sharded = sharded
         self.storage = MemoryTierStorage()
-        self.directory = open_rank_directory(
-            memory_root(config.root), logdir, rank, run_id, self.storage, MEMORY_TIER
-        )
+        root = memory_root(config.root)
+        if not os.path.isdir(os.path.dirname(root)):
+            raise FileNotFoundError(
+                errno.ENOENT,
+                "The memory tier's file system is not a directory (MemoryTierConfig.root, "
+                f"else ${MEMORY_ROOT_ENV}, else /dev/shm: a tmpfs)",
+                os.path.dirname(root),
+            )
+        self.directory = open_rank_directory(root, logdir, rank, run_id, self.storage, MEMORY_TIER)
         self.save_path = os.path.join(self.directory, _BASENAME)
         SlotFiles.remove_leftovers(self.directory)  # Of a process killed while staging.
         self.storage.slots = SlotFiles(self.directory, self.storage.file_mode)

@@ -1,0 +1,86 @@
+"""The stops of a ``MonitoredSession`` under DDP that every rank agrees on.
+
+A stop that one rank alone sees (a preemption signal or notice, ``request_stop()`` from
+another thread) used to end that rank's loop at its next ``should_stop()`` while the others
+went on into the next step, whose collectives then waited for it: a signal to one rank left
+the others failing in their all-reduce (a worker's signal cost the chief its final checkpoint),
+and even a signal to every rank at once could land on either side of a step boundary. With a
+replica group (``master="env://"``, rank 0 the chief), the session creators make a
+``ReplicaStop`` at the first session of each rank: such a stop goes through the Supervisor's
+``StopAgreement`` (the store, no collective per step), and every rank stops after the same
+number of steps; there every rank sends its random streams to the chief
+(``ReplicaStreams.gather``), so that the chief's final checkpoint (and its memory tier's
+snapshot of the stop) resume every rank bitwise. A stop that every rank sees at the same
+step by itself (a ``StopAtStepHook``, the end of the input on every rank) is not delayed: it
+ends each rank's loop where the hooks say, as in TF.
+
+A rank that leaves with an error records it (``end``): the others stop at their next
+``should_stop()`` and name it in their logs.
+
+Thread safety: the training thread (``should_stop``, ``end``).
+Distributed: every rank of a replicated ``MonitoredSession`` makes one, at its first session.
+
+TF name: none (TF's replicas had no stop agreement).
+"""
+
+from __future__ import annotations
+
+from torchsupervisor.core.global_step import GlobalStepLike, read_step
+from torchsupervisor.distributed.replica_streams import ReplicaStreams
+from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement
+
+__all__ = ["ReplicaStop"]
+
+
+class ReplicaStop:
+    """The agreed stop of one rank's ``MonitoredSession`` (module docstring).
+
+    Args:
+        group: The replica group of the session creators' first session.
+        global_step: The global step (the agreement counts completed steps).
+        streams: This rank's ``ReplicaStreams`` (gathered at the agreed step), or None.
+    """
+
+    def __init__(
+        self,
+        group: ReplicaGroup,
+        global_step: GlobalStepLike | None,
+        streams: ReplicaStreams | None,
+    ) -> None:
+        self.agreement = StopAgreement(group, global_step)
+        self.global_step = global_step
+        self.streams = streams
+        self.stopped = False
+        """True once this rank reached the agreed step (``should_stop`` stays True)."""
+
+    def should_stop(self, requested: bool, reason: str) -> bool:
+        """Whether this rank stops now: True once every rank agreed on a step and this rank
+        completed it (or at once, when a rank left with an error or did not answer).
+
+        Args:
+            requested: This rank wants to stop (a preemption, ``request_stop()``): every
+                rank is asked.
+            reason: Why, for the other ranks' logs.
+        """
+        if self.stopped:
+            return True
+        agreement = self.agreement
+        if requested:
+            agreement.request(reason)
+        if not agreement.pending:
+            return False
+        stop_at = agreement.stop_step()
+        step = None if self.global_step is None else read_step(self.global_step)
+        if stop_at is not None and step is not None and step < stop_at:
+            return False
+        if agreement.agreed_step is not None and self.streams is not None:
+            self.streams.gather()  # Every rank, at the same step: for the final checkpoint.
+        self.stopped = True
+        return True
+
+    def end(self, failure: type[BaseException] | None) -> None:
+        """At the end of the session: with ``failure`` (the error it ended with), tell the
+        other ranks to stop at once; then stop polling. Idempotent."""
+        if failure is not None:
+            self.agreement.request(failure.__name__, failed=True)
+        self.agreement.close()
