@@ -87,6 +87,23 @@ def test_the_demo_without_scikit_learn_says_what_to_install(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("from_the_file", [True, False], ids=["its data file", "load_digits"])
+def test_the_demo_reads_the_digits_load_digits_gives(monkeypatch, from_the_file):
+    """The digits come from scikit-learn's data file without importing scikit-learn, or
+    through ``load_digits`` where a release keeps the file elsewhere: the same arrays."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from torchsupervisor.demo import digits
+
+    if not from_the_file:
+        monkeypatch.setattr(digits.os.path, "isfile", lambda path: False)
+    images, labels = digits.load_digits_arrays()
+    expected = load_digits()
+    assert images.dtype == expected.images.dtype and labels.dtype == np.int64
+    assert np.array_equal(images, expected.images) and np.array_equal(labels, expected.target)
+
+
 def test_the_demo_on_a_missing_bucket_says_so_in_one_line(s3_server):
     # A 30-line traceback, where `torchsupervisor ls` said it in one line.
     env = {**os.environ, **s3_server.env}
