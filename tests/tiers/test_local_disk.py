@@ -151,7 +151,7 @@ def test_copies_newer_than_the_restored_step_are_deleted(dirs):
 
 def test_a_clean_end_frees_the_local_disk(dirs):
     logdir, base, local = dirs
-    Run(logdir, base, memory_tier=config(base, local)).train(7)
+    Run(logdir, base, memory_tier=config(base, local), save_model_secs=3600).train(7)
     assert ts.latest_checkpoint(logdir).endswith("model.ckpt-7")
     assert not os.path.exists(os.path.dirname(local_dir(logdir, local)))
 
@@ -290,6 +290,7 @@ def test_a_preemption_copies_the_stop_step_to_the_local_disk_before_the_final_ch
         logdir,
         base,
         memory_tier=tiers,
+        save_model_secs=3600,
         saver=ts.Saver(storage=slow),
         preemption_grace_secs=2.0,
         preemption_sources=None,

@@ -23,7 +23,13 @@ from torchsupervisor.tiers.memory_root import memory_root, rank_directory
 
 
 class Run:
-    """A small model trained under a Supervisor with the memory tier (every step)."""
+    """A small model trained under a Supervisor with the memory tier (every step).
+
+    No checkpoint service unless ``save_model_secs`` is given: its timer's first request is
+    immediate, served at whichever step boundary follows it, and on a busy machine that may be
+    the last one, whose checkpoint then frees the memory tier at the end (a clean end's rule)
+    and takes the snapshots a test looks for. ``checkpoint_at`` saves on the training thread.
+    """
 
     def __init__(self, logdir: str, base: str, **kwargs) -> None:
         torch.manual_seed(0)
@@ -34,7 +40,7 @@ class Run:
         self.sv = ts.Supervisor(
             logdir=logdir,
             state={"model": self.model, "optimizer": self.optimizer, "global_step": self.step},
-            save_model_secs=kwargs.pop("save_model_secs", 3600),
+            save_model_secs=kwargs.pop("save_model_secs", 0),
             save_summaries_secs=0,
             memory_tier=memory,
             **kwargs,
@@ -59,7 +65,7 @@ class Run:
                         break
                     sess.run(self.train_step)
                     if self.step.value == checkpoint_at:
-                        self.sv.checkpoint()
+                        self.sv.saver.save(sess, self.sv.save_path, global_step=self.step)
                 self.sv.should_stop()  # The boundary after the last step: its snapshot.
                 out["weight"] = self.model.weight.detach().clone()
                 if fail:
@@ -172,7 +178,7 @@ def test_snapshots_follow_every_n_steps_and_resume_bitwise(dirs, tmp_path):
 
 def test_a_clean_end_with_a_final_checkpoint_frees_the_memory(dirs):
     logdir, base = dirs
-    Run(logdir, base).train(5)
+    Run(logdir, base, save_model_secs=3600).train(5)
     assert held_in_memory(logdir, base) == []
     assert not os.path.exists(os.path.dirname(rank_dir(logdir, base)))
     assert ts.latest_checkpoint(logdir).endswith("model.ckpt-5")
@@ -372,6 +378,7 @@ def test_a_preemption_puts_the_last_step_in_memory_before_a_slow_final_checkpoin
         logdir,
         base,
         memory_tier=ts.MemoryTierConfig(every_n_steps=50, root=base),
+        save_model_secs=3600,
         saver=ts.Saver(storage=slow),
         preemption_grace_secs=0.5,
         preemption_sources=None,
@@ -408,6 +415,7 @@ def test_a_final_checkpoint_that_cannot_fit_is_not_started_once_memory_holds_the
         logdir,
         base,
         memory_tier=ts.MemoryTierConfig(every_n_steps=50, root=base),
+        save_model_secs=3600,
         saver=ts.Saver(storage=slow),
         preemption_grace_secs=1.0,
         preemption_sources=None,

@@ -13,13 +13,14 @@ checkpoint's tree, in what it saves of that step. After a restore each rank find
 there (a replicated run's non-chiefs in the chief's broadcast, a sharded run's ranks in the
 checkpoint's tree, which each reads whole) and continues it.
 
-When: at the step every rank stops at after an agreed stop (the Supervisor's final
-checkpoint); and in a replicated run with the memory tier (the Supervisor's, or the chief's of
-a ``MonitoredTrainingSession``), at every step boundary, before anything of the boundary (its
-snapshot, a periodic checkpoint: ``StepBoundary.call_each(first=True)``). A sharded
-run's memory tier needs none: each rank's snapshot holds its own streams. A checkpoint of a
-step whose streams were not gathered (a periodic checkpoint without the memory tier, a run
-ended by its own loop) holds the chief's alone, and the others derive theirs as before.
+When: at the step every rank stops at after an agreed stop (the final checkpoint of a
+Supervisor or of a ``MonitoredTrainingSession``: ``monitored/replica_stop``); and in a
+replicated run with the memory tier (the Supervisor's, or the chief's of a
+``MonitoredTrainingSession``), at every step boundary, before anything of the boundary (its
+snapshot, a periodic checkpoint: ``StepBoundary.call_each(first=True)``). A sharded run's
+memory tier needs none: each rank's snapshot holds its own streams. A checkpoint of a step
+whose streams were not gathered (a periodic checkpoint without the memory tier, a run ended by
+its own loop or a hook) holds the chief's alone, and the others derive theirs as before.
 
 Cost: every rank encodes its generators (about 0.1 ms) and takes part in one gather per step
 with the memory tier on (about 0.5 ms a step, 2 ranks on 2 cores); the chief receives

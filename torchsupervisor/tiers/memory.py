@@ -311,7 +311,7 @@ class MemoryTier:
                 the message names the sizes.
         """
         self._detach()
-        self.saver.wait()
+        self.wait()  # The snapshot in flight, and its bookkeeping, before the scan.
         kept = []
         for snap in self.snapshots():
             if snap.prefix == restored:
