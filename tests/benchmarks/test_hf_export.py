@@ -3,7 +3,12 @@ the three variants, and the streaming export's peak memory far under the consoli
 
 from __future__ import annotations
 
+import pytest
 
+
+# In make test-slow (12 s: the suite keeps the smoke tests of the benchmarks of the memory
+# tier, the goodput, the summaries, the hooks and the resharding).
+@pytest.mark.slow
 def test_the_hf_export_benchmark_writes_its_report(run_benchmark):
     stdout, report = run_benchmark("hf_export", "--mb", 40, "--shard-mb", 10, "--rounds", 1)
     assert "ours vs raw throughput" in stdout

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 
+
+# In make test-slow (17 s: the suite keeps the smoke tests of the benchmarks of the memory
+# tier, the goodput, the summaries, the hooks and the resharding).
+@pytest.mark.slow
 def test_the_object_store_benchmark_writes_its_report(run_benchmark):
     stdout, report = run_benchmark("object_store", "--sizes", "2MB", "--repeat", 1, "--rounds", 1)
     assert "Targets (issue 15)" in stdout

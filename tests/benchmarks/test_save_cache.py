@@ -3,7 +3,12 @@ each variant turns its memo off and the saves still replay their plan."""
 
 from __future__ import annotations
 
+import pytest
 
+
+# In make test-slow (12 s: the suite keeps the smoke tests of the benchmarks of the memory
+# tier, the goodput, the summaries, the hooks and the resharding).
+@pytest.mark.slow
 def test_the_save_cache_benchmark_writes_its_report(run_benchmark):
     stdout, report = run_benchmark(
         "save_cache", "--variants", "on,no_shard", "--rounds", 1, "--saves", 1
