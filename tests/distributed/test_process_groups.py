@@ -283,8 +283,8 @@ def test_monitored_training_session_replicas_start_from_the_chiefs_restored_stat
 
 @pytest.fixture(scope="module")
 def monitored_whole(tmp_path_factory):
-    """What each rank of the monitored replicas' run to step 40 ends with, uninterrupted."""
-    return [done for _, done in _monitored_ranks(str(tmp_path_factory.mktemp("whole")), "=40")]
+    """What each rank of the monitored replicas' run to step 60 ends with, uninterrupted."""
+    return [done for _, done in _monitored_ranks(str(tmp_path_factory.mktemp("whole")), "=60")]
 
 
 def test_monitored_replicas_resume_from_the_chiefs_memory_as_if_never_killed(
@@ -297,14 +297,14 @@ def test_monitored_replicas_resume_from_the_chiefs_memory_as_if_never_killed(
     memory = ("--memory-root", str(tmp_path / "memory"))
     logdir = str(tmp_path / "killed")
     (_, chief_err, chief_rc), (_, _, killed_rc) = run_ranks(
-        MONITORED_WORKER, logdir, "=40", *memory, "--kill-at", 3, timeout=240
+        MONITORED_WORKER, logdir, "=60", *memory, "--kill-at", 3, timeout=240
     )
     assert killed_rc == -signal.SIGKILL and chief_rc != 0, chief_err[-3000:]
-    resumed = _monitored_ranks(logdir, "=40", *memory)
+    resumed = _monitored_ranks(logdir, "=60", *memory)
     assert [ready[0] for ready, _ in resumed] in (["2", "2"], ["3", "3"])  # Step 3, or 2
     # (the snapshot of 3 in flight at the kill).
     assert [done for _, done in resumed] == monitored_whole
-    assert monitored_whole[0][0] == "40"
+    assert monitored_whole[0][0] == "60"
 
 
 def test_a_signal_on_one_monitored_replica_stops_both_at_one_step_that_resumes_bitwise(
@@ -316,7 +316,7 @@ def test_a_signal_on_one_monitored_replica_stops_both_at_one_step_that_resumes_b
     ends as the run without the stop."""
     logdir = str(tmp_path / "stopped")
     port = free_port()
-    args = ("=40", "--step-delay", 0.05)
+    args = ("=60", "--step-delay", 0.05)
     procs = [_rank(logdir, r, port, *args, script=MONITORED_WORKER) for r in (0, 1)]
     for proc in procs:
         while not (proc.stdout.readline() or "").startswith("STEP"):
@@ -327,10 +327,10 @@ def test_a_signal_on_one_monitored_replica_stops_both_at_one_step_that_resumes_b
     stops = {tuple(_lines(out, "DONE")[0][2:]) for out, _, _ in results}
     assert len(stops) == 1  # The same step, the same weights.
     ((stop_step, _),) = stops
-    assert 0 < int(stop_step) < 40
+    assert 0 < int(stop_step) < 60
     assert "Received SIGTERM" in results[1][1]
     assert "Every rank stops: rank 1: SIGTERM" in results[0][1]
     assert CheckpointReader(latest_checkpoint(logdir)).global_step == int(stop_step)
-    resumed = _monitored_ranks(logdir, "=40")
+    resumed = _monitored_ranks(logdir, "=60")
     assert [ready[0] for ready, _ in resumed] == [stop_step, stop_step]
     assert [done for _, done in resumed] == monitored_whole
