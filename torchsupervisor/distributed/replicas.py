@@ -577,6 +577,15 @@ class StopAgreement:
         logger.info("Every rank stops after %d steps", self._stop_at)
         return self._stop_at
 
+    def reached(self, step: int | None) -> bool:
+        """Whether this rank stops now, having completed ``step`` steps: a stop is pending
+        and this rank completed the agreed number of steps, or no number can be agreed on
+        (``stop_step`` returned None: it stops at once). Blocks as ``stop_step`` does."""
+        if not self.pending:
+            return False
+        stop_at = self.stop_step()
+        return stop_at is None or step is None or step >= stop_at
+
     @property
     def agreed_step(self) -> int | None:
         """The step every rank stops at, once ``stop_step`` returned it (None before, and

@@ -67,11 +67,10 @@ class ReplicaStop:
         agreement = self.agreement
         if requested:
             agreement.request(reason)
-        if not agreement.pending:
+        if not agreement.pending:  # The usual case: one attribute read a step.
             return False
-        stop_at = agreement.stop_step()
         step = None if self.global_step is None else read_step(self.global_step)
-        if stop_at is not None and step is not None and step < stop_at:
+        if not agreement.reached(step):
             return False
         if agreement.agreed_step is not None and self.streams is not None:
             self.streams.gather()  # Every rank, at the same step: for the final checkpoint.

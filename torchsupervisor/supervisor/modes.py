@@ -553,11 +553,7 @@ def agreed_stop(context: ModeContext, agreement: StopAgreement) -> bool:
     """With replicas: stop when every rank has completed the agreed number of steps."""
     if context.coord.should_stop():
         agreement.request(context.preemption.describe() or "stop requested")
-    if not agreement.pending:
-        return False
-    stop_at = agreement.stop_step()
-    step = context.current_step()
-    if stop_at is None or step is None or step >= stop_at:
+    if agreement.pending and agreement.reached(context.current_step()):
         context.coord.request_stop()
         return True
     return False
