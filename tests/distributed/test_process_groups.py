@@ -334,3 +334,14 @@ def test_a_signal_on_one_monitored_replica_stops_both_at_one_step_that_resumes_b
     resumed = _monitored_ranks(logdir, "=60")
     assert [ready[0] for ready, _ in resumed] == [stop_step, stop_step]
     assert [done for _, done in resumed] == monitored_whole
+
+
+def test_an_error_on_one_monitored_replica_is_named_in_the_others_logs(tmp_path):
+    """Rank 1's step raises: its session records why as it ends, and the chief, whose
+    all-reduce then fails, names that root cause beside its own error."""
+    (_, chief_err, chief_rc), (_, err, rc) = run_ranks(
+        MONITORED_WORKER, tmp_path, "=60", "--raise-at", 5, timeout=240
+    )
+    assert rc != 0 and "rank 1 fails at step 5" in err
+    assert chief_rc != 0
+    assert "Every rank stops: rank 1: RuntimeError: rank 1 fails at step 5" in chief_err

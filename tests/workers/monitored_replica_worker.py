@@ -7,6 +7,7 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as ``torchrun`` sets it.
 Options:
     --memory-root DIR    the chief keeps a memory tier there (a snapshot every step)
     --kill-at N          rank 1 kills itself (SIGKILL) inside the step that starts at step N
+    --raise-at N         rank 1 raises ``RuntimeError`` inside the step that starts at step N
     --step-delay SECS    sleep in every step (so that signals land mid-run)
 
 ``MonitoredTrainingSession(master="env://")`` is given no ``is_chief``: rank 0 must become the
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("steps")
     parser.add_argument("--memory-root")
     parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--raise-at", type=int)
     parser.add_argument("--step-delay", type=float, default=0.0)
     args = parser.parse_args()
     memory_root, steps = args.memory_root, args.steps
@@ -78,6 +80,8 @@ def main() -> None:
         def train(x: torch.Tensor) -> None:
             if rank == 1 and step.value == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if rank == 1 and step.value == args.raise_at:
+                raise RuntimeError(f"rank 1 fails at step {step.value}")
             time.sleep(args.step_delay)
             optimizer.zero_grad()
             mask = (torch.rand(4, 4) > 0.3).float()  # This rank's own stream.

@@ -107,6 +107,7 @@ class ReplicaStreams:
         # The buffers of the gather, made at the first (their length, the longest record of
         # any rank, agreed then) and reused: a step boundary allocates no new ones.
         self._payload: np.ndarray | None = None
+        self._sent: torch.Tensor | None = None  # The payload's tensor (one memory).
         self._received: list[torch.Tensor] | None = None
         # The chief's: the others' records (raw, or as saved: ``held`` encodes them once)
         # and the step they are of.
@@ -173,6 +174,7 @@ class ReplicaStreams:
             longest = torch.tensor([len(record)], dtype=torch.int64)
             dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
             payload = self._payload = np.zeros(_LENGTH_BYTES + int(longest), dtype=np.uint8)
+            self._sent = torch.from_numpy(payload)
             if chief:
                 self._received = [
                     torch.empty(len(payload), dtype=torch.uint8) for _ in range(self.world_size)
@@ -184,7 +186,7 @@ class ReplicaStreams:
         )
         if length:
             payload[_LENGTH_BYTES : _LENGTH_BYTES + length] = np.frombuffer(record, np.uint8)
-        dist.gather(torch.from_numpy(payload), self._received, dst=0, group=group)
+        dist.gather(self._sent, self._received, dst=0, group=group)
         if self._received is not None:
             self._records, self._states, self._step = self._read(self._received, step), None, step
 

@@ -60,7 +60,7 @@ class ReplicaStop:
         Args:
             requested: This rank wants to stop (a preemption, ``request_stop()``): every
                 rank is asked.
-            reason: Why, for the other ranks' logs.
+            reason: Why, for the other ranks' logs (with ``requested``).
         """
         if self.stopped:
             return True
@@ -77,9 +77,10 @@ class ReplicaStop:
         self.stopped = True
         return True
 
-    def end(self, failure: type[BaseException] | None) -> None:
+    def end(self, failure: BaseException | None) -> None:
         """At the end of the session: with ``failure`` (the error it ended with), tell the
-        other ranks to stop at once; then stop polling. Idempotent."""
+        other ranks to stop at once (``"<ErrorType>: <message>"`` in their logs); then stop
+        polling. Idempotent."""
         if failure is not None:
-            self.agreement.request(failure.__name__, failed=True)
+            self.agreement.request(f"{type(failure).__name__}: {failure}", failed=True)
         self.agreement.close()

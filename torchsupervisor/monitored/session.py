@@ -273,8 +273,9 @@ class _MonitoredSession:
         if replicas is None:
             stop = self._stop_requested
         else:
-            reason = self._preemption.describe() or "stop requested"
-            stop = replicas.should_stop(self._stop_requested, reason)
+            requested = self._stop_requested  # Its reason only then: nothing made a step.
+            reason = (self._preemption.describe() or "stop requested") if requested else ""
+            stop = replicas.should_stop(requested, reason)
         if stop and self._preemption.requested:  # Logged once, at the step it stops at.
             self._preemption.report(
                 self._current_step(), saving=bool(checkpoint_drivers(self._hooks))
@@ -359,11 +360,13 @@ class _MonitoredSession:
         """
         self._close_internal(None)
 
-    def _close_internal(self, exception_type: type[BaseException] | None) -> None:
+    def _close_internal(
+        self, exception_type: type[BaseException] | None, failure: BaseException | None = None
+    ) -> None:
         stopping_since = time.time()
         replicas = self._replica_stop()
-        if replicas is not None and exception_type is not None:
-            replicas.end(exception_type)  # The other ranks stop at once, naming it.
+        if replicas is not None and exception_type is not None and failure is not None:
+            replicas.end(failure)  # The other ranks stop at once, naming it.
         try:
             step = self._current_step()
         except Exception:  # Already closed: ``close`` says so below.
@@ -428,7 +431,7 @@ class _MonitoredSession:
     def __exit__(self, exception_type: Any, exception_value: Any, traceback: object) -> bool:
         if exception_type in (OutOfRangeError, StopIteration):
             exception_type = None
-        self._close_internal(exception_type)
+        self._close_internal(exception_type, exception_value)
         return exception_type is None
 
 
