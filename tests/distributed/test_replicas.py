@@ -14,7 +14,8 @@ from torch import nn
 
 from torchsupervisor.core.global_step import GlobalStep
 from torchsupervisor.distributed import replicas
-from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement, communication_device
+from torchsupervisor.distributed.replicas import ReplicaGroup, communication_device
+from torchsupervisor.distributed.stop_agreement import StopAgreement
 from torchsupervisor.errors import DeadlineExceededError
 
 
@@ -42,6 +43,9 @@ class CountingStore:
 
     def compare_set(self, key, expected, desired):
         return self.inner.compare_set(key, expected, desired)
+
+    def add(self, key, amount):
+        return self.inner.add(key, amount)
 
 
 def _groups(store, world_size: int = 2, clock=None) -> list[ReplicaGroup]:

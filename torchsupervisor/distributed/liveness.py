@@ -9,9 +9,9 @@ it makes its ``ReplicaGroup``; a waiting rank looks about once a second, and a r
 process ran in the same pid namespace of the same boot and no longer exists (or is a zombie)
 ends the wait at once (``AbortedError``).
 
-A rank on another machine cannot be told apart from a slow one without heartbeats: its wait
-runs to its deadline (or the launcher's signals), as before. A rank that died before it made
-its group left no record: the same.
+A rank on another machine cannot be looked up: its wait runs to its deadline (or the
+launcher's signals), except in a stop agreement, whose pollers beat in the store
+(``stop_agreement``). A rank that died before it made its group left no record: the same.
 
 TF name: none.
 """

@@ -8,8 +8,8 @@ group of their own, while training goes on. The explicit (``save_now``) and fina
 are written before they return.
 
 The difficulty is to make every rank save at the same step without a collective on every
-step. ``ShardedCheckpointService`` mirrors ``replicas.StopAgreement`` and talks only through the
-process group's key-value store:
+step. ``ShardedCheckpointService`` mirrors ``stop_agreement.StopAgreement`` and talks only
+through the process group's key-value store:
 
 1. **Request.** The chief's timer (``request``, every ``save_model_secs``) increments the
    counter ``save/requests`` in the store: request ``n``.

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from torchsupervisor.core.global_step import GlobalStepLike, read_step
 from torchsupervisor.distributed.replica_streams import ReplicaStreams
-from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement
+from torchsupervisor.distributed.replicas import ReplicaGroup
+from torchsupervisor.distributed.stop_agreement import StopAgreement
 
 __all__ = ["ReplicaStop"]
 

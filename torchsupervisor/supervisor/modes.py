@@ -40,7 +40,8 @@ from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.session import Session
 from torchsupervisor.distributed import env as distributed
 from torchsupervisor.distributed.replica_streams import ReplicaStreams, start_streams
-from torchsupervisor.distributed.replicas import ReplicaGroup, StopAgreement, agree
+from torchsupervisor.distributed.replicas import ReplicaGroup, agree
+from torchsupervisor.distributed.stop_agreement import StopAgreement
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 from torchsupervisor.driver.preemption import Preemption
 from torchsupervisor.driver.sharded_checkpoints import ShardedCheckpointService
