@@ -13,6 +13,7 @@ from the last committed checkpoint by itself.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 
 import torch
@@ -21,6 +22,24 @@ from torch.nn.parallel import DistributedDataParallel
 
 import torchsupervisor as ts
 from torchsupervisor.demo.digits import DigitsData, accuracy, build_model
+
+
+def bitwise_buckets() -> dict[str, list[int]]:
+    """DDP's keyword arguments that keep a resumed run bitwise at 3 ranks or more.
+
+    DDP reduces the gradients of the first step of a process in one bucket of every parameter,
+    then rebuilds its buckets in the order the gradients became ready. Where an element sits
+    in a bucket decides the order in which the all-reduce sums the ranks' values, and with 3
+    ranks or more a floating-point sum depends on its order: the first step after any restart
+    summed some gradients in another order than the run without the restart did at that step
+    (24 of 35 tensors differed at the end, 3 ranks; 2 ranks sum alike in any order). One
+    bucket per parameter puts every element at the same place in both layouts (one collective
+    per parameter tensor: a few here). Where DDP does not take ``bucket_cap_mb_list`` (older
+    torch), its default: bitwise at 2 ranks. See docs/distributed.md.
+    """
+    if "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"bucket_cap_mb_list": [0]}
+    return {}
 
 
 def main() -> None:
@@ -50,7 +69,7 @@ def main() -> None:
     rank, world = ts.distributed.rank(), ts.distributed.world_size()
     torch.manual_seed(args.seed)
     data = DigitsData.load(seed=args.seed)
-    model = DistributedDataParallel(build_model().to(device))
+    model = DistributedDataParallel(build_model().to(device), **bitwise_buckets())
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     step = ts.GlobalStep()
     step.bind(optimizer)

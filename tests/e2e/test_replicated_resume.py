@@ -2,8 +2,10 @@
 every rank: the chief's snapshots and final checkpoints hold every rank's random streams
 (``distributed/replica_streams``), and each rank continues its own (dropout on every rank).
 
-``examples/ddp_digits.py`` under ``torchrun --standalone --nproc_per_node=2``, no periodic
-checkpoint (the disk holds the first and the final ones):
+``examples/ddp_digits.py`` under ``torchrun --standalone --nproc_per_node=3`` (3 ranks: with 2
+every order of a sum gives the same bits, and DDP's bucket layout, which changes after the
+first step of every process, would not show), no periodic checkpoint (the disk holds the first
+and the final ones):
 
 * the memory tier every step, a rank SIGKILLed at a random moment past step 30, torchrun
   restarts the group, which resumes from the chief's memory tier;
@@ -12,7 +14,8 @@ checkpoint (the disk holds the first and the final ones):
 
 Each final checkpoint is compared tensor by tensor with the one of an uninterrupted run
 (without the fix, 24 of 35 tensors differed: rank 1 drew other dropout masks after the
-restart).
+restart; and at 3 ranks again without the example's one bucket per parameter, DDP's first step
+after the restart summing some gradients in another order).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torchsupervisor import CheckpointReader, latest_checkpoint
 from torchsupervisor.tiers.memory_root import memory_root
 
 MAX_STEPS = 80
+WORLD = 3
 _RESUMED = re.compile(r"rank (\d): resumed at step (\d+) from \S+(?: \((\w+) tier\))?")
 _CHIEF_STEP = re.compile(r"^step (\d+):", re.MULTILINE)
 # Never seeded by the example: each process starts NumPy's generator from the OS.
@@ -47,6 +51,7 @@ def _torchrun(logdir, workdir, *, memory: bool, restarts: int = 0) -> subprocess
         *("--max-steps", str(MAX_STEPS), "--save-model-secs", "3600"),
         *("--memory-every-n-steps", "1" if memory else "0", "--log-every", "10"),
         restarts=restarts,
+        nproc=WORLD,
     )
 
 
@@ -75,7 +80,7 @@ def _assert_as_uninterrupted(logdir, uninterrupted: CheckpointReader) -> None:
         if n != _OS_SEEDED and not torch.equal(final.get_tensor(n), uninterrupted.get_tensor(n))
     )
     assert differ == [], differ
-    # Rank 1's streams at the end, where both saved them (a run ended by its own loop saves
+    # The other ranks' streams at the end, where both saved them (a run ended by its own loop saves
     # the chief's alone: the stopped run's second part, without the memory tier).
     ours, theirs = (r.read_specs()["rng"].get("replicas") for r in (final, uninterrupted))
     assert ours is None or ours == theirs
@@ -86,10 +91,10 @@ def test_a_killed_rank_and_the_run_resumes_from_memory_as_if_never_killed(tmp_pa
     process = _torchrun(logdir, run, memory=True, restarts=1)
     wait_until(process, run, lambda: _newest_snapshot(run) >= 30, "no snapshot of step 30")
     time.sleep(random.Random().uniform(0, 0.3))
-    signal_rank(process, random.Random().randrange(2), signal.SIGKILL)
+    signal_rank(process, random.Random().randrange(WORLD), signal.SIGKILL)
     text = finish(process, run)
     resumed = _RESUMED.findall(text)
-    assert sorted(r[:2] for r in resumed) == [("0", resumed[0][1]), ("1", resumed[0][1])], text
+    assert sorted(r[:2] for r in resumed) == [(str(r), resumed[0][1]) for r in range(WORLD)], text
     assert ("0", resumed[0][1], "memory") in resumed and int(resumed[0][1]) >= 30, text
     _assert_as_uninterrupted(logdir, uninterrupted)
 
@@ -114,7 +119,7 @@ def test_a_stopped_run_resumes_from_its_final_checkpoint_as_if_never_stopped(
     stopped = latest_checkpoint(str(logdir))
     step = CheckpointReader(stopped).global_step
     assert 30 <= step < MAX_STEPS, text[-3000:]
-    assert list(CheckpointReader(stopped).read_specs()["rng"]["replicas"]) == ["1"]
+    assert list(CheckpointReader(stopped).read_specs()["rng"]["replicas"]) == ["1", "2"]
     text = finish(_torchrun(logdir, run, memory=False), run)
     assert f"rank 1: resumed at step {step} from" in text, text[-3000:]
     _assert_as_uninterrupted(logdir, uninterrupted)
