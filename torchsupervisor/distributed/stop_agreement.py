@@ -23,8 +23,7 @@ Thread safety: ``request``, ``stop_step`` and ``reached`` on the training thread
 thread only sets flags, beats and posts.
 Distributed: every rank creates one per session (the same ``ReplicaGroup`` key namespace).
 
-TF name: none (TF's replicas stopped on their own: a worker of a synchronous run that stopped
-early left the others waiting).
+TF name: none.
 """
 
 from __future__ import annotations
