@@ -336,6 +336,20 @@ def test_a_save_that_falls_behind_its_interval_is_hurried_then_reported(
         driver.close()
 
 
+def test_a_short_intervals_lag_is_said_in_hundredths_not_as_0_s(tmp_path, caplog):
+    clock = FakeClock()
+    *_, driver = _setup(tmp_path, GatedStorage(), writer=ScalarWriter(), clock=clock)
+    try:
+        clock.advance(0.12)
+        with caplog.at_level(logging.WARNING, logger="torchsupervisor"):
+            driver.keep_up(0.05)
+        assert "The newest checkpoint is 0.12 s old, more than 2 times the interval of 0.05 s" in (
+            caplog.text
+        )
+    finally:
+        driver.close()
+
+
 def test_the_progress_line_says_a_checkpoint_is_overdue(fake_clock):
     from torchsupervisor.hooks.progress import Progress
 

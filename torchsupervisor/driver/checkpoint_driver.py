@@ -379,10 +379,10 @@ class CheckpointDriver:
         if self._lag_reported is None or now - self._lag_reported >= interval_secs:
             self._lag_reported = now
             logger.warning(
-                "The newest checkpoint is %.0f s old, more than %g times the interval of %g s: "
+                "The newest checkpoint is %s s old, more than %g times the interval of %g s: "
                 "the machine leaves the checkpoint writer too little CPU (its saves now run at "
                 "the priority of training)",
-                age,
+                f"{age:.0f}" if age >= 10 else f"{age:.2g}",  # Not "0 s" for short intervals.
                 LAG_FACTOR,
                 interval_secs,
             )
