@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tarfile
@@ -58,13 +59,20 @@ def test_the_sdist_has_no_tests_that_could_not_run(dist):
 
 
 @pytest.mark.slow
-def test_a_clean_virtual_environment_gets_a_working_cli_and_a_clear_demo_message(dist, tmp_path):
+def test_a_clean_virtual_environment_gets_a_working_cli_and_a_clear_demo_message(
+    dist, tmp_path, monkeypatch
+):
     """``pip install torchsupervisor`` (no extras) in a fresh venv: the CLI works, and the
     demo names the extra it needs instead of failing with ``ModuleNotFoundError``."""
     import torch
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    # Nothing of the repository on the path: with a PYTHONPATH to it, pip found the package
+    # "installed" (its egg-info) and skipped the wheel; from its root (on the path of
+    # `python -c`), the checks below would run the repository's code, not the wheel's.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    monkeypatch.chdir(tmp_path)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300, env=env)
     python, cli = str(venv / "bin" / "python"), str(venv / "bin" / "torchsupervisor")
     # torch pinned to this environment's release first (as the Makefile does), not PyPI's
     # newest (a multi-GB CUDA build); then the wheel, with its own dependencies only.
@@ -75,9 +83,17 @@ def test_a_clean_virtual_environment_gets_a_working_cli_and_a_clear_demo_message
         capture_output=True,
         text=True,
         timeout=1200,
+        env=env,
     )
     assert install.returncode == 0, install.stderr[-3000:]
-    probe = subprocess.run([python, "-c", "import sklearn"], capture_output=True, timeout=60)
+    where = "import torchsupervisor; print(torchsupervisor.__file__)"
+    found = subprocess.run(
+        [python, "-c", where], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert found.stdout.startswith(str(venv)), found.stdout + found.stderr  # The wheel's.
+    probe = subprocess.run(
+        [python, "-c", "import sklearn"], capture_output=True, timeout=300, env=env
+    )
     assert probe.returncode != 0, "scikit-learn came without the [demo] extra"
 
     logdir = str(tmp_path / "run")
@@ -86,6 +102,7 @@ def test_a_clean_virtual_environment_gets_a_working_cli_and_a_clear_demo_message
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     assert demo.returncode == 1
     assert demo.stderr.startswith("torchsupervisor demo: error: "), demo.stderr
@@ -93,7 +110,7 @@ def test_a_clean_virtual_environment_gets_a_working_cli_and_a_clear_demo_message
     assert "Traceback" not in demo.stderr
 
     missing = str(tmp_path / "nowhere")
-    ls = subprocess.run([cli, "ls", missing], capture_output=True, text=True, timeout=300)
+    ls = subprocess.run([cli, "ls", missing], capture_output=True, text=True, timeout=300, env=env)
     assert ls.returncode != 0
     assert ls.stderr.startswith(
         "torchsupervisor ls: "
@@ -104,7 +121,9 @@ def test_a_clean_virtual_environment_gets_a_working_cli_and_a_clear_demo_message
         f"os.makedirs({logdir!r})\n"
         f"ts.Saver({{'w': torch.ones(3)}}).save(None, {logdir + '/model.ckpt'!r}, global_step=7)\n"
     )
-    subprocess.run([python, "-c", save], check=True, timeout=300)
-    verify = subprocess.run([cli, "verify", logdir], capture_output=True, text=True, timeout=300)
+    subprocess.run([python, "-c", save], check=True, timeout=300, env=env)
+    verify = subprocess.run(
+        [cli, "verify", logdir], capture_output=True, text=True, timeout=300, env=env
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "ok" in verify.stdout and "model.ckpt-7" in verify.stdout
