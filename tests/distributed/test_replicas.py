@@ -15,8 +15,9 @@ from torch import nn
 from torchsupervisor.core.global_step import GlobalStep
 from torchsupervisor.distributed import replicas
 from torchsupervisor.distributed.replicas import ReplicaGroup, communication_device
-from torchsupervisor.distributed.stop_agreement import StopAgreement
+from torchsupervisor.distributed.stop_agreement import HEARTBEAT_STALE_SECS, StopAgreement
 from torchsupervisor.errors import DeadlineExceededError
+from torchsupervisor.testing import FakeClock
 
 
 class CountingStore:
@@ -291,17 +292,57 @@ def test_a_stop_that_a_rank_asked_for_without_failing_is_no_peer_failure():
             agreement.close()
 
 
-def test_a_stop_step_that_some_rank_never_posts_gives_up(fake_clock):
-    g0, _ = _groups(dist.HashStore(), clock=fake_clock)
+class _BeatingClock(FakeClock):
+    """A fake clock whose every sleep comes with a beat of rank 1 (with ``group``): a rank
+    that lives but has not posted (a slow one)."""
+
+    group: ReplicaGroup | None = None
+
+    def sleep(self, secs: float) -> None:
+        if self.group is not None:
+            self.group.add("beat/1", 1)
+        super().sleep(secs)
+
+
+@pytest.mark.parametrize("rank_1", ["never beats", "beats"])
+def test_a_stop_step_that_some_rank_never_posts_gives_up(rank_1):
+    # Rank 1's process record is this process's: only its beats (or none) can tell about it.
+    clock = _BeatingClock()
+    g0, _ = _groups(dist.HashStore(), clock=clock)
+    clock.group = g0 if rank_1 == "beats" else None
     agreement = StopAgreement(g0, GlobalStep(3), poll_secs=0.005)
     try:
         agreement.request("SIGTERM")
         _wait_until(lambda: agreement.pending)
-        start = fake_clock.monotonic()
+        start = clock.monotonic()
         assert agreement.stop_step(timeout_secs=60) is None
-        assert 60 <= fake_clock.monotonic() - start < 61  # Its budget on the group's clock.
+        assert 60 <= clock.monotonic() - start < 61  # Its budget on the group's clock.
     finally:
         agreement.close()
+
+
+def test_a_stop_waits_5_s_not_60_for_a_rank_whose_beats_stopped(fake_clock, caplog):
+    """Rank 1 lost while a stop is agreed (on another machine: its pid tells nothing here):
+    its poller no longer beats and it never posts; rank 0 stops once the beats have stood
+    still for 5 s of its own clock (it used to wait out the 60 s deadline, longer than a
+    cloud's preemption notice)."""
+    g0, g1 = _groups(dist.HashStore(), clock=fake_clock)
+    chief = StopAgreement(g0, GlobalStep(3), poll_secs=0.005)
+    lost = StopAgreement(g1, GlobalStep(3), poll_secs=0.005)
+    try:
+        _wait_until(lambda: g0.add("beat/1", 0) > 0)  # Rank 1 beat: its poller runs.
+        lost.close()  # Its node is lost: no more beats, no post.
+        chief.request("SIGTERM")
+        _wait_until(lambda: chief.pending)
+        start = fake_clock.monotonic()
+        with caplog.at_level(logging.ERROR, logger="torchsupervisor"):
+            assert chief.stop_step(timeout_secs=60) is None  # This rank stops now.
+        waited = fake_clock.monotonic() - start
+        assert HEARTBEAT_STALE_SECS <= waited < HEARTBEAT_STALE_SECS + 2, waited
+        assert "rank(s) [1] have not answered nor beaten for 5 s" in caplog.text
+    finally:
+        chief.close()
+        lost.close()
 
 
 class _Raising:

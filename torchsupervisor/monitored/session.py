@@ -360,12 +360,11 @@ class _MonitoredSession:
         """
         self._close_internal(None)
 
-    def _close_internal(
-        self, exception_type: type[BaseException] | None, failure: BaseException | None = None
-    ) -> None:
+    def _close_internal(self, failure: BaseException | None) -> None:
+        """Close after a clean end (``failure`` None) or the error the session ended with."""
         stopping_since = time.time()
         replicas = self._replica_stop()
-        if replicas is not None and exception_type is not None and failure is not None:
+        if replicas is not None and failure is not None:
             replicas.end(failure)  # The other ranks stop at once, naming it.
         try:
             step = self._current_step()
@@ -375,7 +374,7 @@ class _MonitoredSession:
         drivers = checkpoint_drivers(self._hooks)
         try:
             try:
-                if exception_type is None:
+                if failure is None:
                     memory_step = self._memory_first(drivers, step)
                     budget = self._preemption.budget()
                     if budget is not None:
@@ -404,19 +403,17 @@ class _MonitoredSession:
                     self._coordinated_creator.close()
         finally:
             self._preemption.uninstall()
-            self._finish_goodput(exception_type, step, stopping_since)
+            self._finish_goodput(failure is not None, step, stopping_since)
         if lost is not None:
             raise lost
-        if exception_type is None:
+        if failure is None:
             self._preemption.exit()
 
-    def _finish_goodput(
-        self, exception_type: type[BaseException] | None, step: int | None, since: float
-    ) -> None:
+    def _finish_goodput(self, failed: bool, step: int | None, since: float) -> None:
         recorder, self._goodput = self._goodput, None
         if recorder is None:
             return
-        if exception_type is not None:
+        if failed:
             reason = "error"
         else:
             reason = "preemption" if self._preemption.requested else "end"
@@ -429,10 +426,10 @@ class _MonitoredSession:
         return self
 
     def __exit__(self, exception_type: Any, exception_value: Any, traceback: object) -> bool:
-        if exception_type in (OutOfRangeError, StopIteration):
-            exception_type = None
-        self._close_internal(exception_type, exception_value)
-        return exception_type is None
+        # The end of the input ends training cleanly (TF's OutOfRangeError).
+        clean = exception_type is None or exception_type in (OutOfRangeError, StopIteration)
+        self._close_internal(None if clean else exception_value)
+        return clean
 
 
 class MonitoredSession(_MonitoredSession):
