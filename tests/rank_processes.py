@@ -11,11 +11,9 @@ import sys
 from free_ports import free_port
 
 
-def run_ranks(
-    script: str, *args: object, world_size: int = 2, timeout: float = 180
-) -> list[tuple[str, str, int]]:
-    """Run ``python script args...`` as ``world_size`` ranks; return each rank's stdout,
-    stderr and exit status, by rank (after at most ``timeout`` seconds each)."""
+def start_ranks(script: str, *args: object, world_size: int = 2) -> list[subprocess.Popen]:
+    """Start ``python script args...`` as ``world_size`` ranks (text pipes for stdout and
+    stderr); return the processes, by rank."""
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -30,4 +28,13 @@ def run_ranks(
                 text=True,
             )
         )
+    return procs
+
+
+def run_ranks(
+    script: str, *args: object, world_size: int = 2, timeout: float = 180
+) -> list[tuple[str, str, int]]:
+    """Run ``python script args...`` as ``world_size`` ranks; return each rank's stdout,
+    stderr and exit status, by rank (after at most ``timeout`` seconds each)."""
+    procs = start_ranks(script, *args, world_size=world_size)
     return [(*p.communicate(timeout=timeout), p.returncode) for p in procs]

@@ -119,6 +119,7 @@ from torchsupervisor.monitored.session import (
     SingularMonitoredSession,
     StepContext,
 )
+from torchsupervisor.monitored.sharded_creator import ShardedSessionCreator
 from torchsupervisor.monitored.training_session import MonitoredTrainingSession
 from torchsupervisor.summary import (
     FileWriter,
@@ -207,6 +208,7 @@ __all__ = [
     "SessionCreator",
     "SessionManager",
     "ShardedOptimizerState",
+    "ShardedSessionCreator",
     "SingularMonitoredSession",
     "SlurmRequeue",
     "SlurmTimeLimit",

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torchsupervisor.core.boundary import StepBoundary
 from torchsupervisor.core.global_step import GlobalStep, read_step
 from torchsupervisor.distributed.replicas import ReplicaAbort, ReplicaGroup
+from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 from torchsupervisor.driver.sharded_checkpoints import ShardedCheckpointService, _combine
 from torchsupervisor.errors import DeadlineExceededError
 from torchsupervisor.testing import FakeClock
@@ -24,6 +25,7 @@ class FakeSession:
         self.boundary = StepBoundary(owner_ident)
         self.restored_checkpoint = restored
         self.state: dict = {}
+        self.closed = False
 
 
 class RecordingSaver:
@@ -60,9 +62,16 @@ def _service(group, *, step=0, restored=None, owner=None, **kwargs):
     global_step = GlobalStep(step)
     saver = RecordingSaver()
     sess = FakeSession(owner, restored)
-    service = ShardedCheckpointService(
-        sess, saver, "/ckpt/model.ckpt", global_step, group, **kwargs
+    clock = kwargs.get("clock")
+    driver = CheckpointDriver(
+        saver,
+        "/ckpt/model.ckpt",
+        global_step,
+        clock=clock,
+        last_step=step if restored else None,
+        last_prefix=restored,
     )
+    service = ShardedCheckpointService(sess, driver, group, **kwargs)
     return service, saver, global_step, sess
 
 

@@ -123,6 +123,10 @@ class Session:
         """The checkpoint prefix this session's state was restored from, or None."""
         self.restored_tier: str | None = None
         """The tier it was restored from: ``"disk"``, ``"bucket"`` or ``"memory"``; None."""
+        self.replicas: Any = None
+        """The ``ReplicaGroup`` of a session that every rank of a sharded state prepared
+        together (``ShardedSessionCreator``): its checkpoints are collectives at steps the
+        ranks agree on (``ShardedCheckpointSaverHook``). None otherwise."""
 
     @property
     def state(self) -> Mapping[str, Any]:

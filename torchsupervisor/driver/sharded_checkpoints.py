@@ -61,7 +61,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.coordinator import Coordinator, LooperThread
@@ -71,11 +72,7 @@ from torchsupervisor.distributed.replicas import ReplicaAbort, ReplicaGroup
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 from torchsupervisor.errors import CheckpointSaveError, DeadlineExceededError
 
-if TYPE_CHECKING:
-    from torchsupervisor.core.global_step import GlobalStepLike
-    from torchsupervisor.driver.checkpoint_driver import EventSink, SaverLike
-
-__all__ = ["DEFAULT_AGREEMENT_SECS", "ShardedCheckpointService"]
+__all__ = ["DEFAULT_AGREEMENT_SECS", "ShardedCheckpointService", "veto"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -111,20 +108,23 @@ class ShardedCheckpointService:
 
     Args:
         sess: This rank's session (its boundary runs the agreement and the save).
-        saver: The ``Saver`` (``save`` of a state of DTensors is a collective).
-        save_path: Prefix without step, e.g. ``logdir/model.ckpt`` (the same on every rank).
-        global_step: The global step (steps completed); required.
+        driver: This rank's ``CheckpointDriver``: its saver (``save`` of a state of DTensors
+            is a collective), its prefix without step (the same on every rank, e.g.
+            ``logdir/model.ckpt``), its global step (required), its writer of CHECKPOINT
+            events (the chief's; None on the others), its ``on_error`` (called with a
+            ``CheckpointSaveError`` after it was logged; the Supervisor stops training with
+            it when ``stop_on_checkpoint_error``) and the step of a checkpoint restored.
         group: The session's ``ReplicaGroup`` (store keys of this session).
-        writer: The summary writer for CHECKPOINT events (chief), or None.
-        on_error: Called with a ``CheckpointSaveError`` after it was logged (the Supervisor
-            uses it to stop when ``stop_on_checkpoint_error``); None: training continues.
+        start: Starts the background save of a periodic checkpoint at the agreed step
+            (called on the training thread with the step; ``CheckpointSaverHook`` calls its
+            listeners around it); None: ``driver.start``.
         poll_secs: How often the poller looks for requests, in seconds.
         agreement_secs: How long to wait for the other ranks' answers and votes of a
             periodic or explicit checkpoint, in seconds.
         clock: Time for the agreement's deadlines and polls; None: the real clock.
 
     Raises:
-        ValueError: If ``global_step`` is None.
+        ValueError: If the driver has no global step.
 
     Thread safety: ``request`` on the chief's timer thread; the poller on its own thread only
     queues tasks and posts; ``save_now``, ``final`` and the tasks run on the training thread.
@@ -136,40 +136,26 @@ class ShardedCheckpointService:
     def __init__(
         self,
         sess: Session,
-        saver: SaverLike,
-        save_path: str,
-        global_step: GlobalStepLike,
+        driver: CheckpointDriver,
         group: ReplicaGroup,
         *,
-        writer: EventSink | None = None,
-        on_error: Any = None,
+        start: Callable[[int], object] | None = None,
         poll_secs: float = 0.1,
         agreement_secs: float = DEFAULT_AGREEMENT_SECS,
         clock: Clock | None = None,
     ) -> None:
-        if global_step is None:
+        if driver.global_step is None:
             raise ValueError("Sharded checkpoints of replicas need a global step to agree on")
         self._sess = sess
-        self._saver = saver
-        self._global_step = global_step
+        self.driver = driver
+        """Saves and reports (the chief's writes the events); this service decides the step."""
+        self._global_step = driver.global_step
         self._group = group
-        self._on_error = on_error
+        self._start = start or (lambda step: driver.start(sess, step))
         self._poll_secs = poll_secs
         self._agreement_secs = agreement_secs
         self._is_chief = group.rank == group.chief_rank
         self._clock = clock or REAL_CLOCK
-        self.driver = CheckpointDriver(
-            saver,
-            save_path,
-            global_step,
-            writer=writer if self._is_chief else None,
-            clock=clock,
-            on_error=on_error,
-            stop_on_error=on_error is not None,
-            last_step=read_step(global_step) if sess.restored_checkpoint else None,
-            last_prefix=sess.restored_checkpoint,
-        )
-        """Saves and reports (the chief writes the events); this service decides the step."""
         self._lock = threading.Lock()
         self._tasks: dict[int, _SaveTask] = {}
         self._seen = 0  # Requests announced by this rank's poller.
@@ -230,7 +216,8 @@ class ShardedCheckpointService:
         return read_step(self._global_step)
 
     def _poll(self) -> None:
-        while not self._closed.wait(self._poll_secs):
+        # It ends with the session too (one that ended with an error is not told).
+        while not self._closed.wait(self._poll_secs) and not self._sess.closed:
             try:
                 latest = self._group.add("save/requests", 0)
                 while self._seen < latest and not self._closed.is_set():
@@ -295,7 +282,7 @@ class ShardedCheckpointService:
                 "(steps without a step boundary, or a global step that grows by more than one)"
             )
         try:
-            self._vote_and_save(f"save/{task.number}", step, timeout, veto=veto, background=True)
+            self._vote_and_save(f"save/{task.number}", step, timeout, veto=veto)
         except CheckpointSaveError:
             if final:
                 raise
@@ -311,24 +298,20 @@ class ShardedCheckpointService:
     # ------------------------------------------------------------------------ the vote
 
     def _vote_and_save(
-        self,
-        tag: str,
-        step: int,
-        timeout_secs: float,
-        *,
-        veto: str | None = None,
-        background: bool = False,
-    ) -> str | None:
-        """Vote on saving at ``step``; save if every rank agrees. Returns the prefix or None.
+        self, tag: str, step: int, timeout_secs: float, *, veto: str | None = None
+    ) -> None:
+        """A periodic checkpoint's vote; on ``save`` every rank starts its background save
+        (``start``: the copy of its local shards; every rank's writer thread then writes and
+        commits, and the driver reports it, ``on_error`` for a failure, on every rank)."""
+        if self._vote(tag, step, timeout_secs, veto=veto):
+            self._start(step)
+
+    def _vote(self, tag: str, step: int, timeout_secs: float, *, veto: str | None = None) -> bool:
+        """Vote on saving at ``step``; True if every rank agreed to save.
 
         The checkpoint still being written, if any, is waited for first (within
         ``timeout_secs``; a rank whose write has not ended votes no): the vote needs its
-        outcome, and one save at a time is in flight. ``background``: the save only copies
-        this rank's local shards and returns (None); every rank's writer thread writes and
-        commits, and the driver reports it (``on_error`` for a failure, on every rank).
-
-        Raises:
-            CheckpointSaveError: If the collective save failed (after ``on_error``).
+        outcome, and one save at a time is in flight.
         """
         if not self.driver.wait(timeout_secs) and veto is None:
             veto = f"rank {self._group.rank}'s previous checkpoint is still being written"
@@ -342,14 +325,11 @@ class ShardedCheckpointService:
         decision = self._decide(tag, timeout_secs)
         if decision == _SAME:
             logger.debug("Checkpoint %s skipped: step %d was already saved", tag, step)
-            return None
+            return False
         if decision != _SAVE:
             logger.warning("Checkpoint at step %d not taken: %s", step, decision[len(_SKIP) :])
-            return None
-        if background:
-            self.driver.start(self._sess, step)
-            return None
-        return self._save(step)
+            return False
+        return True
 
     def _decide(self, tag: str, timeout_secs: float) -> str:
         group = self._group
@@ -378,11 +358,37 @@ class ShardedCheckpointService:
         try:
             return self.driver.save(self._sess, step)
         except CheckpointSaveError as e:
-            if self._on_error is not None:
-                self._on_error(e)
+            if self.driver.on_error is not None:
+                self.driver.on_error(e)
             raise
 
     # ---------------------------------------------------------------- training-thread API
+
+    def agree_now(self) -> bool:
+        """Vote on a checkpoint at the current step now; every rank must call it at the same
+        step. The caller saves (``driver.save`` or ``driver.start``: a collective) when it
+        returns True, on every rank.
+
+        Returns:
+            True if every rank voted to save; False when skipped (the step was already
+            saved, or a rank vetoed).
+
+        Raises:
+            DeadlineExceededError: If not every rank called it within ``agreement_secs``.
+        """
+        self._explicit += 1
+        step = self._completed()
+        tag = f"explicit/{self._explicit}"
+        agreed = self._vote(tag, step, self._agreement_secs)
+        decision = self._group.flag(f"{tag}/decision") or ""
+        if decision.startswith(_SKIP + _NO_VOTE):
+            raise DeadlineExceededError(
+                None,
+                None,
+                f"checkpoint(): not every rank called it at step {step} within "
+                f"{self._agreement_secs:g} s",
+            )
+        return agreed
 
     def save_now(self) -> str | None:
         """Save at the current step now; every rank must call it at the same step.
@@ -394,36 +400,18 @@ class ShardedCheckpointService:
             DeadlineExceededError: If not every rank called it within ``agreement_secs``.
             CheckpointSaveError: If writing failed (on every rank).
         """
-        self._explicit += 1
-        step = self._completed()
-        tag = f"explicit/{self._explicit}"
-        prefix = self._vote_and_save(tag, step, self._agreement_secs)
-        decision = self._group.flag(f"{tag}/decision") or ""
-        if decision.startswith(_SKIP + _NO_VOTE):
-            raise DeadlineExceededError(
-                None,
-                None,
-                f"checkpoint(): not every rank called it at step {step} within "
-                f"{self._agreement_secs:g} s",
-            )
-        return prefix
+        return self._save(self._completed()) if self.agree_now() else None
 
     def veto(self, reason: str) -> None:
-        """Tell every rank that this rank will not save again in this session.
+        """Tell every rank that this rank will not save again in this session (``veto``)."""
+        veto(self._group, reason)
 
-        Called by a rank whose session failed: the others skip the checkpoint they may be
-        voting on, and the final one, at once instead of waiting for this rank.
-        """
-        try:
-            self._group.raise_flag(_NOSAVE, f"rank {self._group.rank}: {reason}")
-        except (RuntimeError, OSError) as e:
-            logger.warning("Could not tell the other replicas not to save: %s", e)
-
-    def final(self, timeout_secs: float, budget_secs: float | None = None) -> str | None:
-        """Save the final checkpoint of a clean stop, together with every rank or not at all.
+    def agree_final(self, timeout_secs: float, budget_secs: float | None = None) -> bool:
+        """The vote on the final checkpoint of a clean stop: every rank saves or none does.
 
         Requests still pending are resolved first (one agreed at this step saves now; a later
-        one is dropped); then every rank votes.
+        one is dropped); then every rank votes. The caller saves (``driver.save``, on every
+        rank) when it returns True.
 
         Args:
             timeout_secs: Longest wait for the other ranks' votes (``stop_grace_secs``).
@@ -432,10 +420,10 @@ class ShardedCheckpointService:
                 progress cannot be abandoned (it is a collective). None: no budget.
 
         Returns:
-            The prefix, or None when nothing was saved.
+            True if every rank voted to save.
 
         Raises:
-            CheckpointSaveError: If writing failed (on every rank).
+            CheckpointSaveError: If a pending periodic checkpoint failed to start.
         """
         start = self._clock.monotonic()
 
@@ -453,18 +441,48 @@ class ShardedCheckpointService:
         except DeadlineExceededError as e:
             logger.error("No final checkpoint: %s", e)
             self.veto(str(e))
-            return None
+            return False
         step = self._completed()
         veto = None
         if budget_secs is not None:
-            last = getattr(self._saver, "last_save", None)
+            last = getattr(self.driver.saver, "last_save", None)
             remaining = budget_secs - (self._clock.monotonic() - start)
             if last is not None and last.total_secs > remaining:
                 veto = (
                     f"rank {self._group.rank}'s last save took {last.total_secs:.1f} s and "
                     f"{remaining:.1f} s of the preemption grace period are left"
                 )
-        return self._vote_and_save("final", step, left(), veto=veto)
+        return self._vote("final", step, left(), veto=veto)
+
+    def final(self, timeout_secs: float, budget_secs: float | None = None) -> str | None:
+        """Save the final checkpoint of a clean stop, together with every rank or not at all
+        (``agree_final``, then the collective save).
+
+        Returns:
+            The prefix, or None when nothing was saved.
+
+        Raises:
+            CheckpointSaveError: If writing failed (on every rank).
+        """
+        if not self.agree_final(timeout_secs, budget_secs):
+            return None
+        return self._save(self._completed())
+
+
+def veto(group: ReplicaGroup, reason: str) -> None:
+    """Tell every rank of ``group`` that this rank will not save again in this session.
+
+    Called by a rank whose session failed: the others skip the checkpoint they may be voting
+    on, and the final one, at once instead of waiting for this rank.
+
+    Args:
+        group: The session's ``ReplicaGroup``.
+        reason: Why, for the others' logs (prefixed with this rank).
+    """
+    try:
+        group.raise_flag(_NOSAVE, f"rank {group.rank}: {reason}")
+    except (RuntimeError, OSError) as e:
+        logger.warning("Could not tell the other replicas not to save: %s", e)
 
 
 def _combine(votes: list[dict[str, Any]]) -> str:

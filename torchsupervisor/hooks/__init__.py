@@ -5,6 +5,7 @@ Layout (one hook, or one family of hooks, per module)::
     session_run_hook.py  SessionRunHook, SessionRunArgs, SessionRunContext, SessionRunValues
     stop_at_step.py      StopAtStepHook
     checkpoint_saver.py  CheckpointSaverHook, CheckpointSaverListener
+    sharded_checkpoint_saver.py  ShardedCheckpointSaverHook (every rank of a sharded state)
     step_counter.py      StepCounterHook
     summary_saver.py     SummarySaverHook
     logging_hooks.py     NanTensorHook, NanLossDuringTrainingError, LoggingTensorHook
@@ -35,6 +36,7 @@ from torchsupervisor.hooks.session_run_hook import (
     SessionRunHook,
     SessionRunValues,
 )
+from torchsupervisor.hooks.sharded_checkpoint_saver import ShardedCheckpointSaverHook
 from torchsupervisor.hooks.step_counter import StepCounterHook
 from torchsupervisor.hooks.stop_at_step import StopAtStepHook
 from torchsupervisor.hooks.summary_saver import SummarySaverHook
@@ -55,6 +57,7 @@ __all__ = [
     "SessionRunContext",
     "SessionRunHook",
     "SessionRunValues",
+    "ShardedCheckpointSaverHook",
     "StepCounterHook",
     "StopAtStepHook",
     "SummarySaverHook",

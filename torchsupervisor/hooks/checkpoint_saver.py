@@ -250,18 +250,29 @@ class CheckpointSaverHook(SessionRunHook):
         TF name: ``tf.compat.v1.train.CheckpointSaverHook.after_create_session``.
         """
         del coord
-        driver = self._driver
-        driver.global_step = session_global_step(session, driver.global_step)
-        step = read_step(driver.global_step)
-        self._finish_pending()
-        restored = getattr(session, "restored_checkpoint", None)
-        if restored is not None and url_paths.abspath(restored) == url_paths.abspath(
-            f"{self._save_path}-{step}"
-        ):
-            driver.last_step, driver.last_prefix = step, restored
-        else:
+        step = self._session_step(session)
+        if not self._restored_at(session, step):
             self._save(session, step)
         self._timer.update_last_triggered_step(step)
+
+    def _session_step(self, session: SessionLike) -> int:
+        """A new session's global step (the driver's from now on), once the save still being
+        written is finished."""
+        driver = self._driver
+        driver.global_step = session_global_step(session, driver.global_step)
+        self._finish_pending()
+        return read_step(driver.global_step)
+
+    def _restored_at(self, session: SessionLike, step: int) -> bool:
+        """Whether ``session`` was restored from this hook's checkpoint of ``step`` (then the
+        driver's last checkpoint: it is not written again)."""
+        restored = getattr(session, "restored_checkpoint", None)
+        if restored is None or url_paths.abspath(restored) != url_paths.abspath(
+            f"{self._save_path}-{step}"
+        ):
+            return False
+        self._driver.last_step, self._driver.last_prefix = step, restored
+        return True
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
         """Save when the timer is due (waiting first for a save still being written).

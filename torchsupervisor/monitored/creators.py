@@ -121,15 +121,17 @@ class _ScaffoldedCreator(SessionCreator):
         """The stop every rank agrees on (``replica_stop``), from the first session of a
         replicated run; None without replicas (``MonitoredSession.should_stop`` asks it)."""
 
-    def _join_replicas(self, sess: Session, group: ReplicaGroup, each_step: bool) -> None:
+    def _join_replicas(
+        self, sess: Session, group: ReplicaGroup, each_step: bool, saves_together: bool = False
+    ) -> None:
         """The first session of each rank of a replicated run, at the same point (the chief
         before its broadcast, which carries the others' restored streams; the others after
         it): every rank's random streams into the chief's checkpoints (``replica_streams``;
         ``each_step``: at every step boundary, for the chief's memory tier), and the agreed
-        stop (``replica_stop``)."""
+        stop (``replica_stop``; ``saves_together``: of a sharded state)."""
         step = session_global_step(sess, get_global_step())
         self._streams = start_streams(sess, group, step, every_boundary=each_step)
-        self.replica_stop = ReplicaStop(group, step, self._streams)
+        self.replica_stop = ReplicaStop(group, step, self._streams, saves_together)
 
     def _follow_streams(self, sess: Session) -> None:
         """A session re-created after a recoverable error: the gathers go on at its step
@@ -427,18 +429,17 @@ def _replica_group(
 
     Distributed: every rank's first session calls it, in the same order.
     """
-    global _replica_sessions
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None
     if is_sharded(state):
         if chief:
             logger.warning(
-                "MonitoredTrainingSession does not coordinate a sharded (DTensor) state across "
-                "ranks: each rank keeps its own. Use the Supervisor (docs/distributed.md)."
+                "A sharded (DTensor) state under ChiefSessionCreator and WorkerSessionCreator: "
+                "each rank keeps its own. Give every rank a ShardedSessionCreator and a "
+                "ShardedCheckpointSaverHook (MonitoredTrainingSession does)."
             )
         return None
-    _replica_sessions += 1
-    group = ReplicaGroup(f"monitored/{_replica_sessions}", clock=clock)
+    group = _new_group(clock)
     group.post("chief", bool(chief))
     roles = group.gather("chief", max_wait_secs, what="Agreeing on the chief")
     if roles == [True] + [False] * (len(roles) - 1):
@@ -451,6 +452,14 @@ def _replica_group(
             chiefs,
         )
     return None
+
+
+def _new_group(clock: Clock | None) -> ReplicaGroup:
+    """The replica group of a creator's first session under a process group (every rank
+    makes its creators' groups in the same order: one count for every kind of creator)."""
+    global _replica_sessions
+    _replica_sessions += 1
+    return ReplicaGroup(f"monitored/{_replica_sessions}", clock=clock)
 
 
 class WorkerSessionCreator(_ScaffoldedCreator):

@@ -29,6 +29,7 @@ from torchsupervisor.core.global_step import GlobalStepLike, read_step
 from torchsupervisor.distributed.replica_streams import ReplicaStreams
 from torchsupervisor.distributed.replicas import ReplicaGroup
 from torchsupervisor.distributed.stop_agreement import StopAgreement
+from torchsupervisor.driver.sharded_checkpoints import veto
 
 __all__ = ["ReplicaStop"]
 
@@ -40,6 +41,9 @@ class ReplicaStop:
         group: The replica group of the session creators' first session.
         global_step: The global step (the agreement counts completed steps).
         streams: This rank's ``ReplicaStreams`` (gathered at the agreed step), or None.
+        saves_together: Every rank saves each checkpoint (a sharded state): a rank that
+            leaves with an error also vetoes the checkpoints (``sharded_checkpoints.veto``),
+            so that the others do not wait for its vote.
     """
 
     def __init__(
@@ -47,8 +51,11 @@ class ReplicaStop:
         group: ReplicaGroup,
         global_step: GlobalStepLike | None,
         streams: ReplicaStreams | None,
+        saves_together: bool = False,
     ) -> None:
         self.agreement = StopAgreement(group, global_step)
+        self.group = group
+        self.saves_together = saves_together
         self.global_step = global_step
         self.streams = streams
         self.stopped = False
@@ -83,5 +90,8 @@ class ReplicaStop:
         other ranks to stop at once (``"<ErrorType>: <message>"`` in their logs); then stop
         polling. Idempotent."""
         if failure is not None:
-            self.agreement.request(f"{type(failure).__name__}: {failure}", failed=True)
+            reason = f"{type(failure).__name__}: {failure}"
+            self.agreement.request(reason, failed=True)
+            if self.saves_together:
+                veto(self.group, f"its session ended with an error: {reason}")
         self.agreement.close()

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from torchsupervisor.checkpoint.sharded.plan import is_sharded
 from torchsupervisor.core import checks
 from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.registry import USE_DEFAULT
@@ -25,14 +27,17 @@ from torchsupervisor.distributed import env as distributed
 from torchsupervisor.driver.preemption import DEFAULT_PREEMPTION_SIGNALS
 from torchsupervisor.driver.preemption_sources import PreemptionSource, check_sources
 from torchsupervisor.driver.requeue import SlurmRequeue, check_requeue
+from torchsupervisor.errors import InvalidArgumentError
 from torchsupervisor.hooks.checkpoint_saver import CheckpointSaverHook
 from torchsupervisor.hooks.session_run_hook import SessionRunHook
+from torchsupervisor.hooks.sharded_checkpoint_saver import ShardedCheckpointSaverHook
 from torchsupervisor.hooks.step_counter import StepCounterHook
 from torchsupervisor.hooks.summary_saver import SummarySaverHook
 from torchsupervisor.hooks.system_metrics import SystemMetricsHook
 from torchsupervisor.monitored.creators import ChiefSessionCreator, WorkerSessionCreator
 from torchsupervisor.monitored.scaffold import Scaffold, check_scaffold
 from torchsupervisor.monitored.session import MonitoredSession
+from torchsupervisor.monitored.sharded_creator import ShardedSessionCreator
 from torchsupervisor.tiers.memory import MemoryTierConfig
 
 __all__ = ["USE_DEFAULT", "MonitoredTrainingSession"]
@@ -172,6 +177,8 @@ def MonitoredTrainingSession(
     """
     del save_graph_def
     built = _Build(**locals())  # Exactly the arguments: nothing else is defined yet.
+    if built.sharded():
+        return built.sharded_session()
     return built.chief_session() if built.is_chief else built.worker_session()
 
 
@@ -316,7 +323,52 @@ class _Build:
         hooks = [*(self.chief_only_hooks or []), *self._standard_hooks(), *(self.hooks or [])]
         return self._session(creator, hooks)
 
+    def sharded(self) -> bool:
+        """Whether the state is sharded (its modules hold DTensors: FSDP2), with a process
+        group: every rank restores and saves its own shards, together."""
+        state = self.state if self.state is not None else self.scaffold.state
+        return bool(state) and dist.is_available() and dist.is_initialized() and is_sharded(state)
+
+    def sharded_session(self) -> MonitoredSession:
+        """Every rank's, for a sharded state: the rank restores its shards with the others
+        (``ShardedSessionCreator``) and saves them with the others
+        (``ShardedCheckpointSaverHook``); rank 0, the chief, runs the other standard hooks,
+        ``chief_only_hooks`` first; every rank runs ``hooks``."""
+        rank = distributed.rank()
+        if self.is_chief != (rank == 0):
+            raise InvalidArgumentError(
+                f"With a sharded state the chief is rank 0; this is rank {rank} with "
+                f"is_chief={self.is_chief}"
+            )
+        if self.memory_tier is not None:
+            logger.warning(
+                "MonitoredTrainingSession has no memory tier for a sharded state yet (the "
+                "Supervisor has): memory_tier is off"
+            )
+        creator = ShardedSessionCreator(
+            self.scaffold,
+            self.master,
+            self.config,
+            self.checkpoint_dir,
+            max_wait_secs=self.max_wait_secs,
+            state=self.state,
+            device=self.device,
+            clock=self.clock,
+        )
+        if self.rng_added:
+            creator.allow_missing("rng")
+        checkpoints = self._checkpoint_hooks(sharded=True)
+        if self.is_chief:
+            chief = [*(self.chief_only_hooks or []), *self._summary_hooks()]
+            hooks = [*chief, *checkpoints, *(self.hooks or [])]
+        else:
+            hooks = [*checkpoints, *(self.hooks or [])]
+        return self._session(creator, hooks)
+
     def _standard_hooks(self) -> list[SessionRunHook]:
+        return [*self._summary_hooks(), *self._checkpoint_hooks(sharded=False)]
+
+    def _summary_hooks(self) -> list[SessionRunHook]:
         hooks: list[SessionRunHook] = []
         summary_dir = self.summary_dir or self.checkpoint_dir
         clock = self.clock
@@ -339,19 +391,25 @@ class _Build:
             )
         if summary_dir and self.system_metrics_secs:
             hooks.append(SystemMetricsHook(self.system_metrics_secs, output_dir=summary_dir))
-        steps, secs = self.save_checkpoint_steps, self.save_checkpoint_secs
-        if self.checkpoint_dir and ((secs and secs > 0) or (steps and steps > 0)):
-            hooks.append(
-                CheckpointSaverHook(
-                    self.checkpoint_dir,
-                    save_steps=steps,
-                    save_secs=secs,
-                    scaffold=self.scaffold,
-                    clock=clock,
-                    stop_on_checkpoint_error=self.stop_on_checkpoint_error,
-                )
-            )
         return hooks
+
+    def _checkpoint_hooks(self, sharded: bool) -> list[SessionRunHook]:
+        """The ``CheckpointSaverHook`` (``sharded``: every rank's
+        ``ShardedCheckpointSaverHook``), when checkpoints are on."""
+        steps, secs = self.save_checkpoint_steps, self.save_checkpoint_secs
+        if not self.checkpoint_dir or not ((secs and secs > 0) or (steps and steps > 0)):
+            return []
+        hook = ShardedCheckpointSaverHook if sharded else CheckpointSaverHook
+        return [
+            hook(
+                self.checkpoint_dir,
+                save_steps=steps,
+                save_secs=secs,
+                scaffold=self.scaffold,
+                clock=self.clock,
+                stop_on_checkpoint_error=self.stop_on_checkpoint_error,
+            )
+        ]
 
 
 def _with_rng_state(

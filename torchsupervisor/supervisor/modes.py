@@ -460,16 +460,22 @@ class ShardedMode(Mode):
         if st.saver is None or not st.replica_save_model_secs or not st.replica_save_path:
             return
         assert self.replicas is not None
-        self.service = ShardedCheckpointService(
-            sess,
+        if st.global_step is None:
+            raise ValueError("Sharded checkpoints of replicas need a global step to agree on")
+        restored = sess.restored_checkpoint
+        on_error = self.context.stop_on_error if st.stop_on_checkpoint_error else None
+        driver = CheckpointDriver(
             st.saver,
             st.replica_save_path,
             st.global_step,
-            self.replicas,
-            writer=st.summary_writer,
-            on_error=self.context.stop_on_error if st.stop_on_checkpoint_error else None,
+            writer=st.summary_writer if self.replicas.rank == self.replicas.chief_rank else None,
             clock=st.clock,
+            on_error=on_error,
+            stop_on_error=on_error is not None,
+            last_step=read_step(st.global_step) if restored else None,
+            last_prefix=restored,
         )
+        self.service = ShardedCheckpointService(sess, driver, self.replicas, clock=st.clock)
         self.driver = self.service.driver
         self.service.start()
 
