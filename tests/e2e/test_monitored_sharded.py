@@ -5,6 +5,7 @@ by a signal to one rank resumes bitwise."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import time
@@ -15,6 +16,7 @@ from repo_paths import worker
 from torchsupervisor import latest_checkpoint
 from torchsupervisor.checkpoint.reader import CheckpointReader
 from torchsupervisor.summary.reader import summary_iterator
+from torchsupervisor.tiers.memory_root import memory_root
 
 WORKER = worker("monitored_fsdp_worker.py")
 
@@ -69,6 +71,7 @@ def test_every_rank_restores_and_saves_its_shards_at_the_same_steps(tmp_path):
     # Both resumed from the final checkpoint, with the state the first run ended with (the
     # session's own checkpoint of step 10 is not written again).
     assert [r[2:4] for r in ready] == [["10", "model.ckpt-10"]] * 2
+    assert [r[5] for r in ready] == ["disk"] * 2
     assert {r[4] for r in ready} == {done[0][3]}
     assert [_saved(out) for out, _, _ in again] == [[14]] * 2
 
@@ -119,3 +122,29 @@ def test_a_rank_that_fails_makes_the_other_stop_at_once_without_a_final_checkpoi
     assert time.monotonic() - started < 60
     assert _committed(logdir) == [0, 4]
     assert _saved(results[0][0]) == [0, 4]
+
+
+def test_a_killed_rank_resumes_with_the_other_from_their_memory_tiers_bitwise(tmp_path):
+    reference = run_ranks(WORKER, tmp_path / "reference", "=30")
+    _ok(reference)
+    expected = {_lines(out, "DONE")[0][3] for out, _, _ in reference}
+
+    logdir, memory = tmp_path / "run", tmp_path / "shm"
+    memory.mkdir()
+    options = ("--save-secs", 3600, "--memory-root", memory)
+    killed = run_ranks(WORKER, logdir, "=30", *options, "--kill-at", 12)
+    assert killed[1][2] == -signal.SIGKILL and killed[0][2] != 0  # Rank 0 lost its peer.
+    assert _committed(logdir) == [0]  # The disk holds the session's checkpoint alone.
+
+    resumed = run_ranks(WORKER, logdir, "=30", *options)
+    _ok(resumed)
+    ready = [_lines(out, "READY")[0] for out, _, _ in resumed]
+    # Both ranks resumed from their memory at one step they both hold: at most the step the
+    # kill interrupted is lost.
+    assert {r[5] for r in ready} == {"memory"} and len({r[2] for r in ready}) == 1
+    assert int(ready[0][2]) in (11, 12)
+    # Every tensor and every rank's random stream continued from its own snapshot.
+    assert {_lines(out, "DONE")[0][3] for out, _, _ in resumed} == expected
+    # The final checkpoint holds the last step: every rank freed its memory tier.
+    assert _committed(logdir)[-1] == 30
+    assert not glob.glob(os.path.join(memory_root(str(memory)), "*", "*", "*.index"))

@@ -8,7 +8,8 @@ The model is sharded with ``fully_shard`` over every rank (CPU, gloo) and traine
 Every step applies a dropout mask drawn from the rank's own generator (a resumed rank that
 continued other streams than the run without the stop would show). Printed lines:
 
-* ``READY <rank> <step> <restored checkpoint basename or None> <digest>`` when the session is up;
+* ``READY <rank> <step> <restored checkpoint basename or None> <digest> <tier or None>`` when
+  the session is up;
 * ``STEP <rank> <step>`` after each step;
 * ``SAVE <rank> <step>`` after each checkpoint this rank committed its part of;
 * ``DONE <rank> <step> <digest>`` at the end of a session that ended without an error.
@@ -20,6 +21,8 @@ Options:
     --save-secs SECS    save_checkpoint_secs (default: none)
     --step-delay SECS   sleep in every step
     --raise-at STEP     rank 1 raises RuntimeError at that step (inside a step)
+    --kill-at STEP      rank 1 kills itself (SIGKILL) inside the step that starts there
+    --memory-root DIR   every rank keeps a memory tier there (a snapshot every step)
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import signal
 import time
 
 import torch
@@ -74,6 +78,8 @@ def main() -> None:
     parser.add_argument("--save-secs", type=float)
     parser.add_argument("--step-delay", type=float, default=0.0)
     parser.add_argument("--raise-at", type=int)
+    parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--memory-root")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(150, exit=True)  # Never outlive a broken test.
     ts.distributed.connect("env://", timeout_secs=60)
@@ -103,13 +109,17 @@ def main() -> None:
         save_checkpoint_secs=args.save_secs,
         save_summaries_steps=0,
         log_step_count_steps=0,
+        memory_tier=ts.MemoryTierConfig(root=args.memory_root) if args.memory_root else None,
     ) as sess:
         restored = created.session.restored_checkpoint
         name = os.path.basename(restored) if restored else None
-        say(f"READY {rank} {step.value} {name} {digest(state)}")
+        tier = created.session.restored_tier
+        say(f"READY {rank} {step.value} {name} {digest(state)} {tier}")
         target = int(args.target.lstrip("="))
 
         def train() -> None:
+            if rank == 1 and step.value == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
             if rank == 1 and step.value == args.raise_at:
                 raise RuntimeError(f"rank 1 fails at step {step.value}")
             x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step.value))

@@ -189,8 +189,7 @@ class ShardedCheckpointSaverHook(CheckpointSaverHook):
         self.final_save_failure = None
         try:
             self._finish_pending(raise_error=budget is None)
-            timeout = self._agreement_secs if budget is None else min(budget, self._agreement_secs)
-            if service.agree_final(timeout, budget):
+            if service.agree_final(self._agreement_secs, budget):
                 self._before_save(session)(last_step)
                 try:
                     prefix = driver.save(session, last_step)

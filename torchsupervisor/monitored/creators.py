@@ -121,6 +121,15 @@ class _ScaffoldedCreator(SessionCreator):
         """The stop every rank agrees on (``replica_stop``), from the first session of a
         replicated run; None without replicas (``MonitoredSession.should_stop`` asks it)."""
 
+    def close(self, checkpoint_step: int | None = None) -> None:
+        """Release what this creator holds (``MonitoredSession.close`` calls it).
+
+        Args:
+            checkpoint_step: The step of the newest checkpoint the session's hooks committed
+                or restored, or None.
+        """
+        raise NotImplementedError
+
     def _join_replicas(
         self, sess: Session, group: ReplicaGroup, each_step: bool, saves_together: bool = False
     ) -> None:
@@ -240,12 +249,7 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         memory_tier: MemoryTierConfig | None = None,
     ) -> None:
         super().__init__(scaffold, master, config, state, device, clock)
-        if memory_tier is not None and not isinstance(memory_tier, MemoryTierConfig):
-            raise TypeError(
-                f"memory_tier must be a MemoryTierConfig or None, got {memory_tier!r} "
-                f"({type(memory_tier).__name__})"
-            )
-        self._memory_config = memory_tier
+        self._memory_config = check_memory_tier(memory_tier)
         self._memory: MemoryTier | None = None
         self._last_session: Session | None = None
         self._checkpoint_dir = check_path("checkpoint_dir", checkpoint_dir)
@@ -281,12 +285,18 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         """
         return self._writer_lock
 
-    def close(self) -> None:
-        """Release the writer lock of ``checkpoint_dir`` (``MonitoredSession.close`` calls it).
+    def close(self, checkpoint_step: int | None = None) -> None:
+        """Release the writer lock of ``checkpoint_dir`` (``MonitoredSession.close`` calls it);
+        stop the memory tier, freed when the newest checkpoint holds the last step.
+
+        Args:
+            checkpoint_step: The step of the newest checkpoint the session's hooks committed
+                or restored (``MonitoredSession`` passes it); None: the newest checkpoint of
+                ``checkpoint_dir`` tells.
 
         TF name: none (TF had no writer lock).
         """
-        self._close_memory_tier()
+        self._close_memory_tier(checkpoint_step)
         self._leave_replicas()
         if self._writer_lock is not None:
             self._writer_lock.release()
@@ -318,17 +328,17 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         restored = sess.restored_checkpoint if sess.restored_tier == MEMORY_TIER else None
         self._memory.start(sess, step, restored)
 
-    def _close_memory_tier(self) -> None:
+    def _close_memory_tier(self, saved_step: int | None) -> None:
         """Stop the memory tier; free it when the newest checkpoint holds the last step."""
         memory, self._memory = self._memory, None
         if memory is None:
             return
         sess, self._last_session = self._last_session, None
         step = None if sess is None else session_global_step(sess, get_global_step())
-        newest = latest_checkpoint(self._checkpoint_dir) if self._checkpoint_dir else None
-        held = (
-            step is not None and newest is not None and checkpoint_step(newest) == read_step(step)
-        )
+        if saved_step is None and self._checkpoint_dir:
+            newest = latest_checkpoint(self._checkpoint_dir)
+            saved_step = None if newest is None else checkpoint_step(newest)
+        held = step is not None and saved_step == read_step(step)
         try:
             memory.close(free=held)
         except OSError as e:
@@ -403,6 +413,20 @@ class ChiefSessionCreator(_ScaffoldedCreator):
         else:
             self._follow_streams(sess)
         return sess
+
+
+def check_memory_tier(memory_tier: object) -> MemoryTierConfig | None:
+    """Return ``memory_tier`` (a creator's argument) checked.
+
+    Raises:
+        TypeError: If it is neither a ``MemoryTierConfig`` nor None.
+    """
+    if memory_tier is not None and not isinstance(memory_tier, MemoryTierConfig):
+        raise TypeError(
+            f"memory_tier must be a MemoryTierConfig or None, got {memory_tier!r} "
+            f"({type(memory_tier).__name__})"
+        )
+    return memory_tier
 
 
 def _keep_state() -> None:
@@ -537,12 +561,16 @@ class WorkerSessionCreator(_ScaffoldedCreator):
             self._follow_streams(sess)
         return sess
 
-    def close(self) -> None:
+    def close(self, checkpoint_step: int | None = None) -> None:
         """Leave the replicas: stop gathering this rank's random streams and polling for an
         agreed stop (``MonitoredSession.close`` calls it).
 
+        Args:
+            checkpoint_step: As ``ChiefSessionCreator.close`` (unused here).
+
         TF name: none.
         """
+        del checkpoint_step
         self._leave_replicas()
 
 
@@ -565,8 +593,14 @@ class CoordinatedSessionCreator:
         self.coord: Coordinator | None = None
 
     def close(self) -> None:
-        """Release what the session creator holds (the chief's writer lock)."""
-        close = getattr(self._session_creator, "close", None)
+        """Release what the session creator holds (the chief's writer lock, the memory tier:
+        freed when the hooks' newest checkpoint holds the last step)."""
+        creator = self._session_creator
+        if isinstance(creator, _ScaffoldedCreator):
+            steps = [d.last_step for d in checkpoint_drivers(self._hooks)]
+            creator.close(max((s for s in steps if s is not None), default=None))
+            return
+        close = getattr(creator, "close", None)
         if close is not None:
             close()
 

@@ -1,24 +1,17 @@
 """``ShardedSessionCreator``: the session of every rank of a sharded state (FSDP2 / DTensor).
 
 No rank holds the whole model, so no rank can restore for the others and broadcast (what the
-chief of a replicated state does): every rank restores its own shards, and they must be the
-shards of one checkpoint. The first session of each rank, in this order (as the Supervisor's
-``ShardedMode``):
-
-1. The chief (rank 0) takes the writer lock of ``checkpoint_dir``, removes what a crash left
-   there and makes sure of the run's id; the others wait for its word in the store.
-2. Every rank lists the checkpoints it would try; the lists must be equal (a directory that
-   is not shared, or a save racing the start, is an error on every rank).
-3. Every rank restores through the ``SessionManager``: ``Saver.restore`` of a state of
-   DTensors is a collective whose errors reach every rank, so a corrupt checkpoint makes
-   every rank fall back to the same older one. With nothing to restore, each rank runs the
-   init op and ``init_fn`` on its own shards.
-4. The ranks check that they resumed from the same checkpoint at the same step; a rank whose
-   restore failed raises a flag, and the others stop waiting for it.
-5. The session gets the replica group (``Session.replicas``): every rank's
-   ``ShardedCheckpointSaverHook`` saves with it. The agreed stop (``replica_stop``) ends
-   every rank's loop after the same number of steps, and a rank that leaves with an error
-   vetoes the checkpoints, so that the others neither wait for it nor save without it.
+chief of a replicated state does): every rank restores its own shards of one checkpoint (or
+memory-tier snapshot), as the Supervisor's ``ShardedMode`` does
+(``supervisor/sharded_restore.prepare_sharded``: the chief cleans the directory, the ranks
+agree on what they would restore, restore through the ``SessionManager`` and check their
+resume point). Before that the chief takes the writer lock of ``checkpoint_dir``. Then the
+session gets the replica group (``Session.replicas``): every rank's
+``ShardedCheckpointSaverHook`` saves with it. The agreed stop (``replica_stop``) ends every
+rank's loop after the same number of steps, and a rank that leaves with an error vetoes the
+checkpoints, so that the others neither wait for it nor save without it. With
+``memory_tier``, each rank keeps snapshots of its own shards in host memory (and a copy on
+the next node), restored by every rank or by none.
 
 A session is not re-created in-process (``MonitoredSession``'s recovery from a preemption
 error): the other ranks are inside the step's collectives with this one, so every rank must
@@ -31,24 +24,25 @@ TF name: none (TF's chief restored the parameter servers' variables for everyone
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, restore_candidates
-from torchsupervisor.checkpoint.run_id import ensure_run_id
 from torchsupervisor.core.checks import check_number, check_path
-from torchsupervisor.core.clock import Clock
+from torchsupervisor.core.clock import REAL_CLOCK, Clock
 from torchsupervisor.core.global_step import get_global_step, read_step
 from torchsupervisor.core.session import Session
-from torchsupervisor.distributed.replicas import ReplicaGroup, agree
+from torchsupervisor.distributed.replicas import ReplicaGroup
 from torchsupervisor.errors import FailedPreconditionError
-from torchsupervisor.hooks._global_step import session_global_step
-from torchsupervisor.monitored.creators import _new_group, _ScaffoldedCreator
+from torchsupervisor.hooks._global_step import is_step
+from torchsupervisor.monitored.creators import _new_group, _ScaffoldedCreator, check_memory_tier
 from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.storage import DirectoryLock, storage_for
+from torchsupervisor.supervisor.mode_tiers import ModeTiers
+from torchsupervisor.supervisor.sharded_restore import prepare_sharded
+from torchsupervisor.tiers.memory import MemoryTier, MemoryTierConfig
 
 if TYPE_CHECKING:
     import torch
@@ -74,11 +68,17 @@ class ShardedSessionCreator(_ScaffoldedCreator):
         state: The training state (its modules' parameters DTensors); None: the scaffold's.
         device: Where the init op materializes meta-device modules.
         clock: Time source for waits.
+        memory_tier: Each rank keeps the newest snapshots of its own shards in host memory
+            as well (``checkpoint_dir`` needed; see ``Supervisor``'s ``memory_tier``): the
+            ranks restore the newest step every rank holds there, or on a peer node, when it
+            is newer than the newest checkpoint, and ``close`` frees it when the newest
+            checkpoint holds the last step. None: off.
 
     Raises:
         ValueError: If ``state`` differs from a state the scaffold already has; for an
             argument out of range.
-        TypeError: For an argument of the wrong type.
+        TypeError: For an argument of the wrong type (a ``memory_tier`` that is not a
+            ``MemoryTierConfig``).
 
     Distributed: every rank makes one; ``create_session`` is a collective.
 
@@ -96,10 +96,13 @@ class ShardedSessionCreator(_ScaffoldedCreator):
         state: Mapping[str, Any] | None = None,
         device: torch.device | str | None = None,
         clock: Clock | None = None,
+        memory_tier: MemoryTierConfig | None = None,
     ) -> None:
         super().__init__(scaffold, master, config, state, device, clock)
         self._checkpoint_dir = check_path("checkpoint_dir", checkpoint_dir)
         self._max_wait_secs = check_number("max_wait_secs", max_wait_secs)
+        self._memory_config = check_memory_tier(memory_tier)
+        self._tiers: ModeTiers | None = None
         self._writer_lock: DirectoryLock | None = None
         self._created = False
 
@@ -110,6 +113,14 @@ class ShardedSessionCreator(_ScaffoldedCreator):
         TF name: none.
         """
         return self._checkpoint_dir
+
+    @property
+    def memory_tier(self) -> MemoryTier | None:
+        """This rank's memory tier (of its shards) once a session started it; else None.
+
+        TF name: none.
+        """
+        return None if self._tiers is None else self._tiers.memory
 
     @property
     def writer_lock(self) -> DirectoryLock | None:
@@ -151,29 +162,25 @@ class ShardedSessionCreator(_ScaffoldedCreator):
         saver = self._finalize()
         group = _sharded_group(self._clock)
         logdir = self._checkpoint_dir
-        if group.rank == group.chief_rank:
-            if logdir:
-                storage = storage_for(logdir)
-                storage.makedirs(logdir)
-                self._writer_lock = storage.lock(logdir)
-                clean_checkpoint_dir(logdir)
-                ensure_run_id(logdir)  # The run's identity, kept across restarts.
-            group.publish_ready({}, name="restore/open")
-        else:
-            group.wait_ready(
-                _OPEN_POLL_SECS, self._max_wait_secs, name="restore/open", clock=self._clock
-            )
-        candidates = restore_candidates(logdir) if logdir and saver is not None else []
-        agree(
-            group,
-            "restore/candidates",
-            {"logdir": bool(logdir), "candidates": [os.path.basename(c) for c in candidates]},
-            self._max_wait_secs,
-            what="the checkpoints to restore from (is checkpoint_dir shared by every rank?)",
+        if group.rank == group.chief_rank and logdir:
+            storage = storage_for(logdir)
+            storage.makedirs(logdir)
+            self._writer_lock = storage.lock(logdir)
+        step = self._state.get("global_step")
+        settings = _TierSettings(
+            memory_tier=self._memory_config,
+            replica_logdir=logdir,
+            saver=saver,
+            global_step=step if is_step(step) else get_global_step(),
+            is_chief=group.rank == group.chief_rank,
+            clock=self._clock or REAL_CLOCK,
         )
+        self._tiers = ModeTiers(settings, group)
         scaffold = self._scaffold
-        try:
-            sess = self._get_session_manager().prepare_session(
+        sess = prepare_sharded(
+            group,
+            self._tiers,
+            lambda tiers: self._get_session_manager().prepare_session(
                 self._master,
                 saver=saver,
                 checkpoint_dir=logdir,
@@ -181,22 +188,11 @@ class ShardedSessionCreator(_ScaffoldedCreator):
                 init_op=scaffold.init_op,
                 init_feed_dict=scaffold.init_feed_dict,
                 init_fn=scaffold.init_fn,
-            )
-        except Exception as e:
-            group.raise_flag("restore/failed", f"rank {group.rank}: {type(e).__name__}: {e}")
-            raise
-        restored = sess.restored_checkpoint
-        step = session_global_step(sess, get_global_step())
-        agree(
-            group,
-            "restore/result",
-            {
-                "checkpoint": os.path.basename(restored) if restored else None,
-                "step": None if step is None else read_step(step),
-            },
-            self._max_wait_secs,
-            what="the resume point",
-            abort="restore/failed",
+                tiers=tiers,
+            ),
+            poll_secs=_OPEN_POLL_SECS,
+            max_wait_secs=self._max_wait_secs,
+            clock=settings.clock,
         )
         sess.replicas = group
         # Each rank keeps its own streams; the final checkpoint of an agreed stop gets every
@@ -204,15 +200,38 @@ class ShardedSessionCreator(_ScaffoldedCreator):
         self._join_replicas(sess, group, each_step=False, saves_together=True)
         return sess
 
-    def close(self) -> None:
-        """Leave the replicas and release the writer lock (``MonitoredSession.close``).
+    def close(self, checkpoint_step: int | None = None) -> None:
+        """Leave the replicas, stop the memory tier and release the writer lock
+        (``MonitoredSession.close`` calls it).
+
+        Args:
+            checkpoint_step: The step of the newest checkpoint the session's hooks committed
+                or restored (known to every rank once a collective save returns; rank 0
+                updates the state file after that): the memory tier is freed when it is the
+                last step. None: kept.
 
         TF name: none.
         """
         self._leave_replicas()
+        tiers, self._tiers = self._tiers, None
+        if tiers is not None:
+            step = tiers.settings.global_step
+            tiers.close(step is not None and checkpoint_step == read_step(step))
         if self._writer_lock is not None:
             self._writer_lock.release()
             self._writer_lock = None
+
+
+@dataclasses.dataclass
+class _TierSettings:
+    """What the memory tier of a sharded run reads of its creator (``TierSettings``)."""
+
+    memory_tier: MemoryTierConfig | None
+    replica_logdir: str | None
+    saver: Any
+    global_step: Any
+    is_chief: bool
+    clock: Clock
 
 
 def _sharded_group(clock: Clock | None) -> ReplicaGroup:

@@ -83,7 +83,10 @@ def MonitoredTrainingSession(
     is set, ``StepCounterHook(every_n_steps=log_step_count_steps)`` when that is > 0 and
     ``SummarySaverHook`` when summaries are enabled; ``CheckpointSaverHook`` when
     ``checkpoint_dir`` is set and checkpoints are enabled; then ``hooks``. A non-chief waits
-    for a ready state and runs ``hooks`` only. The session is created here: the restore (or
+    for a ready state and runs ``hooks`` only. With a sharded state (FSDP2, under a process
+    group) every rank restores its shards of one checkpoint and saves them with the others
+    (``ShardedSessionCreator``, a ``ShardedCheckpointSaverHook`` on every rank); the other
+    standard hooks stay the chief's. The session is created here: the restore (or
     initialization) happens before this function returns.
 
     For an exact continuation after a restart, the state gets an ``RNGState`` under ``"rng"``
@@ -148,7 +151,8 @@ def MonitoredTrainingSession(
             ``memory_tier.every_n_steps`` steps (the chief; ``checkpoint_dir`` needed): see
             ``Supervisor``'s argument of the same name. Under DDP the other ranks then send
             their random streams to the chief at every step, so that its snapshots resume
-            every rank bitwise (``distributed/replica_streams``). None: off.
+            every rank bitwise (``distributed/replica_streams``). With a sharded state every
+            rank keeps its own shards (``ShardedSessionCreator``). None: off.
 
     Returns:
         A ``MonitoredSession`` (recovering from preemption errors).
@@ -166,7 +170,8 @@ def MonitoredTrainingSession(
         DataLossError: If ``checkpoint_dir`` holds checkpoints and none is valid.
         NotFoundError: If an entry of the state is missing from the checkpoint restored
             (other than the ``"rng"`` entry added here).
-        InvalidArgumentError: If a value of the checkpoint does not fit its state entry.
+        InvalidArgumentError: If a value of the checkpoint does not fit its state entry;
+            with a sharded state, if ``is_chief`` is given and is not ``rank == 0``.
         DeadlineExceededError: On a non-chief, if the state is not ready after
             ``max_wait_secs`` (``"Session was not ready after waiting %d secs."``).
         Exception: What the given hooks' ``begin`` and ``after_create_session`` raise.
@@ -340,11 +345,6 @@ class _Build:
                 f"With a sharded state the chief is rank 0; this is rank {rank} with "
                 f"is_chief={self.is_chief}"
             )
-        if self.memory_tier is not None:
-            logger.warning(
-                "MonitoredTrainingSession has no memory tier for a sharded state yet (the "
-                "Supervisor has): memory_tier is off"
-            )
         creator = ShardedSessionCreator(
             self.scaffold,
             self.master,
@@ -354,6 +354,7 @@ class _Build:
             state=self.state,
             device=self.device,
             clock=self.clock,
+            memory_tier=self.memory_tier,
         )
         if self.rng_added:
             creator.allow_missing("rng")

@@ -18,23 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from torchsupervisor.checkpoint.files import checkpoint_step
 from torchsupervisor.checkpoint.recovery import restore_candidates
 from torchsupervisor.checkpoint.run_id import ensure_run_id, read_run_id
+from torchsupervisor.core.clock import Clock
 from torchsupervisor.core.session import Session
 from torchsupervisor.distributed import env as distributed
 from torchsupervisor.distributed.launcher import current_launcher
 from torchsupervisor.distributed.replicas import ReplicaGroup
 from torchsupervisor.errors import DeadlineExceededError
-from torchsupervisor.supervisor.settings import Settings
 from torchsupervisor.tiers import replication, ring
-from torchsupervisor.tiers.memory import MEMORY_TIER, MemoryTier
+from torchsupervisor.tiers.memory import MEMORY_TIER, MemoryTier, MemoryTierConfig
 from torchsupervisor.tiers.peer import PeerSender, PeerServer
 from torchsupervisor.tiers.tier import SnapshotTier
 
-__all__ = ["PEER_END", "PEER_EXCHANGE_SECS", "RING_END", "ModeTiers"]
+__all__ = ["PEER_END", "PEER_EXCHANGE_SECS", "RING_END", "ModeTiers", "TierSettings"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -48,11 +48,24 @@ RING_END = "memory/ring-end"
 """Where each rank of a sharded run says it has sent its last copy and freed its tier."""
 
 
+class TierSettings(Protocol):
+    """What ``ModeTiers`` reads of its owner's settings (the Supervisor's ``Settings``, or a
+    ``ShardedSessionCreator``'s): the attributes of the Supervisor's arguments of the same
+    names (``replica_logdir``: the log directory, on every rank)."""
+
+    memory_tier: MemoryTierConfig | None
+    replica_logdir: str | None
+    saver: Any
+    global_step: Any
+    is_chief: bool
+    clock: Clock
+
+
 class ModeTiers:
     """The memory tier and peer replicas of one mode (module docstring).
 
     Args:
-        settings: The Supervisor's settings (``memory_tier``, the log directory, the saver).
+        settings: The Supervisor's settings, or a creator's (``TierSettings``).
         replicas: The run's ranks, or None for one process.
 
     Attributes:
@@ -61,7 +74,7 @@ class ModeTiers:
         peer_sender: The chief's sender of its snapshots to its peer.
     """
 
-    def __init__(self, settings: Settings, replicas: ReplicaGroup | None) -> None:
+    def __init__(self, settings: TierSettings, replicas: ReplicaGroup | None) -> None:
         self.settings = settings
         self.replicas = replicas
         self.memory: MemoryTier | None = None

@@ -24,7 +24,6 @@ Thread safety: used on the training thread, as the Supervisor.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir, restore_candidates
+from torchsupervisor.checkpoint.recovery import clean_checkpoint_dir
 from torchsupervisor.checkpoint.run_id import ensure_run_id
 from torchsupervisor.checkpoint.sharded.plan import is_sharded
 from torchsupervisor.core.coordinator import Coordinator, LooperThread
@@ -40,7 +39,7 @@ from torchsupervisor.core.global_step import read_step
 from torchsupervisor.core.session import Session
 from torchsupervisor.distributed import env as distributed
 from torchsupervisor.distributed.replica_streams import ReplicaStreams, start_streams
-from torchsupervisor.distributed.replicas import ReplicaGroup, agree
+from torchsupervisor.distributed.replicas import ReplicaGroup
 from torchsupervisor.distributed.stop_agreement import StopAgreement
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 from torchsupervisor.driver.preemption import Preemption
@@ -50,8 +49,7 @@ from torchsupervisor.supervisor.mode_tiers import ModeTiers
 from torchsupervisor.supervisor.services import SVTimerCheckpointThread
 from torchsupervisor.supervisor.session_manager import DIRECTORY_TIERS
 from torchsupervisor.supervisor.settings import Settings
-from torchsupervisor.tiers.agreed import agreed_tier
-from torchsupervisor.tiers.local_disk import LOCAL_TIER
+from torchsupervisor.supervisor.sharded_restore import prepare_sharded
 from torchsupervisor.tiers.memory import HELD_IN_MEMORY
 
 __all__ = [
@@ -380,74 +378,29 @@ class ShardedMode(Mode):
     def prepare(
         self, master: str, config: object, wait_for_checkpoint: bool, max_wait_secs: float
     ) -> Session:
-        """Every rank restores its shards of the same checkpoint, or initializes them.
-
-        The chief first cleans what a crash left in the logdir; the others wait for that
-        (``recovery_wait_secs`` polling, ``max_wait_secs``). Every rank then lists the
-        checkpoints it would try; the lists must be equal (a logdir that is not shared, or a
-        save racing the start, is an error on every rank). Every rank then goes through the
-        SessionManager: ``Saver.restore`` is a collective whose errors reach every rank, so a
-        corrupt checkpoint makes every rank fall back to the same older one. With nothing to
-        restore, each rank runs ``init_op`` and ``init_fn`` on its own shards. At the end the
-        ranks check that they resumed from the same checkpoint at the same step.
-        """
+        """Every rank restores its shards of the same checkpoint or snapshot, or
+        initializes them (``sharded_restore.prepare_sharded``; the chief's wait polls every
+        ``recovery_wait_secs`` at most)."""
         replicas = self.replicas
         st = self.settings
         assert replicas is not None
-        logdir = st.replica_logdir
-        if st.is_chief:
-            if logdir:
-                clean_checkpoint_dir(logdir)
-                ensure_run_id(logdir)  # Before the others read it (the memory tier).
-            replicas.publish_ready({}, name="restore/open")
-        else:
-            interval = min(st.recovery_wait_secs, OPEN_POLL_SECS)
-            replicas.wait_ready(interval, max_wait_secs, name="restore/open", clock=st.clock)
-        candidates = restore_candidates(logdir) if logdir and st.saver is not None else []
-        agree(
+        sess = prepare_sharded(
             replicas,
-            "restore/candidates",
-            {"logdir": bool(logdir), "candidates": [os.path.basename(c) for c in candidates]},
-            max_wait_secs,
-            what="the checkpoints to restore from (is the logdir shared by every replica?)",
-        )
-        tiers = self.tiers.open(sharded=True)
-        if st.memory_tier is not None and logdir and st.saver is not None:
-            ring = self.tiers.exchange_ring()
-            memory = self.tiers.memory
-            agreed = [agreed_tier(memory, replicas, max_wait_secs, **ring)]
-            if st.memory_tier.local_disk is not None:  # The same on every rank.
-                local = None if memory is None else memory.local_disk
-                agreed.append(agreed_tier(local, replicas, max_wait_secs, name=LOCAL_TIER))
-            tiers = [t for t in agreed if t is not None]
-        try:
-            sess = _prepare_session(
+            self.tiers,
+            lambda tiers: _prepare_session(
                 st,
                 master,
                 config,
                 wait_for_checkpoint,
                 max_wait_secs,
-                checkpoint_dir=logdir,
-                tiers=tiers,
-            )
-        except Exception as e:
-            replicas.raise_flag("restore/failed", f"rank {replicas.rank}: {type(e).__name__}: {e}")
-            raise
-        restored = sess.restored_checkpoint
-        self.tiers.drop_abandoned(self.context.current_step())  # Before any rank sends.
-        agree(
-            replicas,
-            "restore/result",
-            {
-                "checkpoint": os.path.basename(restored) if restored else None,
-                "step": self.context.current_step(),
-            },
-            max_wait_secs,
-            what="the resume point",
-            abort="restore/failed",
+                checkpoint_dir=st.replica_logdir,
+                tiers=list(tiers),
+            ),
+            poll_secs=min(st.recovery_wait_secs, OPEN_POLL_SECS),
+            max_wait_secs=max_wait_secs,
+            clock=st.clock,
         )
         self.sess = sess
-        self.tiers.start(sess)
         self._stop_agreement()
         # Each rank's memory tier keeps its own streams; the final checkpoint of an agreed
         # stop gets every rank's (a restart from it continues them).
