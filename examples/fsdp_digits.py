@@ -17,6 +17,10 @@ the same step from the final checkpoint. With ``--memory-every-n-steps 1`` every
 keeps its shards in host memory at every step: ``kill -9`` a rank under ``torchrun
 --max-restarts=1`` and the restarted ranks resume from there, a step or two back. A sharded
 save blocks the training threads while the shards are written (see ``docs/distributed.md``).
+
+``--front-end monitored`` trains the same under ``MonitoredTrainingSession`` (every rank a
+``ShardedSessionCreator`` and a ``ShardedCheckpointSaverHook``), with the same checkpoints,
+memory tier and output.
 """
 
 from __future__ import annotations
@@ -56,6 +60,12 @@ def main() -> None:
         "its local disk, every --local-every-n-steps steps (a restart after a reboot)",
     )
     parser.add_argument("--local-every-n-steps", type=int, default=10)
+    parser.add_argument(
+        "--front-end",
+        choices=("supervisor", "monitored"),
+        default="supervisor",
+        help="train under a Supervisor or a MonitoredTrainingSession",
+    )
     parser.add_argument("--local-keep", type=int, default=2, help="copies kept a rank")
     args = parser.parse_args()
 
@@ -73,29 +83,23 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     step = ts.GlobalStep()
     step.bind(optimizer)
-    sv = ts.Supervisor(
-        logdir=args.logdir,
-        state={
-            "model": model,
-            # Keyed by parameter names and sharded like the parameters: it reshards too.
-            "optimizer": ShardedOptimizerState(model, optimizer),
-            "global_step": step,
-        },
-        save_model_secs=args.save_model_secs,
-        save_summaries_secs=5,
-        preemption_signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT),
-        memory_tier=(
-            ts.MemoryTierConfig(
-                every_n_steps=args.memory_every_n_steps,
-                local_disk=ts.LocalDiskConfig(
-                    args.local_dir, every_n_steps=args.local_every_n_steps, keep=args.local_keep
-                )
-                if args.local_dir
-                else None,
+    state = {
+        "model": model,
+        # Keyed by parameter names and sharded like the parameters: it reshards too.
+        "optimizer": ShardedOptimizerState(model, optimizer),
+        "global_step": step,
+    }
+    memory_tier = (
+        ts.MemoryTierConfig(
+            every_n_steps=args.memory_every_n_steps,
+            local_disk=ts.LocalDiskConfig(
+                args.local_dir, every_n_steps=args.local_every_n_steps, keep=args.local_keep
             )
-            if args.memory_every_n_steps
-            else None
-        ),
+            if args.local_dir
+            else None,
+        )
+        if args.memory_every_n_steps
+        else None
     )
 
     def train_step() -> torch.Tensor:
@@ -107,23 +111,62 @@ def main() -> None:
         optimizer.zero_grad()
         return loss.detach()
 
-    with sv.managed_session("env://") as sess:
+    def resumed(sess: ts.Session) -> None:
         if sess.restored_checkpoint:
             tier = f" ({sess.restored_tier} tier)" if sess.restored_tier else ""
             print(
                 f"rank {rank}: resumed at step {step.value} from {sess.restored_checkpoint}{tier}",
                 flush=True,
             )
-        while not sv.should_stop() and step.value < args.max_steps:
-            loss = sess.run(train_step)
-            if sv.is_chief:
-                sv.summary_writer.add_scalar("train/loss", loss, step.value)
-            if step.value % args.log_every == 0:
-                # The forward pass gathers the shards: every rank evaluates, the chief prints.
-                acc = accuracy(model, data.test_x, data.test_y)
-                if sv.is_chief:
-                    print(f"step {step.value}: loss {loss.item():.4f}, accuracy {acc:.1%}")
+
+    def log(loss: torch.Tensor, writer: ts.SummaryWriter | None) -> None:
+        if writer is not None:
+            writer.add_scalar("train/loss", loss, step.value)
+        if step.value % args.log_every == 0:
+            # The forward pass gathers the shards: every rank evaluates, the chief prints.
+            acc = accuracy(model, data.test_x, data.test_y)
+            if rank == 0:
+                print(f"step {step.value}: loss {loss.item():.4f}, accuracy {acc:.1%}")
+
+    if args.front_end == "monitored":
+        created = _Created()
+        with ts.MonitoredTrainingSession(
+            master="env://",
+            checkpoint_dir=args.logdir,
+            state=state,
+            hooks=[created],
+            save_checkpoint_secs=args.save_model_secs,
+            save_summaries_steps=0,
+            log_step_count_steps=0,
+            memory_tier=memory_tier,
+        ) as sess:
+            resumed(created.session)
+            writer = ts.SummaryWriterCache.get(args.logdir) if rank == 0 else None
+            while not sess.should_stop() and step.value < args.max_steps:
+                log(sess.run(train_step), writer)
+    else:
+        sv = ts.Supervisor(
+            logdir=args.logdir,
+            state=state,
+            save_model_secs=args.save_model_secs,
+            save_summaries_secs=5,
+            preemption_signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT),
+            memory_tier=memory_tier,
+        )
+        with sv.managed_session("env://") as sess:
+            resumed(sess)
+            while not sv.should_stop() and step.value < args.max_steps:
+                log(sess.run(train_step), sv.summary_writer if sv.is_chief else None)
     print(f"rank {rank}: done at step {step.value}", flush=True)
+
+
+class _Created(ts.SessionRunHook):
+    """Keeps the session a ``MonitoredTrainingSession`` created (its restore)."""
+
+    session: ts.Session
+
+    def after_create_session(self, session: ts.Session, coord: object) -> None:
+        self.session = session
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 
+import pytest
 from rank_processes import run_ranks, start_ranks
 from repo_paths import worker
 
@@ -51,6 +52,16 @@ def _checkpoint_events(logdir) -> list[int]:
     return steps
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> str:
+    """The digest both ranks end with after 30 steps without a stop (one run per module)."""
+    results = run_ranks(WORKER, tmp_path_factory.mktemp("uninterrupted") / "run", "=30")
+    _ok(results)
+    digests = {_lines(out, "DONE")[0][3] for out, _, _ in results}
+    assert len(digests) == 1
+    return digests.pop()
+
+
 def test_every_rank_restores_and_saves_its_shards_at_the_same_steps(tmp_path):
     logdir = tmp_path / "run"
     first = run_ranks(WORKER, logdir, "=10", "--save-steps", 4)
@@ -76,12 +87,9 @@ def test_every_rank_restores_and_saves_its_shards_at_the_same_steps(tmp_path):
     assert [_saved(out) for out, _, _ in again] == [[14]] * 2
 
 
-def test_a_signal_to_one_rank_stops_both_with_a_final_checkpoint_that_resumes_bitwise(tmp_path):
-    reference = run_ranks(WORKER, tmp_path / "reference", "=30")
-    _ok(reference)
-    expected = {_lines(out, "DONE")[0][3] for out, _, _ in reference}
-    assert len(expected) == 1
-
+def test_a_signal_to_one_rank_stops_both_with_a_final_checkpoint_that_resumes_bitwise(
+    tmp_path, uninterrupted
+):
     logdir = tmp_path / "run"
     procs = start_ranks(WORKER, logdir, "=30", "--save-secs", 0.3, "--step-delay", 0.05)
     deadline = time.monotonic() + 120
@@ -109,7 +117,7 @@ def test_a_signal_to_one_rank_stops_both_with_a_final_checkpoint_that_resumes_bi
     assert [_lines(out, "READY")[0][2] for out, _, _ in resumed] == [str(stopped)] * 2
     # Every tensor and every rank's random stream continued: the run ends as the run
     # without the stop did.
-    assert {_lines(out, "DONE")[0][3] for out, _, _ in resumed} == expected
+    assert {_lines(out, "DONE")[0][3] for out, _, _ in resumed} == {uninterrupted}
 
 
 def test_a_rank_that_fails_makes_the_other_stop_at_once_without_a_final_checkpoint(tmp_path):
@@ -124,11 +132,9 @@ def test_a_rank_that_fails_makes_the_other_stop_at_once_without_a_final_checkpoi
     assert _saved(results[0][0]) == [0, 4]
 
 
-def test_a_killed_rank_resumes_with_the_other_from_their_memory_tiers_bitwise(tmp_path):
-    reference = run_ranks(WORKER, tmp_path / "reference", "=30")
-    _ok(reference)
-    expected = {_lines(out, "DONE")[0][3] for out, _, _ in reference}
-
+def test_a_killed_rank_resumes_with_the_other_from_their_memory_tiers_bitwise(
+    tmp_path, uninterrupted
+):
     logdir, memory = tmp_path / "run", tmp_path / "shm"
     memory.mkdir()
     options = ("--save-secs", 3600, "--memory-root", memory)
@@ -144,7 +150,7 @@ def test_a_killed_rank_resumes_with_the_other_from_their_memory_tiers_bitwise(tm
     assert {r[5] for r in ready} == {"memory"} and len({r[2] for r in ready}) == 1
     assert int(ready[0][2]) in (11, 12)
     # Every tensor and every rank's random stream continued from its own snapshot.
-    assert {_lines(out, "DONE")[0][3] for out, _, _ in resumed} == expected
+    assert {_lines(out, "DONE")[0][3] for out, _, _ in resumed} == {uninterrupted}
     # The final checkpoint holds the last step: every rank freed its memory tier.
     assert _committed(logdir)[-1] == 30
     assert not glob.glob(os.path.join(memory_root(str(memory)), "*", "*", "*.index"))

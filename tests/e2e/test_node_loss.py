@@ -53,9 +53,9 @@ def _agent(
         *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=node-loss"),
         # A lost node leaves the rendezvous when its heartbeats stop: after 2 s, not 15.
         "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=2",
-        os.path.join(ROOT, "examples", example),
+        os.path.join(ROOT, "examples", example.split()[0]),
         *("--logdir", logdir, "--max-steps", str(MAX_STEPS), "--save-model-secs", "3600"),
-        *("--memory-every-n-steps", "1", "--log-every", "50"),
+        *("--memory-every-n-steps", "1", "--log-every", "50", *example.split()[1:]),
     ]
     env = {
         **env,
@@ -94,11 +94,11 @@ def uninterrupted(tmp_path_factory):
             root = tmp_path_factory.mktemp("uninterrupted")
             logdir = root / "logdir"
             process = start_example(
-                example,
+                example.split()[0],
                 logdir,
                 root,
                 *("--max-steps", str(MAX_STEPS), "--save-model-secs", "3600"),
-                *("--memory-every-n-steps", "1", "--log-every", "50"),
+                *("--memory-every-n-steps", "1", "--log-every", "50", *example.split()[1:]),
                 nproc=world,
             )
             finish(process, root)
@@ -128,6 +128,8 @@ def _peer_copies(workdir, logdir: str, owner: int = 0) -> list[int]:
         pytest.param("fsdp_digits.py", 2, 1, True, marks=pytest.mark.slow),
         pytest.param("fsdp_digits.py", 2, 2, True, marks=pytest.mark.slow),
         pytest.param("fsdp_digits.py", 3, 1, True, marks=pytest.mark.slow),
+        # The example's arguments after its name: under a MonitoredTrainingSession.
+        pytest.param("fsdp_digits.py --front-end monitored", 2, 1, True, marks=pytest.mark.slow),
     ],
     ids=[
         "DDP, 2 nodes",
@@ -135,6 +137,7 @@ def _peer_copies(workdir, logdir: str, owner: int = 0) -> list[int]:
         "FSDP2, 2 nodes",
         "FSDP2, 2 nodes x 2 ranks",
         "FSDP2, 3 nodes",
+        "FSDP2 MonitoredTrainingSession, 2 nodes",
     ],
 )
 def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(
@@ -193,7 +196,7 @@ def test_the_chiefs_node_is_lost_and_the_run_resumes_from_its_peer_copy(
     # The chief resumed from the memory tier at a step no older than the copy seen before the
     # loss (the disk held only the checkpoint of the start), and every rank with it.
     assert resumed[0][0] == "0" and resumed[0][3] == " (memory tier)", resumed
-    if example == "fsdp_digits.py":  # Every rank restored its own part from the memory tier.
+    if example.startswith("fsdp_digits.py"):  # Every rank restored its own part from memory.
         assert all(r[3] == " (memory tier)" for r in resumed), resumed
         assert f"Resumed at step {step} from the memory tier, from a peer copy" in text
     assert step >= copied

@@ -72,7 +72,7 @@ from torchsupervisor.distributed.replicas import ReplicaAbort, ReplicaGroup
 from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 from torchsupervisor.errors import CheckpointSaveError, DeadlineExceededError
 
-__all__ = ["DEFAULT_AGREEMENT_SECS", "ShardedCheckpointService", "veto"]
+__all__ = ["DEFAULT_AGREEMENT_SECS", "ShardedCheckpointService", "veto_checkpoints"]
 
 logger = logging.getLogger("torchsupervisor")
 
@@ -148,13 +148,13 @@ class ShardedCheckpointService:
             raise ValueError("Sharded checkpoints of replicas need a global step to agree on")
         self._sess = sess
         self.driver = driver
-        """Saves and reports (the chief's writes the events); this service decides the step."""
+        """Saves and reports (the chief's writes the events too); this service decides the
+        step."""
         self._global_step = driver.global_step
         self._group = group
         self._start = start or (lambda step: driver.start(sess, step))
         self._poll_secs = poll_secs
         self._agreement_secs = agreement_secs
-        self._is_chief = group.rank == group.chief_rank
         self._clock = clock or REAL_CLOCK
         self._lock = threading.Lock()
         self._tasks: dict[int, _SaveTask] = {}
@@ -403,8 +403,9 @@ class ShardedCheckpointService:
         return self._save(self._completed()) if self.agree_now() else None
 
     def veto(self, reason: str) -> None:
-        """Tell every rank that this rank will not save again in this session (``veto``)."""
-        veto(self._group, reason)
+        """Tell every rank that this rank will not save again in this session
+        (``veto_checkpoints``)."""
+        veto_checkpoints(self._group, reason)
 
     def agree_final(self, timeout_secs: float, budget_secs: float | None = None) -> bool:
         """The vote on the final checkpoint of a clean stop: every rank saves or none does.
@@ -469,7 +470,7 @@ class ShardedCheckpointService:
         return self._save(self._completed())
 
 
-def veto(group: ReplicaGroup, reason: str) -> None:
+def veto_checkpoints(group: ReplicaGroup, reason: str) -> None:
     """Tell every rank of ``group`` that this rank will not save again in this session.
 
     Called by a rank whose session failed: the others skip the checkpoint they may be voting

@@ -29,7 +29,7 @@ from torchsupervisor.core.global_step import GlobalStepLike, read_step
 from torchsupervisor.distributed.replica_streams import ReplicaStreams
 from torchsupervisor.distributed.replicas import ReplicaGroup
 from torchsupervisor.distributed.stop_agreement import StopAgreement
-from torchsupervisor.driver.sharded_checkpoints import veto
+from torchsupervisor.driver.sharded_checkpoints import veto_checkpoints
 
 __all__ = ["ReplicaStop"]
 
@@ -42,8 +42,8 @@ class ReplicaStop:
         global_step: The global step (the agreement counts completed steps).
         streams: This rank's ``ReplicaStreams`` (gathered at the agreed step), or None.
         saves_together: Every rank saves each checkpoint (a sharded state): a rank that
-            leaves with an error also vetoes the checkpoints (``sharded_checkpoints.veto``),
-            so that the others do not wait for its vote.
+            leaves with an error also vetoes the checkpoints (``veto_checkpoints``), so that
+            the others do not wait for its vote.
     """
 
     def __init__(
@@ -93,5 +93,5 @@ class ReplicaStop:
             reason = f"{type(failure).__name__}: {failure}"
             self.agreement.request(reason, failed=True)
             if self.saves_together:
-                veto(self.group, f"its session ended with an error: {reason}")
+                veto_checkpoints(self.group, f"its session ended with an error: {reason}")
         self.agreement.close()
