@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch.distributed as dist
+from rank_processes import run_ranks
 from repo_paths import worker
 
 from torchsupervisor.core.global_step import GlobalStep
@@ -133,6 +134,16 @@ def test_under_torchrun_a_start_whose_chief_died_ends_in_seconds_not_at_the_sigk
     assert len(gone) == 1 and gone[0][2:] == ["[0]"], done.stdout + done.stderr[-3000:]
     # About a second after it began to wait (before: no GONE, a wait until the SIGKILL).
     assert float(gone[0][1]) < 10, (gone, elapsed)
+
+
+def test_a_rank_that_died_before_its_first_group_is_gone_for_the_others():
+    """Recorded when it joined (``connect``): rank 0 waits about a second, not 120 s."""
+    results = run_ranks(worker("startup_death_worker.py"), "before-group", timeout=120)
+    assert results[1][2] == -signal.SIGKILL
+    out, err, code = results[0]
+    gone = [line.split() for line in out.splitlines() if line.startswith("GONE ")]
+    assert code == 3 and len(gone) == 1 and gone[0][2:] == ["[1]"], out + err[-3000:]
+    assert float(gone[0][1]) < 10
 
 
 def test_a_stop_does_not_wait_for_the_step_count_of_a_rank_that_is_gone(child):

@@ -37,6 +37,7 @@ from torchsupervisor.core import thread_registry
 from torchsupervisor.core.session import join_masters_with
 from torchsupervisor.distributed.attempt import DEFAULT_TIMEOUT_SECS
 from torchsupervisor.distributed.launcher import NAMESPACED_GROUPS, current_launcher
+from torchsupervisor.distributed.liveness import ProcessRecords, records_prefix
 from torchsupervisor.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IN_PROCESS_MASTERS",
+    "STORE_NAMESPACE",
     "background_group",
     "connect",
     "default_backend",
@@ -56,6 +58,11 @@ __all__ = [
 logger = logging.getLogger("torchsupervisor")
 
 IN_PROCESS_MASTERS = ("", "local")
+
+STORE_NAMESPACE = "torchsupervisor/"
+"""The library's keys in a process group's store that is new in each run (the groups
+``connect`` makes); under a store that outlives restart attempts, each attempt gets its own
+namespace (``replicas``, ``attempt``)."""
 
 
 def default_backend() -> str:
@@ -295,6 +302,14 @@ def connect(master: str, timeout_secs: float | None = None, backend: str | None 
         raise
     if "store" in kwargs:
         NAMESPACED_GROUPS.add(dist.group.WORLD)
+    if not store_outlives_attempts(dist.group.WORLD):
+        # Where this process runs, before any agreement: a rank that dies before its first
+        # ReplicaGroup is seen gone by the others' waits (``liveness``).
+        ProcessRecords(
+            dist.distributed_c10d._get_default_store(),
+            records_prefix(STORE_NAMESPACE),
+            dist.get_rank(),
+        )
     _JOINED[:] = [(joining, time.time())]
     _destroy_at_exit()
     logger.info(

@@ -9,9 +9,14 @@ it makes its ``ReplicaGroup``; a waiting rank looks about once a second, and a r
 process ran in the same pid namespace of the same boot and no longer exists (or is a zombie)
 ends the wait at once (``AbortedError``).
 
+The record is written when ``connect`` has formed the group (a rank that dies before its
+first ``ReplicaGroup``, while it builds its model, is seen gone too), and again by each
+``ReplicaGroup`` (a group that ``connect`` did not make; under torchrun's shared store, in the
+namespace of the restart attempt the ranks agree on at their first group).
+
 A rank on another machine cannot be looked up: its wait runs to its deadline (or the
 launcher's signals), except in a stop agreement, whose pollers beat in the store
-(``stop_agreement``). A rank that died before it made its group left no record: the same.
+(``stop_agreement``). A rank that died before it recorded itself: the same.
 
 TF name: none.
 """
@@ -23,7 +28,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["LIVENESS_SECS", "ProcessIdentity", "ProcessRecords", "process_gone"]
+__all__ = ["LIVENESS_SECS", "ProcessIdentity", "ProcessRecords", "process_gone", "records_prefix"]
 
 LIVENESS_SECS = 1.0
 """How often a waiting rank looks whether the ranks it waits for are gone (seconds)."""
@@ -93,6 +98,11 @@ def process_gone(identity: ProcessIdentity, here: ProcessIdentity | None = None)
         return False
     state = stat.rsplit(b")", 1)[-1].split()[:1]  # The field after the command's name.
     return state in ([b"Z"], [b"X"])
+
+
+def records_prefix(namespace: str) -> str:
+    """Where the ranks' records go in a store, under the library's ``namespace`` of it."""
+    return f"{namespace}process/"
 
 
 class ProcessRecords:

@@ -35,8 +35,12 @@ from torchsupervisor.core.state_load import load_state
 from torchsupervisor.core.training_state import shared_entries
 from torchsupervisor.core.tree import decode_tree, encode_tree
 from torchsupervisor.distributed.attempt import DEFAULT_TIMEOUT_SECS, attempt_namespace
-from torchsupervisor.distributed.env import communication_device, store_outlives_attempts
-from torchsupervisor.distributed.liveness import LIVENESS_SECS, ProcessRecords
+from torchsupervisor.distributed.env import (
+    STORE_NAMESPACE,
+    communication_device,
+    store_outlives_attempts,
+)
+from torchsupervisor.distributed.liveness import LIVENESS_SECS, ProcessRecords, records_prefix
 from torchsupervisor.errors import (
     AbortedError,
     DeadlineExceededError,
@@ -74,7 +78,7 @@ def _attempt_prefix(store: Any, rank: int, world_size: int) -> str:
     """
     group = dist.group.WORLD
     if not store_outlives_attempts(group):
-        return "torchsupervisor/"
+        return STORE_NAMESPACE
     if group not in _ATTEMPTS:
         _ATTEMPTS[group] = attempt_namespace(store, rank, world_size, DEFAULT_TIMEOUT_SECS)
     return _ATTEMPTS[group]
@@ -118,14 +122,14 @@ class ReplicaGroup:
             store, rank, world_size = _store(), dist.get_rank(), dist.get_world_size()
             attempt = _attempt_prefix(store, rank, world_size)
         else:
-            attempt = "torchsupervisor/"
+            attempt = STORE_NAMESPACE
         self.rank = int(rank or 0)
         self.world_size = int(world_size or 1)
         self.chief_rank = chief_rank
         self._prefix = f"{attempt}{generation}/"
         self._store = store
         self.clock = clock or REAL_CLOCK
-        self.processes = ProcessRecords(store, f"{attempt}process/", self.rank)
+        self.processes = ProcessRecords(store, records_prefix(attempt), self.rank)
         """Where each rank's process runs: a wait ends once the awaited rank is gone."""
 
     def key(self, name: str) -> str:
