@@ -36,19 +36,16 @@ from torchsupervisor.core.checks import (
     check_str,
 )
 from torchsupervisor.core.clock import Clock
-from torchsupervisor.core.coordinator import Coordinator
 from torchsupervisor.core.global_step import get_global_step, read_step
-from torchsupervisor.core.registry import Graph, GraphKeys, get_default_graph
+from torchsupervisor.core.registry import get_default_graph
 from torchsupervisor.core.session import Session
 from torchsupervisor.core.training_state import TrainingState
 from torchsupervisor.distributed import env as distributed
 from torchsupervisor.distributed.replica_streams import ReplicaStreams, start_streams
 from torchsupervisor.distributed.replicas import ReplicaGroup
 from torchsupervisor.hooks._global_step import session_global_step
-from torchsupervisor.hooks.session_run_hook import SessionRunHook, checkpoint_drivers
 from torchsupervisor.monitored.replica_stop import ReplicaStop
 from torchsupervisor.monitored.scaffold import Scaffold, check_scaffold, prepare_state, same_state
-from torchsupervisor.monitored.wrappers import HookedSession, _CoordinatedSession
 from torchsupervisor.storage import DirectoryLock, storage_for
 from torchsupervisor.supervisor.session_manager import SessionManager
 from torchsupervisor.tiers.memory import MEMORY_TIER, MemoryTier, MemoryTierConfig
@@ -572,64 +569,3 @@ class WorkerSessionCreator(_ScaffoldedCreator):
         """
         del checkpoint_step
         self._leave_replicas()
-
-
-class CoordinatedSessionCreator:
-    """Creates a session, its coordinator and queue-runner threads, and informs the hooks
-    (``MonitoredSession``'s creator, wrapped around the user's ``session_creator``)."""
-
-    def __init__(
-        self,
-        session_creator: SessionCreator,
-        hooks: list[SessionRunHook],
-        stop_grace_period_secs: float,
-        graph: Graph,
-    ) -> None:
-        self._session_creator = session_creator
-        self._hooks = hooks
-        self._stop_grace_period_secs = stop_grace_period_secs
-        self._graph = graph
-        self.tf_sess: Session | None = None
-        self.coord: Coordinator | None = None
-
-    def close(self) -> None:
-        """Release what the session creator holds (the chief's writer lock, the memory tier:
-        freed when the hooks' newest checkpoint holds the last step)."""
-        creator = self._session_creator
-        if isinstance(creator, _ScaffoldedCreator):
-            steps = [d.last_step for d in checkpoint_drivers(self._hooks)]
-            creator.close(max((s for s in steps if s is not None), default=None))
-            return
-        close = getattr(creator, "close", None)
-        if close is not None:
-            close()
-
-    def create_session(self) -> _CoordinatedSession:
-        # A checkpoint still being written (a recovery) is committed before the new session
-        # looks for the newest checkpoint to restore.
-        for driver in checkpoint_drivers(self._hooks):
-            driver.wait()
-        sess = self._session_creator.create_session()
-        coord = Coordinator(clean_stop_exception_types=[])
-        try:
-            for runner in self._graph.get_collection(GraphKeys.QUEUE_RUNNERS):
-                runner.create_threads(sess, coord=coord, daemon=True, start=True)
-            for hook in self._hooks:
-                hook.after_create_session(sess, coord)
-        except BaseException:
-            coord.request_stop()
-            try:
-                coord.join(
-                    stop_grace_period_secs=self._stop_grace_period_secs, ignore_live_threads=True
-                )
-            except Exception:
-                pass
-            sess.close()
-            raise
-        self.tf_sess, self.coord = sess, coord
-        lock = getattr(self._session_creator, "writer_lock", None)
-        if lock is not None:  # Lost to another writer: the session stops with its error.
-            lock.on_lost(lambda e: coord.request_stop((type(e), e, e.__traceback__)))
-        return _CoordinatedSession(
-            HookedSession(sess, self._hooks), coord, self._stop_grace_period_secs
-        )

@@ -65,11 +65,8 @@ from torchsupervisor.driver.requeue import SlurmRequeue, check_requeue
 from torchsupervisor.errors import OutOfRangeError
 from torchsupervisor.hooks._global_step import session_global_step
 from torchsupervisor.hooks.session_run_hook import SessionRunHook, checkpoint_drivers
-from torchsupervisor.monitored.creators import (
-    ChiefSessionCreator,
-    CoordinatedSessionCreator,
-    SessionCreator,
-)
+from torchsupervisor.monitored.coordinated_creator import CoordinatedSessionCreator
+from torchsupervisor.monitored.creators import ChiefSessionCreator, SessionCreator
 from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.monitored.wrappers import (
     StepContext,
