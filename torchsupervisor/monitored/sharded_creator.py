@@ -41,6 +41,7 @@ from torchsupervisor.monitored.creators import _new_group, _ScaffoldedCreator, c
 from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.storage import DirectoryLock, storage_for
 from torchsupervisor.supervisor.mode_tiers import ModeTiers
+from torchsupervisor.supervisor.modes import OPEN_POLL_SECS
 from torchsupervisor.supervisor.sharded_restore import prepare_sharded
 from torchsupervisor.tiers.memory import MemoryTier, MemoryTierConfig
 
@@ -48,11 +49,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ShardedSessionCreator"]
-
-_OPEN_POLL_SECS = 0.05
-"""How often a non-chief looks at the store for the chief's word that the directory is
-ready, in seconds (one store check; the Supervisor's ``OPEN_POLL_SECS``)."""
-
 
 class ShardedSessionCreator(_ScaffoldedCreator):
     """Create the session of one rank of a sharded state, restored with every other rank.
@@ -190,7 +186,7 @@ class ShardedSessionCreator(_ScaffoldedCreator):
                 init_fn=scaffold.init_fn,
                 tiers=tiers,
             ),
-            poll_secs=_OPEN_POLL_SECS,
+            poll_secs=OPEN_POLL_SECS,
             max_wait_secs=self._max_wait_secs,
             clock=settings.clock,
         )
