@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ShardedSessionCreator"]
 
+
 class ShardedSessionCreator(_ScaffoldedCreator):
     """Create the session of one rank of a sharded state, restored with every other rank.
 
