@@ -67,3 +67,48 @@ def test_the_sharded_hook_needs_a_session_every_rank_prepared(tmp_path):
     hook.begin()
     with pytest.raises(ValueError, match="prepared together"):
         hook.after_create_session(ts.Session({"global_step": step}), None)
+
+
+class _Recorder(ts.CheckpointSaverListener):
+    """Records the calls it gets; asks to stop after the checkpoint of step 4."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def before_save(self, session, global_step_value):
+        self.calls.append(("before", global_step_value))
+
+    def after_save(self, session, global_step_value):
+        self.calls.append(("after", global_step_value))
+        return global_step_value == 4
+
+    def end(self, session, global_step_value):
+        self.calls.append(("end", global_step_value))
+
+
+def _listened(rank: int, world_size: int, logdir: str) -> list[tuple[str, int]]:
+    state = _sharded_state(world_size)
+    model, step = state["model"], state["global_step"]
+    listener = _Recorder()
+    creator = ts.ShardedSessionCreator(checkpoint_dir=logdir, state=state)
+    hook = ts.ShardedCheckpointSaverHook(logdir, save_steps=2, listeners=[listener])
+
+    def train() -> None:
+        model(torch.ones(2, 4)).sum().backward()
+        state["optimizer"].optimizer.step()
+
+    with ts.MonitoredSession(session_creator=creator, hooks=[hook]) as sess:
+        while not sess.should_stop() and step.value < 20:
+            sess.run(train)
+    return listener.calls
+
+
+def test_the_sharded_hook_calls_its_listeners_on_every_rank_around_each_agreed_save(tmp_path):
+    calls = run_world(_listened, str(tmp_path), world_size=2)
+    # Steps 0, 2 and 4 saved by both ranks, each save between its listeners' calls; the stop
+    # a listener asked for at 4 holds on both; the final checkpoint is that of step 4 (not
+    # written again).
+    expected = [("before", 0), ("after", 0), ("before", 2), ("after", 2)]
+    expected += [("before", 4), ("after", 4), ("end", 4)]
+    assert calls == [expected, expected]
+    assert ts.latest_checkpoint(str(tmp_path)).endswith("model.ckpt-4")

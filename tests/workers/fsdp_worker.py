@@ -67,6 +67,22 @@ def digest(state: dict) -> str:
     return h.hexdigest()[:16]
 
 
+def sharded_model(world: int) -> tuple[nn.Module, torch.optim.Optimizer, ts.GlobalStep]:
+    """The tests' model, the same on every rank (seed 0), sharded over ``world`` ranks; its
+    Adam optimizer, and a global step bound to it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = ts.GlobalStep()
+    step.bind(optimizer)
+    return model, optimizer, step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("logdir")
@@ -82,16 +98,7 @@ def main() -> None:
 
     ts.distributed.connect("env://", timeout_secs=60)
     rank, world = ts.distributed.rank(), ts.distributed.world_size()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    step = ts.GlobalStep()
-    step.bind(optimizer)
+    model, optimizer, step = sharded_model(world)
 
     class PrintingSaver(ts.Saver):
         def save(self, sess, save_path, global_step=None, **kwargs):

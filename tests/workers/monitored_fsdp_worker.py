@@ -34,10 +34,7 @@ import signal
 import time
 
 import torch
-from fsdp_worker import digest, say
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from fsdp_worker import digest, say, sharded_model
 from worker_exit import run_and_exit
 
 import torchsupervisor as ts
@@ -84,16 +81,7 @@ def main() -> None:
     faulthandler.dump_traceback_later(150, exit=True)  # Never outlive a broken test.
     ts.distributed.connect("env://", timeout_secs=60)
     rank, world = ts.distributed.rank(), ts.distributed.world_size()
-    torch.manual_seed(0)  # The same initial weights on every rank (each shards them).
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    step = ts.GlobalStep()
-    step.bind(optimizer)
+    model, optimizer, step = sharded_model(world)  # The same initial weights on every rank.
     state = {"model": model, "optimizer": ShardedOptimizerState(model, optimizer)}
     saver = PrintingSaver(max_to_keep=None)
     saver.rank = rank

@@ -150,7 +150,6 @@ class ShardedCheckpointService:
         self.driver = driver
         """Saves and reports (the chief's writes the events too); this service decides the
         step."""
-        self._global_step = driver.global_step
         self._group = group
         self._start = start or (lambda step: driver.start(sess, step))
         self._poll_secs = poll_secs
@@ -213,7 +212,7 @@ class ShardedCheckpointService:
             self._issued = issued
 
     def _completed(self) -> int:
-        return read_step(self._global_step)
+        return read_step(self.driver.global_step)
 
     def _poll(self) -> None:
         # It ends with the session too (one that ended with an error is not told).

@@ -24,7 +24,6 @@ TF name: none (TF's chief restored the parameter servers' variables for everyone
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +39,7 @@ from torchsupervisor.hooks._global_step import is_step
 from torchsupervisor.monitored.creators import _new_group, _ScaffoldedCreator, check_memory_tier
 from torchsupervisor.monitored.scaffold import Scaffold
 from torchsupervisor.storage import DirectoryLock, storage_for
-from torchsupervisor.supervisor.mode_tiers import ModeTiers
+from torchsupervisor.supervisor.mode_tiers import ModeTiers, TierSettings
 from torchsupervisor.supervisor.modes import OPEN_POLL_SECS
 from torchsupervisor.supervisor.sharded_restore import prepare_sharded
 from torchsupervisor.tiers.memory import MemoryTier, MemoryTierConfig
@@ -164,7 +163,7 @@ class ShardedSessionCreator(_ScaffoldedCreator):
             storage.makedirs(logdir)
             self._writer_lock = storage.lock(logdir)
         step = self._state.get("global_step")
-        settings = _TierSettings(
+        settings = TierSettings(
             memory_tier=self._memory_config,
             replica_logdir=logdir,
             saver=saver,
@@ -217,18 +216,6 @@ class ShardedSessionCreator(_ScaffoldedCreator):
         if self._writer_lock is not None:
             self._writer_lock.release()
             self._writer_lock = None
-
-
-@dataclasses.dataclass
-class _TierSettings:
-    """What the memory tier of a sharded run reads of its creator (``TierSettings``)."""
-
-    memory_tier: MemoryTierConfig | None
-    replica_logdir: str | None
-    saver: Any
-    global_step: Any
-    is_chief: bool
-    clock: Clock
 
 
 def _sharded_group(clock: Clock | None) -> ReplicaGroup:

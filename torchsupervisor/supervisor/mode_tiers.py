@@ -17,8 +17,9 @@ Thread safety: the training thread, as the mode.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-from typing import Any, Protocol
+from typing import Any
 
 from torchsupervisor.checkpoint.files import checkpoint_step
 from torchsupervisor.checkpoint.recovery import restore_candidates
@@ -48,10 +49,11 @@ RING_END = "memory/ring-end"
 """Where each rank of a sharded run says it has sent its last copy and freed its tier."""
 
 
-class TierSettings(Protocol):
-    """What ``ModeTiers`` reads of its owner's settings (the Supervisor's ``Settings``, or a
-    ``ShardedSessionCreator``'s): the attributes of the Supervisor's arguments of the same
-    names (``replica_logdir``: the log directory, on every rank)."""
+@dataclasses.dataclass(frozen=True)
+class TierSettings:
+    """What ``ModeTiers`` reads of its owner's settings: the Supervisor's arguments of the
+    same names (``Settings``; ``replica_logdir``: the log directory, on every rank), or a
+    ``ShardedSessionCreator``'s."""
 
     memory_tier: MemoryTierConfig | None
     replica_logdir: str | None
@@ -60,12 +62,17 @@ class TierSettings(Protocol):
     is_chief: bool
     clock: Clock
 
+    @classmethod
+    def of(cls, settings: Any) -> TierSettings:
+        """The fields of ``settings`` (any object with these attributes: ``Settings``)."""
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)})
+
 
 class ModeTiers:
     """The memory tier and peer replicas of one mode (module docstring).
 
     Args:
-        settings: The Supervisor's settings, or a creator's (``TierSettings``).
+        settings: What it reads of its owner's settings (``TierSettings.of``).
         replicas: The run's ranks, or None for one process.
 
     Attributes:

@@ -45,7 +45,7 @@ from torchsupervisor.driver.checkpoint_driver import CheckpointDriver
 from torchsupervisor.driver.preemption import Preemption
 from torchsupervisor.driver.sharded_checkpoints import ShardedCheckpointService
 from torchsupervisor.errors import AbortedError, InvalidArgumentError
-from torchsupervisor.supervisor.mode_tiers import ModeTiers
+from torchsupervisor.supervisor.mode_tiers import ModeTiers, TierSettings
 from torchsupervisor.supervisor.services import SVTimerCheckpointThread
 from torchsupervisor.supervisor.session_manager import DIRECTORY_TIERS
 from torchsupervisor.supervisor.settings import Settings
@@ -123,7 +123,7 @@ class Mode:
         self.agreement: StopAgreement | None = None
         self.peer_failure: str | None = None
         self.sess: Session | None = None
-        self.tiers = ModeTiers(self.settings, replicas)
+        self.tiers = ModeTiers(TierSettings.of(self.settings), replicas)
         self.streams: ReplicaStreams | None = None
         """Every rank's random streams gathered to the chief for its checkpoints."""
 
